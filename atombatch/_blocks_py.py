@@ -1,0 +1,586 @@
+"""Pure-Python twin of `_blocks.pyx`: the behavioural reference of the block/lane core.
+
+Theory of operation
+-------------------
+The device holds `num_blocks` KV blocks for the life of the process. `BlockPool` tracks the state of
+every block (DESIGN §3):
+
+    FREE      nobody owns it; it sits in the free list
+    SPARE     reserved padding target / staging area; owned by the pool
+    STAGED(r) being filled by queued request r (prefill or PD import) before it has a lane
+    LANE(l)   owned by lane l
+    CACHED    prefix cache; refcount >= 0; only refcount-0 blocks sit in the LRU (evictable) list
+
+Both the free list and the LRU list are intrusive doubly linked lists threaded through one pair of
+int32 `prev`/`next` arrays with sentinel nodes (a block is in at most one list), so every transition
+is O(1) whatever the pool size and allocates nothing. Every method checks its preconditions before
+changing anything, so a failed call leaves the pool exactly as it was.
+
+`LaneTable` holds the B stable lanes: state (IDLE / PREFILLING / DECODING), sequence length, the
+token to feed next, and the block row. `SlidingSlots` counts each lane's sliding-window fill.
+`DecodeInputs` and `PrefillInputs` own the device input arrays (allocated once) and rewrite them in
+place each step, applying the padding rules of DESIGN §2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from atombatch.errors import CapacityError, RequestError, StateError
+
+FREE = 0
+SPARE = 1
+STAGED = 2
+LANE = 3
+CACHED = 4
+STATE_NAMES = ("FREE", "SPARE", "STAGED", "LANE", "CACHED")
+
+LANE_IDLE = 0
+LANE_PREFILLING = 1
+LANE_DECODING = 2
+LANE_STATE_NAMES = ("IDLE", "PREFILLING", "DECODING")
+
+IMPLEMENTATION = "py"
+
+
+class BlockPool:
+    """Owner of every KV block's state; O(1) transitions over intrusive lists."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise CapacityError(f"num_blocks={num_blocks} must be positive")
+        n = num_blocks
+        self._n = n
+        self._free_head, self._free_tail = n, n + 1
+        self._lru_head, self._lru_tail = n + 2, n + 3
+        self._prev = np.full(n + 4, -1, dtype=np.int32)
+        self._next = np.full(n + 4, -1, dtype=np.int32)
+        self._state = np.zeros(n, dtype=np.int8)
+        self._owner = np.full(n, -1, dtype=np.int32)
+        self._refcnt = np.zeros(n, dtype=np.int32)
+        self._counts = [0, 0, 0, 0, 0]
+        self._num_evictable = 0
+        for head, tail in ((self._free_head, self._free_tail), (self._lru_head, self._lru_tail)):
+            self._next[head] = tail
+            self._prev[tail] = head
+        for block in range(n):
+            self._push_back(self._free_tail, block)
+        self._counts[FREE] = n
+
+    # -- list primitives ------------------------------------------------------------------------
+    def _push_back(self, tail: int, node: int) -> None:
+        last = int(self._prev[tail])
+        self._next[last] = node
+        self._prev[node] = last
+        self._next[node] = tail
+        self._prev[tail] = node
+
+    def _unlink(self, node: int) -> None:
+        before, after = int(self._prev[node]), int(self._next[node])
+        self._next[before] = after
+        self._prev[after] = before
+        self._prev[node] = -1
+        self._next[node] = -1
+
+    def _check_block(self, block: int) -> None:
+        if not 0 <= block < self._n:
+            raise StateError(f"block={block} is outside the pool 0..{self._n - 1}")
+
+    def _expect(self, block: int, state: int, action: str) -> None:
+        self._check_block(block)
+        if self._state[block] != state:
+            raise StateError(f"cannot {action} block={block}: it is "
+                             f"{STATE_NAMES[self._state[block]]}, not {STATE_NAMES[state]}")
+
+    def _move(self, block: int, state: int, owner: int) -> None:
+        self._counts[self._state[block]] -= 1
+        self._counts[state] += 1
+        self._state[block] = state
+        self._owner[block] = owner
+
+    # -- queries --------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self._n
+
+    @property
+    def num_free(self) -> int:
+        return self._counts[FREE]
+
+    @property
+    def num_spare(self) -> int:
+        return self._counts[SPARE]
+
+    @property
+    def num_staged(self) -> int:
+        return self._counts[STAGED]
+
+    @property
+    def num_lane(self) -> int:
+        return self._counts[LANE]
+
+    @property
+    def num_cached(self) -> int:
+        return self._counts[CACHED]
+
+    @property
+    def num_evictable(self) -> int:
+        """CACHED blocks with refcount 0 (the LRU list)."""
+        return self._num_evictable
+
+    def state(self, block: int) -> int:
+        self._check_block(block)
+        return int(self._state[block])
+
+    def owner(self, block: int) -> int:
+        """Lane of a LANE block, request key of a STAGED block, -1 otherwise."""
+        self._check_block(block)
+        return int(self._owner[block])
+
+    def refcount(self, block: int) -> int:
+        self._check_block(block)
+        return int(self._refcnt[block])
+
+    def first_free(self) -> int:
+        """The block `allocate` would hand out next, or -1 when the free list is empty."""
+        head = int(self._next[self._free_head])
+        return -1 if head == self._free_tail else head
+
+    def free_blocks(self) -> list[int]:
+        return self._walk(self._free_head, self._free_tail)
+
+    def lru_blocks(self) -> list[int]:
+        """Evictable CACHED blocks, least recently used first."""
+        return self._walk(self._lru_head, self._lru_tail)
+
+    def _walk(self, head: int, tail: int) -> list[int]:
+        out = []
+        node = int(self._next[head])
+        while node != tail:
+            out.append(node)
+            node = int(self._next[node])
+        return out
+
+    def counts(self) -> tuple[int, int, int, int, int]:
+        """(free, spare, staged, lane, cached)."""
+        c = self._counts
+        return (c[FREE], c[SPARE], c[STAGED], c[LANE], c[CACHED])
+
+    # -- transitions ----------------------------------------------------------------------------
+    def allocate(self, state: int, owner: int = -1) -> int:
+        """FREE -> `state` (SPARE, STAGED or LANE) for `owner`; the oldest free block first."""
+        if state not in (SPARE, STAGED, LANE):
+            raise StateError(f"cannot allocate into state={state}: only SPARE, STAGED or LANE")
+        block = self.first_free()
+        if block < 0:
+            raise CapacityError(f"Cannot get 1 free block from the pool: all {self._n} blocks "
+                                f"are in use (cached evictable: {self._num_evictable})")
+        self._unlink(block)
+        self._move(block, state, owner if state != SPARE else -1)
+        return block
+
+    def free(self, block: int) -> None:
+        """SPARE, STAGED or LANE -> FREE (appended to the free list)."""
+        self._check_block(block)
+        state = self._state[block]
+        if state not in (SPARE, STAGED, LANE):
+            raise StateError(f"cannot free block={block}: it is {STATE_NAMES[state]}")
+        self._move(block, FREE, -1)
+        self._push_back(self._free_tail, block)
+
+    def reserve_spare(self) -> int:
+        """Take a FREE block as the spare (padding target and staging area)."""
+        return self.allocate(SPARE, -1)
+
+    def stage(self, block: int, owner: int) -> None:
+        """SPARE -> STAGED(owner): a queued request starts filling the spare."""
+        self._expect(block, SPARE, "stage")
+        self._move(block, STAGED, owner)
+
+    def unstage(self, block: int) -> None:
+        """STAGED -> SPARE: the staging request went away; the block is a padding target again."""
+        self._expect(block, STAGED, "unstage")
+        self._move(block, SPARE, -1)
+
+    def assign(self, block: int, lane: int) -> None:
+        """STAGED(r) -> LANE(lane): a staged request takes its lane, keeping its filled block."""
+        self._expect(block, STAGED, "assign")
+        self._move(block, LANE, lane)
+
+    def to_spare(self, block: int) -> None:
+        """LANE -> SPARE: a finished lane's block becomes the new spare (no KV copy)."""
+        self._expect(block, LANE, "make spare")
+        self._move(block, SPARE, -1)
+
+    def rotate(self, staged_block: int, lane_block: int, lane: int) -> None:
+        """Block rotation: STAGED -> LANE(lane) and that lane's old block LANE -> SPARE, at once."""
+        self._expect(staged_block, STAGED, "rotate in")
+        self._expect(lane_block, LANE, "rotate out")
+        if self._owner[lane_block] != lane:
+            raise StateError(f"cannot rotate block={lane_block} out of lane={lane}: it belongs to "
+                             f"lane={self._owner[lane_block]}")
+        self._move(staged_block, LANE, lane)
+        self._move(lane_block, SPARE, -1)
+
+    def cache(self, block: int) -> None:
+        """LANE or STAGED -> CACHED with refcount 0, most recently used."""
+        self._check_block(block)
+        if self._state[block] not in (LANE, STAGED):
+            raise StateError(f"cannot cache block={block}: it is {STATE_NAMES[self._state[block]]}")
+        self._move(block, CACHED, -1)
+        self._refcnt[block] = 0
+        self._push_back(self._lru_tail, block)
+        self._num_evictable += 1
+
+    def acquire(self, block: int) -> None:
+        """Pin a CACHED block (refcount + 1); a pinned block is not evictable."""
+        self._expect(block, CACHED, "acquire")
+        if self._refcnt[block] == 0:
+            self._unlink(block)
+            self._num_evictable -= 1
+        self._refcnt[block] += 1
+
+    def release(self, block: int) -> None:
+        """Unpin a CACHED block; at refcount 0 it becomes the most recently used evictable block."""
+        self._expect(block, CACHED, "release")
+        if self._refcnt[block] == 0:
+            raise StateError(f"cannot release block={block}: its refcount is already 0")
+        self._refcnt[block] -= 1
+        if self._refcnt[block] == 0:
+            self._push_back(self._lru_tail, block)
+            self._num_evictable += 1
+
+    def touch(self, block: int) -> None:
+        """Mark an unpinned CACHED block most recently used."""
+        self._expect(block, CACHED, "touch")
+        if self._refcnt[block] == 0:
+            self._unlink(block)
+            self._push_back(self._lru_tail, block)
+
+    def evict(self) -> int:
+        """The least recently used unpinned CACHED block -> FREE; returns it."""
+        block = int(self._next[self._lru_head])
+        if block == self._lru_tail:
+            raise CapacityError(f"Cannot evict: none of the {self._counts[CACHED]} cached blocks "
+                                "is unpinned")
+        self._unlink(block)
+        self._num_evictable -= 1
+        self._move(block, FREE, -1)
+        self._push_back(self._free_tail, block)
+        return block
+
+    def drop(self, block: int) -> None:
+        """Remove one specific unpinned CACHED block -> FREE (invalidation)."""
+        self._expect(block, CACHED, "drop")
+        if self._refcnt[block]:
+            raise StateError(f"cannot drop block={block}: refcount {self._refcnt[block]}")
+        self._unlink(block)
+        self._num_evictable -= 1
+        self._move(block, FREE, -1)
+        self._push_back(self._free_tail, block)
+
+    def adopt(self, block: int, lane: int) -> None:
+        """An unpinned CACHED block -> LANE(lane): a prefix hit takes the cached KV in place."""
+        self._expect(block, CACHED, "adopt")
+        if self._refcnt[block]:
+            raise StateError(f"cannot adopt block={block}: refcount {self._refcnt[block]} "
+                             "(shared blocks are copied, not adopted)")
+        self._unlink(block)
+        self._num_evictable -= 1
+        self._move(block, LANE, lane)
+
+    # -- invariants -----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise `StateError` if the lists and counters disagree with the per-block states."""
+        free = self.free_blocks()
+        lru = self.lru_blocks()
+        states = [int(s) for s in self._state]
+        want = [states.count(s) for s in range(5)]
+        if want != self._counts:
+            raise StateError(f"counters {self._counts} disagree with block states {want}")
+        if sum(self._counts) != self._n:
+            raise StateError(f"conservation: {self._counts} does not sum to {self._n}")
+        if sorted(free) != [b for b in range(self._n) if states[b] == FREE]:
+            raise StateError("the free list does not hold exactly the FREE blocks")
+        if sorted(lru) != [b for b in range(self._n) if states[b] == CACHED and
+                           self._refcnt[b] == 0]:
+            raise StateError("the LRU list does not hold exactly the unpinned CACHED blocks")
+        if len(lru) != self._num_evictable:
+            raise StateError(f"num_evictable={self._num_evictable}, LRU list has {len(lru)}")
+
+
+class LaneTable:
+    """B stable lanes: state, sequence length, next token and block row per lane."""
+
+    def __init__(self, batch_size: int, blocks_per_seq: int, block_size: int) -> None:
+        if batch_size <= 0 or blocks_per_seq <= 0 or block_size <= 0:
+            raise CapacityError(f"batch_size={batch_size}, blocks_per_seq={blocks_per_seq}, "
+                                f"block_size={block_size} must all be positive")
+        self._b = batch_size
+        self._bps = blocks_per_seq
+        self._block_size = block_size
+        self._state = np.zeros(batch_size, dtype=np.int8)
+        self._seq_len = np.zeros(batch_size, dtype=np.int32)
+        self._next_token = np.zeros(batch_size, dtype=np.int64)
+        self._num_held = np.zeros(batch_size, dtype=np.int32)
+        self._rows = np.full((batch_size, blocks_per_seq), -1, dtype=np.int32)
+        self._num_busy = 0
+
+    def _check_lane(self, lane: int) -> None:
+        if not 0 <= lane < self._b:
+            raise StateError(f"lane={lane} is outside 0..{self._b - 1}")
+
+    def _check_busy(self, lane: int) -> None:
+        self._check_lane(lane)
+        if self._state[lane] == LANE_IDLE:
+            raise StateError(f"lane={lane} is idle")
+
+    @property
+    def batch_size(self) -> int:
+        return self._b
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return self._bps
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_busy(self) -> int:
+        return self._num_busy
+
+    @property
+    def num_idle(self) -> int:
+        return self._b - self._num_busy
+
+    def num_decoding(self) -> int:
+        return int(np.count_nonzero(self._state == LANE_DECODING))
+
+    def state(self, lane: int) -> int:
+        self._check_lane(lane)
+        return int(self._state[lane])
+
+    def seq_len(self, lane: int) -> int:
+        self._check_lane(lane)
+        return int(self._seq_len[lane])
+
+    def next_token(self, lane: int) -> int:
+        self._check_lane(lane)
+        return int(self._next_token[lane])
+
+    def num_held(self, lane: int) -> int:
+        self._check_lane(lane)
+        return int(self._num_held[lane])
+
+    def blocks(self, lane: int) -> list[int]:
+        self._check_lane(lane)
+        return [int(b) for b in self._rows[lane, : self._num_held[lane]]]
+
+    def last_block(self, lane: int) -> int:
+        self._check_busy(lane)
+        n = self._num_held[lane]
+        return int(self._rows[lane, n - 1]) if n else -1
+
+    def blocks_for(self, num_positions: int) -> int:
+        """Blocks needed to hold positions 0..num_positions-1."""
+        return -(-num_positions // self._block_size)
+
+    def assign(self) -> int:
+        """Take the lowest idle lane (state PREFILLING, length 0, no blocks)."""
+        for lane in range(self._b):
+            if self._state[lane] == LANE_IDLE:
+                self._state[lane] = LANE_PREFILLING
+                self._seq_len[lane] = 0
+                self._next_token[lane] = 0
+                self._num_held[lane] = 0
+                self._num_busy += 1
+                return lane
+        raise CapacityError(f"Cannot assign a lane: all {self._b} lanes are busy")
+
+    def release(self, lane: int) -> list[int]:
+        """Return the lane to the idle set at once; gives back the blocks it held, in order."""
+        self._check_busy(lane)
+        held = self.blocks(lane)
+        self._state[lane] = LANE_IDLE
+        self._seq_len[lane] = 0
+        self._next_token[lane] = 0
+        self._num_held[lane] = 0
+        self._rows[lane, :] = -1
+        self._num_busy -= 1
+        return held
+
+    def push_block(self, lane: int, block: int) -> None:
+        """Append a block to the lane's row (the next `block_size` positions)."""
+        self._check_busy(lane)
+        n = int(self._num_held[lane])
+        if n >= self._bps:
+            raise CapacityError(f"lane={lane} already holds {n} blocks, the row's "
+                                f"{self._bps} entries")
+        self._rows[lane, n] = block
+        self._num_held[lane] = n + 1
+
+    def pop_block(self, lane: int) -> int:
+        """Remove and return the lane's last block."""
+        self._check_busy(lane)
+        n = int(self._num_held[lane])
+        if n == 0:
+            raise StateError(f"lane={lane} holds no block")
+        block = int(self._rows[lane, n - 1])
+        self._rows[lane, n - 1] = -1
+        self._num_held[lane] = n - 1
+        return block
+
+    def replace_block(self, lane: int, index: int, block: int) -> int:
+        """Swap the block at row entry `index` (rotation, copy-on-write); returns the old block."""
+        self._check_busy(lane)
+        if not 0 <= index < self._num_held[lane]:
+            raise StateError(f"lane={lane} has no block at entry {index}")
+        old = int(self._rows[lane, index])
+        self._rows[lane, index] = block
+        return old
+
+    def set_seq_len(self, lane: int, seq_len: int) -> None:
+        self._check_busy(lane)
+        if not 0 <= seq_len <= self._bps * self._block_size:
+            raise RequestError(f"seq_len={seq_len} is outside 0..{self._bps * self._block_size}")
+        self._seq_len[lane] = seq_len
+
+    def start_decode(self, lane: int, seq_len: int, token: int) -> None:
+        """PREFILLING -> DECODING with `seq_len` cached positions and `token` to feed next."""
+        self._check_busy(lane)
+        if self.blocks_for(seq_len + 1) > self._num_held[lane]:
+            raise StateError(f"lane={lane} holds {self._num_held[lane]} blocks, too few for "
+                             f"position {seq_len}")
+        self._state[lane] = LANE_DECODING
+        self._seq_len[lane] = seq_len
+        self._next_token[lane] = token
+
+    def stop_decode(self, lane: int) -> None:
+        """DECODING -> PREFILLING (preemption keeps the lane while it recomputes)."""
+        self._check_busy(lane)
+        self._state[lane] = LANE_PREFILLING
+
+    def advance(self, lane: int, token: int) -> None:
+        """After a decode step: one more cached position, and the sampled token to feed next."""
+        if self._state[lane] != LANE_DECODING:
+            raise StateError(f"lane={lane} is not decoding")
+        self._seq_len[lane] += 1
+        self._next_token[lane] = token
+
+    def rows(self) -> npt.NDArray[np.int32]:
+        """A read-only view of the raw rows (-1 past each lane's held blocks)."""
+        view = self._rows.view()
+        view.flags.writeable = False
+        return view
+
+
+class SlidingSlots:
+    """Per-lane fill of the Gemma3 sliding-window slot (`min(positions, window)`)."""
+
+    def __init__(self, batch_size: int, window: int) -> None:
+        if batch_size <= 0 or window <= 0:
+            raise CapacityError(f"batch_size={batch_size} and window={window} must be positive")
+        self._window = window
+        self._fill = np.zeros(batch_size, dtype=np.int32)
+
+    @property
+    def window(self) -> int:
+        return self._window
+
+    def fill(self, lane: int) -> int:
+        if not 0 <= lane < len(self._fill):
+            raise StateError(f"lane={lane} is outside 0..{len(self._fill) - 1}")
+        return int(self._fill[lane])
+
+    def reset(self, lane: int) -> None:
+        """A new tenant: it must never read the previous tenant's window."""
+        self.fill(lane)
+        self._fill[lane] = 0
+
+    def advance(self, lane: int, num_tokens: int) -> int:
+        """`num_tokens` more tokens entered the slot; returns the new fill."""
+        fill = self.fill(lane)
+        if num_tokens < 0:
+            raise StateError(f"num_tokens={num_tokens} must be >= 0")
+        self._fill[lane] = min(fill + num_tokens, self._window)
+        return int(self._fill[lane])
+
+
+class DecodeInputs:
+    """The decode graph's inputs, allocated once and rewritten in place every step."""
+
+    def __init__(self, batch_size: int, blocks_per_seq: int) -> None:
+        self.input_ids = np.zeros((batch_size, 1), dtype=np.int64)
+        self.cache_position = np.zeros((batch_size, 1), dtype=np.int32)
+        self.block_tables = np.zeros((batch_size, blocks_per_seq), dtype=np.int16)
+        self.local_block_tables = np.arange(batch_size, dtype=np.int16).reshape(batch_size, 1)
+
+    def build(self, lanes: LaneTable, padding_block: int) -> int:
+        """Fill every row; returns the number of decoding lanes.
+
+        A DECODING lane feeds its next token at position `seq_len` through its own blocks, the tail
+        entries repeating its last block. Every other lane (idle or mid-prefill) is padding: token 0,
+        position 0, and a row that points only at `padding_block`.
+        """
+        b, bps = lanes._b, lanes._bps
+        if self.block_tables.shape != (b, bps):
+            raise StateError(f"decode buffers are {self.block_tables.shape}, lanes are {(b, bps)}")
+        decoding = 0
+        for lane in range(b):
+            if lanes._state[lane] == LANE_DECODING:
+                held = int(lanes._num_held[lane])
+                self.input_ids[lane, 0] = lanes._next_token[lane]
+                self.cache_position[lane, 0] = lanes._seq_len[lane]
+                self.block_tables[lane, :held] = lanes._rows[lane, :held]
+                self.block_tables[lane, held:] = lanes._rows[lane, held - 1]
+                decoding += 1
+            else:
+                if padding_block < 0:
+                    raise StateError(f"lane={lane} needs padding but padding_block={padding_block}")
+                self.input_ids[lane, 0] = 0
+                self.cache_position[lane, 0] = 0
+                self.block_tables[lane, :] = padding_block
+            self.local_block_tables[lane, 0] = lane
+        return decoding
+
+
+class PrefillInputs:
+    """The prefill graph's inputs (batch 1, `chunk_size` tokens), allocated once."""
+
+    def __init__(self, chunk_size: int, blocks_per_seq: int) -> None:
+        self.chunk_size = chunk_size
+        self.input_ids = np.zeros((1, chunk_size), dtype=np.int64)
+        self.cache_position = np.zeros((1, chunk_size), dtype=np.int32)
+        self.block_tables = np.zeros(blocks_per_seq, dtype=np.int16)
+        self.local_block_tables = np.zeros(1, dtype=np.int16)
+        self.query_position = np.zeros((), dtype=np.int16)
+
+    def build(self, tokens: npt.NDArray[np.int64] | Sequence[int], start: int,
+              blocks: npt.NDArray[np.int32] | Sequence[int], num_blocks: int,
+              sliding_slot: int = 0) -> int:
+        """Fill the chunk that starts at position `start`; returns its number of real tokens.
+
+        Real tokens are `tokens[start : start + chunk_size]`; the rest of the chunk is token 0 at the
+        following positions (the device writes them; the scheduler holds blocks for the padded
+        extent). The table row holds `blocks[:num_blocks]`, tail entries repeating the last block.
+        """
+        q = self.chunk_size
+        total = len(tokens)
+        if not 0 <= start < total:
+            raise StateError(f"start={start} is outside the {total}-token prompt")
+        if not 0 < num_blocks <= len(self.block_tables):
+            raise StateError(f"num_blocks={num_blocks} is outside 1..{len(self.block_tables)}")
+        real = min(q, total - start)
+        self.input_ids[0, :real] = tokens[start : start + real]
+        self.input_ids[0, real:] = 0
+        self.cache_position[0, :] = np.arange(start, start + q, dtype=np.int32)
+        self.block_tables[:num_blocks] = blocks[:num_blocks]
+        self.block_tables[num_blocks:] = blocks[num_blocks - 1]
+        self.local_block_tables[0] = sliding_slot
+        self.query_position[()] = real - 1
+        return real

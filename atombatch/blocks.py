@@ -1,0 +1,44 @@
+"""The one place that picks the block/lane core: the compiled `_blocks` or its pure-Python twin.
+
+`ATOMBATCH_NO_EXTENSIONS=1` forces the twin; so does a missing or broken extension.
+"""
+
+from __future__ import annotations
+
+import os
+
+NO_EXTENSIONS = bool(os.environ.get("ATOMBATCH_NO_EXTENSIONS"))
+
+if NO_EXTENSIONS:
+    from atombatch import _blocks_py as _impl
+else:
+    try:
+        from atombatch import _blocks as _impl  # type: ignore[attr-defined,no-redef]
+    except ImportError:  # pragma: no cover - exercised by installs without a compiler
+        from atombatch import _blocks_py as _impl  # type: ignore[no-redef]
+
+BlockPool = _impl.BlockPool
+LaneTable = _impl.LaneTable
+SlidingSlots = _impl.SlidingSlots
+DecodeInputs = _impl.DecodeInputs
+PrefillInputs = _impl.PrefillInputs
+IMPLEMENTATION: str = _impl.IMPLEMENTATION
+
+from atombatch._blocks_py import (  # noqa: E402  (constants are shared by both implementations)
+    CACHED,
+    FREE,
+    LANE,
+    LANE_DECODING,
+    LANE_IDLE,
+    LANE_PREFILLING,
+    LANE_STATE_NAMES,
+    SPARE,
+    STAGED,
+    STATE_NAMES,
+)
+
+__all__ = [
+    "BlockPool", "LaneTable", "SlidingSlots", "DecodeInputs", "PrefillInputs", "IMPLEMENTATION",
+    "FREE", "SPARE", "STAGED", "LANE", "CACHED", "STATE_NAMES",
+    "LANE_IDLE", "LANE_PREFILLING", "LANE_DECODING", "LANE_STATE_NAMES",
+]

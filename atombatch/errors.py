@@ -1,0 +1,23 @@
+"""Every exception atombatch raises. One base class; each also inherits the matching built-in."""
+
+from __future__ import annotations
+
+
+class AtomBatchError(Exception):
+    """Base class of every error raised by atombatch."""
+
+
+class ConfigError(AtomBatchError, ValueError):
+    """An artifact, model spec or Batcher option breaks a configuration rule."""
+
+
+class RequestError(AtomBatchError, ValueError):
+    """A single request is invalid or failed; other requests are unaffected."""
+
+
+class CapacityError(AtomBatchError, RuntimeError):
+    """A pool, lane table or queue has no room for what was asked."""
+
+
+class StateError(AtomBatchError, RuntimeError):
+    """An illegal state transition was requested (a bug in the caller, never silent)."""

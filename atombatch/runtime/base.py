@@ -1,0 +1,56 @@
+"""The small protocol every runtime implements; nothing above it knows which runtime it talks to."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from atombatch.config import ArtifactConfig
+
+
+class PrefillArrays(Protocol):
+    """What a prefill call reads (built in place by `atombatch.blocks.PrefillInputs`)."""
+
+    input_ids: npt.NDArray[np.int64]            # [1, Q]
+    cache_position: npt.NDArray[np.int32]       # [1, Q] absolute positions, padding continues
+    block_tables: npt.NDArray[np.int16]         # [max_seq_len // block_size]
+    local_block_tables: npt.NDArray[np.int16]   # [1] the lane's sliding slot (hybrid only)
+    query_position: npt.NDArray[np.int16]       # 0-d: index of the last real token in the chunk
+
+
+class DecodeArrays(Protocol):
+    """What a decode call reads (built in place by `atombatch.blocks.DecodeInputs`)."""
+
+    input_ids: npt.NDArray[np.int64]            # [B, 1]
+    cache_position: npt.NDArray[np.int32]       # [B, 1]
+    block_tables: npt.NDArray[np.int16]         # [B, max_seq_len // block_size]
+    local_block_tables: npt.NDArray[np.int16]   # [B, 1]
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """A compiled artifact's executor: prefill one chunk, decode one step, move KV blocks."""
+
+    artifact: ArtifactConfig
+
+    def prefill(self, inputs: PrefillArrays) -> npt.NDArray[np.float32]:
+        """Run one prefill chunk; returns the logits [vocab] of the last real token."""
+        ...
+
+    def decode(self, inputs: DecodeArrays) -> npt.NDArray[np.float32]:
+        """Run one decode step for all B lanes (idle lanes too); returns logits [B, vocab]."""
+        ...
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K/V in every global layer (the device's KV copy)."""
+        ...
+
+    def read_block(self, block: int) -> npt.NDArray[np.generic]:
+        """One block's K/V of every global layer, as one host array (host cache)."""
+        ...
+
+    def write_block(self, block: int, data: npt.NDArray[np.generic]) -> None:
+        """Restore a block previously returned by `read_block`."""
+        ...
