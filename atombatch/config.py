@@ -299,6 +299,11 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.model.num_heads % self.tensor_parallel:
             raise ConfigError(f"tensor_parallel={self.tensor_parallel} must divide "
                               f"num_heads={self.model.num_heads}")
+        kv_heads, tp = self.model.num_kv_heads, self.tensor_parallel
+        if kv_heads % tp and tp % kv_heads:
+            # KV heads are split across devices, or each replicated on tp // kv_heads devices.
+            raise ConfigError(f"tensor_parallel={tp} must divide num_kv_heads={kv_heads} "
+                              "or be a multiple of it")
         if self.batch_size > 32767 or self.num_blocks > 32767:
             raise ConfigError(f"batch_size={self.batch_size} and num_blocks={self.num_blocks} "
                               "must fit the device's int16 tables (<= 32767)")
