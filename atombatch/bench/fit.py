@@ -1,0 +1,261 @@
+"""`python -m atombatch.bench fit`: the memory planner from the command line.
+
+One artifact:
+    python -m atombatch.bench fit --model koni-8b --batch-size 1 --max-seq-len 9216 \\
+        --block-size 9216 --num-blocks 5 --observed-used-bytes 16357785600 --observed-num-blocks 1
+prints its KV tensors, the projection and the verdict (exit status 0 fits, 1 does not fit,
+2 configuration error).
+
+The table (`--table`, and the default when no `--model` is given) covers the origin issue's four
+models at B1/k1, B1/k3, B1/k5 and B4/k5 (eager: block_size == context), on one device and on two
+(tensor parallel 2). KONI on one device is projected from the origin issue's observation (a
+conditional estimate); every other cell uses weights + KV + the stated runtime overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+
+from atombatch import plan
+from atombatch.config import PRESETS, ArtifactConfig, ModelSpec
+from atombatch.errors import ConfigError
+
+MODELS = ("qwen3-0.6b", "qwen3-4b", "koni-8b", "gemma3-1b")
+TABLE_SHAPES = ((1, 1), (1, 3), (1, 5), (4, 5))  # (batch_size, num_blocks), eager
+TABLE_TP = (1, 2)
+ORIGIN_CONTEXT = 9216
+# Origin issue: read-only monitoring of the assigned ATOM during KONI B1/ctx9216/k1 serving (TP1).
+ORIGIN_OBSERVED_MODEL = "koni-8b"
+ORIGIN_OBSERVED_USED_BYTES = 16_357_785_600
+
+
+class FitCell(msgspec.Struct, frozen=True):
+    """One model/shape/split of the planner output; `result` is None when the shape is rejected."""
+
+    model: str                          # preset name
+    batch_size: int                     # decode lanes
+    num_blocks: int                     # KV blocks
+    max_seq_len: int                    # context
+    block_size: int                     # tokens per block
+    tensor_parallel: int                # devices
+    result: plan.FitResult | None       # the projection, or None when the config is illegal
+    rejected: str | None = None         # the ConfigError message when the config is illegal
+
+
+class FitReport(msgspec.Struct, frozen=True):
+    """What `--json` writes: every parameter, the commit and machine, and each cell."""
+
+    command: str
+    params: dict[str, object]
+    commit: str | None
+    machine: str
+    cells: list[FitCell]
+
+
+def origin_observed_artifact(max_seq_len: int = ORIGIN_CONTEXT) -> ArtifactConfig:
+    """The KONI B1/k1 artifact the origin issue's device-use figure was measured on."""
+    return ArtifactConfig(model=ModelSpec.preset(ORIGIN_OBSERVED_MODEL), batch_size=1,
+                          max_seq_len=max_seq_len, block_size=max_seq_len, num_blocks=1)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m atombatch.bench fit",
+        description="Exact KV-cache bytes and device-memory fit of a compiled ATOM artifact.")
+    parser.add_argument("--model", choices=sorted(PRESETS), help="preset model; omit for the table")
+    parser.add_argument("--table", action="store_true",
+                        help="table of the four origin models at B1/k1, B1/k3, B1/k5, B4/k5, TP1 and TP2")
+    parser.add_argument("--batch-size", type=int, default=1, help="decode lanes B (default 1)")
+    parser.add_argument("--max-seq-len", type=int, default=ORIGIN_CONTEXT,
+                        help=f"context length (default {ORIGIN_CONTEXT})")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="KV block size (default: max-seq-len, i.e. eager)")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="KV blocks (default: lanes + 1 rule, B * blocks_per_seq + 1)")
+    parser.add_argument("--prefill-chunk-size", type=int, default=128)
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="devices (default 1)")
+    parser.add_argument("--kv-dtype", default="bfloat16")
+    parser.add_argument("--device-bytes", type=int, default=plan.ATOM_DEVICE_BYTES,
+                        help=f"capacity of one device (default {plan.ATOM_DEVICE_BYTES:,})")
+    parser.add_argument("--runtime-overhead-bytes", type=int,
+                        default=plan.DEFAULT_RUNTIME_OVERHEAD_BYTES,
+                        help="allowance added to weights + KV when nothing was observed "
+                             f"(default {plan.DEFAULT_RUNTIME_OVERHEAD_BYTES:,})")
+    parser.add_argument("--observed-used-bytes", type=int, default=None,
+                        help="device bytes in use measured while serving the observed artifact")
+    parser.add_argument("--observed-batch-size", type=int, default=1)
+    parser.add_argument("--observed-num-blocks", type=int, default=1)
+    parser.add_argument("--observed-max-seq-len", type=int, default=None,
+                        help="context of the observed artifact (default: --max-seq-len)")
+    parser.add_argument("--observed-block-size", type=int, default=None,
+                        help="block size of the observed artifact (default: its context)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write the results as JSON")
+    return parser
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _cell(model: str, batch_size: int, num_blocks: int, max_seq_len: int, block_size: int,
+          tensor_parallel: int, args: argparse.Namespace,
+          observed: tuple[int, ArtifactConfig] | None) -> FitCell:
+    shape = dict(model=model, batch_size=batch_size, num_blocks=num_blocks,
+                 max_seq_len=max_seq_len, block_size=block_size, tensor_parallel=tensor_parallel)
+    try:
+        artifact = ArtifactConfig(model=ModelSpec.preset(model), batch_size=batch_size,
+                                  max_seq_len=max_seq_len, block_size=block_size,
+                                  num_blocks=num_blocks, prefill_chunk_size=args.prefill_chunk_size,
+                                  tensor_parallel=tensor_parallel, kv_dtype=args.kv_dtype)
+    except ConfigError as exc:
+        return FitCell(**shape, result=None, rejected=str(exc))  # type: ignore[arg-type]
+    used, observed_artifact = observed if observed else (None, None)
+    result = plan.fit(artifact, device_bytes=args.device_bytes, observed_used_bytes=used,
+                      observed_artifact=observed_artifact,
+                      runtime_overhead_bytes=args.runtime_overhead_bytes)
+    return FitCell(**shape, result=result)  # type: ignore[arg-type]
+
+
+def table_cells(args: argparse.Namespace) -> list[FitCell]:
+    """The table's cells, model by model, TP1 then TP2, in TABLE_SHAPES order."""
+    models = (args.model,) if args.model else MODELS
+    context = args.max_seq_len
+    cells = []
+    for model in models:
+        for tp in TABLE_TP:
+            observed = None
+            if model == ORIGIN_OBSERVED_MODEL and tp == 1 and context == ORIGIN_CONTEXT:
+                observed = (ORIGIN_OBSERVED_USED_BYTES, origin_observed_artifact())
+            for batch_size, num_blocks in TABLE_SHAPES:
+                cells.append(_cell(model, batch_size, num_blocks, context, context, tp, args,
+                                   observed))
+    return cells
+
+
+def _short_rejection(message: str) -> str:
+    if "single-block mode, which a hybrid model" in message:
+        return "rejected: hybrid single-block"
+    if "lanes+1 rule" in message:
+        return "rejected: lanes+1 rule"
+    return "rejected"
+
+
+def format_table(cells: list[FitCell], device_bytes: int, overhead: int) -> str:
+    """Fixed-width table, one row per cell, exact bytes per device."""
+    header = (f"{'model':<11} {'TP':>2} {'shape':<6} {'KV/device':>15} {'other/device':>15} "
+              f"{'projected':>15} {'headroom':>15}  {'verdict':<29} basis")
+    lines = [f"Device capacity {device_bytes:,} bytes; context {cells[0].max_seq_len} eager "
+             f"(block_size = context); bytes per device.", header, "-" * len(header)]
+    previous = None
+    for cell in cells:
+        if previous is not None and cell.model != previous:
+            lines.append("")
+        previous = cell.model
+        shape = f"B{cell.batch_size}/k{cell.num_blocks}"
+        result = cell.result
+        if result is None:
+            lines.append(f"{cell.model:<11} {cell.tensor_parallel:>2} {shape:<6} {'-':>15} "
+                         f"{'-':>15} {'-':>15} {'-':>15}  "
+                         f"{_short_rejection(cell.rejected or ''):<29} DESIGN §3")
+            continue
+        verdict = "fits" if result.fits else "DOES NOT FIT"
+        basis = "observed (conditional)" if result.method == "observed" else "estimate"
+        lines.append(f"{cell.model:<11} {cell.tensor_parallel:>2} {shape:<6} "
+                     f"{result.kv_bytes:>15,} {result.other_bytes:>15,} "
+                     f"{result.projected_bytes:>15,} {result.headroom_bytes:>15,}  "
+                     f"{verdict:<29} {basis}")
+    lines += [
+        "",
+        "observed (conditional): origin issue, 16,357,785,600 bytes in use at koni-8b "
+        "B1/ctx9216/k1 TP1; projected = observed - its KV + this KV, if other allocations stay "
+        "unchanged (not a compiler result).",
+        f"estimate: weights from the spec (embeddings and norms on every device) + KV + "
+        f"{overhead:,} bytes runtime overhead (a stated allowance, not measured).",
+        "Eager KV is num_blocks x [kv_heads, context, head_dim] per global layer, so B1/k5 and "
+        "B4/k5 differ only in Gemma3's per-lane sliding slots.",
+    ]
+    cross_check = _estimate_cross_check(device_bytes, overhead)
+    if cross_check:
+        lines.append(cross_check)
+    return "\n".join(lines)
+
+
+def _estimate_cross_check(device_bytes: int, overhead: int) -> str:
+    """How the estimate compares with the one observation (KONI B1/k1 TP1)."""
+    observed = origin_observed_artifact()
+    estimate = plan.fit(observed, device_bytes=device_bytes, runtime_overhead_bytes=overhead)
+    over = estimate.projected_bytes - ORIGIN_OBSERVED_USED_BYTES
+    return (f"cross-check: the estimate for {observed.label} is {estimate.projected_bytes:,} "
+            f"bytes, {over:,} {'above' if over >= 0 else 'below'} the observed "
+            f"{ORIGIN_OBSERVED_USED_BYTES:,} (verdict "
+            f"{'fits' if estimate.fits else 'DOES NOT FIT'}, yet it runs): the device holds less "
+            "than the full BF16 weights, so estimate verdicts err towards 'does not fit'.")
+
+
+def _params(args: argparse.Namespace) -> dict[str, object]:
+    return {key: (str(value) if isinstance(value, Path) else value)
+            for key, value in sorted(vars(args).items())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the planner; returns the exit status (0 fits / table printed, 1 does not fit, 2 error)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    table = args.table or args.model is None
+
+    if table:
+        cells = table_cells(args)
+        print(format_table(cells, args.device_bytes, args.runtime_overhead_bytes))
+        status = 0
+    else:
+        context = args.max_seq_len
+        block_size = args.block_size or context
+        num_blocks = args.num_blocks
+        if num_blocks is None and block_size > 0:
+            num_blocks = args.batch_size * (context // block_size) + 1
+        observed = None
+        try:
+            if args.observed_used_bytes is not None:
+                observed_context = args.observed_max_seq_len or context
+                observed_artifact = ArtifactConfig(
+                    model=ModelSpec.preset(args.model), batch_size=args.observed_batch_size,
+                    max_seq_len=observed_context,
+                    block_size=args.observed_block_size or observed_context,
+                    num_blocks=args.observed_num_blocks,
+                    prefill_chunk_size=args.prefill_chunk_size,
+                    tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype)
+                observed = (args.observed_used_bytes, observed_artifact)
+            cell = _cell(args.model, args.batch_size, num_blocks, context, block_size,
+                         args.tensor_parallel, args, observed)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if cell.result is None:
+            print(f"error: {cell.rejected}", file=sys.stderr)
+            return 2
+        print(plan.describe(cell.result))
+        cells = [cell]
+        status = 0 if cell.result.fits else 1
+
+    if args.json is not None:
+        report = FitReport(command="fit", params=_params(args), commit=_commit(),
+                           machine=f"{platform.node()} {platform.platform()}", cells=cells)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2) + b"\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
