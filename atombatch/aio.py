@@ -1,0 +1,190 @@
+"""`AsyncBatcher`: the asyncio adapter. One background step loop, an async iterator per request.
+
+Only the loop task touches the `Batcher`; `submit`/`abort` called from other tasks go through an
+inbox the loop drains between steps, so a step running in a worker thread never races with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from atombatch.engine import Batcher, EngineStats
+from atombatch.errors import AtomBatchError, RequestError
+from atombatch.structs import Completion, RequestOutput, SamplingParams
+
+logger = logging.getLogger("atombatch")
+
+
+class AsyncBatcher:
+    """Serve a `Batcher` from asyncio.
+
+    Args:
+        batcher: the engine to drive.
+        offload: run each step in a worker thread so the event loop stays responsive while the
+            runtime computes (True for real compute; False for the simulator).
+
+    Use as `async with AsyncBatcher(b) as ab:` or call `start()` / `close()`.
+    """
+
+    def __init__(self, batcher: Batcher, *, offload: bool = True) -> None:
+        self.batcher = batcher
+        self.offload = offload
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._inbox: list[tuple[str, Any]] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._next_id = 0
+
+    async def __aenter__(self) -> AsyncBatcher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="atombatch-loop")
+
+    async def close(self, drain: bool = True) -> None:
+        """Stop the loop; with `drain`, let in-flight requests finish first, else abort them."""
+        if self._task is None:
+            return
+        if not drain:
+            for request_id in list(self._queues):
+                self.abort(request_id)
+        self._closing = True
+        self._poke()
+        await self._task
+        self._task = None
+
+    # -- requests ---------------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
+               params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Validate and queue a request; its outputs arrive through `outputs(request_id)`.
+
+        Raises:
+            RequestError: the request is invalid, the batcher is closing, or the id is in use.
+        """
+        if self._task is None or self._closing:
+            raise RequestError("AsyncBatcher is not running (call start() or use async with)")
+        params = params or SamplingParams()
+        tokens = self.batcher.validate(prompt, params)
+        if request_id is None:
+            request_id = f"areq-{self._next_id}"
+            self._next_id += 1
+        if request_id in self._queues:
+            raise RequestError(f"request_id={request_id!r} is already in flight")
+        self._queues[request_id] = asyncio.Queue()
+        self._inbox.append(("submit", (tokens, params, request_id)))
+        self._poke()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (a no-op once it finished); its lane and blocks free before next step."""
+        if request_id in self._queues:
+            self._inbox.append(("abort", request_id))
+            self._poke()
+
+    async def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Iterate a submitted request's outputs; leaving the iteration early aborts it."""
+        queue = self._queues[request_id]
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def stream(self, prompt: Sequence[int] | npt.NDArray[np.integer],
+                     params: SamplingParams | None = None,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit and iterate; cancelling the consuming task aborts the request."""
+        request_id = self.submit(prompt, params, request_id)
+        async with contextlib.aclosing(self.outputs(request_id)) as outs:
+            async for out in outs:
+                yield out
+
+    async def generate(self, prompt: Sequence[int] | npt.NDArray[np.integer],
+                       params: SamplingParams | None = None) -> Completion:
+        """Submit and wait for the whole completion."""
+        async for out in self.stream(prompt, params):
+            if out.finished and out.completion is not None:
+                return out.completion
+        raise AtomBatchError("stream ended without a final output")  # pragma: no cover
+
+    def stats(self) -> EngineStats:
+        return self.batcher.stats()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queues)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _drain_inbox(self) -> None:
+        inbox, self._inbox = self._inbox, []
+        for kind, payload in inbox:
+            if kind == "submit":
+                tokens, params, request_id = payload
+                try:
+                    self.batcher.submit(tokens, params, request_id=request_id)
+                except AtomBatchError as exc:
+                    self._deliver(RequestOutput(request_id=request_id, new_token_ids=(),
+                                                finished=True, finish_reason="error",
+                                                error=str(exc)))
+            else:
+                self.batcher.abort(payload)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        queue = self._queues.get(out.request_id)
+        if queue is None:
+            return
+        queue.put_nowait(out)
+        if out.finished:
+            del self._queues[out.request_id]
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        batcher = self.batcher
+        while True:
+            self._drain_inbox()
+            if not batcher.has_unfinished():
+                if self._closing and not self._inbox:
+                    return
+                self._wake.clear()
+                if not self._inbox:
+                    await self._wake.wait()
+                continue
+            try:
+                if self.offload:
+                    outputs = await asyncio.to_thread(batcher.step)
+                else:
+                    outputs = batcher.step()
+                    await asyncio.sleep(0)  # let clients submit and consume between steps
+            except Exception as exc:  # a bug, not a request failure: fail everything in flight
+                logger.exception("atombatch step loop failed")
+                for request_id in list(self._queues):
+                    batcher.abort(request_id)
+                    self._deliver(RequestOutput(request_id=request_id, new_token_ids=(),
+                                                finished=True, finish_reason="error",
+                                                error=f"engine failure: {exc}"))
+                batcher.step()  # drain the abort outputs
+                continue
+            for out in outputs:
+                self._deliver(out)

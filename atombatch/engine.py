@@ -1,0 +1,317 @@
+"""`Batcher`: the engine facade that servers, benchmarks and routers embed.
+
+It runs the scheduler's plans on a runtime, samples, streams `RequestOutput`s and turns every
+failure into a per-request error while the other lanes go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from atombatch.config import ArtifactConfig, check_serving
+from atombatch.errors import CapacityError, ConfigError, RequestError
+from atombatch.runtime.base import Runtime
+from atombatch.sampling import sample
+from atombatch.scheduler import Policy, Request, RequestState, Scheduler, StepPlan
+from atombatch.structs import Completion, RequestOutput, RequestTimings, SamplingParams
+
+log = structlog.wrap_logger(
+    logging.getLogger("atombatch"),
+    wrapper_class=structlog.stdlib.BoundLogger,
+    processors=[
+        structlog.stdlib.filter_by_level,
+        structlog.processors.add_log_level,
+        structlog.processors.JSONRenderer(),
+    ],
+)
+
+_WARN_EVENTS = frozenset({"request.failed"})
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    """A snapshot a server can export (gauges and counters)."""
+
+    occupied_lanes: int                 # lanes holding a request now
+    decoding_lanes: int                 # of those, decoding
+    queue_length: int                   # requests without a lane (waiting + staging/staged)
+    free_blocks: int
+    spare_blocks: int
+    staged_blocks: int
+    lane_blocks: int
+    cached_blocks: int
+    steps: int                          # device calls so far
+    prefill_chunks: int
+    staged_chunks: int                  # prefill chunks run into the spare
+    decode_steps: int
+    generated_tokens: int
+    rotations: int                      # staged requests that took over a finished lane's slot
+    preemptions: int
+    finished: dict[str, int]            # requests by finish reason
+    lane_histogram: tuple[int, ...]     # decode steps by number of decoding lanes (index = lanes)
+
+
+class Batcher:
+    """Continuous batching over one compiled artifact.
+
+    Args:
+        runtime: any `Runtime` (NumpyRuntime, SimRuntime, RebelRuntime).
+        prefix_cache: keep finished sequences' KV for prefix reuse (non-hybrid only).
+        host_cache_bytes: host-memory bytes for evicted prefix blocks (needs prefix_cache).
+        policy: prefill/decode interleaving: "prefill-first", "decode-first", "interleave:N".
+        seed: derives the RNG of requests that give no seed of their own.
+        clock: seconds; defaults to the runtime's `clock` (virtual time) or `time.perf_counter`.
+        max_waiting: bound on requests without a lane; `submit` raises `CapacityError` past it.
+
+    Raises:
+        ConfigError: the artifact and the options break a rule of DESIGN §3.
+    """
+
+    def __init__(self, runtime: Runtime, *, prefix_cache: bool = False, host_cache_bytes: int = 0,
+                 policy: Policy | str = "prefill-first", seed: int = 0,
+                 clock: Callable[[], float] | None = None, max_waiting: int | None = None) -> None:
+        artifact: ArtifactConfig = runtime.artifact
+        check_serving(artifact, prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes)
+        if prefix_cache:
+            raise ConfigError("prefix_cache=True is not supported by this build yet "
+                              "(tracked in the PD and prefix-cache issue)")
+        self.runtime = runtime
+        self.artifact = artifact
+        self.spec = artifact.model
+        self.scheduler = Scheduler(artifact, policy, eos_token_ids=self.spec.eos_token_ids)
+        self.clock: Callable[[], float] = clock or getattr(runtime, "clock", None) or \
+            time.perf_counter
+        self.max_waiting = max_waiting
+        self._seed_seq = np.random.SeedSequence(seed)
+        self._next_id = 0
+        self._pending: list[RequestOutput] = []
+
+    # -- requests ---------------------------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        return self.scheduler.policy
+
+    def validate(self, prompt: Sequence[int] | npt.NDArray[np.integer],
+                 params: SamplingParams) -> npt.NDArray[np.int64]:
+        """Check a request against the artifact without queueing it; returns the prompt array.
+
+        Raises:
+            RequestError: naming the offending value and the rule.
+        """
+        tokens = np.asarray(prompt)
+        if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
+            raise RequestError(f"prompt must be a flat sequence of token ids, got shape "
+                               f"{tokens.shape} of {tokens.dtype}")
+        if tokens.size == 0:
+            raise RequestError("prompt is empty: a request needs at least one token")
+        vocab = self.spec.vocab_size
+        bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
+        if bad.size:
+            i = int(bad[0])
+            raise RequestError(f"token id {int(tokens[i])} at prompt index {i} is outside the "
+                               f"vocabulary 0..{vocab - 1}")
+        if params.max_tokens < 1:
+            raise RequestError(f"max_tokens={params.max_tokens} must be >= 1")
+        total = tokens.size + params.max_tokens
+        if total > self.artifact.max_seq_len:
+            raise RequestError(f"prompt of {tokens.size} tokens + max_tokens={params.max_tokens} "
+                               f"= {total} exceeds max_seq_len={self.artifact.max_seq_len}")
+        if not params.temperature >= 0.0 or not np.isfinite(params.temperature):
+            raise RequestError(f"temperature={params.temperature} must be a finite number >= 0")
+        if params.top_k < 0:
+            raise RequestError(f"top_k={params.top_k} must be >= 0 (0 turns it off)")
+        if not 0.0 < params.top_p <= 1.0:
+            raise RequestError(f"top_p={params.top_p} must be in (0, 1]")
+        for stop in params.stop_token_ids:
+            if not 0 <= stop < vocab:
+                raise RequestError(f"stop token id {stop} is outside the vocabulary 0..{vocab - 1}")
+        return tokens.astype(np.int64, copy=True)
+
+    def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
+               params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request; returns its id.
+
+        Raises:
+            RequestError: the request is invalid (nothing is queued).
+            CapacityError: `max_waiting` requests are already waiting.
+        """
+        params = params or SamplingParams()
+        tokens = self.validate(prompt, params)
+        if self.max_waiting is not None and self.scheduler.num_waiting >= self.max_waiting:
+            raise CapacityError(f"queue is full: {self.scheduler.num_waiting} requests wait, "
+                                f"max_waiting={self.max_waiting}")
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+        elif request_id in self.scheduler.requests:
+            raise RequestError(f"request_id={request_id!r} is already in flight")
+        self._next_id += 1
+        seed = params.seed if params.seed is not None else \
+            int(self._seed_seq.spawn(1)[0].generate_state(1)[0])
+        request = Request(request_id, tokens, params, self.clock(), np.random.default_rng(seed))
+        self.scheduler.add(request)
+        log.debug("request.submitted", request_id=request_id, prompt_len=len(tokens),
+                  max_tokens=params.max_tokens)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """End a queued, prefilling, staged or decoding request; its lane and blocks free at once.
+
+        Returns False when the request is unknown or already finished. Its final output (reason
+        "abort") comes out of the next `step()`.
+        """
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return False
+        self._pending.append(self._final_output(request, ()))
+        self._flush_events()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    # -- stepping ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one device call (a prefill chunk or a decode step); returns what it produced."""
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule(self.clock())
+        if plan is None:
+            self._flush_events()
+            return outputs
+        if plan.kind == "prefill":
+            self._run_prefill(plan, outputs)
+        else:
+            self._run_decode(plan, outputs)
+        self._flush_events()
+        return outputs
+
+    def _run_prefill(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
+        scheduler = self.scheduler
+        request = scheduler.requests[plan.request_id]
+        try:
+            logits = self.runtime.prefill(plan.inputs)
+            token = None
+            if plan.last_chunk and not request.recomputing:
+                row = np.asarray(logits).reshape(-1)
+                if not np.isfinite(row).all():
+                    raise RequestError(f"prefill returned non-finite logits for "
+                                       f"{plan.request_id} at position {plan.chunk_start}")
+                token = sample(row, request.params, request.rng)
+        except Exception as exc:  # the runtime failed this request; the others go on
+            self._fail(request, f"prefill failed: {exc}", outputs)
+            return
+        for done in scheduler.complete_prefill(plan, token, self.clock()):
+            outputs.append(self._output(done))
+
+    def _run_decode(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
+        scheduler = self.scheduler
+        try:
+            logits = np.asarray(self.runtime.decode(plan.inputs))
+        except Exception as exc:
+            for request_id in plan.request_ids:
+                request = scheduler.requests.get(request_id)
+                if request is not None:
+                    self._fail(request, f"decode step failed: {exc}", outputs)
+            return
+        tokens: dict[int, int] = {}
+        for lane, request_id in zip(plan.lanes, plan.request_ids, strict=True):
+            request = scheduler.requests[request_id]
+            row = logits[lane]
+            try:
+                if not np.isfinite(row).all():
+                    raise RequestError(f"decode returned non-finite logits on lane {lane}")
+                tokens[lane] = sample(row, request.params, request.rng)
+            except Exception as exc:
+                self._fail(request, str(exc), outputs)
+        for done in scheduler.complete_decode(plan, tokens, self.clock()):
+            outputs.append(self._output(done))
+
+    def _fail(self, request: Request, message: str, outputs: list[RequestOutput]) -> None:
+        self.scheduler.fail(request, message)
+        outputs.append(self._final_output(request, ()))
+
+    def _output(self, request: Request) -> RequestOutput:
+        new = (request.output[-1],)
+        if request.state is RequestState.FINISHED:
+            return self._final_output(request, new)
+        return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=False)
+
+    def _final_output(self, request: Request, new: tuple[int, ...]) -> RequestOutput:
+        completion = self._completion(request)
+        return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=True,
+                             finish_reason=request.finish_reason, error=request.error,
+                             completion=completion)
+
+    def _completion(self, request: Request) -> Completion:
+        now = self.clock()
+        timings = None
+        if request.admitted_at is not None:
+            first = request.first_token_at if request.first_token_at is not None else now
+            times = request.token_times
+            timings = RequestTimings(
+                arrival=request.arrival, admitted=request.admitted_at, first_token=first,
+                finished=now, queue_wait=request.admitted_at - request.arrival,
+                ttft=first - request.arrival, e2e=now - request.arrival,
+                inter_token=tuple(b - a for a, b in zip(times, times[1:], strict=False)))
+        return Completion(request_id=request.request_id, prompt_len=len(request.prompt),
+                          token_ids=tuple(request.output), finish_reason=request.finish_reason or
+                          "error", error=request.error, timings=timings,
+                          preemptions=request.preemptions)
+
+    def _flush_events(self) -> None:
+        events = self.scheduler.events
+        if not events:
+            return
+        for name, fields in events:
+            if name in _WARN_EVENTS:
+                log.warning(name, **fields)
+            else:
+                log.info(name, **fields)
+        events.clear()
+
+    # -- conveniences -------------------------------------------------------------------------------
+    def generate(self, prompts: Iterable[Sequence[int] | npt.NDArray[np.integer]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+        """Submit every prompt, run until all finish; completions in prompt order."""
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt = [params or SamplingParams()] * len(prompts)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(prompts):
+                raise RequestError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.submit(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
+        done: dict[str, Completion] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished and out.completion is not None:
+                    done[out.request_id] = out.completion
+        return [done[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        free, spare, staged, lane, cached = s.pool.counts()
+        c = s.counters
+        return EngineStats(
+            occupied_lanes=s.lanes.num_busy, decoding_lanes=s.lanes.num_decoding(),
+            queue_length=s.num_waiting, free_blocks=free, spare_blocks=spare,
+            staged_blocks=staged, lane_blocks=lane, cached_blocks=cached, steps=c.steps,
+            prefill_chunks=c.prefill_chunks, staged_chunks=c.staged_chunks,
+            decode_steps=c.decode_steps, generated_tokens=c.generated_tokens,
+            rotations=c.rotations, preemptions=c.preemptions, finished=dict(c.finished),
+            lane_histogram=tuple(c.lane_histogram))
+
+    def check_invariants(self) -> None:
+        """Raise `StateError` if any ownership invariant of DESIGN §3 is broken."""
+        self.scheduler.check_invariants()
+
+    def record_trace(self) -> list[Any]:
+        """Start recording a `StepRecord` per device call; returns the list that fills up."""
+        self.scheduler.trace = []
+        return self.scheduler.trace

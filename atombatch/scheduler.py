@@ -1,0 +1,623 @@
+"""The sans-I/O scheduler: queue + lanes + blocks in, one device call (a `StepPlan`) out.
+
+Theory of operation
+-------------------
+Every step is exactly one device call: one prefill chunk (batch 1) or one decode step (all B lanes).
+`schedule(now)` decides which, writes that call's input arrays in place, and returns a `StepPlan`;
+the engine runs it and hands the sampled tokens back through `complete_prefill` / `complete_decode`
+(or `fail`). The scheduler never calls a runtime, never reads a clock and never sleeps, so the same
+decisions drive the NumPy reference, the simulator and the device, and tests can replay them.
+
+Requests move through the states of `TRANSITIONS` (below, the only place that defines them):
+
+    WAITING ──► PREFILLING ──► DECODING ──► FINISHED          (a lane was idle)
+       │            ▲              │
+       │            │              └──► WAITING              (preempted: recompute later)
+       └──► STAGING ┴──► STAGED ──► DECODING                 (all lanes busy: fill the spare)
+
+Block rotation (DESIGN §3): while every lane decodes, the head of the queue is prefilled into the
+spare block (STAGING) and emits its first token (STAGED). When a lane finishes, that request takes
+the lane and keeps its filled blocks; the finished lane's block becomes the new spare. No KV moves.
+Hybrid models (sliding slots belong to lanes) never stage; a hybrid lane that has started its
+prefill is prefilled to the end before the next decode step, because a decode step writes every
+lane's sliding slot and would clobber a half-built window.
+
+Partitioned artifacts grow sequences block by block. When the pool runs dry the most recently
+admitted request is preempted: its blocks are freed and it is re-prefilled later from prompt +
+generated tokens. The spare is never handed to growth, so a padding target always exists.
+
+Interleaving of prefill and decode is a `Policy`: prefill-first, decode-first, or one prefill chunk
+per N decode steps.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from atombatch import blocks as core
+from atombatch.config import ArtifactConfig
+from atombatch.errors import CapacityError, ConfigError, StateError
+from atombatch.structs import FinishReason, SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"        # queued: no lane, no blocks
+    STAGING = "staging"        # no lane; prefilling into the spare (STAGED blocks)
+    STAGED = "staged"          # no lane; prefill done, first token out, waiting for a lane
+    PREFILLING = "prefilling"  # has a lane; prefill chunks in progress
+    DECODING = "decoding"      # has a lane; one token per decode step
+    FINISHED = "finished"      # terminal
+
+
+S = RequestState
+TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    S.WAITING: frozenset({S.PREFILLING, S.STAGING, S.FINISHED}),
+    S.STAGING: frozenset({S.STAGED, S.PREFILLING, S.WAITING, S.FINISHED}),
+    S.STAGED: frozenset({S.DECODING, S.FINISHED}),
+    S.PREFILLING: frozenset({S.DECODING, S.WAITING, S.FINISHED}),
+    S.DECODING: frozenset({S.WAITING, S.FINISHED}),
+    S.FINISHED: frozenset(),
+}
+
+
+class Policy(msgspec.Struct, frozen=True):
+    """How prefill chunks and decode steps interleave.
+
+    `kind`: "prefill-first" (any pending prefill chunk runs before the next decode step),
+    "decode-first" (prefill only when no lane decodes), or "interleave" (at most one prefill chunk
+    per `decode_steps` decode steps while lanes decode; idle devices always prefill).
+    """
+
+    kind: str = "prefill-first"
+    decode_steps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("prefill-first", "decode-first", "interleave"):
+            raise ConfigError(f"policy kind={self.kind!r} is not prefill-first, decode-first "
+                              "or interleave")
+        if self.decode_steps < 1:
+            raise ConfigError(f"decode_steps={self.decode_steps} must be >= 1")
+
+    @classmethod
+    def parse(cls, text: str | Policy) -> Policy:
+        """`"prefill-first"`, `"decode-first"`, `"interleave"` or `"interleave:N"`."""
+        if isinstance(text, Policy):
+            return text
+        kind, _, n = text.partition(":")
+        return cls(kind=kind, decode_steps=int(n) if n else 4)
+
+    @property
+    def label(self) -> str:
+        return f"interleave:{self.decode_steps}" if self.kind == "interleave" else self.kind
+
+
+class Request:
+    """The scheduler's mutable record of one request."""
+
+    __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "error", "finish_reason",
+                 "first_token_at", "lane", "output", "params", "preemptions", "prefill_pos",
+                 "prompt", "request_id", "rng", "state", "token_times")
+
+    def __init__(self, request_id: str, prompt: npt.NDArray[np.int64], params: SamplingParams,
+                 arrival: float, rng: np.random.Generator) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.arrival = arrival
+        self.rng = rng
+        self.state = S.WAITING
+        self.lane = -1
+        self.blocks: list[int] = []      # STAGED blocks while staging (lane blocks live in LaneTable)
+        self.output: list[int] = []
+        self.prefill_pos = 0             # positions of `prefill_tokens` already written
+        self.admit_order = -1
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.token_times: list[float] = []
+        self.preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+
+    def set_state(self, new: RequestState) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise StateError(f"request {self.request_id}: illegal transition "
+                             f"{self.state.value} -> {new.value}")
+        self.state = new
+
+    @property
+    def prefill_tokens(self) -> npt.NDArray[np.int64]:
+        """What a (re)prefill must write: the prompt, plus all but the last generated token."""
+        if len(self.output) <= 1:
+            return self.prompt
+        return np.concatenate([self.prompt, np.asarray(self.output[:-1], dtype=np.int64)])
+
+    @property
+    def recomputing(self) -> bool:
+        """A preempted request whose next token is already known (no sampling after prefill)."""
+        return len(self.output) > 0
+
+
+class StepPlan(msgspec.Struct):
+    """One device call, decided by the scheduler, executed by the engine."""
+
+    kind: str                                # "prefill" | "decode"
+    inputs: Any                              # PrefillInputs or DecodeInputs, filled in place
+    request_id: str = ""                     # prefill: the request whose chunk this is
+    chunk_start: int = 0                     # prefill: first position of the chunk
+    chunk_len: int = 0                       # prefill: real tokens in the chunk
+    last_chunk: bool = False                 # prefill: the chunk ends the prompt (sample after it)
+    staged: bool = False                     # prefill: into the spare (no lane yet)
+    lanes: tuple[int, ...] = ()              # decode: lanes that decode (the others are padding)
+    request_ids: tuple[str, ...] = ()        # decode: their requests, lane by lane
+
+
+class StepRecord(msgspec.Struct, frozen=True):
+    """A compact trace entry: what each step ran (compared across runtimes)."""
+
+    kind: str                                # "prefill" | "decode"
+    lanes: int                               # decode: decoding lanes; prefill: 1
+    request_id: str = ""                     # prefill: whose chunk
+
+
+class Counters(msgspec.Struct):
+    """Monotonic counters a server can export."""
+
+    steps: int = 0
+    prefill_chunks: int = 0
+    staged_chunks: int = 0
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    rotations: int = 0
+    preemptions: int = 0
+    finished: dict[str, int] = msgspec.field(default_factory=dict)
+    lane_histogram: list[int] = msgspec.field(default_factory=list)  # decode steps by busy lanes
+
+
+class Scheduler:
+    """Admission, lane assignment, chunking, block growth, rotation and preemption."""
+
+    def __init__(self, artifact: ArtifactConfig, policy: Policy | str = "prefill-first",
+                 eos_token_ids: Iterable[int] = ()) -> None:
+        self.artifact = artifact
+        self.policy = Policy.parse(policy)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        bps = artifact.blocks_per_seq
+        self.pool = core.BlockPool(artifact.num_blocks)
+        self.lanes = core.LaneTable(artifact.batch_size, bps, artifact.block_size)
+        self.hybrid = artifact.model.is_hybrid
+        self.slots = (core.SlidingSlots(artifact.batch_size, artifact.model.sliding_window)
+                      if self.hybrid else None)
+        self.decode_inputs = core.DecodeInputs(artifact.batch_size, bps)
+        self.prefill_inputs = core.PrefillInputs(artifact.prefill_chunk_size, bps)
+        self.single_block = artifact.single_block
+        self.spare = -1 if self.single_block else self.pool.reserve_spare()
+        self.waiting: deque[Request] = deque()
+        self.staging: Request | None = None          # the request using the spare, if any
+        self.by_lane: list[Request | None] = [None] * artifact.batch_size
+        self.requests: dict[str, Request] = {}       # every unfinished request
+        self.counters = Counters(lane_histogram=[0] * (artifact.batch_size + 1))
+        self.trace: list[StepRecord] | None = None   # set to [] to record a step trace
+        self.events: list[tuple[str, dict[str, Any]]] = []  # drained by the engine for logging
+        self._admit_counter = 0
+        self._decodes_since_prefill = 0
+        self._step_time = 0.0
+
+    # -- queries --------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + (self.staging is not None)
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def _event(self, name: str, **fields: Any) -> None:
+        self.events.append((name, fields))
+
+    # -- admission --------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise StateError(f"request id {request.request_id!r} is already in flight")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _blocks_for_prefill(self, request: Request) -> int:
+        """Blocks a request holds once its whole prefill (padded last chunk) is written."""
+        q = self.artifact.prefill_chunk_size
+        n = len(request.prompt) + max(len(request.output) - 1, 0)
+        padded = min(-(-n // q) * q, self.artifact.max_seq_len)
+        return max(self.lanes.blocks_for(padded), self.lanes.blocks_for(n + 1))
+
+    def _available(self) -> int:
+        """Blocks growth may take: FREE plus evictable CACHED (the spare is never counted)."""
+        return self.pool.num_free + self.pool.num_evictable
+
+    def _committed(self) -> int:
+        """Blocks that admitted, still-prefilling lanes will take before they decode."""
+        return sum(max(self._blocks_for_prefill(r) - self.lanes.num_held(r.lane), 0)
+                   for r in self.by_lane if r is not None and r.state is S.PREFILLING)
+
+    def _take_block(self, state: int, owner: int) -> int:
+        """A FREE block (evicting the LRU cached block if needed), never the spare."""
+        if self.pool.num_free == 0 and self.pool.num_evictable:
+            evicted = self.pool.evict()
+            self._event("block.evicted", block=evicted)
+        return self.pool.allocate(state, owner)
+
+    def _admit(self, now: float) -> None:
+        """Give idle lanes to the head of the queue (a staging request first), FCFS."""
+        while self.lanes.num_idle:
+            if self.staging is not None:
+                self._lane_for_staged(self.staging, now)
+                continue
+            if not self.waiting:
+                return
+            request = self.waiting[0]
+            if self.artifact.oversubscribed and \
+                    self._available() - self._committed() < self._blocks_for_prefill(request):
+                return  # head of line waits for blocks; finishing or preempted lanes free them
+            self.waiting.popleft()
+            lane = self.lanes.assign()
+            self._bind(request, lane, now)
+            request.set_state(S.PREFILLING)
+            if self.single_block:
+                # Origin PR mode: the lone lane takes block 0 and gives it back on finish.
+                self.lanes.push_block(lane, self.pool.allocate(core.LANE, lane))
+            self._event("lane.assigned", request_id=request.request_id, lane=lane)
+
+    def _bind(self, request: Request, lane: int, now: float) -> None:
+        request.lane = lane
+        self.by_lane[lane] = request
+        if self.slots is not None:
+            self.slots.reset(lane)
+        if request.admitted_at is None:
+            request.admitted_at = now
+            self._event("request.admitted", request_id=request.request_id, lane=lane,
+                        queue_wait=now - request.arrival)
+        request.admit_order = self._admit_counter
+        self._admit_counter += 1
+
+    def _lane_for_staged(self, request: Request, now: float) -> None:
+        """A lane became idle: the staging request takes it with its filled blocks."""
+        lane = self.lanes.assign()
+        self._bind(request, lane, now)
+        for block in request.blocks:
+            self.pool.assign(block, lane)
+            self.lanes.push_block(lane, block)
+        request.blocks = []
+        self.staging = None
+        if self.pool.num_spare == 0:
+            self.spare = self._take_block(core.SPARE, -1)
+        if request.state is S.STAGED:
+            request.set_state(S.DECODING)
+            self._start_decode(request)
+        else:
+            request.set_state(S.PREFILLING)
+        self.counters.rotations += 1
+        self._event("block.rotated", request_id=request.request_id, lane=lane,
+                    blocks=self.lanes.blocks(lane), spare=self.spare)
+
+    def _start_decode(self, request: Request) -> None:
+        seq_len = len(request.prompt) + len(request.output) - 1
+        if self._ensure_blocks_held(request, seq_len + 1):
+            self.lanes.start_decode(request.lane, seq_len, request.output[-1])
+
+    # -- planning ---------------------------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan | None:
+        """Decide the next device call and fill its inputs; None when there is nothing to run."""
+        self._step_time = now
+        for _ in range(3):  # a prefill that preempted its own request re-plans once more
+            self._admit(now)
+            prefill = self._next_prefill()
+            decoding = self.lanes.num_decoding()
+            if prefill is not None and self._prefill_turn(prefill, decoding):
+                plan = self._plan_prefill(prefill)
+                if plan is not None:
+                    return plan
+            if self.lanes.num_decoding():
+                return self._plan_decode()
+            if prefill is None:
+                return None
+        return None
+
+    def _prefill_turn(self, request: Request, decoding: int) -> bool:
+        if not decoding:
+            return True
+        if self.hybrid and request.lane >= 0 and request.prefill_pos > 0:
+            return True  # a half-built sliding window must not see a decode step
+        kind = self.policy.kind
+        if kind == "prefill-first":
+            return True
+        if kind == "decode-first":
+            return False
+        return self._decodes_since_prefill >= self.policy.decode_steps
+
+    def _next_prefill(self) -> Request | None:
+        """The lane prefill that came first, else the staging request, else start staging."""
+        best: Request | None = None
+        for request in self.by_lane:
+            if request is not None and request.state is S.PREFILLING and \
+                    (best is None or request.admit_order < best.admit_order):
+                best = request
+        if best is not None:
+            return best
+        if self.staging is not None:
+            return self.staging if self.staging.state is S.STAGING else None
+        if self.waiting and self._can_stage():
+            request = self.waiting.popleft()
+            request.set_state(S.STAGING)
+            self.staging = request
+            if request.admitted_at is None:
+                request.admitted_at = self._step_time
+            self.pool.stage(self.spare, -2)
+            request.blocks = [self.spare]
+            self.spare = -1
+            self._event("request.staging", request_id=request.request_id,
+                        block=request.blocks[0])
+            return request
+        return None
+
+    def _can_stage(self) -> bool:
+        """Stage only while every lane decodes (so no lane needs the spare for padding)."""
+        if self.hybrid or self.single_block or self.pool.num_spare == 0:
+            return False
+        if self.lanes.num_idle or self.lanes.num_decoding() != self.lanes.batch_size:
+            return False
+        head = self.waiting[0]
+        extra = self._blocks_for_prefill(head) - 1
+        if self.artifact.oversubscribed:
+            # keep one block per lane's next growth step out of reach of staging
+            return self._available() >= extra + self.lanes.batch_size
+        return self._available() >= extra
+
+    def _plan_prefill(self, request: Request) -> StepPlan | None:
+        tokens = request.prefill_tokens
+        q = self.artifact.prefill_chunk_size
+        start = request.prefill_pos
+        extent = min(start + q, self.artifact.max_seq_len)
+        need = self.lanes.blocks_for(extent)
+        if request.state is S.STAGING:
+            while len(request.blocks) < need:
+                if self._available() == 0:
+                    return None
+                request.blocks.append(self._take_block(core.STAGED, -2))
+            row: list[int] | npt.NDArray[np.int32] = request.blocks
+            held = len(request.blocks)
+            slot = 0
+        else:
+            if not self._ensure_blocks_held(request, extent):
+                return None
+            lane = request.lane
+            row = self.lanes.blocks(lane)
+            held = len(row)
+            slot = lane
+        real = self.prefill_inputs.build(tokens, start, row, held, slot)
+        self._decodes_since_prefill = 0
+        return StepPlan(kind="prefill", inputs=self.prefill_inputs, request_id=request.request_id,
+                        chunk_start=start, chunk_len=real, last_chunk=start + real >= len(tokens),
+                        staged=request.state is S.STAGING)
+
+    def _ensure_blocks_held(self, request: Request, num_positions: int) -> bool:
+        """Grow a lane's row to cover positions 0..num_positions-1, preempting if the pool is dry.
+
+        Returns False when `request` itself was preempted to make room.
+        """
+        lane = request.lane
+        need = self.lanes.blocks_for(num_positions)
+        while self.lanes.num_held(lane) < need:
+            if self._available() == 0:
+                victim = self._preemption_victim()
+                self.preempt(victim)
+                if victim is request:
+                    return False
+                continue
+            self.lanes.push_block(lane, self._take_block(core.LANE, lane))
+        return True
+
+    def _preemption_victim(self) -> Request:
+        candidates = [r for r in self.by_lane if r is not None]
+        if not candidates:
+            raise CapacityError("the block pool is dry and no lane holds blocks to preempt")
+        return max(candidates, key=lambda r: r.admit_order)
+
+    def _plan_decode(self) -> StepPlan | None:
+        for lane, request in enumerate(self.by_lane):
+            if request is not None and request.state is S.DECODING:
+                self._ensure_blocks_held(request, self.lanes.seq_len(lane) + 1)
+        lanes = tuple(lane for lane, r in enumerate(self.by_lane)
+                      if r is not None and r.state is S.DECODING)
+        if not lanes:
+            return None
+        padding = self._padding_block()
+        self.decode_inputs.build(self.lanes, padding)
+        self._decodes_since_prefill += 1
+        return StepPlan(kind="decode", inputs=self.decode_inputs, lanes=lanes,
+                        request_ids=tuple(self.by_lane[lane].request_id for lane in lanes))  # type: ignore[union-attr]
+
+    def _padding_block(self) -> int:
+        """A FREE or SPARE block for idle rows (never STAGED, LANE or CACHED); -1 if none needed."""
+        if self.lanes.num_decoding() == self.lanes.batch_size:
+            return -1
+        if self.pool.num_spare:
+            return self.spare
+        block = self.pool.first_free()
+        if block >= 0:
+            return block
+        if self.pool.num_evictable:
+            block = self.pool.evict()
+            self._event("block.evicted", block=block)
+            return block
+        raise StateError("no FREE or SPARE block is left as a padding target")
+
+    # -- results ----------------------------------------------------------------------------------
+    def complete_prefill(self, plan: StepPlan, token: int | None, now: float) -> list[Request]:
+        """A prefill chunk ran; `token` is the sample from its logits when it was the last chunk.
+
+        Returns the requests that produced output (a first token, or a finish).
+        """
+        request = self.requests.get(plan.request_id)
+        self._record(StepRecord(kind="prefill", lanes=1, request_id=plan.request_id))
+        self.counters.prefill_chunks += 1
+        self.counters.staged_chunks += plan.staged
+        if request is None or request.state not in (S.PREFILLING, S.STAGING):
+            return []  # aborted while the chunk ran
+        request.prefill_pos = plan.chunk_start + plan.chunk_len
+        if request.lane >= 0 and self.slots is not None:
+            self.slots.advance(request.lane, plan.chunk_len)
+        if not plan.last_chunk:
+            return []
+        if request.recomputing:
+            request.set_state(S.DECODING)  # resumed after preemption: token already known
+            self._start_decode(request)
+            return []
+        if token is None:
+            raise StateError(f"last prefill chunk of {request.request_id} needs a sampled token")
+        self._append_token(request, token, now)
+        if self._check_stop(request, token):
+            return [request]
+        if request.state is S.STAGING:
+            request.set_state(S.STAGED)
+        else:
+            request.set_state(S.DECODING)
+            self._start_decode(request)
+        return [request]
+
+    def complete_decode(self, plan: StepPlan, tokens: dict[int, int], now: float) -> list[Request]:
+        """A decode step ran; `tokens[lane]` is each decoding lane's sample."""
+        self._record(StepRecord(kind="decode", lanes=len(plan.lanes)))
+        self.counters.decode_steps += 1
+        self.counters.lane_histogram[len(plan.lanes)] += 1
+        out = []
+        for lane, request_id in zip(plan.lanes, plan.request_ids, strict=True):
+            request = self.by_lane[lane]
+            if request is None or request.request_id != request_id or \
+                    request.state is not S.DECODING or lane not in tokens:
+                continue
+            token = tokens[lane]
+            self.lanes.advance(lane, token)
+            if self.slots is not None:
+                self.slots.advance(lane, 1)
+            self._append_token(request, token, now)
+            self._check_stop(request, token)
+            out.append(request)
+        return out
+
+    def _record(self, record: StepRecord) -> None:
+        self.counters.steps += 1
+        if self.trace is not None:
+            self.trace.append(record)
+
+    def _append_token(self, request: Request, token: int, now: float) -> None:
+        request.output.append(token)
+        request.token_times.append(now)
+        if request.first_token_at is None:
+            request.first_token_at = now
+        self.counters.generated_tokens += 1
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        params = request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and
+                                              token in self.eos_token_ids):
+            self.finish(request, "stop")
+            return True
+        if len(request.output) >= params.max_tokens:
+            self.finish(request, "length")
+            return True
+        return False
+
+    # -- endings ----------------------------------------------------------------------------------
+    def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        """End a request in any live state: free its lane and blocks; the lane is reusable at once."""
+        if request.state is S.FINISHED:
+            return
+        self._release(request)
+        request.set_state(S.FINISHED)
+        request.finish_reason = reason
+        request.error = error
+        self.requests.pop(request.request_id, None)
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        self._event("request.finished" if reason != "error" else "request.failed",
+                    request_id=request.request_id, reason=reason, error=error,
+                    tokens=len(request.output))
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish(request, "abort")
+        return request
+
+    def fail(self, request: Request, error: str) -> None:
+        self.finish(request, "error", error)
+
+    def preempt(self, request: Request) -> None:
+        """Free a running request's lane and blocks; it goes back to the queue head to recompute."""
+        self._release(request)
+        request.set_state(S.WAITING)
+        request.prefill_pos = 0
+        request.preemptions += 1
+        self.counters.preemptions += 1
+        self.waiting.appendleft(request)
+        self._event("request.preempted", request_id=request.request_id,
+                    generated=len(request.output))
+
+    def _release(self, request: Request) -> None:
+        if request.state in (S.STAGING, S.STAGED):
+            self._release_staged(request)
+        elif request.lane >= 0:
+            lane = request.lane
+            held = self.lanes.release(lane)
+            self.by_lane[lane] = None
+            request.lane = -1
+            for block in held:
+                self.pool.free(block)
+            self._event("lane.released", request_id=request.request_id, lane=lane, blocks=held)
+        elif request.state is S.WAITING:
+            self.waiting.remove(request)
+
+    def _release_staged(self, request: Request) -> None:
+        first, *rest = request.blocks
+        self.pool.unstage(first)
+        self.spare = first
+        for block in rest:
+            self.pool.free(block)
+        request.blocks = []
+        self.staging = None
+
+    # -- invariants -------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """DESIGN §3 invariants over pool, lanes and requests; raises `StateError` if broken."""
+        pool, lanes = self.pool, self.lanes
+        pool.check()
+        owned: dict[int, str] = {}
+        for lane in range(lanes.batch_size):
+            request = self.by_lane[lane]
+            state = lanes.state(lane)
+            if (request is None) != (state == core.LANE_IDLE):
+                raise StateError(f"lane={lane} state {state} disagrees with its request")
+            for block in lanes.blocks(lane):
+                if pool.state(block) != core.LANE or pool.owner(block) != lane:
+                    raise StateError(f"lane={lane} holds block={block} in state "
+                                     f"{core.STATE_NAMES[pool.state(block)]}")
+                if block in owned:
+                    raise StateError(f"block={block} is held by {owned[block]} and lane={lane}")
+                owned[block] = f"lane={lane}"
+        if self.staging is not None:
+            for block in self.staging.blocks:
+                if pool.state(block) != core.STAGED or block in owned:
+                    raise StateError(f"staged block={block} is not exclusively STAGED")
+                owned[block] = "staging"
+        if len(owned) != pool.num_lane + pool.num_staged:
+            raise StateError(f"{len(owned)} owned blocks, pool counts "
+                             f"{pool.num_lane + pool.num_staged} LANE+STAGED")
+        if not self.single_block and pool.num_spare + (self.staging is not None) != 1:
+            raise StateError(f"{pool.num_spare} spare blocks with staging={self.staging is not None}")
+        if not self.requests:
+            if lanes.num_busy or pool.num_lane or pool.num_staged:
+                raise StateError("no request is live but lanes or blocks are still owned")
