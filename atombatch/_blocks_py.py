@@ -43,6 +43,8 @@ LANE_PREFILLING = 1
 LANE_DECODING = 2
 LANE_STATE_NAMES = ("IDLE", "PREFILLING", "DECODING")
 
+MAX_TABLE_BLOCK = 32767  # block tables are int16 on the device: a larger id cannot be addressed
+
 IMPLEMENTATION = "py"
 
 
@@ -338,6 +340,13 @@ class LaneTable:
         if self._state[lane] == LANE_IDLE:
             raise StateError(f"lane={lane} is idle")
 
+    @staticmethod
+    def _check_table_block(block: int) -> None:
+        # A -1 or wrapped int16 entry makes the device read or write out of range (DESIGN §2).
+        if not 0 <= block <= MAX_TABLE_BLOCK:
+            raise StateError(f"block={block} is outside the int16 block-table range "
+                             f"0..{MAX_TABLE_BLOCK}")
+
     @property
     def batch_size(self) -> int:
         return self._b
@@ -417,6 +426,7 @@ class LaneTable:
     def push_block(self, lane: int, block: int) -> None:
         """Append a block to the lane's row (the next `block_size` positions)."""
         self._check_busy(lane)
+        self._check_table_block(block)
         n = int(self._num_held[lane])
         if n >= self._bps:
             raise CapacityError(f"lane={lane} already holds {n} blocks, the row's "
@@ -440,6 +450,7 @@ class LaneTable:
         self._check_busy(lane)
         if not 0 <= index < self._num_held[lane]:
             raise StateError(f"lane={lane} has no block at entry {index}")
+        self._check_table_block(block)
         old = int(self._rows[lane, index])
         self._rows[lane, index] = block
         return old
@@ -453,6 +464,8 @@ class LaneTable:
     def start_decode(self, lane: int, seq_len: int, token: int) -> None:
         """PREFILLING -> DECODING with `seq_len` cached positions and `token` to feed next."""
         self._check_busy(lane)
+        if not 0 <= seq_len < self._bps * self._block_size:
+            raise RequestError(f"seq_len={seq_len} is outside 0..{self._bps * self._block_size - 1}")
         if self.blocks_for(seq_len + 1) > self._num_held[lane]:
             raise StateError(f"lane={lane} holds {self._num_held[lane]} blocks, too few for "
                              f"position {seq_len}")
@@ -467,6 +480,7 @@ class LaneTable:
 
     def advance(self, lane: int, token: int) -> None:
         """After a decode step: one more cached position, and the sampled token to feed next."""
+        self._check_lane(lane)
         if self._state[lane] != LANE_DECODING:
             raise StateError(f"lane={lane} is not decoding")
         self._seq_len[lane] += 1
@@ -525,11 +539,22 @@ class DecodeInputs:
 
         A DECODING lane feeds its next token at position `seq_len` through its own blocks, the tail
         entries repeating its last block. Every other lane (idle or mid-prefill) is padding: token 0,
-        position 0, and a row that points only at `padding_block`.
+        position 0, and a row that points only at `padding_block`. Every lane is validated before
+        anything is written, so a failed build leaves the buffers as they were.
         """
         b, bps = lanes._b, lanes._bps
         if self.block_tables.shape != (b, bps):
             raise StateError(f"decode buffers are {self.block_tables.shape}, lanes are {(b, bps)}")
+        for lane in range(b):
+            if lanes._state[lane] == LANE_DECODING:
+                # The device writes position seq_len into entry seq_len // block_size: that entry
+                # must be the lane's own block, not a repeated tail entry (or -1 when none is held).
+                held = int(lanes._num_held[lane])
+                if lanes.blocks_for(int(lanes._seq_len[lane]) + 1) > held or held == 0:
+                    raise StateError(f"lane={lane} holds {held} blocks, too few for position "
+                                     f"{lanes._seq_len[lane]}")
+            elif not 0 <= padding_block <= MAX_TABLE_BLOCK:
+                raise StateError(f"lane={lane} needs padding but padding_block={padding_block}")
         decoding = 0
         for lane in range(b):
             if lanes._state[lane] == LANE_DECODING:
@@ -540,8 +565,6 @@ class DecodeInputs:
                 self.block_tables[lane, held:] = lanes._rows[lane, held - 1]
                 decoding += 1
             else:
-                if padding_block < 0:
-                    raise StateError(f"lane={lane} needs padding but padding_block={padding_block}")
                 self.input_ids[lane, 0] = 0
                 self.cache_position[lane, 0] = 0
                 self.block_tables[lane, :] = padding_block
@@ -568,6 +591,7 @@ class PrefillInputs:
         Real tokens are `tokens[start : start + chunk_size]`; the rest of the chunk is token 0 at the
         following positions (the device writes them; the scheduler holds blocks for the padded
         extent). The table row holds `blocks[:num_blocks]`, tail entries repeating the last block.
+        Everything is validated before anything is written.
         """
         q = self.chunk_size
         total = len(tokens)
@@ -575,6 +599,14 @@ class PrefillInputs:
             raise StateError(f"start={start} is outside the {total}-token prompt")
         if not 0 < num_blocks <= len(self.block_tables):
             raise StateError(f"num_blocks={num_blocks} is outside 1..{len(self.block_tables)}")
+        if num_blocks > len(blocks):
+            raise StateError(f"num_blocks={num_blocks} but only {len(blocks)} blocks were given")
+        for j in range(num_blocks):
+            if not 0 <= blocks[j] <= MAX_TABLE_BLOCK:
+                raise StateError(f"blocks[{j}]={blocks[j]} is outside the int16 block-table range "
+                                 f"0..{MAX_TABLE_BLOCK}")
+        if not 0 <= sliding_slot <= MAX_TABLE_BLOCK:
+            raise StateError(f"sliding_slot={sliding_slot} is outside 0..{MAX_TABLE_BLOCK}")
         real = min(q, total - start)
         self.input_ids[0, :real] = tokens[start : start + real]
         self.input_ids[0, real:] = 0

@@ -1,0 +1,791 @@
+# cython: language_level=3, embedsignature=True
+"""Compiled block/lane core: the hot path of atombatch (see `_blocks_py.py` for the reference).
+
+Theory of operation
+-------------------
+Identical to the pure-Python twin `_blocks_py.py`, which is the behavioural reference: every class,
+method, property, return value, exception type and message here matches it (the tests drive both
+with the same operation sequences and compare every array).
+
+`BlockPool` threads its free list and its LRU list of unpinned CACHED blocks through one pair of int32
+`prev`/`next` arrays with four sentinel nodes (free head/tail = n, n+1; LRU head/tail = n+2, n+3), so
+every transition is a few array writes: O(1) whatever the pool size, and no allocation. Each public
+method validates its block/lane indices and the state it expects and raises a typed error before it
+changes anything; only then do the `noexcept` list primitives run, with bounds checks off (they are
+back on, and `check()` runs after every transition, in a build made with `ATOMBATCH_DEBUG=1`).
+
+The numpy arrays are allocated once in the constructors; the compiled code reads and writes them
+through typed memoryviews. `DecodeInputs.build` reads the `LaneTable`'s arrays directly and rewrites
+the decode buffers in place: no Python object is created per lane.
+"""
+
+cimport cython
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t
+
+import numpy as np
+
+from atombatch.errors import CapacityError, RequestError, StateError
+
+FREE = 0
+SPARE = 1
+STAGED = 2
+LANE = 3
+CACHED = 4
+STATE_NAMES = ("FREE", "SPARE", "STAGED", "LANE", "CACHED")
+
+LANE_IDLE = 0
+LANE_PREFILLING = 1
+LANE_DECODING = 2
+LANE_STATE_NAMES = ("IDLE", "PREFILLING", "DECODING")
+
+MAX_TABLE_BLOCK = 32767  # block tables are int16 on the device: a larger id cannot be addressed
+
+IMPLEMENTATION = "c"
+
+DEBUG = bool(ATOMBATCH_DEBUG)
+
+cdef enum:
+    C_FREE = 0
+    C_SPARE = 1
+    C_STAGED = 2
+    C_LANE = 3
+    C_CACHED = 4
+    C_LANE_IDLE = 0
+    C_LANE_PREFILLING = 1
+    C_LANE_DECODING = 2
+    C_MAX_TABLE_BLOCK = 32767
+
+
+cdef inline Py_ssize_t _ceil_div(Py_ssize_t a, Py_ssize_t b) noexcept:
+    # Python's -(-a // b): without the cdivision directive `//` floors like Python does.
+    return -((-a) // b)
+
+
+@cython.final
+cdef class BlockPool:
+    """Owner of every KV block's state; O(1) transitions over intrusive lists."""
+
+    def __cinit__(self, Py_ssize_t num_blocks):
+        if num_blocks <= 0:
+            raise CapacityError(f"num_blocks={num_blocks} must be positive")
+        if num_blocks > 0x7FFFFFFF - 4:
+            raise CapacityError(f"num_blocks={num_blocks} does not fit the int32 block index")
+        cdef Py_ssize_t n = num_blocks, block
+        self._n = n
+        self._free_head = <int32_t>n
+        self._free_tail = <int32_t>(n + 1)
+        self._lru_head = <int32_t>(n + 2)
+        self._lru_tail = <int32_t>(n + 3)
+        self._prev = np.full(n + 4, -1, dtype=np.int32)
+        self._next = np.full(n + 4, -1, dtype=np.int32)
+        self._state = np.zeros(n, dtype=np.int8)
+        self._owner = np.full(n, -1, dtype=np.int32)
+        self._refcnt = np.zeros(n, dtype=np.int32)
+        self._prev_v = self._prev
+        self._next_v = self._next
+        self._state_v = self._state
+        self._owner_v = self._owner
+        self._refcnt_v = self._refcnt
+        for block in range(5):
+            self._count[block] = 0
+        self._num_evictable = 0
+        self._next_v[self._free_head] = self._free_tail
+        self._prev_v[self._free_tail] = self._free_head
+        self._next_v[self._lru_head] = self._lru_tail
+        self._prev_v[self._lru_tail] = self._lru_head
+        for block in range(n):
+            self._push_back(self._free_tail, <int32_t>block)
+        self._count[C_FREE] = n
+
+    # -- list primitives (callers have validated every index) ----------------------------------
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    @cython.initializedcheck(ATOMBATCH_DEBUG)
+    cdef inline void _push_back(self, int32_t tail, int32_t node) noexcept:
+        cdef int32_t last = self._prev_v[tail]
+        self._next_v[last] = node
+        self._prev_v[node] = last
+        self._next_v[node] = tail
+        self._prev_v[tail] = node
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    @cython.initializedcheck(ATOMBATCH_DEBUG)
+    cdef inline void _unlink(self, int32_t node) noexcept:
+        cdef int32_t before = self._prev_v[node]
+        cdef int32_t after = self._next_v[node]
+        self._next_v[before] = after
+        self._prev_v[after] = before
+        self._prev_v[node] = -1
+        self._next_v[node] = -1
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    @cython.initializedcheck(ATOMBATCH_DEBUG)
+    cdef inline void _move(self, int32_t block, int8_t state, int32_t owner) noexcept:
+        self._count[self._state_v[block]] -= 1
+        self._count[state] += 1
+        self._state_v[block] = state
+        self._owner_v[block] = owner
+
+    cdef int _check_block(self, Py_ssize_t block) except -1:
+        if not 0 <= block < self._n:
+            raise StateError(f"block={block} is outside the pool 0..{self._n - 1}")
+        return 0
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    cdef int _expect(self, Py_ssize_t block, int8_t state, str action) except -1:
+        self._check_block(block)
+        if self._state_v[block] != state:
+            raise StateError(f"cannot {action} block={block}: it is "
+                             f"{STATE_NAMES[self._state_v[block]]}, not {STATE_NAMES[state]}")
+        return 0
+
+    cdef int _debug_check(self) except -1:
+        if ATOMBATCH_DEBUG:
+            self.check()
+        return 0
+
+    # -- queries --------------------------------------------------------------------------------
+    @property
+    def num_blocks(self):
+        return self._n
+
+    @property
+    def num_free(self):
+        return self._count[C_FREE]
+
+    @property
+    def num_spare(self):
+        return self._count[C_SPARE]
+
+    @property
+    def num_staged(self):
+        return self._count[C_STAGED]
+
+    @property
+    def num_lane(self):
+        return self._count[C_LANE]
+
+    @property
+    def num_cached(self):
+        return self._count[C_CACHED]
+
+    @property
+    def num_evictable(self):
+        """CACHED blocks with refcount 0 (the LRU list)."""
+        return self._num_evictable
+
+    @property
+    def _counts(self):
+        return [self._count[0], self._count[1], self._count[2], self._count[3], self._count[4]]
+
+    def state(self, Py_ssize_t block):
+        self._check_block(block)
+        return self._state_v[block]
+
+    def owner(self, Py_ssize_t block):
+        """Lane of a LANE block, request key of a STAGED block, -1 otherwise."""
+        self._check_block(block)
+        return self._owner_v[block]
+
+    def refcount(self, Py_ssize_t block):
+        self._check_block(block)
+        return self._refcnt_v[block]
+
+    def first_free(self):
+        """The block `allocate` would hand out next, or -1 when the free list is empty."""
+        cdef int32_t head = self._next_v[self._free_head]
+        return -1 if head == self._free_tail else head
+
+    def free_blocks(self):
+        return self._walk(self._free_head, self._free_tail)
+
+    def lru_blocks(self):
+        """Evictable CACHED blocks, least recently used first."""
+        return self._walk(self._lru_head, self._lru_tail)
+
+    cdef list _walk(self, int32_t head, int32_t tail):
+        cdef list out = []
+        cdef int32_t node = self._next_v[head]
+        cdef Py_ssize_t steps = 0
+        while node != tail:
+            if node < 0 or node >= self._n or steps > self._n:
+                raise StateError(f"list from sentinel {head} is corrupt at node {node}")
+            out.append(node)
+            node = self._next_v[node]
+            steps += 1
+        return out
+
+    def counts(self):
+        """(free, spare, staged, lane, cached)."""
+        return (self._count[C_FREE], self._count[C_SPARE], self._count[C_STAGED],
+                self._count[C_LANE], self._count[C_CACHED])
+
+    # -- transitions ----------------------------------------------------------------------------
+    def allocate(self, int state, owner=-1):
+        """FREE -> `state` (SPARE, STAGED or LANE) for `owner`; the oldest free block first."""
+        if state != C_SPARE and state != C_STAGED and state != C_LANE:
+            raise StateError(f"cannot allocate into state={state}: only SPARE, STAGED or LANE")
+        cdef int32_t owner_id = owner
+        cdef int32_t block = self._next_v[self._free_head]
+        if block == self._free_tail:
+            raise CapacityError(f"Cannot get 1 free block from the pool: all {self._n} blocks "
+                                f"are in use (cached evictable: {self._num_evictable})")
+        self._unlink(block)
+        self._move(block, <int8_t>state, owner_id if state != C_SPARE else -1)
+        self._debug_check()
+        return block
+
+    def free(self, Py_ssize_t block):
+        """SPARE, STAGED or LANE -> FREE (appended to the free list)."""
+        self._check_block(block)
+        cdef int8_t state = self._state_v[block]
+        if state != C_SPARE and state != C_STAGED and state != C_LANE:
+            raise StateError(f"cannot free block={block}: it is {STATE_NAMES[state]}")
+        self._move(<int32_t>block, C_FREE, -1)
+        self._push_back(self._free_tail, <int32_t>block)
+        self._debug_check()
+
+    def reserve_spare(self):
+        """Take a FREE block as the spare (padding target and staging area)."""
+        return self.allocate(C_SPARE, -1)
+
+    def stage(self, Py_ssize_t block, owner):
+        """SPARE -> STAGED(owner): a queued request starts filling the spare."""
+        cdef int32_t owner_id = owner
+        self._expect(block, C_SPARE, "stage")
+        self._move(<int32_t>block, C_STAGED, owner_id)
+        self._debug_check()
+
+    def unstage(self, Py_ssize_t block):
+        """STAGED -> SPARE: the staging request went away; the block is a padding target again."""
+        self._expect(block, C_STAGED, "unstage")
+        self._move(<int32_t>block, C_SPARE, -1)
+        self._debug_check()
+
+    def assign(self, Py_ssize_t block, lane):
+        """STAGED(r) -> LANE(lane): a staged request takes its lane, keeping its filled block."""
+        cdef int32_t lane_id = lane
+        self._expect(block, C_STAGED, "assign")
+        self._move(<int32_t>block, C_LANE, lane_id)
+        self._debug_check()
+
+    def to_spare(self, Py_ssize_t block):
+        """LANE -> SPARE: a finished lane's block becomes the new spare (no KV copy)."""
+        self._expect(block, C_LANE, "make spare")
+        self._move(<int32_t>block, C_SPARE, -1)
+        self._debug_check()
+
+    def rotate(self, Py_ssize_t staged_block, Py_ssize_t lane_block, lane):
+        """Block rotation: STAGED -> LANE(lane) and that lane's old block LANE -> SPARE, at once."""
+        cdef int32_t lane_id = lane
+        self._expect(staged_block, C_STAGED, "rotate in")
+        self._expect(lane_block, C_LANE, "rotate out")
+        if self._owner_v[lane_block] != lane_id:
+            raise StateError(f"cannot rotate block={lane_block} out of lane={lane}: it belongs to "
+                             f"lane={self._owner_v[lane_block]}")
+        self._move(<int32_t>staged_block, C_LANE, lane_id)
+        self._move(<int32_t>lane_block, C_SPARE, -1)
+        self._debug_check()
+
+    def cache(self, Py_ssize_t block):
+        """LANE or STAGED -> CACHED with refcount 0, most recently used."""
+        self._check_block(block)
+        cdef int8_t state = self._state_v[block]
+        if state != C_LANE and state != C_STAGED:
+            raise StateError(f"cannot cache block={block}: it is {STATE_NAMES[state]}")
+        self._move(<int32_t>block, C_CACHED, -1)
+        self._refcnt_v[block] = 0
+        self._push_back(self._lru_tail, <int32_t>block)
+        self._num_evictable += 1
+        self._debug_check()
+
+    def acquire(self, Py_ssize_t block):
+        """Pin a CACHED block (refcount + 1); a pinned block is not evictable."""
+        self._expect(block, C_CACHED, "acquire")
+        if self._refcnt_v[block] == 0:
+            self._unlink(<int32_t>block)
+            self._num_evictable -= 1
+        self._refcnt_v[block] += 1
+        self._debug_check()
+
+    def release(self, Py_ssize_t block):
+        """Unpin a CACHED block; at refcount 0 it becomes the most recently used evictable block."""
+        self._expect(block, C_CACHED, "release")
+        if self._refcnt_v[block] == 0:
+            raise StateError(f"cannot release block={block}: its refcount is already 0")
+        self._refcnt_v[block] -= 1
+        if self._refcnt_v[block] == 0:
+            self._push_back(self._lru_tail, <int32_t>block)
+            self._num_evictable += 1
+        self._debug_check()
+
+    def touch(self, Py_ssize_t block):
+        """Mark an unpinned CACHED block most recently used."""
+        self._expect(block, C_CACHED, "touch")
+        if self._refcnt_v[block] == 0:
+            self._unlink(<int32_t>block)
+            self._push_back(self._lru_tail, <int32_t>block)
+        self._debug_check()
+
+    def evict(self):
+        """The least recently used unpinned CACHED block -> FREE; returns it."""
+        cdef int32_t block = self._next_v[self._lru_head]
+        if block == self._lru_tail:
+            raise CapacityError(f"Cannot evict: none of the {self._count[C_CACHED]} cached blocks "
+                                "is unpinned")
+        self._unlink(block)
+        self._num_evictable -= 1
+        self._move(block, C_FREE, -1)
+        self._push_back(self._free_tail, block)
+        self._debug_check()
+        return block
+
+    def drop(self, Py_ssize_t block):
+        """Remove one specific unpinned CACHED block -> FREE (invalidation)."""
+        self._expect(block, C_CACHED, "drop")
+        if self._refcnt_v[block]:
+            raise StateError(f"cannot drop block={block}: refcount {self._refcnt_v[block]}")
+        self._unlink(<int32_t>block)
+        self._num_evictable -= 1
+        self._move(<int32_t>block, C_FREE, -1)
+        self._push_back(self._free_tail, <int32_t>block)
+        self._debug_check()
+
+    def adopt(self, Py_ssize_t block, lane):
+        """An unpinned CACHED block -> LANE(lane): a prefix hit takes the cached KV in place."""
+        cdef int32_t lane_id = lane
+        self._expect(block, C_CACHED, "adopt")
+        if self._refcnt_v[block]:
+            raise StateError(f"cannot adopt block={block}: refcount {self._refcnt_v[block]} "
+                             "(shared blocks are copied, not adopted)")
+        self._unlink(<int32_t>block)
+        self._num_evictable -= 1
+        self._move(<int32_t>block, C_LANE, lane_id)
+        self._debug_check()
+
+    # -- invariants -----------------------------------------------------------------------------
+    def check(self):
+        """Raise `StateError` if the lists and counters disagree with the per-block states."""
+        free = self.free_blocks()
+        lru = self.lru_blocks()
+        cdef list counts = self._counts
+        cdef list want = [0, 0, 0, 0, 0]
+        cdef Py_ssize_t block
+        for block in range(self._n):
+            if not 0 <= self._state_v[block] <= C_CACHED:
+                raise StateError(f"block={block} has an unknown state {self._state_v[block]}")
+            want[self._state_v[block]] += 1
+        if want != counts:
+            raise StateError(f"counters {counts} disagree with block states {want}")
+        if sum(counts) != self._n:
+            raise StateError(f"conservation: {counts} does not sum to {self._n}")
+        if sorted(free) != [b for b in range(self._n) if self._state_v[b] == C_FREE]:
+            raise StateError("the free list does not hold exactly the FREE blocks")
+        if sorted(lru) != [b for b in range(self._n) if self._state_v[b] == C_CACHED and
+                           self._refcnt_v[b] == 0]:
+            raise StateError("the LRU list does not hold exactly the unpinned CACHED blocks")
+        if len(lru) != self._num_evictable:
+            raise StateError(f"num_evictable={self._num_evictable}, LRU list has {len(lru)}")
+
+
+@cython.final
+cdef class LaneTable:
+    """B stable lanes: state, sequence length, next token and block row per lane."""
+
+    def __cinit__(self, Py_ssize_t batch_size, Py_ssize_t blocks_per_seq, Py_ssize_t block_size):
+        if batch_size <= 0 or blocks_per_seq <= 0 or block_size <= 0:
+            raise CapacityError(f"batch_size={batch_size}, blocks_per_seq={blocks_per_seq}, "
+                                f"block_size={block_size} must all be positive")
+        self._b = batch_size
+        self._bps = blocks_per_seq
+        self._block_size = block_size
+        self._state = np.zeros(batch_size, dtype=np.int8)
+        self._seq_len = np.zeros(batch_size, dtype=np.int32)
+        self._next_token = np.zeros(batch_size, dtype=np.int64)
+        self._num_held = np.zeros(batch_size, dtype=np.int32)
+        self._rows = np.full((batch_size, blocks_per_seq), -1, dtype=np.int32)
+        self._state_v = self._state
+        self._seq_len_v = self._seq_len
+        self._next_token_v = self._next_token
+        self._num_held_v = self._num_held
+        self._rows_v = self._rows
+        self._num_busy = 0
+
+    cdef int _check_lane(self, Py_ssize_t lane) except -1:
+        if not 0 <= lane < self._b:
+            raise StateError(f"lane={lane} is outside 0..{self._b - 1}")
+        return 0
+
+    cdef int _check_busy(self, Py_ssize_t lane) except -1:
+        self._check_lane(lane)
+        if self._state_v[lane] == C_LANE_IDLE:
+            raise StateError(f"lane={lane} is idle")
+        return 0
+
+    cdef inline Py_ssize_t _blocks_for(self, Py_ssize_t num_positions) noexcept:
+        return _ceil_div(num_positions, self._block_size)
+
+    @property
+    def batch_size(self):
+        return self._b
+
+    @property
+    def blocks_per_seq(self):
+        return self._bps
+
+    @property
+    def block_size(self):
+        return self._block_size
+
+    @property
+    def num_busy(self):
+        return self._num_busy
+
+    @property
+    def num_idle(self):
+        return self._b - self._num_busy
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    def num_decoding(self):
+        cdef Py_ssize_t lane, n = 0
+        for lane in range(self._b):
+            if self._state_v[lane] == C_LANE_DECODING:
+                n += 1
+        return n
+
+    def state(self, Py_ssize_t lane):
+        self._check_lane(lane)
+        return self._state_v[lane]
+
+    def seq_len(self, Py_ssize_t lane):
+        self._check_lane(lane)
+        return self._seq_len_v[lane]
+
+    def next_token(self, Py_ssize_t lane):
+        self._check_lane(lane)
+        return self._next_token_v[lane]
+
+    def num_held(self, Py_ssize_t lane):
+        self._check_lane(lane)
+        return self._num_held_v[lane]
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    def blocks(self, Py_ssize_t lane):
+        self._check_lane(lane)
+        cdef Py_ssize_t j
+        return [self._rows_v[lane, j] for j in range(self._num_held_v[lane])]
+
+    def last_block(self, Py_ssize_t lane):
+        self._check_busy(lane)
+        cdef int32_t n = self._num_held_v[lane]
+        return self._rows_v[lane, n - 1] if n else -1
+
+    def blocks_for(self, Py_ssize_t num_positions):
+        """Blocks needed to hold positions 0..num_positions-1."""
+        return self._blocks_for(num_positions)
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    def assign(self):
+        """Take the lowest idle lane (state PREFILLING, length 0, no blocks)."""
+        cdef Py_ssize_t lane
+        for lane in range(self._b):
+            if self._state_v[lane] == C_LANE_IDLE:
+                self._state_v[lane] = C_LANE_PREFILLING
+                self._seq_len_v[lane] = 0
+                self._next_token_v[lane] = 0
+                self._num_held_v[lane] = 0
+                self._num_busy += 1
+                return lane
+        raise CapacityError(f"Cannot assign a lane: all {self._b} lanes are busy")
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    def release(self, Py_ssize_t lane):
+        """Return the lane to the idle set at once; gives back the blocks it held, in order."""
+        self._check_busy(lane)
+        cdef Py_ssize_t j
+        cdef list held = [self._rows_v[lane, j] for j in range(self._num_held_v[lane])]
+        self._state_v[lane] = C_LANE_IDLE
+        self._seq_len_v[lane] = 0
+        self._next_token_v[lane] = 0
+        self._num_held_v[lane] = 0
+        for j in range(self._bps):
+            self._rows_v[lane, j] = -1
+        self._num_busy -= 1
+        return held
+
+    def push_block(self, Py_ssize_t lane, Py_ssize_t block):
+        """Append a block to the lane's row (the next `block_size` positions)."""
+        self._check_busy(lane)
+        if not 0 <= block <= C_MAX_TABLE_BLOCK:
+            raise StateError(f"block={block} is outside the int16 block-table range "
+                             f"0..{MAX_TABLE_BLOCK}")
+        cdef int32_t n = self._num_held_v[lane]
+        if n >= self._bps:
+            raise CapacityError(f"lane={lane} already holds {n} blocks, the row's "
+                                f"{self._bps} entries")
+        self._rows_v[lane, n] = <int32_t>block
+        self._num_held_v[lane] = n + 1
+
+    def pop_block(self, Py_ssize_t lane):
+        """Remove and return the lane's last block."""
+        self._check_busy(lane)
+        cdef int32_t n = self._num_held_v[lane]
+        if n == 0:
+            raise StateError(f"lane={lane} holds no block")
+        cdef int32_t block = self._rows_v[lane, n - 1]
+        self._rows_v[lane, n - 1] = -1
+        self._num_held_v[lane] = n - 1
+        return block
+
+    def replace_block(self, Py_ssize_t lane, Py_ssize_t index, Py_ssize_t block):
+        """Swap the block at row entry `index` (rotation, copy-on-write); returns the old block."""
+        self._check_busy(lane)
+        if not 0 <= index < self._num_held_v[lane]:
+            raise StateError(f"lane={lane} has no block at entry {index}")
+        if not 0 <= block <= C_MAX_TABLE_BLOCK:
+            raise StateError(f"block={block} is outside the int16 block-table range "
+                             f"0..{MAX_TABLE_BLOCK}")
+        cdef int32_t old = self._rows_v[lane, index]
+        self._rows_v[lane, index] = <int32_t>block
+        return old
+
+    def set_seq_len(self, Py_ssize_t lane, Py_ssize_t seq_len):
+        self._check_busy(lane)
+        if not 0 <= seq_len <= self._bps * self._block_size:
+            raise RequestError(f"seq_len={seq_len} is outside 0..{self._bps * self._block_size}")
+        self._seq_len_v[lane] = <int32_t>seq_len
+
+    def start_decode(self, Py_ssize_t lane, Py_ssize_t seq_len, int64_t token):
+        """PREFILLING -> DECODING with `seq_len` cached positions and `token` to feed next."""
+        self._check_busy(lane)
+        if not 0 <= seq_len < self._bps * self._block_size:
+            raise RequestError(f"seq_len={seq_len} is outside 0..{self._bps * self._block_size - 1}")
+        if self._blocks_for(seq_len + 1) > self._num_held_v[lane]:
+            raise StateError(f"lane={lane} holds {self._num_held_v[lane]} blocks, too few for "
+                             f"position {seq_len}")
+        self._state_v[lane] = C_LANE_DECODING
+        self._seq_len_v[lane] = <int32_t>seq_len
+        self._next_token_v[lane] = token
+
+    def stop_decode(self, Py_ssize_t lane):
+        """DECODING -> PREFILLING (preemption keeps the lane while it recomputes)."""
+        self._check_busy(lane)
+        self._state_v[lane] = C_LANE_PREFILLING
+
+    def advance(self, Py_ssize_t lane, int64_t token):
+        """After a decode step: one more cached position, and the sampled token to feed next."""
+        self._check_lane(lane)
+        if self._state_v[lane] != C_LANE_DECODING:
+            raise StateError(f"lane={lane} is not decoding")
+        self._seq_len_v[lane] += 1
+        self._next_token_v[lane] = token
+
+    def rows(self):
+        """A read-only view of the raw rows (-1 past each lane's held blocks)."""
+        view = self._rows.view()
+        view.flags.writeable = False
+        return view
+
+
+@cython.final
+cdef class SlidingSlots:
+    """Per-lane fill of the Gemma3 sliding-window slot (`min(positions, window)`)."""
+
+    def __cinit__(self, Py_ssize_t batch_size, Py_ssize_t window):
+        if batch_size <= 0 or window <= 0:
+            raise CapacityError(f"batch_size={batch_size} and window={window} must be positive")
+        self._window = window
+        self._fill = np.zeros(batch_size, dtype=np.int32)
+        self._fill_v = self._fill
+
+    cdef int _check_lane(self, Py_ssize_t lane) except -1:
+        if not 0 <= lane < self._fill_v.shape[0]:
+            raise StateError(f"lane={lane} is outside 0..{self._fill_v.shape[0] - 1}")
+        return 0
+
+    @property
+    def window(self):
+        return self._window
+
+    def fill(self, Py_ssize_t lane):
+        self._check_lane(lane)
+        return self._fill_v[lane]
+
+    def reset(self, Py_ssize_t lane):
+        """A new tenant: it must never read the previous tenant's window."""
+        self._check_lane(lane)
+        self._fill_v[lane] = 0
+
+    def advance(self, Py_ssize_t lane, Py_ssize_t num_tokens):
+        """`num_tokens` more tokens entered the slot; returns the new fill."""
+        self._check_lane(lane)
+        if num_tokens < 0:
+            raise StateError(f"num_tokens={num_tokens} must be >= 0")
+        cdef Py_ssize_t fill = self._fill_v[lane] + num_tokens
+        if fill > self._window:
+            fill = self._window
+        self._fill_v[lane] = <int32_t>fill
+        return self._fill_v[lane]
+
+
+@cython.final
+cdef class DecodeInputs:
+    """The decode graph's inputs, allocated once and rewritten in place every step."""
+
+    def __cinit__(self, Py_ssize_t batch_size, Py_ssize_t blocks_per_seq):
+        self.input_ids = np.zeros((batch_size, 1), dtype=np.int64)
+        self.cache_position = np.zeros((batch_size, 1), dtype=np.int32)
+        self.block_tables = np.zeros((batch_size, blocks_per_seq), dtype=np.int16)
+        self.local_block_tables = np.arange(batch_size, dtype=np.int16).reshape(batch_size, 1)
+        self._b = batch_size
+        self._bps = blocks_per_seq
+        self._input_ids_v = self.input_ids
+        self._cache_position_v = self.cache_position
+        self._block_tables_v = self.block_tables
+        self._local_block_tables_v = self.local_block_tables
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    @cython.initializedcheck(ATOMBATCH_DEBUG)
+    def build(self, LaneTable lanes not None, Py_ssize_t padding_block):
+        """Fill every row; returns the number of decoding lanes.
+
+        A DECODING lane feeds its next token at position `seq_len` through its own blocks, the tail
+        entries repeating its last block. Every other lane (idle or mid-prefill) is padding: token 0,
+        position 0, and a row that points only at `padding_block`. Every lane is validated before
+        anything is written, so a failed build leaves the buffers as they were.
+        """
+        cdef Py_ssize_t b = lanes._b, bps = lanes._bps
+        cdef Py_ssize_t lane, j, held, decoding = 0
+        cdef int16_t last, pad
+        cdef int8_t[::1] state = lanes._state_v
+        cdef int32_t[::1] num_held = lanes._num_held_v
+        cdef int32_t[::1] seq_len = lanes._seq_len_v
+        cdef int64_t[::1] next_token = lanes._next_token_v
+        cdef int32_t[:, ::1] rows = lanes._rows_v
+        cdef int64_t[:, ::1] input_ids = self._input_ids_v
+        cdef int32_t[:, ::1] cache_position = self._cache_position_v
+        cdef int16_t[:, ::1] tables = self._block_tables_v
+        cdef int16_t[:, ::1] local_tables = self._local_block_tables_v
+        if self._b != b or self._bps != bps:
+            raise StateError(f"decode buffers are {self.block_tables.shape}, lanes are {(b, bps)}")
+        for lane in range(b):
+            if state[lane] == C_LANE_DECODING:
+                # The device writes position seq_len into entry seq_len // block_size: that entry
+                # must be the lane's own block, not a repeated tail entry (or -1 when none is held).
+                held = num_held[lane]
+                if lanes._blocks_for(seq_len[lane] + 1) > held or held == 0:
+                    raise StateError(f"lane={lane} holds {held} blocks, too few for position "
+                                     f"{seq_len[lane]}")
+            elif not 0 <= padding_block <= C_MAX_TABLE_BLOCK:
+                raise StateError(f"lane={lane} needs padding but padding_block={padding_block}")
+        pad = <int16_t>padding_block
+        for lane in range(b):
+            if state[lane] == C_LANE_DECODING:
+                held = num_held[lane]
+                input_ids[lane, 0] = next_token[lane]
+                cache_position[lane, 0] = seq_len[lane]
+                for j in range(held):
+                    tables[lane, j] = <int16_t>rows[lane, j]
+                last = <int16_t>rows[lane, held - 1]
+                for j in range(held, bps):
+                    tables[lane, j] = last
+                decoding += 1
+            else:
+                input_ids[lane, 0] = 0
+                cache_position[lane, 0] = 0
+                for j in range(bps):
+                    tables[lane, j] = pad
+            local_tables[lane, 0] = <int16_t>lane
+        return decoding
+
+
+@cython.final
+cdef class PrefillInputs:
+    """The prefill graph's inputs (batch 1, `chunk_size` tokens), allocated once."""
+
+    def __cinit__(self, Py_ssize_t chunk_size, Py_ssize_t blocks_per_seq):
+        self.chunk_size = chunk_size
+        self._bps = blocks_per_seq
+        self.input_ids = np.zeros((1, chunk_size), dtype=np.int64)
+        self.cache_position = np.zeros((1, chunk_size), dtype=np.int32)
+        self.block_tables = np.zeros(blocks_per_seq, dtype=np.int16)
+        self.local_block_tables = np.zeros(1, dtype=np.int16)
+        self.query_position = np.zeros((), dtype=np.int16)
+        self._input_ids_v = self.input_ids
+        self._cache_position_v = self.cache_position
+        self._block_tables_v = self.block_tables
+        self._local_block_tables_v = self.local_block_tables
+        self._query_position_v = self.query_position.reshape(1)  # a view of the 0-d array
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    @cython.initializedcheck(ATOMBATCH_DEBUG)
+    def build(self, tokens, Py_ssize_t start, blocks, Py_ssize_t num_blocks,
+              Py_ssize_t sliding_slot=0):
+        """Fill the chunk that starts at position `start`; returns its number of real tokens.
+
+        Real tokens are `tokens[start : start + chunk_size]`; the rest of the chunk is token 0 at the
+        following positions (the device writes them; the scheduler holds blocks for the padded
+        extent). The table row holds `blocks[:num_blocks]`, tail entries repeating the last block.
+        Everything is validated before anything is written.
+        """
+        cdef Py_ssize_t q = self.chunk_size, total = len(tokens), j, real
+        cdef Py_ssize_t nb = self._bps
+        cdef const int64_t[:] token_v
+        cdef const int32_t[:] block_v
+        cdef int16_t[::1] tables = self._block_tables_v
+        cdef int64_t[:, ::1] input_ids = self._input_ids_v
+        cdef int32_t[:, ::1] cache_position = self._cache_position_v
+        cdef int16_t last
+        if not 0 <= start < total:
+            raise StateError(f"start={start} is outside the {total}-token prompt")
+        if not 0 < num_blocks <= nb:
+            raise StateError(f"num_blocks={num_blocks} is outside 1..{nb}")
+        if num_blocks > len(blocks):
+            raise StateError(f"num_blocks={num_blocks} but only {len(blocks)} blocks were given")
+        fast_blocks = isinstance(blocks, np.ndarray) and blocks.dtype == np.int32 and blocks.ndim == 1
+        if fast_blocks:
+            block_v = blocks
+            for j in range(num_blocks):
+                if not 0 <= block_v[j] <= C_MAX_TABLE_BLOCK:
+                    raise StateError(f"blocks[{j}]={block_v[j]} is outside the int16 block-table "
+                                     f"range 0..{MAX_TABLE_BLOCK}")
+        else:
+            for j in range(num_blocks):
+                if not 0 <= blocks[j] <= MAX_TABLE_BLOCK:
+                    raise StateError(f"blocks[{j}]={blocks[j]} is outside the int16 block-table "
+                                     f"range 0..{MAX_TABLE_BLOCK}")
+        if not 0 <= sliding_slot <= C_MAX_TABLE_BLOCK:
+            raise StateError(f"sliding_slot={sliding_slot} is outside 0..{MAX_TABLE_BLOCK}")
+        real = min(q, total - start)
+        if isinstance(tokens, np.ndarray) and tokens.dtype == np.int64 and tokens.ndim == 1:
+            token_v = tokens
+            for j in range(real):
+                input_ids[0, j] = token_v[start + j]
+        else:
+            self.input_ids[0, :real] = tokens[start : start + real]
+        for j in range(real, q):
+            input_ids[0, j] = 0
+        for j in range(q):
+            cache_position[0, j] = <int32_t>(start + j)
+        if fast_blocks:
+            for j in range(num_blocks):
+                tables[j] = <int16_t>block_v[j]
+            last = <int16_t>block_v[num_blocks - 1]
+        else:
+            for j in range(num_blocks):
+                tables[j] = <int16_t>blocks[j]
+            last = <int16_t>blocks[num_blocks - 1]
+        for j in range(num_blocks, nb):
+            tables[j] = last
+        self._local_block_tables_v[0] = <int16_t>sliding_slot
+        self._query_position_v[0] = <int16_t>(real - 1)
+        return real
