@@ -1,0 +1,317 @@
+"""Memory planner: the origin issue's figures to the byte, hybrid slots, TP, verdicts, the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from atombatch import plan
+from atombatch.bench import fit as fit_cli
+from atombatch.config import ArtifactConfig, ModelSpec
+from atombatch.errors import ConfigError
+
+CTX = 9216
+ORIGIN_USED = 16_357_785_600
+ATOM = 16_877_879_296
+
+
+def eager(name: str, batch_size: int, num_blocks: int, tp: int = 1) -> ArtifactConfig:
+    return ArtifactConfig(model=ModelSpec.preset(name), batch_size=batch_size, max_seq_len=CTX,
+                          block_size=CTX, num_blocks=num_blocks, tensor_parallel=tp)
+
+
+# -- origin issue -------------------------------------------------------------------------------
+
+def test_origin_koni_b1_k1_kv_tensors() -> None:
+    tensors = plan.kv_tensor_shapes(eager("koni-8b", 1, 1))
+    assert len(tensors) == 64
+    assert {(shape, dtype) for _, shape, dtype in tensors} == {((1, 8, 9216, 128), "bfloat16")}
+    assert tensors[0][0] == "layers.0.key"
+    assert tensors[-1][0] == "layers.31.value"
+    assert plan.kv_cache_bytes(eager("koni-8b", 1, 1)) == 1_207_959_552
+
+
+def test_origin_koni_k5_kv_bytes() -> None:
+    assert plan.kv_cache_bytes(eager("koni-8b", 1, 5)) == 6_039_797_760
+    # Eager global KV does not depend on the batch: B4/k5 holds the same five blocks.
+    assert plan.kv_cache_bytes(eager("koni-8b", 4, 5)) == 6_039_797_760
+
+
+def test_origin_koni_k5_projection_does_not_fit() -> None:
+    result = plan.fit(eager("koni-8b", 1, 5), device_bytes=ATOM, observed_used_bytes=ORIGIN_USED,
+                      observed_artifact=eager("koni-8b", 1, 1))
+    assert result.kv_bytes == 6_039_797_760
+    assert result.projected_bytes == 21_189_623_808
+    assert result.device_bytes == 16_877_879_296
+    assert result.headroom_bytes == 16_877_879_296 - 21_189_623_808
+    assert result.fits is False
+    assert result.method == "observed"
+    assert result.conditional is True
+    assert "other allocations stay unchanged" in result.basis
+    assert result.observed_kv_bytes == 1_207_959_552
+    assert result.observed_used_bytes == ORIGIN_USED
+    assert result.observed_label == "koni-8b B1/ctx9216/k1"
+    assert result.other_bytes == ORIGIN_USED - 1_207_959_552
+    assert result.label == "koni-8b B1/ctx9216/k5"
+    assert result.identity == eager("koni-8b", 1, 5).identity
+
+
+def test_origin_observation_on_itself_fits() -> None:
+    art = eager("koni-8b", 1, 1)
+    result = plan.fit(art, observed_used_bytes=ORIGIN_USED)  # observed_artifact defaults to art
+    assert result.projected_bytes == ORIGIN_USED
+    assert result.headroom_bytes == 520_093_696
+    assert result.fits
+
+
+def test_fit_default_device_is_the_origin_atom() -> None:
+    assert plan.ATOM_DEVICE_BYTES == ATOM
+    assert plan.fit(eager("koni-8b", 1, 1)).device_bytes == ATOM
+
+
+def test_kv_groups_describe_the_origin_tensors() -> None:
+    (group,) = plan.kv_groups(eager("koni-8b", 1, 1))
+    assert group == plan.KVGroup(kind="global", count=64, shape=(1, 8, 9216, 128),
+                                 dtype="bfloat16", tensor_bytes=18_874_368,
+                                 total_bytes=1_207_959_552)
+    text = plan.describe(plan.fit(eager("koni-8b", 1, 1), observed_used_bytes=ORIGIN_USED))
+    assert "64 BF16 global KV tensors of [1,8,9216,128] = 1,207,959,552 bytes" in text
+
+
+# -- Gemma3 sliding slots -----------------------------------------------------------------------
+
+def test_gemma3_global_and_sliding_bytes() -> None:
+    art = eager("gemma3-1b", 4, 5)
+    global_group, sliding_group = plan.kv_groups(art)
+    # 4 global layers: K and V [5 blocks, 1 KV head, 9216, 256] in BF16.
+    assert global_group.kind == "global" and global_group.count == 8
+    assert global_group.shape == (5, 1, 9216, 256)
+    assert global_group.total_bytes == 8 * 5 * 9216 * 256 * 2 == 188_743_680
+    # 22 sliding layers: K and V [4 lanes, 1 KV head, 512-token window, 256] in BF16.
+    assert sliding_group.kind == "sliding" and sliding_group.count == 44
+    assert sliding_group.shape == (4, 1, 512, 256)
+    assert sliding_group.total_bytes == 44 * 4 * 512 * 256 * 2 == 46_137_344
+    assert plan.kv_cache_bytes(art) == 234_881_024
+
+
+def test_gemma3_sliding_bytes_grow_with_lanes_not_blocks() -> None:
+    b1 = plan.kv_cache_bytes(eager("gemma3-1b", 1, 5))
+    b4 = plan.kv_cache_bytes(eager("gemma3-1b", 4, 5))
+    assert b4 - b1 == 3 * 44 * 512 * 256 * 2
+    k3 = plan.kv_cache_bytes(eager("gemma3-1b", 1, 3))
+    assert b1 - k3 == 2 * 8 * 9216 * 256 * 2
+
+
+def test_gemma3_tensor_shapes_follow_layer_kinds() -> None:
+    tensors = dict((name, shape) for name, shape, _ in plan.kv_tensor_shapes(eager("gemma3-1b", 4, 5)))
+    assert len(tensors) == 52
+    assert tensors["layers.5.key"] == (5, 1, 9216, 256)
+    assert tensors["layers.0.value"] == (4, 1, 512, 256)
+    assert tensors["layers.25.key"] == (4, 1, 512, 256)
+
+
+def test_sliding_window_capped_by_context() -> None:
+    art = ArtifactConfig(model=ModelSpec.preset("gemma3-1b"), batch_size=2, max_seq_len=256,
+                         block_size=256, num_blocks=3)
+    assert plan.kv_groups(art)[1].shape == (2, 1, 256, 256)
+
+
+# -- tensor parallel ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["koni-8b", "qwen3-4b", "qwen3-0.6b"])
+@pytest.mark.parametrize(("batch_size", "num_blocks"), [(1, 1), (1, 5), (4, 5)])
+def test_tp2_halves_kv_per_device(name: str, batch_size: int, num_blocks: int) -> None:
+    tp1 = plan.kv_cache_bytes(eager(name, batch_size, num_blocks))
+    tp2 = plan.kv_cache_bytes(eager(name, batch_size, num_blocks, tp=2))
+    assert tp2 * 2 == tp1
+
+
+def test_tp2_koni_shapes() -> None:
+    tensors = plan.kv_tensor_shapes(eager("koni-8b", 1, 5, tp=2))
+    assert {shape for _, shape, _ in tensors} == {(5, 4, 9216, 128)}
+    assert plan.kv_cache_bytes(eager("koni-8b", 1, 5, tp=2)) == 3_019_898_880
+
+
+def test_tp2_replicates_a_single_kv_head() -> None:
+    # Gemma3-1B has one KV head: each device keeps a full copy.
+    tp1, tp2 = eager("gemma3-1b", 4, 5), eager("gemma3-1b", 4, 5, tp=2)
+    assert plan.kv_cache_bytes(tp2) == plan.kv_cache_bytes(tp1)
+    assert plan.kv_heads_per_device(tp2.model, 2) == 1
+
+
+def test_tp2_weights_per_device() -> None:
+    spec = ModelSpec.preset("koni-8b")
+    one, two = plan.weight_bytes(spec), plan.weight_bytes(spec, tensor_parallel=2)
+    embeddings = 2 * 128256 * 4096 * 2  # untied input embedding and LM head, replicated
+    assert two < one
+    assert two - embeddings == pytest.approx((one - embeddings) / 2, rel=1e-4)
+
+
+# -- weights ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("name", "params"), [
+    ("qwen3-0.6b", 596_049_920),    # Qwen/Qwen3-0.6B (tied embeddings)
+    ("qwen3-4b", 4_022_468_096),    # Qwen/Qwen3-4B (tied embeddings)
+    ("koni-8b", 8_030_261_248),     # meta-llama/Llama-3.1-8B (untied LM head)
+    ("gemma3-1b", 999_885_952),     # google/gemma-3-1b-pt (tied embeddings)
+])
+def test_weight_bytes_match_public_parameter_counts(name: str, params: int) -> None:
+    assert plan.weight_bytes(ModelSpec.preset(name)) == params * 2
+
+
+def test_weight_bytes_rejects_bad_split() -> None:
+    with pytest.raises(ConfigError, match=r"tensor_parallel=3 must divide num_heads=32"):
+        plan.weight_bytes(ModelSpec.preset("koni-8b"), tensor_parallel=3)
+
+
+# -- verdicts -----------------------------------------------------------------------------------
+
+def test_estimate_is_weights_plus_kv_plus_overhead() -> None:
+    art = eager("qwen3-4b", 4, 5)
+    result = plan.fit(art)
+    weights = plan.weight_bytes(art.model)
+    assert result.method == "estimate" and not result.conditional
+    assert result.runtime_overhead_bytes == plan.DEFAULT_RUNTIME_OVERHEAD_BYTES
+    assert result.projected_bytes == weights + plan.kv_cache_bytes(art) + \
+        plan.DEFAULT_RUNTIME_OVERHEAD_BYTES
+    assert result.other_bytes == weights + plan.DEFAULT_RUNTIME_OVERHEAD_BYTES
+    assert "not measured" in result.basis
+    custom = plan.fit(art, runtime_overhead_bytes=0)
+    assert custom.projected_bytes == result.projected_bytes - plan.DEFAULT_RUNTIME_OVERHEAD_BYTES
+
+
+def test_verdict_flips_at_capacity() -> None:
+    art = eager("qwen3-0.6b", 4, 5)
+    projected = plan.fit(art).projected_bytes
+    assert plan.fit(art, device_bytes=projected).fits
+    assert plan.fit(art, device_bytes=projected).headroom_bytes == 0
+    assert not plan.fit(art, device_bytes=projected - 1).fits
+
+
+@pytest.mark.parametrize(("num_blocks", "fits"), [(1, True), (2, False), (3, False), (5, False)])
+def test_origin_koni_tp1_verdicts(num_blocks: int, fits: bool) -> None:
+    # 520,093,696 bytes of headroom at k1: not even one more 1,207,959,552-byte block fits.
+    result = plan.fit(eager("koni-8b", 1, num_blocks), observed_used_bytes=ORIGIN_USED,
+                      observed_artifact=eager("koni-8b", 1, 1))
+    assert result.fits is fits
+
+
+def test_koni_tp2_b4_k5_fits_by_estimate() -> None:
+    result = plan.fit(eager("koni-8b", 4, 5, tp=2))
+    assert result.fits
+    assert result.method == "estimate"
+
+
+def test_observation_must_match_model_and_split() -> None:
+    with pytest.raises(ConfigError, match=r"observed artifact model qwen3-4b differs from koni-8b"):
+        plan.fit(eager("koni-8b", 1, 5), observed_used_bytes=ORIGIN_USED,
+                 observed_artifact=eager("qwen3-4b", 1, 1))
+    with pytest.raises(ConfigError, match=r"observed tensor_parallel=1 differs from "
+                                          r"tensor_parallel=2"):
+        plan.fit(eager("koni-8b", 1, 5, tp=2), observed_used_bytes=ORIGIN_USED,
+                 observed_artifact=eager("koni-8b", 1, 1))
+    with pytest.raises(ConfigError, match=r"observed_artifact was given without "
+                                          r"observed_used_bytes"):
+        plan.fit(eager("koni-8b", 1, 5), observed_artifact=eager("koni-8b", 1, 1))
+    with pytest.raises(ConfigError, match=r"below the observed artifact's own KV bytes"):
+        plan.fit(eager("koni-8b", 1, 5), observed_used_bytes=1000,
+                 observed_artifact=eager("koni-8b", 1, 1))
+
+
+def test_fit_rejects_bad_figures() -> None:
+    with pytest.raises(ConfigError, match=r"device_bytes=0 must be positive"):
+        plan.fit(eager("koni-8b", 1, 1), device_bytes=0)
+    with pytest.raises(ConfigError, match=r"runtime_overhead_bytes=-1 must be >= 0"):
+        plan.fit(eager("koni-8b", 1, 1), runtime_overhead_bytes=-1)
+
+
+def test_fit_result_is_a_frozen_json_value() -> None:
+    result = plan.fit(eager("koni-8b", 1, 5), observed_used_bytes=ORIGIN_USED,
+                      observed_artifact=eager("koni-8b", 1, 1))
+    with pytest.raises(AttributeError):
+        result.fits = True  # type: ignore[misc]
+    decoded = msgspec.json.decode(msgspec.json.encode(result), type=plan.FitResult)
+    assert decoded == result
+
+
+# -- the `fit` command --------------------------------------------------------------------------
+
+def test_fit_table_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert fit_cli.main([]) == 0
+    out = capsys.readouterr().out
+    for name in ("qwen3-0.6b", "qwen3-4b", "koni-8b", "gemma3-1b"):
+        assert name in out
+    for shape in ("B1/k1", "B1/k3", "B1/k5", "B4/k5"):
+        assert shape in out
+    assert "DOES NOT FIT" in out
+    assert "fits" in out
+    assert "rejected: hybrid single-block" in out
+    assert "observed (conditional)" in out
+    assert "21,189,623,808" in out  # KONI TP1 k5 from the origin observation
+    assert "16,357,785,600" in out
+
+
+def test_fit_table_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    fit_cli.main(["--table"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    cells = {(row[0], row[1], row[2]): row for row in rows if len(row) > 3 and
+             row[0] in fit_cli.MODELS}
+    assert len(cells) == 4 * 2 * 4
+    assert cells[("koni-8b", "1", "B1/k1")][7] == "fits"
+    assert cells[("koni-8b", "1", "B1/k5")][5] == "21,189,623,808"
+    assert cells[("koni-8b", "1", "B4/k5")][7:9] == ["DOES", "NOT"]
+    assert cells[("koni-8b", "2", "B4/k5")][7] == "fits"
+    assert cells[("gemma3-1b", "2", "B1/k1")][7] == "rejected:"
+
+
+def test_fit_table_cells_use_origin_observation_only_for_koni_tp1() -> None:
+    args = fit_cli._parser().parse_args([])
+    for cell in fit_cli.table_cells(args):
+        if cell.result is None:
+            assert cell.model == "gemma3-1b" and (cell.batch_size, cell.num_blocks) == (1, 1)
+            continue
+        observed = cell.model == "koni-8b" and cell.tensor_parallel == 1
+        assert (cell.result.method == "observed") is observed
+
+
+def test_fit_single_artifact_origin(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "fit.json"
+    status = fit_cli.main(["--model", "koni-8b", "--batch-size", "1", "--max-seq-len", "9216",
+                           "--block-size", "9216", "--num-blocks", "5",
+                           "--observed-used-bytes", str(ORIGIN_USED), "--observed-num-blocks", "1",
+                           "--observed-batch-size", "1", "--json", str(path)])
+    assert status == 1  # does not fit
+    out = capsys.readouterr().out
+    assert "64 BF16 global KV tensors of [5,8,9216,128] = 6,039,797,760 bytes" in out
+    assert "21,189,623,808" in out
+    assert "DOES NOT FIT" in out
+    report = msgspec.json.decode(path.read_bytes(), type=fit_cli.FitReport)
+    (cell,) = report.cells
+    assert cell.result is not None
+    assert cell.result.projected_bytes == 21_189_623_808
+    assert report.params["observed_used_bytes"] == ORIGIN_USED
+
+
+def test_fit_single_artifact_tp2(capsys: pytest.CaptureFixture[str]) -> None:
+    status = fit_cli.main(["--model", "koni-8b", "--batch-size", "4", "--num-blocks", "5",
+                           "--tensor-parallel", "2"])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "[5,4,9216,128]" in out
+    assert "verdict: fits" in out
+
+
+def test_fit_single_artifact_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    assert fit_cli.main(["--model", "gemma3-1b", "--num-blocks", "1"]) == 2
+    assert "single-block mode" in capsys.readouterr().err
+
+
+def test_fit_table_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "table.json"
+    assert fit_cli.main(["--table", "--json", str(path)]) == 0
+    capsys.readouterr()
+    report = msgspec.json.decode(path.read_bytes(), type=fit_cli.FitReport)
+    assert len(report.cells) == 32
+    assert report.command == "fit"
