@@ -1,0 +1,16 @@
+"""Shared fixtures. `impl` runs a test against both block/lane cores (multidict's conftest pattern)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+
+
+@pytest.fixture(params=["c", "py"])
+def impl(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
+    """The compiled `atombatch._blocks` (id `c`) or the pure-Python twin `_blocks_py` (id `py`)."""
+    name = "atombatch._blocks" if request.param == "c" else "atombatch._blocks_py"
+    yield importlib.import_module(name)
