@@ -1,7 +1,8 @@
 """Model specs and compiled-artifact shapes, with the admission rules of DESIGN §3.
 
-An `ArtifactConfig` is one compiled model: its shape fields decide the device's tensors, so every one
-of them goes into `identity`; two artifacts with different identities never share a compiled graph.
+An `ArtifactConfig` is one compiled model: its shape fields decide the device's tensors, so every
+one of them goes into `identity`; two artifacts with different identities never share a compiled
+graph.
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         else:
             raise ConfigError(f"model_type={model_type!r} is not a supported family "
                               "(llama, qwen3, gemma3)")
+        if family == "gemma3":  # multimodal text_configs omit every key left at its default
+            raw = {**_GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
         num_layers = int(raw["num_hidden_layers"])
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
@@ -185,7 +188,7 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        tie_default = family != "llama"
+        tie_default = family == "gemma3"  # transformers: Llama and Qwen3 untied, Gemma3 tied
         dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
         return cls(
             name=name,
@@ -213,6 +216,16 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             eos_token_ids=eos_ids,
             dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
         )
+
+
+# transformers' Gemma3TextConfig defaults: Gemma3 multimodal configs (e.g. gemma-3-4b-it) give
+# only the text_config keys that differ from them.
+_GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "max_position_embeddings": 131_072,
+}
 
 
 def _rope_scaling(raw: Any) -> RopeScaling | None:
@@ -352,13 +365,15 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Short human label, e.g. `koni-8b B4/ctx9216/k5`."""
         tp = f"/tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
         bs = f"/bs{self.block_size}" if self.partitioned else ""
-        return f"{self.model.name} B{self.batch_size}/ctx{self.max_seq_len}{bs}/k{self.num_blocks}{tp}"
+        return (f"{self.model.name} B{self.batch_size}/ctx{self.max_seq_len}{bs}"
+                f"/k{self.num_blocks}{tp}")
 
     @property
     def identity(self) -> str:
         """Stable hex digest of every shape-affecting field (model shapes included)."""
         fields = msgspec.to_builtins(self)
-        fields["model"].pop("name", None)  # a renamed checkpoint with the same shapes compiles the same
+        # A renamed checkpoint with the same shapes compiles the same graph.
+        fields["model"].pop("name", None)
         fields["model"].pop("bos_token_id", None)
         fields["model"].pop("eos_token_ids", None)
         blob = msgspec.json.encode(fields, order="sorted")
@@ -386,5 +401,5 @@ def check_serving(artifact: ArtifactConfig, *, prefix_cache: bool = False,
                           f"{artifact.model.name} (sliding slots cannot be cached)")
     if artifact.single_block and (prefix_cache or host_cache_bytes):
         raise ConfigError(f"prefix_cache={prefix_cache}, host_cache_bytes={host_cache_bytes}: "
-                          f"single-block mode (num_blocks={artifact.num_blocks}) runs with caches off "
-                          "only: its one block goes back to the lane pool at every finish")
+                          f"single-block mode (num_blocks={artifact.num_blocks}) runs with caches "
+                          "off only: its one block goes back to the lane pool at every finish")

@@ -61,8 +61,8 @@ class FitResult(msgspec.Struct, frozen=True):
     tensor_parallel: int                # devices the model is split across
     kv_groups: tuple[KVGroup, ...]      # the KV tensors, grouped by shape
     kv_bytes: int                       # exact KV-cache bytes of this artifact
-    weight_bytes: int                   # weight estimate from the spec (informational when observed)
-    other_bytes: int                    # non-KV bytes in the projection (observed, or weights+overhead)
+    weight_bytes: int                   # weight estimate from the spec (informational if observed)
+    other_bytes: int                    # non-KV bytes projected: observed, or weights + overhead
     projected_bytes: int                # other_bytes + kv_bytes
     device_bytes: int                   # device capacity
     headroom_bytes: int                 # device_bytes - projected_bytes (negative: over capacity)
@@ -104,8 +104,9 @@ def kv_groups(artifact: ArtifactConfig) -> tuple[KVGroup, ...]:
         for dim in shape:
             tensor_bytes *= dim
         count = 2 * len(layers)
-        groups.append(KVGroup(kind=kind, count=count, shape=shape, dtype=artifact.kv_dtype,  # type: ignore[arg-type]
-                              tensor_bytes=tensor_bytes, total_bytes=count * tensor_bytes))
+        groups.append(KVGroup(kind=kind, count=count, shape=shape,  # type: ignore[arg-type]
+                              dtype=artifact.kv_dtype, tensor_bytes=tensor_bytes,
+                              total_bytes=count * tensor_bytes))
     return tuple(groups)
 
 
@@ -144,7 +145,8 @@ def weight_bytes(spec: ModelSpec, tensor_parallel: int = 1) -> int:
     if tensor_parallel <= 0:
         raise ConfigError(f"tensor_parallel={tensor_parallel} must be a positive integer")
     if spec.num_heads % tensor_parallel:
-        raise ConfigError(f"tensor_parallel={tensor_parallel} must divide num_heads={spec.num_heads}")
+        raise ConfigError(f"tensor_parallel={tensor_parallel} must divide "
+                          f"num_heads={spec.num_heads}")
     hidden, head_dim = spec.hidden_size, spec.head_dim
     q_dim = spec.num_heads // tensor_parallel * head_dim
     kv_dim = kv_heads_per_device(spec, tensor_parallel) * head_dim

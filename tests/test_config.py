@@ -54,12 +54,12 @@ def test_b1_k1_accepted_by_check_serving_with_caches_off() -> None:
 
 
 def test_b1_k1_with_prefix_cache_rejected() -> None:
-    with pytest.raises(ConfigError, match=r"single-block mode \(num_blocks=1\) runs with caches off"):
+    with pytest.raises(ConfigError, match=r"single-block mode \(num_blocks=1\) runs with caches"):
         check_serving(eager(koni(), 1, 1), prefix_cache=True)
 
 
 def test_b1_k1_with_host_cache_rejected() -> None:
-    with pytest.raises(ConfigError, match=r"single-block mode \(num_blocks=1\) runs with caches off"):
+    with pytest.raises(ConfigError, match=r"single-block mode \(num_blocks=1\) runs with caches"):
         check_serving(eager(koni(), 1, 1), prefix_cache=True, host_cache_bytes=1 << 30)
 
 
@@ -78,8 +78,8 @@ def test_caches_accepted_on_lanes_plus_one_non_hybrid() -> None:
 
 
 def test_hybrid_single_block_rejected() -> None:
-    with pytest.raises(ConfigError, match=r"num_blocks=1 is single-block mode, which a hybrid model "
-                                          r"\(gemma3-1b\) may not use.*num_blocks >= 2"):
+    with pytest.raises(ConfigError, match=r"num_blocks=1 is single-block mode, which a hybrid "
+                                          r"model \(gemma3-1b\) may not use.*num_blocks >= 2"):
         eager(gemma(), 1, 1)
 
 
@@ -163,7 +163,8 @@ def test_partitioned_single_lane_below_one_sequence_rejected() -> None:
 # -- shape rules --------------------------------------------------------------------------------
 
 def test_max_seq_len_not_multiple_of_block_size_rejected() -> None:
-    with pytest.raises(ConfigError, match=r"max_seq_len=9216 must be a multiple of block_size=1000"):
+    with pytest.raises(ConfigError,
+                       match=r"max_seq_len=9216 must be a multiple of block_size=1000"):
         ArtifactConfig(model=koni(), batch_size=1, max_seq_len=CTX, block_size=1000, num_blocks=20)
 
 

@@ -105,7 +105,8 @@ def test_gemma3_sliding_bytes_grow_with_lanes_not_blocks() -> None:
 
 
 def test_gemma3_tensor_shapes_follow_layer_kinds() -> None:
-    tensors = dict((name, shape) for name, shape, _ in plan.kv_tensor_shapes(eager("gemma3-1b", 4, 5)))
+    art = eager("gemma3-1b", 4, 5)
+    tensors = {name: shape for name, shape, _ in plan.kv_tensor_shapes(art)}
     assert len(tensors) == 52
     assert tensors["layers.5.key"] == (5, 1, 9216, 256)
     assert tensors["layers.0.value"] == (4, 1, 512, 256)

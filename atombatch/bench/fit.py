@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Exact KV-cache bytes and device-memory fit of a compiled ATOM artifact.")
     parser.add_argument("--model", choices=sorted(PRESETS), help="preset model; omit for the table")
     parser.add_argument("--table", action="store_true",
-                        help="table of the four origin models at B1/k1, B1/k3, B1/k5, B4/k5, TP1 and TP2")
+                        help="table of the four origin models at B1/k1, B1/k3, B1/k5 and "
+                             "B4/k5, on one and two devices")
     parser.add_argument("--batch-size", type=int, default=1, help="decode lanes B (default 1)")
     parser.add_argument("--max-seq-len", type=int, default=ORIGIN_CONTEXT,
                         help=f"context length (default {ORIGIN_CONTEXT})")
@@ -210,7 +211,7 @@ def _params(args: argparse.Namespace) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the planner; returns the exit status (0 fits / table printed, 1 does not fit, 2 error)."""
+    """Run the planner; exit status 0 fits (or table printed), 1 does not fit, 2 config error."""
     parser = _parser()
     args = parser.parse_args(argv)
     table = args.table or args.model is None
