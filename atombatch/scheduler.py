@@ -355,6 +355,8 @@ class Scheduler:
             self.staging = request
             if request.admitted_at is None:
                 request.admitted_at = self._step_time
+                self._event("request.admitted", request_id=request.request_id, lane=-1,
+                            queue_wait=self._step_time - request.arrival)
             self.pool.stage(self.spare, -2)
             request.blocks = [self.spare]
             self.spare = -1

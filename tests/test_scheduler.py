@@ -1,0 +1,335 @@
+"""Scheduler + engine behaviour on the exact ledger runtime: rotation, growth, preemption,
+cancellation, error isolation, policies, and the ownership invariants after every step."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ledger import LedgerRuntime, ledger_spec, reference
+
+from atombatch import (ArtifactConfig, Batcher, CapacityError, ConfigError, RequestError,
+                       SamplingParams)
+from atombatch import scheduler as scheduler_module
+from atombatch.scheduler import TRANSITIONS, Policy, Request, RequestState
+from atombatch.errors import StateError
+
+
+@pytest.fixture(params=["c", "py"])
+def core(request, monkeypatch):
+    """Run the scheduler on the compiled core and on its pure-Python twin."""
+    if request.param == "c":
+        from atombatch import _blocks as impl
+    else:
+        from atombatch import _blocks_py as impl
+    monkeypatch.setattr(scheduler_module.core, "BlockPool", impl.BlockPool)
+    monkeypatch.setattr(scheduler_module.core, "LaneTable", impl.LaneTable)
+    monkeypatch.setattr(scheduler_module.core, "SlidingSlots", impl.SlidingSlots)
+    monkeypatch.setattr(scheduler_module.core, "DecodeInputs", impl.DecodeInputs)
+    monkeypatch.setattr(scheduler_module.core, "PrefillInputs", impl.PrefillInputs)
+    return request.param
+
+
+def artifact(batch_size=4, max_seq_len=64, block_size=64, num_blocks=None, chunk=8,
+             hybrid=False, window=5, eos=()):
+    bps = max_seq_len // block_size
+    if num_blocks is None:
+        num_blocks = batch_size * bps + 1
+    return ArtifactConfig(model=ledger_spec(hybrid=hybrid, window=window, eos=eos),
+                          batch_size=batch_size, max_seq_len=max_seq_len, block_size=block_size,
+                          num_blocks=num_blocks, prefill_chunk_size=chunk)
+
+
+def drive(batcher: Batcher, arrivals: dict[int, list], aborts: dict[int, list[str]] | None = None,
+          max_steps: int = 100_000):
+    """Step until done, submitting `arrivals[step]` and aborting `aborts[step]`; invariants each
+    step. Returns {request_id: final RequestOutput} and the per-request streamed tokens."""
+    aborts = aborts or {}
+    finals: dict[str, object] = {}
+    streamed: dict[str, list[int]] = {}
+    step = 0
+    pending = dict(arrivals)
+    while batcher.has_unfinished() or pending:
+        for prompt, params, rid in pending.pop(step, []):
+            batcher.submit(prompt, params, request_id=rid)
+        for rid in aborts.get(step, []):
+            batcher.abort(rid)
+        for out in batcher.step():
+            assert out.request_id not in finals, f"{out.request_id} produced output after finishing"
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+        batcher.check_invariants()
+        step += 1
+        assert step < max_steps, "the engine did not make progress"
+    return finals, streamed
+
+
+def expected(prompt, params, art):
+    spec = art.model
+    stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else
+                                                frozenset(spec.eos_token_ids))
+    return reference(list(prompt), params.max_tokens, spec.vocab_size,
+                     spec.sliding_window if spec.is_hybrid else 0, stop)
+
+
+# -- the state table --------------------------------------------------------------------------------
+def test_every_state_has_a_transition_entry_and_illegal_moves_raise():
+    assert set(TRANSITIONS) == set(RequestState)
+    request = Request("r", np.array([1]), SamplingParams(), 0.0, np.random.default_rng(0))
+    with pytest.raises(StateError, match="illegal transition waiting -> decoding"):
+        request.set_state(RequestState.DECODING)
+    request.set_state(RequestState.FINISHED)
+    with pytest.raises(StateError, match="finished -> waiting"):
+        request.set_state(RequestState.WAITING)
+
+
+def test_policy_parse_and_rejects_unknown():
+    assert Policy.parse("interleave:3") == Policy(kind="interleave", decode_steps=3)
+    assert Policy.parse("decode-first").label == "decode-first"
+    with pytest.raises(ConfigError, match="policy kind='fastest'"):
+        Policy.parse("fastest")
+
+
+# -- correctness of generated tokens under every layout ---------------------------------------------
+LAYOUTS = {
+    "B1/k1 single-block": dict(batch_size=1, num_blocks=1),
+    "B1/k3 eager": dict(batch_size=1, num_blocks=3),
+    "B4/k5 eager": dict(batch_size=4),
+    "B4 partitioned": dict(batch_size=4, block_size=16),
+    "B4 oversubscribed": dict(batch_size=4, block_size=16, num_blocks=6),
+    "B3 hybrid": dict(batch_size=3, hybrid=True),
+    "B2 hybrid partitioned": dict(batch_size=2, hybrid=True, block_size=16, num_blocks=6),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("policy", ["prefill-first", "decode-first", "interleave:3"])
+def test_all_layouts_and_policies_generate_the_reference_tokens(core, layout, policy):
+    art = artifact(**LAYOUTS[layout])
+    batcher = Batcher(LedgerRuntime(art), policy=policy)
+    rng = np.random.default_rng(7)
+    arrivals: dict[int, list] = {}
+    for i in range(10):
+        prompt = rng.integers(1, 90, size=int(rng.integers(1, 30))).tolist()
+        params = SamplingParams(max_tokens=int(rng.integers(1, 64 - len(prompt))), ignore_eos=True)
+        arrivals.setdefault(int(rng.integers(0, 40)), []).append((prompt, params, f"r{i}"))
+    finals, streamed = drive(batcher, arrivals)
+    for batch in arrivals.values():
+        for prompt, params, rid in batch:
+            want = expected(prompt, params, art)
+            assert list(finals[rid].completion.token_ids) == want, rid
+            assert streamed[rid] == want
+            assert finals[rid].finish_reason == "length"
+
+
+def test_rotation_stages_into_the_spare_and_takes_over_the_finished_lane(core):
+    art = artifact(batch_size=2, num_blocks=3)
+    batcher = Batcher(LedgerRuntime(art))
+    short = SamplingParams(max_tokens=3, ignore_eos=True)
+    long = SamplingParams(max_tokens=20, ignore_eos=True)
+    arrivals = {0: [([1, 2, 3], short, "a"), ([4, 5], long, "b"), ([6, 7, 8, 9], long, "c")]}
+    finals, _ = drive(batcher, arrivals)
+    stats = batcher.stats()
+    assert stats.rotations == 1 and stats.staged_chunks == 1
+    # "c" produced its first token while both lanes decoded, before "a" finished
+    assert finals["c"].completion.timings.first_token < finals["a"].completion.timings.finished
+    for prompt, params, rid in arrivals[0]:
+        assert list(finals[rid].completion.token_ids) == expected(prompt, params, art)
+
+
+def test_lane_released_by_abort_is_reused_by_the_next_request_in_the_next_step(core):
+    art = artifact(batch_size=2, num_blocks=3)
+    batcher = Batcher(LedgerRuntime(art), policy="prefill-first")
+    p = SamplingParams(max_tokens=30, ignore_eos=True)
+    a, b_, c = batcher.submit([1, 2], p), batcher.submit([3, 4], p), batcher.submit([5], p)
+    while batcher.scheduler.requests[b_].state is not RequestState.DECODING:
+        batcher.step()
+    lane_of_a = batcher.scheduler.requests[a].lane
+    assert batcher.abort(a) and not batcher.abort(a)
+    outs = batcher.step()
+    assert [o.finish_reason for o in outs if o.request_id == a] == ["abort"]
+    assert batcher.scheduler.requests[c].lane == lane_of_a
+    assert batcher.scheduler.requests[c].state is RequestState.DECODING  # its prefill ran in that step
+    batcher.check_invariants()
+
+
+def test_abort_queued_prefilling_staged_and_decoding_in_one_step(core):
+    art = artifact(batch_size=2, num_blocks=3, max_seq_len=128, block_size=128, chunk=8)
+    batcher = Batcher(LedgerRuntime(art), policy="prefill-first")
+    p = SamplingParams(max_tokens=40, ignore_eos=True)
+    ids = [batcher.submit(list(range(1, 40)), p) for _ in range(5)]
+    states = {}
+    for _ in range(200):
+        batcher.step()
+        states = {rid: batcher.scheduler.requests[rid].state for rid in ids}
+        if RequestState.STAGING in states.values() and RequestState.DECODING in states.values():
+            break
+    assert RequestState.WAITING in states.values()
+    victims = [rid for rid in ids if states[rid] in (RequestState.WAITING, RequestState.STAGING,
+                                                     RequestState.DECODING)][:4]
+    for rid in victims:
+        assert batcher.abort(rid)
+    batcher.check_invariants()
+    outs = batcher.step()
+    assert {o.request_id for o in outs if o.finish_reason == "abort"} == set(victims)
+    finals, _ = drive(batcher, {})
+    batcher.check_invariants()
+    pool = batcher.scheduler.pool
+    assert pool.num_free + pool.num_spare == art.num_blocks
+    for rid in set(ids) - set(victims):
+        assert finals[rid].completion.token_ids == tuple(expected(list(range(1, 40)), p, art))
+
+
+def test_oversubscribed_pool_preempts_and_recomputes_without_changing_tokens(core):
+    art = artifact(batch_size=4, block_size=8, num_blocks=9, max_seq_len=64)
+    batcher = Batcher(LedgerRuntime(art))
+    p = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [list(range(1 + i, 20 + i)) for i in range(4)]
+    finals, _ = drive(batcher, {0: [(pr, p, f"r{i}") for i, pr in enumerate(prompts)]})
+    assert batcher.stats().preemptions > 0
+    for i, prompt in enumerate(prompts):
+        assert finals[f"r{i}"].completion.token_ids == tuple(expected(prompt, p, art))
+    assert sum(finals[f"r{i}"].completion.preemptions for i in range(4)) == \
+        batcher.stats().preemptions
+
+
+def test_stop_tokens_and_eos(core):
+    art = artifact(eos=(reference([1, 2, 3], 3, 97)[2],))
+    batcher = Batcher(LedgerRuntime(art))
+    eos = art.model.eos_token_ids[0]
+    through = SamplingParams(max_tokens=8, ignore_eos=True)
+    stopping = SamplingParams(max_tokens=8)
+    finals, _ = drive(batcher, {0: [([1, 2, 3], stopping, "stop"), ([1, 2, 3], through, "go")]})
+    assert finals["stop"].finish_reason == "stop"
+    assert finals["stop"].completion.token_ids[-1] == eos and \
+        len(finals["stop"].completion.token_ids) == 3
+    assert finals["go"].finish_reason == "length" and len(finals["go"].completion.token_ids) == 8
+    first = reference([1, 2, 3], 1, 97)[0]
+    batcher = Batcher(LedgerRuntime(art))
+    finals, _ = drive(batcher, {0: [([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True,
+                                                                stop_token_ids=(first,)), "s")]})
+    assert finals["s"].completion.token_ids == (first,) and finals["s"].finish_reason == "stop"
+
+
+# -- bad input and failures ---------------------------------------------------------------------
+@pytest.mark.parametrize(("prompt", "params", "match"), [
+    ([], SamplingParams(), "prompt is empty"),
+    ([1, 97], SamplingParams(), "token id 97 at prompt index 1 is outside the vocabulary 0..96"),
+    ([1, -1], SamplingParams(), "token id -1 at prompt index 1"),
+    ([1] * 60, SamplingParams(max_tokens=5), "60 tokens \\+ max_tokens=5 = 65 exceeds max_seq_len=64"),
+    ([1], SamplingParams(max_tokens=0), "max_tokens=0 must be >= 1"),
+    ([1], SamplingParams(temperature=-1.0), "temperature=-1.0"),
+    ([1], SamplingParams(top_p=0.0), "top_p=0.0 must be in"),
+    ([1], SamplingParams(top_k=-2), "top_k=-2"),
+    ([1], SamplingParams(stop_token_ids=(500,)), "stop token id 500"),
+    ([[1, 2]], SamplingParams(), "flat sequence"),
+])
+def test_invalid_requests_are_rejected_at_submit_and_nothing_is_queued(prompt, params, match):
+    batcher = Batcher(LedgerRuntime(artifact()))
+    with pytest.raises(RequestError, match=match):
+        batcher.submit(prompt, params)
+    assert not batcher.has_unfinished()
+
+
+def test_queue_bound_and_duplicate_ids():
+    batcher = Batcher(LedgerRuntime(artifact(batch_size=1, num_blocks=2)), max_waiting=2)
+    batcher.submit([1], request_id="x")
+    with pytest.raises(RequestError, match="request_id='x' is already in flight"):
+        batcher.submit([1], request_id="x")
+    batcher.submit([2])
+    with pytest.raises(CapacityError, match="max_waiting=2"):
+        batcher.submit([3])
+
+
+def test_prefix_cache_with_hybrid_is_rejected():
+    with pytest.raises(ConfigError, match="rejected for hybrid"):
+        Batcher(LedgerRuntime(artifact(hybrid=True)), prefix_cache=True)
+
+
+class Poisoned(LedgerRuntime):
+    """Raises on any call that carries token 66, returns NaN logits for lanes that feed 55."""
+
+    def prefill(self, inputs):
+        if 66 in inputs.input_ids:
+            raise RuntimeError("device fault on token 66")
+        return super().prefill(inputs)
+
+    def decode(self, inputs):
+        logits = super().decode(inputs)
+        logits[inputs.input_ids[:, 0] == 55] = math.nan
+        return logits
+
+
+def test_runtime_failures_fail_only_their_request(core):
+    art = artifact(batch_size=3, num_blocks=4)
+    batcher = Batcher(Poisoned(art))
+    good = SamplingParams(max_tokens=12, ignore_eos=True)
+    # a prompt whose first generated token is 55 makes the next decode step return NaN for it
+    nan_prompt = next([t] for t in range(1, 96) if reference([t], 1, 97)[0] == 55)
+    arrivals = {0: [([1, 2, 66, 3], good, "fault"), ([4, 5, 6], good, "ok1"),
+                    (nan_prompt, good, "nan")], 2: [([7, 8], good, "ok2")]}
+    finals, _ = drive(batcher, arrivals)
+    assert finals["fault"].finish_reason == "error"
+    assert "device fault on token 66" in finals["fault"].error
+    assert finals["nan"].finish_reason == "error" and "non-finite" in finals["nan"].error
+    for prompt, params, rid in [a for batch in arrivals.values() for a in batch]:
+        if rid.startswith("ok"):
+            assert finals[rid].completion.token_ids == tuple(expected(prompt, params, art))
+    assert batcher.stats().finished == {"error": 2, "length": 2}
+
+
+def test_structlog_events_carry_request_lane_and_blocks(core, caplog):
+    batcher = Batcher(LedgerRuntime(artifact(batch_size=1, num_blocks=2)))
+    with caplog.at_level(logging.INFO, logger="atombatch"):
+        batcher.generate([[1, 2], [3]], SamplingParams(max_tokens=2, ignore_eos=True))
+    events = [msgspec.json.decode(r.getMessage()) for r in caplog.records]
+    names = [e["event"] for e in events]
+    assert names.count("request.admitted") == 2 and names.count("request.finished") == 2
+    released = [e for e in events if e["event"] == "lane.released"]
+    assert released and all("lane" in e and "blocks" in e for e in released)
+
+
+# -- random workloads: invariants every step, tokens always right -----------------------------------
+shapes = st.sampled_from([
+    dict(batch_size=1, num_blocks=1), dict(batch_size=1, num_blocks=2), dict(batch_size=2),
+    dict(batch_size=4), dict(batch_size=3, block_size=16), dict(batch_size=4, block_size=8,
+                                                               num_blocks=9),
+    dict(batch_size=2, block_size=16, num_blocks=5), dict(batch_size=3, hybrid=True),
+    dict(batch_size=2, hybrid=True, block_size=16, num_blocks=5),
+])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=shapes, chunk=st.sampled_from([4, 8, 16]), data=st.data(),
+       policy=st.sampled_from(["prefill-first", "decode-first", "interleave:2"]))
+def test_random_workloads_keep_invariants_and_tokens(core, shape, chunk, data, policy):
+    art = artifact(chunk=chunk, **shape)
+    batcher = Batcher(LedgerRuntime(art), policy=policy)
+    n = data.draw(st.integers(1, 8))
+    arrivals: dict[int, list] = {}
+    aborts: dict[int, list[str]] = {}
+    for i in range(n):
+        plen = data.draw(st.integers(1, 40))
+        prompt = data.draw(st.lists(st.integers(1, 96), min_size=plen, max_size=plen))
+        params = SamplingParams(max_tokens=data.draw(st.integers(1, 64 - plen)), ignore_eos=True)
+        arrivals.setdefault(data.draw(st.integers(0, 30)), []).append((prompt, params, f"r{i}"))
+        if data.draw(st.booleans()) and data.draw(st.booleans()):
+            aborts.setdefault(data.draw(st.integers(0, 60)), []).append(f"r{i}")
+    finals, streamed = drive(batcher, arrivals, aborts)
+    for batch in arrivals.values():
+        for prompt, params, rid in batch:
+            out = finals[rid]
+            want = expected(prompt, params, art)
+            if out.finish_reason == "abort":
+                assert want[: len(streamed.get(rid, []))] == streamed.get(rid, [])
+            else:
+                assert out.finish_reason == "length" and streamed[rid] == want
+    pool = batcher.scheduler.pool
+    assert pool.num_free + pool.num_spare == art.num_blocks
+    assert batcher.scheduler.lanes.num_busy == 0
