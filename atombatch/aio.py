@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from atombatch.engine import Batcher, EngineStats
-from atombatch.errors import AtomBatchError, RequestError
+from atombatch.errors import AtomBatchError, CapacityError, RequestError
 from atombatch.structs import Completion, RequestOutput, SamplingParams
 
 logger = logging.getLogger("atombatch")
@@ -74,11 +74,19 @@ class AsyncBatcher:
 
         Raises:
             RequestError: the request is invalid, the batcher is closing, or the id is in use.
+            CapacityError: `max_waiting` requests already wait (submits not yet drained count).
         """
         if self._task is None or self._closing:
             raise RequestError("AsyncBatcher is not running (call start() or use async with)")
         params = params or SamplingParams()
         tokens = self.batcher.validate(prompt, params)
+        max_waiting = self.batcher.max_waiting
+        if max_waiting is not None:
+            waiting = self.batcher.scheduler.num_waiting + \
+                sum(1 for kind, _ in self._inbox if kind == "submit")
+            if waiting >= max_waiting:
+                raise CapacityError(f"queue is full: {waiting} requests wait, "
+                                    f"max_waiting={max_waiting}")
         if request_id is None:
             request_id = f"areq-{self._next_id}"
             self._next_id += 1
@@ -95,9 +103,16 @@ class AsyncBatcher:
             self._inbox.append(("abort", request_id))
             self._poke()
 
-    async def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Iterate a submitted request's outputs; leaving the iteration early aborts it."""
-        queue = self._queues[request_id]
+    def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Iterate a submitted request's outputs; leaving the iteration early aborts it.
+
+        The request's queue is taken now, so a request that finishes before the first `__anext__`
+        still yields its outputs.
+        """
+        return self._iterate(request_id, self._queues[request_id])
+
+    async def _iterate(self, request_id: str,
+                       queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
