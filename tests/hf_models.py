@@ -1,10 +1,10 @@
 """Tiny random Hugging Face checkpoints and their transformers reference outputs (test helpers).
 
-Every model here is built by transformers itself, re-randomized with a fixed seed so that its logits are
-well spread (HF's default init, std 0.02, gives near-ties that would make greedy parity flaky), and
-written with `save_pretrained` as safetensors in float32 and bfloat16. The reference outputs come from
-transformers in float32 with eager attention, so they say what "the same model" means for the
-NumPy runtime.
+Every model here is built by transformers itself, re-randomized with a fixed seed so that its
+logits are well spread (HF's default init, std 0.02, gives near-ties that would make greedy parity
+flaky), and written with `save_pretrained` as safetensors in float32 and bfloat16. The reference
+outputs come from transformers in float32 with eager attention, so they say what "the same model"
+means for the NumPy runtime.
 """
 
 from __future__ import annotations
@@ -18,6 +18,13 @@ import numpy as np
 
 FAMILIES = ("llama", "qwen3", "gemma3")
 SLIDING_WINDOW = 16  # Gemma3's tiny window: prompts in the tests are longer
+
+
+def _quiet() -> None:
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
 
 
 def hf_config(family: str) -> Any:
@@ -63,8 +70,8 @@ def build_model(family: str, seed: int = 0) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    _quiet()
     config = hf_config(family)
-    config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                              dtype=torch.float32)
@@ -127,6 +134,7 @@ def load_float32(directory: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    _quiet()
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                                  attn_implementation="eager")
     return model.eval()

@@ -1,4 +1,4 @@
-"""NumpyRuntime: transformers parity, device-faithful tables and slots, padding safety, batch invariance.
+"""NumpyRuntime: transformers parity, device-faithful tables and slots, padding, batch invariance.
 
 The tiny checkpoints are built by transformers (tests/hf_models.py) once per session. Everything the
 runtime is compared with is computed independently: transformers' logits and greedy tokens, and the
@@ -39,7 +39,7 @@ def prompt(seed: int = 1, length: int = PROMPT_LEN) -> list[int]:
     return np.random.default_rng(seed).integers(3, 512, size=length).tolist()
 
 
-# -- session fixtures: checkpoints and transformers' answers, built once -------------------------------
+# -- session fixtures: checkpoints and transformers' answers, built once ---------------------------
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
     """`checkpoint(family, dtype)`: a saved tiny transformers checkpoint directory."""
@@ -56,7 +56,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str],
 
 @pytest.fixture(scope="session")
 def hf_reference(checkpoint: Callable[[str, str], Path]) -> Callable[..., dict[str, object]]:
-    """`hf_reference(family, dtype)`: transformers' float32 logits and greedy tokens of `prompt()`."""
+    """`hf_reference(family, dtype)`: transformers' float32 logits and greedy tokens of prompt()."""
     cache: dict[tuple[str, str], dict[str, object]] = {}
 
     def get(family: str, dtype: str = "float32") -> dict[str, object]:
@@ -86,7 +86,7 @@ def runtime_weights(checkpoint: Callable[[str, str], Path]
     return get
 
 
-# -- ModelSpec.from_pretrained ----------------------------------------------------------------------------
+# -- ModelSpec.from_pretrained ---------------------------------------------------------------------
 def test_spec_from_checkpoints(checkpoint: Callable[[str, str], Path]) -> None:
     llama = ModelSpec.from_pretrained(checkpoint("llama", "float32"))
     assert (llama.family, llama.num_layers, llama.num_heads, llama.num_kv_heads,
@@ -162,12 +162,13 @@ def test_spec_from_handwritten_llama_configs(tmp_path: Path) -> None:
     assert a.head_dim == 16 and not a.tie_word_embeddings and not a.is_hybrid
 
 
-# -- reference_logits against transformers -----------------------------------------------------------------
+# -- reference_logits against transformers ---------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reference_logits_match_transformers(family: str, dtype: str,
                                              checkpoint: Callable[[str, str], Path],
-                                             hf_reference: Callable[..., dict[str, object]]) -> None:
+                                             hf_reference: Callable[..., dict[str, object]]
+                                             ) -> None:
     runtime = NumpyRuntime.from_pretrained(checkpoint(family, dtype))
     ours = runtime.reference_logits(prompt())
     theirs = hf_reference(family, dtype)["logits"]
@@ -215,7 +216,7 @@ def test_gemma3_embedding_scale_is_rounded_to_the_weight_dtype() -> None:
     assert _embed_scale(64, "bfloat16") == np.float32(8.0)
 
 
-# -- chunked prefill + decode through hand-built tables ---------------------------------------------------
+# -- chunked prefill + decode through hand-built tables --------------------------------------------
 def layout(spec: ModelSpec, kind: str, chunk: int, batch: int = 2) -> ArtifactConfig:
     block_size = CONTEXT if kind == "eager" else 16
     bps = CONTEXT // block_size
@@ -344,7 +345,7 @@ def test_sliding_slot_is_a_shift_buffer_of_real_tokens(
     np.testing.assert_allclose(decoded, runtime2.sliding_kv[:, :, 1], rtol=1e-5, atol=1e-5)
 
 
-# -- padding safety --------------------------------------------------------------------------------------
+# -- padding safety --------------------------------------------------------------------------------
 @pytest.mark.parametrize(("family", "kind"), [("llama", "eager"), ("gemma3", "partitioned")])
 def test_idle_lane_rows_really_write(family: str, kind: str,
                                      runtime_weights: Callable[[str], tuple[ModelSpec,
@@ -412,7 +413,7 @@ def test_negative_or_out_of_range_table_entries_raise() -> None:
     assert runtime.decode_calls == runtime.prefill_calls == 0
 
 
-# -- batch invariance ----------------------------------------------------------------------------------
+# -- batch invariance ------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_decode_logits_are_bit_identical_at_b1_and_b4(
         family: str,
@@ -435,7 +436,8 @@ def test_decode_logits_are_bit_identical_at_b1_and_b4(
             lanes.push_block(lane, free.pop())
         last = None
         for start in range(0, len(tokens), 16):
-            prefill.build(tokens, start, lanes.blocks(lane), lanes.num_held(lane), sliding_slot=lane)
+            prefill.build(tokens, start, lanes.blocks(lane), lanes.num_held(lane),
+                          sliding_slot=lane)
             last = b4.prefill(prefill)
         assert last is not None
         lanes.start_decode(lane, len(tokens), int(last.argmax()))
@@ -449,7 +451,7 @@ def test_decode_logits_are_bit_identical_at_b1_and_b4(
             lanes.advance(lane, int(together[lane].argmax()))
 
 
-# -- block moves -------------------------------------------------------------------------------------
+# -- block moves -----------------------------------------------------------------------------------
 def test_copy_read_write_block_round_trip() -> None:
     spec = ModelSpec(name="t", family="gemma3", vocab_size=128, hidden_size=32,
                      intermediate_size=64, num_layers=6, num_heads=2, num_kv_heads=1, head_dim=16,
@@ -468,7 +470,9 @@ def test_copy_read_write_block_round_trip() -> None:
     data = runtime.read_block(1)
     assert data.shape == runtime.block_shape == (2, 2, 1, 64, 16)
     assert np.any(data != 0)
-    data[...] += 0  # a copy, not a view
+    mutated = runtime.read_block(1)
+    mutated[...] = 7.0  # a copy, not a view into the device tensors
+    np.testing.assert_array_equal(runtime.read_block(1), data)
     runtime.copy_block(1, 2)
     np.testing.assert_array_equal(runtime.read_block(2), data)
     runtime.write_block(0, data)

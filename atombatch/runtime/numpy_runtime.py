@@ -2,18 +2,18 @@
 
 Theory of operation
 -------------------
-`NumpyRuntime` is what proves the scheduler's tables right, so it behaves like the compiled graphs of
-DESIGN §2 rather than like a convenient model:
+`NumpyRuntime` is what proves the scheduler's tables right, so it behaves like the compiled graphs
+of DESIGN §2 rather than like a convenient model:
 
 * Global-attention layers keep K and V in `kv[g, 0|1]`, each `[num_blocks, kv_heads, block_size,
   head_dim]`. Position p of a sequence lives in block `table[p // block_size]` at offset
-  `p % block_size`. Every call first writes the K/V of every position it processes (a prefill chunk's
-  padding positions and every decode lane, idle lanes included), then reads the keys it attends to
-  back *through the table*. A wrong table row therefore corrupts real output instead of being
-  ignored.
+  `p % block_size`. Every call first writes the K/V of every position it processes (a prefill
+  chunk's padding positions and every decode lane, idle lanes included), then reads the keys it
+  attends to back *through the table*. A wrong table row therefore corrupts real output instead of
+  being ignored.
 * Sliding-window layers (Gemma3) keep a lane slot `sliding_kv[s, 0|1, slot]`, `[kv_heads, window,
-  head_dim]`: a shift buffer with the newest `window` tokens, oldest first (position p < window sits at
-  index p). Prefill writes only the chunk's real tokens into it; decode writes every lane's token.
+  head_dim]`: a shift buffer with the newest `window` tokens, oldest first (position p < window
+  sits at index p). Prefill writes only the chunk's real tokens into it; decode writes every lane's.
 * Decode runs lane by lane inside each layer, so a lane's matmuls have the same shapes whatever the
   batch size and whatever the other lanes hold: a lane's logits are bit-identical at B1 and B4.
 * `reference_logits` recomputes a whole sequence with plain masked attention and no cache or table,
@@ -21,11 +21,11 @@ DESIGN §2 rather than like a convenient model:
 
 The math is float32 and follows transformers' Llama, Qwen3 and Gemma3 modeling code (eager
 attention): RMSNorm with w (Llama, Qwen3) or 1 + w (Gemma3), Qwen3/Gemma3 per-head q/k norms before
-RoPE, llama3/linear RoPE scaling (Gemma3: global layers only, sliding layers use `rope_local_theta`),
-Gemma3's sqrt(hidden) embedding scale rounded to the checkpoint dtype, `query_pre_attn_scalar`,
-sandwich norms, GELU-tanh MLP, final logit softcapping, and HF's sliding mask (a query at p sees keys
-at positions > p - window, itself included). Gemma3's `attn_logit_softcapping` is ignored, as
-transformers' Gemma3 attention ignores it.
+RoPE, llama3/linear RoPE scaling (Gemma3: global layers only; sliding layers use
+`rope_local_theta`), Gemma3's sqrt(hidden) embedding scale rounded to the checkpoint dtype,
+`query_pre_attn_scalar`, sandwich norms, GELU-tanh MLP, final logit softcapping, and HF's sliding
+mask (a query at p sees keys at positions > p - window, itself included). Gemma3's
+`attn_logit_softcapping` is ignored, as transformers' Gemma3 attention ignores it.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class NumpyRuntime:
     # -- constructors ---------------------------------------------------------------------------
     @classmethod
     def random(cls, artifact: ArtifactConfig, seed: int = 0) -> NumpyRuntime:
-        """Random weights of the spec's shapes, scaled so logits are spread out (std ~3, no ties)."""
+        """Random weights of the spec's shapes, scaled for spread-out logits (std ~3, no ties)."""
         return cls(artifact, random_weights(artifact.model, seed))
 
     @classmethod
@@ -299,7 +299,7 @@ class NumpyRuntime:
             logits = np.tanh(logits / F32(cap)) * F32(cap)
         return logits.astype(F32, copy=False)
 
-    # -- the no-cache reference ----------------------------------------------------------------------
+    # -- the no-cache reference --------------------------------------------------------------------
     def reference_logits(self, token_ids: npt.ArrayLike) -> Array:
         """Logits [T, vocab] of every position by full recompute: no cache, no table, no slot."""
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
@@ -451,7 +451,7 @@ class NumpyRuntime:
                 hidden[lane] = self._finish(layer, hidden[lane], ctx)
         return np.stack([self._logits(h)[0] for h in hidden])
 
-    # -- block moves ----------------------------------------------------------------------------------
+    # -- block moves -------------------------------------------------------------------------------
     def _check_block(self, block: int) -> int:
         if not 0 <= block < self.artifact.num_blocks:
             raise StateError(f"block={block} is outside 0..{self.artifact.num_blocks - 1}")
@@ -478,7 +478,7 @@ class NumpyRuntime:
         self.kv[:, :, self._check_block(block)] = data
 
 
-# -- math helpers -------------------------------------------------------------------------------------
+# -- math helpers ----------------------------------------------------------------------------------
 def _silu(x: Array) -> Array:
     # x * sigmoid(x) through tanh: no overflow warning for large |x|.
     return x * (F32(0.5) * (F32(1.0) + np.tanh(x * F32(0.5))))
@@ -540,7 +540,7 @@ def _embed_scale(hidden: int, dtype: str) -> np.float32:
     return _round_to(math.sqrt(hidden), dtype)
 
 
-# -- weights and checkpoints ------------------------------------------------------------------------
+# -- weights and checkpoints -----------------------------------------------------------------------
 def default_artifact(spec: ModelSpec) -> ArtifactConfig:
     """A small artifact for trying a model: B4, context 256 in one block per lane, chunk 64."""
     context = 256
