@@ -610,7 +610,7 @@ def format_table(report: ServeReport) -> str:
                  + (f" at {load['rate']}/s" if load["arrivals"] == "poisson" else "")
                  + f"; timeout {timeout} s ({load['timeout_action']}); times in {unit}; latency "
                  "figures exclude failed requests")
-    header = (f"{'model':<11} {'route':<15} {'in/out':>9} {'artifact':<8} {'policy':<13} "
+    header = (f"{'model':<11} {'route':<15} {'in/out':>9} {'artifact':<10} {'policy':<13} "
               f"{'ok/n':>5} {'t/o':>3} {'TTFT p50':>8} {'p99':>7} {'max':>7} {'done p50':>8} "
               f"{'max':>7} {'tok/s':>7} {'all max':>7} {'prefill':>8} {'decode':>8}  lanes/step")
     lines += [header, "-" * len(header)]
@@ -621,7 +621,7 @@ def format_table(report: ServeReport) -> str:
             lines.append("")
         previous = group
         head = (f"{cell.model:<11} {cell.route:<15} {cell.input_len:>4}/{cell.output_len:<4} "
-                f"{cell.artifact:<8} {cell.policy:<13}")
+                f"{cell.artifact:<10} {cell.policy:<13}")
         if cell.status != "ok":
             why = cell.status
             if cell.status == "not-run: does not fit" and cell.fit.projected_bytes is not None:
@@ -656,26 +656,34 @@ def format_table(report: ServeReport) -> str:
     return "\n".join(lines)
 
 
-def format_comparison(report: ServeReport, base: str = "B1/k1", other: str = "B4/k5") -> str:
-    """B4 vs B1 at matched load: throughput and worst first token, per model/route/shape/policy."""
-    index = {(c.model, c.route, c.input_len, c.output_len, c.policy, c.artifact): c
-             for c in report.cells if c.status == "ok"}
+def format_comparison(report: ServeReport) -> str:
+    """Each multi-lane artifact vs the single-lane one with the fewest blocks at the same context and
+    split, under the same load: throughput, worst first token and timeouts."""
+    ok = [c for c in report.cells if c.status == "ok"]
     rows = []
-    for (model, route, i, o, policy, artifact), cell in index.items():
-        if artifact != other:
+    for cell in ok:
+        if cell.batch_size == 1:
             continue
-        ref = index.get((model, route, i, o, policy, base))
-        if ref is None or not ref.output_tok_s:
+        refs = [r for r in ok if r.batch_size == 1 and (r.model, r.route, r.input_len,
+                r.output_len, r.policy, r.max_seq_len, r.block_size, r.tensor_parallel) ==
+                (cell.model, cell.route, cell.input_len, cell.output_len, cell.policy,
+                 cell.max_seq_len, cell.block_size, cell.tensor_parallel)]
+        if not refs:
+            continue
+        ref = min(refs, key=lambda r: r.num_blocks)
+        if not ref.output_tok_s:
             continue
         rows.append(
-            f"{model:<11} {route:<15} {i:>4}/{o:<4} {policy:<13} "
+            f"{cell.model:<11} {cell.route:<15} {cell.input_len:>4}/{cell.output_len:<4} "
+            f"{cell.policy:<13} {ref.artifact:>9} -> {cell.artifact:<9} "
             f"{ref.output_tok_s:>7.2f} -> {cell.output_tok_s:>7.2f} tok/s "
             f"(x{cell.output_tok_s / ref.output_tok_s:.2f}); max first token "
             f"{_f(ref.max_first_token_all)} -> {_f(cell.max_first_token_all)} s; timeouts "
-            f"{ref.timeouts} -> {cell.timeouts}" + (" *" if cell.hypothetical else ""))
+            f"{ref.timeouts} -> {cell.timeouts}" + (" *" if cell.hypothetical or ref.hypothetical
+                                                    else ""))
     if not rows:
         return ""
-    return "\n".join([f"{other} vs {base} (same load):", *rows])
+    return "\n".join(["multi-lane vs single-lane (same load, context and split):", *rows])
 
 
 def write_plot(report: ServeReport, path: Path) -> None:
