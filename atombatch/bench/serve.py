@@ -441,9 +441,13 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
         completion = done.get(index)
         arrival = arrivals[index]
         if completion is None or completion.timings is None:
-            errors += 1
-            records.append(RequestRecord(arrival - start, None, None, 0, True,
-                                         completion.finish_reason if completion else "lost"))
+            reason = completion.finish_reason if completion else "lost"
+            if reason == "abort" and load.timeout_action == "abort":
+                timeouts += 1  # the client gave up before the request got a lane
+                reason = "timeout"
+            else:
+                errors += 1
+            records.append(RequestRecord(arrival - start, None, None, 0, True, reason))
             continue
         timings = completion.timings
         ttft = timings.first_token - arrival
@@ -457,7 +461,9 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
         failed = reason in ("error", "abort")
         if not failed and load.timeout_s is not None and e2e > load.timeout_s:
             failed, reason = True, "timeout"
-        if reason == "timeout" or (reason == "abort" and load.timeout_action == "abort"):
+        if reason == "abort" and load.timeout_action == "abort":
+            reason = "timeout"  # aborted by the harness at the deadline
+        if reason == "timeout":
             timeouts += 1
         elif failed:
             errors += 1

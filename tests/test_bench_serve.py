@@ -1,0 +1,182 @@
+"""The serving benchmark: origin figures through the harness, B4, timeouts, fit, CLI, numpy."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from atombatch import ArtifactConfig, Batcher, SamplingParams
+from atombatch.bench import serve
+from atombatch.runtime.sim import ORIGIN_KONI_B1, CostModel, SimRuntime
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_NUMPY_RUNTIME = importlib.util.find_spec("atombatch.runtime.numpy_runtime") is not None
+HAS_MICRO = importlib.util.find_spec("atombatch.bench.micro") is not None
+
+
+@pytest.fixture(scope="module")
+def koni_b1() -> serve.Cell:
+    return serve.run_cell("koni-8b", "native", 8192, 128, "B1/k1", "prefill-first")
+
+
+@pytest.fixture(scope="module")
+def koni_b4() -> serve.Cell:
+    return serve.run_cell("koni-8b", "native", 8192, 128, "B4/k5", "prefill-first",
+                          ignore_fit=True)
+
+
+def test_origin_cell_reproduces_figures_and_keeps_timeouts_out(koni_b1: serve.Cell) -> None:
+    cell = koni_b1
+    assert cell.status == "ok" and cell.fit.fits and not cell.hypothetical
+    assert cell.fit.projected_bytes == 16_357_785_600 and cell.fit.method == "observed"
+    assert cell.max_first_token_all == pytest.approx(ORIGIN_KONI_B1.max_first_token_s, rel=0.01)
+    assert cell.max_completion_all == pytest.approx(ORIGIN_KONI_B1.max_completion_s, rel=0.01)
+    assert cell.output_tok_s == pytest.approx(ORIGIN_KONI_B1.throughput_tok_s, rel=0.01)
+    # origin: six timed requests exceed 180 s; they are failures, not latency samples
+    assert cell.timeouts == 6 and cell.completed == 10 and cell.requests == 16
+    assert cell.completion.count == cell.ttft.count == 10
+    assert cell.completion.max <= 180.0
+    assert sum(r.failed for r in cell.request_records) == 6
+    assert cell.lane_histogram == (0, 16 * 127)
+    assert "253.93" in cell.calibration and cell.identity
+
+
+def test_b4_is_different_and_plausible(koni_b1: serve.Cell, koni_b4: serve.Cell) -> None:
+    b1, b4 = koni_b1, koni_b4
+    assert b4.status == "ok" and b4.hypothetical  # KONI B4/k5 does not fit one ATOM
+    # memory-bound decode: four lanes per step cost far less than four steps
+    assert b1.output_tok_s * 1.2 < b4.output_tok_s < b1.output_tok_s * 4
+    assert b4.max_first_token_all < b1.max_first_token_all
+    assert b4.max_completion_all < b1.max_completion_all
+    assert b4.timeouts < b1.timeouts
+    assert b4.lane_histogram[4] > 0 and b4.mean_decoding_lanes > 3
+    assert b4.prefill_device_s == pytest.approx(b1.prefill_device_s)  # same prompts
+    assert b4.decode_device_s < b1.decode_device_s
+
+
+def test_not_fitting_and_rejected_cells_are_reported_not_run() -> None:
+    cell = serve.run_cell("koni-8b", "native", 8192, 128, "B4/k5", "prefill-first")
+    assert cell.status == "not-run: does not fit" and cell.fit.fits is False
+    assert cell.fit.projected_bytes == 21_189_623_808 and cell.requests == 0
+    gemma = serve.run_cell("gemma3-1b", "native", 128, 32, "B1/k1", "prefill-first")
+    assert gemma.status == "rejected" and "hybrid" in (gemma.error or "")
+    too_long = serve.run_cell("qwen3-0.6b", "native", 8192, 128, "B1/k1/ctx4096",
+                              "prefill-first")
+    assert too_long.status == "rejected" and "max_seq_len" in (too_long.error or "")
+
+
+def test_timeouts_count_as_failures_and_abort_frees_lanes() -> None:
+    load = serve.Load(concurrency=8, timeout_s=9.0)
+    counted = serve.run_cell("qwen3-4b", "native", 2048, 32, "B1/k1", "prefill-first", load=load)
+    assert counted.timeouts > 0 and counted.completed + counted.timeouts == 8
+    assert counted.completion.max <= 9.0 and counted.ttft.count == counted.completed
+    aborted = serve.run_cell("qwen3-4b", "native", 2048, 32, "B1/k1", "prefill-first",
+                             load=msgspec.structs.replace(load, timeout_action="abort"))
+    assert aborted.timeouts > 0 and aborted.completion.max <= 9.0
+    # aborting late requests frees the device: the survivors finish no later
+    assert aborted.makespan_s <= counted.makespan_s
+
+
+def test_pd_routes_and_poisson_and_closed_loop() -> None:
+    load = serve.Load(concurrency=4, requests=8)
+    native = serve.run_cell("qwen3-0.6b", "native", 2048, 32, "B4/k5", "prefill-first", load=load)
+    whole = serve.run_cell("qwen3-0.6b", "pd-whole", 2048, 32, "B4/k5", "prefill-first",
+                           load=load)
+    stream = serve.run_cell("qwen3-0.6b", "pd-layer-stream", 2048, 32, "B4/k5", "prefill-first",
+                            load=load)
+    assert native.requests == whole.requests == 8 and native.completed == 8
+    assert whole.prefill_device_s == 0 and whole.import_device_s > 0
+    assert whole.producer_busy_s > 0 and stream.ttft.max <= whole.ttft.max
+    poisson = serve.run_cell("qwen3-0.6b", "native", 512, 32, "B4/k5", "decode-first",
+                             load=serve.Load(requests=10, arrivals="poisson", rate=2.0))
+    assert poisson.status == "ok" and poisson.completed == 10
+    arrivals = [r.arrival for r in poisson.request_records]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 0
+
+
+def test_cli_writes_table_and_json(tmp_path, capsys) -> None:
+    out = tmp_path / "serve.json"
+    costs = tmp_path / "costs.json"
+    argv = ["--models", "qwen3-0.6b,gemma3-1b", "--routes", "native,pd-whole", "--inputs", "512",
+            "--outputs", "32", "--artifacts", "B1/k1,B4/k5", "--policies",
+            "prefill-first,interleave:2", "--concurrency", "4", "--json", str(out),
+            "--save-costs", str(costs), "--no-progress"]
+    assert serve.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "calibration:" in text and "253.93" in text
+    assert "rejected" in text and "B1/k1 -> B4/k5" in text
+    report = msgspec.json.decode(out.read_bytes(), type=serve.ServeReport)
+    assert report.argv == argv and report.command.startswith("python -m atombatch.bench serve")
+    assert report.machine.cpu_count and report.version and report.max_rss_bytes > 0
+    assert report.cost_model == CostModel.load(costs)
+    assert len(report.cells) == 2 * 2 * 2 * 2
+    assert {c.status for c in report.cells} == {"ok", "rejected"}
+    assert serve.main(["--routes", "teleport", "--no-progress"]) == 2
+    assert serve.main(["--arrivals", "poisson", "--no-progress"]) == 2
+
+
+@pytest.mark.skipif(not HAS_NUMPY_RUNTIME, reason="NumpyRuntime not available")
+def test_numpy_runtime_measures_wall_time(capsys) -> None:
+    argv = ["--runtime", "numpy", "--models", "qwen3-0.6b", "--inputs", "48", "--outputs", "6",
+            "--artifacts", "B1/k1,B4/k5", "--policies", "prefill-first", "--concurrency", "4",
+            "--no-progress"]
+    assert serve.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "wall s" in text and "B1/k1 -> B4/k5" in text
+    report = serve.run(models=["qwen3-0.6b"], routes=["native"], inputs=[48], outputs=[6],
+                       artifacts=["B4/k5"], policies=["prefill-first"], runtime="numpy",
+                       load=serve.Load(concurrency=4), context=256, chunk=32)
+    cell = report.cells[0]
+    assert cell.status == "ok" and cell.fit.fits is None and cell.completed == 4
+    assert cell.decode_device_s > 0 and cell.prefill_device_s > 0
+
+
+@pytest.mark.skipif(not HAS_NUMPY_RUNTIME, reason="NumpyRuntime not available")
+@pytest.mark.parametrize("policy", ["prefill-first", "decode-first", "interleave:2"])
+def test_sim_and_numpy_runtimes_step_alike(policy: str) -> None:
+    """Same requests and policy: the same sequence of device calls on both runtimes."""
+    from atombatch.runtime.numpy_runtime import NumpyRuntime
+
+    spec = serve.small_spec("koni-8b")
+    artifact = ArtifactConfig(model=spec, batch_size=2, max_seq_len=128, block_size=128,
+                              num_blocks=3, prefill_chunk_size=16, kv_dtype="float32")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, spec.vocab_size, n) for n in (20, 40, 7, 33, 16)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (5, 3, 9, 4, 6)]
+    traces = []
+    for runtime in (SimRuntime(artifact), NumpyRuntime.random(artifact, seed=0)):
+        batcher = Batcher(runtime, policy=policy)
+        trace = batcher.record_trace()
+        done = batcher.generate(prompts, params)
+        assert [len(c.token_ids) for c in done] == [5, 3, 9, 4, 6]
+        traces.append(list(trace))
+    assert traces[0] == traces[1]
+    if policy != "decode-first":  # decode-first prefills only while no lane decodes
+        assert any(r.kind == "decode" and r.lanes == 2 for r in traces[0])
+
+
+@pytest.mark.skipif(not HAS_MICRO, reason="atombatch.bench.micro not written yet")
+def test_plain_python_m_atombatch_bench_runs() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-m", "atombatch.bench"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "== micro" in result.stdout and "== serve" in result.stdout
+    assert "calibration:" in result.stdout
+
+
+def test_dispatcher_routes_subcommands(capsys) -> None:
+    from atombatch.bench.__main__ import main
+    assert main(["--help"]) == 0
+    assert main(["nope"]) == 2
+    assert main(["serve", "--models", "qwen3-0.6b", "--routes", "native", "--inputs", "128",
+                 "--outputs", "32", "--artifacts", "B1/k1", "--policies", "prefill-first",
+                 "--no-progress"]) == 0
+    assert "qwen3-0.6b" in capsys.readouterr().out
