@@ -1,0 +1,7 @@
+"""`python -m atombatch.serve`: see `atombatch.serve.cli`."""
+
+import sys
+
+from atombatch.serve.cli import main
+
+sys.exit(main())

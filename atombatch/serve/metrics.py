@@ -1,0 +1,99 @@
+"""Prometheus metrics of one server, in a registry of its own (two apps in a process never mix).
+
+Engine gauges and counters are read from `Batcher.stats()` when `/metrics` is scraped; latency
+histograms and finish reasons are observed by the HTTP layer as tokens reach the client.
+
+| metric | type | labels |
+|---|---|---|
+| atombatch_lanes | gauge | (decode lanes of the artifact, B) |
+| atombatch_occupied_lanes | gauge | lanes holding a request |
+| atombatch_decoding_lanes | gauge | lanes decoding |
+| atombatch_queue_length | gauge | requests without a lane (waiting + staged) |
+| atombatch_blocks | gauge | state = free, spare, staged, lane, cached |
+| atombatch_engine_<counter>_total | counter | steps, prefill_chunks, staged_chunks, decode_steps, generated_tokens, rotations, preemptions |
+| atombatch_engine_requests_finished_total | counter | reason (engine view, all requests) |
+| atombatch_requests_in_flight | gauge | HTTP requests between accept and last byte |
+| atombatch_requests_finished_total | counter | reason = stop, length, abort, error, disconnect |
+| atombatch_requests_rejected_total | counter | status = 400, 404, 413, 422, 429, 503 |
+| atombatch_prompt_tokens_total, atombatch_generation_tokens_total | counter | |
+| atombatch_time_to_first_token_seconds | histogram | accept -> first token out |
+| atombatch_inter_token_latency_seconds | histogram | gap between consecutive tokens out |
+| atombatch_e2e_request_latency_seconds | histogram | accept -> finish |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from atombatch.engine import EngineStats
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    20.0, 40.0, 60.0, 120.0, 180.0, 300.0, 600.0)
+_ENGINE_COUNTERS = ("steps", "prefill_chunks", "staged_chunks", "decode_steps", "generated_tokens",
+                    "rotations", "preemptions")
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats], lanes: int) -> None:
+        self._stats = stats
+        self._lanes = lanes
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield GaugeMetricFamily("atombatch_lanes", "Decode lanes of the artifact (B).",
+                                value=self._lanes)
+        yield GaugeMetricFamily("atombatch_occupied_lanes", "Lanes holding a request.",
+                                value=s.occupied_lanes)
+        yield GaugeMetricFamily("atombatch_decoding_lanes", "Lanes decoding.",
+                                value=s.decoding_lanes)
+        yield GaugeMetricFamily("atombatch_queue_length",
+                                "Requests without a lane (waiting, staging or staged).",
+                                value=s.queue_length)
+        blocks = GaugeMetricFamily("atombatch_blocks", "KV blocks by ownership state.",
+                                   labels=["state"])
+        for state, value in (("free", s.free_blocks), ("spare", s.spare_blocks),
+                             ("staged", s.staged_blocks), ("lane", s.lane_blocks),
+                             ("cached", s.cached_blocks)):
+            blocks.add_metric([state], value)
+        yield blocks
+        for name in _ENGINE_COUNTERS:
+            yield CounterMetricFamily(f"atombatch_engine_{name}", f"Engine {name} so far.",
+                                      value=getattr(s, name))
+        finished = CounterMetricFamily("atombatch_engine_requests_finished",
+                                       "Requests the engine finished, by reason.",
+                                       labels=["reason"])
+        for reason, value in sorted(s.finished.items()):
+            finished.add_metric([reason], value)
+        yield finished
+
+
+class ServerMetrics:
+    """The metric objects of one app, registered in `self.registry`."""
+
+    def __init__(self, stats: Callable[[], EngineStats], lanes: int) -> None:
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        registry.register(_EngineCollector(stats, lanes))
+        self.in_flight = Gauge("atombatch_requests_in_flight",
+                               "HTTP generation requests being served.", registry=registry)
+        self.finished = Counter("atombatch_requests_finished", "HTTP requests by finish reason.",
+                                ["reason"], registry=registry)
+        self.rejected = Counter("atombatch_requests_rejected",
+                                "HTTP requests answered with an error status before generation.",
+                                ["status"], registry=registry)
+        self.prompt_tokens = Counter("atombatch_prompt_tokens", "Prompt tokens accepted.",
+                                     registry=registry)
+        self.generation_tokens = Counter("atombatch_generation_tokens",
+                                         "Generated tokens sent to clients.", registry=registry)
+        self.ttft = Histogram("atombatch_time_to_first_token_seconds",
+                              "Request accepted -> first generated token handed to the client.",
+                              buckets=_LATENCY_BUCKETS, registry=registry)
+        self.inter_token = Histogram("atombatch_inter_token_latency_seconds",
+                                     "Gap between consecutive generated tokens of a request.",
+                                     buckets=_LATENCY_BUCKETS, registry=registry)
+        self.e2e = Histogram("atombatch_e2e_request_latency_seconds",
+                             "Request accepted -> finished.", buckets=_LATENCY_BUCKETS,
+                             registry=registry)

@@ -1,0 +1,174 @@
+"""Text <-> token ids for the server: a Hugging Face tokenizer when there is one, else id pieces.
+
+Without a tokenizer (`IdCodec`) the text of token `t` is the piece `"<t>"`: a completion's text is
+its ids written as `<17><3><250>`, and a text prompt (or a chat message) is read back the same way
+(whitespace between pieces is ignored; anything else is a 400). This keeps the OpenAI clients working
+against a random-weight model and makes every text exactly checkable.
+
+With a tokenizer (`HFCodec`, `tokenizers` + `tokenizer.json`) text is encoded and decoded by it. Chat
+messages are rendered with the checkpoint's chat template (`tokenizer_config.json` `chat_template`,
+rendered with jinja2 as Hugging Face does) or, without one, with the simple template
+
+    <role>: <content>\\n   (one line per message)   then   assistant:
+
+Streamed text is decoded incrementally: the whole generated text is decoded after each token and the
+new suffix is sent, holding back a trailing U+FFFD (an incomplete UTF-8 sequence) until it completes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from atombatch.errors import ConfigError, RequestError
+
+_PIECE = re.compile(r"\s*<(\d+)>")
+_SPACE = re.compile(r"\s*")
+
+
+class Codec(Protocol):
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def render_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]: ...
+
+    def decoder(self) -> Decoder: ...
+
+
+class Decoder(Protocol):
+    def step(self, token_ids: Sequence[int]) -> str: ...
+
+
+class IdCodec:
+    """No tokenizer: token `t` reads and writes as `"<t>"`."""
+
+    name = "ids"
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        pos = 0
+        while True:
+            match = _PIECE.match(text, pos)
+            if match is None:
+                break
+            ids.append(int(match.group(1)))
+            pos = match.end()
+        if _SPACE.fullmatch(text, pos) is None:
+            raise RequestError(f"text {_clip(text[pos:])!r} at offset {pos} is not a '<id>' piece: "
+                               "this server has no tokenizer, so text must be written as token ids "
+                               "like '<17><3>' (or send the prompt as a list of ids)")
+        return ids
+
+    def render_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """The messages' ids concatenated in order (roles carry no tokens without a tokenizer)."""
+        ids: list[int] = []
+        for _, content in messages:
+            ids.extend(self.encode(content))
+        return ids
+
+    def decoder(self) -> _IdDecoder:
+        return _IdDecoder()
+
+
+class _IdDecoder:
+    def step(self, token_ids: Sequence[int]) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
+
+
+class HFCodec:
+    """A `tokenizers.Tokenizer` plus the checkpoint's chat template (or the simple one)."""
+
+    name = "tokenizers"
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None,
+                 special: dict[str, str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.special = special or {}
+        self._template = None
+        if chat_template:
+            try:
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+            except ImportError:  # pragma: no cover - jinja2 ships with the server extra
+                ImmutableSandboxedEnvironment = None  # noqa: N806
+            if ImmutableSandboxedEnvironment is not None:
+                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+                def raise_exception(message: str) -> None:
+                    raise RequestError(f"chat template: {message}")
+
+                env.globals["raise_exception"] = raise_exception
+                self._template = env.from_string(chat_template)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> HFCodec | None:
+        """Load `tokenizer.json` (+ `tokenizer_config.json`) from a checkpoint dir; None if absent.
+
+        Raises:
+            ConfigError: the files exist but cannot be read, or `tokenizers` is not installed.
+        """
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            return None
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ConfigError(f"{file} exists but the 'tokenizers' package is not installed "
+                              "(pip install 'atombatch[server]')") from None
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as exc:
+            raise ConfigError(f"cannot read {file}: {exc}") from None
+        template, special = None, {}
+        config_file = path / "tokenizer_config.json"
+        if config_file.is_file():
+            config = json.loads(config_file.read_text())
+            template = config.get("chat_template")
+            if isinstance(template, list):  # named templates: take "default"
+                named = {t.get("name"): t.get("template") for t in template}
+                template = named.get("default")
+            for key in ("bos_token", "eos_token"):
+                value = config.get(key)
+                if isinstance(value, dict):
+                    value = value.get("content")
+                if isinstance(value, str):
+                    special[key] = value
+        return cls(tokenizer, template, special)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def render_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        if self._template is not None:
+            text = self._template.render(
+                messages=[{"role": r, "content": c} for r, c in messages],
+                add_generation_prompt=True, **self.special)
+        else:
+            text = "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
+        return self.encode(text)
+
+    def decoder(self) -> _HFDecoder:
+        return _HFDecoder(self.tokenizer)
+
+
+class _HFDecoder:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def step(self, token_ids: Sequence[int]) -> str:
+        self.ids.extend(token_ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.sent = text[self.sent:], len(text)
+        return new
+
+
+def _clip(text: str, limit: int = 24) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
