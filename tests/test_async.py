@@ -1,0 +1,104 @@
+"""AsyncBatcher: concurrent streams, client cancellation, lane/block release, B1 parity."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+
+from atombatch import ArtifactConfig, AsyncBatcher, Batcher, ModelSpec, RequestError, SamplingParams
+from atombatch.runtime import NumpyRuntime
+
+SPEC = ModelSpec(name="tiny-qwen3", family="qwen3", vocab_size=256, hidden_size=32,
+                 intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                 tie_word_embeddings=True)
+
+
+def artifact(batch_size):
+    return ArtifactConfig(model=SPEC, batch_size=batch_size, max_seq_len=96, block_size=96,
+                          num_blocks=batch_size + 1, prefill_chunk_size=16)
+
+
+def prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 256, size=int(rng.integers(3, 50))).tolist() for _ in range(n)]
+
+
+async def test_sixteen_streams_with_random_cancellations_match_b1():
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    work = prompts(16)
+    reference = Batcher(NumpyRuntime.random(artifact(1), seed=1)).generate(work, params)
+    batcher = Batcher(NumpyRuntime.random(artifact(4), seed=1))
+    rnd = random.Random(3)
+    cancel_after = {i: rnd.randrange(1, 20) for i in rnd.sample(range(16), 5)}
+
+    async def client(i):
+        got = []
+        async for out in ab.stream(work[i], params):
+            got.extend(out.new_token_ids)
+            if i in cancel_after and len(got) >= cancel_after[i]:
+                return i, got, "cancelled"
+            if out.finished:
+                return i, got, out.finish_reason
+        raise AssertionError("stream ended without a final output")
+
+    async with AsyncBatcher(batcher) as ab:
+        tasks = [asyncio.create_task(client(i)) for i in range(16)]
+        # also cancel two consuming tasks outright while they wait
+        await asyncio.sleep(0.05)
+        victims = [t for i, t in enumerate(tasks) if i not in cancel_after][:2]
+        for t in victims:
+            t.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    finished = [r for r in results if not isinstance(r, BaseException)]
+    assert sum(isinstance(r, asyncio.CancelledError) for r in results) <= 2
+    for i, got, reason in finished:
+        want = list(reference[i].token_ids)
+        if reason == "cancelled":
+            assert got == want[: len(got)]
+        else:
+            assert reason == "length" and got == want
+    assert sum(1 for _, _, reason in finished if reason == "length") >= 9
+    stats = batcher.stats()
+    assert stats.occupied_lanes == 0 and stats.queue_length == 0
+    assert stats.free_blocks + stats.spare_blocks == batcher.artifact.num_blocks
+    assert stats.finished.get("abort", 0) >= 5
+    assert max(i for i, n in enumerate(stats.lane_histogram) if n) == 4
+    batcher.check_invariants()
+
+
+async def test_invalid_submit_raises_at_once_and_others_carry_on():
+    batcher = Batcher(NumpyRuntime.random(artifact(2), seed=0))
+    async with AsyncBatcher(batcher, offload=False) as ab:
+        good = asyncio.create_task(ab.generate([1, 2, 3], SamplingParams(max_tokens=5)))
+        with pytest.raises(RequestError, match="outside the vocabulary"):
+            ab.submit([1, 999])
+        with pytest.raises(RequestError, match="exceeds max_seq_len"):
+            ab.submit([1] * 90, SamplingParams(max_tokens=10))
+        completion = await good
+    assert len(completion.token_ids) == 5 and completion.finish_reason == "length"
+    assert completion.timings.ttft >= 0 and completion.timings.e2e >= completion.timings.ttft
+
+
+async def test_close_drains_in_flight_streams():
+    batcher = Batcher(NumpyRuntime.random(artifact(2), seed=0))
+    ab = AsyncBatcher(batcher)
+    await ab.start()
+    rid = ab.submit([5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True))
+    collector = asyncio.create_task(_collect(ab, rid))
+    await ab.close(drain=True)
+    tokens, reason = await collector
+    assert reason == "length" and len(tokens) == 12
+    with pytest.raises(RequestError, match="not running"):
+        ab.submit([1])
+
+
+async def _collect(ab, rid):
+    tokens = []
+    async for out in ab.outputs(rid):
+        tokens.extend(out.new_token_ids)
+        if out.finished:
+            return tokens, out.finish_reason
+    return tokens, None
