@@ -220,11 +220,11 @@ def small_spec(name: str) -> ModelSpec:
     preset = ModelSpec.preset(name)
     hybrid = preset.is_hybrid
     return msgspec.structs.replace(
-        preset, name=f"{preset.name}-small", vocab_size=512, hidden_size=64,
-        intermediate_size=128, num_layers=2 if not hybrid else 3, num_heads=4, num_kv_heads=2,
-        head_dim=16, sliding_window=16 if hybrid else 0,
+        preset, name=f"{preset.name}-small", vocab_size=1024, hidden_size=128,
+        intermediate_size=384, num_layers=2 if not hybrid else 3, num_heads=4, num_kv_heads=2,
+        head_dim=32, sliding_window=16 if hybrid else 0,
         layer_types=("sliding_attention", "sliding_attention", "full_attention") if hybrid else (),
-        query_pre_attn_scalar=16.0 if hybrid else 0.0,
+        query_pre_attn_scalar=32.0 if hybrid else 0.0,
         max_position_embeddings=4096, bos_token_id=1, eos_token_ids=(2,))
 
 
@@ -595,8 +595,11 @@ def run(models: Sequence[str] = MODELS, routes: Sequence[str] = ROUTES,
 
 
 # -- output -----------------------------------------------------------------------------------------
-def _f(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+_DIGITS = [1]  # decimals of the table's seconds: 1 on the simulator, 3 for wall-time runs
+
+
+def _f(value: float | None, digits: int | None = None) -> str:
+    return "-" if value is None else f"{value:.{_DIGITS[0] if digits is None else digits}f}"
 
 
 def _histogram(histogram: Sequence[int]) -> str:
@@ -607,6 +610,7 @@ def format_table(report: ServeReport) -> str:
     """A readable fixed-width table, one row per cell, with the calibration above it."""
     load = report.params["load"]
     unit = "virtual s" if report.runtime == "sim" else "wall s"
+    _DIGITS[0] = 1 if report.runtime == "sim" else 3
     lines = []
     if report.cost_model is not None:
         lines.append(report.cost_model.describe())
@@ -647,7 +651,7 @@ def format_table(report: ServeReport) -> str:
             f"{head} {cell.completed:>2}/{cell.requests:<2} {cell.timeouts:>3} "
             f"{_f(ttft.p50):>8} {_f(ttft.p99):>7} {_f(ttft.max):>7} {_f(done.p50):>8} "
             f"{_f(done.max):>7} {cell.output_tok_s:>7.2f} {_f(cell.max_completion_all):>7} "
-            f"{prefill:>8.1f} {cell.decode_device_s:>8.1f}  {_histogram(cell.lane_histogram)}"
+            f"{_f(prefill):>8} {_f(cell.decode_device_s):>8}  {_histogram(cell.lane_histogram)}"
             f"{mark}")
     lines.append("")
     lines.append("t/o = requests over the timeout (failures); 'all max' = latest completion over "
@@ -723,7 +727,7 @@ def write_plot(report: ServeReport, path: Path) -> None:
             timeout = report.params["load"]["timeout_s"]
             if timeout is not None:
                 ax.axhline(timeout, color="red", linestyle="--", linewidth=0.8)
-            ax.set_title(f"{model} {route} {shape[0]}/{shape[1]} {policy}: {title}")
+            ax.set_title(f"{model} {route} {shape[0]}/{shape[1]} {policy}: {title} (all requests)", fontsize=9)
             ax.set_ylabel("s (virtual)" if report.runtime == "sim" else "s (wall)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
