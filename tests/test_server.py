@@ -1,0 +1,406 @@
+"""The HTTP/SSE server against a plain Batcher on an identical runtime.
+
+Every test runs uvicorn in a background thread on a loopback port (127.0.0.1, port picked by the OS)
+and talks to it with real clients: the official `openai` client and `httpx`. Expected token ids come
+from a separate `Batcher` on `NumpyRuntime.random` with the same artifact and weight seed (greedy
+decoding is per lane, so batch composition cannot change it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
+from atombatch.runtime.numpy_runtime import NumpyRuntime
+from atombatch.serve import create_app
+from atombatch.serve.tokens import HFCodec
+
+SPEC = ModelSpec(name="serve-test", family="llama", vocab_size=256, hidden_size=64,
+                 intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                 bos_token_id=1, eos_token_ids=(2,), dtype="float32")
+# Partitioned blocks (4 per sequence), 4 lanes, lanes x blocks + 1 spare; chunked prefill.
+ART = ArtifactConfig(model=SPEC, batch_size=4, max_seq_len=128, block_size=32, num_blocks=17,
+                     prefill_chunk_size=32, kv_dtype="float32")
+WEIGHT_SEED = 7
+NAME = "serve-test"
+
+
+def expected(prompts: list[list[int]], max_tokens: int, artifact: ArtifactConfig = ART
+             ) -> list[list[int]]:
+    batcher = Batcher(NumpyRuntime.random(artifact, seed=WEIGHT_SEED))
+    done = batcher.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return [list(c.token_ids) for c in done]
+
+
+def ids_of(text: str) -> list[int]:
+    return [int(t) for t in re.findall(r"<(\d+)>", text)]
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", ws="none", lifespan="on",
+                                timeout_graceful_shutdown=30)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert self.thread.is_alive(), "uvicorn exited during startup"
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        self.sock.close()
+        assert not self.thread.is_alive(), "uvicorn did not shut down"
+
+
+def make_server(artifact: ArtifactConfig = ART, runtime: Any = None, **batcher_kw: Any
+                ) -> ServerThread:
+    runtime = runtime or NumpyRuntime.random(artifact, seed=WEIGHT_SEED)
+    return ServerThread(create_app(Batcher(runtime, **batcher_kw), NAME))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    with make_server(max_waiting=64) as s:
+        yield s
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if (m["atombatch_occupied_lanes"] == 0 and m["atombatch_queue_length"] == 0
+                and m["atombatch_requests_in_flight"] == 0):
+            return m
+        assert time.monotonic() < deadline, f"server not idle: {m}"
+        time.sleep(0.05)
+
+
+def assert_blocks_released(m: dict[str, float]) -> None:
+    blocks = {s: m[f'atombatch_blocks{{state="{s}"}}'] for s in
+              ("free", "spare", "staged", "lane", "cached")}
+    assert blocks["staged"] == 0 and blocks["lane"] == 0, blocks
+    assert blocks["free"] + blocks["spare"] + blocks["cached"] == ART.num_blocks, blocks
+
+
+async def read_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                      stop_after: int | None = None) -> tuple[list[int], str | None, bool]:
+    """Stream a completion; returns (ids, finish_reason, saw [DONE]). `stop_after` chunks: hang up."""
+    ids: list[int] = []
+    finish = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        if stop_after == 0:
+            return ids, finish, False
+        async for line in response.aiter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: ")
+            data = line[6:]
+            if data == "[DONE]":
+                return ids, finish, True
+            choice = json.loads(data)["choices"][0]
+            assert ids_of(choice["text"]) == choice["token_ids"]
+            ids.extend(choice["token_ids"])
+            finish = choice["finish_reason"]
+            if stop_after is not None and len(ids) >= stop_after:
+                return ids, finish, False  # leaving the `async with` closes the connection
+    return ids, finish, False
+
+
+# -- the openai client ------------------------------------------------------------------------------
+def test_openai_client_streams_the_batchers_greedy_tokens(server: ServerThread) -> None:
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, SPEC.vocab_size, n).tolist() for n in (1, 5, 33, 70)]
+    want = expected(prompts, 20)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    for prompt, tokens in zip(prompts, want, strict=True):
+        got: list[int] = []
+        text = ""
+        finish = None
+        stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=20,
+                                           temperature=0.0, stream=True)
+        for chunk in stream:
+            choice = chunk.choices[0]
+            got.extend(choice.model_extra["token_ids"])
+            text += choice.text
+            finish = choice.finish_reason
+        assert got == tokens
+        assert ids_of(text) == tokens
+        assert finish == ("stop" if tokens[-1] in SPEC.eos_token_ids else "length")
+
+    # Non-streaming, text prompt ("<id>" pieces without a tokenizer), and chat.
+    whole = client.completions.create(model=NAME, prompt="".join(f"<{t}>" for t in prompts[2]),
+                                      max_tokens=20, temperature=0.0)
+    assert whole.choices[0].model_extra["token_ids"] == want[2]
+    assert ids_of(whole.choices[0].text) == want[2]
+    assert whole.usage.prompt_tokens == len(prompts[2])
+    assert whole.usage.completion_tokens == len(want[2])
+    chat = client.chat.completions.create(
+        model=NAME, max_tokens=20, temperature=0.0,
+        messages=[{"role": "user", "content": "".join(f"<{t}>" for t in prompts[1])}])
+    assert ids_of(chat.choices[0].message.content) == want[1]
+    chunks = list(client.chat.completions.create(
+        model=NAME, max_tokens=20, temperature=0.0, stream=True,
+        stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "".join(f"<{t}>" for t in prompts[1])}]))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert ids_of("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)) == want[1]
+    assert chunks[-1].usage.completion_tokens == len(want[1])
+
+    models = client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert models.data[0].model_extra["atombatch"]["vocab_size"] == SPEC.vocab_size
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt=[3], max_tokens=2)
+
+
+def test_health_and_models(server: ServerThread) -> None:
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+    assert card["id"] == NAME and card["max_model_len"] == ART.max_seq_len
+    assert card["atombatch"]["identity"] == ART.identity
+    missing = httpx.get(f"{server.url}/v1/nothing")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+# -- concurrency and disconnects --------------------------------------------------------------------
+async def test_sixteen_streams_with_random_disconnects(server: ServerThread) -> None:
+    rnd = random.Random(5)
+    max_tokens = 48
+    prompts = [[rnd.randrange(3, SPEC.vocab_size) for _ in range(rnd.randrange(1, 60))]
+               for _ in range(16)]
+    hang_up = [rnd.choice([None, None, 0, 1, 3, 8]) for _ in prompts]
+    want = expected(prompts, max_tokens)
+    before = metrics(server.url)
+    limits = httpx.Limits(max_connections=32)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        results = await asyncio.gather(*(
+            read_stream(client, server.url, {"prompt": p, "max_tokens": max_tokens,
+                                             "temperature": 0, "stream": True}, stop_after=h)
+            for p, h in zip(prompts, hang_up, strict=True)))
+    for (ids, finish, done), tokens, h in zip(results, want, hang_up, strict=True):
+        if h is None:
+            assert done and ids == tokens
+            assert finish == ("stop" if tokens[-1] in SPEC.eos_token_ids else "length")
+        else:
+            assert ids == tokens[:len(ids)]  # what arrived before the hang-up was right
+    after = wait_idle(server.url)
+    assert_blocks_released(after)
+    hung = sum(h is not None for h in hang_up)
+    assert hung >= 4
+    aborted = after.get('atombatch_engine_requests_finished_total{reason="abort"}', 0) - \
+        before.get('atombatch_engine_requests_finished_total{reason="abort"}', 0)
+    disconnected = after.get('atombatch_requests_finished_total{reason="disconnect"}', 0) - \
+        before.get('atombatch_requests_finished_total{reason="disconnect"}', 0)
+    print(f"hung up {hung}, disconnects seen {disconnected}, engine aborts {aborted}")
+    assert 1 <= aborted <= hung and 1 <= disconnected <= hung
+
+
+# -- bad requests -----------------------------------------------------------------------------------
+BAD = [
+    # (body bytes or JSON, status, param, code)
+    (b'{"prompt": [1, 2', 400, None, "invalid_json"),
+    (b"not json at all", 400, None, "invalid_json"),
+    ({"prompt": [5, 6], "max_tokens": 4, "colour": "red"}, 422, "colour", "invalid_schema"),
+    ({"prompt": [5, 6], "max_tokens": "four"}, 422, "max_tokens", "invalid_schema"),
+    ({"max_tokens": 4}, 422, "prompt", "invalid_schema"),
+    ([1, 2, 3], 422, None, "invalid_schema"),
+    ({"prompt": list(range(3, 120)), "max_tokens": 20}, 400, "prompt", "invalid_value"),
+    ({"prompt": [5, 6], "max_tokens": 4, "temperature": -0.5}, 400, "temperature", "invalid_value"),
+    ({"prompt": [5, 6], "max_tokens": 4, "top_p": 0.0}, 400, "top_p", "invalid_value"),
+    ({"prompt": [5, 6], "max_tokens": 4, "top_p": 1.5}, 400, "top_p", "invalid_value"),
+    ({"prompt": [5, 6], "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ({"prompt": [5, 6], "max_tokens": 4, "top_k": -3}, 400, "top_k", "invalid_value"),
+    ({"prompt": [5, SPEC.vocab_size], "max_tokens": 4}, 400, "prompt", "invalid_value"),
+    ({"prompt": [5, -1], "max_tokens": 4}, 400, "prompt", "invalid_value"),
+    ({"prompt": [], "max_tokens": 4}, 400, "prompt", "invalid_value"),
+    ({"prompt": "hello", "max_tokens": 4}, 400, "prompt", "invalid_value"),
+    ({"prompt": [5], "max_tokens": 4, "stop_token_ids": [999]}, 400, "stop_token_ids",
+     "invalid_value"),
+    ({"prompt": [5], "max_tokens": 4, "seed": -1}, 400, "seed", "invalid_value"),
+    ({"prompt": [5], "max_tokens": 4, "n": 2}, 400, "n", "unsupported_value"),
+    ({"prompt": [5], "max_tokens": 4, "stop": ["x"]}, 400, "stop", "unsupported_value"),
+    ({"prompt": [5], "max_tokens": 4, "model": "gpt-9"}, 404, "model", "model_not_found"),
+]
+
+
+async def test_bad_requests_answer_errors_while_a_stream_completes(server: ServerThread) -> None:
+    prompt = [9, 8, 7, 6, 5]
+    want = expected([prompt], 100)[0]
+    async with httpx.AsyncClient(timeout=60) as client:
+        stream = asyncio.create_task(read_stream(
+            client, server.url, {"prompt": prompt, "max_tokens": 100, "temperature": 0,
+                                 "stream": True}))
+        for body, status, param, code in BAD:
+            for path in ("/v1/completions",):
+                content = body if isinstance(body, bytes) else json.dumps(body).encode()
+                r = await client.post(f"{server.url}{path}", content=content,
+                                      headers={"content-type": "application/json"})
+                assert r.status_code == status, (body, r.text)
+                error = r.json()["error"]
+                assert set(error) == {"message", "type", "param", "code"}
+                assert error["param"] == param and error["code"] == code, (body, error)
+                assert error["type"] == "invalid_request_error" and error["message"]
+        chat_bad = [
+            ({"messages": [{"role": "user", "content": "<5>", "mood": 1}]}, 422,
+             "messages[0].mood"),
+            ({"messages": [{"role": "user", "content": "<5><999>"}]}, 400, "messages"),
+            ({"messages": [{"role": "user", "content": "words"}]}, 400, "messages"),
+            ({"messages": "hi"}, 422, "messages"),
+        ]
+        for body, status, param in chat_bad:
+            r = await client.post(f"{server.url}/v1/chat/completions", json=body)
+            assert r.status_code == status, (body, r.text)
+            assert r.json()["error"]["param"] == param
+        ids, finish, done = await stream
+    assert done and ids == want
+    assert_blocks_released(wait_idle(server.url))
+
+
+# -- queue bound ------------------------------------------------------------------------------------
+class GatedRuntime:
+    """A NumpyRuntime whose decode steps wait for `gate` (so a test can hold lanes busy)."""
+
+    def __init__(self, inner: NumpyRuntime) -> None:
+        self.inner = inner
+        self.artifact = inner.artifact
+        self.gate = threading.Event()
+
+    def prefill(self, inputs: Any) -> Any:
+        return self.inner.prefill(inputs)
+
+    def decode(self, inputs: Any) -> Any:
+        assert self.gate.wait(30)
+        return self.inner.decode(inputs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_full_queue_answers_429_with_retry_after() -> None:
+    art = ArtifactConfig(model=SPEC, batch_size=1, max_seq_len=64, block_size=64, num_blocks=2,
+                         prefill_chunk_size=32, kv_dtype="float32")
+    runtime = GatedRuntime(NumpyRuntime.random(art, seed=WEIGHT_SEED))
+    prompts = [[11, 12, 13], [21, 22], [31]]
+    want = expected(prompts[:2], 6, art)
+    body = {"max_tokens": 6, "temperature": 0, "stream": True}
+    with make_server(art, runtime, max_waiting=1) as s:
+        async with httpx.AsyncClient(timeout=60) as client:
+            # A takes the only lane: its first token (from prefill) arrives, its decode waits.
+            first = asyncio.create_task(read_stream(client, s.url, {**body, "prompt": prompts[0]}))
+            while metrics(s.url)["atombatch_generation_tokens_total"] < 1:
+                await asyncio.sleep(0.02)
+            # B waits for the lane: the queue (max_waiting=1) is now full.
+            second = asyncio.create_task(read_stream(client, s.url, {**body, "prompt": prompts[1]}))
+            while metrics(s.url)["atombatch_prompt_tokens_total"] < 5:
+                await asyncio.sleep(0.02)
+            r = await client.post(f"{s.url}/v1/completions", json={**body, "prompt": prompts[2]})
+            assert r.status_code == 429
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == "queue_full"
+            runtime.gate.set()
+            assert (await first)[0] == want[0]
+            assert (await second)[0] == want[1]
+        m = metrics(s.url)
+        assert m['atombatch_requests_rejected_total{status="429"}'] == 1
+
+
+# -- shutdown ---------------------------------------------------------------------------------------
+async def test_shutdown_drains_in_flight_streams() -> None:
+    prompt = [40, 41, 42]
+    want = expected([prompt], 30)[0]
+    runtime = GatedRuntime(NumpyRuntime.random(ART, seed=WEIGHT_SEED))
+    s = make_server(ART, runtime)
+    with s:
+        async with httpx.AsyncClient(timeout=60) as client:
+            task = asyncio.create_task(read_stream(
+                client, s.url, {"prompt": prompt, "max_tokens": 30, "temperature": 0,
+                                "stream": True}))
+            while metrics(s.url)["atombatch_generation_tokens_total"] < 1:
+                await asyncio.sleep(0.01)
+            s.server.should_exit = True  # what SIGINT/SIGTERM does
+            deadline = time.monotonic() + 10
+            while True:  # the listener closes while the stream is held mid-way
+                try:
+                    httpx.get(f"{s.url}/health", timeout=1)
+                except httpx.TransportError:
+                    break
+                assert time.monotonic() < deadline, "server kept accepting after should_exit"
+                await asyncio.sleep(0.05)
+            assert not task.done()
+            runtime.gate.set()
+            ids, finish, done = await task
+    assert done and ids == want
+
+
+# -- a tokenizer -----------------------------------------------------------------------------------
+def test_tokenizer_text_and_chat_template(tmp_path: Any) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(SPEC.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = ("{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
+                "{% if add_generation_prompt %}w5{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    codec = HFCodec.from_dir(tmp_path)
+    assert codec is not None
+    assert codec.render_chat([("user", "w10 w11")]) == [3, 10, 11, 4, 5]
+
+    rt = NumpyRuntime.random(ART, seed=WEIGHT_SEED)
+    want = expected([[10, 11, 12], [3, 10, 11, 4, 5]], 8)
+    with ServerThread(create_app(Batcher(rt), NAME, codec)) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model=NAME, prompt="w10 w11 w12", max_tokens=8,
+                                        temperature=0)
+        assert out.choices[0].model_extra["token_ids"] == want[0]
+        assert out.choices[0].text.split() == [f"w{t}" for t in want[0]]
+        chat = client.chat.completions.create(
+            model=NAME, max_tokens=8, temperature=0, stream=True,
+            messages=[{"role": "user", "content": "w10 w11"}])
+        ids: list[int] = []
+        for chunk in chat:
+            ids.extend(chunk.choices[0].model_extra["token_ids"])
+        assert ids == want[1]
