@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
@@ -20,7 +20,7 @@ from atombatch.config import ArtifactConfig, check_serving
 from atombatch.errors import CapacityError, ConfigError, RequestError
 from atombatch.runtime.base import Runtime
 from atombatch.sampling import sample
-from atombatch.scheduler import Policy, Request, RequestState, Scheduler, StepPlan
+from atombatch.scheduler import PDImport, Policy, Request, RequestState, Scheduler, StepPlan
 from atombatch.structs import Completion, RequestOutput, RequestTimings, SamplingParams
 
 log = structlog.wrap_logger(
@@ -36,6 +36,27 @@ log = structlog.wrap_logger(
 _WARN_EVENTS = frozenset({"request.failed"})
 
 
+class KVSource(Protocol):
+    """Where a PD request's KV comes from (see `atombatch.pd`); polled without blocking."""
+
+    def poll(self) -> tuple[Any, list[Any]]: ...
+    def done(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+class KVLink:
+    """The engine's side of one PD request: its source and what arrived so far."""
+
+    __slots__ = ("arrived", "header", "last_progress", "seen", "source")
+
+    def __init__(self, source: KVSource, now: float) -> None:
+        self.source = source
+        self.header: Any = None
+        self.arrived: list[Any] = []     # validated layers not yet written
+        self.seen: set[int] = set()      # layer indices received
+        self.last_progress = now
+
+
 class EngineStats(msgspec.Struct, frozen=True):
     """A snapshot a server can export (gauges and counters)."""
 
@@ -48,6 +69,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     lane_blocks: int
     cached_blocks: int
     steps: int                          # device calls so far
+    imports: int                        # KV import steps (PD)
     prefill_chunks: int
     staged_chunks: int                  # prefill chunks run into the spare
     decode_steps: int
@@ -69,6 +91,8 @@ class Batcher:
         seed: derives the RNG of requests that give no seed of their own.
         clock: seconds; defaults to the runtime's `clock` (virtual time) or `time.perf_counter`.
         max_waiting: bound on requests without a lane; `submit` raises `CapacityError` past it.
+        pd_timeout: seconds a PD request may wait for its producer's next message (header or
+            layer) before it fails.
 
     Raises:
         ConfigError: the artifact and the options break a rule of DESIGN §3.
@@ -76,7 +100,8 @@ class Batcher:
 
     def __init__(self, runtime: Runtime, *, prefix_cache: bool = False, host_cache_bytes: int = 0,
                  policy: Policy | str = "prefill-first", seed: int = 0,
-                 clock: Callable[[], float] | None = None, max_waiting: int | None = None) -> None:
+                 clock: Callable[[], float] | None = None, max_waiting: int | None = None,
+                 pd_timeout: float = 30.0) -> None:
         artifact: ArtifactConfig = runtime.artifact
         check_serving(artifact, prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes)
         if prefix_cache:
@@ -92,6 +117,8 @@ class Batcher:
         self._seed_seq = np.random.SeedSequence(seed)
         self._next_id = 0
         self._pending: list[RequestOutput] = []
+        self.pd_timeout = pd_timeout
+        self._kv: dict[str, KVLink] = {}
 
     # -- requests ---------------------------------------------------------------------------------
     @property
@@ -135,8 +162,14 @@ class Batcher:
         return tokens.astype(np.int64, copy=True)
 
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
-               params: SamplingParams | None = None, request_id: str | None = None) -> str:
+               params: SamplingParams | None = None, request_id: str | None = None,
+               kv: KVSource | None = None) -> str:
         """Queue a request; returns its id.
+
+        With `kv`, a producer computes the prompt's KV and first token (prefill/decode
+        disaggregation): the request is admitted once the source's header has arrived and matches
+        the artifact, its layers are imported as they come, and decoding starts from the
+        producer's first token. Any fault of the source fails this request alone.
 
         Raises:
             RequestError: the request is invalid (nothing is queued).
@@ -155,6 +188,9 @@ class Batcher:
         seed = params.seed if params.seed is not None else \
             int(self._seed_seq.spawn(1)[0].generate_state(1)[0])
         request = Request(request_id, tokens, params, self.clock(), np.random.default_rng(seed))
+        if kv is not None:
+            request.pd = PDImport()
+            self._kv[request_id] = KVLink(kv, request.arrival)
         self.scheduler.add(request)
         log.debug("request.submitted", request_id=request_id, prompt_len=len(tokens),
                   max_tokens=params.max_tokens)
@@ -180,12 +216,16 @@ class Batcher:
     def step(self) -> list[RequestOutput]:
         """Run one device call (a prefill chunk or a decode step); returns what it produced."""
         outputs, self._pending = self._pending, []
+        if self._kv:
+            self._poll_kv(outputs)
         plan = self.scheduler.schedule(self.clock())
         if plan is None:
             self._flush_events()
             return outputs
         if plan.kind == "prefill":
             self._run_prefill(plan, outputs)
+        elif plan.kind == "import":
+            self._run_import(plan, outputs)
         else:
             self._run_decode(plan, outputs)
         self._flush_events()
@@ -208,6 +248,94 @@ class Batcher:
             return
         for done in scheduler.complete_prefill(plan, token, self.clock()):
             outputs.append(self._output(done))
+
+    # -- prefill/decode disaggregation --------------------------------------------------------------
+    def _poll_kv(self, outputs: list[RequestOutput]) -> None:
+        """Collect what producers sent; validate it; fail requests whose source broke or stalled."""
+        from atombatch import pd as pdmod
+
+        now = self.clock()
+        scheduler = self.scheduler
+        for request_id, link in list(self._kv.items()):
+            request = scheduler.requests.get(request_id)
+            if request is None or request.pd is None:  # finished, preempted or fully imported
+                self._close_kv(request_id)
+                continue
+            progress = request.pd
+            try:
+                header, layers = link.source.poll()
+                if header is not None and link.header is None:
+                    pdmod.validate_header(header, self.artifact, request.prompt,
+                                          require_full=self._require_full_prefix)
+                    link.header = header
+                    progress.header_ok = True
+                    progress.covered_len = header.covered_len
+                    progress.first_token = header.first_token
+                    progress.num_layers = header.num_layers
+                    link.last_progress = now
+                if layers:
+                    if link.header is None:
+                        raise pdmod.KVTransferError(f"request {request_id}: layers arrived "
+                                                    "before the header")
+                    for layer in layers:
+                        pdmod.validate_layer(link.header, layer, link.seen)
+                        link.seen.add(layer.layer)
+                    link.arrived.extend(layers)
+                    link.last_progress = now
+                if link.header is not None and link.source.done() and \
+                        len(link.seen) != link.header.num_layers:
+                    raise pdmod.KVTransferError(
+                        f"request {request_id}: the producer finished after "
+                        f"{len(link.seen)} of {link.header.num_layers} layers")
+                if not link.source.done() and now - link.last_progress > self.pd_timeout:
+                    raise pdmod.KVTransferError(
+                        f"request {request_id}: no KV from the producer for "
+                        f"{now - link.last_progress:.1f} s (pd_timeout={self.pd_timeout} s)")
+            except Exception as exc:
+                self._fail(request, f"KV import failed: {exc}", outputs)
+                continue
+            progress.pending = len(self._writable(link))
+
+    def _writable(self, link: KVLink) -> list[Any]:
+        """Layers that may be written now. A hybrid model's sliding layers wait for the whole
+        payload, so no decode step (which writes every lane's slot) falls between their writes."""
+        if not self.spec.is_hybrid or link.header is None:
+            return link.arrived
+        if len(link.seen) == link.header.num_layers:
+            return link.arrived
+        kinds = self.spec.layer_kinds
+        return [layer for layer in link.arrived if kinds[layer.layer] != "sliding_attention"]
+
+    @property
+    def _require_full_prefix(self) -> bool:
+        return self.artifact.single_block or self.spec.is_hybrid
+
+    def _run_import(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
+        scheduler = self.scheduler
+        request = scheduler.requests[plan.request_id]
+        link = self._kv[plan.request_id]
+        layers = self._writable(link)
+        try:
+            for layer in layers:
+                k, v = layer.float32()
+                self.runtime.write_layer_kv(layer.layer, k, v, plan.blocks, plan.slot)
+        except Exception as exc:
+            self._fail(request, f"KV import failed: {exc}", outputs)
+            return
+        written = {id(layer) for layer in layers}
+        link.arrived = [layer for layer in link.arrived if id(layer) not in written]
+        for done in scheduler.complete_import(plan, len(layers), self.clock()):
+            outputs.append(self._output(done))
+        if request.pd is None:
+            self._close_kv(plan.request_id)
+
+    def _close_kv(self, request_id: str) -> None:
+        link = self._kv.pop(request_id, None)
+        if link is not None:
+            try:
+                link.source.close()
+            except Exception as exc:  # a broken transport must not take the engine down
+                log.warning("kv.close_failed", request_id=request_id, error=str(exc))
 
     def _run_decode(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         scheduler = self.scheduler
@@ -243,6 +371,8 @@ class Batcher:
         return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=False)
 
     def _final_output(self, request: Request, new: tuple[int, ...]) -> RequestOutput:
+        if request.request_id in self._kv:
+            self._close_kv(request.request_id)
         completion = self._completion(request)
         return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=True,
                              finish_reason=request.finish_reason, error=request.error,
@@ -302,6 +432,7 @@ class Batcher:
             occupied_lanes=s.lanes.num_busy, decoding_lanes=s.lanes.num_decoding(),
             queue_length=s.num_waiting, free_blocks=free, spare_blocks=spare,
             staged_blocks=staged, lane_blocks=lane, cached_blocks=cached, steps=c.steps,
+            imports=c.imports,
             prefill_chunks=c.prefill_chunks, staged_chunks=c.staged_chunks,
             decode_steps=c.decode_steps, generated_tokens=c.generated_tokens,
             rotations=c.rotations, preemptions=c.preemptions, finished=dict(c.finished),

@@ -28,6 +28,13 @@ generated tokens. The spare is never handed to growth, so a padding target alway
 
 Interleaving of prefill and decode is a `Policy`: prefill-first, decode-first, or one prefill chunk
 per N decode steps.
+
+Prefill/decode disaggregation: a request submitted with a KV source (`Request.pd`) is admitted only
+once its header has been validated, and instead of prefill chunks it gets "import" steps that write
+the layers which have arrived into its lane's blocks (or into the spare while every lane decodes, or
+into block 0 in single-block mode). When the last layer is in, the producer's first token is its
+first output; a partial prefix (allowed only outside single-block and hybrid modes) resumes as a
+native prefill at the chunk boundary below the covered length.
 """
 
 from __future__ import annotations
@@ -98,11 +105,29 @@ class Policy(msgspec.Struct, frozen=True):
         return f"interleave:{self.decode_steps}" if self.kind == "interleave" else self.kind
 
 
+class PDImport:
+    """Progress of a request's KV import; the engine fills in what the producer sent."""
+
+    __slots__ = ("covered_len", "done_layers", "first_token", "header_ok", "num_layers", "pending")
+
+    def __init__(self) -> None:
+        self.header_ok = False          # the header arrived and matched the artifact
+        self.covered_len = 0            # prompt tokens whose KV the producer sends
+        self.first_token: int | None = None  # the producer's sample after the whole prompt
+        self.num_layers = 0             # layers to import
+        self.done_layers = 0            # layers written into the request's blocks
+        self.pending = 0                # layers arrived, not yet written
+
+    @property
+    def complete(self) -> bool:
+        return self.header_ok and self.done_layers == self.num_layers
+
+
 class Request:
     """The scheduler's mutable record of one request."""
 
     __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "error", "finish_reason",
-                 "first_token_at", "lane", "output", "params", "preemptions", "prefill_pos",
+                 "first_token_at", "lane", "output", "params", "pd", "preemptions", "prefill_pos",
                  "prompt", "request_id", "rng", "state", "token_times")
 
     def __init__(self, request_id: str, prompt: npt.NDArray[np.int64], params: SamplingParams,
@@ -124,6 +149,16 @@ class Request:
         self.preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
+        self.pd: PDImport | None = None  # set for a request whose KV a producer sends
+
+    @property
+    def ready(self) -> bool:
+        """Admissible: native, or a PD request whose header has been validated."""
+        return self.pd is None or self.pd.header_ok
+
+    @property
+    def importing(self) -> bool:
+        return self.pd is not None and not self.pd.complete
 
     def set_state(self, new: RequestState) -> None:
         if new not in TRANSITIONS[self.state]:
@@ -147,7 +182,7 @@ class Request:
 class StepPlan(msgspec.Struct):
     """One device call, decided by the scheduler, executed by the engine."""
 
-    kind: str                                # "prefill" | "decode"
+    kind: str                                # "prefill" | "decode" | "import"
     inputs: Any                              # PrefillInputs or DecodeInputs, filled in place
     request_id: str = ""                     # prefill: the request whose chunk this is
     chunk_start: int = 0                     # prefill: first position of the chunk
@@ -156,12 +191,14 @@ class StepPlan(msgspec.Struct):
     staged: bool = False                     # prefill: into the spare (no lane yet)
     lanes: tuple[int, ...] = ()              # decode: lanes that decode (the others are padding)
     request_ids: tuple[str, ...] = ()        # decode: their requests, lane by lane
+    blocks: tuple[int, ...] = ()             # import: the request's block row (positions 0..)
+    slot: int = 0                            # import: its sliding slot (hybrid)
 
 
 class StepRecord(msgspec.Struct, frozen=True):
     """A compact trace entry: what each step ran (compared across runtimes)."""
 
-    kind: str                                # "prefill" | "decode"
+    kind: str                                # "prefill" | "decode" | "import"
     lanes: int                               # decode: decoding lanes; prefill: 1
     request_id: str = ""                     # prefill: whose chunk
 
@@ -170,6 +207,7 @@ class Counters(msgspec.Struct):
     """Monotonic counters a server can export."""
 
     steps: int = 0
+    imports: int = 0
     prefill_chunks: int = 0
     staged_chunks: int = 0
     decode_steps: int = 0
@@ -232,6 +270,8 @@ class Scheduler:
         q = self.artifact.prefill_chunk_size
         n = len(request.prompt) + max(len(request.output) - 1, 0)
         padded = min(-(-n // q) * q, self.artifact.max_seq_len)
+        if request.importing:
+            padded = max(padded, request.pd.covered_len + 1)  # type: ignore[union-attr]
         return max(self.lanes.blocks_for(padded), self.lanes.blocks_for(n + 1))
 
     def _available(self) -> int:
@@ -256,13 +296,13 @@ class Scheduler:
             if self.staging is not None:
                 self._lane_for_staged(self.staging, now)
                 continue
-            if not self.waiting:
+            request = self._first_ready()
+            if request is None:
                 return
-            request = self.waiting[0]
             if self.artifact.oversubscribed and \
                     self._available() - self._committed() < self._blocks_for_prefill(request):
                 return  # head of line waits for blocks; finishing or preempted lanes free them
-            self.waiting.popleft()
+            self.waiting.remove(request)
             lane = self.lanes.assign()
             self._bind(request, lane, now)
             request.set_state(S.PREFILLING)
@@ -270,6 +310,13 @@ class Scheduler:
                 # Origin PR mode: the lone lane takes block 0 and gives it back on finish.
                 self.lanes.push_block(lane, self.pool.allocate(core.LANE, lane))
             self._event("lane.assigned", request_id=request.request_id, lane=lane)
+
+    def _first_ready(self) -> Request | None:
+        """The oldest waiting request that can run (a PD request without its header cannot)."""
+        for request in self.waiting:
+            if request.ready:
+                return request
+        return None
 
     def _bind(self, request: Request, lane: int, now: float) -> None:
         request.lane = lane
@@ -342,15 +389,18 @@ class Scheduler:
         """The lane prefill that came first, else the staging request, else start staging."""
         best: Request | None = None
         for request in self.by_lane:
-            if request is not None and request.state is S.PREFILLING and \
-                    (best is None or request.admit_order < best.admit_order):
+            if request is not None and request.state is S.PREFILLING and self._runnable(request) \
+                    and (best is None or request.admit_order < best.admit_order):
                 best = request
         if best is not None:
             return best
         if self.staging is not None:
-            return self.staging if self.staging.state is S.STAGING else None
-        if self.waiting and self._can_stage():
-            request = self.waiting.popleft()
+            staging = self.staging
+            return staging if staging.state is S.STAGING and self._runnable(staging) else None
+        head = self._first_ready()
+        if head is not None and self._can_stage(head):
+            request = head
+            self.waiting.remove(request)
             request.set_state(S.STAGING)
             self.staging = request
             if request.admitted_at is None:
@@ -365,13 +415,17 @@ class Scheduler:
             return request
         return None
 
-    def _can_stage(self) -> bool:
+    @staticmethod
+    def _runnable(request: Request) -> bool:
+        """A prefill chunk can run, or an import has layers waiting to be written."""
+        return not request.importing or request.pd.pending > 0  # type: ignore[union-attr]
+
+    def _can_stage(self, head: Request) -> bool:
         """Stage only while every lane decodes (so no lane needs the spare for padding)."""
         if self.hybrid or self.single_block or self.pool.num_spare == 0:
             return False
         if self.lanes.num_idle or self.lanes.num_decoding() != self.lanes.batch_size:
             return False
-        head = self.waiting[0]
         extra = self._blocks_for_prefill(head) - 1
         if self.artifact.oversubscribed:
             # keep one block per lane's next growth step out of reach of staging
@@ -379,6 +433,8 @@ class Scheduler:
         return self._available() >= extra
 
     def _plan_prefill(self, request: Request) -> StepPlan | None:
+        if request.importing:
+            return self._plan_import(request)
         tokens = request.prefill_tokens
         q = self.artifact.prefill_chunk_size
         start = request.prefill_pos
@@ -404,6 +460,53 @@ class Scheduler:
         return StepPlan(kind="prefill", inputs=self.prefill_inputs, request_id=request.request_id,
                         chunk_start=start, chunk_len=real, last_chunk=start + real >= len(tokens),
                         staged=request.state is S.STAGING)
+
+    def _plan_import(self, request: Request) -> StepPlan | None:
+        """Write the layers that have arrived into the request's blocks (positions 0..covered)."""
+        pd = request.pd
+        assert pd is not None
+        extent = min(pd.covered_len + 1, self.artifact.max_seq_len)
+        if request.state is S.STAGING:
+            while len(request.blocks) < self.lanes.blocks_for(extent):
+                if self._available() == 0:
+                    return None
+                request.blocks.append(self._take_block(core.STAGED, -2))
+            row, slot = tuple(request.blocks), 0
+        else:
+            if not self._ensure_blocks_held(request, extent):
+                return None
+            row, slot = tuple(self.lanes.blocks(request.lane)), request.lane
+        self._decodes_since_prefill = 0
+        return StepPlan(kind="import", inputs=None, request_id=request.request_id,
+                        staged=request.state is S.STAGING, blocks=row, slot=slot)
+
+    def complete_import(self, plan: StepPlan, layers: int, now: float) -> list[Request]:
+        """`layers` more layers of a PD request were written; returns requests with output."""
+        request = self.requests.get(plan.request_id)
+        self._record(StepRecord(kind="import", lanes=1, request_id=plan.request_id))
+        self.counters.imports += 1
+        if request is None or request.pd is None or request.state not in (S.PREFILLING,
+                                                                            S.STAGING):
+            return []
+        pd = request.pd
+        pd.done_layers += layers
+        pd.pending -= layers
+        if not pd.complete:
+            return []
+        self._event("kv.imported", request_id=request.request_id, lane=request.lane,
+                    blocks=list(plan.blocks), covered=pd.covered_len, layers=pd.num_layers)
+        if pd.covered_len < len(request.prompt):
+            # partial prefix: the rest is prefilled natively from a chunk boundary
+            q = self.artifact.prefill_chunk_size
+            request.prefill_pos = (pd.covered_len // q) * q
+            request.pd = None
+            return []
+        assert pd.first_token is not None
+        request.prefill_pos = len(request.prompt)
+        if request.lane >= 0 and self.slots is not None:
+            self.slots.advance(request.lane, len(request.prompt))
+        request.pd = None
+        return self._first_token(request, pd.first_token, now)
 
     def _ensure_blocks_held(self, request: Request, num_positions: int) -> bool:
         """Grow a lane's row to cover positions 0..num_positions-1, preempting if the pool is dry.
@@ -480,6 +583,9 @@ class Scheduler:
             return []
         if token is None:
             raise StateError(f"last prefill chunk of {request.request_id} needs a sampled token")
+        return self._first_token(request, token, now)
+
+    def _first_token(self, request: Request, token: int, now: float) -> list[Request]:
         self._append_token(request, token, now)
         if self._check_stop(request, token):
             return [request]
@@ -563,6 +669,7 @@ class Scheduler:
         self._release(request)
         request.set_state(S.WAITING)
         request.prefill_pos = 0
+        request.pd = None  # its imported KV is gone: recompute natively
         request.preemptions += 1
         self.counters.preemptions += 1
         self.waiting.appendleft(request)
