@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -103,7 +103,7 @@ class AsyncBatcher:
             self._inbox.append(("abort", request_id))
             self._poke()
 
-    def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+    def outputs(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Iterate a submitted request's outputs; leaving the iteration early aborts it.
 
         The request's queue is taken now, so a request that finishes before the first `__anext__`
@@ -111,8 +111,8 @@ class AsyncBatcher:
         """
         return self._iterate(request_id, self._queues[request_id])
 
-    async def _iterate(self, request_id: str,
-                       queue: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self, request_id: str, queue: asyncio.Queue[RequestOutput]
+                       ) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while not finished:

@@ -124,7 +124,7 @@ def assert_blocks_released(m: dict[str, float]) -> None:
 
 async def read_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                       stop_after: int | None = None) -> tuple[list[int], str | None, bool]:
-    """Stream a completion; returns (ids, finish_reason, saw [DONE]). `stop_after` chunks: hang up."""
+    """Stream a completion: (ids, finish_reason, saw [DONE]); hang up after `stop_after` ids."""
     ids: list[int] = []
     finish = None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -148,7 +148,7 @@ async def read_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     return ids, finish, False
 
 
-# -- the openai client ------------------------------------------------------------------------------
+# -- the openai client -----------------------------------------------------------------------------
 def test_openai_client_streams_the_batchers_greedy_tokens(server: ServerThread) -> None:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, SPEC.vocab_size, n).tolist() for n in (1, 5, 33, 70)]
@@ -204,7 +204,7 @@ def test_health_and_models(server: ServerThread) -> None:
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 
 
-# -- concurrency and disconnects --------------------------------------------------------------------
+# -- concurrency and disconnects -------------------------------------------------------------------
 async def test_sixteen_streams_with_random_disconnects(server: ServerThread) -> None:
     rnd = random.Random(5)
     max_tokens = 48
@@ -237,7 +237,7 @@ async def test_sixteen_streams_with_random_disconnects(server: ServerThread) -> 
     assert 1 <= aborted <= hung and 1 <= disconnected <= hung
 
 
-# -- bad requests -----------------------------------------------------------------------------------
+# -- bad requests ----------------------------------------------------------------------------------
 BAD = [
     # (body bytes or JSON, status, param, code)
     (b'{"prompt": [1, 2', 400, None, "invalid_json"),
@@ -293,12 +293,12 @@ async def test_bad_requests_answer_errors_while_a_stream_completes(server: Serve
             r = await client.post(f"{server.url}/v1/chat/completions", json=body)
             assert r.status_code == status, (body, r.text)
             assert r.json()["error"]["param"] == param
-        ids, finish, done = await stream
+        ids, _, done = await stream
     assert done and ids == want
     assert_blocks_released(wait_idle(server.url))
 
 
-# -- queue bound ------------------------------------------------------------------------------------
+# -- queue bound -----------------------------------------------------------------------------------
 class GatedRuntime:
     """A NumpyRuntime whose decode steps wait for `gate` (so a test can hold lanes busy)."""
 
@@ -346,7 +346,7 @@ async def test_full_queue_answers_429_with_retry_after() -> None:
         assert m['atombatch_requests_rejected_total{status="429"}'] == 1
 
 
-# -- shutdown ---------------------------------------------------------------------------------------
+# -- shutdown --------------------------------------------------------------------------------------
 async def test_shutdown_drains_in_flight_streams() -> None:
     prompt = [40, 41, 42]
     want = expected([prompt], 30)[0]
@@ -370,7 +370,7 @@ async def test_shutdown_drains_in_flight_streams() -> None:
                 await asyncio.sleep(0.05)
             assert not task.done()
             runtime.gate.set()
-            ids, finish, done = await task
+            ids, _, done = await task
     assert done and ids == want
 
 

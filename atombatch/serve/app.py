@@ -5,10 +5,10 @@ engine's own `validate`) before anything is queued, so a bad request costs the e
 never disturbs another request. A valid one is submitted to the `AsyncBatcher` and its outputs are
 sent as they come: one SSE chunk per generated token when streaming, one JSON body otherwise.
 
-A client that goes away aborts its request at once: Starlette cancels a streaming body when the
-server reports `http.disconnect` (and the body is closed in a `finally` in any case); a non-streaming
-request races its collection against a disconnect watcher. The abort frees the request's lane and
-blocks before the next engine step.
+A client that goes away aborts its request at once: Starlette cancels a streaming body when
+the server reports `http.disconnect` (and the body is closed in a `finally` in any case); a
+non-streaming request races its collection against a disconnect watcher. The abort frees the
+request's lane and blocks before the next engine step.
 
 Statuses: 400 bad JSON or a value the engine rejects (over-long prompt, token id outside the vocab,
 temperature, top_p, max_tokens, ...); 404 unknown model or path; 413 body too large; 422 a body
@@ -23,7 +23,7 @@ import contextlib
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -69,7 +69,7 @@ _DONE = b"data: [DONE]\n\n"
 class ApiError(Exception):
     """An error answered with an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",  # noqa: A002
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -115,7 +115,7 @@ class _Generation:
         self.finish_reason: str | None = None
         self.error: str | None = None
 
-    async def run(self) -> AsyncIterator[tuple[list[int], str, RequestOutput]]:
+    async def run(self) -> AsyncGenerator[tuple[list[int], str, RequestOutput], None]:
         """Yield (new ids, new text, output) per engine output; abort unless it finished."""
         metrics = self.server.metrics
         metrics.in_flight.inc()
@@ -195,8 +195,9 @@ class _Server:
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model {body.model!r} is not served here; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
-        unsupported = [("n", body.n, 1), ("presence_penalty", body.presence_penalty, 0.0),
-                       ("frequency_penalty", body.frequency_penalty, 0.0)]
+        unsupported: list[tuple[str, object, object]] = [
+            ("n", body.n, 1), ("presence_penalty", body.presence_penalty, 0.0),
+            ("frequency_penalty", body.frequency_penalty, 0.0)]
         if isinstance(body, CompletionRequest):
             unsupported += [("echo", body.echo, False), ("logprobs", body.logprobs, None)]
         else:
@@ -399,7 +400,7 @@ class _Server:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         body = ErrorResponse(ErrorBody(message=f"{request.method} {request.url.path}: "
                                        f"{exc.detail}", type="invalid_request_error", code=code))
-        return _json(body, status=exc.status_code, headers=exc.headers)
+        return _json(body, status=exc.status_code, headers=dict(exc.headers or {}))
 
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -10,7 +10,8 @@ histograms and finish reasons are observed by the HTTP layer as tokens reach the
 | atombatch_decoding_lanes | gauge | lanes decoding |
 | atombatch_queue_length | gauge | requests without a lane (waiting + staged) |
 | atombatch_blocks | gauge | state = free, spare, staged, lane, cached |
-| atombatch_engine_<counter>_total | counter | steps, prefill_chunks, staged_chunks, decode_steps, generated_tokens, rotations, preemptions |
+| atombatch_engine_<counter>_total | counter | (steps, prefill_chunks, staged_chunks, |
+|  |  | decode_steps, generated_tokens, rotations, preemptions) |
 | atombatch_engine_requests_finished_total | counter | reason (engine view, all requests) |
 | atombatch_requests_in_flight | gauge | HTTP requests between accept and last byte |
 | atombatch_requests_finished_total | counter | reason = stop, length, abort, error, disconnect |

@@ -68,7 +68,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False               # only False is served
 
 
-# -- responses ---------------------------------------------------------------------------------------
+# -- responses -------------------------------------------------------------------------------------
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int

@@ -2,17 +2,19 @@
 
 Without a tokenizer (`IdCodec`) the text of token `t` is the piece `"<t>"`: a completion's text is
 its ids written as `<17><3><250>`, and a text prompt (or a chat message) is read back the same way
-(whitespace between pieces is ignored; anything else is a 400). This keeps the OpenAI clients working
-against a random-weight model and makes every text exactly checkable.
+(whitespace between pieces is ignored; anything else is a 400). This keeps the OpenAI clients
+working against a random-weight model and makes every text exactly checkable.
 
-With a tokenizer (`HFCodec`, `tokenizers` + `tokenizer.json`) text is encoded and decoded by it. Chat
-messages are rendered with the checkpoint's chat template (`tokenizer_config.json` `chat_template`,
-rendered with jinja2 as Hugging Face does) or, without one, with the simple template
+With a tokenizer (`HFCodec`, `tokenizers` + `tokenizer.json`) text is encoded and decoded by it.
+Chat messages are rendered with the checkpoint's chat template (`tokenizer_config.json`
+`chat_template`, rendered with jinja2 as Hugging Face does) or, without one, with the simple
+template
 
     <role>: <content>\\n   (one line per message)   then   assistant:
 
 Streamed text is decoded incrementally: the whole generated text is decoded after each token and the
-new suffix is sent, holding back a trailing U+FFFD (an incomplete UTF-8 sequence) until it completes.
+new suffix is sent, holding back a trailing U+FFFD (an incomplete UTF-8 sequence) until it
+completes.
 """
 
 from __future__ import annotations
@@ -88,20 +90,20 @@ class HFCodec:
                  special: dict[str, str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.special = special or {}
-        self._template = None
+        self._template: Any = None
         if chat_template:
             try:
                 from jinja2.sandbox import ImmutableSandboxedEnvironment
             except ImportError:  # pragma: no cover - jinja2 ships with the server extra
-                ImmutableSandboxedEnvironment = None  # noqa: N806
-            if ImmutableSandboxedEnvironment is not None:
-                env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+                raise ConfigError("the tokenizer has a chat template; rendering it needs jinja2 "
+                                  "(pip install 'atombatch[server]')") from None
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
-                def raise_exception(message: str) -> None:
-                    raise RequestError(f"chat template: {message}")
+            def raise_exception(message: str) -> None:
+                raise RequestError(f"chat template: {message}")
 
-                env.globals["raise_exception"] = raise_exception
-                self._template = env.from_string(chat_template)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(chat_template)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> HFCodec | None:
@@ -144,9 +146,13 @@ class HFCodec:
 
     def render_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         if self._template is not None:
-            text = self._template.render(
-                messages=[{"role": r, "content": c} for r, c in messages],
-                add_generation_prompt=True, **self.special)
+            from jinja2 import TemplateError
+            try:
+                text = self._template.render(
+                    messages=[{"role": r, "content": c} for r, c in messages],
+                    add_generation_prompt=True, **self.special)
+            except TemplateError as exc:
+                raise RequestError(f"chat template failed on these messages: {exc}") from None
         else:
             text = "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
         return self.encode(text)
