@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,7 @@ class NumpyRuntime:
         sliding_kv: sliding layers' lane slots, `[num_sliding, 2, batch_size, kv_heads, window,
             head_dim]` (zero-sized first axis for models without sliding layers).
         prefill_calls, decode_calls: how many graph calls ran.
+        import_calls, export_calls: how many `write_layer_kv` / `read_layer_kv` calls ran (PD).
     """
 
     def __init__(self, artifact: ArtifactConfig, weights: dict[str, np.ndarray]) -> None:
@@ -104,6 +106,8 @@ class NumpyRuntime:
         self.spec = spec = artifact.model
         self.prefill_calls = 0
         self.decode_calls = 0
+        self.import_calls = 0
+        self.export_calls = 0
         self._window = spec.sliding_window if spec.is_hybrid else 0
         self._gemma = spec.family == "gemma3"
         self._groups = spec.num_heads // spec.num_kv_heads
@@ -476,6 +480,81 @@ class NumpyRuntime:
         if data.shape != self.block_shape:
             raise StateError(f"block data has shape {data.shape}, blocks are {self.block_shape}")
         self.kv[:, :, self._check_block(block)] = data
+
+
+    # -- PD: one layer's K/V by token ------------------------------------------------------------
+    def _pd_layer(self, layer: int) -> _Layer:
+        if not 0 <= layer < len(self._layers):
+            raise StateError(f"layer={layer} is outside 0..{len(self._layers) - 1}")
+        return self._layers[layer]
+
+    def _pd_row(self, block_row: Sequence[int], length: int) -> npt.NDArray[np.int64]:
+        """The blocks holding positions 0..length-1, checked against the pool."""
+        needed = -(-length // self.artifact.block_size)
+        row = self._check_table(np.asarray(block_row, dtype=np.int64).reshape(-1), "block_row")
+        if len(row) < needed:
+            raise StateError(f"block_row has {len(row)} blocks, {length} tokens of block_size="
+                             f"{self.artifact.block_size} need {needed}")
+        return row
+
+    def read_layer_kv(self, layer: int, block_row: Sequence[int], length: int, slot: int = 0
+                      ) -> tuple[Array, Array]:
+        """K and V `[kv_heads, tokens, head_dim]` (float32 copies) of one layer of a sequence.
+
+        Args:
+            layer: the model layer index, 0..num_layers-1.
+            block_row: the sequence's blocks in order (global layers); entry j holds positions
+                `j*block_size ..`.
+            length: the sequence length the blocks and the slot hold now.
+            slot: the sequence's sliding slot (sliding layers).
+        Returns:
+            Global layer: positions 0..length-1. Sliding layer: the last min(length, window) tokens,
+            oldest first, as the slot's shift buffer holds them.
+        Raises:
+            StateError: a layer, block, slot or length outside the artifact.
+        """
+        target = self._pd_layer(layer)
+        if not 0 < length <= self.artifact.max_seq_len:
+            raise StateError(f"length={length} is outside 1..{self.artifact.max_seq_len}")
+        self.export_calls += 1
+        if not target.sliding:
+            return self._read_global(target, self._pd_row(block_row, length), length)
+        held = min(length, self._window)
+        buffer = self.sliding_kv[target.ordinal, :, self._check_slot(slot)]
+        return buffer[0, :, :held].copy(), buffer[1, :, :held].copy()
+
+    def write_layer_kv(self, layer: int, k: npt.ArrayLike, v: npt.ArrayLike,
+                       block_row: Sequence[int], slot: int = 0) -> None:
+        """Import one layer's K/V `[kv_heads, tokens, head_dim]` (the decoder side of PD).
+
+        A global layer's tokens are positions 0..T-1, written to `block_row[p // block_size]` at
+        offset `p % block_size`. A sliding layer's tokens are the window tail, oldest first, written
+        to indices 0..T-1 of the slot (T <= window), which is how the shift buffer holds a sequence
+        whose last T tokens they are. Values are stored as float32.
+
+        Raises:
+            StateError: a shape, layer, block or slot outside the artifact.
+        """
+        target = self._pd_layer(layer)
+        k = np.asarray(k, dtype=F32)
+        v = np.asarray(v, dtype=F32)
+        spec = self.spec
+        tokens = k.shape[1] if k.ndim == 3 else -1
+        if k.shape != v.shape or k.shape != (spec.num_kv_heads, tokens, spec.head_dim):
+            raise StateError(f"K {k.shape} and V {v.shape} must both be [kv_heads="
+                             f"{spec.num_kv_heads}, tokens, head_dim={spec.head_dim}]")
+        limit = self._window if target.sliding else self.artifact.max_seq_len
+        if not 0 < tokens <= limit:
+            what = "window" if target.sliding else "max_seq_len"
+            raise StateError(f"layer {layer} got {tokens} tokens, outside 1..{what}={limit}")
+        if not target.sliding:
+            row = self._pd_row(block_row, tokens)
+            self._write_global(target, row, np.arange(tokens, dtype=np.int64), k, v)
+        else:
+            buffer = self.sliding_kv[target.ordinal, :, self._check_slot(slot)]
+            buffer[0, :, :tokens] = k
+            buffer[1, :, :tokens] = v
+        self.import_calls += 1
 
 
 # -- math helpers ----------------------------------------------------------------------------------
