@@ -6,8 +6,8 @@ import importlib
 import sys
 import time
 
-SUBCOMMANDS = ("micro", "serve", "fit")
-USAGE = ("usage: python -m atombatch.bench [micro|serve|fit] [options]\n"
+SUBCOMMANDS = ("micro", "serve", "fit", "http")
+USAGE = ("usage: python -m atombatch.bench [micro|serve|fit|http] [options]\n"
          "       python -m atombatch.bench            (short micro + serve)\n"
          "       python -m atombatch.bench SUBCOMMAND --help")
 

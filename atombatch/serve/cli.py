@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queue bound: requests without a lane past it answer 429 (default 256)")
     p.add_argument("--seed", type=int, default=0, help="random weights and engine sampling seed")
+    p.add_argument("--blas-threads", type=int, default=1,
+                   help="BLAS threads for the NumPy runtime (default 1; 0 leaves the library's "
+                   "default). OpenBLAS threads spin between calls and starve the event loop")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info",
@@ -132,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"atombatch.serve: {exc}", file=sys.stderr)
         return 2
+    if args.runtime == "numpy" and args.blas_threads > 0:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(limits=args.blas_threads, user_api="blas")
     import uvicorn
 
     from atombatch.serve.app import create_app
