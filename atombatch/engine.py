@@ -17,7 +17,8 @@ import numpy.typing as npt
 import structlog
 
 from atombatch.config import ArtifactConfig, check_serving
-from atombatch.errors import CapacityError, ConfigError, RequestError
+from atombatch.errors import CapacityError, RequestError
+from atombatch.prefix import HostCache
 from atombatch.runtime.base import Runtime
 from atombatch.sampling import sample
 from atombatch.scheduler import PDImport, Policy, Request, RequestState, Scheduler, StepPlan
@@ -76,6 +77,11 @@ class EngineStats(msgspec.Struct, frozen=True):
     generated_tokens: int
     rotations: int                      # staged requests that took over a finished lane's slot
     preemptions: int
+    prefix_hits: int                    # lanes started from a cached prefix
+    prefix_misses: int
+    prefix_hit_tokens: int              # prompt tokens whose prefill the cache saved
+    host_restores: int                  # blocks written back from the host cache
+    evictions: int                      # CACHED blocks evicted from the device
     finished: dict[str, int]            # requests by finish reason
     lane_histogram: tuple[int, ...]     # decode steps by number of decoding lanes (index = lanes)
 
@@ -104,13 +110,13 @@ class Batcher:
                  pd_timeout: float = 30.0) -> None:
         artifact: ArtifactConfig = runtime.artifact
         check_serving(artifact, prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes)
-        if prefix_cache:
-            raise ConfigError("prefix_cache=True is not supported by this build yet "
-                              "(tracked in the PD and prefix-cache issue)")
         self.runtime = runtime
         self.artifact = artifact
         self.spec = artifact.model
-        self.scheduler = Scheduler(artifact, policy, eos_token_ids=self.spec.eos_token_ids)
+        self.host_cache = HostCache(host_cache_bytes, artifact.block_size) \
+            if host_cache_bytes else None
+        self.scheduler = Scheduler(artifact, policy, eos_token_ids=self.spec.eos_token_ids,
+                                   prefix_cache=prefix_cache, host_cache=self.host_cache)
         self.clock: Callable[[], float] = clock or getattr(runtime, "clock", None) or \
             time.perf_counter
         self.max_waiting = max_waiting
@@ -222,6 +228,8 @@ class Batcher:
         if plan is None:
             self._flush_events()
             return outputs
+        if plan.saves or plan.restores or plan.copies:
+            self._run_block_ops(plan)
         if plan.kind == "prefill":
             self._run_prefill(plan, outputs)
         elif plan.kind == "import":
@@ -230,6 +238,18 @@ class Batcher:
             self._run_decode(plan, outputs)
         self._flush_events()
         return outputs
+
+    def _run_block_ops(self, plan: StepPlan) -> None:
+        """Cache-management KV moves the plan needs before its device call, in a safe order:
+        evicted blocks to the host first, then host restores, then device copies."""
+        runtime = self.runtime
+        for entry in plan.saves:
+            assert self.host_cache is not None
+            self.host_cache.put(entry, runtime.read_block(entry.block))
+        for block, data in plan.restores:
+            runtime.write_block(block, data)
+        for src, dst in plan.copies:
+            runtime.copy_block(src, dst)
 
     def _run_prefill(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         scheduler = self.scheduler
@@ -435,7 +455,9 @@ class Batcher:
             imports=c.imports,
             prefill_chunks=c.prefill_chunks, staged_chunks=c.staged_chunks,
             decode_steps=c.decode_steps, generated_tokens=c.generated_tokens,
-            rotations=c.rotations, preemptions=c.preemptions, finished=dict(c.finished),
+            rotations=c.rotations, preemptions=c.preemptions, prefix_hits=c.prefix_hits,
+            prefix_misses=c.prefix_misses, prefix_hit_tokens=c.prefix_hit_tokens,
+            host_restores=c.host_restores, evictions=c.evictions, finished=dict(c.finished),
             lane_histogram=tuple(c.lane_histogram))
 
     def check_invariants(self) -> None:

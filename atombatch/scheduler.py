@@ -29,6 +29,14 @@ generated tokens. The spare is never handed to growth, so a padding target alway
 Interleaving of prefill and decode is a `Policy`: prefill-first, decode-first, or one prefill chunk
 per N decode steps.
 
+Prefix cache: a finished (or preempted) sequence's blocks become CACHED, indexed by the digest of
+the tokens they hold (`atombatch.prefix`). A new lane looks its prompt up: blocks wholly before the
+resume position (the longest cached prefix, rounded down to a prefill chunk boundary and short of
+the last prompt token) are shared read-only (pinned); the block the prefill resumes in is adopted
+when nobody else uses it, or copied (a `copy_block` op) when it is shared. Evicted blocks go to the
+host cache when there is one, and a lookup continues into it (a `write_block` op restores them).
+Runtime ops the plan needs (save, restore, copy) travel on the `StepPlan` and run before its call.
+
 Prefill/decode disaggregation: a request submitted with a KV source (`Request.pd`) is admitted only
 once its header has been validated, and instead of prefill chunks it gets "import" steps that write
 the layers which have arrived into its lane's blocks (or into the spare while every lane decodes, or
@@ -51,6 +59,7 @@ import numpy.typing as npt
 from atombatch import blocks as core
 from atombatch.config import ArtifactConfig
 from atombatch.errors import CapacityError, ConfigError, StateError
+from atombatch.prefix import ROOT, Entry, HostCache, PrefixIndex, chain_digest
 from atombatch.structs import FinishReason, SamplingParams
 
 
@@ -128,7 +137,7 @@ class Request:
 
     __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "error", "finish_reason",
                  "first_token_at", "lane", "output", "params", "pd", "preemptions", "prefill_pos",
-                 "prompt", "request_id", "rng", "state", "token_times")
+                 "prompt", "request_id", "rng", "shared", "state", "token_times")
 
     def __init__(self, request_id: str, prompt: npt.NDArray[np.int64], params: SamplingParams,
                  arrival: float, rng: np.random.Generator) -> None:
@@ -150,6 +159,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.pd: PDImport | None = None  # set for a request whose KV a producer sends
+        self.shared = 0                  # leading row entries that are pinned CACHED blocks
 
     @property
     def ready(self) -> bool:
@@ -193,6 +203,9 @@ class StepPlan(msgspec.Struct):
     request_ids: tuple[str, ...] = ()        # decode: their requests, lane by lane
     blocks: tuple[int, ...] = ()             # import: the request's block row (positions 0..)
     slot: int = 0                            # import: its sliding slot (hybrid)
+    saves: tuple[Entry, ...] = ()            # first: copy these evicted blocks to the host cache
+    restores: tuple[tuple[int, Any], ...] = ()  # then: write host data into (block, data)
+    copies: tuple[tuple[int, int], ...] = ()    # then: copy_block(src, dst) (shared prefix hits)
 
 
 class StepRecord(msgspec.Struct, frozen=True):
@@ -214,6 +227,11 @@ class Counters(msgspec.Struct):
     generated_tokens: int = 0
     rotations: int = 0
     preemptions: int = 0
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    prefix_hit_tokens: int = 0
+    host_restores: int = 0
+    evictions: int = 0
     finished: dict[str, int] = msgspec.field(default_factory=dict)
     lane_histogram: list[int] = msgspec.field(default_factory=list)  # decode steps by busy lanes
 
@@ -222,7 +240,8 @@ class Scheduler:
     """Admission, lane assignment, chunking, block growth, rotation and preemption."""
 
     def __init__(self, artifact: ArtifactConfig, policy: Policy | str = "prefill-first",
-                 eos_token_ids: Iterable[int] = ()) -> None:
+                 eos_token_ids: Iterable[int] = (), prefix_cache: bool = False,
+                 host_cache: HostCache | None = None) -> None:
         self.artifact = artifact
         self.policy = Policy.parse(policy)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -246,6 +265,12 @@ class Scheduler:
         self._admit_counter = 0
         self._decodes_since_prefill = 0
         self._step_time = 0.0
+        self.prefix = PrefixIndex(artifact.block_size) if prefix_cache else None
+        self.host = host_cache
+        self._saves: list[Entry] = []
+        self._restores: list[tuple[int, Any]] = []
+        self._copies: list[tuple[int, int]] = []
+        self._unpin: list[int] = []
 
     # -- queries --------------------------------------------------------------------------------
     @property
@@ -286,9 +311,19 @@ class Scheduler:
     def _take_block(self, state: int, owner: int) -> int:
         """A FREE block (evicting the LRU cached block if needed), never the spare."""
         if self.pool.num_free == 0 and self.pool.num_evictable:
-            evicted = self.pool.evict()
-            self._event("block.evicted", block=evicted)
+            self._evict()
         return self.pool.allocate(state, owner)
+
+    def _evict(self) -> int:
+        """The LRU unpinned CACHED block -> FREE; its KV goes to the host cache if there is one."""
+        block = self.pool.evict()
+        self.counters.evictions += 1
+        if self.prefix is not None:
+            entry = self.prefix.remove(block)
+            if self.host is not None:
+                self._saves.append(entry)
+        self._event("block.evicted", block=block)
+        return block
 
     def _admit(self, now: float) -> None:
         """Give idle lanes to the head of the queue (a staging request first), FCFS."""
@@ -309,6 +344,8 @@ class Scheduler:
             if self.single_block:
                 # Origin PR mode: the lone lane takes block 0 and gives it back on finish.
                 self.lanes.push_block(lane, self.pool.allocate(core.LANE, lane))
+            elif self.prefix is not None and not request.importing:
+                self._attach_prefix(request)
             self._event("lane.assigned", request_id=request.request_id, lane=lane)
 
     def _first_ready(self) -> Request | None:
@@ -329,6 +366,56 @@ class Scheduler:
                         queue_wait=now - request.arrival)
         request.admit_order = self._admit_counter
         self._admit_counter += 1
+
+    def _attach_prefix(self, request: Request) -> None:
+        """Start a fresh lane from the longest cached prefix of what it must prefill."""
+        assert self.prefix is not None
+        tokens = request.prefill_tokens
+        match = self.prefix.lookup(tokens)
+        if self.host is not None:
+            self.host.extend(tokens, match)
+        q, bs, lane = self.artifact.prefill_chunk_size, self.artifact.block_size, request.lane
+        resume = (min(match.tokens, len(tokens) - 1) // q) * q
+        if resume == 0:
+            self.counters.prefix_misses += 1
+            return
+        entries = match.entries[: -(-resume // bs)]
+        pinned = [e.block for e in entries if e.block >= 0]
+        for block in pinned:  # nothing below may evict what this lane is about to use
+            self.pool.acquire(block)
+        restored = 0
+        for j, entry in enumerate(entries):
+            below = (j + 1) * bs <= resume  # wholly before the resume position: read-only
+            block = entry.block
+            if block < 0:  # only on the host: restore into a fresh block
+                block = self._take_block(core.LANE, lane)
+                self._restores.append((block, entry.data))
+                restored += 1
+                if below:
+                    self.pool.cache(block)
+                    self.prefix.insert(block, entry.parent, entry.tokens)
+                    self.pool.acquire(block)
+            elif not below:  # the prefill resumes inside it: this lane needs its own copy
+                self.pool.release(block)
+                if self.pool.refcount(block) == 0:
+                    self.prefix.remove(block)
+                    self.pool.adopt(block, lane)
+                else:
+                    copy = self._take_block(core.LANE, lane)
+                    self._copies.append((block, copy))
+                    self.pool.acquire(block)
+                    self._unpin.append(block)  # released once the copy op is on a plan
+                    block = copy
+            self.lanes.push_block(lane, block)
+            if below:
+                request.shared += 1
+        request.prefill_pos = resume
+        self.counters.prefix_hits += 1
+        self.counters.prefix_hit_tokens += resume
+        self.counters.host_restores += restored
+        self._event("prefix.hit", request_id=request.request_id, lane=lane, tokens=resume,
+                    shared=request.shared, restored=restored,
+                    blocks=self.lanes.blocks(lane))
 
     def _lane_for_staged(self, request: Request, now: float) -> None:
         """A lane became idle: the staging request takes it with its filled blocks."""
@@ -359,6 +446,7 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan | None:
         """Decide the next device call and fill its inputs; None when there is nothing to run."""
         self._step_time = now
+        plan = None
         for _ in range(3):  # a prefill that preempted its own request re-plans once more
             self._admit(now)
             prefill = self._next_prefill()
@@ -366,12 +454,22 @@ class Scheduler:
             if prefill is not None and self._prefill_turn(prefill, decoding):
                 plan = self._plan_prefill(prefill)
                 if plan is not None:
-                    return plan
+                    break
             if self.lanes.num_decoding():
-                return self._plan_decode()
+                plan = self._plan_decode()
+                break
             if prefill is None:
-                return None
-        return None
+                break
+        if plan is not None and (self._saves or self._restores or self._copies):
+            plan.saves, plan.restores, plan.copies = (tuple(self._saves), tuple(self._restores),
+                                                      tuple(self._copies))
+            self._saves.clear()
+            self._restores.clear()
+            self._copies.clear()
+            for block in self._unpin:
+                self.pool.release(block)
+            self._unpin.clear()
+        return plan
 
     def _prefill_turn(self, request: Request, decoding: int) -> bool:
         if not decoding:
@@ -555,9 +653,7 @@ class Scheduler:
         if block >= 0:
             return block
         if self.pool.num_evictable:
-            block = self.pool.evict()
-            self._event("block.evicted", block=block)
-            return block
+            return self._evict()
         raise StateError("no FREE or SPARE block is left as a padding target")
 
     # -- results ----------------------------------------------------------------------------------
@@ -644,7 +740,7 @@ class Scheduler:
         """End a request in any live state: free its lane and blocks; the lane is reusable at once."""
         if request.state is S.FINISHED:
             return
-        self._release(request)
+        self._release(request, keep_kv=reason != "error")
         request.set_state(S.FINISHED)
         request.finish_reason = reason
         request.error = error
@@ -676,19 +772,55 @@ class Scheduler:
         self._event("request.preempted", request_id=request.request_id,
                     generated=len(request.output))
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, keep_kv: bool = True) -> None:
+        """Give back a request's lane or staging blocks; with a prefix cache, keep what its KV
+        computed (not after an error: that KV may be garbage)."""
         if request.state in (S.STAGING, S.STAGED):
             self._release_staged(request)
         elif request.lane >= 0:
             lane = request.lane
+            if not keep_kv or request.importing:
+                valid = 0
+            elif self.lanes.state(lane) == core.LANE_DECODING:
+                valid = self.lanes.seq_len(lane)  # positions whose KV is written
+            else:
+                valid = request.prefill_pos
             held = self.lanes.release(lane)
             self.by_lane[lane] = None
             request.lane = -1
-            for block in held:
-                self.pool.free(block)
+            if self.prefix is not None:
+                self._cache_blocks(request, held, valid)
+            else:
+                for block in held:
+                    self.pool.free(block)
+            request.shared = 0
             self._event("lane.released", request_id=request.request_id, lane=lane, blocks=held)
         elif request.state is S.WAITING:
             self.waiting.remove(request)
+
+    def _cache_blocks(self, request: Request, held: list[int], valid: int) -> None:  # noqa: C901
+        """Keep a released lane's KV in the prefix cache (shared blocks are just unpinned)."""
+        assert self.prefix is not None
+        bs = self.artifact.block_size
+        tokens = request.prefill_tokens  # what positions 0..valid-1 hold
+        parent = ROOT
+        for j, block in enumerate(held):
+            if j < request.shared:
+                entry = self.prefix.entry(block)
+                assert entry is not None
+                parent = entry.digest
+                self.pool.release(block)
+                continue
+            start = j * bs
+            if start >= valid:
+                self.pool.free(block)
+                continue
+            chunk = tokens[start:min(start + bs, valid)]
+            if self.prefix.insert(block, parent, chunk) is None:
+                self.pool.free(block)  # an identical block is cached already
+            else:
+                self.pool.cache(block)
+            parent = chain_digest(parent, chunk, len(chunk) == bs)
 
     def _release_staged(self, request: Request) -> None:
         first, *rest = request.blocks
@@ -710,7 +842,13 @@ class Scheduler:
             state = lanes.state(lane)
             if (request is None) != (state == core.LANE_IDLE):
                 raise StateError(f"lane={lane} state {state} disagrees with its request")
-            for block in lanes.blocks(lane):
+            row = lanes.blocks(lane)
+            shared = request.shared if request is not None else 0
+            for block in row[:shared]:
+                if pool.state(block) != core.CACHED or pool.refcount(block) < 1:
+                    raise StateError(f"lane={lane} shares block={block} but it is not pinned "
+                                     "CACHED")
+            for block in row[shared:]:
                 if pool.state(block) != core.LANE or pool.owner(block) != lane:
                     raise StateError(f"lane={lane} holds block={block} in state "
                                      f"{core.STATE_NAMES[pool.state(block)]}")
@@ -727,6 +865,10 @@ class Scheduler:
                              f"{pool.num_lane + pool.num_staged} LANE+STAGED")
         if not self.single_block and pool.num_spare + (self.staging is not None) != 1:
             raise StateError(f"{pool.num_spare} spare blocks with staging={self.staging is not None}")
+        if self.prefix is not None and len(self.prefix) != pool.num_cached:
+            raise StateError(f"prefix index holds {len(self.prefix)} blocks, pool "
+                             f"{pool.num_cached} CACHED")
         if not self.requests:
-            if lanes.num_busy or pool.num_lane or pool.num_staged:
+            if lanes.num_busy or pool.num_lane or pool.num_staged or \
+                    pool.num_evictable != pool.num_cached:
                 raise StateError("no request is live but lanes or blocks are still owned")

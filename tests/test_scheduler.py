@@ -310,13 +310,20 @@ shapes = st.sampled_from([
        policy=st.sampled_from(["prefill-first", "decode-first", "interleave:2"]))
 def test_random_workloads_keep_invariants_and_tokens(core, shape, chunk, data, policy):
     art = artifact(chunk=chunk, **shape)
-    batcher = Batcher(LedgerRuntime(art), policy=policy)
+    cacheable = not art.single_block and not art.model.is_hybrid
+    prefix_cache = cacheable and data.draw(st.booleans())
+    host_bytes = data.draw(st.sampled_from([0, 2000])) if prefix_cache else 0
+    batcher = Batcher(LedgerRuntime(art), policy=policy, prefix_cache=prefix_cache,
+                      host_cache_bytes=host_bytes)
     n = data.draw(st.integers(1, 8))
     arrivals: dict[int, list] = {}
     aborts: dict[int, list[str]] = {}
+    stem = data.draw(st.lists(st.integers(1, 96), min_size=0, max_size=30))
     for i in range(n):
         plen = data.draw(st.integers(1, 40))
         prompt = data.draw(st.lists(st.integers(1, 96), min_size=plen, max_size=plen))
+        if data.draw(st.booleans()):  # shared prefixes make the prefix cache hit
+            prompt = (stem + prompt)[:plen]
         params = SamplingParams(max_tokens=data.draw(st.integers(1, 64 - plen)), ignore_eos=True)
         arrivals.setdefault(data.draw(st.integers(0, 30)), []).append((prompt, params, f"r{i}"))
         if data.draw(st.booleans()) and data.draw(st.booleans()):
@@ -331,5 +338,6 @@ def test_random_workloads_keep_invariants_and_tokens(core, shape, chunk, data, p
             else:
                 assert out.finish_reason == "length" and streamed[rid] == want
     pool = batcher.scheduler.pool
-    assert pool.num_free + pool.num_spare == art.num_blocks
+    assert pool.num_free + pool.num_spare + pool.num_cached == art.num_blocks
+    assert pool.num_evictable == pool.num_cached
     assert batcher.scheduler.lanes.num_busy == 0
