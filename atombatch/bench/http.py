@@ -173,7 +173,8 @@ async def run(args: argparse.Namespace) -> Report:
     limits = httpx.Limits(max_connections=args.concurrency + 2,
                           max_keepalive_connections=args.concurrency + 2)
     # Per-request deadlines are enforced by asyncio.timeout; httpx's own timeouts stay out of it.
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), limits=limits) as client:
+    timeouts = httpx.Timeout(None, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeouts, limits=limits) as client:
         card: dict[str, Any] = {}
         try:
             models = (await client.get(f"{url}/v1/models")).json()
