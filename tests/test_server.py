@@ -404,3 +404,20 @@ def test_tokenizer_text_and_chat_template(tmp_path: Any) -> None:
         for chunk in chat:
             ids.extend(chunk.choices[0].model_extra["token_ids"])
         assert ids == want[1]
+
+
+# -- command line ----------------------------------------------------------------------------------
+def test_cli_builds_the_artifact_and_refuses_bad_configs(capsys: Any) -> None:
+    from atombatch.serve.cli import build_engine, main, parser
+
+    batcher, name, codec = build_engine(parser().parse_args(
+        ["--batch-size", "2", "--max-seq-len", "256", "--block-size", "64",
+         "--prefill-chunk-size", "32", "--policy", "interleave:2", "--max-waiting", "3"]))
+    art = batcher.artifact
+    assert (art.batch_size, art.max_seq_len, art.block_size, art.num_blocks) == (2, 256, 64, 9)
+    assert name == "atombatch-tiny" and codec is None and batcher.max_waiting == 3
+    assert batcher.policy.label == "interleave:2"
+    assert main(["--batch-size", "4", "--num-blocks", "3"]) == 2
+    assert "lanes+1 rule" in capsys.readouterr().err
+    assert main(["--runtime", "rebel", "--model", "koni-8b", "--compiled-dir", "/nonexistent"]) == 2
+    assert "atombatch.serve:" in capsys.readouterr().err

@@ -18,7 +18,6 @@ Configuration errors (a broken §3 rule, a missing SDK) print one line and exit 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from pathlib import Path
@@ -46,6 +45,8 @@ def parser() -> argparse.ArgumentParser:
                    "has one; none: token-id text)")
     p.add_argument("--served-model-name", help="id at /v1/models (default: the spec's name)")
     p.add_argument("--compiled-dir", help="RebelRuntime: root of the compiled-artifact cache")
+    p.add_argument("--device", default="0",
+                   help="RebelRuntime: ATOM device index, or a comma list for tensor parallel")
     p.add_argument("--batch-size", type=int, default=4, help="decode lanes B (default 4)")
     p.add_argument("--max-seq-len", type=int, default=1024, help="context (default 1024)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: --max-seq-len)")
@@ -88,7 +89,9 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
     num_blocks = args.num_blocks or args.batch_size * max(bps, 1) + 1
     artifact = ArtifactConfig(model=spec, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
                               block_size=block_size, num_blocks=num_blocks,
-                              prefill_chunk_size=min(args.prefill_chunk_size, args.max_seq_len))
+                              prefill_chunk_size=min(args.prefill_chunk_size, args.max_seq_len),
+                              tensor_parallel=len(str(args.device).split(","))
+                              if args.runtime == "rebel" else 1)
     runtime: Any
     if args.runtime == "rebel":
         runtime = _rebel_runtime(artifact, args)
@@ -107,24 +110,18 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
 
 
 def _rebel_runtime(artifact: ArtifactConfig, args: argparse.Namespace) -> Any:
-    """`RebelRuntime` for the artifact; imported lazily (it needs rebel-sdk and an ATOM)."""
-    cls = None
-    for module in ("atombatch.runtime", "atombatch.runtime.rebel"):
-        try:
-            cls = getattr(importlib.import_module(module), "RebelRuntime", None)
-        except ImportError:
-            continue
-        if cls is not None:
-            break
-    if cls is None:
-        raise ConfigError("--runtime rebel: this build of atombatch has no RebelRuntime yet; "
-                          "use --runtime numpy")
-    kwargs = {"compiled_dir": args.compiled_dir} if args.compiled_dir else {}
+    """`RebelRuntime` on the artifact's own compiled-cache folder (imported lazily: rebel-sdk)."""
     try:
-        return cls(artifact, **kwargs)
-    except ImportError as exc:  # the SDK itself is missing
-        raise ConfigError(f"--runtime rebel needs the Rebellions SDK: pip install "
-                          f"'atombatch[rebel]' ({exc})") from None
+        from atombatch.runtime.rebel import RebelRuntime
+    except ImportError:
+        raise ConfigError("--runtime rebel: this build of atombatch has no RebelRuntime; "
+                          "use --runtime numpy") from None
+    if not args.compiled_dir:
+        raise ConfigError("--runtime rebel needs --compiled-dir: the root of the compiled-artifact "
+                          f"cache (graphs are read from {artifact.compiled_cache_dir('<root>')})")
+    devices = [int(d) for d in str(args.device).split(",")]
+    return RebelRuntime.from_cache_dir(artifact, args.compiled_dir,
+                                       device=devices[0] if len(devices) == 1 else devices)
 
 
 def main(argv: list[str] | None = None) -> int:
