@@ -23,6 +23,7 @@ The wire protocol of the ZeroMQ transport is written up in docs/pd.md.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -102,8 +103,8 @@ class LayerKV(msgspec.Struct, frozen=True, eq=False):
         return _to_float32(self.k), _to_float32(self.v)
 
     @classmethod
-    def encode(cls, layer: int, k: npt.ArrayLike, v: npt.ArrayLike, dtype: str) -> LayerKV:
-        """Build from float32 K/V, converting to the wire `dtype` (bfloat16: round to nearest even)."""
+    def from_float32(cls, layer: int, k: npt.ArrayLike, v: npt.ArrayLike, dtype: str) -> LayerKV:
+        """Build from float32 K/V in the wire `dtype` (bfloat16: round to nearest even)."""
         return cls(layer, _from_float32(k, dtype), _from_float32(v, dtype))
 
     @property
@@ -236,7 +237,7 @@ def validate_layer(header: KVHeader, layer: LayerKV, seen: set[int]) -> None:
     seen.add(index)
 
 
-# -- sources ----------------------------------------------------------------------------------------
+# -- sources ---------------------------------------------------------------------------------------
 class KVSource(Protocol):
     """Where the decoder gets one request's KV from; the engine polls it once per step."""
 
@@ -407,7 +408,7 @@ class InProcessSource:
             close()
 
 
-# -- producer ---------------------------------------------------------------------------------------
+# -- producer --------------------------------------------------------------------------------------
 class Producer:
     """Prefills prompts on its own runtime (lane/slot 0, its own blocks) and exports the KV.
 
@@ -460,11 +461,13 @@ class Producer:
             for start in range(0, covered, art.prefill_chunk_size):
                 self._inputs.build(prefix, start, self._row, len(self._row), 0)
                 logits = self.runtime.prefill(self._inputs)
-            layers = [LayerKV.encode(i, *self.runtime.read_layer_kv(i, self._row, covered, 0),
-                                     self.dtype)
-                      for i in range(spec.num_layers)]
+            layers = []
+            for i in range(spec.num_layers):
+                k, v = self.runtime.read_layer_kv(i, self._row, covered)
+                layers.append(LayerKV.from_float32(i, k, v, self.dtype))
         first = None
         if covered == len(tokens):
+            assert logits is not None
             first = sample(logits, params, np.random.default_rng(params.seed))
         header = KVHeader(
             request_id=request_id, model_identity=self.identity, num_layers=spec.num_layers,
@@ -492,7 +495,7 @@ class Producer:
         yield from self.produce(request_id, prompt, params, covered_len).items()
 
 
-# -- ZeroMQ transport --------------------------------------------------------------------------------
+# -- ZeroMQ transport ------------------------------------------------------------------------------
 # Message kinds (first frame after the ROUTER's routing id); see docs/pd.md.
 REQUEST, HEADER, LAYER, END, ERROR = b"R", b"H", b"L", b"E", b"X"
 
@@ -641,11 +644,9 @@ class ZmqProducerServer:
             logger.warning("pd.peer_gone", extra={"error": str(exc)})
         except Exception as exc:
             logger.warning("pd.producer_failed", extra={"error": repr(exc)})
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 self._socket.send_multipart([peer, ERROR,
                                              f"{type(exc).__name__}: {exc}".encode()])
-            except zmq.ZMQError:
-                pass
 
     def close(self) -> None:
         """Stop `serve_forever` (it closes the socket), or close the socket if not serving."""
@@ -809,9 +810,7 @@ class ZmqSource:
         if self._closed:
             return
         self._closed = True
-        try:
+        with contextlib.suppress(self._zmq.ZMQError):
             self._socket.disable_monitor()
-        except self._zmq.ZMQError:
-            pass
         self._monitor.close(linger=0)
         self._socket.close(linger=0)

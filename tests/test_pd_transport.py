@@ -165,7 +165,7 @@ def test_payload_round_trips_through_msgpack_header_and_raw_frames(dtype: str) -
 def test_bfloat16_encoding_rounds_to_nearest_even_and_widens_exactly() -> None:
     x = np.array([1.0, -2.5, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, np.inf, np.nan],
                  np.float32).reshape(1, 7, 1)
-    layer = LayerKV.encode(0, x, x, "bfloat16")
+    layer = LayerKV.from_float32(0, x, x, "bfloat16")
     assert layer.k.dtype == np.dtype("<u2")
     k, _ = layer.float32()
     expected = [1.0, -2.5, 1.0, 1 + 4 * 2**-8, 1 + 2 * 2**-8, np.inf]
@@ -310,7 +310,7 @@ def test_validate_header_partial_prefix_rules(gemma_payload: KVPayload) -> None:
     partial = msgspec.structs.replace(gemma_payload.header, covered_len=30, first_token=None,
                                       layer_tokens=(8, 8, 30, 8, 8, 30))
     validate_header(partial, _decoder_art(), PROMPT, require_full=False)
-    with pytest.raises(RequestError, match="first_token=5.*must be None for a partial prefix"):
+    with pytest.raises(RequestError, match=r"first_token=5.*must be None for a partial prefix"):
         validate_header(msgspec.structs.replace(partial, first_token=5), _decoder_art(), PROMPT,
                         require_full=False)
     validate_header(gemma_payload.header, _decoder_art(), PROMPT, require_full=True)
@@ -319,7 +319,7 @@ def test_validate_header_partial_prefix_rules(gemma_payload: KVPayload) -> None:
 def test_validate_header_needs_room_for_a_decode_step(gemma_producer: Producer) -> None:
     prompt = PROMPT + PROMPT[:27]                                  # 64 tokens
     header = gemma_producer.produce("long", prompt).header
-    with pytest.raises(RequestError, match="covered_len=64.*max_seq_len=64"):
+    with pytest.raises(RequestError, match=r"covered_len=64.*max_seq_len=64"):
         validate_header(header, _decoder_art(), prompt, require_full=True)
     validate_header(header, _decoder_art(max_seq_len=80), prompt, require_full=True)
 
@@ -562,7 +562,8 @@ def test_zmq_serves_concurrent_requests_each_to_its_own_source(
 def test_zmq_producer_exception_before_the_header(producers: Producers) -> None:
     source = ZmqSource(producers.good, "bad", [1, 2, 999])
     try:
-        with pytest.raises(KVTransferError, match="RequestError: prompt tokens 1..999 are outside"):
+        with pytest.raises(KVTransferError,
+                           match=r"RequestError: prompt tokens 1\.\.999 are outside"):
             poll_until(source)
         with pytest.raises(KVTransferError, match="outside"):
             source.poll()
