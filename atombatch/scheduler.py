@@ -83,21 +83,25 @@ TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
 }
 
 
+POLICY_KINDS = ("prefill-first", "decode-first", "interleave", "fill-first")
+
+
 class Policy(msgspec.Struct, frozen=True):
     """How prefill chunks and decode steps interleave.
 
     `kind`: "prefill-first" (any pending prefill chunk runs before the next decode step),
-    "decode-first" (prefill only when no lane decodes), or "interleave" (at most one prefill chunk
-    per `decode_steps` decode steps while lanes decode; idle devices always prefill).
+    "decode-first" (prefill only when no lane decodes), "interleave" (at most one prefill chunk
+    per `decode_steps` decode steps while lanes decode; idle devices always prefill), or
+    "fill-first" (a lane's own prefill runs at once, so lanes fill up; chunks into the spare,
+    which only shorten a future request's wait, run one per `decode_steps` decode steps).
     """
 
     kind: str = "prefill-first"
     decode_steps: int = 4
 
     def __post_init__(self) -> None:
-        if self.kind not in ("prefill-first", "decode-first", "interleave"):
-            raise ConfigError(f"policy kind={self.kind!r} is not prefill-first, decode-first "
-                              "or interleave")
+        if self.kind not in POLICY_KINDS:
+            raise ConfigError(f"policy kind={self.kind!r} is not one of {', '.join(POLICY_KINDS)}")
         if self.decode_steps < 1:
             raise ConfigError(f"decode_steps={self.decode_steps} must be >= 1")
 
@@ -111,7 +115,9 @@ class Policy(msgspec.Struct, frozen=True):
 
     @property
     def label(self) -> str:
-        return f"interleave:{self.decode_steps}" if self.kind == "interleave" else self.kind
+        if self.kind in ("interleave", "fill-first"):
+            return f"{self.kind}:{self.decode_steps}"
+        return self.kind
 
 
 class PDImport:
@@ -360,10 +366,6 @@ class Scheduler:
         self.by_lane[lane] = request
         if self.slots is not None:
             self.slots.reset(lane)
-        if request.admitted_at is None:
-            request.admitted_at = now
-            self._event("request.admitted", request_id=request.request_id, lane=lane,
-                        queue_wait=now - request.arrival)
         request.admit_order = self._admit_counter
         self._admit_counter += 1
 
@@ -477,7 +479,7 @@ class Scheduler:
         if self.hybrid and request.lane >= 0 and request.prefill_pos > 0:
             return True  # a half-built sliding window must not see a decode step
         kind = self.policy.kind
-        if kind == "prefill-first":
+        if kind == "prefill-first" or (kind == "fill-first" and request.state is not S.STAGING):
             return True
         if kind == "decode-first":
             return False
@@ -501,10 +503,6 @@ class Scheduler:
             self.waiting.remove(request)
             request.set_state(S.STAGING)
             self.staging = request
-            if request.admitted_at is None:
-                request.admitted_at = self._step_time
-                self._event("request.admitted", request_id=request.request_id, lane=-1,
-                            queue_wait=self._step_time - request.arrival)
             self.pool.stage(self.spare, -2)
             request.blocks = [self.spare]
             self.spare = -1
@@ -530,7 +528,15 @@ class Scheduler:
             return self._available() >= extra + self.lanes.batch_size
         return self._available() >= extra
 
+    def _mark_admitted(self, request: Request) -> None:
+        """Its first device work is being planned: the queue wait ends here."""
+        if request.admitted_at is None:
+            request.admitted_at = self._step_time
+            self._event("request.admitted", request_id=request.request_id, lane=request.lane,
+                        queue_wait=self._step_time - request.arrival)
+
     def _plan_prefill(self, request: Request) -> StepPlan | None:
+        self._mark_admitted(request)
         if request.importing:
             return self._plan_import(request)
         tokens = request.prefill_tokens
