@@ -346,6 +346,24 @@ async def test_full_queue_answers_429_with_retry_after() -> None:
         assert m['atombatch_requests_rejected_total{status="429"}'] == 1
 
 
+async def test_non_streaming_client_that_hangs_up_aborts_its_request() -> None:
+    runtime = GatedRuntime(NumpyRuntime.random(ART, seed=WEIGHT_SEED))
+    with make_server(ART, runtime) as s:
+        async with httpx.AsyncClient(timeout=0.5) as client:
+            with pytest.raises(httpx.ReadTimeout):  # decode is held: no answer in time
+                await client.post(f"{s.url}/v1/completions",
+                                  json={"prompt": [7, 8], "max_tokens": 20, "temperature": 0})
+        deadline = time.monotonic() + 10
+        while metrics(s.url).get('atombatch_requests_finished_total{reason="disconnect"}') != 1:
+            assert time.monotonic() < deadline, "the server did not notice the hang-up"
+            await asyncio.sleep(0.02)
+        runtime.gate.set()  # the abort applies as soon as the held step returns
+        m = wait_idle(s.url)
+        assert m['atombatch_engine_requests_finished_total{reason="abort"}'] == 1
+        assert m["atombatch_engine_generated_tokens_total"] < 20
+        assert_blocks_released(m)
+
+
 # -- shutdown --------------------------------------------------------------------------------------
 async def test_shutdown_drains_in_flight_streams() -> None:
     prompt = [40, 41, 42]

@@ -88,7 +88,11 @@ def _sse(obj: Any) -> bytes:
 
 
 class _SSEResponse(StreamingResponse):
-    """A `StreamingResponse` that always closes its body iterator (so a disconnect aborts)."""
+    """A `StreamingResponse` that always closes its body and its request (a disconnect aborts)."""
+
+    def __init__(self, content: AsyncIterator[bytes], generation: _Generation) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self.generation = generation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -98,6 +102,7 @@ class _SSEResponse(StreamingResponse):
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
+            self.generation.abandon()
 
 
 class _Generation:
@@ -114,10 +119,21 @@ class _Generation:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.started = False                 # run() began (it then does its own accounting)
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        """Abort the request unless it finished (a no-op after run() has cleaned up)."""
+        if self.finish_reason is None and not self.abandoned:
+            self.abandoned = True
+            self.server.ab.abort(self.request_id)
+            if not self.started:  # hung up before the first byte of the body
+                self.server.metrics.finished.labels("disconnect").inc()
 
     async def run(self) -> AsyncGenerator[tuple[list[int], str, RequestOutput], None]:
         """Yield (new ids, new text, output) per engine output; abort unless it finished."""
         metrics = self.server.metrics
+        self.started = True
         metrics.in_flight.inc()
         last = self.accepted
         try:
@@ -139,6 +155,7 @@ class _Generation:
         finally:
             metrics.in_flight.dec()
             if self.finish_reason is None:
+                self.abandoned = True
                 self.server.ab.abort(self.request_id)
                 aclose = getattr(self.outputs, "aclose", None)
                 if aclose is not None:
@@ -254,8 +271,7 @@ class _Server:
         created = int(time.time())
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return _SSEResponse(self._stream_completion(gen, created, usage),
-                                media_type="text/event-stream", headers=_SSE_HEADERS)
+            return _SSEResponse(self._stream_completion(gen, created, usage), gen)
         text = await self._collect(request, gen)
         return _json(CompletionResponse(
             id=gen.request_id, created=created, model=self.model_name,
@@ -301,8 +317,7 @@ class _Server:
         created = int(time.time())
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return _SSEResponse(self._stream_chat(gen, created, usage),
-                                media_type="text/event-stream", headers=_SSE_HEADERS)
+            return _SSEResponse(self._stream_chat(gen, created, usage), gen)
         text = await self._collect(request, gen)
         return _json(ChatResponse(
             id=gen.request_id, created=created, model=self.model_name,
@@ -356,6 +371,7 @@ class _Server:
                 work.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await work
+            gen.abandon()
         if work.cancelled():
             raise ApiError(499, "client closed the request", code="client_closed")
         text = work.result()
