@@ -719,10 +719,14 @@ class ZmqSource:
         self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
         self._monitor = self._socket.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        self._socket.connect(endpoint)
         request = KVRequest(request_id=request_id, prompt=[int(t) for t in prompt],
                             params=params or SamplingParams(), mode=mode, covered_len=covered_len)
-        self._socket.send_multipart([REQUEST, _encoder.encode(request)])
+        try:
+            self._socket.connect(endpoint)
+            self._socket.send_multipart([REQUEST, _encoder.encode(request)])
+        except zmq.ZMQError as exc:
+            self.close()
+            raise KVTransferError(f"cannot reach a KV producer at {endpoint!r}: {exc}") from exc
 
     def _fail(self, error: KVTransferError) -> KVTransferError:
         self._error = error

@@ -607,6 +607,16 @@ def test_zmq_killed_producer_surfaces_as_kv_transfer_error(producers: Producers)
         source.close()
 
 
+def test_zmq_bad_endpoint_and_closed_source() -> None:
+    with pytest.raises(KVTransferError, match="cannot reach a KV producer at 'nowhere'"):
+        ZmqSource("nowhere", "x", [1, 2])
+    source = ZmqSource(free_tcp_endpoint(), "x", [1, 2])   # nobody listens: silence
+    assert source.poll() == (None, []) and not source.done()
+    source.close()
+    with pytest.raises(KVTransferError, match="closed"):
+        source.poll()
+
+
 class FakeProducer:
     """A ROUTER socket in the test that answers with whatever frames a case needs."""
 
