@@ -159,7 +159,7 @@ class AsyncBatcher:
                 tokens, params, request_id = payload
                 try:
                     self.batcher.submit(tokens, params, request_id=request_id)
-                except AtomBatchError as exc:
+                except Exception as exc:  # one bad request must not stop the loop
                     self._deliver(RequestOutput(request_id=request_id, new_token_ids=(),
                                                 finished=True, finish_reason="error",
                                                 error=str(exc)))

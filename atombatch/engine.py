@@ -72,7 +72,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     steps: int                          # device calls so far
     imports: int                        # KV import steps (PD)
     prefill_chunks: int
-    staged_chunks: int                  # prefill chunks run into the spare
+    staged_chunks: int                  # prefill chunks or KV imports run into the spare
     decode_steps: int
     generated_tokens: int
     rotations: int                      # staged requests that took over a finished lane's slot
@@ -162,6 +162,8 @@ class Batcher:
             raise RequestError(f"top_k={params.top_k} must be >= 0 (0 turns it off)")
         if not 0.0 < params.top_p <= 1.0:
             raise RequestError(f"top_p={params.top_p} must be in (0, 1]")
+        if params.seed is not None and not 0 <= params.seed < 2**64:
+            raise RequestError(f"seed={params.seed} must be in 0..2**64-1")
         for stop in params.stop_token_ids:
             if not 0 <= stop < vocab:
                 raise RequestError(f"stop token id {stop} is outside the vocabulary 0..{vocab - 1}")

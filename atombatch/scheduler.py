@@ -228,7 +228,7 @@ class Counters(msgspec.Struct):
     steps: int = 0
     imports: int = 0
     prefill_chunks: int = 0
-    staged_chunks: int = 0
+    staged_chunks: int = 0                  # prefill chunks or imports into the spare
     decode_steps: int = 0
     generated_tokens: int = 0
     rotations: int = 0
@@ -589,6 +589,7 @@ class Scheduler:
         request = self.requests.get(plan.request_id)
         self._record(StepRecord(kind="import", lanes=1, request_id=plan.request_id))
         self.counters.imports += 1
+        self.counters.staged_chunks += plan.staged
         if request is None or request.pd is None or request.state not in (S.PREFILLING,
                                                                             S.STAGING):
             return []

@@ -228,6 +228,7 @@ def test_stop_tokens_and_eos(core):
     ([1], SamplingParams(top_p=0.0), "top_p=0.0 must be in"),
     ([1], SamplingParams(top_k=-2), "top_k=-2"),
     ([1], SamplingParams(stop_token_ids=(500,)), "stop token id 500"),
+    ([1], SamplingParams(seed=-3), "seed=-3 must be in"),
     ([[1, 2]], SamplingParams(), "flat sequence"),
 ])
 def test_invalid_requests_are_rejected_at_submit_and_nothing_is_queued(prompt, params, match):

@@ -1,0 +1,335 @@
+"""Prefill/decode disaggregation end to end: PD output equals native output, faults stay local.
+
+The producer is a NumpyRuntime with a different artifact (batch, block size, chunk) than the
+decoder but the same weights; only tokens x heads x dim cross the wire.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
+from atombatch.pd import (InProcessSource, KVHeader, LayerKV, Producer, ZmqSource,
+                          run_producer_process)
+from atombatch.runtime import NumpyRuntime
+
+TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
+            head_dim=8)
+SPECS = {
+    "llama": ModelSpec(name="pd-llama", family="llama", num_layers=2, **TINY),
+    "qwen3": ModelSpec(name="pd-qwen3", family="qwen3", num_layers=2, tie_word_embeddings=True,
+                       **TINY),
+    "gemma3": ModelSpec(name="pd-gemma3", family="gemma3", num_layers=4, sliding_window=8,
+                        layer_types=("sliding_attention", "full_attention") * 2,
+                        query_pre_attn_scalar=8.0, tie_word_embeddings=True, **TINY),
+}
+PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+SEED = 7
+
+
+def artifact(spec, batch_size, num_blocks, block_size=96, chunk=16, max_seq_len=96):
+    return ArtifactConfig(model=spec, batch_size=batch_size, max_seq_len=max_seq_len,
+                          block_size=block_size, num_blocks=num_blocks, prefill_chunk_size=chunk)
+
+
+def producer_for(spec):
+    # a different layout than any decoder below: partitioned, batch 2, chunk 32
+    return Producer(NumpyRuntime.random(artifact(spec, 2, 7, block_size=32, chunk=32), SEED))
+
+
+def prompts(n=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 256, size=int(rng.integers(12, 60))).tolist() for _ in range(n)]
+
+
+def native(spec, work, art):
+    return [c.token_ids for c in Batcher(NumpyRuntime.random(art, SEED)).generate(work, PARAMS)]
+
+
+def run_pd(batcher, work, make_source, native_extra=()):
+    ids = [batcher.submit(p, PARAMS, kv=make_source(f"pd-{i}", p)) for i, p in enumerate(work)]
+    extra = [batcher.submit(p, PARAMS) for p in native_extra]
+    finals = {}
+    while batcher.has_unfinished():
+        for out in batcher.step():
+            if out.finished:
+                finals[out.request_id] = out
+        batcher.check_invariants()
+    return [finals[i] for i in ids], [finals[i] for i in extra]
+
+
+def decoder_layouts(spec):
+    layouts = {"B4/k5": artifact(spec, 4, 5)}
+    if spec.is_hybrid:
+        layouts["B1/k2"] = artifact(spec, 1, 2)
+    else:
+        layouts["B1/k1 single-block"] = artifact(spec, 1, 1)
+    return layouts
+
+
+@pytest.mark.parametrize("mode", ["whole", "layer-stream"])
+@pytest.mark.parametrize("family", SPECS)
+def test_in_process_pd_equals_native(family, mode):
+    spec = SPECS[family]
+    producer = producer_for(spec)
+    work = prompts()
+    for label, art in decoder_layouts(spec).items():
+        want = native(spec, work, art)
+        batcher = Batcher(NumpyRuntime.random(art, SEED))
+        got, _ = run_pd(batcher, work, lambda rid, p: InProcessSource.from_producer(
+            producer, rid, p, PARAMS, mode=mode))
+        assert [o.completion.token_ids for o in got] == want, label
+        assert batcher.runtime.prefill_calls == 0, label  # the decoder never prefilled
+        assert batcher.stats().imports >= len(work)
+
+
+@pytest.mark.parametrize("family", SPECS)
+def test_import_is_staged_in_the_spare_while_all_lanes_decode(family):
+    spec = SPECS[family]
+    art = artifact(spec, 4, 5)
+    long_runs = prompts(4, seed=1)
+    pd_prompt = prompts(1, seed=2)
+    want_native = native(spec, long_runs + pd_prompt, art)
+    batcher = Batcher(NumpyRuntime.random(art, SEED))
+    busy = [batcher.submit(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in long_runs]
+    while batcher.stats().decoding_lanes < 4:
+        batcher.step()
+    producer = producer_for(spec)
+    got, _ = run_pd(batcher, pd_prompt, lambda rid, p: InProcessSource.from_producer(
+        producer, rid, p, PARAMS, mode="layer-stream"))
+    assert got[0].completion.token_ids == want_native[-1]
+    stats = batcher.stats()
+    if spec.is_hybrid:
+        assert stats.staged_chunks == 0 and stats.rotations == 0  # slots cannot rotate
+    else:
+        assert stats.staged_chunks >= 1 and stats.rotations == 1
+    assert busy
+
+
+def test_partial_prefix_resumes_natively_outside_single_block():
+    spec = SPECS["llama"]
+    art = artifact(spec, 4, 5)
+    producer = producer_for(spec)
+    work = prompts(3, seed=4)
+    want = native(spec, work, art)
+    batcher = Batcher(NumpyRuntime.random(art, SEED))
+    got, _ = run_pd(batcher, work, lambda rid, p: InProcessSource.from_producer(
+        producer, rid, p, PARAMS, mode="whole", covered_len=len(p) - 9))
+    assert [o.completion.token_ids for o in got] == want
+    assert batcher.runtime.prefill_calls >= len(work)  # the uncovered tail was prefilled here
+
+
+# -- faults: each fails its request alone -----------------------------------------------------------
+def payload_items(spec, prompt, **kw):
+    return list(producer_for(spec).produce("x", prompt, PARAMS, **kw).items())
+
+
+def drop_layer(items):
+    return items[:2] + items[3:]
+
+
+def duplicate_layer(items):
+    return items[:2] + [items[1]] + items[2:]
+
+
+def wrong_identity(items):
+    header = items[0]
+    fields = {f: getattr(header, f) for f in header.__struct_fields__}
+    return [KVHeader(**{**fields, "model_identity": "0" * 16})] + items[1:]
+
+
+def wrong_dtype(items):
+    bad = items[1]
+    return [items[0], LayerKV(layer=bad.layer, k=bad.k.astype(np.float64),
+                              v=bad.v.astype(np.float64))] + items[2:]
+
+
+def wrong_shape(items):
+    bad = items[1]
+    return [items[0], LayerKV(layer=bad.layer, k=bad.k[:, :-1], v=bad.v[:, :-1])] + items[2:]
+
+
+def producer_exception(items):
+    return items[:2] + [RuntimeError("producer device lost")]
+
+
+FAULTS = {
+    "missing layer": (drop_layer, "of 2 layers|missing|layers"),
+    "extra layer": (duplicate_layer, "extra|twice"),
+    "wrong identity": (wrong_identity, "identity"),
+    "wrong dtype": (wrong_dtype, "dtype"),
+    "wrong shape": (wrong_shape, "shape"),
+    "producer exception": (producer_exception, "producer device lost"),
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("mode", ["whole", "layer-stream"])
+def test_faults_fail_only_their_request(fault, mode):
+    spec = SPECS["llama"]
+    art = artifact(spec, 2, 3)
+    work = prompts(3, seed=5)
+    want = native(spec, work, art)
+    mangle, message = FAULTS[fault]
+    batcher = Batcher(NumpyRuntime.random(art, SEED))
+    bad = batcher.submit(work[0], PARAMS, kv=InProcessSource(mangle(payload_items(spec, work[0])),
+                                                            mode))
+    good = [batcher.submit(p, PARAMS) for p in work[1:]]
+    finals = {}
+    while batcher.has_unfinished():
+        for out in batcher.step():
+            if out.finished:
+                finals[out.request_id] = out
+        batcher.check_invariants()
+    assert finals[bad].finish_reason == "error"
+    assert "KV import failed" in finals[bad].error
+
+    assert re.search(message, finals[bad].error), finals[bad].error
+    assert [finals[g].completion.token_ids for g in good] == want[1:]
+    stats = batcher.stats()
+    assert stats.occupied_lanes == 0 and stats.lane_blocks == 0 and stats.staged_blocks == 0
+
+
+def test_single_block_rejects_a_truncated_prefix_and_keeps_serving():
+    spec = SPECS["qwen3"]
+    art = artifact(spec, 1, 1)
+    work = prompts(2, seed=6)
+    want = native(spec, work, art)
+    batcher = Batcher(NumpyRuntime.random(art, SEED))
+    partial = InProcessSource(payload_items(spec, work[0], covered_len=len(work[0]) - 3), "whole")
+    bad = batcher.submit(work[0], PARAMS, kv=partial)
+    good = batcher.submit(work[1], PARAMS)
+    finals = {}
+    while batcher.has_unfinished():
+        for out in batcher.step():
+            if out.finished:
+                finals[out.request_id] = out
+        batcher.check_invariants()
+    assert finals[bad].finish_reason == "error" and "full prefix" in finals[bad].error
+    assert finals[good].completion.token_ids == want[1]
+    assert batcher.scheduler.pool.num_free == 1
+
+
+def test_hybrid_rejects_a_partial_prefix():
+    spec = SPECS["gemma3"]
+    art = artifact(spec, 2, 3)
+    [prompt] = prompts(1, seed=8)
+    batcher = Batcher(NumpyRuntime.random(art, SEED))
+    [out] = [o for o in _run_all(batcher, [(prompt, InProcessSource(
+        payload_items(spec, prompt, covered_len=len(prompt) - 4), "whole"))])]
+    assert out.finish_reason == "error" and "full prefix" in out.error
+
+
+def _run_all(batcher, items):
+    ids = [batcher.submit(p, PARAMS, kv=src) for p, src in items]
+    finals = {}
+    while batcher.has_unfinished():
+        for out in batcher.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return [finals[i] for i in ids]
+
+
+class Silent:
+    """A producer that never answers."""
+
+    def poll(self):
+        return None, []
+
+    def done(self):
+        return False
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_silent_producer_times_out_and_its_source_is_closed():
+    spec = SPECS["llama"]
+    art = artifact(spec, 2, 3)
+    now = [0.0]
+    batcher = Batcher(NumpyRuntime.random(art, SEED), clock=lambda: now[0], pd_timeout=5.0)
+    silent = Silent()
+    rid = batcher.submit(prompts(1)[0], PARAMS, kv=silent)
+    other = batcher.submit(prompts(1, seed=3)[0], PARAMS)
+    finals = {}
+    while batcher.has_unfinished():
+        now[0] += 1.0
+        for out in batcher.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals[rid].finish_reason == "error" and "pd_timeout=5.0" in finals[rid].error
+    assert finals[other].finish_reason == "length" and silent.closed
+
+
+# -- across processes over ZeroMQ -------------------------------------------------------------------
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def zmq_producer(request):
+    family, kwargs = request.param
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    ctx = multiprocessing.get_context("spawn")
+    art_kwargs = dict(batch_size=2, max_seq_len=96, block_size=32, num_blocks=7,
+                      prefill_chunk_size=32)
+    proc = ctx.Process(target=run_producer_process,
+                       args=(SPECS[family], art_kwargs, SEED, endpoint), kwargs=kwargs, daemon=True)
+    proc.start()
+    yield family, endpoint, proc
+    proc.kill()
+    proc.join(10)
+
+
+@pytest.mark.parametrize("zmq_producer", [("llama", {}), ("gemma3", {})], indirect=True,
+                         ids=["llama", "gemma3"])
+@pytest.mark.parametrize("mode", ["whole", "layer-stream"])
+def test_pd_across_processes_equals_native(zmq_producer, mode):
+    family, endpoint, _ = zmq_producer
+    spec = SPECS[family]
+    art = artifact(spec, 4, 5)
+    work = prompts(3, seed=9)
+    want = native(spec, work, art)
+    batcher = Batcher(NumpyRuntime.random(art, SEED), pd_timeout=60.0)
+    got, _ = run_pd(batcher, work, lambda rid, p: ZmqSource(endpoint, rid, p, PARAMS, mode=mode))
+    assert [o.completion.token_ids for o in got] == want, [o.error for o in got]
+
+
+@pytest.mark.parametrize("zmq_producer", [("llama", {"layer_delay": 0.5})], indirect=True,
+                         ids=["slow-llama"])
+def test_producer_killed_mid_stream_fails_only_its_request(zmq_producer):
+    _, endpoint, proc = zmq_producer
+    spec = SPECS["llama"]
+    art = artifact(spec, 2, 3)
+    work = prompts(2, seed=10)
+    want = native(spec, work, art)
+    batcher = Batcher(NumpyRuntime.random(art, SEED), pd_timeout=20.0)
+    pd_id = batcher.submit(work[0], PARAMS, kv=ZmqSource(endpoint, "victim", work[0], PARAMS,
+                                                         mode="layer-stream"))
+    good = batcher.submit(work[1], PARAMS)
+    finals = {}
+    deadline = time.monotonic() + 60
+    killed = False
+    while batcher.has_unfinished():
+        assert time.monotonic() < deadline, "the killed producer was never noticed"
+        if not killed and batcher.scheduler.requests.get(pd_id) is not None and \
+                batcher.scheduler.requests[pd_id].pd is not None and \
+                batcher.scheduler.requests[pd_id].pd.header_ok:
+            proc.kill()
+            killed = True
+        for out in batcher.step():
+            if out.finished:
+                finals[out.request_id] = out
+        time.sleep(0.01)
+    assert killed
+    assert finals[pd_id].finish_reason == "error", finals[pd_id]
+    assert finals[good].completion.token_ids == want[1]
+    batcher.check_invariants()
