@@ -29,5 +29,8 @@ setup(
             "embedsignature": True,
         },
         compile_time_env={"ATOMBATCH_DEBUG": DEBUG},
+        # cythonize only regenerates C when the .pyx is newer than it, so a debug and a release
+        # build must not share one generated file.
+        build_dir=os.path.join("build", "cython-debug" if DEBUG else "cython-release"),
     )
 )

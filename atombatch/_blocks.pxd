@@ -6,7 +6,7 @@ memoryviews (`*_v`) over them are what the compiled code reads and writes.
 """
 
 cimport cython
-from libc.stdint cimport int8_t, int16_t, int32_t, int64_t
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint64_t
 
 
 @cython.final
@@ -36,6 +36,8 @@ cdef class LaneTable:
     cdef int32_t[::1] _seq_len_v, _num_held_v
     cdef int64_t[::1] _next_token_v
     cdef int32_t[:, ::1] _rows_v
+    cdef object _idle_bits                  # uint64 words, bit set = lane idle
+    cdef uint64_t[::1] _idle_v
 
     cdef int _check_lane(self, Py_ssize_t lane) except -1
     cdef int _check_busy(self, Py_ssize_t lane) except -1

@@ -20,7 +20,7 @@ the decode buffers in place: no Python object is created per lane.
 """
 
 cimport cython
-from libc.stdint cimport int8_t, int16_t, int32_t, int64_t
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint64_t
 
 import numpy as np
 
@@ -54,6 +54,20 @@ cdef enum:
     C_LANE_PREFILLING = 1
     C_LANE_DECODING = 2
     C_MAX_TABLE_BLOCK = 32767
+
+
+cdef extern from *:
+    """
+    #if defined(_MSC_VER)
+    #include <intrin.h>
+    static inline int atombatch_ctz64(unsigned long long x) {
+        unsigned long i; _BitScanForward64(&i, x); return (int)i;
+    }
+    #else
+    static inline int atombatch_ctz64(unsigned long long x) { return __builtin_ctzll(x); }
+    #endif
+    """
+    int _ctz64 "atombatch_ctz64"(uint64_t x) noexcept nogil  # x != 0
 
 
 cdef inline Py_ssize_t _ceil_div(Py_ssize_t a, Py_ssize_t b) noexcept:
@@ -413,6 +427,12 @@ cdef class LaneTable:
         self._num_held_v = self._num_held
         self._rows_v = self._rows
         self._num_busy = 0
+        # Idle lanes as a bitmap, so `assign` finds the lowest one in B / 64 word reads.
+        cdef Py_ssize_t lane
+        self._idle_bits = np.zeros((batch_size + 63) // 64, dtype=np.uint64)
+        self._idle_v = self._idle_bits
+        for lane in range(batch_size):
+            self._idle_v[lane >> 6] |= (<uint64_t>1) << (lane & 63)
 
     cdef int _check_lane(self, Py_ssize_t lane) except -1:
         if not 0 <= lane < self._b:
@@ -493,9 +513,13 @@ cdef class LaneTable:
     @cython.wraparound(ATOMBATCH_DEBUG)
     def assign(self):
         """Take the lowest idle lane (state PREFILLING, length 0, no blocks)."""
-        cdef Py_ssize_t lane
-        for lane in range(self._b):
-            if self._state_v[lane] == C_LANE_IDLE:
+        cdef Py_ssize_t lane, word
+        cdef uint64_t bits
+        for word in range(self._idle_v.shape[0]):
+            bits = self._idle_v[word]
+            if bits:
+                lane = (word << 6) + _ctz64(bits)
+                self._idle_v[word] = bits & (bits - 1)
                 self._state_v[lane] = C_LANE_PREFILLING
                 self._seq_len_v[lane] = 0
                 self._next_token_v[lane] = 0
@@ -512,6 +536,7 @@ cdef class LaneTable:
         cdef Py_ssize_t j
         cdef list held = [self._rows_v[lane, j] for j in range(self._num_held_v[lane])]
         self._state_v[lane] = C_LANE_IDLE
+        self._idle_v[lane >> 6] |= (<uint64_t>1) << (lane & 63)
         self._seq_len_v[lane] = 0
         self._next_token_v[lane] = 0
         self._num_held_v[lane] = 0
