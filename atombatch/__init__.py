@@ -4,7 +4,8 @@ from atombatch import plan
 from atombatch.aio import AsyncBatcher
 from atombatch.config import ArtifactConfig, ModelSpec
 from atombatch.engine import Batcher, EngineStats
-from atombatch.errors import AtomBatchError, CapacityError, ConfigError, RequestError, StateError
+from atombatch.errors import (AtomBatchError, CapacityError, ConfigError, KVTransferError,
+                              RequestError, StateError)
 from atombatch.scheduler import Policy
 from atombatch.structs import Completion, RequestOutput, RequestTimings, SamplingParams
 
@@ -12,6 +13,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArtifactConfig", "AsyncBatcher", "AtomBatchError", "Batcher", "CapacityError", "Completion",
-    "ConfigError", "EngineStats", "ModelSpec", "Policy", "RequestError", "RequestOutput",
+    "ConfigError", "EngineStats", "KVTransferError", "ModelSpec", "Policy", "RequestError", "RequestOutput",
     "RequestTimings", "SamplingParams", "StateError", "plan",
 ]

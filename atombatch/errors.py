@@ -21,3 +21,7 @@ class CapacityError(AtomBatchError, RuntimeError):
 
 class StateError(AtomBatchError, RuntimeError):
     """An illegal state transition was requested (a bug in the caller, never silent)."""
+
+
+class KVTransferError(RequestError):
+    """A KV transfer failed: producer error, garbled or missing data, disconnect, timeout."""

@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from atombatch.config import SLIDING, ArtifactConfig, ModelSpec
-from atombatch.errors import RequestError
+from atombatch.errors import KVTransferError, RequestError
 from atombatch.sampling import sample
 from atombatch.structs import SamplingParams
 
@@ -52,10 +52,6 @@ WIRE_DTYPES: dict[str, np.dtype[Any]] = {
     "float16": np.dtype("<f2"),
     "bfloat16": np.dtype("<u2"),
 }
-
-
-class KVTransferError(RequestError):
-    """A KV transfer failed: producer error, garbled or missing data, disconnect, timeout."""
 
 
 def model_identity(spec: ModelSpec) -> str:
