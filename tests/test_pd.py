@@ -289,18 +289,19 @@ def zmq_producer(request):
     proc.join(10)
 
 
-@pytest.mark.parametrize("zmq_producer", [("llama", {}), ("gemma3", {})], indirect=True,
-                         ids=["llama", "gemma3"])
+@pytest.mark.parametrize("zmq_producer", [(f, {}) for f in SPECS], indirect=True, ids=list(SPECS))
 @pytest.mark.parametrize("mode", ["whole", "layer-stream"])
 def test_pd_across_processes_equals_native(zmq_producer, mode):
     family, endpoint, _ = zmq_producer
     spec = SPECS[family]
-    art = artifact(spec, 4, 5)
     work = prompts(3, seed=9)
-    want = native(spec, work, art)
-    batcher = Batcher(NumpyRuntime.random(art, SEED), pd_timeout=60.0)
-    got, _ = run_pd(batcher, work, lambda rid, p: ZmqSource(endpoint, rid, p, PARAMS, mode=mode))
-    assert [o.completion.token_ids for o in got] == want, [o.error for o in got]
+    for label, art in decoder_layouts(spec).items():
+        want = native(spec, work, art)
+        batcher = Batcher(NumpyRuntime.random(art, SEED), pd_timeout=60.0)
+        got, _ = run_pd(batcher, work, lambda rid, p: ZmqSource(endpoint, rid, p, PARAMS,
+                                                                mode=mode))
+        assert [o.completion.token_ids for o in got] == want, (label, [o.error for o in got])
+        assert batcher.runtime.prefill_calls == 0
 
 
 @pytest.mark.parametrize("zmq_producer", [("llama", {"layer_delay": 0.5})], indirect=True,

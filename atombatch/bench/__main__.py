@@ -1,4 +1,5 @@
-"""`python -m atombatch.bench [micro|serve|fit] ...`; no subcommand runs a short micro + serve."""
+"""`python -m atombatch.bench [micro|serve|fit|http|invariance] ...`; no subcommand runs a short
+micro + batch invariance + serve."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import importlib
 import sys
 import time
 
-SUBCOMMANDS = ("micro", "serve", "fit", "http")
-USAGE = ("usage: python -m atombatch.bench [micro|serve|fit|http] [options]\n"
-         "       python -m atombatch.bench            (short micro + serve)\n"
+SUBCOMMANDS = ("micro", "serve", "fit", "http", "invariance")
+USAGE = ("usage: python -m atombatch.bench [micro|serve|fit|http|invariance] [options]\n"
+         "       python -m atombatch.bench            (short micro + invariance + serve)\n"
          "       python -m atombatch.bench SUBCOMMAND --help")
 
 # The short default serve: two models, two prompt lengths, B1 vs B4 on one device and on two.
@@ -29,6 +30,10 @@ def _short_default() -> int:
         result = micro.run(quick=True)
         table = getattr(micro, "format_table", None)
         print(table(result) if callable(table) and result is not None else result)
+    print()
+    print("== batch invariance (NumPy runtime, probe lane at B4 vs alone at B1) ==")
+    from atombatch.bench import invariance
+    print(invariance.format_table(invariance.run(steps=8)))
     print()
     print("== serve (short: " + " ".join(SHORT_SERVE) + ") ==")
     from atombatch.bench import serve
