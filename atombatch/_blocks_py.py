@@ -465,7 +465,8 @@ class LaneTable:
         """PREFILLING -> DECODING with `seq_len` cached positions and `token` to feed next."""
         self._check_busy(lane)
         if not 0 <= seq_len < self._bps * self._block_size:
-            raise RequestError(f"seq_len={seq_len} is outside 0..{self._bps * self._block_size - 1}")
+            last = self._bps * self._block_size - 1
+            raise RequestError(f"seq_len={seq_len} is outside 0..{last}")
         if self.blocks_for(seq_len + 1) > self._num_held[lane]:
             raise StateError(f"lane={lane} holds {self._num_held[lane]} blocks, too few for "
                              f"position {seq_len}")
@@ -538,9 +539,9 @@ class DecodeInputs:
         """Fill every row; returns the number of decoding lanes.
 
         A DECODING lane feeds its next token at position `seq_len` through its own blocks, the tail
-        entries repeating its last block. Every other lane (idle or mid-prefill) is padding: token 0,
-        position 0, and a row that points only at `padding_block`. Every lane is validated before
-        anything is written, so a failed build leaves the buffers as they were.
+        entries repeating its last block. Every other lane (idle or mid-prefill) is padding: token
+        0, position 0, and a row that points only at `padding_block`. Every lane is validated
+        before anything is written, so a failed build leaves the buffers as they were.
         """
         b, bps = lanes._b, lanes._bps
         if self.block_tables.shape != (b, bps):
@@ -588,8 +589,8 @@ class PrefillInputs:
               sliding_slot: int = 0) -> int:
         """Fill the chunk that starts at position `start`; returns its number of real tokens.
 
-        Real tokens are `tokens[start : start + chunk_size]`; the rest of the chunk is token 0 at the
-        following positions (the device writes them; the scheduler holds blocks for the padded
+        Real tokens are `tokens[start : start + chunk_size]`; the rest of the chunk is token 0 at
+        the following positions (the device writes them; the scheduler holds blocks for the padded
         extent). The table row holds `blocks[:num_blocks]`, tail entries repeating the last block.
         Everything is validated before anything is written.
         """

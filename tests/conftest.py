@@ -1,4 +1,4 @@
-"""Shared fixtures. `impl` runs a test against both block/lane cores (multidict's conftest pattern)."""
+"""Shared fixtures. `impl` runs a test against both block/lane cores (multidict's pattern)."""
 
 from __future__ import annotations
 

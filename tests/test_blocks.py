@@ -24,8 +24,8 @@ def snapshot(pool) -> tuple:
 
 
 def lane_snapshot(lanes) -> tuple:
-    return (lanes.num_busy, [(lanes.state(l), lanes.seq_len(l), lanes.next_token(l),
-                              lanes.blocks(l)) for l in range(lanes.batch_size)],
+    return (lanes.num_busy, [(lanes.state(ln), lanes.seq_len(ln), lanes.next_token(ln),
+                              lanes.blocks(ln)) for ln in range(lanes.batch_size)],
             lanes.rows().tolist())
 
 
@@ -45,7 +45,8 @@ def test_constants_and_implementation(impl: ModuleType) -> None:
     assert (impl.LANE_IDLE, impl.LANE_PREFILLING, impl.LANE_DECODING) == (0, 1, 2)
     assert impl.LANE_STATE_NAMES == ("IDLE", "PREFILLING", "DECODING")
     assert impl.MAX_TABLE_BLOCK == 32767
-    assert impl.IMPLEMENTATION == ("c" if impl.__name__ == "atombatch._blocks" else "py")
+    expected = "c" if impl.__name__ == "atombatch._blocks" else "py"
+    assert expected == impl.IMPLEMENTATION
 
 
 def test_errors_inherit_builtins() -> None:
@@ -53,7 +54,7 @@ def test_errors_inherit_builtins() -> None:
     assert issubclass(CapacityError, RuntimeError) and issubclass(RequestError, ValueError)
 
 
-# -- BlockPool ---------------------------------------------------------------------------------------
+# -- BlockPool -------------------------------------------------------------------------------------
 
 
 def test_new_pool_is_all_free_in_order(impl: ModuleType) -> None:
@@ -302,7 +303,7 @@ def test_check_detects_a_corrupted_pool(impl: ModuleType) -> None:
         pool.check()
 
 
-# -- LaneTable ---------------------------------------------------------------------------------------
+# -- LaneTable -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("args", [(0, 1, 1), (1, 0, 1), (1, 1, 0), (-1, 2, 2)])
@@ -315,7 +316,7 @@ def test_lane_table_initial_state(impl: ModuleType) -> None:
     lanes = impl.LaneTable(3, 4, 16)
     assert (lanes.batch_size, lanes.blocks_per_seq, lanes.block_size) == (3, 4, 16)
     assert (lanes.num_busy, lanes.num_idle, lanes.num_decoding()) == (0, 3, 0)
-    assert all(lanes.state(l) == IDLE and lanes.blocks(l) == [] for l in range(3))
+    assert all(lanes.state(ln) == IDLE and lanes.blocks(ln) == [] for ln in range(3))
     assert lanes.rows().tolist() == [[-1] * 4] * 3
     assert lanes.rows().dtype == np.int32
 
@@ -402,7 +403,7 @@ def test_lane_arguments_are_checked(impl: ModuleType) -> None:
                          (lanes.replace_block, (0, 0)), (lanes.set_seq_len, (0,)),
                          (lanes.start_decode, (0, 1)), (lanes.stop_decode, ()),
                          (lanes.advance, (1,))]:
-            with pytest.raises(StateError, match=f"lane={lane} is outside 0..1"):
+            with pytest.raises(StateError, match=rf"lane={lane} is outside 0\.\.1"):
                 fn(lane, *args)
 
 
@@ -464,7 +465,7 @@ def test_blocks_for(impl: ModuleType, positions: int, blocks: int) -> None:
     assert impl.LaneTable(1, 3, 4).blocks_for(positions) == blocks
 
 
-# -- SlidingSlots ------------------------------------------------------------------------------------
+# -- SlidingSlots ----------------------------------------------------------------------------------
 
 
 def test_sliding_fill_is_min_of_positions_and_window(impl: ModuleType) -> None:
@@ -487,14 +488,14 @@ def test_sliding_errors(impl: ModuleType) -> None:
         impl.SlidingSlots(2, 0)
     slots = impl.SlidingSlots(2, 4)
     for fn, args in [(slots.fill, ()), (slots.reset, ()), (slots.advance, (1,))]:
-        with pytest.raises(StateError, match="lane=2 is outside 0..1"):
+        with pytest.raises(StateError, match=r"lane=2 is outside 0\.\.1"):
             fn(2, *args)
     with pytest.raises(StateError, match="num_tokens=-1 must be >= 0"):
         slots.advance(0, -1)
     assert slots.fill(0) == 0
 
 
-# -- DecodeInputs ------------------------------------------------------------------------------------
+# -- DecodeInputs ----------------------------------------------------------------------------------
 
 
 def test_decode_buffers_shapes_and_dtypes(impl: ModuleType) -> None:
@@ -623,7 +624,7 @@ def test_eager_single_block_decode(impl: ModuleType) -> None:
         inputs.build(lanes, spare)
 
 
-# -- PrefillInputs -----------------------------------------------------------------------------------
+# -- PrefillInputs ---------------------------------------------------------------------------------
 
 
 def test_prefill_buffers_shapes_and_dtypes(impl: ModuleType) -> None:
@@ -704,7 +705,7 @@ def test_prefill_accepts_other_integer_sequences(impl: ModuleType) -> None:
     assert inputs.block_tables.tolist() == [6, 6]
 
 
-# -- the switch ----------------------------------------------------------------------------------------
+# -- the switch ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("no_extensions", "expected"), [("1", "py"), (None, "c")])

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import atombatch._blocks as c_impl
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import atombatch._blocks as c_impl
 import atombatch._blocks_py as py_impl
 from atombatch.errors import AtomBatchError
 
@@ -107,10 +107,10 @@ def twin(name: str, *args: Any) -> Twin:
 
 
 class CoreMachine(RuleBasedStateMachine):
-    # -- set-up ---------------------------------------------------------------------------------
+    # -- set-up ------------------------------------------------------------------------------------
     @initialize(batch_size=st.integers(1, 5), blocks_per_seq=st.integers(1, 4),
-                block_size=st.integers(1, 4), extra=st.integers(0, 12), chaos_blocks=st.integers(1, 6),
-                window=st.integers(1, 6), data=st.data())
+                block_size=st.integers(1, 4), extra=st.integers(0, 12),
+                chaos_blocks=st.integers(1, 6), window=st.integers(1, 6), data=st.data())
     def setup(self, batch_size: int, blocks_per_seq: int, block_size: int, extra: int,
               chaos_blocks: int, window: int, data: st.DataObject) -> None:
         b, bps = batch_size, blocks_per_seq
@@ -134,7 +134,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.raw_decode = twin("DecodeInputs", self.raw_lanes.batch_size,
                                self.raw_lanes.blocks_per_seq)
 
-    # -- helpers ----------------------------------------------------------------------------------
+    # -- helpers -----------------------------------------------------------------------------------
     def lanes_in(self, *states: int) -> list[int]:
         return [lane for lane in range(self.b) if self.lanes.state(lane) in states]
 
@@ -159,7 +159,7 @@ class CoreMachine(RuleBasedStateMachine):
             else:
                 self.pool.free(blk)
 
-    # -- lanes --------------------------------------------------------------------------------
+    # -- lanes -------------------------------------------------------------------------------------
     @precondition(lambda self: self.lanes.num_idle > 0)
     @rule(data=st.data(), prefix_hit=st.booleans())
     def admit(self, data: st.DataObject, prefix_hit: bool) -> None:
@@ -182,8 +182,8 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), adopt=st.booleans())
     def grow(self, data: st.DataObject, adopt: bool) -> None:
-        lanes = [l for l in self.lanes_in(PREFILLING, DECODING)
-                 if self.lanes.num_held(l) < self.bps]
+        lanes = [ln for ln in self.lanes_in(PREFILLING, DECODING)
+                 if self.lanes.num_held(ln) < self.bps]
         if not lanes:
             return
         lane = data.draw(st.sampled_from(lanes), label="lane")
@@ -198,7 +198,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def start_decode(self, data: st.DataObject) -> None:
-        lanes = [l for l in self.lanes_in(PREFILLING) if self.lanes.num_held(l)]
+        lanes = [ln for ln in self.lanes_in(PREFILLING) if self.lanes.num_held(ln)]
         if not lanes:
             return
         lane = data.draw(st.sampled_from(lanes), label="lane")
@@ -212,7 +212,7 @@ class CoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def advance(self, data: st.DataObject) -> None:
         limit = self.bps * self.block_size
-        lanes = [l for l in self.lanes_in(DECODING) if self.lanes.seq_len(l) + 1 < limit]
+        lanes = [ln for ln in self.lanes_in(DECODING) if self.lanes.seq_len(ln) + 1 < limit]
         if not lanes:
             return
         lane = data.draw(st.sampled_from(lanes), label="lane")
@@ -251,7 +251,7 @@ class CoreMachine(RuleBasedStateMachine):
         assert self.lanes.state(lane) == IDLE and self.lanes.blocks(lane) == []
         self.give_back(held, cache)
 
-    # -- spare, staging, rotation ---------------------------------------------------------------
+    # -- spare, staging, rotation ------------------------------------------------------------------
     @precondition(lambda self: self.spare is not None)
     @rule()
     def stage(self) -> None:
@@ -296,7 +296,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def copy_on_write(self, data: st.DataObject) -> None:
-        lanes = [l for l in self.lanes_in(PREFILLING, DECODING) if self.lanes.num_held(l)]
+        lanes = [ln for ln in self.lanes_in(PREFILLING, DECODING) if self.lanes.num_held(ln)]
         if not lanes or self.pool.first_free() < 0:
             return
         lane = data.draw(st.sampled_from(lanes), label="lane")
@@ -310,7 +310,7 @@ class CoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.staged is not None and self.lanes.num_idle == 0)
     @rule(data=st.data(), cache=st.booleans(), in_one_call=st.booleans())
     def rotate(self, data: st.DataObject, cache: bool, in_one_call: bool) -> None:
-        lanes = [l for l in self.lanes_in(PREFILLING, DECODING) if self.lanes.num_held(l)]
+        lanes = [ln for ln in self.lanes_in(PREFILLING, DECODING) if self.lanes.num_held(ln)]
         if not lanes:
             return
         lane = data.draw(st.sampled_from(lanes), label="lane")
@@ -328,7 +328,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.give_back([blk for blk in held if blk != out], cache)
         self.spare, self.staged = out, None
 
-    # -- prefix cache -------------------------------------------------------------------------
+    # -- prefix cache ------------------------------------------------------------------------------
     @rule(data=st.data())
     def acquire(self, data: st.DataObject) -> None:
         cached = self.blocks_in(CACHED)
@@ -373,7 +373,7 @@ class CoreMachine(RuleBasedStateMachine):
         if unpinned:
             self.pool.drop(data.draw(st.sampled_from(unpinned), label="block"))
 
-    # -- device inputs ----------------------------------------------------------------------------
+    # -- device inputs -----------------------------------------------------------------------------
     @rule()
     def decode_build(self) -> None:
         padding = self.spare if self.spare is not None else self.pool.first_free()
@@ -446,7 +446,7 @@ class CoreMachine(RuleBasedStateMachine):
             pass
         assert_same_arrays(slots, ("_fill",))
 
-    # -- chaos: arbitrary calls must agree, and a failed call must change nothing -----------------
+    # -- chaos: arbitrary calls must agree, and a failed call must change nothing ------------------
     @rule(method=st.sampled_from(["allocate", "free", "reserve_spare", "stage", "unstage",
                                   "assign", "to_spare", "rotate", "cache", "acquire", "release",
                                   "touch", "evict", "drop", "adopt", "state", "owner",
@@ -480,7 +480,7 @@ class CoreMachine(RuleBasedStateMachine):
             assert lane_state(self.raw_lanes) == before
         assert_same_arrays(self.raw_decode, DECODE_ARRAYS)
 
-    # -- invariants after every step ------------------------------------------------------------
+    # -- invariants after every step ---------------------------------------------------------------
     @invariant()
     def implementations_agree(self) -> None:
         pool_state(self.pool)

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import cycle, islice
 from types import ModuleType
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -32,7 +33,7 @@ import numpy as np
 from atombatch import _blocks_py
 
 try:
-    from atombatch import _blocks as _blocks_c
+    from atombatch import _blocks as _blocks_c  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - a build without the extension: measure the twin alone
     _blocks_c = None
 
@@ -71,7 +72,7 @@ OPS = (
 # -- workloads -----------------------------------------------------------------------------------
 
 
-def _filled_pool(impl: ModuleType, num_blocks: int, lanes: int, held: int) -> object:
+def _filled_pool(impl: ModuleType, num_blocks: int, lanes: int, held: int) -> Any:
     """A pool whose `lanes` lanes hold `held` blocks each (allocated in lane order)."""
     pool = impl.BlockPool(num_blocks)
     for lane in range(lanes):
@@ -80,7 +81,7 @@ def _filled_pool(impl: ModuleType, num_blocks: int, lanes: int, held: int) -> ob
     return pool
 
 
-def _cached_pool(impl: ModuleType, num_blocks: int) -> tuple[object, list[int]]:
+def _cached_pool(impl: ModuleType, num_blocks: int) -> tuple[Any, list[int]]:
     """A pool whose every block is CACHED and unpinned; the blocks in a scattered order."""
     pool = impl.BlockPool(num_blocks)
     blocks = [pool.allocate(LANE, 0) for _ in range(num_blocks)]
