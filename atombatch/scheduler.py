@@ -419,12 +419,43 @@ class Scheduler:
                     shared=request.shared, restored=restored,
                     blocks=self.lanes.blocks(lane))
 
+    def _attach_prefix_staged(self, request: Request, spare: int) -> None:
+        """Staging from a cached prefix: share the blocks wholly before the resume position and
+        copy the block the prefill resumes in into the spare (device entries only)."""
+        assert self.prefix is not None
+        tokens = request.prefill_tokens
+        match = self.prefix.lookup(tokens)
+        q, bs = self.artifact.prefill_chunk_size, self.artifact.block_size
+        resume = (min(match.tokens, len(tokens) - 1) // q) * q
+        request.blocks = []
+        if resume == 0:
+            self.counters.prefix_misses += 1
+            request.blocks.append(spare)
+            return
+        below = resume // bs
+        for entry in match.entries[:below]:
+            self.pool.acquire(entry.block)
+            request.blocks.append(entry.block)
+        request.shared = below
+        if resume % bs:  # the prefill resumes inside a cached block: copy it into the spare
+            source = match.entries[below].block
+            self.pool.acquire(source)
+            self._copies.append((source, spare))
+            self._unpin.append(source)
+        request.blocks.append(spare)
+        request.prefill_pos = resume
+        self.counters.prefix_hits += 1
+        self.counters.prefix_hit_tokens += resume
+        self._event("prefix.hit", request_id=request.request_id, lane=-1, tokens=resume,
+                    shared=below, restored=0, blocks=list(request.blocks))
+
     def _lane_for_staged(self, request: Request, now: float) -> None:
         """A lane became idle: the staging request takes it with its filled blocks."""
         lane = self.lanes.assign()
         self._bind(request, lane, now)
-        for block in request.blocks:
-            self.pool.assign(block, lane)
+        for j, block in enumerate(request.blocks):
+            if j >= request.shared:  # shared prefix blocks stay pinned CACHED
+                self.pool.assign(block, lane)
             self.lanes.push_block(lane, block)
         request.blocks = []
         self.staging = None
@@ -504,10 +535,13 @@ class Scheduler:
             request.set_state(S.STAGING)
             self.staging = request
             self.pool.stage(self.spare, -2)
-            request.blocks = [self.spare]
-            self.spare = -1
-            self._event("request.staging", request_id=request.request_id,
-                        block=request.blocks[0])
+            spare, self.spare = self.spare, -1
+            if self.prefix is not None and not request.importing:
+                self._attach_prefix_staged(request, spare)
+            else:
+                request.blocks = [spare]
+            self._event("request.staging", request_id=request.request_id, block=spare,
+                        resume=request.prefill_pos)
             return request
         return None
 
@@ -830,12 +864,16 @@ class Scheduler:
             parent = chain_digest(parent, chunk, len(chunk) == bs)
 
     def _release_staged(self, request: Request) -> None:
-        first, *rest = request.blocks
-        self.pool.unstage(first)
-        self.spare = first
-        for block in rest:
-            self.pool.free(block)
+        for j, block in enumerate(request.blocks):
+            if j < request.shared:
+                self.pool.release(block)
+            elif j == request.shared:  # the spare it staged into
+                self.pool.unstage(block)
+                self.spare = block
+            else:
+                self.pool.free(block)
         request.blocks = []
+        request.shared = 0
         self.staging = None
 
     # -- invariants -------------------------------------------------------------------------------
@@ -863,7 +901,11 @@ class Scheduler:
                     raise StateError(f"block={block} is held by {owned[block]} and lane={lane}")
                 owned[block] = f"lane={lane}"
         if self.staging is not None:
-            for block in self.staging.blocks:
+            shared = self.staging.shared
+            for block in self.staging.blocks[:shared]:
+                if pool.state(block) != core.CACHED or pool.refcount(block) < 1:
+                    raise StateError(f"staging shares block={block} but it is not pinned CACHED")
+            for block in self.staging.blocks[shared:]:
                 if pool.state(block) != core.STAGED or block in owned:
                     raise StateError(f"staged block={block} is not exclusively STAGED")
                 owned[block] = "staging"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
 import numpy as np
 import pytest
 from ledger import LedgerRuntime, ledger_spec, reference
@@ -170,3 +173,31 @@ def test_caches_rejected_for_hybrid_and_single_block():
         Batcher(LedgerRuntime(single), prefix_cache=True)
     with pytest.raises(ConfigError, match="needs prefix_cache=True"):
         Batcher(LedgerRuntime(single), host_cache_bytes=10)
+
+
+@pytest.mark.parametrize("layout", [dict(num_blocks=5), dict(block_size=16, chunk=8)])
+def test_staged_requests_start_from_the_cached_prefix_too(layout, caplog):
+    """Under load (every lane decoding) the next request is prefilled into the spare; with a
+    prefix hit it copies/shares the cached prefix instead of recomputing it."""
+    art = artifact(batch_size=2, **layout)
+    system = rng_prompts(1, 40, seed=12)[0]
+    prompts = [system + tail for tail in rng_prompts(6, 12, seed=13)]
+    cold, cold_rt, cold_b = run(art, prompts, prefix_cache=False, one_by_one=False)
+    rt = NumpyRuntime.random(art, seed=4)
+    batcher = Batcher(rt, prefix_cache=True)
+    assert batcher.generate(prompts[:1], GREEDY)[0].token_ids == cold[0]
+    ids = [batcher.submit(p, GREEDY) for p in prompts[1:]]
+    finals = {}
+    with caplog.at_level(logging.INFO, logger="atombatch"):
+        while batcher.has_unfinished():
+            for out in batcher.step():
+                if out.finished:
+                    finals[out.request_id] = out.completion.token_ids
+            batcher.check_invariants()
+    assert [finals[i] for i in ids] == cold[1:]
+    stats = batcher.stats()
+    assert stats.staged_chunks > 0 and stats.rotations > 0
+    events = [json.loads(r.getMessage()) for r in caplog.records]
+    staged_hits = [e for e in events if e["event"] == "prefix.hit" and e["lane"] == -1]
+    assert staged_hits and all(e["tokens"] >= 32 for e in staged_hits)
+    assert rt.prefill_calls < cold_rt.prefill_calls
