@@ -720,3 +720,18 @@ def test_environment_switch_picks_the_implementation(no_extensions: str | None,
                          text=True, cwd=os.path.dirname(os.path.dirname(__file__))).stdout.split()
     module = "atombatch._blocks_py" if expected == "py" else "atombatch._blocks"
     assert out == [expected, module, str(no_extensions is not None)]
+
+
+def test_micro_bench_quick_writes_records(tmp_path) -> None:
+    import msgspec
+
+    from atombatch.bench import micro
+
+    path = tmp_path / "micro.json"
+    records = micro.run(lanes=(2,), json_path=str(path), quick=True)
+    assert {(r.impl, r.num_blocks) for r in records} == {("c", 3), ("py", 3), ("c", 145),
+                                                         ("py", 145)}
+    assert {r.op for r in records} == set(micro.OPS)
+    assert all(r.ns_per_op > 0 and r.lanes == 2 for r in records)
+    assert msgspec.json.decode(path.read_bytes(), type=list[micro.MicroRecord]) == records
+    assert "decode_build" in micro.format_table(records)
