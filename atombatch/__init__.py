@@ -4,8 +4,14 @@ from atombatch import plan
 from atombatch.aio import AsyncBatcher
 from atombatch.config import ArtifactConfig, ModelSpec
 from atombatch.engine import Batcher, EngineStats
-from atombatch.errors import (AtomBatchError, CapacityError, ConfigError, KVTransferError,
-                              RequestError, StateError)
+from atombatch.errors import (
+                              AtomBatchError,
+                              CapacityError,
+                              ConfigError,
+                              KVTransferError,
+                              RequestError,
+                              StateError,
+)
 from atombatch.scheduler import Policy
 from atombatch.structs import Completion, RequestOutput, RequestTimings, SamplingParams
 

@@ -6,6 +6,7 @@ failure into a per-request error while the other lanes go on.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -410,7 +411,7 @@ class Batcher:
                 arrival=request.arrival, admitted=request.admitted_at, first_token=first,
                 finished=now, queue_wait=request.admitted_at - request.arrival,
                 ttft=first - request.arrival, e2e=now - request.arrival,
-                inter_token=tuple(b - a for a, b in zip(times, times[1:], strict=False)))
+                inter_token=tuple(b - a for a, b in itertools.pairwise(times)))
         return Completion(request_id=request.request_id, prompt_len=len(request.prompt),
                           token_ids=tuple(request.output), finish_reason=request.finish_reason or
                           "error", error=request.error, timings=timings,

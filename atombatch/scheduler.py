@@ -839,7 +839,7 @@ class Scheduler:
         elif request.state is S.WAITING:
             self.waiting.remove(request)
 
-    def _cache_blocks(self, request: Request, held: list[int], valid: int) -> None:  # noqa: C901
+    def _cache_blocks(self, request: Request, held: list[int], valid: int) -> None:
         """Keep a released lane's KV in the prefix cache (shared blocks are just unpinned)."""
         assert self.prefix is not None
         bs = self.artifact.block_size
@@ -917,7 +917,6 @@ class Scheduler:
         if self.prefix is not None and len(self.prefix) != pool.num_cached:
             raise StateError(f"prefix index holds {len(self.prefix)} blocks, pool "
                              f"{pool.num_cached} CACHED")
-        if not self.requests:
-            if lanes.num_busy or pool.num_lane or pool.num_staged or \
-                    pool.num_evictable != pool.num_cached:
-                raise StateError("no request is live but lanes or blocks are still owned")
+        if not self.requests and (lanes.num_busy or pool.num_lane or pool.num_staged or
+                                  pool.num_evictable != pool.num_cached):
+            raise StateError("no request is live but lanes or blocks are still owned")

@@ -15,8 +15,14 @@ import numpy as np
 import pytest
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
-from atombatch.pd import (InProcessSource, KVHeader, LayerKV, Producer, ZmqSource,
-                          run_producer_process)
+from atombatch.pd import (
+    InProcessSource,
+    KVHeader,
+    LayerKV,
+    Producer,
+    ZmqSource,
+    run_producer_process,
+)
 from atombatch.runtime import NumpyRuntime
 
 TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from atombatch import ArtifactConfig, Batcher, ConfigError, ModelSpec, SamplingParams
-from atombatch.runtime import NumpyRuntime, RebelRuntime
 from atombatch.blocks import DecodeInputs, LaneTable, PrefillInputs
+from atombatch.runtime import NumpyRuntime, RebelRuntime
 
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
             num_kv_heads=2, head_dim=8)

@@ -13,11 +13,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ledger import LedgerRuntime, ledger_spec, reference
 
-from atombatch import (ArtifactConfig, Batcher, CapacityError, ConfigError, RequestError,
-                       SamplingParams)
+from atombatch import (
+    ArtifactConfig,
+    Batcher,
+    CapacityError,
+    ConfigError,
+    RequestError,
+    SamplingParams,
+)
 from atombatch import scheduler as scheduler_module
-from atombatch.scheduler import TRANSITIONS, Policy, Request, RequestState
 from atombatch.errors import StateError
+from atombatch.scheduler import TRANSITIONS, Policy, Request, RequestState
 
 
 @pytest.fixture(params=["c", "py"])
