@@ -11,12 +11,19 @@ virtual clock is advanced by a `CostModel` calibrated to the origin issue's KONI
 Cells (model x route x input x output x artifact x policy) report TTFT p50/p99/max and completion
 p50/max of the requests that finished within the timeout (requests over it count as failures and are
 kept out of the latency figures), aggregate output tok/s, the histogram of decoding lanes per decode
-step, device time by kind, the artifact identity and its `plan.fit` verdict. An artifact that does
+step, device time by kind (prefill, PD import, decode), the artifact identity and its `plan.fit`
+verdict. An artifact that does
 not fit the device is reported and not run (`--ignore-fit` runs it anyway, marked as such).
 
 Load: `--concurrency` clients (default 16) each send one request, then the next when the previous
 one finishes (`--requests` in total, default one per client), all starting together as in the
 origin; `--arrivals poisson --rate R` submits open-loop Poisson arrivals instead.
+
+PD routes ("pd-whole", "pd-layer-stream") run the engine's real consumer path: each request is
+submitted with `kv=` a `SimKVSource` from one `SimProducer` (a serial producer; see
+`atombatch.runtime.sim`), so the decoder runs "import" steps instead of prefill chunks. When every
+request waits on the producer and the Batcher has nothing to run, the virtual clock jumps to the
+producer's next header or layer.
 
 `--runtime numpy` runs the same harness on `NumpyRuntime.random` with small specs of the same
 families and real wall time (native route only): a B4/B1 ratio measured on real compute.
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import math
 import os
 import platform
 import resource
@@ -45,7 +53,7 @@ from atombatch import plan
 from atombatch.config import ArtifactConfig, ModelSpec
 from atombatch.engine import Batcher
 from atombatch.errors import AtomBatchError, ConfigError
-from atombatch.runtime.sim import ROUTES, CostModel, SimRuntime
+from atombatch.runtime.sim import PD_HEADERS, PD_MODES, ROUTES, CostModel, SimProducer, SimRuntime
 from atombatch.scheduler import Policy
 from atombatch.structs import Completion, SamplingParams
 
@@ -142,6 +150,8 @@ class Cell(msgspec.Struct, frozen=True):
     decode_device_s: float = 0.0
     producer_busy_s: float = 0.0         # PD routes: the serial producer's compute
     prefill_calls: int = 0
+    import_calls: int = 0                # PD routes: layers written (write_layer_kv calls)
+    import_steps: int = 0                # PD routes: the Batcher's "import" steps
     decode_calls: int = 0
     rotations: int = 0                   # staged requests that took a finished lane's slot
     staged_chunks: int = 0
@@ -286,6 +296,7 @@ class Load(msgspec.Struct, frozen=True):
     timeout_s: float | None = TIMEOUT_S  # None: no timeout
     timeout_action: str = "count"        # "count" (fail after the fact) | "abort" (free the lane)
     seed: int = 0
+    pd_timeout_s: float | None = None    # PD: the Batcher's pd_timeout (None: never)
 
     @property
     def total(self) -> int:
@@ -294,19 +305,23 @@ class Load(msgspec.Struct, frozen=True):
 
 def _serve(batcher: Batcher, clock: Callable[[], float], wait_until: Callable[[float], None],
            prompts: list[np.ndarray], params: SamplingParams, load: Load,
-           ready_at: Callable[[float, int], float]) -> tuple[dict[int, float], dict[int, Completion],
-                                                              float]:
-    """Drive one load through the Batcher; returns arrivals, completions and the start time."""
+           producer: SimProducer | None = None) -> tuple[dict[int, float], dict[int, Completion],
+                                                         float]:
+    """Drive one load through the Batcher; returns arrivals, completions and the start time.
+
+    With a `producer` (PD routes) every request is submitted with its `SimKVSource`, queued on the
+    producer at its arrival time.
+    """
     start = clock()
     total = len(prompts)
     arrivals: dict[int, float] = {}
     done: dict[int, Completion] = {}
-    queue: list[tuple[float, int]] = []   # (ready time, request index)
+    queue: list[tuple[float, int]] = []   # (arrival time, request index)
     next_index = 0
 
     def arrive(index: int, when: float) -> None:
         arrivals[index] = when
-        heapq.heappush(queue, (ready_at(when, index), index))
+        heapq.heappush(queue, (when, index))
 
     if load.arrivals == "poisson":
         rng = np.random.default_rng(load.seed + 7)
@@ -324,8 +339,11 @@ def _serve(batcher: Batcher, clock: Callable[[], float], wait_until: Callable[[f
     while queue or batcher.has_unfinished():
         now = clock()
         while queue and queue[0][0] <= now:
-            _, index = heapq.heappop(queue)
-            rid = batcher.submit(prompts[index], params, request_id=f"r{index}")
+            when, index = heapq.heappop(queue)
+            rid = f"r{index}"
+            kv = None if producer is None else \
+                producer.source(rid, prompts[index], params, arrival=when)
+            batcher.submit(prompts[index], params, request_id=rid, kv=kv)
             in_flight[rid] = index
         if load.timeout_action == "abort" and load.timeout_s is not None:
             for rid, index in list(in_flight.items()):
@@ -346,10 +364,15 @@ def _serve(batcher: Batcher, clock: Callable[[], float], wait_until: Callable[[f
                     next_index += 1
         if not outputs and batcher.scheduler.counters.steps == steps_before and \
                 clock() <= now:
-            if queue:
-                wait_until(queue[0][0])
-            else:
+            # nothing ran: every request waits for an arrival or for its producer
+            wake = [queue[0][0]] if queue else []
+            if producer is not None:
+                ready = producer.next_event()
+                if ready is not None:
+                    wake.append(ready)
+            if not wake or min(wake) <= now:
                 raise AtomBatchError("the Batcher has work but schedules nothing")
+            wait_until(min(wake))
     return arrivals, done, start
 
 
@@ -397,7 +420,7 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
             time.sleep(max(0.0, when - time.perf_counter()))
         calibration = "real wall time (NumpyRuntime.random, small spec)"
     else:
-        costs = (costs or CostModel.default()).with_route(route)
+        costs = costs or CostModel.default()
         sim = SimRuntime(artifact, costs, seed=load.seed)
         rt = sim
         clock = sim.clock
@@ -405,8 +428,10 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
         calibration = costs.calibration.describe() if costs.calibration else "uncalibrated"
     load_s = time.perf_counter() - load_start
 
+    producer = SimProducer(sim, PD_MODES[route]) if sim is not None and route in PD_MODES \
+        else None
     try:
-        batcher = Batcher(rt, policy=policy)
+        batcher = Batcher(rt, policy=policy, pd_timeout=load.pd_timeout_s or math.inf)
     except ConfigError as exc:
         return Cell(status="rejected", error=str(exc), runtime_load_s=load_s, **base)
 
@@ -415,19 +440,8 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
                for _ in range(load.total)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
 
-    producer = {"free": 0.0, "busy": 0.0}
-
-    def ready_at(arrival: float, index: int) -> float:
-        if sim is None or route == "native":
-            return arrival
-        busy, ready = sim.costs.producer_delay(artifact, input_len)
-        begin = max(arrival, producer["free"])  # one producer, first come first served
-        producer["free"] = begin + busy
-        producer["busy"] += busy
-        return begin + ready
-
     try:
-        arrivals, done, start = _serve(batcher, clock, wait_until, prompts, params, load, ready_at)
+        arrivals, done, start = _serve(batcher, clock, wait_until, prompts, params, load, producer)
     except Exception as exc:  # a harness or engine failure is reported, the matrix goes on
         return Cell(status="error", error=f"{type(exc).__name__}: {exc}", runtime_load_s=load_s,
                     **base)
@@ -478,10 +492,12 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
     histogram = stats.lane_histogram
     steps = sum(histogram)
     mean_lanes = sum(i * n for i, n in enumerate(histogram)) / steps if steps else 0.0
+    import_calls = 0
     if sim is not None:
         device = sim.device
         prefill_s, import_s, decode_s = device.prefill_s, device.import_s, device.decode_s
         prefill_calls, decode_calls = device.prefill_calls, device.decode_calls
+        import_calls = device.import_calls
     else:
         assert timed is not None
         prefill_s, import_s, decode_s = timed.prefill_s, 0.0, timed.decode_s
@@ -494,8 +510,10 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
         output_tok_s=tokens_all / makespan if makespan > 0 else 0.0,
         goodput_tok_s=tokens_ok / makespan if makespan > 0 else 0.0,
         lane_histogram=histogram, mean_decoding_lanes=mean_lanes, prefill_device_s=prefill_s,
-        import_device_s=import_s, decode_device_s=decode_s, producer_busy_s=producer["busy"],
-        prefill_calls=prefill_calls, decode_calls=decode_calls, rotations=stats.rotations,
+        import_device_s=import_s, decode_device_s=decode_s,
+        producer_busy_s=producer.busy_s if producer is not None else 0.0,
+        prefill_calls=prefill_calls, import_calls=import_calls, import_steps=stats.imports,
+        decode_calls=decode_calls, rotations=stats.rotations,
         staged_chunks=stats.staged_chunks, runtime_load_s=load_s,
         wall_s=time.perf_counter() - wall_start, calibration=calibration,
         request_records=records, **base)
@@ -622,7 +640,8 @@ def format_table(report: ServeReport) -> str:
                  "figures exclude failed requests")
     header = (f"{'model':<11} {'route':<15} {'in/out':>9} {'artifact':<10} {'policy':<13} "
               f"{'ok/n':>5} {'t/o':>3} {'TTFT p50':>8} {'p99':>7} {'max':>7} {'done p50':>8} "
-              f"{'max':>7} {'tok/s':>7} {'all max':>7} {'prefill':>8} {'decode':>8}  lanes/step")
+              f"{'max':>7} {'tok/s':>7} {'all max':>7} {'prefill':>8} {'import':>7} "
+              f"{'decode':>8}  lanes/step")
     lines += [header, "-" * len(header)]
     previous = None
     for cell in report.cells:
@@ -645,19 +664,20 @@ def format_table(report: ServeReport) -> str:
             continue
         ttft, done = cell.ttft, cell.completion
         assert ttft is not None and done is not None
-        prefill = cell.prefill_device_s + cell.import_device_s
         mark = "*" if cell.hypothetical else ""
         lines.append(
             f"{head} {cell.completed:>2}/{cell.requests:<2} {cell.timeouts:>3} "
             f"{_f(ttft.p50):>8} {_f(ttft.p99):>7} {_f(ttft.max):>7} {_f(done.p50):>8} "
             f"{_f(done.max):>7} {cell.output_tok_s:>7.2f} {_f(cell.max_completion_all):>7} "
-            f"{_f(prefill):>8} {_f(cell.decode_device_s):>8}  {_histogram(cell.lane_histogram)}"
+            f"{_f(cell.prefill_device_s):>8} {_f(cell.import_device_s, 2):>7} "
+            f"{_f(cell.decode_device_s):>8}  {_histogram(cell.lane_histogram)}"
             f"{mark}")
     lines.append("")
     lines.append("t/o = requests over the timeout (failures); 'all max' = latest completion over "
                  "every request, timed out or not (how the origin figures were measured); "
-                 "prefill/decode = device seconds (prefill includes PD import); lanes/step = "
-                 "decode steps by decoding lanes"
+                 "prefill/import/decode = the decoder's device seconds (import: PD KV writes; "
+                 "the producer's prefill is not in them); lanes/step = decode steps by decoding "
+                 "lanes"
                  + ("; * = does not fit the device, run with --ignore-fit (hypothetical)"
                     if any(c.hypothetical for c in report.cells) else ""))
     comparison = format_comparison(report)
@@ -794,8 +814,17 @@ def _parser() -> argparse.ArgumentParser:
                         help="PD producer prefill speed relative to the ATOM (default 1.0)")
     parser.add_argument("--transfer-bandwidth", type=float, default=None,
                         help="PD KV transfer bytes/s (default 12e9)")
-    parser.add_argument("--import-layer-s", type=float, default=None,
-                        help="PD decoder-side import seconds per layer per chunk (default 2e-4)")
+    parser.add_argument("--import-bandwidth", type=float, default=None,
+                        help="PD decoder-side KV write bytes/s per device (default 32e9)")
+    parser.add_argument("--import-call-s", type=float, default=None,
+                        help="PD decoder-side seconds per imported layer (default 2e-4)")
+    parser.add_argument("--pd-header", choices=PD_HEADERS, default=None,
+                        help="layer-stream: the header (first token) arrives when the producer's "
+                             "prefill ends (first-token, default) or when it starts "
+                             "(producer-start, a what-if)")
+    parser.add_argument("--pd-timeout", type=float, default=0.0,
+                        help="the Batcher's pd_timeout in seconds (default 0 = none: a simulated "
+                             "producer never stalls)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
     parser.add_argument("--plot", type=Path, default=None, metavar="PATH",
@@ -822,7 +851,8 @@ def _costs_from_args(args: argparse.Namespace) -> CostModel:
             msgspec.structs.replace(costs, **priors)
     pd = {name: value for name, value in (
         ("producer_speed", args.producer_speed), ("transfer_bandwidth", args.transfer_bandwidth),
-        ("import_layer_s", args.import_layer_s)) if value is not None}
+        ("import_bandwidth", args.import_bandwidth), ("import_call_s", args.import_call_s),
+        ("pd_header", args.pd_header)) if value is not None}
     return msgspec.structs.replace(costs, **pd) if pd else costs
 
 
@@ -837,7 +867,8 @@ def main(argv: list[str] | None = None) -> int:
             costs.save(args.save_costs)
         load = Load(concurrency=args.concurrency, requests=args.requests, arrivals=args.arrivals,
                     rate=args.rate, timeout_s=args.timeout or None,
-                    timeout_action=args.timeout_action, seed=args.seed)
+                    timeout_action=args.timeout_action, seed=args.seed,
+                    pd_timeout_s=args.pd_timeout or None)
         report = run(
             models=args.models or MODELS,
             routes=args.routes or (("native",) if numpy_runtime else ROUTES),

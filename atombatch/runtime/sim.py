@@ -29,20 +29,37 @@ origin issue's KONI B1/k1 figures (8192 in / 128 out at c16, strictly serial: 64
 Other models therefore scale from KONI by their weight bytes, KV bytes and FLOPs; that the same two
 rates hold across model sizes is an assumption, stated next to every prediction.
 
-Routes (prefill/decode disaggregation, DESIGN §7) are cost-model parameters. The Batcher has no PD
-consumer path yet, so a PD route is approximated here: a request's prefill chunks still run through
-the Batcher (same lanes, blocks and staging), but the decoder is charged only the decoder-side KV
-import of each chunk (`import_layer_s` per layer plus the chunk's KV bytes at `memory_bandwidth`)
-instead of the compute. The producer side (a serial producer queue, `producer_speed`, the
-`transfer_bandwidth` transfer; "whole" waits for every layer, "layer-stream" overlaps the transfer
-with the producer's compute) is computed by the harness with `producer_delay` and enters as a delay
-before the request reaches the decoder's queue, hence before its first token.
+Prefill/decode disaggregation (DESIGN §7) runs on the engine's real consumer path. A `SimProducer`
+(an RNGD or another ATOM) prefills prompts one at a time in arrival order, each in the decoder
+artifact's native prefill time divided by `producer_speed`, layer by layer (an equal share per
+layer), and sends each layer's K/V over one serial link at `transfer_bandwidth`. Every request gets
+a `SimKVSource` (`Batcher.submit(..., kv=source)`) whose `poll` hands out what has arrived by the
+engine's virtual clock:
+
+* "whole": after the producer's prefill, all layers cross the link back to back; the header and
+  every layer are handed out together when the last byte is in (as the in-process and ZeroMQ
+  sources do in "whole" mode).
+* "layer-stream": layer i crosses as soon as the producer's compute for it is done and the link is
+  free (transfer overlapped with compute). The header carries the producer's first token, which
+  exists only after its last layer, so by default (`pd_header="first-token"`) the header, and with
+  it admission, comes when the producer's prefill ends; layers that crossed earlier are handed out
+  with it. `pd_header="producer-start"` is the what-if of a protocol that sends the header when the
+  producer starts and the first token later (the current `KVHeader` cannot: a full-prefix header
+  must carry `first_token`); the request then holds a lane or the spare while its layers stream in.
+
+The engine validates the header and each layer and plans "import" steps; each `write_layer_kv`
+advances the decoder's clock by `import_call_s` plus the layer's K/V bytes (per device, in the
+artifact's `kv_dtype`) at `import_bandwidth`. The sources' K/V are zero-stride float32 arrays of
+the header's shapes (nothing is allocated per layer, and `LayerKV.float32()` passes float32 through
+without a copy); link and import costs are charged in the artifact's `kv_dtype`, what a real
+producer would send. The producer's first token follows the same pseudo-logits rule as this
+runtime's last prefill chunk, so greedy PD output equals native output.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -51,12 +68,19 @@ import numpy as np
 import numpy.typing as npt
 
 from atombatch import plan
-from atombatch.config import ArtifactConfig, ModelSpec
-from atombatch.errors import ConfigError
+from atombatch.config import SLIDING, ArtifactConfig, ModelSpec
+from atombatch.errors import ConfigError, KVTransferError, StateError
+from atombatch.pd import KVHeader, LayerKV, Mode, expected_layer_tokens, model_identity
 from atombatch.runtime.base import DecodeArrays, PrefillArrays
+from atombatch.sampling import sample
+from atombatch.structs import SamplingParams
 
 Route = Literal["native", "pd-whole", "pd-layer-stream"]
 ROUTES: tuple[str, ...] = ("native", "pd-whole", "pd-layer-stream")
+#: The producer's pacing for each PD route.
+PD_MODES: dict[str, Mode] = {"pd-whole": "whole", "pd-layer-stream": "layer-stream"}
+#: When a layer-streaming producer's header (with its first token) reaches the decoder.
+PD_HEADERS: tuple[str, ...] = ("first-token", "producer-start")
 
 
 # -- calibration records ----------------------------------------------------------------------------
@@ -120,20 +144,24 @@ class CostModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_call_s: float = 0.001          # fixed host/launch overhead per prefill call (assumed)
     bill_padded_chunk: bool = True         # linear layers run over the whole (padded) chunk
     tp_sync_s_per_layer: float = 5e-5      # all-reduce cost per layer per call at tensor_parallel > 1
-    route: str = "native"                  # "native" | "pd-whole" | "pd-layer-stream"
-    producer_speed: float = 1.0            # producer prefill time = native prefill time / this
-    transfer_bandwidth: float = 12e9       # producer -> decoder KV bytes/s (PD routes)
-    import_layer_s: float = 2e-4           # decoder-side import cost per layer per imported chunk
+    producer_speed: float = 1.0            # PD producer prefill time = native prefill time / this
+    transfer_bandwidth: float = 12e9       # PD producer -> decoder link, KV bytes/s (assumed)
+    import_bandwidth: float = 32e9         # PD decoder-side write of imported KV, B/s per device
+                                           #   (assumed: half of ATOM's PCIe Gen5 x16 peak)
+    import_call_s: float = 2e-4            # PD fixed cost per imported layer (write_layer_kv call)
+    pd_header: str = "first-token"         # layer-stream header: "first-token" | "producer-start"
     calibration: Calibration | None = None  # how the rates were fitted
 
     def __post_init__(self) -> None:
-        if self.route not in ROUTES:
-            raise ConfigError(f"route={self.route!r} is not one of {', '.join(ROUTES)}")
-        for name in ("memory_bandwidth", "prefill_flops", "producer_speed", "transfer_bandwidth"):
+        if self.pd_header not in PD_HEADERS:
+            raise ConfigError(f"pd_header={self.pd_header!r} is not one of "
+                              f"{', '.join(PD_HEADERS)}")
+        for name in ("memory_bandwidth", "prefill_flops", "producer_speed", "transfer_bandwidth",
+                     "import_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be positive")
         for name in ("per_lane_fraction", "idle_lane_fraction", "decode_call_s",
-                     "prefill_call_s", "tp_sync_s_per_layer", "import_layer_s"):
+                     "prefill_call_s", "tp_sync_s_per_layer", "import_call_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
 
@@ -155,9 +183,6 @@ class CostModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Write this cost model as JSON."""
         Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(self), indent=2) + b"\n")
 
-    def with_route(self, route: str) -> CostModel:
-        return msgspec.structs.replace(self, route=route)
-
     # -- formulas ---------------------------------------------------------------------------------
     def prefill_chunk_s(self, artifact: ArtifactConfig, start: int, length: int) -> float:
         """Native compute time of one prefill chunk of `length` real tokens from position `start`."""
@@ -170,11 +195,19 @@ class CostModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.prefill_call_s + max(compute, stream) + shapes.sync_layers * \
             self.tp_sync_s_per_layer
 
-    def import_chunk_s(self, artifact: ArtifactConfig, length: int) -> float:
-        """Decoder-side cost of writing one chunk's imported KV (PD routes)."""
-        shapes = _shapes(artifact)
-        return self.prefill_call_s + shapes.num_layers * self.import_layer_s + \
-            shapes.kv_bytes_per_token * length / self.memory_bandwidth
+    def layer_import_s(self, artifact: ArtifactConfig, tokens: int) -> float:
+        """Decoder-side cost of writing one imported layer of `tokens` tokens (PD routes)."""
+        return self.import_call_s + _shapes(artifact).layer_kv_bytes_per_token * tokens / \
+            self.import_bandwidth
+
+    def layer_transfer_s(self, artifact: ArtifactConfig, tokens: int) -> float:
+        """Producer -> decoder link time of one layer of `tokens` tokens (every KV head)."""
+        return _shapes(artifact).wire_layer_kv_bytes_per_token * tokens / self.transfer_bandwidth
+
+    def producer_prefill_s(self, artifact: ArtifactConfig, prompt_len: int) -> float:
+        """The PD producer's compute for a whole prompt: the decoder artifact's native prefill
+        time divided by `producer_speed`."""
+        return self.request_prefill_s(artifact, prompt_len) / self.producer_speed
 
     def decode_step_s(self, artifact: ArtifactConfig, contexts: Sequence[int]) -> float:
         """One decode step; `contexts` are the decoding lanes' attended lengths (position + 1)."""
@@ -193,29 +226,16 @@ class CostModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return sum(self.prefill_chunk_s(artifact, s, min(q, prompt_len - s))
                    for s in range(0, prompt_len, q))
 
-    def producer_delay(self, artifact: ArtifactConfig, prompt_len: int) -> tuple[float, float]:
-        """PD producer side of one prompt: (producer busy time, time until the decoder has the KV).
-
-        The producer is an ATOM-class device computing the prompt natively, `producer_speed` times
-        faster; the KV of the whole prompt then crosses at `transfer_bandwidth`. "pd-whole" sends it
-        after the last layer is done; "pd-layer-stream" sends each layer as it completes, so the
-        transfer overlaps the compute and only the last layer's share is left at the end.
-        """
-        if self.route == "native":
-            return 0.0, 0.0
-        shapes = _shapes(artifact)
-        compute = self.request_prefill_s(artifact, prompt_len) / self.producer_speed
-        transfer = shapes.kv_bytes_per_token * prompt_len / self.transfer_bandwidth
-        if self.route == "pd-whole":
-            return compute, compute + transfer
-        return compute, max(compute, transfer) + transfer / shapes.num_layers
-
     def describe(self) -> str:
         lines = [f"cost model: memory_bandwidth {self.memory_bandwidth / 1e9:.2f} GB/s, "
                  f"prefill_flops {self.prefill_flops / 1e12:.2f} TFLOP/s (both fitted); "
                  f"per_lane_fraction {self.per_lane_fraction}, idle_lane_fraction "
                  f"{self.idle_lane_fraction}, call overheads decode {self.decode_call_s * 1e3:g} ms"
-                 f" / prefill {self.prefill_call_s * 1e3:g} ms (assumed)"]
+                 f" / prefill {self.prefill_call_s * 1e3:g} ms (assumed)",
+                 f"PD (assumed): producer_speed {self.producer_speed:g}, transfer_bandwidth "
+                 f"{self.transfer_bandwidth / 1e9:g} GB/s, import_bandwidth "
+                 f"{self.import_bandwidth / 1e9:g} GB/s, import_call_s "
+                 f"{self.import_call_s * 1e3:g} ms/layer, pd_header {self.pd_header}"]
         if self.calibration is not None:
             lines.append(self.calibration.describe())
         return "\n".join(lines)
@@ -233,6 +253,8 @@ class _Shapes(msgspec.Struct, frozen=True):
     sliding_attention_flops_per_key: float
     sliding_window: int
     kv_bytes_per_token: int            # global + sliding layers, K and V, per device
+    layer_kv_bytes_per_token: int      # one layer's K and V, per device
+    wire_layer_kv_bytes_per_token: int  # one layer's K and V, every KV head (what PD sends)
     global_kv_bytes_per_token: int
     sliding_kv_bytes_per_token: int
     sync_layers: int                   # layers that all-reduce (0 at tensor_parallel 1)
@@ -264,6 +286,9 @@ def _shapes(artifact: ArtifactConfig) -> _Shapes:
         sliding_attention_flops_per_key=4.0 * q_dim * n_sliding,
         sliding_window=plan.sliding_window_len(artifact) if n_sliding else 0,
         kv_bytes_per_token=per_layer_kv * spec.num_layers,
+        layer_kv_bytes_per_token=per_layer_kv,
+        wire_layer_kv_bytes_per_token=2 * spec.num_kv_heads * spec.head_dim *
+        plan.DTYPE_BYTES[artifact.kv_dtype],
         global_kv_bytes_per_token=per_layer_kv * n_global,
         sliding_kv_bytes_per_token=per_layer_kv * n_sliding,
         sync_layers=spec.num_layers if tp > 1 else 0)
@@ -394,7 +419,8 @@ def calibrate(figures: ObservedFigures = ORIGIN_KONI_B1, **priors: float | bool)
             f"call overheads decode {costs.decode_call_s} s, prefill {costs.prefill_call_s} s "
             "are priors",
             "other models use the same two rates, scaled by their weight bytes, KV bytes and FLOPs",
-            "PD parameters (producer_speed, transfer_bandwidth, import_layer_s) are priors"))
+            "PD parameters (producer_speed, transfer_bandwidth, import_bandwidth, "
+            "import_call_s, pd_header) are priors"))
     return msgspec.structs.replace(costs, calibration=calibration)
 
 
@@ -406,6 +432,7 @@ class DeviceTime(msgspec.Struct):
     import_s: float = 0.0                  # decoder-side KV import (PD routes)
     decode_s: float = 0.0
     prefill_calls: int = 0
+    import_calls: int = 0                  # write_layer_kv calls (one per imported layer)
     decode_calls: int = 0
 
 
@@ -438,7 +465,6 @@ class SimRuntime:
         self._prefill_spike = 0
         self._base = base
         self._eos = frozenset(self.spec.eos_token_ids)
-        self._pd = self.costs.route != "native"
         self._vocab = vocab
 
     # -- clock ------------------------------------------------------------------------------------
@@ -458,17 +484,20 @@ class SimRuntime:
             h = (h + 1) % self._vocab
         return h
 
+    def prompt_logits(self, prompt: Sequence[int] | npt.NDArray[np.integer]
+                      ) -> npt.NDArray[np.float32]:
+        """The logits the last prefill chunk of `prompt` returns (a fresh array): what a
+        simulated PD producer of the same model samples its first token from."""
+        row = self._base.copy()
+        row[self._spike(int(prompt[-1]), len(prompt) - 1)] = 32.0
+        return row
+
     # -- Runtime protocol -------------------------------------------------------------------------
     def prefill(self, inputs: PrefillArrays) -> npt.NDArray[np.float32]:
         q = int(inputs.query_position)
         start = int(inputs.cache_position[0, 0])
-        length = q + 1
-        if self._pd:
-            cost = self.costs.import_chunk_s(self.artifact, length)
-            self.device.import_s += cost
-        else:
-            cost = self.costs.prefill_chunk_s(self.artifact, start, length)
-            self.device.prefill_s += cost
+        cost = self.costs.prefill_chunk_s(self.artifact, start, q + 1)
+        self.device.prefill_s += cost
         self.device.prefill_calls += 1
         self._now += cost
         row = self._prefill_logits
@@ -494,6 +523,40 @@ class SimRuntime:
             spikes[lane] = spike
         return logits
 
+    def write_layer_kv(self, layer: int, k: npt.NDArray[np.generic], v: npt.NDArray[np.generic],
+                       block_row: Sequence[int], slot: int = 0) -> None:
+        """Import one layer's K/V `[kv_heads, tokens, head_dim]` (the decoder side of PD): no data
+        moves, the clock advances by `CostModel.layer_import_s` of its tokens.
+
+        Raises:
+            StateError: a layer, shape, block row or slot the device could not take.
+        """
+        spec, art = self.spec, self.artifact
+        if not 0 <= layer < spec.num_layers:
+            raise StateError(f"layer {layer} is outside 0..{spec.num_layers - 1}")
+        tokens = k.shape[1] if k.ndim == 3 else -1
+        if k.shape != v.shape or k.shape != (spec.num_kv_heads, tokens, spec.head_dim):
+            raise StateError(f"K {k.shape} and V {v.shape} must both be [kv_heads="
+                             f"{spec.num_kv_heads}, tokens, head_dim={spec.head_dim}]")
+        sliding = spec.layer_kinds[layer] == SLIDING
+        limit = plan.sliding_window_len(art) if sliding else art.max_seq_len
+        if not 0 < tokens <= limit:
+            raise StateError(f"layer {layer} got {tokens} tokens, outside 1..{limit}")
+        if sliding:
+            if not 0 <= slot < art.batch_size:
+                raise StateError(f"slot {slot} is outside 0..{art.batch_size - 1}")
+        else:
+            if len(block_row) * art.block_size < tokens:
+                raise StateError(f"block row {list(block_row)} holds {len(block_row)} blocks of "
+                                 f"{art.block_size}, too few for {tokens} tokens")
+            bad = [b for b in block_row if not 0 <= b < art.num_blocks]
+            if bad:
+                raise StateError(f"block {bad[0]} is outside 0..{art.num_blocks - 1}")
+        cost = self.costs.layer_import_s(art, tokens)
+        self.device.import_s += cost
+        self.device.import_calls += 1
+        self._now += cost
+
     def copy_block(self, src: int, dst: int) -> None:
         shapes = _shapes(self.artifact)
         cost = 2 * shapes.global_kv_bytes_per_token * self.artifact.block_size / \
@@ -505,3 +568,146 @@ class SimRuntime:
 
     def write_block(self, block: int, data: npt.NDArray[np.generic]) -> None:
         return None
+
+
+# -- the PD producer -------------------------------------------------------------------------------
+class SimKVSource:
+    """A `KVSource` whose header and layers become available at fixed virtual times.
+
+    `poll` compares the times with `clock` (the decoder's virtual clock) and hands out what has
+    arrived; layers never come before the header. Built by `SimProducer.source`.
+    """
+
+    def __init__(self, header: KVHeader, header_at: float, layers: Sequence[LayerKV],
+                 layer_at: Sequence[float], clock: Callable[[], float]) -> None:
+        self.header = header
+        self.header_at = header_at               # when the header reaches the decoder
+        self.layers = list(layers)
+        # a layer is handed out no earlier than the header
+        self.layer_at = [max(t, header_at) for t in layer_at]
+        self._clock = clock
+        self._next = 0                            # first layer not yet handed out
+        self._header_out = False
+        self._closed = False
+
+    @property
+    def ready_at(self) -> float:
+        """When the last layer has arrived."""
+        return self.layer_at[-1] if self.layer_at else self.header_at
+
+    def poll(self) -> tuple[KVHeader | None, list[LayerKV]]:
+        if self._closed:
+            raise KVTransferError(f"simulated KV source for {self.header.request_id} was closed")
+        now = self._clock()
+        if now < self.header_at:
+            return None, []
+        self._header_out = True
+        first = self._next
+        while self._next < len(self.layers) and self.layer_at[self._next] <= now:
+            self._next += 1
+        return self.header, self.layers[first:self._next]
+
+    def done(self) -> bool:
+        return self._header_out and self._next == len(self.layers)
+
+    def close(self) -> None:
+        self._closed = True
+
+    def next_event(self) -> float | None:
+        """When `poll` will next hand out something new; None when nothing is left (or closed)."""
+        if self._closed:
+            return None
+        if not self._header_out:
+            return self.header_at
+        return self.layer_at[self._next] if self._next < len(self.layers) else None
+
+
+class SimProducer:
+    """A simulated PD producer feeding one `SimRuntime` decoder (see the module docstring).
+
+    Prompts are prefilled one at a time in the order `source` is called; the producer's compute is
+    `CostModel.producer_prefill_s` on the decoder's artifact, split equally over the layers, and
+    its K/V cross one serial link at `transfer_bandwidth` (the link of one prompt overlaps the next
+    prompt's compute). The first token is sampled, as `atombatch.pd.Producer` does, from the
+    decoder's pseudo-logits for the prompt with `default_rng(params.seed)`: greedy output equals
+    native output; sampled output does not (native prefill draws from the request's own RNG).
+
+    Args:
+        runtime: the decoder (its clock, cost model, artifact and pseudo-logits).
+        mode: "whole" or "layer-stream".
+    """
+
+    def __init__(self, runtime: SimRuntime, mode: Mode = "layer-stream") -> None:
+        if mode not in ("whole", "layer-stream"):
+            raise ConfigError(f"mode={mode!r} is not whole or layer-stream")
+        self.runtime = runtime
+        self.mode = mode
+        self.costs = runtime.costs
+        self.artifact = runtime.artifact
+        spec = self.artifact.model
+        self._window = spec.sliding_window if spec.is_hybrid else 0
+        self._identity = model_identity(spec)
+        self._zero = np.zeros((), dtype=np.float32)
+        self._arrays: dict[int, npt.NDArray[np.float32]] = {}
+        self.free_at = 0.0          # the producer's compute is busy until then
+        self.link_free_at = 0.0     # the link is busy until then
+        self.busy_s = 0.0           # compute time over all prompts
+        self.transfer_s = 0.0       # link time over all prompts
+        self.requests = 0
+        self.sources: list[SimKVSource] = []
+
+    def _kv(self, tokens: int) -> npt.NDArray[np.float32]:
+        """A read-only zero-stride float32 K (or V) of `tokens` tokens: no memory per layer."""
+        array = self._arrays.get(tokens)
+        if array is None:
+            spec = self.artifact.model
+            array = np.broadcast_to(self._zero, (spec.num_kv_heads, tokens, spec.head_dim))
+            self._arrays[tokens] = array
+        return array
+
+    def source(self, request_id: str, prompt: Sequence[int] | npt.NDArray[np.integer],
+               params: SamplingParams | None = None, arrival: float | None = None) -> SimKVSource:
+        """Queue `prompt` on the producer (at `arrival`, default now); returns its KV source."""
+        params = params or SamplingParams()
+        spec, art, costs = self.artifact.model, self.artifact, self.costs
+        n = len(prompt)
+        now = self.runtime.clock() if arrival is None else arrival
+        start = max(now, self.free_at)
+        compute = costs.producer_prefill_s(art, n)
+        end = start + compute
+        self.free_at = end
+        self.busy_s += compute
+        self.requests += 1
+        kinds = spec.layer_kinds
+        tokens = expected_layer_tokens(kinds, n, self._window)
+        layers = [LayerKV(i, self._kv(t), self._kv(t)) for i, t in enumerate(tokens)]
+        link = self.link_free_at
+        layer_at: list[float] = []
+        per_layer = compute / len(kinds)
+        for i, t in enumerate(tokens):
+            computed = end if self.mode == "whole" else start + (i + 1) * per_layer
+            transfer = costs.layer_transfer_s(art, t)
+            link = max(link, computed) + transfer
+            self.transfer_s += transfer
+            layer_at.append(link)
+        self.link_free_at = link
+        if self.mode == "whole":
+            header_at = link
+            layer_at = [link] * len(layer_at)
+        else:
+            header_at = start if costs.pd_header == "producer-start" else end
+        first = sample(self.runtime.prompt_logits(prompt), params,
+                       np.random.default_rng(params.seed))
+        header = KVHeader(
+            request_id=request_id, model_identity=self._identity, num_layers=spec.num_layers,
+            layer_kinds=kinds, prompt_len=n, covered_len=n, first_token=first, dtype="float32",
+            kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, sliding_window=self._window,
+            layer_tokens=tokens)
+        source = SimKVSource(header, header_at, layers, layer_at, self.runtime.clock)
+        self.sources.append(source)
+        return source
+
+    def next_event(self) -> float | None:
+        """The earliest time any open source hands out something new (None: nothing pending)."""
+        self.sources = [s for s in self.sources if s.next_event() is not None]
+        return min((s.next_event() for s in self.sources), default=None)  # type: ignore[type-var]
