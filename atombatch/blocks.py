@@ -38,7 +38,20 @@ from atombatch._blocks_py import (  # noqa: E402  (constants are shared by both 
 )
 
 __all__ = [
-    "BlockPool", "LaneTable", "SlidingSlots", "DecodeInputs", "PrefillInputs", "IMPLEMENTATION",
-    "FREE", "SPARE", "STAGED", "LANE", "CACHED", "STATE_NAMES",
-    "LANE_IDLE", "LANE_PREFILLING", "LANE_DECODING", "LANE_STATE_NAMES",
+    "CACHED",
+    "FREE",
+    "IMPLEMENTATION",
+    "LANE",
+    "LANE_DECODING",
+    "LANE_IDLE",
+    "LANE_PREFILLING",
+    "LANE_STATE_NAMES",
+    "SPARE",
+    "STAGED",
+    "STATE_NAMES",
+    "BlockPool",
+    "DecodeInputs",
+    "LaneTable",
+    "PrefillInputs",
+    "SlidingSlots",
 ]

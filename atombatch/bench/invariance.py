@@ -106,7 +106,7 @@ def run(steps: int = 16) -> list[InvarianceRecord]:
 def format_table(records: list[InvarianceRecord]) -> str:
     lines = [f"{'family':8} {'steps':>5} {'max |Δlogit| B4 vs B1':>24} {'tokens equal':>13}"]
     for r in records:
-        lines.append(f"{r.family:8} {r.steps:5d} {r.max_abs_diff:24.3g} {str(r.tokens_equal):>13}")
+        lines.append(f"{r.family:8} {r.steps:5d} {r.max_abs_diff:24.3g} {r.tokens_equal!s:>13}")
     return "\n".join(lines)
 
 
