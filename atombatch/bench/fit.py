@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import msgspec
 
 from atombatch import plan
+from atombatch.bench import provenance
 from atombatch.config import PRESETS, ArtifactConfig, ModelSpec
 from atombatch.errors import ConfigError
 
@@ -99,15 +99,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
                         help="also write the results as JSON")
     return parser
-
-
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=5, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def _cell(model: str, batch_size: int, num_blocks: int, max_seq_len: int, block_size: int,
@@ -251,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         status = 0 if cell.result.fits else 1
 
     if args.json is not None:
-        report = FitReport(command="fit", params=_params(args), commit=_commit(),
+        report = FitReport(command="fit", params=_params(args), commit=provenance.git_commit(),
                            machine=f"{platform.node()} {platform.platform()}", cells=cells)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=2) + b"\n")

@@ -26,9 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +34,8 @@ from typing import Any, Literal
 
 import msgspec
 import numpy as np
+
+from atombatch.bench import provenance
 
 Outcome = Literal["ok", "timeout", "error"]
 
@@ -239,27 +239,12 @@ async def run(args: argparse.Namespace) -> Report:
               "temperature": 0.0}
     return Report(command=shlex.join([sys.executable, "-m", "atombatch.bench", "http",
                                       *args.argv]),
-                  commit=_commit(), machine=_machine(), params=params, server=card,
+                  commit=provenance.git_commit(), machine=provenance.machine(), params=params, server=card,
                   summary=summary, records=records)
 
 
 def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
-
-
-def _commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=5, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def _machine() -> str:
-    import os
-    return f"{platform.platform()} {platform.machine()} cpus={os.cpu_count()} " \
-           f"python={platform.python_version()}"
 
 
 def format_report(report: Report) -> str:
