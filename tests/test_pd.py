@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from driving import run_to_end
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.pd import (
@@ -61,12 +62,7 @@ def native(spec, work, art):
 def run_pd(batcher, work, make_source, native_extra=()):
     ids = [batcher.submit(p, PARAMS, kv=make_source(f"pd-{i}", p)) for i, p in enumerate(work)]
     extra = [batcher.submit(p, PARAMS) for p in native_extra]
-    finals = {}
-    while batcher.has_unfinished():
-        for out in batcher.step():
-            if out.finished:
-                finals[out.request_id] = out
-        batcher.check_invariants()
+    finals = run_to_end(batcher)
     return [finals[i] for i in ids], [finals[i] for i in extra]
 
 
@@ -187,12 +183,7 @@ def test_faults_fail_only_their_request(fault, mode):
     bad = batcher.submit(work[0], PARAMS, kv=InProcessSource(mangle(payload_items(spec, work[0])),
                                                             mode))
     good = [batcher.submit(p, PARAMS) for p in work[1:]]
-    finals = {}
-    while batcher.has_unfinished():
-        for out in batcher.step():
-            if out.finished:
-                finals[out.request_id] = out
-        batcher.check_invariants()
+    finals = run_to_end(batcher)
     assert finals[bad].finish_reason == "error"
     assert "KV import failed" in finals[bad].error
 
@@ -211,12 +202,7 @@ def test_single_block_rejects_a_truncated_prefix_and_keeps_serving():
     partial = InProcessSource(payload_items(spec, work[0], covered_len=len(work[0]) - 3), "whole")
     bad = batcher.submit(work[0], PARAMS, kv=partial)
     good = batcher.submit(work[1], PARAMS)
-    finals = {}
-    while batcher.has_unfinished():
-        for out in batcher.step():
-            if out.finished:
-                finals[out.request_id] = out
-        batcher.check_invariants()
+    finals = run_to_end(batcher)
     assert finals[bad].finish_reason == "error" and "full prefix" in finals[bad].error
     assert finals[good].completion.token_ids == want[1]
     assert batcher.scheduler.pool.num_free == 1
@@ -234,11 +220,7 @@ def test_hybrid_rejects_a_partial_prefix():
 
 def _run_all(batcher, items):
     ids = [batcher.submit(p, PARAMS, kv=src) for p, src in items]
-    finals = {}
-    while batcher.has_unfinished():
-        for out in batcher.step():
-            if out.finished:
-                finals[out.request_id] = out
+    finals = run_to_end(batcher)
     return [finals[i] for i in ids]
 
 

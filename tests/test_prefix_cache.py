@@ -7,6 +7,7 @@ import logging
 
 import numpy as np
 import pytest
+from driving import run_to_end
 from ledger import LedgerRuntime, ledger_spec, reference
 
 from atombatch import ArtifactConfig, Batcher, ConfigError, ModelSpec, SamplingParams
@@ -91,13 +92,8 @@ def test_concurrent_sharers_pin_blocks_and_copy_the_resume_block():
 
     rt.copy_block = recording_copy
     ids = [batcher.submit(p, GREEDY) for p in (sharer, copier)]
-    finals = {}
-    while batcher.has_unfinished():
-        for out in batcher.step():
-            if out.finished:
-                finals[out.request_id] = out.completion.token_ids
-        batcher.check_invariants()
-    assert [finals[i] for i in ids] == cold[1:]
+    finals = run_to_end(batcher)
+    assert [finals[i].completion.token_ids for i in ids] == cold[1:]
     assert len(copies) == 1
     assert batcher.stats().prefix_hit_tokens == 48 + 40
 
