@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from atombatch.engine import Batcher, EngineStats
+from atombatch.engine import Batcher, EngineStats, KVSource
 from atombatch.errors import AtomBatchError, CapacityError, RequestError
 from atombatch.structs import Completion, RequestOutput, SamplingParams
 
@@ -29,13 +29,17 @@ class AsyncBatcher:
         batcher: the engine to drive.
         offload: run each step in a worker thread so the event loop stays responsive while the
             runtime computes (True for real compute; False for the simulator).
+        idle_poll: seconds between source polls while every unfinished request waits on a KV
+            producer (the loop sleeps instead of spinning).
 
     Use as `async with AsyncBatcher(b) as ab:` or call `start()` / `close()`.
     """
 
-    def __init__(self, batcher: Batcher, *, offload: bool = True) -> None:
+    def __init__(self, batcher: Batcher, *, offload: bool = True,
+                 idle_poll: float = 0.002) -> None:
         self.batcher = batcher
         self.offload = offload
+        self.idle_poll = idle_poll
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._inbox: list[tuple[str, Any]] = []
         self._wake: asyncio.Event | None = None
@@ -69,8 +73,11 @@ class AsyncBatcher:
 
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
-               params: SamplingParams | None = None, request_id: str | None = None) -> str:
+               params: SamplingParams | None = None, request_id: str | None = None,
+               kv: KVSource | None = None) -> str:
         """Validate and queue a request; its outputs arrive through `outputs(request_id)`.
+
+        `kv` is a PD source (see `Batcher.submit`): the KV and first token come from a producer.
 
         Raises:
             RequestError: the request is invalid, the batcher is closing, or the id is in use.
@@ -93,7 +100,7 @@ class AsyncBatcher:
         if request_id in self._queues:
             raise RequestError(f"request_id={request_id!r} is already in flight")
         self._queues[request_id] = asyncio.Queue()
-        self._inbox.append(("submit", (tokens, params, request_id)))
+        self._inbox.append(("submit", (tokens, params, request_id, kv)))
         self._poke()
         return request_id
 
@@ -124,10 +131,10 @@ class AsyncBatcher:
                 self.abort(request_id)
 
     async def stream(self, prompt: Sequence[int] | npt.NDArray[np.integer],
-                     params: SamplingParams | None = None,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                     params: SamplingParams | None = None, request_id: str | None = None,
+                     kv: KVSource | None = None) -> AsyncIterator[RequestOutput]:
         """Submit and iterate; cancelling the consuming task aborts the request."""
-        request_id = self.submit(prompt, params, request_id)
+        request_id = self.submit(prompt, params, request_id, kv)
         async with contextlib.aclosing(self.outputs(request_id)) as outs:
             async for out in outs:
                 yield out
@@ -156,9 +163,9 @@ class AsyncBatcher:
         inbox, self._inbox = self._inbox, []
         for kind, payload in inbox:
             if kind == "submit":
-                tokens, params, request_id = payload
+                tokens, params, request_id, kv = payload
                 try:
-                    self.batcher.submit(tokens, params, request_id=request_id)
+                    self.batcher.submit(tokens, params, request_id=request_id, kv=kv)
                 except Exception as exc:  # one bad request must not stop the loop
                     self._deliver(RequestOutput(request_id=request_id, new_token_ids=(),
                                                 finished=True, finish_reason="error",
@@ -203,3 +210,9 @@ class AsyncBatcher:
                 continue
             for out in outputs:
                 self._deliver(out)
+            if batcher.idle and not outputs and not self._inbox:
+                # Unfinished requests but nothing runnable (PD requests waiting for their
+                # producers): wait for a submit/abort or poll the sources again shortly.
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=self.idle_poll)

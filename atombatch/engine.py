@@ -124,6 +124,7 @@ class Batcher:
         self._seed_seq = np.random.SeedSequence(seed)
         self._next_id = 0
         self._pending: list[RequestOutput] = []
+        self.idle = True  # the last step ran no device call (nothing runnable: e.g. PD waits)
         self.pd_timeout = pd_timeout
         self._kv: dict[str, KVLink] = {}
 
@@ -228,6 +229,7 @@ class Batcher:
         if self._kv:
             self._poll_kv(outputs)
         plan = self.scheduler.schedule(self.clock())
+        self.idle = plan is None
         if plan is None:
             self._flush_events()
             return outputs

@@ -102,3 +102,46 @@ async def _collect(ab, rid):
         if out.finished:
             return tokens, out.finish_reason
     return tokens, None
+
+
+class _LateSource:
+    """A KV source whose payload becomes visible only after `delay` seconds (a slow producer)."""
+
+    def __init__(self, items, delay):
+        from atombatch.pd import InProcessSource
+
+        self._inner = InProcessSource(items, "whole")
+        self._ready_at = asyncio.get_running_loop().time() + delay
+        self.polls = 0
+
+    def poll(self):
+        self.polls += 1
+        if asyncio.get_event_loop().time() < self._ready_at:
+            return None, []
+        return self._inner.poll()
+
+    def done(self):
+        return self._inner.done()
+
+    def close(self):
+        self._inner.close()
+
+
+async def test_waiting_on_a_producer_does_not_spin_the_loop():
+    from atombatch.pd import Producer
+
+    art = artifact(2)
+    producer = Producer(NumpyRuntime.random(art, seed=1))
+    prompt = [3, 4, 5, 6]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    items = list(producer.produce("late", prompt, params).items())
+    batcher = Batcher(NumpyRuntime.random(art, seed=1))
+    want = Batcher(NumpyRuntime.random(art, seed=1)).generate([prompt], params)[0].token_ids
+    async with AsyncBatcher(batcher, offload=False, idle_poll=0.01) as ab:
+        source = _LateSource(items, delay=0.3)
+        tokens = []
+        async for out in ab.stream(prompt, params, kv=source):
+            tokens.extend(out.new_token_ids)
+    assert tuple(tokens) == want
+    assert batcher.runtime.prefill_calls == 0  # the producer's KV was imported
+    assert source.polls < 200  # ~0.3 s at a 10 ms poll, not a busy loop of thousands
