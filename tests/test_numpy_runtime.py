@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import hf_models as hf
 import numpy as np
 import pytest
 
@@ -23,9 +24,6 @@ from atombatch.runtime.numpy_runtime import (
     default_artifact,
     load_safetensors_dir,
 )
-
-hf = pytest.importorskip("hf_models", reason="tests/hf_models.py needs torch + transformers")
-pytest.importorskip("transformers")
 
 FAMILIES = hf.FAMILIES
 WINDOW = hf.SLIDING_WINDOW
