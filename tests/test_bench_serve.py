@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from atombatch import ArtifactConfig, Batcher, SamplingParams
+from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.bench import serve
 from atombatch.runtime.sim import ORIGIN_KONI_B1, CostModel, SimRuntime
 
@@ -91,14 +91,37 @@ def test_pd_routes_and_poisson_and_closed_loop() -> None:
                            load=load)
     stream = serve.run_cell("qwen3-0.6b", "pd-layer-stream", 2048, 32, "B4/k5", "prefill-first",
                             load=load)
-    assert native.requests == whole.requests == 8 and native.completed == 8
-    assert whole.prefill_device_s == 0 and whole.import_device_s > 0
-    assert whole.producer_busy_s > 0 and stream.ttft.max <= whole.ttft.max
+    assert native.requests == whole.requests == stream.requests == 8 and native.completed == 8
+    assert whole.completed == stream.completed == 8 and whole.errors == stream.errors == 0
+    # the real consumer path: import steps and layer writes on the decoder, no prefill there
+    layers = ModelSpec.preset("qwen3-0.6b").num_layers
+    for pd in (whole, stream):
+        assert pd.prefill_device_s == 0 and pd.prefill_calls == 0
+        assert pd.import_device_s > 0 and pd.import_calls == 8 * layers and pd.import_steps >= 8
+        assert pd.import_device_s < native.prefill_device_s / 5
+        # one serial producer computing the prompts natively (producer_speed 1)
+        assert pd.producer_busy_s == pytest.approx(native.prefill_device_s, rel=1e-6)
+    assert native.import_device_s == 0 and native.import_calls == 0
+    assert whole.import_steps == 8  # whole: one import step writes every layer
+    assert stream.ttft.max <= whole.ttft.max and stream.ttft.p50 <= whole.ttft.p50
     poisson = serve.run_cell("qwen3-0.6b", "native", 512, 32, "B4/k5", "decode-first",
                              load=serve.Load(requests=10, arrivals="poisson", rate=2.0))
     assert poisson.status == "ok" and poisson.completed == 10
     arrivals = [r.arrival for r in poisson.request_records]
     assert arrivals == sorted(arrivals) and arrivals[-1] > 0
+
+
+def test_pd_timeout_counts_the_producer_queue() -> None:
+    """The Batcher's pd_timeout runs from submit: behind a serial producer at c16, requests whose
+    header comes later than the timeout fail (each alone); without one, all finish."""
+    load = serve.Load(concurrency=8, pd_timeout_s=5.0)
+    cell = serve.run_cell("qwen3-4b", "pd-layer-stream", 2048, 16, "B4/k5", "prefill-first",
+                          load=load)
+    assert cell.status == "ok" and cell.errors > 0 and cell.completed == 8 - cell.errors
+    assert {r.reason for r in cell.request_records if r.failed} == {"error"}
+    patient = serve.run_cell("qwen3-4b", "pd-layer-stream", 2048, 16, "B4/k5", "prefill-first",
+                             load=serve.Load(concurrency=8))
+    assert patient.completed == 8 and patient.errors == 0
 
 
 def test_cli_writes_table_and_json(tmp_path, capsys) -> None:
@@ -110,8 +133,8 @@ def test_cli_writes_table_and_json(tmp_path, capsys) -> None:
             "--save-costs", str(costs), "--no-progress"]
     assert serve.main(argv) == 0
     text = capsys.readouterr().out
-    assert "calibration:" in text and "253.93" in text
-    assert "rejected" in text and "B1/k1 -> B4/k5" in text
+    assert "calibration:" in text and "253.93" in text and "PD (assumed)" in text
+    assert "rejected" in text and "B1/k1 -> B4/k5" in text and " import " in text
     report = msgspec.json.decode(out.read_bytes(), type=serve.ServeReport)
     assert report.argv == argv and report.command.startswith("python -m atombatch.bench serve")
     assert report.machine.cpu_count and report.version and report.max_rss_bytes > 0

@@ -1,16 +1,22 @@
-"""SimRuntime and its cost model: calibration to the origin figures, formulas, JSON, pseudo-logits."""
+"""SimRuntime and its cost model: calibration to the origin figures, formulas, JSON, pseudo-logits,
+and the simulated PD producer on the engine's real consumer path."""
 
 from __future__ import annotations
 
+import math
+
+import msgspec
 import numpy as np
 import pytest
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
-from atombatch.errors import ConfigError
+from atombatch.errors import ConfigError, KVTransferError, StateError
+from atombatch.pd import LayerKV, validate_header
 from atombatch.runtime.sim import (
     ORIGIN_KONI_B1,
     CostModel,
     ObservedFigures,
+    SimProducer,
     SimRuntime,
     calibrate,
     origin_artifact,
@@ -97,7 +103,8 @@ def test_prefill_chunk_grows_with_position_and_other_models_scale() -> None:
 
 
 def test_cost_model_json_round_trip(tmp_path) -> None:
-    costs = CostModel.default().with_route("pd-layer-stream")
+    costs = msgspec.structs.replace(CostModel.default(), pd_header="producer-start",
+                                    import_bandwidth=16e9)
     path = tmp_path / "costs.json"
     costs.save(path)
     again = CostModel.load(path)
@@ -106,8 +113,10 @@ def test_cost_model_json_round_trip(tmp_path) -> None:
 
 
 def test_bad_cost_model_values_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="route"):
-        CostModel(memory_bandwidth=1e9, prefill_flops=1e12, route="carrier-pigeon")
+    with pytest.raises(ConfigError, match="pd_header"):
+        CostModel(memory_bandwidth=1e9, prefill_flops=1e12, pd_header="carrier-pigeon")
+    with pytest.raises(ConfigError, match="import_bandwidth"):
+        CostModel(memory_bandwidth=1e9, prefill_flops=1e12, import_bandwidth=0)
     with pytest.raises(ConfigError, match="per_lane_fraction"):
         CostModel(memory_bandwidth=1e9, prefill_flops=1e12, per_lane_fraction=-1)
 
@@ -140,15 +149,140 @@ def test_virtual_clock_and_pseudo_logits() -> None:
     assert rt.clock() == pytest.approx(rt.device.prefill_s + rt.device.decode_s + 5.0)
 
 
-def test_pd_route_charges_import_not_compute() -> None:
-    native = CostModel.default()
-    art = koni()
-    rt = SimRuntime(art, native.with_route("pd-whole"))
-    Batcher(rt).generate([[7] * 8192], SamplingParams(max_tokens=2, ignore_eos=True))
-    assert rt.device.prefill_s == 0 and rt.device.import_s > 0
-    assert rt.device.import_s < native.request_prefill_s(art, 8192) / 5
-    whole = native.with_route("pd-whole").producer_delay(art, 8192)
-    stream = native.with_route("pd-layer-stream").producer_delay(art, 8192)
-    assert whole[0] == stream[0] == pytest.approx(native.request_prefill_s(art, 8192))
-    assert stream[1] < whole[1]
-    assert native.producer_delay(art, 8192) == (0.0, 0.0)
+def test_write_layer_kv_charges_import_and_counts_calls() -> None:
+    costs = CostModel.default()
+    art = koni(4, 5)
+    rt = SimRuntime(art, costs)
+    k = np.broadcast_to(np.zeros((), np.float32), (KONI.num_kv_heads, 8192, KONI.head_dim))
+    rt.write_layer_kv(3, k, k, (2,), 0)
+    # 32 MiB of bf16 K+V per KONI layer at 32 GB/s, plus the per-call overhead
+    assert rt.clock() == pytest.approx(costs.import_call_s + 2 * 8 * 128 * 2 * 8192 / 32e9)
+    assert rt.device.import_s == rt.clock() and rt.device.import_calls == 1
+    assert rt.device.prefill_calls == 0
+    with pytest.raises(StateError, match="layer 32"):
+        rt.write_layer_kv(32, k, k, (2,))
+    with pytest.raises(StateError, match="kv_heads"):
+        rt.write_layer_kv(0, k[:1], k[:1], (2,))
+    with pytest.raises(StateError, match="block 5"):
+        rt.write_layer_kv(0, k, k, (5,))
+    assert rt.device.import_calls == 1
+
+
+def run_pd(artifact: ArtifactConfig, mode: str, prompts: list, params: SamplingParams,
+           costs: CostModel | None = None) -> tuple[list, Batcher, SimRuntime, list]:
+    """All prompts submitted together with simulated KV sources, run to the end; the virtual clock
+    jumps to the producer's next event whenever the Batcher has nothing to run."""
+    rt = SimRuntime(artifact, costs)
+    producer = SimProducer(rt, mode)
+    batcher = Batcher(rt, pd_timeout=math.inf)
+    trace = batcher.record_trace()
+    ids = [batcher.submit(p, params, kv=producer.source(f"r{i}", p, params))
+           for i, p in enumerate(prompts)]
+    done = {}
+    while batcher.has_unfinished():
+        steps = batcher.scheduler.counters.steps
+        for out in batcher.step():
+            if out.finished:
+                done[out.request_id] = out.completion
+        if batcher.scheduler.counters.steps == steps:
+            wake = producer.next_event()
+            assert wake is not None and wake > rt.clock()
+            rt.advance_to(wake)
+    return [done[i] for i in ids], batcher, rt, trace
+
+
+@pytest.mark.parametrize("mode", ["whole", "layer-stream"])
+@pytest.mark.parametrize("model,shape", [("koni-8b", (1, 1)), ("koni-8b", (4, 5)),
+                                         ("gemma3-1b", (4, 5))])
+def test_pd_routes_equal_native_through_the_real_consumer_path(model: str, shape: tuple,
+                                                               mode: str) -> None:
+    spec = ModelSpec.preset(model)
+    art = ArtifactConfig(model=spec, batch_size=shape[0], max_seq_len=4096, block_size=4096,
+                         num_blocks=shape[1], prefill_chunk_size=128)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, spec.vocab_size, n) for n in (700, 1500, 130, 1024, 900, 64)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    native = Batcher(SimRuntime(art)).generate(prompts, params)
+    done, batcher, rt, trace = run_pd(art, mode, prompts, params)
+    assert [c.token_ids for c in done] == [c.token_ids for c in native]
+    assert all(c.finish_reason == "length" for c in done)
+    kinds = {r.kind for r in trace}
+    assert "import" in kinds and "prefill" not in kinds and "decode" in kinds
+    assert rt.device.prefill_calls == 0 and rt.device.prefill_s == 0
+    assert rt.device.import_calls == len(prompts) * spec.num_layers
+    assert batcher.stats().imports == sum(r.kind == "import" for r in trace)
+    batcher.check_invariants()
+
+
+def test_layer_stream_first_token_no_later_than_whole() -> None:
+    art = koni(4, 5)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, KONI.vocab_size, 8192) for _ in range(6)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    costs = msgspec.structs.replace(CostModel.default(), transfer_bandwidth=2e9)  # a slow link
+    whole, *_ = run_pd(art, "whole", prompts, params, costs)
+    stream, *_ = run_pd(art, "layer-stream", prompts, params, costs)
+    for w, s in zip(whole, stream, strict=True):
+        assert s.timings.ttft <= w.timings.ttft
+    # at 2 GB/s the 1 GiB of a KONI 8192-token prompt takes ~0.5 s: layer-stream hides it
+    assert stream[0].timings.ttft < whole[0].timings.ttft - 0.4
+    assert [c.token_ids for c in stream] == [c.token_ids for c in whole]
+
+
+@pytest.mark.parametrize("pd_header", ["first-token", "producer-start"])
+def test_pd_request_holds_no_lane_until_its_header_arrives(pd_header: str) -> None:
+    costs = msgspec.structs.replace(CostModel.default(), pd_header=pd_header)
+    art = koni(4, 5)
+    rt = SimRuntime(art, costs)
+    producer = SimProducer(rt, "layer-stream")
+    batcher = Batcher(rt, pd_timeout=math.inf)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = np.arange(3, 3 + 2048)
+    producer.source("other", prompt, params).close()  # occupies the producer first
+    rt.advance_to(1.0)
+    source = producer.source("r", prompt, params)
+    batcher.submit(prompt, params, request_id="r", kv=source)
+    compute = costs.producer_prefill_s(art, 2048)
+    # queued behind the other prompt: the producer starts on it at `compute`
+    expected = 2 * compute if pd_header == "first-token" else compute
+    assert source.header_at == pytest.approx(expected)
+    request = batcher.scheduler.requests["r"]
+    for when in (1.0, source.header_at - 1e-6):
+        rt.advance_to(when)
+        assert batcher.step() == []
+        assert batcher.scheduler.lanes.num_busy == 0 and request.lane < 0
+        assert request.state.name == "WAITING" and request.admitted_at is None
+    rt.advance_to(source.header_at)
+    batcher.step()
+    assert batcher.scheduler.lanes.num_busy == 1 and request.lane >= 0
+    validate_header(source.header, art, prompt, require_full=True)
+    assert source.header.first_token == int(np.argmax(rt.prompt_logits(prompt)))
+    if pd_header == "producer-start":  # layers stream in behind the header, one by one
+        assert not source.done() and source.next_event() > rt.clock()
+    while batcher.has_unfinished():
+        steps = batcher.scheduler.counters.steps
+        batcher.step()
+        if batcher.scheduler.counters.steps == steps:
+            wake = producer.next_event()
+            assert wake is not None and wake > rt.clock()
+            rt.advance_to(wake)
+    assert rt.clock() > source.ready_at
+
+
+def test_sim_sources_hand_out_zero_stride_float32_without_copies() -> None:
+    art = koni(4, 5)
+    rt = SimRuntime(art)
+    source = SimProducer(rt, "whole").source("r", list(range(3, 1003)))
+    assert source.poll() == (None, [])
+    rt.advance_to(source.ready_at)
+    header, layers = source.poll()
+    assert header is not None and header.dtype == "float32" and len(layers) == KONI.num_layers
+    layer: LayerKV = layers[0]
+    assert layer.k.shape == (KONI.num_kv_heads, 1000, KONI.head_dim)
+    assert layer.k.strides == (0, 0, 0) and not layer.k.flags.writeable
+    k, v = layer.float32()
+    assert k is layer.k and v is layer.v            # float32 passes through, nothing allocated
+    assert source.done() and source.poll() == (header, []) and source.next_event() is None
+    source.close()
+    with pytest.raises(KVTransferError, match="closed"):
+        source.poll()
