@@ -99,7 +99,8 @@ class Batcher:
         clock: seconds; defaults to the runtime's `clock` (virtual time) or `time.perf_counter`.
         max_waiting: bound on requests without a lane; `submit` raises `CapacityError` past it.
         pd_timeout: seconds a PD request may wait for its producer's next message (header or
-            layer) before it fails.
+            layer) before it fails; the wait for the header includes the producer's own queue,
+            so this must exceed the longest queueing a producer can have.
 
     Raises:
         ConfigError: the artifact and the options break a rule of DESIGN §3.
@@ -108,7 +109,7 @@ class Batcher:
     def __init__(self, runtime: Runtime, *, prefix_cache: bool = False, host_cache_bytes: int = 0,
                  policy: Policy | str = "prefill-first", seed: int = 0,
                  clock: Callable[[], float] | None = None, max_waiting: int | None = None,
-                 pd_timeout: float = 30.0) -> None:
+                 pd_timeout: float = 300.0) -> None:
         artifact: ArtifactConfig = runtime.artifact
         check_serving(artifact, prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes)
         self.runtime = runtime

@@ -509,6 +509,8 @@ class Scheduler:
             return True
         if self.hybrid and request.lane >= 0 and request.prefill_pos > 0:
             return True  # a half-built sliding window must not see a decode step
+        if request.importing:
+            return True  # an import is a copy of arrived layers, not compute: never held back
         kind = self.policy.kind
         if kind == "prefill-first" or (kind == "fill-first" and request.state is not S.STAGING):
             return True

@@ -36,9 +36,7 @@ import heapq
 import math
 import os
 import platform
-import resource
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +48,7 @@ import numpy as np
 
 import atombatch
 from atombatch import plan
+from atombatch.bench import provenance
 from atombatch.config import ArtifactConfig, ModelSpec
 from atombatch.engine import Batcher
 from atombatch.errors import AtomBatchError, ConfigError
@@ -520,31 +519,6 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
 
 
 # -- the matrix -------------------------------------------------------------------------------------
-def _commit() -> str | None:
-    root = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                              text=True, timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (head + ("-dirty" if dirty else "")) or None
-
-
-def _sdk_version() -> str | None:
-    try:
-        import rebel  # type: ignore[import-not-found]
-    except Exception:
-        return None
-    return str(getattr(rebel, "__version__", "unknown"))
-
-
-def _max_rss_bytes() -> int:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
 def run(models: Sequence[str] = MODELS, routes: Sequence[str] = ROUTES,
         inputs: Sequence[int] = INPUTS, outputs: Sequence[int] = OUTPUTS,
         artifacts: Sequence[str] = ARTIFACTS, policies: Sequence[str] = POLICIES, *,
@@ -604,11 +578,11 @@ def run(models: Sequence[str] = MODELS, routes: Sequence[str] = ROUTES,
                   device_bytes=device_bytes, load=msgspec.to_builtins(load))
     return ServeReport(
         command=shlex.join(["python", "-m", "atombatch.bench", "serve", *argv]), argv=argv,
-        version=atombatch.__version__, commit=_commit(), sdk_version=_sdk_version(),
+        version=atombatch.__version__, commit=provenance.git_commit(), sdk_version=provenance.sdk_version(),
         machine=Machine(platform=platform.platform(), python=platform.python_version(),
                         node=platform.node(), cpu_count=os.cpu_count()),
         runtime=runtime, params=params, cost_model=costs if runtime == "sim" else None,
-        max_rss_bytes=_max_rss_bytes(), runtime_load_s=sum(c.runtime_load_s for c in cells),
+        max_rss_bytes=provenance.max_rss_bytes(), runtime_load_s=sum(c.runtime_load_s for c in cells),
         wall_s=time.perf_counter() - started, cells=cells)
 
 
@@ -747,7 +721,8 @@ def write_plot(report: ServeReport, path: Path) -> None:
             timeout = report.params["load"]["timeout_s"]
             if timeout is not None:
                 ax.axhline(timeout, color="red", linestyle="--", linewidth=0.8)
-            ax.set_title(f"{model} {route} {shape[0]}/{shape[1]} {policy}: {title} (all requests)", fontsize=9)
+            ax.set_title(f"{model} {route} {shape[0]}/{shape[1]} {policy}: {title} "
+                         "(all requests)", fontsize=9)
             ax.set_ylabel("s (virtual)" if report.runtime == "sim" else "s (wall)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -836,10 +811,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _costs_from_args(args: argparse.Namespace) -> CostModel:
     from atombatch.runtime.sim import calibrate
-    if args.costs is not None:
-        costs = CostModel.load(args.costs)
-    else:
-        costs = CostModel.default()
+    costs = CostModel.load(args.costs) if args.costs is not None else CostModel.default()
     priors = {name: value for name, value in (
         ("per_lane_fraction", args.per_lane_fraction),
         ("idle_lane_fraction", args.idle_lane_fraction)) if value is not None}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -53,4 +54,11 @@ class Runtime(Protocol):
 
     def write_block(self, block: int, data: npt.NDArray[np.generic]) -> None:
         """Restore a block previously returned by `read_block`."""
+        ...
+
+    def write_layer_kv(self, layer: int, k: npt.NDArray[np.float32], v: npt.NDArray[np.float32],
+                       block_row: Sequence[int], slot: int = 0) -> None:
+        """PD import of one layer: K/V `[kv_heads, tokens, head_dim]` of positions 0..tokens-1
+        into the blocks of `block_row` (global layer), or a sliding layer's window tail into
+        lane slot `slot` (oldest first)."""
         ...

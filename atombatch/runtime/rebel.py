@@ -132,3 +132,7 @@ class RebelRuntime:
 
     def write_block(self, block: int, data: npt.NDArray[np.generic]) -> None:
         raise self._kv_unsupported("write_block")
+
+    def write_layer_kv(self, layer: int, k: npt.NDArray[np.float32], v: npt.NDArray[np.float32],
+                       block_row: Any, slot: int = 0) -> None:
+        raise self._kv_unsupported("a PD KV import")
