@@ -374,13 +374,18 @@ class Batcher:
                     self._fail(request, f"decode step failed: {exc}", outputs)
             return
         tokens: dict[int, int] = {}
+        # One pass over all rows for the checks every lane needs and for greedy picks.
+        finite = np.isfinite(logits).all(axis=1)
+        greedy = logits.argmax(axis=1)
         for lane, request_id in zip(plan.lanes, plan.request_ids, strict=True):
             request = scheduler.requests[request_id]
-            row = logits[lane]
             try:
-                if not np.isfinite(row).all():
+                if not finite[lane]:
                     raise RequestError(f"decode returned non-finite logits on lane {lane}")
-                tokens[lane] = sample(row, request.params, request.rng)
+                if request.params.temperature == 0.0:
+                    tokens[lane] = int(greedy[lane])
+                else:
+                    tokens[lane] = sample(logits[lane], request.params, request.rng)
             except Exception as exc:
                 self._fail(request, str(exc), outputs)
         for done in scheduler.complete_decode(plan, tokens, self.clock()):

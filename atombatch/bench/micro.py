@@ -66,7 +66,12 @@ OPS = (
     "acquire+release",        # pin and unpin a cached block
     "decode_build",           # one full decode step's input arrays, every lane decoding
     "prefill_build",          # one prefill chunk's input arrays (128 tokens)
+    "engine_step",            # a whole Batcher decode step on a null device (eager shape only):
+                              #   schedule + build + greedy sampling + outputs, every lane decoding
 )
+
+ENGINE_VOCAB = 256
+ENGINE_MAX_SEQ_LEN = 65536  # long enough that no lane finishes while a measurement runs
 
 
 # -- workloads -----------------------------------------------------------------------------------
@@ -187,7 +192,60 @@ def _workloads(impl: ModuleType, lanes: int, blocks_per_seq: int, block_size: in
             build(tokens, PREFILL_CHUNK, row, num_row)
 
     loops["prefill_build"] = prefill_build
+    if blocks_per_seq == 1:
+        loops["engine_step"] = _engine_step_loop(impl, b)
     return loops
+
+
+class _NullDevice:
+    """A device that returns the same logits instantly: what is left is the host's work."""
+
+    def __init__(self, artifact: Any) -> None:
+        self.artifact = artifact
+        self._decode = np.zeros((artifact.batch_size, ENGINE_VOCAB), dtype=np.float32)
+        self._decode[:, 7] = 1.0
+        self._prefill = self._decode[0]
+
+    def prefill(self, inputs: Any) -> np.ndarray:
+        return self._prefill
+
+    def decode(self, inputs: Any) -> np.ndarray:
+        return self._decode
+
+
+def _engine_step_loop(impl: ModuleType, lanes: int) -> Loop:
+    """A Batcher on `impl`'s core with every lane decoding; each iteration is one `step()`."""
+    from atombatch import scheduler as scheduler_module
+    from atombatch.config import ArtifactConfig, ModelSpec
+    from atombatch.engine import Batcher
+    from atombatch.structs import SamplingParams
+
+    spec = ModelSpec(name="null", family="llama", vocab_size=ENGINE_VOCAB, hidden_size=8,
+                     intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8)
+    art = ArtifactConfig(model=spec, batch_size=lanes, max_seq_len=ENGINE_MAX_SEQ_LEN,
+                         block_size=ENGINE_MAX_SEQ_LEN, num_blocks=lanes + 1,
+                         prefill_chunk_size=128)
+    core = scheduler_module.core
+    names = ("BlockPool", "LaneTable", "SlidingSlots", "DecodeInputs", "PrefillInputs")
+    saved = {name: getattr(core, name) for name in names}
+    try:  # the scheduler binds its core objects at construction
+        for name in names:
+            setattr(core, name, getattr(impl, name))
+        batcher = Batcher(_NullDevice(art))  # type: ignore[arg-type]
+    finally:
+        for name, value in saved.items():
+            setattr(core, name, value)
+    params = SamplingParams(max_tokens=ENGINE_MAX_SEQ_LEN - 8, ignore_eos=True)
+    for _ in range(lanes):
+        batcher.submit([1, 2, 3], params)
+    while batcher.scheduler.lanes.num_decoding() < lanes:
+        batcher.step()
+
+    def engine_step(n: int, step: Callable[[], Any] = batcher.step) -> None:
+        for _ in range(n):
+            step()
+
+    return engine_step
 
 
 # -- timing ----------------------------------------------------------------------------------------
@@ -241,6 +299,8 @@ def run(lanes: Iterable[int] = (1, 4, 16, 64, 256), json_path: str | None = None
             for impl in implementations():
                 loops = _workloads(impl, b, bps, block_size, num_blocks)
                 for op in OPS:
+                    if op not in loops:
+                        continue
                     ns = measure(loops[op], target_ms, repeats)
                     records.append(MicroRecord(op=op, impl=impl.IMPLEMENTATION, lanes=b,
                                                num_blocks=num_blocks, ns_per_op=round(ns, 1)))
