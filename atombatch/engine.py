@@ -375,7 +375,7 @@ class Batcher:
             return
         tokens: dict[int, int] = {}
         # One pass over all rows for the checks every lane needs and for greedy picks.
-        finite = np.isfinite(logits).all(axis=1)
+        finite = np.asarray(np.isfinite(logits).all(axis=1))
         greedy = logits.argmax(axis=1)
         for lane, request_id in zip(plan.lanes, plan.request_ids, strict=True):
             request = scheduler.requests[request_id]

@@ -148,7 +148,8 @@ def expected_layer_tokens(kinds: Sequence[str], covered_len: int, window: int) -
     return tuple(min(covered_len, window) if kind == SLIDING else covered_len for kind in kinds)
 
 
-def validate_header(header: KVHeader, artifact: ArtifactConfig, prompt: Sequence[int], *,
+def validate_header(header: KVHeader, artifact: ArtifactConfig,
+                    prompt: Sequence[int] | npt.NDArray[np.integer[Any]], *,
                     require_full: bool) -> None:
     """Check a producer's header against the decoder's artifact and the request's prompt.
 

@@ -24,8 +24,8 @@ from atombatch.engine import Batcher
 from atombatch.runtime.numpy_runtime import NumpyRuntime
 from atombatch.structs import SamplingParams
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
-            head_dim=16)
+TINY: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_heads=4,
+                            num_kv_heads=2, head_dim=16)
 FAMILIES = {
     "llama": ModelSpec(name="tiny-llama", family="llama", num_layers=2, **TINY),
     "qwen3": ModelSpec(name="tiny-qwen3", family="qwen3", num_layers=2, tie_word_embeddings=True,

@@ -454,7 +454,7 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
         completion = done.get(index)
         arrival = arrivals[index]
         if completion is None or completion.timings is None:
-            reason = completion.finish_reason if completion else "lost"
+            reason: str = completion.finish_reason if completion else "lost"
             if reason == "abort" and load.timeout_action == "abort":
                 timeouts += 1  # the client gave up before the request got a lane
                 reason = "timeout"
@@ -699,7 +699,7 @@ def write_plot(report: ServeReport, path: Path) -> None:
     except ImportError:
         raise ConfigError("--plot needs matplotlib: pip install 'atombatch[plot]'") from None
     cells = [c for c in report.cells if c.status == "ok"]
-    policy = report.params["policies"][0] if report.params["policies"] else None
+    policy = report.params["policies"][0] if report.params["policies"] else "prefill-first"
     route = report.params["routes"][0] if report.params["routes"] else None
     models = [m for m in report.params["models"] if any(c.model == m for c in cells)]
     if not models:

@@ -36,7 +36,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -241,11 +241,13 @@ class NumpyRuntime:
         x = self._rms(h, layer.input_norm)
         q, k, v = x @ layer.wq, x @ layer.wk, x @ layer.wv
         if layer.bq is not None:
+            assert layer.bk is not None and layer.bv is not None
             q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
         q = q.reshape(t, spec.num_heads, d)
         k = k.reshape(t, spec.num_kv_heads, d)
         v = v.reshape(t, spec.num_kv_heads, d)
         if layer.q_norm is not None:
+            assert layer.k_norm is not None
             q = self._rms(q, layer.q_norm)
             k = self._rms(k, layer.k_norm)
         cos, sin = _rope_tables(layer.inv_freq, positions)  # [T, d]
@@ -316,12 +318,12 @@ class NumpyRuntime:
 
     # -- KV through the tables --------------------------------------------------------------------
     def _check_table(self, table: npt.NDArray[np.integer[Any]], what: str) -> npt.NDArray[np.int64]:
-        table = np.asarray(table, dtype=np.int64)
-        if table.size and (table.min() < 0 or table.max() >= self.artifact.num_blocks):
-            raise StateError(f"{what} holds blocks {table.min()}..{table.max()}, outside "
+        blocks = np.asarray(table, dtype=np.int64)
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= self.artifact.num_blocks):
+            raise StateError(f"{what} holds blocks {blocks.min()}..{blocks.max()}, outside "
                              f"0..{self.artifact.num_blocks - 1} (the device would read out "
                              "of range)")
-        return table
+        return blocks
 
     def _check_positions(self, positions: npt.NDArray[np.int64], what: str) -> None:
         if positions.size and (positions.min() < 0 or positions.max() >= self.artifact.max_seq_len):
@@ -560,12 +562,12 @@ class NumpyRuntime:
 # -- math helpers ----------------------------------------------------------------------------------
 def _silu(x: Array) -> Array:
     # x * sigmoid(x) through tanh: no overflow warning for large |x|.
-    return x * (F32(0.5) * (F32(1.0) + np.tanh(x * F32(0.5))))
+    return cast(Array, x * (F32(0.5) * (F32(1.0) + np.tanh(x * F32(0.5)))))
 
 
 def _gelu_tanh(x: Array) -> Array:
     c = F32(math.sqrt(2.0 / math.pi))
-    return F32(0.5) * x * (F32(1.0) + np.tanh(c * (x + F32(0.044715) * x * x * x)))
+    return cast(Array, F32(0.5) * x * (F32(1.0) + np.tanh(c * (x + F32(0.044715) * x * x * x))))
 
 
 def _inv_freq(theta: float, head_dim: int, scaling: Any) -> Array:
@@ -598,7 +600,7 @@ def _rope_tables(inv_freq: Array, positions: npt.NDArray[np.int64]) -> tuple[Arr
 def _rotate(x: Array, cos: Array, sin: Array) -> Array:
     half = x.shape[-1] // 2
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    return cast(Array, x * cos + rotated * sin)
 
 
 def _round_to(value: float, dtype: str) -> np.float32:
