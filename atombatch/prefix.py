@@ -178,18 +178,21 @@ class HostCache:
         self.stores += 1
 
     def extend(self, prompt: npt.NDArray[np.int64], match: Match) -> list[Entry]:
-        """Continue a device match into host copies; returns the host entries appended."""
-        if match.entries and not match.entries[-1].full:
-            return []  # the device chain already ends in a partial block
-        parent = match.entries[-1].digest if match.entries else ROOT
-        start = len(match.entries)
+        """Continue a device match into host copies when that covers more of the prompt; returns
+        the host entries now in the match. A device chain ending in a partly matched block is
+        compared with the host's continuation of its wholly matched part; the longer wins."""
+        # only blocks matched to their last token can be continued (a partly matched entry,
+        # full or not, ends the device chain)
+        full = match.entries[: match.tokens // self.block_size]
+        parent = full[-1].digest if full else ROOT
         host_match = Match()
-        self._index.walk(prompt, self.block_size, parent, match.tokens, host_match)
+        self._index.walk(prompt, self.block_size, parent, len(full) * self.block_size,
+                         host_match)
         if host_match.tokens <= match.tokens:
             return []
-        match.entries.extend(host_match.entries)
+        match.entries = [*full, *host_match.entries]
         match.tokens = host_match.tokens
-        for entry in match.entries[start:]:
+        for entry in host_match.entries:
             self._lru.move_to_end(entry.digest)
         self.hits += 1
-        return match.entries[start:]
+        return host_match.entries

@@ -263,6 +263,7 @@ class Scheduler:
         self.spare = -1 if self.single_block else self.pool.reserve_spare()
         self.waiting: deque[Request] = deque()
         self.staging: Request | None = None          # the request using the spare, if any
+        self.staged_spare = -1                       # the spare block that request fills
         self.by_lane: list[Request | None] = [None] * artifact.batch_size
         self.requests: dict[str, Request] = {}       # every unfinished request
         self.counters = Counters(lane_histogram=[0] * (artifact.batch_size + 1))
@@ -420,34 +421,52 @@ class Scheduler:
                     blocks=self.lanes.blocks(lane))
 
     def _attach_prefix_staged(self, request: Request, spare: int) -> None:
-        """Staging from a cached prefix: share the blocks wholly before the resume position and
-        copy the block the prefill resumes in into the spare (device entries only)."""
+        """Staging from a cached prefix: share the device blocks wholly before the resume
+        position, restore host copies into fresh STAGED blocks, and fill the spare (the block the
+        prefill resumes in) from the cached block by a device copy or a host restore."""
         assert self.prefix is not None
         tokens = request.prefill_tokens
         match = self.prefix.lookup(tokens)
+        if self.host is not None:
+            self.host.extend(tokens, match)
         q, bs = self.artifact.prefill_chunk_size, self.artifact.block_size
         resume = (min(match.tokens, len(tokens) - 1) // q) * q
         request.blocks = []
+        self.staged_spare = spare
         if resume == 0:
             self.counters.prefix_misses += 1
             request.blocks.append(spare)
             return
         below = resume // bs
-        for entry in match.entries[:below]:
-            self.pool.acquire(entry.block)
-            request.blocks.append(entry.block)
-        request.shared = below
-        if resume % bs:  # the prefill resumes inside a cached block: copy it into the spare
-            source = match.entries[below].block
-            self.pool.acquire(source)
-            self._copies.append((source, spare))
-            self._unpin.append(source)
+        entries = match.entries[: -(-resume // bs)]
+        for entry in entries:  # pinned first: nothing below may evict them
+            if entry.block >= 0:
+                self.pool.acquire(entry.block)
+        restored = 0
+        for entry in entries[:below]:
+            if entry.block >= 0:  # device entries come first in a match, host ones after
+                request.blocks.append(entry.block)
+                request.shared += 1
+            else:
+                block = self._take_block(core.STAGED, -2)
+                self._restores.append((block, entry.data))
+                request.blocks.append(block)
+                restored += 1
+        if resume % bs:  # the prefill resumes inside a cached block: fill the spare from it
+            source = entries[below]
+            if source.block >= 0:
+                self._copies.append((source.block, spare))
+                self._unpin.append(source.block)
+            else:
+                self._restores.append((spare, source.data))
+                restored += 1
         request.blocks.append(spare)
         request.prefill_pos = resume
         self.counters.prefix_hits += 1
         self.counters.prefix_hit_tokens += resume
+        self.counters.host_restores += restored
         self._event("prefix.hit", request_id=request.request_id, lane=-1, tokens=resume,
-                    shared=below, restored=0, blocks=list(request.blocks))
+                    shared=request.shared, restored=restored, blocks=list(request.blocks))
 
     def _lane_for_staged(self, request: Request, now: float) -> None:
         """A lane became idle: the staging request takes it with its filled blocks."""
@@ -542,6 +561,7 @@ class Scheduler:
                 self._attach_prefix_staged(request, spare)
             else:
                 request.blocks = [spare]
+                self.staged_spare = spare
             self._event("request.staging", request_id=request.request_id, block=spare,
                         resume=request.prefill_pos)
             return request
@@ -869,7 +889,7 @@ class Scheduler:
         for j, block in enumerate(request.blocks):
             if j < request.shared:
                 self.pool.release(block)
-            elif j == request.shared:  # the spare it staged into
+            elif block == self.staged_spare:  # the spare it staged into
                 self.pool.unstage(block)
                 self.spare = block
             else:

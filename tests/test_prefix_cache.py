@@ -197,3 +197,45 @@ def test_staged_requests_start_from_the_cached_prefix_too(layout, caplog):
     staged_hits = [e for e in events if e["event"] == "prefix.hit" and e["lane"] == -1]
     assert staged_hits and all(e["tokens"] >= 32 for e in staged_hits)
     assert rt.prefill_calls < cold_rt.prefill_calls
+
+
+def test_staged_request_restores_its_prefix_from_the_host_cache(caplog):
+    art = artifact(batch_size=2, block_size=16, chunk=8, num_blocks=2 * 8 + 1)
+    system = rng_prompts(1, 40, seed=20)[0]
+    first, later = (system + tail for tail in rng_prompts(2, 10, seed=21))
+    flood = rng_prompts(4, 60, seed=22)   # distinct prompts that push the system prompt out
+    busy = rng_prompts(2, 20, seed=23)    # two long runs that keep both lanes decoding
+    long_run = SamplingParams(max_tokens=60, ignore_eos=True)
+    rt = NumpyRuntime.random(art, seed=4)
+    batcher = Batcher(rt, prefix_cache=True, host_cache_bytes=1 << 22)
+    want = run(art, [later], prefix_cache=False)[0][0]
+    batcher.generate([first], GREEDY)
+    batcher.generate(flood, GREEDY)
+    assert batcher.stats().evictions > 0 and len(batcher.host_cache) > 0
+    for prompt in busy:
+        batcher.submit(prompt, long_run)
+    while batcher.stats().decoding_lanes < 2:
+        batcher.step()
+    rid = batcher.submit(later, GREEDY)
+    with caplog.at_level(logging.INFO, logger="atombatch"):
+        finals = run_to_end(batcher)
+    assert finals[rid].completion.token_ids == want
+    hits = [json.loads(r.getMessage()) for r in caplog.records]
+    staged = [e for e in hits if e["event"] == "prefix.hit" and e["lane"] == -1]
+    assert staged and staged[0]["restored"] > 0 and staged[0]["tokens"] == 40
+
+
+def test_host_lookup_never_continues_from_a_partly_matched_block():
+    """Regression: a cached full block that matches only the first tokens of a prompt must not
+    count as matched; the host continuation starts after wholly matched blocks only."""
+    from atombatch.prefix import HostCache
+
+    index, host = PrefixIndex(block_size=4), HostCache(1 << 20, block_size=4)
+    index.insert(0, b"", np.array([1, 1, 4, 16], dtype=np.int64))
+    prompt = np.array([1, 1, 1, 1, 1, 1], dtype=np.int64)
+    match = index.lookup(prompt)
+    assert match.tokens == 2
+    assert host.extend(prompt, match) == [] and match.tokens == 2
+    entry = PrefixIndex(4).insert(9, b"", np.array([1, 1, 1, 1], dtype=np.int64))
+    host.put(entry, np.zeros(8))
+    assert [e.block for e in host.extend(prompt, match)] == [-1] and match.tokens == 4
