@@ -97,6 +97,12 @@ class BlockPool:
             raise StateError(f"cannot {action} block={block}: it is "
                              f"{STATE_NAMES[self._state[block]]}, not {STATE_NAMES[state]}")
 
+    @staticmethod
+    def _check_owner(owner: int) -> None:
+        # the compiled core stores owners as int32 and refuses others before any change
+        if not -(2**31) <= owner < 2**31:
+            raise OverflowError(f"owner={owner} does not fit an int32")
+
     def _move(self, block: int, state: int, owner: int) -> None:
         self._counts[self._state[block]] -= 1
         self._counts[state] += 1
@@ -176,6 +182,7 @@ class BlockPool:
         """FREE -> `state` (SPARE, STAGED or LANE) for `owner`; the oldest free block first."""
         if state not in (SPARE, STAGED, LANE):
             raise StateError(f"cannot allocate into state={state}: only SPARE, STAGED or LANE")
+        self._check_owner(owner)
         block = self.first_free()
         if block < 0:
             raise CapacityError(f"Cannot get 1 free block from the pool: all {self._n} blocks "
@@ -200,6 +207,7 @@ class BlockPool:
     def stage(self, block: int, owner: int) -> None:
         """SPARE -> STAGED(owner): a queued request starts filling the spare."""
         self._expect(block, SPARE, "stage")
+        self._check_owner(owner)
         self._move(block, STAGED, owner)
 
     def unstage(self, block: int) -> None:
@@ -210,6 +218,7 @@ class BlockPool:
     def assign(self, block: int, lane: int) -> None:
         """STAGED(r) -> LANE(lane): a staged request takes its lane, keeping its filled block."""
         self._expect(block, STAGED, "assign")
+        self._check_owner(lane)
         self._move(block, LANE, lane)
 
     def to_spare(self, block: int) -> None:
@@ -287,6 +296,7 @@ class BlockPool:
     def adopt(self, block: int, lane: int) -> None:
         """An unpinned CACHED block -> LANE(lane): a prefix hit takes the cached KV in place."""
         self._expect(block, CACHED, "adopt")
+        self._check_owner(lane)
         if self._refcnt[block]:
             raise StateError(f"cannot adopt block={block}: refcount {self._refcnt[block]} "
                              "(shared blocks are copied, not adopted)")

@@ -206,7 +206,8 @@ class AsyncBatcher:
                     self._deliver(RequestOutput(request_id=request_id, new_token_ids=(),
                                                 finished=True, finish_reason="error",
                                                 error=f"engine failure: {exc}"))
-                batcher.step()  # drain the abort outputs
+                with contextlib.suppress(Exception):
+                    batcher.step()  # drain the abort outputs
                 continue
             for out in outputs:
                 self._deliver(out)

@@ -50,7 +50,7 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     # Gemma3: sliding layers use their own RoPE base; "layer_types" says which layer is which.
-    rope_local_theta: float = 10000.0
+    rope_local_theta: float = 0.0            # sliding layers' RoPE base; 0 = rope_theta
     sliding_window: int = 0
     layer_types: tuple[str, ...] = ()
     query_pre_attn_scalar: float = 0.0
@@ -69,6 +69,9 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             value = getattr(self, field)
             if value <= 0:
                 raise ConfigError(f"{field}={value} must be positive")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even: RoPE rotates the two "
+                              "halves of each head")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads={self.num_heads} must be a multiple of "
                               f"num_kv_heads={self.num_kv_heads}")
@@ -88,6 +91,11 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def layer_kinds(self) -> tuple[str, ...]:
         return self.layer_types or (FULL,) * self.num_layers
+
+    @property
+    def sliding_rope_theta(self) -> float:
+        """The RoPE base of sliding-window layers (Gemma3's local base; else `rope_theta`)."""
+        return self.rope_local_theta or self.rope_theta
 
     @property
     def is_hybrid(self) -> bool:
@@ -169,6 +177,8 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 rope_theta = float(params.get("rope_theta", rope_theta))
                 scaling_raw = params
         rope_scaling = _rope_scaling(scaling_raw)
+        if family != "gemma3":
+            rope_local = 0.0  # only Gemma3 gives its sliding layers a RoPE base of their own
 
         layer_types: tuple[str, ...] = ()
         sliding_window = int(raw.get("sliding_window") or 0)
@@ -184,6 +194,11 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if SLIDING not in layer_types:
                 layer_types = ()
         if SLIDING not in layer_types:
+            if sliding_window and family != "gemma3" and raw.get("use_sliding_window", True):
+                raise ConfigError(f"sliding_window={sliding_window} without layer_types "
+                                  f"({model_type}): every layer would use it, which this runtime "
+                                  "does not model; serve it with the window disabled or "
+                                  "give layer_types")
             sliding_window = 0
 
         eos = raw.get("eos_token_id")
@@ -320,6 +335,9 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.batch_size > 32767 or self.num_blocks > 32767:
             raise ConfigError(f"batch_size={self.batch_size} and num_blocks={self.num_blocks} "
                               "must fit the device's int16 tables (<= 32767)")
+        if self.prefill_chunk_size > 32768:
+            raise ConfigError(f"prefill_chunk_size={self.prefill_chunk_size} must be <= 32768: "
+                              "query_position is an int16 index into the chunk")
         bps = self.blocks_per_seq
         general = self.batch_size * bps + 1
         if self.num_blocks >= general:

@@ -65,13 +65,14 @@ def hf_config(family: str) -> Any:
     raise ValueError(f"family={family!r} is not one of {FAMILIES}")
 
 
-def build_model(family: str, seed: int = 0) -> Any:
-    """A float32 eval-mode transformers model of `family` with spread-out random weights."""
+def build_model(family: str, seed: int = 0, config: Any = None) -> Any:
+    """A float32 eval-mode transformers model of `family` (or of `config`, a variant of its
+    tiny config) with spread-out random weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
     _quiet()
-    config = hf_config(family)
+    config = config if config is not None else hf_config(family)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                              dtype=torch.float32)

@@ -735,3 +735,16 @@ def test_micro_bench_quick_writes_records(tmp_path) -> None:
     assert all(r.ns_per_op > 0 and r.lanes == 2 for r in records)
     assert msgspec.json.decode(path.read_bytes(), type=list[micro.MicroRecord]) == records
     assert "decode_build" in micro.format_table(records)
+
+
+def test_an_owner_outside_int32_is_refused_before_any_change(impl):
+    pool = impl.BlockPool(3)
+    spare = pool.reserve_spare()
+    before = (pool.counts(), pool.free_blocks())
+    with pytest.raises(OverflowError):
+        pool.allocate(impl.STAGED, 2**31)
+    with pytest.raises(OverflowError):
+        pool.stage(spare, 2**40)
+    assert (pool.counts(), pool.free_blocks()) == before
+    assert pool.state(spare) == impl.SPARE
+    pool.check()

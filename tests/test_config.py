@@ -472,3 +472,24 @@ def test_from_pretrained_reads_config_json(tmp_path: Path) -> None:
 def test_from_pretrained_missing_config(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"config.json does not exist"):
         ModelSpec.from_pretrained(tmp_path)
+
+
+def test_prefill_chunk_must_fit_the_int16_query_position():
+    spec = ModelSpec.preset("qwen3-0.6b")
+    ArtifactConfig(model=spec, batch_size=1, max_seq_len=32768, block_size=32768, num_blocks=2,
+                   prefill_chunk_size=32768)
+    with pytest.raises(ConfigError, match="prefill_chunk_size=65536 must be <= 32768"):
+        ArtifactConfig(model=spec, batch_size=1, max_seq_len=65536, block_size=65536,
+                       num_blocks=2, prefill_chunk_size=65536)
+
+
+def test_odd_head_dim_and_model_wide_sliding_window_are_rejected():
+    with pytest.raises(ConfigError, match="head_dim=7 must be even"):
+        ModelSpec(name="x", family="llama", vocab_size=8, hidden_size=14, intermediate_size=8,
+                  num_layers=1, num_heads=2, num_kv_heads=2, head_dim=7)
+    mistral = {"model_type": "mistral", "vocab_size": 32, "hidden_size": 16,
+               "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+               "sliding_window": 4096}
+    with pytest.raises(ConfigError, match="sliding_window=4096 without layer_types"):
+        ModelSpec.from_hf_config(mistral)
+    assert ModelSpec.from_hf_config({**mistral, "sliding_window": None}).sliding_window == 0

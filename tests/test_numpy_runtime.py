@@ -506,3 +506,18 @@ def test_random_runtime_has_spread_logits_and_default_artifact() -> None:
     assert len(set(logits.argmax(-1).tolist())) > 5
     again = NumpyRuntime.random(default_artifact(spec), seed=0).reference_logits(list(range(1, 30)))
     np.testing.assert_array_equal(logits, again)
+
+
+def test_qwen3_sliding_layers_keep_the_global_rope_base(tmp_path):
+    """Regression: only Gemma3 gives sliding layers a RoPE base of their own; a Qwen3 checkpoint
+    with sliding-window layers uses rope_theta on them too."""
+    config = hf.hf_config("qwen3")
+    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 1
+    config.layer_types = ["full_attention", "sliding_attention", "sliding_attention"]
+    model = hf.build_model("qwen3", config=config)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    spec = ModelSpec.from_pretrained(tmp_path)
+    assert spec.is_hybrid and spec.sliding_rope_theta == spec.rope_theta == 1e6
+    rt = NumpyRuntime.from_pretrained(tmp_path)
+    ids = list(range(3, 40))
+    np.testing.assert_allclose(rt.reference_logits(ids), hf.hf_logits(model, ids), **TOL)

@@ -288,6 +288,11 @@ async def test_bad_requests_answer_errors_while_a_stream_completes(server: Serve
             ({"messages": [{"role": "user", "content": "<5><999>"}]}, 400, "messages"),
             ({"messages": [{"role": "user", "content": "words"}]}, 400, "messages"),
             ({"messages": "hi"}, 422, "messages"),
+            # 0 is a value, not "unset": the engine rejects it (regression)
+            ({"messages": [{"role": "user", "content": "<5>"}], "max_tokens": 0}, 400,
+             "max_tokens"),
+            ({"messages": [{"role": "user", "content": "<5>"}], "max_completion_tokens": 0,
+              "max_tokens": 3}, 400, "max_tokens"),
         ]
         for body, status, param in chat_bad:
             r = await client.post(f"{server.url}/v1/chat/completions", json=body)

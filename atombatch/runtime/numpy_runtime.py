@@ -187,7 +187,7 @@ class NumpyRuntime:
         self._final_norm = norm("model.norm.weight", hidden)
 
         global_freq = _inv_freq(spec.rope_theta, d, spec.rope_scaling)
-        local_freq = _inv_freq(spec.rope_local_theta, d, None)
+        local_freq = _inv_freq(spec.sliding_rope_theta, d, None)
         qk_norm = spec.family in ("qwen3", "gemma3")
         self._layers: list[_Layer] = []
         counters = {False: 0, True: 0}

@@ -310,7 +310,8 @@ class _Server:
             prompt = self.codec.render_chat(messages)
         except RequestError as exc:
             raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
-        max_tokens = body.max_completion_tokens or body.max_tokens or \
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else \
+            body.max_tokens if body.max_tokens is not None else \
             max(1, self.artifact.max_seq_len - len(prompt))
         params = self.params(body, max_tokens)
         gen = self.submit("chatcmpl", prompt, params, "messages")
