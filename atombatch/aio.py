@@ -41,6 +41,9 @@ class AsyncBatcher:
         self.offload = offload
         self.idle_poll = idle_poll
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        # finished before anyone called outputs(): kept until claimed
+        self._unclaimed: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._claimed: set[str] = set()
         self._inbox: list[tuple[str, Any]] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -99,6 +102,7 @@ class AsyncBatcher:
             self._next_id += 1
         if request_id in self._queues:
             raise RequestError(f"request_id={request_id!r} is already in flight")
+        self._unclaimed.pop(request_id, None)
         self._queues[request_id] = asyncio.Queue()
         self._inbox.append(("submit", (tokens, params, request_id, kv)))
         self._poke()
@@ -113,10 +117,18 @@ class AsyncBatcher:
     def outputs(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Iterate a submitted request's outputs; leaving the iteration early aborts it.
 
-        The request's queue is taken now, so a request that finishes before the first `__anext__`
-        still yields its outputs.
+        A request that finished before this call (or before the first `__anext__`) still yields
+        its outputs.
+
+        Raises:
+            RequestError: no request with this id was submitted (or its outputs were taken).
         """
-        return self._iterate(request_id, self._queues[request_id])
+        queue = self._queues.get(request_id) or self._unclaimed.pop(request_id, None)
+        if queue is None:
+            raise RequestError(f"request_id={request_id!r} is unknown or its outputs were taken")
+        if request_id in self._queues:
+            self._claimed.add(request_id)
+        return self._iterate(request_id, queue)
 
     async def _iterate(self, request_id: str, queue: asyncio.Queue[RequestOutput]
                        ) -> AsyncGenerator[RequestOutput, None]:
@@ -180,6 +192,10 @@ class AsyncBatcher:
         queue.put_nowait(out)
         if out.finished:
             del self._queues[out.request_id]
+            if out.request_id in self._claimed:
+                self._claimed.discard(out.request_id)
+            else:
+                self._unclaimed[out.request_id] = queue
 
     async def _run(self) -> None:
         assert self._wake is not None

@@ -235,7 +235,7 @@ class Batcher:
             self._flush_events()
             return outputs
         if plan.saves or plan.restores or plan.copies:
-            self._run_block_ops(plan)
+            self._run_block_ops(plan, outputs)
         if plan.kind == "prefill":
             self._run_prefill(plan, outputs)
         elif plan.kind == "import":
@@ -245,21 +245,41 @@ class Batcher:
         self._flush_events()
         return outputs
 
-    def _run_block_ops(self, plan: StepPlan) -> None:
+    def _run_block_ops(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         """Cache-management KV moves the plan needs before its device call, in a safe order:
-        evicted blocks to the host first, then host restores, then device copies."""
+        evicted blocks to the host first, then host restores, then device copies. A failed
+        restore or copy fails the request it was for (its KV would be garbage); a failed save
+        only loses that host copy."""
         runtime = self.runtime
         for entry in plan.saves:
             assert self.host_cache is not None
-            self.host_cache.put(entry, runtime.read_block(entry.block))
-        for block, data in plan.restores:
-            runtime.write_block(block, data)
-        for src, dst in plan.copies:
-            runtime.copy_block(src, dst)
+            try:
+                self.host_cache.put(entry, runtime.read_block(entry.block))
+            except Exception as exc:
+                log.warning("host_cache.save_failed", block=entry.block, error=str(exc))
+        failed: dict[str, str] = {}
+        for block, data, request_id in plan.restores:
+            try:
+                runtime.write_block(block, data)
+            except Exception as exc:
+                failed.setdefault(request_id, f"restoring block {block} from the host failed: "
+                                              f"{exc}")
+        for src, dst, request_id in plan.copies:
+            try:
+                runtime.copy_block(src, dst)
+            except Exception as exc:
+                failed.setdefault(request_id, f"copying cached block {src} to {dst} failed: "
+                                              f"{exc}")
+        for request_id, message in failed.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self._fail(request, message, outputs)
 
     def _run_prefill(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         scheduler = self.scheduler
-        request = scheduler.requests[plan.request_id]
+        request = scheduler.requests.get(plan.request_id)
+        if request is None:  # failed by this plan's block ops: nothing to compute for it
+            return
         try:
             logits = self.runtime.prefill(plan.inputs)
             token = None
@@ -338,8 +358,10 @@ class Batcher:
 
     def _run_import(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         scheduler = self.scheduler
-        request = scheduler.requests[plan.request_id]
-        link = self._kv[plan.request_id]
+        request = scheduler.requests.get(plan.request_id)
+        link = self._kv.get(plan.request_id)
+        if request is None or link is None:
+            return
         layers = self._writable(link)
         try:
             for layer in layers:
@@ -378,7 +400,9 @@ class Batcher:
         finite = np.asarray(np.isfinite(logits).all(axis=1))
         greedy = logits.argmax(axis=1)
         for lane, request_id in zip(plan.lanes, plan.request_ids, strict=True):
-            request = scheduler.requests[request_id]
+            request = scheduler.requests.get(request_id)
+            if request is None:  # failed by this plan's block ops
+                continue
             try:
                 if not finite[lane]:
                     raise RequestError(f"decode returned non-finite logits on lane {lane}")

@@ -59,7 +59,7 @@ import numpy.typing as npt
 from atombatch import blocks as core
 from atombatch.config import ArtifactConfig
 from atombatch.errors import CapacityError, ConfigError, StateError
-from atombatch.prefix import ROOT, Entry, HostCache, PrefixIndex, chain_digest
+from atombatch.prefix import ROOT, Entry, HostCache, Match, PrefixIndex, chain_digest
 from atombatch.structs import FinishReason, SamplingParams
 
 
@@ -210,8 +210,9 @@ class StepPlan(msgspec.Struct):
     blocks: tuple[int, ...] = ()             # import: the request's block row (positions 0..)
     slot: int = 0                            # import: its sliding slot (hybrid)
     saves: tuple[Entry, ...] = ()            # first: copy these evicted blocks to the host cache
-    restores: tuple[tuple[int, Any], ...] = ()  # then: write host data into (block, data)
-    copies: tuple[tuple[int, int], ...] = ()    # then: copy_block(src, dst) (shared prefix hits)
+    restores: tuple[tuple[int, Any, str], ...] = ()  # then: write host data into a block
+                                                     #   (block, data, for request id)
+    copies: tuple[tuple[int, int, str], ...] = ()    # then: copy_block(src, dst, for request id)
 
 
 class StepRecord(msgspec.Struct, frozen=True):
@@ -275,8 +276,8 @@ class Scheduler:
         self.prefix = PrefixIndex(artifact.block_size) if prefix_cache else None
         self.host = host_cache
         self._saves: list[Entry] = []
-        self._restores: list[tuple[int, Any]] = []
-        self._copies: list[tuple[int, int]] = []
+        self._restores: list[tuple[int, Any, str]] = []
+        self._copies: list[tuple[int, int, str]] = []
         self._unpin: list[int] = []
 
     # -- queries --------------------------------------------------------------------------------
@@ -309,6 +310,16 @@ class Scheduler:
     def _available(self) -> int:
         """Blocks growth may take: FREE plus evictable CACHED (the spare is never counted)."""
         return self.pool.num_free + self.pool.num_evictable
+
+    def _growth_reserve(self) -> int:
+        """Blocks the busy lanes still need to reach their longest possible length."""
+        limit = self.artifact.max_seq_len
+        need = 0
+        for request in self.by_lane:
+            if request is not None:
+                final = min(len(request.prompt) + request.params.max_tokens, limit)
+                need += max(self.lanes.blocks_for(final) - self.lanes.num_held(request.lane), 0)
+        return need
 
     def _committed(self) -> int:
         """Blocks that admitted, still-prefilling lanes will take before they decode."""
@@ -370,13 +381,22 @@ class Scheduler:
         request.admit_order = self._admit_counter
         self._admit_counter += 1
 
+    def _lookup(self, tokens: npt.NDArray[np.int64]) -> Match:
+        """Longest cached prefix, on the device and then on the host. A host entry whose digest
+        is (still or again) on the device is replaced by the device block: a child can outlive
+        its evicted parent there, and a restore must never duplicate a cached digest."""
+        assert self.prefix is not None
+        match = self.prefix.lookup(tokens)
+        if self.host is not None and self.host.extend(tokens, match):
+            match.entries = [self.prefix.find(e.digest) or e if e.block < 0 else e
+                             for e in match.entries]
+        return match
+
     def _attach_prefix(self, request: Request) -> None:
         """Start a fresh lane from the longest cached prefix of what it must prefill."""
         assert self.prefix is not None
         tokens = request.prefill_tokens
-        match = self.prefix.lookup(tokens)
-        if self.host is not None:
-            self.host.extend(tokens, match)
+        match = self._lookup(tokens)
         q, bs, lane = self.artifact.prefill_chunk_size, self.artifact.block_size, request.lane
         resume = (min(match.tokens, len(tokens) - 1) // q) * q
         if resume == 0:
@@ -392,12 +412,10 @@ class Scheduler:
             block = entry.block
             if block < 0:  # only on the host: restore into a fresh block
                 block = self._take_block(core.LANE, lane)
-                self._restores.append((block, entry.data))
+                self._restores.append((block, entry.data, request.request_id))
                 restored += 1
                 if below:
-                    self.pool.cache(block)
-                    self.prefix.insert(block, entry.parent, entry.tokens)
-                    self.pool.acquire(block)
+                    self._share_restored(block, entry)
             elif not below:  # the prefill resumes inside it: this lane needs its own copy
                 self.pool.release(block)
                 if self.pool.refcount(block) == 0:
@@ -405,7 +423,7 @@ class Scheduler:
                     self.pool.adopt(block, lane)
                 else:
                     copy = self._take_block(core.LANE, lane)
-                    self._copies.append((block, copy))
+                    self._copies.append((block, copy, request.request_id))
                     self.pool.acquire(block)
                     self._unpin.append(block)  # released once the copy op is on a plan
                     block = copy
@@ -426,9 +444,7 @@ class Scheduler:
         prefill resumes in) from the cached block by a device copy or a host restore."""
         assert self.prefix is not None
         tokens = request.prefill_tokens
-        match = self.prefix.lookup(tokens)
-        if self.host is not None:
-            self.host.extend(tokens, match)
+        match = self._lookup(tokens)
         q, bs = self.artifact.prefill_chunk_size, self.artifact.block_size
         resume = (min(match.tokens, len(tokens) - 1) // q) * q
         request.blocks = []
@@ -444,21 +460,21 @@ class Scheduler:
                 self.pool.acquire(entry.block)
         restored = 0
         for entry in entries[:below]:
-            if entry.block >= 0:  # device entries come first in a match, host ones after
-                request.blocks.append(entry.block)
-                request.shared += 1
-            else:
+            block = entry.block
+            if block < 0:  # a host copy: restored, cached and shared like a device entry
                 block = self._take_block(core.STAGED, -2)
-                self._restores.append((block, entry.data))
-                request.blocks.append(block)
+                self._restores.append((block, entry.data, request.request_id))
+                self._share_restored(block, entry)
                 restored += 1
+            request.blocks.append(block)
+            request.shared += 1
         if resume % bs:  # the prefill resumes inside a cached block: fill the spare from it
             source = entries[below]
             if source.block >= 0:
-                self._copies.append((source.block, spare))
+                self._copies.append((source.block, spare, request.request_id))
                 self._unpin.append(source.block)
             else:
-                self._restores.append((spare, source.data))
+                self._restores.append((spare, source.data, request.request_id))
                 restored += 1
         request.blocks.append(spare)
         request.prefill_pos = resume
@@ -467,6 +483,15 @@ class Scheduler:
         self.counters.host_restores += restored
         self._event("prefix.hit", request_id=request.request_id, lane=-1, tokens=resume,
                     shared=request.shared, restored=restored, blocks=list(request.blocks))
+
+    def _share_restored(self, block: int, entry: Entry) -> None:
+        """A block restored from the host for positions before the resume point joins the device
+        cache and is pinned by the request that restored it."""
+        assert self.prefix is not None
+        self.pool.cache(block)
+        inserted = self.prefix.insert(block, entry.parent, entry.tokens)
+        assert inserted is not None, "a host entry on the device was not replaced by _lookup"
+        self.pool.acquire(block)
 
     def _lane_for_staged(self, request: Request, now: float) -> None:
         """A lane became idle: the staging request takes it with its filled blocks."""
@@ -578,11 +603,13 @@ class Scheduler:
             return False
         if self.lanes.num_idle or self.lanes.num_decoding() != self.lanes.batch_size:
             return False
-        extra = self._blocks_for_prefill(head) - 1
         if self.artifact.oversubscribed:
-            # keep one block per lane's next growth step out of reach of staging
-            return self._available() >= extra + self.lanes.batch_size
-        return self._available() >= extra
+            # Lanes' growth competes with staging for a scarce pool: staging would hold the
+            # spare while a preempted lane needs it as its padding target. Queue instead.
+            return False
+        # Blocks beyond the spare only from what running lanes will never need.
+        extra = self._blocks_for_prefill(head) - 1
+        return extra == 0 or self._available() - self._growth_reserve() >= extra
 
     def _mark_admitted(self, request: Request) -> None:
         """Its first device work is being planned: the queue wait ends here."""

@@ -145,3 +145,17 @@ async def test_waiting_on_a_producer_does_not_spin_the_loop():
     assert tuple(tokens) == want
     assert batcher.runtime.prefill_calls == 0  # the producer's KV was imported
     assert source.polls < 200  # ~0.3 s at a 10 ms poll, not a busy loop of thousands
+
+
+async def test_outputs_of_a_request_that_already_finished_are_still_delivered():
+    batcher = Batcher(NumpyRuntime.random(artifact(2), seed=0))
+    async with AsyncBatcher(batcher, offload=False) as ab:
+        rid = ab.submit([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+            if ab.in_flight == 0:
+                break
+        tokens = [t async for out in ab.outputs(rid) for t in out.new_token_ids]
+        assert len(tokens) == 2
+        with pytest.raises(RequestError, match="unknown or its outputs were taken"):
+            ab.outputs(rid)
