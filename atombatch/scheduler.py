@@ -537,7 +537,7 @@ class Scheduler:
                 break
             if prefill is None:
                 break
-        if plan is not None and (self._saves or self._restores or self._copies):
+        if plan is not None and (self._saves or self._restores or self._copies or self._unpin):
             plan.saves, plan.restores, plan.copies = (tuple(self._saves), tuple(self._restores),
                                                       tuple(self._copies))
             self._saves.clear()
@@ -851,8 +851,30 @@ class Scheduler:
         self.finish(request, "error", error)
 
     def preempt(self, request: Request) -> None:
-        """Free a running request's lane and blocks; it goes back to the queue head to recompute."""
-        self._release(request)
+        """Free a running request's lane and blocks; it goes back to the queue head to recompute.
+
+        Its computed KV stays in the prefix cache, unless a restore or copy for it is still
+        pending in this step: those blocks do not hold their KV yet, so they are dropped with
+        their ops instead of being cached (and possibly evicted and saved before they are
+        written)."""
+        rid = request.request_id
+        pending = any(op[2] == rid for op in self._restores) or \
+            any(op[2] == rid for op in self._copies)
+        if pending:
+            assert self.prefix is not None
+            kept = []
+            for op in self._restores:
+                if op[2] != rid:
+                    kept.append(op)
+                elif self.prefix.entry(op[0]) is not None:
+                    # a restored block already in the cache index: it must still be written,
+                    # and stay pinned until then so nothing evicts (and saves) it first
+                    kept.append(op)
+                    self.pool.acquire(op[0])
+                    self._unpin.append(op[0])
+            self._restores = kept
+            self._copies = [op for op in self._copies if op[2] != rid]
+        self._release(request, keep_kv=not pending)
         request.set_state(S.WAITING)
         request.prefill_pos = 0
         request.pd = None  # its imported KV is gone: recompute natively
