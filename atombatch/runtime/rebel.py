@@ -77,14 +77,19 @@ class RebelRuntime:
         return cls(artifact, folder / "prefill.rbln", folder / "decoder.rbln", device=device)
 
     # -- positional inputs (pure; shared with tests) ----------------------------------------------
-    def prefill_args(self, inputs: PrefillArrays) -> list[tuple[str, npt.NDArray[Any]]]:
-        args: list[tuple[str, npt.NDArray[Any]]] = [
+    def _table_args(self, inputs: PrefillArrays | DecodeArrays) -> list[tuple[str, Any]]:
+        """The inputs both graphs start with: ids, positions, global and (hybrid) local tables."""
+        args: list[tuple[str, Any]] = [
             ("input_ids", inputs.input_ids),
             ("cache_position", inputs.cache_position),
             ("block_tables", inputs.block_tables),
         ]
         if self.spec.is_hybrid:
             args.append(("local_block_tables", inputs.local_block_tables))
+        return args
+
+    def prefill_args(self, inputs: PrefillArrays) -> list[tuple[str, npt.NDArray[Any]]]:
+        args = self._table_args(inputs)
         args.append(("query_position", inputs.query_position))
         if self._uses_mask:
             last = int(inputs.cache_position[0, int(inputs.query_position)])
@@ -95,13 +100,7 @@ class RebelRuntime:
         return args
 
     def decode_args(self, inputs: DecodeArrays) -> list[tuple[str, npt.NDArray[Any]]]:
-        args: list[tuple[str, npt.NDArray[Any]]] = [
-            ("input_ids", inputs.input_ids),
-            ("cache_position", inputs.cache_position),
-            ("block_tables", inputs.block_tables),
-        ]
-        if self.spec.is_hybrid:
-            args.append(("local_block_tables", inputs.local_block_tables))
+        args = self._table_args(inputs)
         if self._uses_mask:
             np.less_equal(self._positions[None, :], inputs.cache_position, out=self._decode_mask,
                           casting="unsafe")
