@@ -60,7 +60,6 @@ def test_host_restore_of_a_digest_still_on_the_device_shares_the_device_block():
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     prompt = list(range(1, 21))  # blocks: 1-8, 9-16, 17-20 (partial)
     want = tuple(reference(prompt, 1, 97))
-    assert run_to_end(batcher) == {}
     assert batcher.generate([prompt], one)[0].token_ids == want
     batcher.generate([[50] * 60], one)            # evicts everything to the host
     assert batcher.generate([prompt], one)[0].token_ids == want  # restored from the host
