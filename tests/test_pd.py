@@ -99,7 +99,8 @@ def test_import_is_staged_in_the_spare_while_all_lanes_decode(family):
     pd_prompt = prompts(1, seed=2)
     want_native = native(spec, long_runs + pd_prompt, art)
     batcher = Batcher(NumpyRuntime.random(art, SEED))
-    busy = [batcher.submit(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in long_runs]
+    for p in long_runs:
+        batcher.submit(p, SamplingParams(max_tokens=10, ignore_eos=True))
     while batcher.stats().decoding_lanes < 4:
         batcher.step()
     producer = producer_for(spec)
@@ -111,7 +112,6 @@ def test_import_is_staged_in_the_spare_while_all_lanes_decode(family):
         assert stats.staged_chunks == 0 and stats.rotations == 0  # slots cannot rotate
     else:
         assert stats.staged_chunks >= 1 and stats.rotations == 1
-    assert busy
 
 
 def test_partial_prefix_resumes_natively_outside_single_block():
