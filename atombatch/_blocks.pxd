@@ -55,8 +55,15 @@ cdef class SlidingSlots:
 
 @cython.final
 cdef class DecodeInputs:
-    cdef readonly object input_ids, cache_position, block_tables, local_block_tables
-    cdef readonly Py_ssize_t _b, _bps
+    cdef readonly object input_ids, cache_position, block_tables, local_block_tables, row_lanes
+    cdef readonly object buckets
+    cdef readonly Py_ssize_t _b, _bps, num_rows
+    cdef object _views
+    cdef object _buffers
+    cdef int32_t[::1] _buckets_v
+    cdef int32_t[::1] _row_lanes_v
+
+    cdef int _select(self, Py_ssize_t index) except -1
     cdef int64_t[:, ::1] _input_ids_v
     cdef int32_t[:, ::1] _cache_position_v
     cdef int16_t[:, ::1] _block_tables_v

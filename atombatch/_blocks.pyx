@@ -24,6 +24,7 @@ from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint64_t
 
 import numpy as np
 
+from atombatch._blocks_py import check_buckets
 from atombatch.errors import CapacityError, RequestError, StateError
 
 FREE = 0
@@ -662,45 +663,77 @@ cdef class SlidingSlots:
 
 @cython.final
 cdef class DecodeInputs:
-    """The decode graph's inputs, allocated once and rewritten in place every step."""
+    """The decode graph's inputs, allocated once and rewritten in place every step.
 
-    def __cinit__(self, Py_ssize_t batch_size, Py_ssize_t blocks_per_seq):
-        self.input_ids = np.zeros((batch_size, 1), dtype=np.int64)
-        self.cache_position = np.zeros((batch_size, 1), dtype=np.int32)
-        self.block_tables = np.zeros((batch_size, blocks_per_seq), dtype=np.int16)
-        self.local_block_tables = np.arange(batch_size, dtype=np.int16).reshape(batch_size, 1)
+    With several compiled decode batch sizes ("buckets"), each step runs the smallest bucket that
+    holds the decoding lanes. Rows are packed: rows `0..n-1` are the decoding lanes in lane order,
+    the remaining rows of the bucket are padding. Lanes never move (their blocks and sliding slots
+    stay theirs); only the row a lane occupies changes. The buffers are allocated once at full batch
+    size; a bucket's arrays are views of their first `b` rows (C-contiguous), made once.
+    """
+
+    def __cinit__(self, Py_ssize_t batch_size, Py_ssize_t blocks_per_seq, buckets=None):
         self._b = batch_size
         self._bps = blocks_per_seq
-        self._input_ids_v = self.input_ids
-        self._cache_position_v = self.cache_position
-        self._block_tables_v = self.block_tables
-        self._local_block_tables_v = self.local_block_tables
+        self.buckets = check_buckets(batch_size, buckets)
+        self._buckets_v = np.asarray(self.buckets, dtype=np.int32)
+        input_ids = np.zeros((batch_size, 1), dtype=np.int64)
+        cache_position = np.zeros((batch_size, 1), dtype=np.int32)
+        block_tables = np.zeros((batch_size, blocks_per_seq), dtype=np.int16)
+        local_block_tables = np.arange(batch_size, dtype=np.int16).reshape(batch_size, 1)
+        row_lanes = np.arange(batch_size, dtype=np.int32)
+        self._buffers = (input_ids, cache_position, block_tables, local_block_tables, row_lanes)
+        self._input_ids_v = input_ids
+        self._cache_position_v = cache_position
+        self._block_tables_v = block_tables
+        self._local_block_tables_v = local_block_tables
+        self._row_lanes_v = row_lanes
+        self._views = [(input_ids[:b], cache_position[:b], block_tables[:b],
+                        local_block_tables[:b], row_lanes[:b]) for b in self.buckets]
+        self._select(len(self.buckets) - 1)
+
+    cdef int _select(self, Py_ssize_t index) except -1:
+        (self.input_ids, self.cache_position, self.block_tables, self.local_block_tables,
+         self.row_lanes) = self._views[index]
+        self.num_rows = self._buckets_v[index]
+        return 0
+
+    def bucket_for(self, Py_ssize_t num_decoding):
+        """The smallest compiled decode batch that holds `num_decoding` lanes."""
+        cdef Py_ssize_t i
+        for i in range(self._buckets_v.shape[0]):
+            if self._buckets_v[i] >= num_decoding:
+                return self._buckets_v[i]
+        raise StateError(f"{num_decoding} decoding lanes exceed batch_size={self._b}")
 
     @cython.boundscheck(ATOMBATCH_DEBUG)
     @cython.wraparound(ATOMBATCH_DEBUG)
     @cython.initializedcheck(ATOMBATCH_DEBUG)
     def build(self, LaneTable lanes not None, Py_ssize_t padding_block):
-        """Fill every row; returns the number of decoding lanes.
+        """Fill the rows of the smallest bucket that holds every decoding lane; returns how many lanes
+        decode.
 
         A DECODING lane feeds its next token at position `seq_len` through its own blocks, the tail
-        entries repeating its last block. Every other lane (idle or mid-prefill) is padding: token 0,
-        position 0, and a row that points only at `padding_block`. Every lane is validated before
-        anything is written, so a failed build leaves the buffers as they were.
+        entries repeating its last block, with its own sliding slot. Padding rows take token 0,
+        position 0, a table row that points only at `padding_block`, and the sliding slot of a lane
+        that does not decode (idle, or prefilling a non-hybrid model). Every lane is validated
+        before anything is written, so a failed build leaves the buffers as they were.
         """
         cdef Py_ssize_t b = lanes._b, bps = lanes._bps
-        cdef Py_ssize_t lane, j, held, decoding = 0
+        cdef Py_ssize_t lane, j, held, decoding = 0, index = 0, rows, row = 0, pad_row
         cdef int16_t last, pad
         cdef int8_t[::1] state = lanes._state_v
         cdef int32_t[::1] num_held = lanes._num_held_v
         cdef int32_t[::1] seq_len = lanes._seq_len_v
         cdef int64_t[::1] next_token = lanes._next_token_v
-        cdef int32_t[:, ::1] rows = lanes._rows_v
+        cdef int32_t[:, ::1] lane_rows = lanes._rows_v
         cdef int64_t[:, ::1] input_ids = self._input_ids_v
         cdef int32_t[:, ::1] cache_position = self._cache_position_v
         cdef int16_t[:, ::1] tables = self._block_tables_v
         cdef int16_t[:, ::1] local_tables = self._local_block_tables_v
+        cdef int32_t[::1] row_lanes = self._row_lanes_v
         if self._b != b or self._bps != bps:
-            raise StateError(f"decode buffers are {self.block_tables.shape}, lanes are {(b, bps)}")
+            raise StateError(f"decode buffers are {(self._b, self._bps)}, lanes are {(b, bps)}")
         for lane in range(b):
             if state[lane] == C_LANE_DECODING:
                 # The device writes position seq_len into entry seq_len // block_size: that entry
@@ -709,26 +742,36 @@ cdef class DecodeInputs:
                 if lanes._blocks_for(seq_len[lane] + 1) > held or held == 0:
                     raise StateError(f"lane={lane} holds {held} blocks, too few for position "
                                      f"{seq_len[lane]}")
-            elif not 0 <= padding_block <= C_MAX_TABLE_BLOCK:
-                raise StateError(f"lane={lane} needs padding but padding_block={padding_block}")
+                decoding += 1
+        while self._buckets_v[index] < decoding:
+            index += 1
+        rows = self._buckets_v[index]
+        if rows > decoding and not 0 <= padding_block <= C_MAX_TABLE_BLOCK:
+            raise StateError(f"row={decoding} needs padding but padding_block={padding_block}")
         pad = <int16_t>padding_block
+        pad_row = decoding
         for lane in range(b):
             if state[lane] == C_LANE_DECODING:
                 held = num_held[lane]
-                input_ids[lane, 0] = next_token[lane]
-                cache_position[lane, 0] = seq_len[lane]
+                input_ids[row, 0] = next_token[lane]
+                cache_position[row, 0] = seq_len[lane]
                 for j in range(held):
-                    tables[lane, j] = <int16_t>rows[lane, j]
-                last = <int16_t>rows[lane, held - 1]
+                    tables[row, j] = <int16_t>lane_rows[lane, j]
+                last = <int16_t>lane_rows[lane, held - 1]
                 for j in range(held, bps):
-                    tables[lane, j] = last
-                decoding += 1
-            else:
-                input_ids[lane, 0] = 0
-                cache_position[lane, 0] = 0
+                    tables[row, j] = last
+                local_tables[row, 0] = <int16_t>lane
+                row_lanes[row] = <int32_t>lane
+                row += 1
+            elif pad_row < rows:
+                input_ids[pad_row, 0] = 0
+                cache_position[pad_row, 0] = 0
                 for j in range(bps):
-                    tables[lane, j] = pad
-            local_tables[lane, 0] = <int16_t>lane
+                    tables[pad_row, j] = pad
+                local_tables[pad_row, 0] = <int16_t>lane
+                row_lanes[pad_row] = <int32_t>lane
+                pad_row += 1
+        self._select(index)
         return decoding
 
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from atombatch.errors import CapacityError, RequestError, StateError
+from atombatch.errors import CapacityError, ConfigError, RequestError, StateError
 
 FREE = 0
 SPARE = 1
@@ -536,26 +536,71 @@ class SlidingSlots:
         return int(self._fill[lane])
 
 
-class DecodeInputs:
-    """The decode graph's inputs, allocated once and rewritten in place every step."""
+def check_buckets(batch_size: int, buckets: Sequence[int] | None) -> tuple[int, ...]:
+    """The compiled decode batch sizes, validated: ascending, unique, 1..B, B among them."""
+    if buckets is None:
+        return (batch_size,)
+    sizes = tuple(buckets)
+    if not sizes or any(not isinstance(b, int) or isinstance(b, bool) for b in sizes):
+        raise ConfigError(f"decoder_batch_sizes={sizes!r} must be a non-empty tuple of ints")
+    if list(sizes) != sorted(set(sizes)):
+        raise ConfigError(f"decoder_batch_sizes={sizes!r} must be strictly ascending")
+    if sizes[0] < 1 or sizes[-1] != batch_size:
+        raise ConfigError(f"decoder_batch_sizes={sizes!r} must lie in 1..batch_size={batch_size} "
+                          "and include batch_size")
+    return sizes
 
-    def __init__(self, batch_size: int, blocks_per_seq: int) -> None:
-        self.input_ids = np.zeros((batch_size, 1), dtype=np.int64)
-        self.cache_position = np.zeros((batch_size, 1), dtype=np.int32)
-        self.block_tables = np.zeros((batch_size, blocks_per_seq), dtype=np.int16)
-        self.local_block_tables = np.arange(batch_size, dtype=np.int16).reshape(batch_size, 1)
+
+class DecodeInputs:
+    """The decode graph's inputs, allocated once and rewritten in place every step.
+
+    With several compiled decode batch sizes ("buckets"), each step runs the smallest bucket that
+    holds the decoding lanes. Rows are packed: rows `0..n-1` are the decoding lanes in lane order,
+    the remaining rows of the bucket are padding. Lanes never move (their blocks and sliding slots
+    stay theirs); only the row a lane occupies changes. The buffers are allocated once at full batch
+    size; a bucket's arrays are views of their first `b` rows (C-contiguous), made once.
+    """
+
+    def __init__(self, batch_size: int, blocks_per_seq: int,
+                 buckets: Sequence[int] | None = None) -> None:
+        self._b = batch_size
+        self._bps = blocks_per_seq
+        self.buckets = check_buckets(batch_size, buckets)
+        self._input_ids = np.zeros((batch_size, 1), dtype=np.int64)
+        self._cache_position = np.zeros((batch_size, 1), dtype=np.int32)
+        self._block_tables = np.zeros((batch_size, blocks_per_seq), dtype=np.int16)
+        self._local_block_tables = np.arange(batch_size, dtype=np.int16).reshape(batch_size, 1)
+        self._row_lanes = np.arange(batch_size, dtype=np.int32)
+        self._views = [(self._input_ids[:b], self._cache_position[:b], self._block_tables[:b],
+                        self._local_block_tables[:b], self._row_lanes[:b]) for b in self.buckets]
+        self._select(len(self.buckets) - 1)
+
+    def _select(self, index: int) -> None:
+        (self.input_ids, self.cache_position, self.block_tables, self.local_block_tables,
+         self.row_lanes) = self._views[index]
+        self.num_rows = self.buckets[index]
+
+    def bucket_for(self, num_decoding: int) -> int:
+        """The smallest compiled decode batch that holds `num_decoding` lanes."""
+        for b in self.buckets:
+            if b >= num_decoding:
+                return b
+        raise StateError(f"{num_decoding} decoding lanes exceed batch_size={self._b}")
 
     def build(self, lanes: LaneTable, padding_block: int) -> int:
-        """Fill every row; returns the number of decoding lanes.
+        """Fill the rows of the smallest bucket that holds every decoding lane; returns how many lanes
+        decode.
 
         A DECODING lane feeds its next token at position `seq_len` through its own blocks, the tail
-        entries repeating its last block. Every other lane (idle or mid-prefill) is padding: token
-        0, position 0, and a row that points only at `padding_block`. Every lane is validated
+        entries repeating its last block, with its own sliding slot. Padding rows take token 0,
+        position 0, a table row that points only at `padding_block`, and the sliding slot of a lane
+        that does not decode (idle, or prefilling a non-hybrid model). Every lane is validated
         before anything is written, so a failed build leaves the buffers as they were.
         """
         b, bps = lanes._b, lanes._bps
-        if self.block_tables.shape != (b, bps):
-            raise StateError(f"decode buffers are {self.block_tables.shape}, lanes are {(b, bps)}")
+        if self._block_tables.shape != (b, bps):
+            raise StateError(f"decode buffers are {self._block_tables.shape}, lanes are {(b, bps)}")
+        decoding = 0
         for lane in range(b):
             if lanes._state[lane] == LANE_DECODING:
                 # The device writes position seq_len into entry seq_len // block_size: that entry
@@ -564,22 +609,33 @@ class DecodeInputs:
                 if lanes.blocks_for(int(lanes._seq_len[lane]) + 1) > held or held == 0:
                     raise StateError(f"lane={lane} holds {held} blocks, too few for position "
                                      f"{lanes._seq_len[lane]}")
-            elif not 0 <= padding_block <= MAX_TABLE_BLOCK:
-                raise StateError(f"lane={lane} needs padding but padding_block={padding_block}")
-        decoding = 0
+                decoding += 1
+        index = 0
+        while self.buckets[index] < decoding:
+            index += 1
+        rows = self.buckets[index]
+        if rows > decoding and not 0 <= padding_block <= MAX_TABLE_BLOCK:
+            raise StateError(f"row={decoding} needs padding but padding_block={padding_block}")
+        row = 0
+        pad_row = decoding
         for lane in range(b):
             if lanes._state[lane] == LANE_DECODING:
                 held = int(lanes._num_held[lane])
-                self.input_ids[lane, 0] = lanes._next_token[lane]
-                self.cache_position[lane, 0] = lanes._seq_len[lane]
-                self.block_tables[lane, :held] = lanes._rows[lane, :held]
-                self.block_tables[lane, held:] = lanes._rows[lane, held - 1]
-                decoding += 1
-            else:
-                self.input_ids[lane, 0] = 0
-                self.cache_position[lane, 0] = 0
-                self.block_tables[lane, :] = padding_block
-            self.local_block_tables[lane, 0] = lane
+                self._input_ids[row, 0] = lanes._next_token[lane]
+                self._cache_position[row, 0] = lanes._seq_len[lane]
+                self._block_tables[row, :held] = lanes._rows[lane, :held]
+                self._block_tables[row, held:] = lanes._rows[lane, held - 1]
+                self._local_block_tables[row, 0] = lane
+                self._row_lanes[row] = lane
+                row += 1
+            elif pad_row < rows:
+                self._input_ids[pad_row, 0] = 0
+                self._cache_position[pad_row, 0] = 0
+                self._block_tables[pad_row, :] = padding_block
+                self._local_block_tables[pad_row, 0] = lane
+                self._row_lanes[pad_row] = lane
+                pad_row += 1
+        self._select(index)
         return decoding
 
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from atombatch._blocks_py import check_buckets
 from atombatch.errors import ConfigError
 
 Family = Literal["llama", "qwen3", "gemma3"]
@@ -309,6 +310,9 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prefill_chunk_size: int = 128
     tensor_parallel: int = 1
     kv_dtype: str = "bfloat16"
+    # Compiled decode batch sizes ("buckets", optimum-rbln's `decoder_batch_sizes`): each decode
+    # step runs the smallest one that holds the decoding lanes. Empty means `(batch_size,)`.
+    decoder_batch_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("batch_size", "max_seq_len", "block_size", "num_blocks",
@@ -316,6 +320,8 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{field}={value!r} must be a positive integer")
+        sizes = check_buckets(self.batch_size, self.decoder_batch_sizes or None)
+        msgspec.structs.force_setattr(self, "decoder_batch_sizes", sizes)
         if self.kv_dtype not in DTYPE_BYTES:
             raise ConfigError(f"kv_dtype={self.kv_dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         if self.max_seq_len % self.block_size:
@@ -379,12 +385,18 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.block_size < self.max_seq_len
 
     @property
+    def bucketed(self) -> bool:
+        """More than one compiled decode batch size."""
+        return len(self.decoder_batch_sizes) > 1
+
+    @property
     def label(self) -> str:
-        """Short human label, e.g. `koni-8b B4/ctx9216/k5`."""
+        """Short human label, e.g. `koni-8b B4/ctx9216/k5`, `... B4/ctx9216/k5/dbs1,2,4`."""
         tp = f"/tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
         bs = f"/bs{self.block_size}" if self.partitioned else ""
+        dbs = "/dbs" + ",".join(map(str, self.decoder_batch_sizes)) if self.bucketed else ""
         return (f"{self.model.name} B{self.batch_size}/ctx{self.max_seq_len}{bs}"
-                f"/k{self.num_blocks}{tp}")
+                f"/k{self.num_blocks}{tp}{dbs}")
 
     @property
     def identity(self) -> str:
@@ -394,6 +406,8 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         fields["model"].pop("name", None)
         fields["model"].pop("bos_token_id", None)
         fields["model"].pop("eos_token_ids", None)
+        if not self.bucketed:  # identities of artifacts compiled before buckets stay as they were
+            fields.pop("decoder_batch_sizes")
         blob = msgspec.json.encode(fields, order="sorted")
         return hashlib.sha256(blob).hexdigest()[:16]
 

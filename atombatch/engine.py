@@ -85,6 +85,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     evictions: int                      # CACHED blocks evicted from the device
     finished: dict[str, int]            # requests by finish reason
     lane_histogram: tuple[int, ...]     # decode steps by number of decoding lanes (index = lanes)
+    bucket_steps: dict[int, int]        # decode steps by compiled decode batch size that ran
 
 
 class Batcher:
@@ -389,6 +390,9 @@ class Batcher:
         scheduler = self.scheduler
         try:
             logits = np.asarray(self.runtime.decode(plan.inputs))
+            if logits.ndim != 2 or logits.shape[0] != plan.inputs.num_rows:
+                raise RequestError(f"decode returned logits of shape {logits.shape}; the step ran "
+                                   f"{plan.inputs.num_rows} rows")
         except Exception as exc:
             for request_id in plan.request_ids:
                 request = scheduler.requests.get(request_id)
@@ -396,20 +400,21 @@ class Batcher:
                     self._fail(request, f"decode step failed: {exc}", outputs)
             return
         tokens: dict[int, int] = {}
-        # One pass over all rows for the checks every lane needs and for greedy picks.
+        # One pass over all rows for the checks every lane needs and for greedy picks. Row `row`
+        # of the logits is the lane `plan.lanes[row]` (decoding lanes are packed first).
         finite = np.asarray(np.isfinite(logits).all(axis=1))
         greedy = logits.argmax(axis=1)
-        for lane, request_id in zip(plan.lanes, plan.request_ids, strict=True):
+        for row, (lane, request_id) in enumerate(zip(plan.lanes, plan.request_ids, strict=True)):
             request = scheduler.requests.get(request_id)
             if request is None:  # failed by this plan's block ops
                 continue
             try:
-                if not finite[lane]:
+                if not finite[row]:
                     raise RequestError(f"decode returned non-finite logits on lane {lane}")
                 if request.params.temperature == 0.0:
-                    tokens[lane] = int(greedy[lane])
+                    tokens[lane] = int(greedy[row])
                 else:
-                    tokens[lane] = sample(logits[lane], request.params, request.rng)
+                    tokens[lane] = sample(logits[row], request.params, request.rng)
             except Exception as exc:
                 self._fail(request, str(exc), outputs)
         for done in scheduler.complete_decode(plan, tokens, self.clock()):
@@ -493,7 +498,7 @@ class Batcher:
             rotations=c.rotations, preemptions=c.preemptions, prefix_hits=c.prefix_hits,
             prefix_misses=c.prefix_misses, prefix_hit_tokens=c.prefix_hit_tokens,
             host_restores=c.host_restores, evictions=c.evictions, finished=dict(c.finished),
-            lane_histogram=tuple(c.lane_histogram))
+            lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps))
 
     def check_invariants(self) -> None:
         """Raise `StateError` if any ownership invariant of DESIGN §3 is broken."""

@@ -205,8 +205,9 @@ class StepPlan(msgspec.Struct):
     chunk_len: int = 0                       # prefill: real tokens in the chunk
     last_chunk: bool = False                 # prefill: the chunk ends the prompt (sample after it)
     staged: bool = False                     # prefill: into the spare (no lane yet)
-    lanes: tuple[int, ...] = ()              # decode: lanes that decode (the others are padding)
-    request_ids: tuple[str, ...] = ()        # decode: their requests, lane by lane
+    lanes: tuple[int, ...] = ()              # decode: lanes that decode, in row order (rows
+                                             #   0..len-1 of the bucket; the other rows are padding)
+    request_ids: tuple[str, ...] = ()        # decode: their requests, row by row
     blocks: tuple[int, ...] = ()             # import: the request's block row (positions 0..)
     slot: int = 0                            # import: its sliding slot (hybrid)
     saves: tuple[Entry, ...] = ()            # first: copy these evicted blocks to the host cache
@@ -221,6 +222,7 @@ class StepRecord(msgspec.Struct, frozen=True):
     kind: str                                # "prefill" | "decode" | "import"
     lanes: int                               # decode: decoding lanes; prefill: 1
     request_id: str = ""                     # prefill: whose chunk
+    rows: int = 0                            # decode: rows of the compiled batch that ran
 
 
 class Counters(msgspec.Struct):
@@ -241,6 +243,7 @@ class Counters(msgspec.Struct):
     evictions: int = 0
     finished: dict[str, int] = msgspec.field(default_factory=dict)
     lane_histogram: list[int] = msgspec.field(default_factory=list)  # decode steps by busy lanes
+    bucket_steps: dict[int, int] = msgspec.field(default_factory=dict)  # decode steps by rows run
 
 
 class Scheduler:
@@ -258,7 +261,8 @@ class Scheduler:
         self.hybrid = artifact.model.is_hybrid
         self.slots = (core.SlidingSlots(artifact.batch_size, artifact.model.sliding_window)
                       if self.hybrid else None)
-        self.decode_inputs = core.DecodeInputs(artifact.batch_size, bps)
+        self.decode_inputs = core.DecodeInputs(artifact.batch_size, bps,
+                                               artifact.decoder_batch_sizes)
         self.prefill_inputs = core.PrefillInputs(artifact.prefill_chunk_size, bps)
         self.single_block = artifact.single_block
         self.spare = -1 if self.single_block else self.pool.reserve_spare()
@@ -734,8 +738,10 @@ class Scheduler:
                         request_ids=tuple(self.by_lane[lane].request_id for lane in lanes))  # type: ignore[union-attr]
 
     def _padding_block(self) -> int:
-        """A FREE or SPARE block for idle rows (never STAGED, LANE or CACHED); -1 if none needed."""
-        if self.lanes.num_decoding() == self.lanes.batch_size:
+        """A FREE or SPARE block for padding rows (never STAGED, LANE or CACHED); -1 if the bucket
+        that runs has none."""
+        decoding = self.lanes.num_decoding()
+        if self.decode_inputs.bucket_for(decoding) == decoding:
             return -1
         if self.pool.num_spare:
             return self.spare
@@ -784,9 +790,11 @@ class Scheduler:
 
     def complete_decode(self, plan: StepPlan, tokens: dict[int, int], now: float) -> list[Request]:
         """A decode step ran; `tokens[lane]` is each decoding lane's sample."""
-        self._record(StepRecord(kind="decode", lanes=len(plan.lanes)))
+        rows = plan.inputs.num_rows
+        self._record(StepRecord(kind="decode", lanes=len(plan.lanes), rows=rows))
         self.counters.decode_steps += 1
         self.counters.lane_histogram[len(plan.lanes)] += 1
+        self.counters.bucket_steps[rows] = self.counters.bucket_steps.get(rows, 0) + 1
         out = []
         for lane, request_id in zip(plan.lanes, plan.request_ids, strict=True):
             request = self.by_lane[lane]

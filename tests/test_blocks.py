@@ -10,7 +10,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from atombatch.errors import AtomBatchError, CapacityError, RequestError, StateError
+from atombatch.errors import AtomBatchError, CapacityError, ConfigError, RequestError, StateError
 
 FREE, SPARE, STAGED, LANE, CACHED = range(5)
 IDLE, PREFILLING, DECODING = range(3)
@@ -536,10 +536,13 @@ def test_decode_build_padding_rules(impl: ModuleType) -> None:
     inputs.cache_position[:] = 77
     inputs.block_tables[:] = 77
     assert inputs.build(lanes, 9) == 2
-    assert inputs.input_ids.ravel().tolist() == [101, 0, 0, 304]
-    assert inputs.cache_position.ravel().tolist() == [5, 0, 0, 11]
-    assert inputs.block_tables.tolist() == [[6, 2, 2], [9, 9, 9], [9, 9, 9], [3, 4, 5]]
-    assert inputs.local_block_tables.ravel().tolist() == [0, 1, 2, 3]
+    # decoding lanes 0 and 3 packed into rows 0-1; rows 2-3 pad with the slots of lanes 1 and 2
+    assert inputs.num_rows == 4
+    assert inputs.input_ids.ravel().tolist() == [101, 304, 0, 0]
+    assert inputs.cache_position.ravel().tolist() == [5, 11, 0, 0]
+    assert inputs.block_tables.tolist() == [[6, 2, 2], [3, 4, 5], [9, 9, 9], [9, 9, 9]]
+    assert inputs.local_block_tables.ravel().tolist() == [0, 3, 1, 2]
+    assert inputs.row_lanes.tolist() == [0, 3, 1, 2]
     assert (inputs.block_tables >= 0).all()
     # the very same arrays are refilled in place
     assert inputs.input_ids is ids and inputs.cache_position is pos
@@ -554,9 +557,10 @@ def test_decode_build_follows_the_lanes(impl: ModuleType) -> None:
     lanes.push_block(1, 1)
     lanes.start_decode(1, 7, 55)
     assert inputs.build(lanes, 6) == 2
-    assert inputs.input_ids.ravel().tolist() == [0, 55, 0, 304]
-    assert inputs.cache_position.ravel().tolist() == [0, 7, 0, 11]
-    assert inputs.block_tables.tolist() == [[6, 6, 6], [8, 1, 1], [6, 6, 6], [3, 4, 5]]
+    assert inputs.input_ids.ravel().tolist() == [55, 304, 0, 0]
+    assert inputs.cache_position.ravel().tolist() == [7, 11, 0, 0]
+    assert inputs.block_tables.tolist() == [[8, 1, 1], [3, 4, 5], [6, 6, 6], [6, 6, 6]]
+    assert inputs.row_lanes.tolist() == [1, 3, 0, 2]
 
 
 def test_decode_build_all_decoding_needs_no_padding(impl: ModuleType) -> None:
@@ -574,7 +578,7 @@ def test_decode_build_rejects_a_bad_padding_block(impl: ModuleType, padding: int
     lanes = decode_fixture(impl)
     inputs = impl.DecodeInputs(4, 3)
     inputs.block_tables[:] = 77
-    with pytest.raises(StateError, match=f"lane=1 needs padding but padding_block={padding}"):
+    with pytest.raises(StateError, match=f"row=2 needs padding but padding_block={padding}"):
         inputs.build(lanes, padding)
     assert (inputs.block_tables == 77).all()  # nothing was written
 
@@ -605,6 +609,49 @@ def test_decode_build_shape_mismatch(impl: ModuleType) -> None:
         impl.DecodeInputs(2, 2).build(lanes, 0)
     with pytest.raises(StateError, match=r"decode buffers are \(3, 3\), lanes are \(2, 3\)"):
         impl.DecodeInputs(3, 3).build(lanes, 0)
+
+
+def test_decode_buckets_run_the_smallest_batch_that_holds_the_lanes(impl: ModuleType) -> None:
+    lanes = decode_fixture(impl)  # lanes 0 and 3 decode, 1 prefills, 2 is idle
+    inputs = impl.DecodeInputs(4, 3, (1, 2, 4))
+    assert inputs.buckets == (1, 2, 4) and inputs.num_rows == 4
+    assert [inputs.bucket_for(n) for n in range(5)] == [1, 1, 2, 4, 4]
+    with pytest.raises(StateError, match="5 decoding lanes exceed batch_size=4"):
+        inputs.bucket_for(5)
+    assert inputs.build(lanes, -1) == 2  # bucket 2 is full: no padding row, none needed
+    assert inputs.num_rows == 2 and inputs.row_lanes.tolist() == [0, 3]
+    assert inputs.input_ids.ravel().tolist() == [101, 304]
+    assert inputs.block_tables.tolist() == [[6, 2, 2], [3, 4, 5]]
+    assert inputs.local_block_tables.ravel().tolist() == [0, 3]
+    two = inputs.input_ids
+    lanes.push_block(1, 7)
+    lanes.start_decode(1, 4, 202)  # three lanes decode: bucket 4, one padding row (lane 2)
+    with pytest.raises(StateError, match="row=3 needs padding but padding_block=-1"):
+        inputs.build(lanes, -1)
+    assert inputs.num_rows == 2 and inputs.input_ids.ravel().tolist() == [101, 304]
+    assert inputs.build(lanes, 9) == 3
+    assert inputs.num_rows == 4 and inputs.row_lanes.tolist() == [0, 1, 3, 2]
+    assert inputs.cache_position.ravel().tolist() == [5, 4, 11, 0]
+    assert inputs.block_tables.tolist()[3] == [9, 9, 9]
+    lanes.release(0)
+    lanes.release(1)  # one lane decodes: bucket 1, the arrays are the same views as before
+    assert inputs.build(lanes, 9) == 1 and inputs.num_rows == 1
+    assert inputs.input_ids.ravel().tolist() == [304] and inputs.row_lanes.tolist() == [3]
+    lane = lanes.assign()
+    lanes.push_block(lane, 6)
+    lanes.start_decode(lane, 1, 101)
+    assert inputs.build(lanes, 9) == 2 and inputs.input_ids is two
+    for name in ("input_ids", "cache_position", "block_tables", "local_block_tables", "row_lanes"):
+        assert getattr(inputs, name).flags.c_contiguous, name
+
+
+@pytest.mark.parametrize("buckets, rule", [
+    ((), "non-empty"), ((1, 1, 4), "strictly ascending"), ((2, 1, 4), "strictly ascending"),
+    ((1, 2), "include batch_size"), ((0, 4), "lie in 1..batch_size=4"), ((1.0, 4), "ints"),
+    ((2, 8), "include batch_size")])
+def test_decode_buckets_are_validated(impl: ModuleType, buckets, rule) -> None:
+    with pytest.raises(ConfigError, match=rf"decoder_batch_sizes=.* must .*{rule}"):
+        impl.DecodeInputs(4, 3, buckets)
 
 
 def test_eager_single_block_decode(impl: ModuleType) -> None:

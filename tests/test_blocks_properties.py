@@ -27,8 +27,9 @@ IDLE, PREFILLING, DECODING = range(3)
 
 POOL_ARRAYS = ("_prev", "_next", "_state", "_owner", "_refcnt")
 LANE_ARRAYS = ("_state", "_seq_len", "_next_token", "_num_held", "_rows")
-DECODE_ARRAYS = ("input_ids", "cache_position", "block_tables", "local_block_tables")
-PREFILL_ARRAYS = (*DECODE_ARRAYS, "query_position")
+TABLE_ARRAYS = ("input_ids", "cache_position", "block_tables", "local_block_tables")
+DECODE_ARRAYS = (*TABLE_ARRAYS, "row_lanes")
+PREFILL_ARRAYS = (*TABLE_ARRAYS, "query_position")
 
 
 class Raised:
@@ -120,7 +121,10 @@ class CoreMachine(RuleBasedStateMachine):
         self.pool = twin("BlockPool", num_blocks)
         self.lanes = twin("LaneTable", b, bps, block_size)
         self.slots = twin("SlidingSlots", b, window)
-        self.decode = twin("DecodeInputs", b, bps)
+        smaller = data.draw(st.sets(st.integers(1, b - 1)) if b > 1 else st.just(set()),
+                            label="buckets")
+        self.buckets = (*sorted(smaller), b)
+        self.decode = twin("DecodeInputs", b, bps, self.buckets)
         self.prefill = twin("PrefillInputs", data.draw(st.integers(1, 5), label="chunk"), bps)
         self.spare: int | None = self.pool.reserve_spare()
         self.staged: int | None = None
@@ -131,8 +135,9 @@ class CoreMachine(RuleBasedStateMachine):
                               data.draw(st.integers(1, 3), label="raw_bps"),
                               data.draw(st.integers(1, 3), label="raw_bs"))
         self.raw_slots = twin("SlidingSlots", self.raw_lanes.batch_size, window)
-        self.raw_decode = twin("DecodeInputs", self.raw_lanes.batch_size,
-                               self.raw_lanes.blocks_per_seq)
+        raw_b = self.raw_lanes.batch_size
+        self.raw_decode = twin("DecodeInputs", raw_b, self.raw_lanes.blocks_per_seq,
+                               tuple(sorted({1, raw_b})))
 
     # -- helpers -----------------------------------------------------------------------------------
     def lanes_in(self, *states: int) -> list[int]:
@@ -379,28 +384,36 @@ class CoreMachine(RuleBasedStateMachine):
         padding = self.spare if self.spare is not None else self.pool.first_free()
         if padding < 0 and self.pool.num_evictable:
             padding = self.pool.evict()  # CACHED blocks go before the last padding target
-        needs_padding = self.lanes.num_decoding() < self.b
-        if padding < 0 and needs_padding:
+        decoding = self.lanes.num_decoding()
+        rows = min(bucket for bucket in self.buckets if bucket >= decoding)
+        assert self.decode.bucket_for(decoding) == rows
+        if padding < 0 and rows > decoding:
             return
-        decoding = self.decode.build(self.lanes, padding)
-        assert decoding == self.lanes.num_decoding()
+        assert self.decode.build(self.lanes, padding) == decoding
+        assert self.decode.c.num_rows == self.decode.py.num_rows == rows
         assert_same_arrays(self.decode, DECODE_ARRAYS)
-        ids, pos, tables, local = (getattr(self.decode.c, n) for n in DECODE_ARRAYS)
-        assert local.ravel().tolist() == list(range(self.b))
-        for lane in range(self.b):
-            row = tables[lane].tolist()
-            assert min(row) >= 0
-            if self.lanes.state(lane) == DECODING:
+        ids, pos, tables, local, row_lanes = (getattr(self.decode.c, n) for n in DECODE_ARRAYS)
+        assert ids.shape == (rows, 1) and tables.shape == (rows, self.bps)
+        assert all(getattr(self.decode.c, n).flags.c_contiguous for n in DECODE_ARRAYS)
+        # decoding lanes packed first in lane order; every row a distinct lane, its own slot
+        assert row_lanes[:decoding].tolist() == self.lanes_in(DECODING)
+        assert len(set(row_lanes.tolist())) == rows
+        assert local.ravel().tolist() == row_lanes.tolist()
+        for row, lane in enumerate(row_lanes.tolist()):
+            table = tables[row].tolist()
+            assert min(table) >= 0
+            if row < decoding:
                 blocks, seq_len = self.lanes.blocks(lane), self.lanes.seq_len(lane)
-                assert row == blocks + [blocks[-1]] * (self.bps - len(blocks))
-                assert row[seq_len // self.block_size] in blocks  # it writes its own block
-                assert (ids[lane, 0], pos[lane, 0]) == (self.lanes.next_token(lane), seq_len)
+                assert table == blocks + [blocks[-1]] * (self.bps - len(blocks))
+                assert table[seq_len // self.block_size] in blocks  # it writes its own block
+                assert (ids[row, 0], pos[row, 0]) == (self.lanes.next_token(lane), seq_len)
                 assert all(self.pool.state(blk) == LANE and self.pool.owner(blk) == lane
-                           for blk in row)
-            else:  # padding: only a FREE or SPARE block, token 0 at position 0
-                assert row == [padding] * self.bps
+                           for blk in table)
+            else:  # padding: a lane that does not decode, only a FREE or SPARE block, token 0 at 0
+                assert self.lanes.state(lane) != DECODING
+                assert table == [padding] * self.bps
                 assert self.pool.state(padding) in (FREE, SPARE)
-                assert (ids[lane, 0], pos[lane, 0]) == (0, 0)
+                assert (ids[row, 0], pos[row, 0]) == (0, 0)
 
     @rule(data=st.data())
     def prefill_build(self, data: st.DataObject) -> None:

@@ -264,11 +264,15 @@ class Driver:
         self.lanes.start_decode(self.lane, len(tokens), int(out[-1][1].argmax()))
         return out
 
+    def row(self) -> int:
+        """The decode row this lane was packed into by the last build."""
+        return int(np.flatnonzero(self.decode_inputs.row_lanes == self.lane)[0])
+
     def decode(self) -> np.ndarray:
         """One decode step; returns this lane's logits and advances it greedily."""
         self._hold(self.lanes.seq_len(self.lane) + 1)
         self.decode_inputs.build(self.lanes, self.spare)
-        logits = self.runtime.decode(self.decode_inputs)[self.lane]
+        logits = self.runtime.decode(self.decode_inputs)[self.row()]
         self.lanes.advance(self.lane, int(logits.argmax()))
         return logits
 
@@ -389,12 +393,13 @@ def test_idle_lane_sliding_slot_really_writes(
         driver = Driver(runtime, lane=1, seed=5)
         driver.prefill(prompt(length=6))  # a slot that is not full yet: nothing shifts out
         driver.decode_inputs.build(driver.lanes, driver.spare)
-        if corrupt:  # idle lane 0 names the live lane's sliding slot
-            driver.decode_inputs.local_block_tables[0, 0] = 1
+        assert driver.decode_inputs.row_lanes.tolist() == [1, 0]  # live lane 1 packed first
+        if corrupt:  # the padding row (idle lane 0) names the live lane's sliding slot
+            driver.decode_inputs.local_block_tables[1, 0] = 1
         runtime.decode(driver.decode_inputs)
         driver.lanes.advance(1, 7)
         driver.decode_inputs.build(driver.lanes, driver.spare)
-        results.append(runtime.decode(driver.decode_inputs)[1])
+        results.append(runtime.decode(driver.decode_inputs)[driver.row()])
     assert not np.allclose(results[0], results[1], rtol=1e-3, atol=1e-3)
 
 

@@ -38,12 +38,14 @@ def family_case(request, tmp_path_factory):
     return family, path, ModelSpec.from_pretrained(path), prompts, references
 
 
-def runtime(path, spec, batch_size, block_size=128, num_blocks=None, chunk=16, max_seq_len=128):
+def runtime(path, spec, batch_size, block_size=128, num_blocks=None, chunk=16, max_seq_len=128,
+            buckets=()):
     bps = max_seq_len // block_size
     if num_blocks is None:
         num_blocks = batch_size * bps + 1
     art = ArtifactConfig(model=spec, batch_size=batch_size, max_seq_len=max_seq_len,
-                         block_size=block_size, num_blocks=num_blocks, prefill_chunk_size=chunk)
+                         block_size=block_size, num_blocks=num_blocks, prefill_chunk_size=chunk,
+                         decoder_batch_sizes=buckets)
     return NumpyRuntime.from_pretrained(path, artifact=art)
 
 
@@ -78,6 +80,11 @@ LAYOUTS = {
     "partitioned-B3-bs32-chunk16": dict(batch_size=3, block_size=32),
     "oversubscribed-B4-bs16-k10": dict(batch_size=4, block_size=16, num_blocks=10),
     "eager-B2-k3-chunk64": dict(batch_size=2, chunk=64),
+    # decode buckets: rows packed into the smallest compiled batch, padding rows on idle slots
+    "eager-B4-k5-dbs1,2,4": dict(batch_size=4, buckets=(1, 2, 4)),
+    "partitioned-B4-bs16-dbs1,3,4": dict(batch_size=4, block_size=16, chunk=32, buckets=(1, 3, 4)),
+    "oversubscribed-B4-bs16-k10-dbs2,4": dict(batch_size=4, block_size=16, num_blocks=10,
+                                             buckets=(2, 4)),
 }
 
 
@@ -111,8 +118,15 @@ def test_batched_staggered_with_aborts_and_lane_reuse(family_case, layout):
         assert finals[rid].finish_reason == "length"
         assert list(finals[rid].completion.token_ids) == references[index], (layout, index)
     assert sum(1 for out in finals.values() if out.finish_reason == "abort") == len(doomed)
+    stats = batcher.stats()
     if "oversubscribed" not in layout:
-        assert max(i for i, n in enumerate(batcher.stats().lane_histogram) if n) >= 2
+        assert max(i for i, n in enumerate(stats.lane_histogram) if n) >= 2
+    buckets = LAYOUTS[layout].get("buckets", (LAYOUTS[layout]["batch_size"],))
+    assert set(stats.bucket_steps) <= set(buckets)
+    if len(buckets) > 1:  # the smaller compiled batches ran, and padding rows were needed too
+        assert min(stats.bucket_steps) < buckets[-1]
+        assert batcher.runtime.decode_rows == sum(b * n for b, n in stats.bucket_steps.items())
+        assert batcher.runtime.decode_rows < stats.decode_steps * buckets[-1]
 
 
 def test_stop_at_eos_and_generate_through_it_with_ignore_eos(family_case):

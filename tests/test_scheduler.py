@@ -42,13 +42,14 @@ def core(request, monkeypatch):
 
 
 def artifact(batch_size=4, max_seq_len=64, block_size=64, num_blocks=None, chunk=8,
-             hybrid=False, window=5, eos=()):
+             hybrid=False, window=5, eos=(), buckets=()):
     bps = max_seq_len // block_size
     if num_blocks is None:
         num_blocks = batch_size * bps + 1
     return ArtifactConfig(model=ledger_spec(hybrid=hybrid, window=window, eos=eos),
                           batch_size=batch_size, max_seq_len=max_seq_len, block_size=block_size,
-                          num_blocks=num_blocks, prefill_chunk_size=chunk)
+                          num_blocks=num_blocks, prefill_chunk_size=chunk,
+                          decoder_batch_sizes=buckets)
 
 
 def drive(batcher: Batcher, arrivals: dict[int, list], aborts: dict[int, list[str]] | None = None,
@@ -111,6 +112,9 @@ LAYOUTS = {
     "B4 oversubscribed": dict(batch_size=4, block_size=16, num_blocks=6),
     "B3 hybrid": dict(batch_size=3, hybrid=True),
     "B2 hybrid partitioned": dict(batch_size=2, hybrid=True, block_size=16, num_blocks=6),
+    "B4/k5 eager dbs1,2,4": dict(batch_size=4, buckets=(1, 2, 4)),
+    "B4 oversubscribed dbs1,3,4": dict(batch_size=4, block_size=16, num_blocks=6, buckets=(1, 3, 4)),
+    "B3 hybrid dbs1,3": dict(batch_size=3, hybrid=True, buckets=(1, 3)),
 }
 
 

@@ -59,8 +59,9 @@ class _Recording:
 
     def decode(self, inputs: Any) -> np.ndarray:
         logits = self.runtime.decode(inputs)
-        if self.probe_lane >= 0 and int(inputs.cache_position[self.probe_lane, 0]) > 0:
-            self.rows.append(logits[self.probe_lane].copy())
+        rows = np.flatnonzero(inputs.row_lanes == self.probe_lane)
+        if self.probe_lane >= 0 and len(rows) and int(inputs.cache_position[rows[0], 0]) > 0:
+            self.rows.append(logits[rows[0]].copy())
         return logits
 
     def __getattr__(self, name: str) -> Any:

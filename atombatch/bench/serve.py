@@ -36,6 +36,7 @@ import heapq
 import math
 import os
 import platform
+import re
 import shlex
 import sys
 import time
@@ -129,6 +130,7 @@ class Cell(msgspec.Struct, frozen=True):
     tensor_parallel: int
     fit: FitVerdict
     status: str                          # "ok" | "not-run: does not fit" | "rejected" | "error"
+    decoder_batch_sizes: tuple[int, ...] = ()  # compiled decode batches ("buckets"); () = (B,)
     hypothetical: bool = False           # ran although plan.fit says it does not fit
     error: str | None = None
     requests: int = 0
@@ -152,6 +154,7 @@ class Cell(msgspec.Struct, frozen=True):
     import_calls: int = 0                # PD routes: layers written (write_layer_kv calls)
     import_steps: int = 0                # PD routes: the Batcher's "import" steps
     decode_calls: int = 0
+    decode_rows: int = 0                 # rows the decode calls ran (padding rows included)
     rotations: int = 0                   # staged requests that took a finished lane's slot
     staged_chunks: int = 0
     runtime_load_s: float = 0.0          # building the runtime (host wall time)
@@ -187,18 +190,24 @@ class ServeReport(msgspec.Struct):
 
 # -- helpers ----------------------------------------------------------------------------------------
 def parse_artifact(text: str, model: ModelSpec, context: int, chunk: int,
-                   kv_dtype: str = "bfloat16") -> tuple[dict[str, int], ArtifactConfig | str]:
-    """`B4/k5`, optionally `/ctx9216`, `/bs1024`, `/tp2`; returns (shape fields, artifact | error)."""
-    fields = {"batch_size": 0, "num_blocks": 0, "max_seq_len": context, "block_size": 0,
-              "tensor_parallel": 1}
+                   kv_dtype: str = "bfloat16") -> tuple[dict[str, Any], ArtifactConfig | str]:
+    """`B4/k5`, optionally `/ctx9216`, `/bs1024`, `/tp2`, `/dbs1,2,4` (compiled decode batch
+    sizes); returns (shape fields, artifact | error)."""
+    fields: dict[str, Any] = {"batch_size": 0, "num_blocks": 0, "max_seq_len": context,
+                              "block_size": 0, "tensor_parallel": 1, "decoder_batch_sizes": ()}
     for part in text.strip().lower().split("/"):
+        sizes = part[3:].split(",") if part.startswith("dbs") else []
+        if sizes and all(size.isdigit() for size in sizes):
+            fields["decoder_batch_sizes"] = tuple(int(size) for size in sizes)
+            continue
         for prefix, key in (("ctx", "max_seq_len"), ("bs", "block_size"), ("tp", "tensor_parallel"),
                             ("b", "batch_size"), ("k", "num_blocks")):
             if part.startswith(prefix) and part[len(prefix):].isdigit():
                 fields[key] = int(part[len(prefix):])
                 break
         else:
-            raise ConfigError(f"artifact {text!r}: part {part!r} is not Bn, kn, ctxN, bsN or tpN")
+            raise ConfigError(f"artifact {text!r}: part {part!r} is not Bn, kn, ctxN, bsN, tpN or "
+                              "dbsN,M,...")
     if not fields["batch_size"] or not fields["num_blocks"]:
         raise ConfigError(f"artifact {text!r} needs a batch size (B4) and a block count (k5)")
     fields["block_size"] = fields["block_size"] or fields["max_seq_len"]
@@ -501,6 +510,7 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
         assert timed is not None
         prefill_s, import_s, decode_s = timed.prefill_s, 0.0, timed.decode_s
         prefill_calls, decode_calls = timed.prefill_calls, timed.decode_calls
+    decode_rows = sum(rows * n for rows, n in stats.bucket_steps.items())
     return Cell(
         status="ok", hypothetical=fit.fits is False, requests=len(arrivals),
         completed=len(ttfts), timeouts=timeouts, errors=errors, ttft=_latency(ttfts),
@@ -512,7 +522,7 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
         import_device_s=import_s, decode_device_s=decode_s,
         producer_busy_s=producer.busy_s if producer is not None else 0.0,
         prefill_calls=prefill_calls, import_calls=import_calls, import_steps=stats.imports,
-        decode_calls=decode_calls, rotations=stats.rotations,
+        decode_calls=decode_calls, decode_rows=decode_rows, rotations=stats.rotations,
         staged_chunks=stats.staged_chunks, runtime_load_s=load_s,
         wall_s=time.perf_counter() - wall_start, calibration=calibration,
         request_records=records, **base)
@@ -612,7 +622,7 @@ def format_table(report: ServeReport) -> str:
                  + (f" at {load['rate']}/s" if load["arrivals"] == "poisson" else "")
                  + f"; timeout {timeout} s ({load['timeout_action']}); times in {unit}; latency "
                  "figures exclude failed requests")
-    header = (f"{'model':<11} {'route':<15} {'in/out':>9} {'artifact':<10} {'policy':<13} "
+    header = (f"{'model':<11} {'route':<15} {'in/out':>9} {'artifact':<14} {'policy':<13} "
               f"{'ok/n':>5} {'t/o':>3} {'TTFT p50':>8} {'p99':>7} {'max':>7} {'done p50':>8} "
               f"{'max':>7} {'tok/s':>7} {'all max':>7} {'prefill':>8} {'import':>7} "
               f"{'decode':>8}  lanes/step")
@@ -624,7 +634,7 @@ def format_table(report: ServeReport) -> str:
             lines.append("")
         previous = group
         head = (f"{cell.model:<11} {cell.route:<15} {cell.input_len:>4}/{cell.output_len:<4} "
-                f"{cell.artifact:<10} {cell.policy:<13}")
+                f"{cell.artifact:<14} {cell.policy:<13}")
         if cell.status != "ok":
             why = cell.status
             if cell.status == "not-run: does not fit" and cell.fit.projected_bytes is not None:
@@ -685,9 +695,42 @@ def format_comparison(report: ServeReport) -> str:
             f"{_f(ref.max_first_token_all)} -> {_f(cell.max_first_token_all)} s; timeouts "
             f"{ref.timeouts} -> {cell.timeouts}" + (" *" if cell.hypothetical or ref.hypothetical
                                                     else ""))
+    sections = []
+    if rows:
+        sections += ["multi-lane vs single-lane (same load, context and split):", *rows]
+    buckets = format_bucket_comparison(ok)
+    if buckets:
+        sections += ([""] if sections else []) + buckets
+    return "\n".join(sections)
+
+
+def _shape_key(cell: Cell) -> tuple[Any, ...]:
+    return (cell.model, cell.route, cell.input_len, cell.output_len, cell.policy, cell.batch_size,
+            cell.num_blocks, cell.max_seq_len, cell.block_size, cell.tensor_parallel)
+
+
+def format_bucket_comparison(ok: Sequence[Cell]) -> list[str]:
+    """Each artifact with decode buckets vs the same artifact with its full decode batch only: the
+    rows its decode steps ran, decode device time, throughput and the worst first token."""
+    plain = {_shape_key(c): c for c in ok if len(c.decoder_batch_sizes) <= 1}
+    rows = []
+    for cell in ok:
+        ref = plain.get(_shape_key(cell)) if len(cell.decoder_batch_sizes) > 1 else None
+        if ref is None or not ref.output_tok_s or not ref.decode_device_s:
+            continue
+        rows.append(
+            f"{cell.model:<11} {cell.route:<15} {cell.input_len:>4}/{cell.output_len:<4} "
+            f"{cell.policy:<13} {ref.artifact:>9} -> {cell.artifact:<14} rows/step "
+            f"{ref.decode_rows / max(ref.decode_calls, 1):.2f} -> "
+            f"{cell.decode_rows / max(cell.decode_calls, 1):.2f}; decode "
+            f"{_f(ref.decode_device_s)} -> {_f(cell.decode_device_s)} s "
+            f"(x{cell.decode_device_s / ref.decode_device_s:.3f}); "
+            f"{ref.output_tok_s:.2f} -> {cell.output_tok_s:.2f} tok/s; max first token "
+            f"{_f(ref.max_first_token_all)} -> {_f(cell.max_first_token_all)} s"
+            + (" *" if cell.hypothetical or ref.hypothetical else ""))
     if not rows:
-        return ""
-    return "\n".join(["multi-lane vs single-lane (same load, context and split):", *rows])
+        return []
+    return ["decode buckets vs the full decode batch only (same load and artifact):", *rows]
 
 
 def write_plot(report: ServeReport, path: Path) -> None:
@@ -737,6 +780,12 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return parse
 
 
+def _artifact_list(text: str) -> list[str]:
+    """Comma-separated artifact specs; a comma inside `dbs1,2,4` stays with its artifact (a new
+    spec starts with `B<digits>`)."""
+    return [part.strip() for part in re.split(r",(?=\s*[Bb]\d)", text) if part.strip()]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m atombatch.bench serve",
@@ -752,8 +801,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--outputs", type=_csv(int), default=None,
                         help=f"output lengths (default {','.join(map(str, OUTPUTS))}; numpy "
                              f"{','.join(map(str, NUMPY_OUTPUTS))})")
-    parser.add_argument("--artifacts", type=_csv(str), default=None,
-                        help=f"Bn/kn[/ctxN][/bsN][/tpN] list (default {','.join(ARTIFACTS)})")
+    parser.add_argument("--artifacts", type=_artifact_list, default=None,
+                        help="Bn/kn[/ctxN][/bsN][/tpN][/dbsN,M,...] list, dbs = compiled decode "
+                             f"batch sizes (default {','.join(ARTIFACTS)})")
     parser.add_argument("--policies", type=_csv(str), default=None,
                         help=f"scheduling policies (default {','.join(POLICIES)})")
     parser.add_argument("--context", type=int, default=None,

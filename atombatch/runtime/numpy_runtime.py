@@ -106,6 +106,7 @@ class NumpyRuntime:
         self.spec = spec = artifact.model
         self.prefill_calls = 0
         self.decode_calls = 0
+        self.decode_rows = 0     # rows computed by decode calls (a bucket's padding rows included)
         self.import_calls = 0
         self.export_calls = 0
         self._window = spec.sliding_window if spec.is_hybrid else 0
@@ -406,25 +407,29 @@ class NumpyRuntime:
         return self._logits(h[last : last + 1])[0]
 
     def decode(self, inputs: DecodeArrays) -> Array:
-        """Run one decode step for all B lanes, idle ones too; returns logits [B, vocab].
+        """Run one decode step of a compiled decode batch (one of the artifact's
+        `decoder_batch_sizes`), padding rows too; returns logits [rows, vocab].
 
-        Within each layer every lane first writes its K/V at its `cache_position` into the block its
-        row names (and into its sliding slot), then every lane reads its keys through its row. Each
-        lane is computed on its own (matmuls of batch 1), so its logits do not depend on B.
+        Within each layer every row first writes its K/V at its `cache_position` into the block its
+        table row names (and into the sliding slot its `local_block_tables` entry names), then every
+        row reads its keys through its table row. Each row is computed on its own (matmuls of batch
+        1), so its logits depend neither on B nor on the bucket.
         """
         art = self.artifact
-        b = art.batch_size
         ids = np.asarray(inputs.input_ids).reshape(-1)
+        b = ids.shape[0]
         positions = np.asarray(inputs.cache_position, dtype=np.int64).reshape(-1)
         tables = self._check_table(np.asarray(inputs.block_tables), "block_tables")
-        if ids.shape != (b,) or positions.shape != (b,) or tables.shape != (b, art.blocks_per_seq):
+        if b not in art.decoder_batch_sizes or positions.shape != (b,) or \
+                tables.shape != (b, art.blocks_per_seq):
             raise StateError(f"decode inputs have shapes {ids.shape}, {positions.shape}, "
-                             f"{tables.shape}; the graph takes batch_size={b}, "
-                             f"blocks_per_seq={art.blocks_per_seq}")
+                             f"{tables.shape}; the compiled decode batches are "
+                             f"{art.decoder_batch_sizes}, blocks_per_seq={art.blocks_per_seq}")
         self._check_positions(positions, "decode cache_position")
         slots = [self._check_slot(int(s)) for s in np.asarray(inputs.local_block_tables).reshape(-1)
                  ] if self._window else [0] * b
         self.decode_calls += 1
+        self.decode_rows += b
 
         window = self._window
         lane_pos = [positions[lane : lane + 1] for lane in range(b)]

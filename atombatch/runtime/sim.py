@@ -209,11 +209,13 @@ class CostModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         time divided by `producer_speed`."""
         return self.request_prefill_s(artifact, prompt_len) / self.producer_speed
 
-    def decode_step_s(self, artifact: ArtifactConfig, contexts: Sequence[int]) -> float:
-        """One decode step; `contexts` are the decoding lanes' attended lengths (position + 1)."""
+    def decode_step_s(self, artifact: ArtifactConfig, contexts: Sequence[int],
+                      rows: int | None = None) -> float:
+        """One decode step of a compiled batch of `rows` (default: batch_size); `contexts` are the
+        decoding lanes' attended lengths (position + 1). The other rows are padding."""
         shapes = _shapes(artifact)
         active = len(contexts)
-        idle = artifact.batch_size - active
+        idle = (artifact.batch_size if rows is None else rows) - active
         weights = shapes.decode_weight_bytes / self.memory_bandwidth
         lanes = max(active - 1, 0) + self.idle_lane_fraction * idle
         kv = sum(_kv_read_bytes(shapes, c) for c in contexts)
@@ -434,6 +436,7 @@ class DeviceTime(msgspec.Struct):
     prefill_calls: int = 0
     import_calls: int = 0                  # write_layer_kv calls (one per imported layer)
     decode_calls: int = 0
+    decode_rows: int = 0                   # rows billed by decode calls (padding rows included)
 
 
 class SimRuntime:
@@ -509,19 +512,24 @@ class SimRuntime:
 
     def decode(self, inputs: DecodeArrays) -> npt.NDArray[np.float32]:
         positions = inputs.cache_position[:, 0]
-        contexts = [int(p) + 1 for p in positions if p > 0]  # idle lanes are padded at position 0
-        cost = self.costs.decode_step_s(self.artifact, contexts)
+        rows = len(positions)
+        if rows not in self.artifact.decoder_batch_sizes:
+            raise StateError(f"decode inputs have {rows} rows; the compiled decode batches are "
+                             f"{self.artifact.decoder_batch_sizes}")
+        contexts = [int(p) + 1 for p in positions if p > 0]  # padding rows sit at position 0
+        cost = self.costs.decode_step_s(self.artifact, contexts, rows)
         self.device.decode_s += cost
         self.device.decode_calls += 1
+        self.device.decode_rows += rows
         self._now += cost
         logits, spikes, base = self._decode_logits, self._decode_spikes, self._base
-        for lane in range(self.artifact.batch_size):
-            old = spikes[lane]
-            logits[lane, old] = base[old]
-            spike = self._spike(int(inputs.input_ids[lane, 0]), int(positions[lane]))
-            logits[lane, spike] = 32.0
-            spikes[lane] = spike
-        return logits
+        for row in range(rows):
+            old = spikes[row]
+            logits[row, old] = base[old]
+            spike = self._spike(int(inputs.input_ids[row, 0]), int(positions[row]))
+            logits[row, spike] = 32.0
+            spikes[row] = spike
+        return logits[:rows]
 
     def write_layer_kv(self, layer: int, k: npt.NDArray[np.generic], v: npt.NDArray[np.generic],
                        block_row: Sequence[int], slot: int = 0) -> None:
