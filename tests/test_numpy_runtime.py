@@ -363,11 +363,12 @@ def test_idle_lane_rows_really_write(family: str, kind: str,
         for _ in range(3):
             driver._hold(driver.lanes.seq_len(2) + 1)
             driver.decode_inputs.build(driver.lanes, driver.spare)
-            if corrupt:  # idle lane 0's row names the live lane's first block
-                driver.decode_inputs.block_tables[0, :] = driver.lanes.blocks(2)[0]
+            assert driver.decode_inputs.row_lanes.tolist() == [2, 0, 1, 3]  # live lane first
+            if corrupt:  # idle lane 0's padding row names the live lane's first block
+                driver.decode_inputs.block_tables[1, :] = driver.lanes.blocks(2)[0]
             logits = runtime.decode(driver.decode_inputs)
-            out.append(logits[2].copy())
-            driver.lanes.advance(2, int(logits[2].argmax()))
+            out.append(logits[0].copy())
+            driver.lanes.advance(2, int(logits[0].argmax()))
         return out
 
     good, bad = run(corrupt=False), run(corrupt=True)
@@ -420,6 +421,27 @@ def test_negative_or_out_of_range_table_entries_raise() -> None:
     assert runtime.decode_calls == runtime.prefill_calls == 0
 
 
+def test_decode_runs_only_the_compiled_decode_batches() -> None:
+    spec = ModelSpec(name="t", family="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+                     num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    art = ArtifactConfig(model=spec, batch_size=4, max_seq_len=32, block_size=16, num_blocks=9,
+                         prefill_chunk_size=8, decoder_batch_sizes=(1, 4))
+    runtime = NumpyRuntime.random(art)
+    lanes = LaneTable(4, 2, 16)
+    lane = lanes.assign()
+    lanes.push_block(lane, 3)
+    lanes.start_decode(lane, 4, 7)
+    inputs = DecodeInputs(4, 2, (1, 2, 4))  # buckets the artifact was not compiled with
+    inputs.build(lanes, 8)
+    assert runtime.decode(inputs).shape == (1, 64) and runtime.decode_rows == 1
+    lanes.push_block(lanes.assign(), 5)
+    lanes.start_decode(1, 2, 9)
+    inputs.build(lanes, 8)
+    with pytest.raises(StateError, match=r"the compiled decode batches are \(1, 4\)"):
+        runtime.decode(inputs)
+    assert runtime.decode_calls == 1
+
+
 # -- batch invariance ------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_decode_logits_are_bit_identical_at_b1_and_b4(
@@ -453,6 +475,7 @@ def test_decode_logits_are_bit_identical_at_b1_and_b4(
         decode.build(lanes, spare)
         together = b4.decode(decode)
         solo = alone.decode()
+        assert decode.row_lanes.tolist() == [0, 1, 2, 3]
         assert np.array_equal(together[2], solo)  # bit for bit, other lanes busy
         for lane in range(4):
             lanes.advance(lane, int(together[lane].argmax()))

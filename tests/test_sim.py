@@ -82,6 +82,41 @@ def test_b4_step_costs_more_than_b1_but_far_less_than_four() -> None:
     assert steeper.decode_step_s(koni(4, 5), [8200] * 4) > 3.5 * b1
 
 
+def test_a_decode_step_is_billed_by_the_bucket_that_ran() -> None:
+    """With decode buckets a step pays for the rows of the compiled batch it ran, not for B."""
+    costs = CostModel.default()
+    plain = koni(4, 5)
+    bucketed = ArtifactConfig(**{**{f: getattr(plain, f) for f in plain.__struct_fields__},
+                                 "decoder_batch_sizes": (1, 2, 4)})
+    assert costs.decode_step_s(bucketed, [8200], rows=1) == pytest.approx(
+        costs.decode_step_s(koni(), [8200]))
+    assert costs.decode_step_s(bucketed, [8200], rows=1) < costs.decode_step_s(plain, [8200])
+    # the same one-request workload through the Batcher: rows, device time and tokens
+    prompts, params = [[5] * 300], SamplingParams(max_tokens=6, ignore_eos=True)
+    runs = {}
+    for art in (plain, bucketed):
+        rt = SimRuntime(art, costs)
+        batcher = Batcher(rt)
+        runs[art.decoder_batch_sizes] = (batcher.generate(prompts, params), rt.device, batcher)
+    (done4, dev4, b4), (done1, dev1, b1) = runs[(4,)], runs[(1, 2, 4)]
+    assert done4[0].token_ids == done1[0].token_ids
+    assert dev4.decode_calls == dev1.decode_calls == 5
+    assert (dev4.decode_rows, dev1.decode_rows) == (20, 5)
+    assert b1.stats().bucket_steps == {1: 5} and b4.stats().bucket_steps == {4: 5}
+    assert dev1.decode_s < dev4.decode_s
+    with pytest.raises(StateError, match="decode inputs have 3 rows; the compiled decode batches "
+                                         r"are \(1, 2, 4\)"):
+        SimRuntime(bucketed).decode(_Rows(3))
+
+
+class _Rows:
+    """Decode inputs of `n` padding rows (a bucket the artifact does not have)."""
+
+    def __init__(self, n: int) -> None:
+        self.input_ids = np.zeros((n, 1), np.int64)
+        self.cache_position = np.zeros((n, 1), np.int32)
+
+
 def _fields(costs: CostModel) -> dict:
     return {f: getattr(costs, f) for f in costs.__struct_fields__}
 

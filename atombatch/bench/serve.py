@@ -4,7 +4,8 @@ Every cell runs a real `Batcher` (the scheduler that will drive the device) on a
 virtual clock is advanced by a `CostModel` calibrated to the origin issue's KONI B1/k1 figures:
 
     python -m atombatch.bench serve                         # 4 models x 3 routes x 4 inputs x 2
-                                                            # outputs x B1/k1,B1/k3,B1/k5,B4/k5, c16
+                                                            # outputs x B1/k1,B1/k3,B1/k5,B4/k5,
+                                                            # B4/k5/dbs1,2,4 (buckets), c16
     python -m atombatch.bench serve --models koni-8b --inputs 8192 --outputs 128 \\
         --artifacts B1/k1,B4/k5 --ignore-fit --json koni.json
 
@@ -60,7 +61,7 @@ from atombatch.structs import Completion, SamplingParams
 MODELS = ("qwen3-0.6b", "qwen3-4b", "koni-8b", "gemma3-1b")
 INPUTS = (128, 512, 2048, 8192)
 OUTPUTS = (32, 128)
-ARTIFACTS = ("B1/k1", "B1/k3", "B1/k5", "B4/k5")
+ARTIFACTS = ("B1/k1", "B1/k3", "B1/k5", "B4/k5", "B4/k5/dbs1,2,4")
 POLICIES = ("prefill-first", "decode-first", "interleave:4")
 CONTEXT = 9216
 CHUNK = 128
