@@ -357,6 +357,22 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             f"batch_size=1 and num_blocks={bps}; partitioned oversubscription needs "
             f"block_size < max_seq_len and num_blocks >= {bps + 1})")
 
+    @classmethod
+    def from_rbln_config(cls, path: str | os.PathLike[str],
+                         model: ModelSpec | None = None) -> ArtifactConfig:
+        """The artifact of a compiled optimum-rbln directory (or its `rbln_config.json`).
+
+        Lanes, context, block size, block count, chunk, tensor parallel and KV dtype come from
+        `rbln_config.json`; the model from `model` or the directory's `config.json`. Every field
+        is checked (see `atombatch.rbln_config.load` and docs/device.md).
+
+        Raises:
+            ConfigError: a missing, contradicting or unsupported field, named in the message.
+        """
+        from atombatch.rbln_config import load
+
+        return load(path, model).artifact
+
     # -- derived --------------------------------------------------------------------------------
     @property
     def blocks_per_seq(self) -> int:
