@@ -414,7 +414,8 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def compiled_cache_dir(self, root: str | os.PathLike[str]) -> Path:
-        """Where this artifact's compiled graphs live; distinct for every identity."""
+        """A folder under `root` named for this artifact, distinct for every identity: e.g. where
+        to `save_pretrained` its optimum-rbln compile, so a B4 server never opens a B1 directory."""
         tp = f"-tp{self.tensor_parallel}"
         name = (f"{self.model.name}-b{self.batch_size}-ctx{self.max_seq_len}-bs{self.block_size}"
                 f"-k{self.num_blocks}{tp}-{self.identity}")

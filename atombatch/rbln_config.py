@@ -136,16 +136,16 @@ def _get(raw: dict[str, Any], field: str, kind: type | tuple[type, ...], default
             raise ConfigError(f"{CONFIG_FILE}: field {field!r} is missing")
         return default
     value = raw[field]
-    if isinstance(value, bool) and kind is int or not isinstance(value, kind):
+    if (isinstance(value, bool) and kind is int) or not isinstance(value, kind):
         raise ConfigError(f"{CONFIG_FILE}: field {field!r}={value!r} has the wrong type")
     return value
 
 
 def _positive(raw: dict[str, Any], field: str, default: Any = ...) -> int:
     value = _get(raw, field, int, default)
-    if value is not None and value <= 0:
+    if value <= 0:
         raise ConfigError(f"{CONFIG_FILE}: {field}={value} must be a positive integer")
-    return int(value) if value is not None else value
+    return int(value)
 
 
 def _parse_input_info(graph: str, raw: Any) -> tuple[GraphInput, ...]:

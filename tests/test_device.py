@@ -298,3 +298,33 @@ def test_serve_takes_a_compiled_directory(fake_rebel, tmp_path, llama):
     assert batcher.artifact == ArtifactConfig.from_rbln_config(d)
     assert batcher.artifact.blocks_per_seq == 4 and name == "compiled"
     assert batcher.generate([prompts[0]], GREEDY)[0].token_ids == references[0]
+
+
+def test_a_smaller_decode_graph_runs_by_row_count(fake_rebel, tmp_path, case):
+    """Rows, not lanes: a 2-row decode runs decoder_batch_2; the sequence sits on row 0 with its
+    own blocks and slot 1 while the padding row points at block 0 and slot 0."""
+    from types import SimpleNamespace
+
+    family, path, prompts, references = case
+    rt = RebelRuntime.from_optimum(compiled(tmp_path, path, "flash",
+                                            decoder_batch_sizes=[1, 2, B]))
+    prompt = prompts[2]                                   # 33 tokens: three 16-token chunks
+    prefill = PrefillInputs(16, 4)
+    for start in range(0, len(prompt), 16):
+        prefill.build(np.asarray(prompt), start, np.array([3, 7], np.int32), 2, 1)
+        logits = rt.prefill(prefill)
+    tokens = [int(np.argmax(logits))]
+    decode = SimpleNamespace(input_ids=np.zeros((2, 1), np.int64),
+                             cache_position=np.zeros((2, 1), np.int32),
+                             block_tables=np.array([[3, 7, 7, 7], [0, 0, 0, 0]], np.int16),
+                             local_block_tables=np.array([[1], [0]], np.int16))
+    for step in range(NEW_TOKENS - 1):
+        decode.input_ids[0, 0] = tokens[-1]
+        decode.cache_position[0, 0] = len(prompt) + step
+        tokens.append(int(np.argmax(rt.decode(decode)[0])))
+    assert tuple(tokens) == references[2]
+    assert rt.decode_calls_by_batch == {1: 0, 2: NEW_TOKENS - 1, B: 0}
+    assert {name for name, _ in fake_rebel.CALLS} == {"prefill", "decoder_batch_2"}
+    three = SimpleNamespace(**{k: np.concatenate([v, v[:1]]) for k, v in vars(decode).items()})
+    with pytest.raises(StateError, match="3 rows.*decoder_batch_sizes=\\[1, 2, 4\\]"):
+        rt.decode(three)

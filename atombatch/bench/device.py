@@ -114,9 +114,9 @@ def check_buckets(rt: RebelRuntime, prompt_len: int, new_tokens: int) -> tuple[C
     probe = probe_prompt(art.model.vocab_size, prompt_len)
     others = [probe_prompt(art.model.vocab_size, prompt_len, seed=s)
               for s in range(1, art.batch_size)]
-    before = dict(rt.decode_calls)
+    before = dict(rt.decode_calls_by_batch)
     alone = Batcher(rt).generate([probe], params)[0]
-    alone_graphs = {b: n - before[b] for b, n in rt.decode_calls.items() if n > before[b]}
+    alone_graphs = {b: n - before[b] for b, n in rt.decode_calls_by_batch.items() if n > before[b]}
     timed = _Timed(rt)
     batcher = Batcher(rt)
     host_steps: list[float] = []
@@ -161,7 +161,9 @@ def check_copy_block(rt: RebelRuntime, prompt_len: int, new_tokens: int) -> Chec
     art, spec = rt.artifact, rt.spec
     name = "copy-block"
     bps, size = art.blocks_per_seq, art.block_size
-    span = -(-(prompt_len + new_tokens) // size)         # blocks the probe reaches
+    chunk = art.prefill_chunk_size
+    padded = -(-prompt_len // chunk) * chunk              # the last chunk's padding is written too
+    span = -(-max(padded, prompt_len + new_tokens) // size)   # blocks the probe reaches
     padding_rows = min(rt.decoder_batch_sizes) > 1
     needed = 2 * span + int(padding_rows)
     if art.num_blocks < needed:
@@ -171,13 +173,16 @@ def check_copy_block(rt: RebelRuntime, prompt_len: int, new_tokens: int) -> Chec
     copies = list(range(span, 2 * span))
     pad_block = 2 * span if padding_rows else 0
     probe = probe_prompt(spec.vocab_size, prompt_len)
+    other = probe_prompt(spec.vocab_size, prompt_len, seed=99)
     try:
         inputs = PrefillInputs(art.prefill_chunk_size, bps)
         logits = None
-        for start in range(0, prompt_len, art.prefill_chunk_size):
-            inputs.build(np.asarray(probe), start, np.asarray(source, dtype=np.int32),
-                         len(source), 0)
-            logits = rt.prefill(inputs)
+        # the copies' blocks first hold another prompt's KV, so only a real copy can match
+        for prompt, row in ((other, copies), (probe, source)):
+            for start in range(0, prompt_len, art.prefill_chunk_size):
+                inputs.build(np.asarray(prompt), start, np.asarray(row, dtype=np.int32),
+                             len(row), 0)
+                logits = rt.prefill(inputs)
         assert logits is not None
         first = int(np.argmax(logits))
         for src, dst in zip(source, copies, strict=True):

@@ -179,6 +179,7 @@ class RebelRuntime:
         artifact: shapes derived from `rbln_config.json`.
         decoder_batch_sizes: the compiled decode batches, ascending.
         kv_methods: which KV methods this SDK's runtime has (`hasattr`).
+        prefill_calls, decode_calls: graph calls run; decode_calls_by_batch: per decode graph.
     Raises:
         ConfigError: rebel-sdk is missing, or a KV cache's device size contradicts the config.
     """
@@ -191,7 +192,8 @@ class RebelRuntime:
         self.decoder_batch_sizes = compiled.decoder_batch_sizes
         self.version = str(getattr(rebel, "__version__", "unknown"))
         self.prefill_calls = 0
-        self.decode_calls: dict[int, int] = {b: 0 for b in compiled.decoder_batch_sizes}
+        self.decode_calls = 0
+        self.decode_calls_by_batch: dict[int, int] = {b: 0 for b in compiled.decoder_batch_sizes}
         length = self.artifact.max_seq_len
         self._prefill = rebel.Runtime(compiled.prefill.file, tensor_type="np", device=device)
         self._prefill_args = _GraphArgs(compiled.prefill, length)
@@ -255,7 +257,8 @@ class RebelRuntime:
         rows = int(inputs.input_ids.shape[0])
         runtime, builder = self._decoder(rows)
         out = self._first_output(runtime(*(array for _, array in builder.build(inputs))))
-        self.decode_calls[rows] += 1
+        self.decode_calls += 1
+        self.decode_calls_by_batch[rows] += 1
         return np.asarray(out, dtype=F32).reshape(rows, self.spec.vocab_size)
 
     def _first_output(self, out: Any) -> Any:
