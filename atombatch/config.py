@@ -363,6 +363,22 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             f"batch_size=1 and num_blocks={bps}; partitioned oversubscription needs "
             f"block_size < max_seq_len and num_blocks >= {bps + 1})")
 
+    @classmethod
+    def from_rbln_config(cls, path: str | os.PathLike[str],
+                         model: ModelSpec | None = None) -> ArtifactConfig:
+        """The artifact of a compiled optimum-rbln directory (or its `rbln_config.json`).
+
+        Lanes, context, block size, block count, chunk, tensor parallel and KV dtype come from
+        `rbln_config.json`; the model from `model` or the directory's `config.json`. Every field
+        is checked (see `atombatch.rbln_config.load` and docs/device.md).
+
+        Raises:
+            ConfigError: a missing, contradicting or unsupported field, named in the message.
+        """
+        from atombatch.rbln_config import load
+
+        return load(path, model).artifact
+
     # -- derived --------------------------------------------------------------------------------
     @property
     def blocks_per_seq(self) -> int:
@@ -412,7 +428,8 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def compiled_cache_dir(self, root: str | os.PathLike[str]) -> Path:
-        """Where this artifact's compiled graphs live; distinct for every identity."""
+        """A folder under `root` named for this artifact, distinct for every identity: e.g. where
+        to `save_pretrained` its optimum-rbln compile, so a B4 server never opens a B1 directory."""
         tp = f"-tp{self.tensor_parallel}"
         name = (f"{self.model.name}-b{self.batch_size}-ctx{self.max_seq_len}-bs{self.block_size}"
                 f"-k{self.num_blocks}{tp}-{self.identity}")

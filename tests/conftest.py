@@ -14,3 +14,17 @@ def impl(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
     """The compiled `atombatch._blocks` (id `c`) or the pure-Python twin `_blocks_py` (id `py`)."""
     name = "atombatch._blocks" if request.param == "c" else "atombatch._blocks_py"
     yield importlib.import_module(name)
+
+
+@pytest.fixture
+def fake_rebel(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """The emulated rebel-sdk (`tests/fakerebel/rebel`) as `import rebel`, with no device state."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "fakerebel"))
+    monkeypatch.delitem(sys.modules, "rebel", raising=False)
+    rebel = importlib.import_module("rebel")
+    rebel.reset()
+    yield rebel
+    rebel.reset()

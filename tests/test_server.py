@@ -442,5 +442,5 @@ def test_cli_builds_the_artifact_and_refuses_bad_configs(capsys: Any) -> None:
     assert batcher.policy.label == "interleave:2"
     assert main(["--batch-size", "4", "--num-blocks", "3"]) == 2
     assert "lanes+1 rule" in capsys.readouterr().err
-    assert main(["--runtime", "rebel", "--model", "koni-8b", "--compiled-dir", "/nonexistent"]) == 2
-    assert "atombatch.serve:" in capsys.readouterr().err
+    assert main(["--runtime", "rebel", "--model", "/nonexistent"]) == 2
+    assert "needs --model DIR, a directory compiled by optimum-rbln" in capsys.readouterr().err

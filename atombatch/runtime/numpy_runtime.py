@@ -357,8 +357,10 @@ class NumpyRuntime:
         return np.ascontiguousarray(keys), np.ascontiguousarray(values)
 
     # -- the two graphs ---------------------------------------------------------------------------
-    def prefill(self, inputs: PrefillArrays) -> Array:
-        """Run one prefill chunk (batch 1); returns the logits [vocab] of the last real token.
+    def prefill(self, inputs: PrefillArrays, *, every_position: bool = False) -> Array:
+        """Run one prefill chunk (batch 1); returns the logits [vocab] of the last real token
+        (`every_position`: of every chunk position, [Q, vocab], as a graph compiled with
+        optimum-rbln's `logits_to_keep=0` returns them).
 
         K/V of all Q positions (padding included) go into the global layers' blocks; only the real
         tokens (up to `query_position`) enter the sliding slot.
@@ -404,6 +406,8 @@ class NumpyRuntime:
                 buffer[0, :, :kept] = keys[:, newest]
                 buffer[1, :, :kept] = values[:, newest]
             h = self._finish(layer, h, self._attend(layer, q, keys, values, positions, key_pos))
+        if every_position:
+            return self._logits(h)
         return self._logits(h[last : last + 1])[0]
 
     def decode(self, inputs: DecodeArrays) -> Array:

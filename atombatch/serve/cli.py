@@ -2,13 +2,14 @@
 
     python -m atombatch.serve                          # NumPy runtime, built-in random tiny spec
     python -m atombatch.serve --model /path/to/hf-checkpoint --batch-size 4 --max-seq-len 2048
-    python -m atombatch.serve --runtime rebel --model koni-8b --batch-size 4 --max-seq-len 9216 \\
-        --num-blocks 5 --compiled-dir /var/cache/atombatch
+    python -m atombatch.serve --runtime rebel --model /path/to/optimum-rbln-compiled-dir
 
 Without `--model` the NumPy runtime runs `DEFAULT_SPEC` (a 2-layer Llama-family model with random
 weights, seeded by `--seed`, vocab 1024) so the server, the clients and the benchmark work without
 a checkpoint. `--model` takes a Hugging Face checkpoint directory (config.json + safetensors; a
-`tokenizer.json` next to it is used for text) or, with `--runtime rebel`, a preset name.
+`tokenizer.json` next to it is used for text) or, with `--runtime rebel`, a directory compiled by
+optimum-rbln, whose `rbln_config.json` gives every shape (the shape flags are not used; see
+docs/device.md).
 
 The artifact is built from the shape flags; `--block-size` defaults to the context (eager: one block
 per sequence) and `--num-blocks` to lanes x blocks-per-sequence + 1 (DESIGN §3's general rule).
@@ -37,14 +38,13 @@ DEFAULT_SPEC = ModelSpec(
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m atombatch.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="Hugging Face checkpoint dir (or a preset name with "
-                   f"--runtime rebel: {', '.join(sorted(PRESETS))}); default: the built-in "
-                   "random tiny spec on the NumPy runtime")
+    p.add_argument("--model", help="Hugging Face checkpoint dir (with --runtime rebel: a "
+                   "directory compiled by optimum-rbln); default: the built-in random tiny spec "
+                   "on the NumPy runtime")
     p.add_argument("--runtime", choices=("numpy", "rebel"), default="numpy")
     p.add_argument("--tokenizer", help="dir with tokenizer.json (default: the --model dir if it "
                    "has one; none: token-id text)")
     p.add_argument("--served-model-name", help="id at /v1/models (default: the spec's name)")
-    p.add_argument("--compiled-dir", help="RebelRuntime: root of the compiled-artifact cache")
     p.add_argument("--device", default="0",
                    help="RebelRuntime: ATOM device index, or a comma list for tensor parallel")
     p.add_argument("--batch-size", type=int, default=4, help="decode lanes B (default 4)")
@@ -75,12 +75,16 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
             (or `RebelRuntime`) is not available.
     """
     model_dir = Path(args.model) if args.model and Path(args.model).is_dir() else None
+    runtime: Any
+    if args.runtime == "rebel":
+        runtime = _rebel_runtime(args)
+        return _serving(runtime, args, model_dir, runtime.spec)
     if model_dir is not None:
         spec = ModelSpec.from_pretrained(model_dir)
     elif args.model:
-        if args.runtime == "numpy" and args.model.lower() in PRESETS:
+        if args.model.lower() in PRESETS:
             raise ConfigError(f"--model {args.model}: the NumPy runtime needs weights; give a "
-                              "checkpoint directory (presets are for --runtime rebel)")
+                              "checkpoint directory")
         spec = ModelSpec.preset(args.model)
     else:
         spec = DEFAULT_SPEC
@@ -89,18 +93,17 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
     num_blocks = args.num_blocks or args.batch_size * max(bps, 1) + 1
     artifact = ArtifactConfig(model=spec, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
                               block_size=block_size, num_blocks=num_blocks,
-                              prefill_chunk_size=min(args.prefill_chunk_size, args.max_seq_len),
-                              tensor_parallel=len(str(args.device).split(","))
-                              if args.runtime == "rebel" else 1)
-    runtime: Any
-    if args.runtime == "rebel":
-        runtime = _rebel_runtime(artifact, args)
+                              prefill_chunk_size=min(args.prefill_chunk_size, args.max_seq_len))
+    from atombatch.runtime.numpy_runtime import NumpyRuntime
+    if model_dir is not None:
+        runtime = NumpyRuntime.from_pretrained(model_dir, artifact=artifact)
     else:
-        from atombatch.runtime.numpy_runtime import NumpyRuntime
-        if model_dir is not None:
-            runtime = NumpyRuntime.from_pretrained(model_dir, artifact=artifact)
-        else:
-            runtime = NumpyRuntime.random(artifact, seed=args.seed)
+        runtime = NumpyRuntime.random(artifact, seed=args.seed)
+    return _serving(runtime, args, model_dir, spec)
+
+
+def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,
+             spec: ModelSpec) -> tuple[Batcher, str, Codec | None]:
     batcher = Batcher(runtime, policy=args.policy, seed=args.seed, max_waiting=args.max_waiting)
     tokenizer_dir = args.tokenizer or model_dir
     codec = HFCodec.from_dir(tokenizer_dir) if tokenizer_dir else None
@@ -109,19 +112,17 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
     return batcher, args.served_model_name or spec.name, codec
 
 
-def _rebel_runtime(artifact: ArtifactConfig, args: argparse.Namespace) -> Any:
-    """`RebelRuntime` on the artifact's own compiled-cache folder (imported lazily: rebel-sdk)."""
-    try:
-        from atombatch.runtime.rebel import RebelRuntime
-    except ImportError:
-        raise ConfigError("--runtime rebel: this build of atombatch has no RebelRuntime; "
-                          "use --runtime numpy") from None
-    if not args.compiled_dir:
-        raise ConfigError("--runtime rebel needs --compiled-dir: the root of the compiled-artifact "
-                          f"cache (graphs are read from {artifact.compiled_cache_dir('<root>')})")
+def _rebel_runtime(args: argparse.Namespace) -> Any:
+    """`RebelRuntime` on an optimum-rbln compiled directory (imported lazily: rebel-sdk)."""
+    from atombatch.runtime.rebel import RebelRuntime
+
+    if not args.model or not (Path(args.model) / "rbln_config.json").is_file():
+        raise ConfigError(f"--runtime rebel needs --model DIR, a directory compiled by "
+                          f"optimum-rbln (with rbln_config.json); got {args.model!r} "
+                          "(docs/device.md)")
     devices = [int(d) for d in str(args.device).split(",")]
-    return RebelRuntime.from_cache_dir(artifact, args.compiled_dir,
-                                       device=devices[0] if len(devices) == 1 else devices)
+    return RebelRuntime.from_optimum(args.model,
+                                     device=devices[0] if len(devices) == 1 else devices)
 
 
 def main(argv: list[str] | None = None) -> int:
