@@ -21,7 +21,7 @@ from hf_models import FAMILIES, build_model, hf_logits, save_checkpoint
 from atombatch import ArtifactConfig, Batcher, ConfigError, SamplingParams, StateError
 from atombatch.blocks import PrefillInputs
 from atombatch.pd import InProcessSource, Producer
-from atombatch.runtime import NumpyRuntime, RebelRuntime
+from atombatch.runtime import NumpyRuntime, RebelRuntime, Runtime
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -294,7 +294,7 @@ def test_serve_takes_a_compiled_directory(fake_rebel, tmp_path, llama):
     d = compiled(tmp_path, path, "flash", decoder_batch_sizes=[1, B])
     batcher, name, _ = build_engine(parser().parse_args(["--runtime", "rebel", "--model",
                                                          str(d)]))
-    assert isinstance(batcher.runtime, RebelRuntime)
+    assert isinstance(batcher.runtime, RebelRuntime) and isinstance(batcher.runtime, Runtime)
     assert batcher.artifact == ArtifactConfig.from_rbln_config(d)
     assert batcher.artifact.blocks_per_seq == 4 and name == "compiled"
     assert batcher.generate([prompts[0]], GREEDY)[0].token_ids == references[0]
