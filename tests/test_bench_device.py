@@ -40,10 +40,11 @@ def test_report_passes_on_a_sound_device(fake_rebel, tmp_path, checkpoints, caps
     b = options["batch_size"]
     assert f"| B1 vs bucketed B{b} | PASS |" in text
     assert "| copy-block | PASS |" in text and "max |dlogit| = 0" in text
+    assert "| host round-trip | PASS |" in text
     assert "| host time per step | INFO | median" in text
     assert "_copy_kv_cache yes" in text and "`prefill`: input_ids [1, 16] int64" in text
     report = json.loads(out.read_text())
-    assert [c["status"] for c in report["checks"]] == ["PASS", "PASS", "INFO"]
+    assert [c["status"] for c in report["checks"]] == ["PASS", "PASS", "PASS", "INFO"]
     assert fake_rebel.KV_CALLS["_copy_kv_cache"] >= 1
     if family == "gemma3":   # the sliding slot went out and back through the host buffers
         assert fake_rebel.KV_CALLS["_fetch_kv_cache"] >= 1
@@ -56,7 +57,25 @@ def test_a_broken_kv_copy_fails_the_report(fake_rebel, tmp_path, checkpoints, ca
                     kvcache_num_blocks=5)
     monkeypatch.setattr(fake_rebel.Runtime, "_copy_kv_cache", lambda self, s, d, n: None)
     assert device.main(["--model", str(d), "--new-tokens", "4"]) == 1
-    assert "| copy-block | FAIL |" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "| copy-block | FAIL |" in text and "tokens differ" in text
+    assert "| host round-trip | PASS |" in text
+
+
+def test_a_lossy_host_write_fails_the_round_trip(fake_rebel, tmp_path, checkpoints, capsys,
+                                                 monkeypatch):
+    d = compile_dir(tmp_path / "c", checkpoints["llama"], batch_size=4, max_seq_len=128,
+                    kvcache_num_blocks=5)
+    update = fake_rebel.Runtime._update_kv_cache
+
+    def lossy(self, host, block, offset, tokens, name):   # loses the first token of each write
+        update(self, host, block, offset, tokens, name)
+        self.model.cache(name)[block, :, offset] = 0
+
+    monkeypatch.setattr(fake_rebel.Runtime, "_update_kv_cache", lossy)
+    assert device.main(["--model", str(d), "--new-tokens", "4"]) == 1
+    text = capsys.readouterr().out
+    assert "| copy-block | PASS |" in text and "| host round-trip | FAIL |" in text
 
 
 def test_a_missing_kv_method_is_named_in_the_report(fake_rebel, tmp_path, checkpoints, capsys,

@@ -21,7 +21,7 @@ from hf_models import FAMILIES, build_model, hf_logits, save_checkpoint
 from atombatch import ArtifactConfig, Batcher, ConfigError, SamplingParams, StateError
 from atombatch.blocks import PrefillInputs
 from atombatch.pd import InProcessSource, Producer
-from atombatch.runtime import NumpyRuntime, RebelRuntime
+from atombatch.runtime import NumpyRuntime, RebelRuntime, Runtime
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -294,7 +294,7 @@ def test_serve_takes_a_compiled_directory(fake_rebel, tmp_path, llama):
     d = compiled(tmp_path, path, "flash", decoder_batch_sizes=[1, B])
     batcher, name, _ = build_engine(parser().parse_args(["--runtime", "rebel", "--model",
                                                          str(d)]))
-    assert isinstance(batcher.runtime, RebelRuntime)
+    assert isinstance(batcher.runtime, RebelRuntime) and isinstance(batcher.runtime, Runtime)
     assert batcher.artifact == ArtifactConfig.from_rbln_config(d)
     assert batcher.artifact.blocks_per_seq == 4 and name == "compiled"
     assert batcher.generate([prompts[0]], GREEDY)[0].token_ids == references[0]
@@ -328,3 +328,15 @@ def test_a_smaller_decode_graph_runs_by_row_count(fake_rebel, tmp_path, case):
     three = SimpleNamespace(**{k: np.concatenate([v, v[:1]]) for k, v in vars(decode).items()})
     with pytest.raises(StateError, match="3 rows.*decoder_batch_sizes=\\[1, 2, 4\\]"):
         rt.decode(three)
+
+
+def test_a_device_cache_size_that_contradicts_the_config_is_refused(fake_rebel, tmp_path, llama,
+                                                                    monkeypatch):
+    _, path, _, _ = llama
+    d = compiled(tmp_path, path, "eager")
+    size = fake_rebel.Runtime._get_kv_cache_size
+    monkeypatch.setattr(fake_rebel.Runtime, "_get_kv_cache_size",
+                        lambda self, name: size(self, name) * (2 if name.endswith("_3") else 1))
+    with pytest.raises(ConfigError, match=r"KV cache past_key_values_3 holds 163840 bytes on the "
+                                          r"device, rbln_config.json gives \[5, 2, 128, 16\]"):
+        RebelRuntime.from_optimum(d)

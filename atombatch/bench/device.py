@@ -7,10 +7,12 @@ It opens the directory with `RebelRuntime.from_optimum` and runs:
 1. **B1 vs bucketed B{B}**: a probe prompt decodes alone (the smallest decode graph runs) and again
    beside B-1 other requests (the full batch graph); its greedy tokens must be equal.
 2. **copy-block**: the probe is prefilled into blocks 0.., copied with the runtime's
-   `_copy_kv_cache` to other blocks, then decoded from the originals and from the copies (a hybrid
-   model's sliding slot is saved and restored through `_fetch_kv_cache` / `_update_kv_cache`);
-   tokens and logits must be equal.
-3. **host time per step**: wall time of `Batcher.step` minus the time inside graph calls (median),
+   `_copy_kv_cache` over another prompt's KV, then decoded from the originals and from the copies
+   (a hybrid model's sliding slot is saved and restored through `_fetch_kv_cache` /
+   `_update_kv_cache`); tokens and logits must be equal.
+3. **host round-trip**: the same with the blocks read to host memory and written back
+   (`read_block` / `write_block`, the host cache's path).
+4. **host time per step**: wall time of `Batcher.step` minus the time inside graph calls (median),
    beside the median graph call time per decode batch.
 
 It prints a Markdown report to paste into an issue and exits 1 when a check fails. CI runs it
@@ -156,10 +158,12 @@ def check_buckets(rt: RebelRuntime, prompt_len: int, new_tokens: int) -> tuple[C
     return bucket, timing
 
 
-def check_copy_block(rt: RebelRuntime, prompt_len: int, new_tokens: int) -> Check:
-    """Prefill into blocks 0.., copy them, decode from both; tokens and logits must agree."""
+def check_kv_moves(rt: RebelRuntime, prompt_len: int, new_tokens: int) -> list[Check]:
+    """Prefill a probe into blocks 0.. and decode from it; then decode from a device copy of its
+    blocks (`copy_block`) and from a host round trip of them (`read_block` / `write_block`),
+    each written over another prompt's KV first: tokens and logits must equal the original's."""
     art, spec = rt.artifact, rt.spec
-    name = "copy-block"
+    names = ("copy-block", "host round-trip")
     bps, size = art.blocks_per_seq, art.block_size
     chunk = art.prefill_chunk_size
     padded = -(-prompt_len // chunk) * chunk              # the last chunk's padding is written too
@@ -167,42 +171,60 @@ def check_copy_block(rt: RebelRuntime, prompt_len: int, new_tokens: int) -> Chec
     padding_rows = min(rt.decoder_batch_sizes) > 1
     needed = 2 * span + int(padding_rows)
     if art.num_blocks < needed:
-        return Check(name, "SKIP", f"needs {needed} blocks, the directory has "
-                                   f"kvcache_num_blocks={art.num_blocks}")
+        reason = f"needs {needed} blocks, the directory has kvcache_num_blocks={art.num_blocks}"
+        return [Check(name, "SKIP", reason) for name in names]
     source = list(range(span))
     copies = list(range(span, 2 * span))
     pad_block = 2 * span if padding_rows else 0
     probe = probe_prompt(spec.vocab_size, prompt_len)
     other = probe_prompt(spec.vocab_size, prompt_len, seed=99)
-    try:
-        inputs = PrefillInputs(art.prefill_chunk_size, bps)
+    inputs = PrefillInputs(chunk, bps)
+
+    def prefill(prompt: list[int], row: list[int]) -> int:
         logits = None
-        # the copies' blocks first hold another prompt's KV, so only a real copy can match
-        for prompt, row in ((other, copies), (probe, source)):
-            for start in range(0, prompt_len, art.prefill_chunk_size):
-                inputs.build(np.asarray(prompt), start, np.asarray(row, dtype=np.int32),
-                             len(row), 0)
-                logits = rt.prefill(inputs)
+        for start in range(0, prompt_len, chunk):
+            inputs.build(np.asarray(prompt), start, np.asarray(row, dtype=np.int32), len(row), 0)
+            logits = rt.prefill(inputs)
         assert logits is not None
-        first = int(np.argmax(logits))
-        for src, dst in zip(source, copies, strict=True):
-            rt.copy_block(src, dst)
+        return int(np.argmax(logits))
+
+    def decode(row: list[int]) -> tuple[list[int], np.ndarray]:
+        for layer, (k, v) in snapshot:       # the probe's sliding slot as the prefill left it
+            rt.write_layer_kv(layer, k, v, [], slot=0)
+        return _decode_alone(rt, row, pad_block, first, prompt_len, new_tokens)
+
+    def compare(name: str, detail: str, run: tuple[list[int], np.ndarray]) -> Check:
+        delta = float(np.max(np.abs(original[1] - run[1])))
+        detail = f"{detail}, {new_tokens} decode steps: max |dlogit| = {delta:.3g}"
+        if original[0] != run[0]:
+            return Check(name, "FAIL", f"{detail}; tokens differ: {original[0]} vs {run[0]}")
+        return Check(name, "PASS" if delta == 0.0 else "FAIL", detail)
+
+    try:
+        prefill(other, copies)
+        first = prefill(probe, source)
         snapshot = [(layer, rt.read_layer_kv(layer, [], prompt_len, slot=0))
                     for layer in spec.sliding_layers]
-        runs = []
-        for row in (source, copies):
-            for layer, (k, v) in snapshot:
-                rt.write_layer_kv(layer, k, v, [], slot=0)
-            runs.append(_decode_alone(rt, row, pad_block, first, prompt_len, new_tokens))
+        original = decode(source)
     except (AtomBatchError, RuntimeError, ValueError) as exc:
-        return Check(name, "FAIL", f"{type(exc).__name__}: {exc}")
-    (tokens_a, logits_a), (tokens_b, logits_b) = runs
-    delta = float(np.max(np.abs(logits_a - logits_b)))
-    detail = (f"blocks {source} -> {copies}, {new_tokens} decode steps from each: "
-              f"max |dlogit| = {delta:.3g}")
-    if tokens_a != tokens_b:
-        return Check(name, "FAIL", f"{detail}; tokens differ: {tokens_a} vs {tokens_b}")
-    return Check(name, "PASS" if delta == 0.0 else "FAIL", detail)
+        return [Check(name, "FAIL", f"{type(exc).__name__}: {exc}") for name in names]
+    checks = []
+    try:
+        for src, dst in zip(source, copies, strict=True):
+            rt.copy_block(src, dst)
+        checks.append(compare(names[0], f"blocks {source} -> {copies} on the device",
+                              decode(copies)))
+    except (AtomBatchError, RuntimeError, ValueError) as exc:
+        checks.append(Check(names[0], "FAIL", f"{type(exc).__name__}: {exc}"))
+    try:
+        prefill(other, copies)
+        saved = [rt.read_block(block) for block in source]
+        for dst, data in zip(copies, saved, strict=True):
+            rt.write_block(dst, data)
+        checks.append(compare(names[1], f"blocks {source} -> host -> {copies}", decode(copies)))
+    except (AtomBatchError, RuntimeError, ValueError) as exc:
+        checks.append(Check(names[1], "FAIL", f"{type(exc).__name__}: {exc}"))
+    return checks
 
 
 def _decode_alone(rt: RebelRuntime, row: list[int], pad_block: int, token: int, position: int,
@@ -238,7 +260,7 @@ def run(model_dir: str, device: int | list[int] = 0, prompt_len: int = 0,
         prompt_len = min(art.prefill_chunk_size + art.prefill_chunk_size // 2,
                          art.max_seq_len - new_tokens - 1)
     bucket, timing = check_buckets(rt, prompt_len, new_tokens)
-    copy = check_copy_block(rt, prompt_len, new_tokens)
+    moves = check_kv_moves(rt, prompt_len, new_tokens)
     compiled = rt.compiled
     graphs = [compiled.prefill, *compiled.decoders]
     return DeviceReport(
@@ -250,7 +272,7 @@ def run(model_dir: str, device: int | list[int] = 0, prompt_len: int = 0,
         kv_methods=dict(rt.kv_methods),
         inputs={g.name: [f"{i.name} {list(i.shape)} {i.dtype}" for i in g.inputs]
                 for g in graphs},
-        checks=[bucket, copy, timing], commit=git_commit(), machine=machine())
+        checks=[bucket, *moves, timing], commit=git_commit(), machine=machine())
 
 
 def format_report(report: DeviceReport) -> str:

@@ -212,7 +212,6 @@ class RebelRuntime:
         largest = spec.num_kv_heads * max(self.artifact.block_size, window) * spec.head_dim
         # one staging buffer for every host<->device move, allocated once
         self._staging = aligned_empty(largest * self._host_dtype.itemsize).view(self._host_dtype)
-        self._global_ordinal = {layer: g for g, layer in enumerate(spec.global_layers)}
 
     @classmethod
     def from_optimum(cls, model_dir: str | os.PathLike[str], device: int | list[int] = 0,
