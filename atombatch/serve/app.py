@@ -172,7 +172,10 @@ class _Generation:
                 if out.finished:
                     self.finish_reason = out.finish_reason or "error"
                     self.error = out.error
-                yield new, self.decoder.step(new) if new else "", out
+                text = self.decoder.step(new) if new else ""
+                if out.finished:
+                    text += self.decoder.flush()
+                yield new, text, out
         finally:
             metrics.in_flight.dec()
             if self.finish_reason is None:

@@ -47,6 +47,8 @@ class Codec(Protocol):
 class Decoder(Protocol):
     def step(self, token_ids: Sequence[int]) -> str: ...
 
+    def flush(self) -> str: ...  # at the end: whatever step() held back
+
 
 class IdCodec:
     """No tokenizer: token `t` reads and writes as `"<t>"`."""
@@ -83,6 +85,9 @@ class IdCodec:
 class _IdDecoder:
     def step(self, token_ids: Sequence[int]) -> str:
         return "".join(f"<{t}>" for t in token_ids)
+
+    def flush(self) -> str:
+        return ""
 
 
 class HFCodec:
@@ -156,6 +161,13 @@ class _HFDecoder:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return ""
+        new, self.sent = text[self.sent:], len(text)
+        return new
+
+    def flush(self) -> str:
+        """The held-back tail once the generation ends (an incomplete UTF-8 sequence stays one
+        U+FFFD, as a whole decode shows it)."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         new, self.sent = text[self.sent:], len(text)
         return new
 
