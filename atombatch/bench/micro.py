@@ -334,8 +334,8 @@ LEGEND = (
     "columns: shape = eager (one block per sequence, blocks = B + 1) or partitioned (72 blocks "
     "of 128 tokens per sequence, blocks = B x 72 + 1);",
     "  B = decode lanes; blocks = KV blocks in the pool; op = the operation timed (below);",
-    "  c ns / py ns = median nanoseconds per operation (Python call included) on the compiled "
-    "_blocks / its pure-Python twin; py/c = how many times faster the compiled one is.",
+    "  c ns = median nanoseconds per operation (Python call included) on the compiled _blocks; "
+    "py ns = the same on its pure-Python twin; py/c = how many times faster the compiled one is.",
     "ops: allocate+free = a free block taken by a lane and freed; assign+release = the lowest idle "
     "lane taken and given back;",
     "  stage+rotate = the spare staged for a queued request, then rotated into a finished lane;",
