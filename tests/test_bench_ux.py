@@ -144,3 +144,12 @@ def test_fit_single_and_table_agree(capsys: Any) -> None:
     # --estimate gives the table's other basis word
     assert fit.main(["--model", "koni-8b", "--num-blocks", "1", "--estimate"]) == 1
     assert re.search(r"^  basis +estimate$", capsys.readouterr().out, re.M)
+
+
+def test_bench_http_without_httpx_fails_at_once(monkeypatch: Any, capsys: Any) -> None:
+    from atombatch.bench import http
+
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    assert http.main(["--url", "http://127.0.0.1:9", "-c", "2", "--input-len", "8",
+                      "--output-len", "4"]) == 2
+    assert "pip install 'atombatch[server]'" in capsys.readouterr().err
