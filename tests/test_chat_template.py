@@ -390,3 +390,26 @@ def test_server_prompt_is_the_transformers_prompt(tmp_path: Path) -> None:
             "messages": [{"role": "developer", "content": "x"}], "max_tokens": 2,
             "continue_final_message": True, "add_generation_prompt": False})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_readme_text_chat_request_is_served(tmp_path: Path) -> None:
+    """The README's text chat request, sent as written to a checkpoint with a tokenizer."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    body = json.loads(re.search(r"/v1/chat/completions .*?-d '(\{.*?\})'", readme,
+                                flags=re.S).group(1))
+    save_checkpoint(tmp_path, QWEN3, None, "<|im_end|>")
+    spec = ModelSpec(name=NAME, family="qwen3", vocab_size=512, hidden_size=64,
+                     intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=16, bos_token_id=1, eos_token_ids=(2,), dtype="float32")
+    art = ArtifactConfig(model=spec, batch_size=1, max_seq_len=256, block_size=256,
+                         num_blocks=2, prefill_chunk_size=64, kv_dtype="float32")
+    app = create_app(Batcher(NumpyRuntime.random(art, seed=3)), NAME, HFCodec.from_dir(tmp_path))
+    with ServerThread(app) as s:
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert "x-ignored-fields" not in r.headers
+    answer = r.json()
+    assert answer["usage"]["completion_tokens"] == len(answer["choices"][0]["token_ids"]) > 0
+    assert isinstance(answer["choices"][0]["message"]["content"], str)
