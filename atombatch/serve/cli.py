@@ -11,8 +11,9 @@ a checkpoint. `--model` takes a Hugging Face checkpoint directory (config.json +
 `tokenizer.json` next to it is used for text) or, with `--runtime rebel`, a preset name.
 
 The artifact is built from the shape flags; `--block-size` defaults to the context (eager: one block
-per sequence) and `--num-blocks` to lanes x blocks-per-sequence + 1 (DESIGN §3's general rule).
-Configuration errors (a broken §3 rule, a missing SDK, a missing checkpoint, a chat template that
+per sequence) and `--num-blocks` to lanes x blocks-per-sequence + 1 (the lanes + 1 rule of
+docs/scheduling.md).
+Configuration errors (a broken shape rule, a missing SDK, a missing checkpoint, a chat template that
 does not compile, an address already in use) print one line and exit with status 2. The line
 `atombatch.serve: ... listening on http://HOST:PORT` is printed once the port is bound and the
 engine runs (with `--port 0` it names the port the system picked).
@@ -94,7 +95,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
     """The `Batcher`, served model name and tokenizer that the flags describe.
 
     Raises:
-        ConfigError: a rule of DESIGN §3 is broken, the checkpoint is unusable, or the rebel SDK
+        ConfigError: a shape rule (docs/scheduling.md) is broken, the checkpoint is unusable, or the rebel SDK
             (or `RebelRuntime`) is not available.
     """
     model_dir = Path(args.model) if args.model and Path(args.model).is_dir() else None

@@ -49,7 +49,16 @@ def decode(body: bytes, kind: type[T], *, strict: bool = False) -> tuple[T, list
         msgspec.DecodeError: the body is not JSON.
         SchemaError: the body does not match `kind`, or (strict) it has an unknown field.
     """
-    raw = msgspec.json.decode(body)
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        # Valid JSON the untyped pass cannot hold (a number out of range) may still be a schema
+        # error the typed decoder places, e.g. `temperature: 1e999`.
+        try:
+            msgspec.json.decode(body, type=kind)
+        except msgspec.ValidationError as exc:
+            raise _schema_error(str(exc)) from None
+        raise
     unknown: list[str] = []
     _walk(raw, _type_info(kind), "", unknown)  # type: ignore[arg-type]
     if strict and unknown:
