@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import msgspec
@@ -301,7 +302,7 @@ def test_fit_single_artifact_tp2(capsys: pytest.CaptureFixture[str]) -> None:
     assert status == 0
     out = capsys.readouterr().out
     assert "[5,4,9216,128]" in out
-    assert "verdict: fits" in out
+    assert re.search(r"^  verdict +fits$", out, re.M)
 
 
 def test_fit_single_artifact_rejected(capsys: pytest.CaptureFixture[str]) -> None:

@@ -275,7 +275,7 @@ def http_server():
     ({"prompt": [5, 6], "max_tokens": 2**70}, 400, "prompt", "invalid_value"),
     ({"prompt": [5, 6], "max_tokens": -1}, 400, "max_tokens", "invalid_value"),
     ({"prompt": [5, 6], "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
-    ({"max_tokens": 2}, 422, "prompt", "invalid_schema"),
+    ({"max_tokens": 2}, 400, "prompt", "missing_required_parameter"),
     ({"prompt": [], "max_tokens": 2}, 400, "prompt", "invalid_value"),
     ({"prompt": "", "max_tokens": 2}, 400, "prompt", "invalid_value"),
     ({"prompt": [2**63], "max_tokens": 2}, 400, "prompt", "invalid_value"),
@@ -304,4 +304,4 @@ def test_http_context_boundary_and_huge_seed_are_served(http_server):
     assert usage == {"prompt_tokens": 127, "completion_tokens": 1, "total_tokens": 128}
     response = http_server.post("/v1/completions", content=b'{"prompt": [5], "temperature": 1e999}',
                                 headers={"content-type": "application/json"})
-    assert response.status_code == 422 and response.json()["error"]["param"] == "temperature"
+    assert response.status_code == 400 and response.json()["error"]["param"] == "temperature"

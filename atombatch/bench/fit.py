@@ -4,7 +4,10 @@ One artifact:
     python -m atombatch.bench fit --model koni-8b --batch-size 1 --max-seq-len 9216 \\
         --block-size 9216 --num-blocks 5 --observed-used-bytes 16357785600 --observed-num-blocks 1
 prints its KV tensors, the projection and the verdict (exit status 0 fits, 1 does not fit,
-2 configuration error).
+2 configuration error), in the table's terms (KV/device, other/device, projected, headroom,
+verdict, basis). Like the table, KONI on one device at the origin context is projected from the
+origin issue's observation unless another observation is given (`--estimate` forces the
+estimate).
 
 The table (`--table`, and the default when no `--model` is given) covers the origin issue's four
 models at B1/k1, B1/k3, B1/k5 and B4/k5 (eager: block_size == context), on one device and on two
@@ -96,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="context of the observed artifact (default: --max-seq-len)")
     parser.add_argument("--observed-block-size", type=int, default=None,
                         help="block size of the observed artifact (default: its context)")
+    parser.add_argument("--estimate", action="store_true",
+                        help="single artifact: use the estimate even where the table uses the "
+                             "origin observation (koni-8b, one device, context 9216)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
                         help="also write the results as JSON")
     return parser
@@ -160,7 +166,7 @@ def format_table(cells: list[FitCell], device_bytes: int, overhead: int) -> str:
         if result is None:
             lines.append(f"{cell.model:<11} {cell.tensor_parallel:>2} {shape:<6} {'-':>15} "
                          f"{'-':>15} {'-':>15} {'-':>15}  "
-                         f"{_short_rejection(cell.rejected or ''):<29} DESIGN §3")
+                         f"{_short_rejection(cell.rejected or ''):<29} docs/scheduling.md")
             continue
         verdict = "fits" if result.fits else "DOES NOT FIT"
         basis = "observed (conditional)" if result.method == "observed" else "estimate"
@@ -181,6 +187,28 @@ def format_table(cells: list[FitCell], device_bytes: int, overhead: int) -> str:
     cross_check = _estimate_cross_check(device_bytes, overhead)
     if cross_check:
         lines.append(cross_check)
+    return "\n".join(lines)
+
+
+def format_single(result: plan.FitResult) -> str:
+    """One artifact in the table's words: KV/device, other/device, projected, headroom, verdict,
+    basis."""
+    lines = [f"{result.label}  identity {result.identity}"]
+    for group in result.kv_groups:
+        shape = ",".join(str(dim) for dim in group.shape)
+        lines.append(f"  {group.count} {plan.DTYPE_LABELS.get(group.dtype, group.dtype)} "
+                     f"{group.kind} KV tensors of [{shape}] = {group.total_bytes:,} bytes")
+    basis = "observed (conditional)" if result.method == "observed" else "estimate"
+    width = max(len(f"{v:,}") for v in (result.kv_bytes, result.other_bytes,
+                                         result.projected_bytes, result.headroom_bytes))
+    lines += [f"  {'KV/device':<13} {result.kv_bytes:>{width},} bytes",
+              f"  {'other/device':<13} {result.other_bytes:>{width},} bytes",
+              f"  {'projected':<13} {result.projected_bytes:>{width},} bytes of "
+              f"{result.device_bytes:,}",
+              f"  {'headroom':<13} {result.headroom_bytes:>{width},} bytes",
+              f"  {'verdict':<13} {'fits' if result.fits else 'DOES NOT FIT'}",
+              f"  {'basis':<13} {basis}",
+              f"  {'how':<13} {result.basis}"]
     return "\n".join(lines)
 
 
@@ -219,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
             num_blocks = args.batch_size * (context // block_size) + 1
         observed = None
         try:
-            if args.observed_used_bytes is not None:
+            if args.observed_used_bytes is None and not args.estimate and \
+                    args.model == ORIGIN_OBSERVED_MODEL and args.tensor_parallel == 1 and \
+                    context == ORIGIN_CONTEXT:
+                observed = (ORIGIN_OBSERVED_USED_BYTES, origin_observed_artifact())
+            elif args.observed_used_bytes is not None:
                 observed_context = args.observed_max_seq_len or context
                 observed_artifact = ArtifactConfig(
                     model=ModelSpec.preset(args.model), batch_size=args.observed_batch_size,
@@ -237,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         if cell.result is None:
             print(f"error: {cell.rejected}", file=sys.stderr)
             return 2
-        print(plan.describe(cell.result))
+        print(format_single(cell.result))
         cells = [cell]
         status = 0 if cell.result.fits else 1
 

@@ -279,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             print(f"bench http: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        print("bench http: needs httpx: pip install 'atombatch[server]'", file=sys.stderr)
+        return 2
     report = asyncio.run(run(args))
     print(format_report(report))
     if args.json:

@@ -51,6 +51,8 @@ import numpy as np
 import atombatch
 from atombatch import plan
 from atombatch.bench import provenance
+from atombatch.bench.plot import require_matplotlib
+from atombatch.bench.progress import CellProgress
 from atombatch.config import ArtifactConfig, ModelSpec
 from atombatch.engine import Batcher
 from atombatch.errors import AtomBatchError, ConfigError
@@ -572,16 +574,15 @@ def run(models: Sequence[str] = MODELS, routes: Sequence[str] = ROUTES,
             for a in artifacts for p in policies]
     started = time.perf_counter()
     cells: list[Cell] = []
-    for n, (model, route, input_len, output_len, artifact, policy) in enumerate(grid, 1):
-        if progress:
-            print(f"\r[{n}/{len(grid)}] {model} {route} {input_len}/{output_len} {artifact} "
-                  f"{policy}".ljust(78), end="", file=sys.stderr, flush=True)
+    meter = CellProgress(len(grid), enabled=progress)
+    for model, route, input_len, output_len, artifact, policy in grid:
+        what = f"{model} {route} {input_len}/{output_len} {artifact} {policy}"
+        meter.start(what)
         cells.append(run_cell(model, route, input_len, output_len, artifact, policy,
                               runtime=runtime, costs=costs, load=load, context=context,
                               chunk=chunk, ignore_fit=ignore_fit, device_bytes=device_bytes))
-    if progress:
-        print(f"\r{len(grid)} cells in {time.perf_counter() - started:.1f} s".ljust(78),
-              file=sys.stderr, flush=True)
+        meter.finish(what, cells[-1].status)
+    meter.close()
     argv = list(argv) if argv is not None else []
     params = dict(models=list(models), routes=list(routes), inputs=list(inputs),
                   outputs=list(outputs), artifacts=list(artifacts), policies=list(policies),
@@ -641,10 +642,8 @@ def format_table(report: ServeReport) -> str:
             if cell.status == "not-run: does not fit" and cell.fit.projected_bytes is not None:
                 why += (f" ({cell.fit.projected_bytes / 1e9:.2f} GB projected of "
                         f"{(cell.fit.device_bytes or 0) / 1e9:.2f} GB, {cell.fit.method})")
-            elif cell.status == "rejected":
-                why += ": " + (cell.error or "").split(" (")[0][:90]
             elif cell.error:
-                why += ": " + cell.error[:90]
+                why += ": " + _first_sentence(cell.error)
             lines.append(f"{head} {why}")
             continue
         ttft, done = cell.ttft, cell.completion
@@ -669,6 +668,12 @@ def format_table(report: ServeReport) -> str:
     if comparison:
         lines += ["", comparison]
     return "\n".join(lines)
+
+
+def _first_sentence(text: str) -> str:
+    """A reason's first sentence, whole (never cut mid-word): the rest is in the JSON."""
+    end = text.find(". ")
+    return text if end < 0 else text[:end + 1]
 
 
 def format_comparison(report: ServeReport) -> str:
@@ -734,44 +739,10 @@ def format_bucket_comparison(ok: Sequence[Cell]) -> list[str]:
     return ["decode buckets vs the full decode batch only (same load and artifact):", *rows]
 
 
-def write_plot(report: ServeReport, path: Path) -> None:
-    """Box plots of TTFT and completion per artifact, for each model's largest ok input/output."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install 'atombatch[plot]'") from None
-    cells = [c for c in report.cells if c.status == "ok"]
-    policy = report.params["policies"][0] if report.params["policies"] else "prefill-first"
-    route = report.params["routes"][0] if report.params["routes"] else None
-    models = [m for m in report.params["models"] if any(c.model == m for c in cells)]
-    if not models:
-        raise ConfigError("--plot: no cell ran")
-    fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.2 * len(models)), squeeze=False)
-    for row, model in enumerate(models):
-        mine = [c for c in cells if c.model == model and c.policy == Policy.parse(policy).label
-                and c.route == route]
-        if not mine:
-            continue
-        shape = max((c.input_len, c.output_len) for c in mine)
-        chosen = [c for c in mine if (c.input_len, c.output_len) == shape]
-        labels = [c.artifact + ("*" if c.hypothetical else "") for c in chosen]
-        for col, (field, title) in enumerate((("ttft", "TTFT"), ("e2e", "completion"))):
-            data = [[getattr(r, field) for r in c.request_records if getattr(r, field) is not None]
-                    for c in chosen]
-            ax = axes[row][col]
-            ax.boxplot(data, tick_labels=labels, showfliers=True)
-            timeout = report.params["load"]["timeout_s"]
-            if timeout is not None:
-                ax.axhline(timeout, color="red", linestyle="--", linewidth=0.8)
-            ax.set_title(f"{model} {route} {shape[0]}/{shape[1]} {policy}: {title} "
-                         "(all requests)", fontsize=9)
-            ax.set_ylabel("s (virtual)" if report.runtime == "sim" else "s (wall)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def write_plot(report: ServeReport, path: Path) -> list[Path]:
+    """Box plots of every model, route, input, output and artifact (see atombatch.bench.plot)."""
+    from atombatch.bench import plot
+    return plot.write_plot(report, path)
 
 
 # -- command line -----------------------------------------------------------------------------------
@@ -854,9 +825,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
     parser.add_argument("--plot", type=Path, default=None, metavar="PATH",
-                        help="PNG of TTFT and completion distributions per artifact (needs the "
-                             "plot extra: matplotlib)")
-    parser.add_argument("--no-progress", action="store_true", help="no stderr progress counter")
+                        help="PNG of TTFT and completion distributions: every model, route, "
+                             "input, output and artifact, one file per policy (needs the plot "
+                             "extra: matplotlib, checked before the run)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress on stderr (default: a bar on a terminal, else one "
+                             "line per finished cell with elapsed and remaining time)")
     return parser
 
 
@@ -885,6 +859,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     numpy_runtime = args.runtime == "numpy"
     try:
+        if args.plot is not None:
+            require_matplotlib()
         costs = None if numpy_runtime else _costs_from_args(args)
         if costs is not None and args.save_costs is not None:
             costs.save(args.save_costs)
@@ -902,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
             context=args.context or (NUMPY_CONTEXT if numpy_runtime else CONTEXT),
             chunk=args.chunk or (NUMPY_CHUNK if numpy_runtime else CHUNK),
             ignore_fit=args.ignore_fit, device_bytes=args.device_bytes,
-            progress=not args.no_progress and sys.stderr.isatty(), argv=argv)
+            progress=not args.no_progress, argv=argv)
     except (ConfigError, OSError, msgspec.DecodeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -912,7 +888,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n")
     if args.plot is not None:
         try:
-            write_plot(report, args.plot)
+            for path in write_plot(report, args.plot):
+                print(f"plot: {path}", file=sys.stderr)
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

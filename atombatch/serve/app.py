@@ -10,16 +10,23 @@ the server reports `http.disconnect` (and the body is closed in a `finally` in a
 non-streaming request races its collection against a disconnect watcher. The abort frees the
 request's lane and blocks before the next engine step.
 
-Statuses: 400 bad JSON or a value the engine rejects (over-long prompt, token id outside the vocab,
-temperature, top_p, max_tokens, ...); 404 unknown model or path; 413 body too large; 422 a body
-that does not match the schema (unknown field, wrong type, missing field); 429 queue full (with
-`Retry-After`); 503 shutting down. Every error body is `{"error": {message, type, param, code}}`.
+Request bodies are decoded leniently, as vLLM does (`atombatch.serve.schema`): unknown fields are
+ignored (logged once per name, listed in `X-Ignored-Fields`) unless the app is strict, and `null`
+means "default" for optional fields.
+
+Statuses: 400 bad JSON, a body that does not match the schema (wrong type, missing field, unknown
+field when strict), a value the engine rejects (over-long prompt, token id outside the vocab,
+temperature, top_p, max_tokens, ...) or a feature this server cannot honour (tools, structured
+output); 404 unknown model or path; 413 body too large; 429 queue full (with `Retry-After`); 503
+shutting down. Every error body is `{"error": {message, type, param, code}}`, and the reason of
+every 4xx is logged (logger `atombatch.serve`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import time
 import uuid
@@ -38,6 +45,7 @@ from starlette.types import Receive, Scope, Send
 from atombatch.aio import AsyncBatcher
 from atombatch.engine import Batcher
 from atombatch.errors import CapacityError, RequestError
+from atombatch.serve import schema
 from atombatch.serve.metrics import ServerMetrics
 from atombatch.serve.protocol import (
     ChatChoice,
@@ -45,6 +53,7 @@ from atombatch.serve.protocol import (
     ChatChunkChoice,
     ChatCompletionRequest,
     ChatDelta,
+    ChatMessage,
     ChatResponse,
     ChatResponseMessage,
     CompletionChoice,
@@ -54,12 +63,14 @@ from atombatch.serve.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    StreamOptions,
     Usage,
 )
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
 from atombatch.structs import RequestOutput, SamplingParams
 
 T = TypeVar("T")
+log = logging.getLogger("atombatch.serve")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 _ENCODER = msgspec.json.Encoder()
@@ -90,9 +101,11 @@ def _sse(obj: Any) -> bytes:
 class _SSEResponse(StreamingResponse):
     """A `StreamingResponse` that always closes its body and its request (a disconnect aborts)."""
 
-    def __init__(self, content: AsyncIterator[bytes], generation: _Generation) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=_SSE_HEADERS)
-        self.generation = generation
+    def __init__(self, content: AsyncIterator[bytes], generations: list[_Generation],
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={**_SSE_HEADERS, **(headers or {})})
+        self.generations = generations
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -102,7 +115,8 @@ class _SSEResponse(StreamingResponse):
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
-            self.generation.abandon()
+            for generation in self.generations:
+                generation.abandon()
 
 
 class _Generation:
@@ -130,6 +144,13 @@ class _Generation:
             if not self.started:  # hung up before the first byte of the body
                 self.server.metrics.finished.labels("disconnect").inc()
 
+    def cancel(self) -> None:
+        """Withdraw a request that was queued but will not be served (its batch was refused)."""
+        if self.finish_reason is None and not self.abandoned:
+            self.abandoned = True
+            self.server.ab.abort(self.request_id)
+            self.server.metrics.finished.labels("abort").inc()
+
     async def run(self) -> AsyncGenerator[tuple[list[int], str, RequestOutput], None]:
         """Yield (new ids, new text, output) per engine output; abort unless it finished."""
         metrics = self.server.metrics
@@ -151,7 +172,10 @@ class _Generation:
                 if out.finished:
                     self.finish_reason = out.finish_reason or "error"
                     self.error = out.error
-                yield new, self.decoder.step(new) if new else "", out
+                text = self.decoder.step(new) if new else ""
+                if out.finished:
+                    text += self.decoder.flush()
+                yield new, text, out
         finally:
             metrics.in_flight.dec()
             if self.finish_reason is None:
@@ -178,8 +202,10 @@ class _Generation:
 
 class _Server:
     def __init__(self, ab: AsyncBatcher, model_name: str, codec: Codec,
-                 max_body_bytes: int, retry_after: int) -> None:
+                 max_body_bytes: int, retry_after: int, strict_protocol: bool = False) -> None:
         self.ab = ab
+        self.strict_protocol = strict_protocol
+        self.warned_fields: set[str] = set()      # unknown field names already logged
         self.model_name = model_name
         self.codec = codec
         self.max_body_bytes = max_body_bytes
@@ -200,12 +226,26 @@ class _Server:
             raise ApiError(413, f"body of {len(body)} bytes exceeds {self.max_body_bytes} bytes",
                            code="body_too_large")
         try:
-            return msgspec.json.decode(body, type=kind)
-        except msgspec.ValidationError as exc:
-            raise ApiError(422, str(exc), param=_schema_param(str(exc)),
-                           code="invalid_schema") from None
+            value, ignored = schema.decode(body, kind, strict=self.strict_protocol)
+        except schema.SchemaError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
         except msgspec.DecodeError as exc:
             raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
+        if ignored:
+            request.state.ignored_fields = ignored
+            for path in ignored:
+                name = _INDEX.sub("[]", path)
+                if name not in self.warned_fields:
+                    self.warned_fields.add(name)
+                    log.warning("%s: ignoring the unknown request field %r (further uses are "
+                                "ignored silently; --strict-protocol rejects them)",
+                                request.url.path, name)
+        return value
+
+    def headers(self, request: Request) -> dict[str, str] | None:
+        """`X-Ignored-Fields` when the body had fields this server does not read."""
+        ignored = getattr(request.state, "ignored_fields", None)
+        return {IGNORED_FIELDS_HEADER: ", ".join(ignored)} if ignored else None
 
     def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int
                ) -> SamplingParams:
@@ -262,101 +302,197 @@ class _Server:
         # Take the output iterator now, before any await: the request may finish at once.
         return _Generation(self, request_id, len(prompt), self.ab.outputs(request_id), accepted)
 
+    def prompts(self, prompt: str | list[Any]) -> list[list[int]]:
+        """A completions `prompt` as token-id lists: one, or a batch (strings or id lists)."""
+        if isinstance(prompt, str):
+            return [self.encode(prompt, "prompt")]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            batch = [self.encode(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        elif all(isinstance(p, list) for p in prompt):
+            batch = [list(p) for p in prompt]
+        else:
+            raise ApiError(400, "prompt must be a string, a list of token ids, a list of strings "
+                           "or a list of token-id lists, not a mix", param="prompt",
+                           code="invalid_type")
+        limit = self.artifact.batch_size + (self.ab.batcher.max_waiting or 0)
+        if len(batch) > limit:
+            raise ApiError(400, f"a batch of {len(batch)} prompts exceeds {limit} (lanes + "
+                           "--max-waiting): split it", param="prompt", code="batch_too_large")
+        return batch
+
+    def submit_all(self, prefix: str, prompts: list[list[int]], params: SamplingParams,
+                   prompt_param: str) -> list[_Generation]:
+        """Submit every prompt or none: a rejected one aborts those already queued."""
+        if len(prompts) > 1:
+            for i, prompt in enumerate(prompts):
+                try:
+                    self.ab.batcher.validate(prompt, params)
+                except RequestError as exc:
+                    raise ApiError(400, f"prompt[{i}]: {exc}",
+                                   param=_engine_param(str(exc), f"prompt[{i}]"),
+                                   code="invalid_value") from None
+        gens: list[_Generation] = []
+        try:
+            for prompt in prompts:
+                gens.append(self.submit(prefix, prompt, params, prompt_param))
+        except ApiError:
+            for gen in gens:
+                gen.cancel()
+            raise
+        return gens
+
+    def check_chat_features(self, body: ChatCompletionRequest) -> None:
+        """Reject what this server cannot honour (tool calls, structured output), naming it."""
+        tools_shown = body.tools is not None and body.tool_choice == "none"
+        if body.tools is not None and not tools_shown:
+            choice = "auto" if body.tool_choice is None else body.tool_choice
+            raise ApiError(400, f"tools with tool_choice={choice!r}: this server does not parse "
+                           "tool calls (send tool_choice \"none\" to only show the tools to the "
+                           "chat template, or leave tools out)", param="tools",
+                           code="unsupported_value")
+        if body.tool_choice is not None and body.tool_choice != "none" and body.tools is None:
+            raise ApiError(400, f"tool_choice={body.tool_choice!r} needs tools, and this server "
+                           "does not parse tool calls", param="tool_choice",
+                           code="unsupported_value")
+        for name in ("functions", "function_call"):
+            if getattr(body, name) is not None:
+                raise ApiError(400, f"{name}: function calling is not supported", param=name,
+                               code="unsupported_value")
+        fmt = body.response_format
+        if fmt is not None and fmt.get("type", "text") != "text":
+            raise ApiError(400, f"response_format type {fmt.get('type')!r}: structured output is "
+                           "not supported (only {\"type\": \"text\"})", param="response_format",
+                           code="unsupported_value")
+        if body.chat_template is not None:
+            raise ApiError(400, "chat_template: a per-request template is not accepted; the server "
+                           f"renders with {self.codec.chat_template_name}",
+                           param="chat_template", code="unsupported_value")
+
+    def check_completion_features(self, body: CompletionRequest) -> None:
+        if body.suffix:
+            raise ApiError(400, "suffix is not supported (no fill-in-the-middle)", param="suffix",
+                           code="unsupported_value")
+        if body.best_of not in (None, 1):
+            raise ApiError(400, f"best_of={body.best_of} is not supported: only 1 is served",
+                           param="best_of", code="unsupported_value")
+
     # -- endpoints ---------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         body = await self.decode(request, CompletionRequest)
+        self.check_completion_features(body)
         params = self.params(body, body.max_tokens)
-        prompt = self.encode(body.prompt, "prompt") if isinstance(body.prompt, str) else body.prompt
-        gen = self.submit("cmpl", prompt, params, "prompt")
+        gens = self.submit_all("cmpl", self.prompts(body.prompt), params, "prompt")
         created = int(time.time())
+        headers = self.headers(request)
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return _SSEResponse(self._stream_completion(gen, created, usage), gen)
-        text = await self._collect(request, gen)
+            usage = _usage_mode(body.stream_options)
+            return _SSEResponse(self._stream_completion(gens, created, usage), gens, headers)
+        texts = await self._collect(request, gens)
         return _json(CompletionResponse(
-            id=gen.request_id, created=created, model=self.model_name,
-            choices=[CompletionChoice(index=0, text=text, token_ids=gen.token_ids,
-                                      finish_reason=gen.finish_reason)],
-            usage=gen.usage()))
+            id=gens[0].request_id, created=created, model=self.model_name,
+            choices=[CompletionChoice(index=i, text=text, token_ids=gen.token_ids,
+                                      finish_reason=gen.finish_reason)
+                     for i, (gen, text) in enumerate(zip(gens, texts, strict=True))],
+            usage=_total_usage(gens)), headers=headers)
 
-    async def _stream_completion(self, gen: _Generation, created: int,
-                                 usage: bool) -> AsyncIterator[bytes]:
+    async def _stream_completion(self, gens: list[_Generation], created: int,
+                                 usage: tuple[bool, bool]) -> AsyncIterator[bytes]:
+        include_usage, continuous = usage
+
         def chunk(choices: list[CompletionChoice], u: Usage | None = None) -> bytes:
-            return _sse(CompletionResponse(id=gen.request_id, created=created,
+            return _sse(CompletionResponse(id=gens[0].request_id, created=created,
                                            model=self.model_name, choices=choices, usage=u))
 
-        async with contextlib.aclosing(gen.run()) as outputs:
-            async for new, text, out in outputs:
+        async with contextlib.aclosing(_merged(gens)) as events:
+            async for index, (new, text, out) in events:
+                gen = gens[index]
+                running = gen.usage() if continuous else None
                 if out.finished and gen.finish_reason == "error":
                     if new:
-                        yield chunk([CompletionChoice(index=0, text=text, token_ids=new)])
+                        yield chunk([CompletionChoice(index=index, text=text, token_ids=new)],
+                                    running)
                     yield gen.error_event()
                     break
-                yield chunk([CompletionChoice(index=0, text=text, token_ids=new,
-                                              finish_reason=gen.finish_reason)])
-        if usage:
-            yield chunk([], gen.usage())
+                yield chunk([CompletionChoice(index=index, text=text, token_ids=new,
+                                              finish_reason=gen.finish_reason if out.finished
+                                              else None)], running)
+        if include_usage:
+            yield chunk([], _total_usage(gens))
         yield _DONE
 
     async def chat(self, request: Request) -> Response:
         body = await self.decode(request, ChatCompletionRequest)
-        messages = []
-        for message in body.messages:
-            content = message.content
-            if isinstance(content, list):
-                content = "".join(part.text for part in content)
-            messages.append((message.role, content or ""))
+        self.check_chat_features(body)
+        messages = [_message_dict(m) for m in body.messages]
+        template: dict[str, Any] = dict(body.chat_template_kwargs or {})
+        template.update(add_generation_prompt=body.add_generation_prompt,
+                        continue_final_message=body.continue_final_message)
+        if body.tools is not None:
+            template["tools"] = body.tools
+        if body.documents is not None:
+            template["documents"] = body.documents
         try:
-            prompt = self.codec.render_chat(messages)
+            prompt = self.codec.render_chat(messages, **template)
         except RequestError as exc:
             raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else \
             body.max_tokens if body.max_tokens is not None else \
             max(1, self.artifact.max_seq_len - len(prompt))
         params = self.params(body, max_tokens)
-        gen = self.submit("chatcmpl", prompt, params, "messages")
+        gens = self.submit_all("chatcmpl", [prompt], params, "messages")
         created = int(time.time())
+        headers = self.headers(request)
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return _SSEResponse(self._stream_chat(gen, created, usage), gen)
-        text = await self._collect(request, gen)
+            usage = _usage_mode(body.stream_options)
+            return _SSEResponse(self._stream_chat(gens, created, usage), gens, headers)
+        texts = await self._collect(request, gens)
         return _json(ChatResponse(
-            id=gen.request_id, created=created, model=self.model_name,
-            choices=[ChatChoice(index=0, message=ChatResponseMessage("assistant", text),
-                                token_ids=gen.token_ids, finish_reason=gen.finish_reason)],
-            usage=gen.usage()))
+            id=gens[0].request_id, created=created, model=self.model_name,
+            choices=[ChatChoice(index=i, message=ChatResponseMessage("assistant", text),
+                                token_ids=gen.token_ids, finish_reason=gen.finish_reason)
+                     for i, (gen, text) in enumerate(zip(gens, texts, strict=True))],
+            usage=_total_usage(gens)), headers=headers)
 
-    async def _stream_chat(self, gen: _Generation, created: int,
-                           usage: bool) -> AsyncIterator[bytes]:
+    async def _stream_chat(self, gens: list[_Generation], created: int,
+                           usage: tuple[bool, bool]) -> AsyncIterator[bytes]:
+        include_usage, continuous = usage
+
         def chunk(choices: list[ChatChunkChoice], u: Usage | None = None) -> bytes:
-            return _sse(ChatChunk(id=gen.request_id, created=created, model=self.model_name,
+            return _sse(ChatChunk(id=gens[0].request_id, created=created, model=self.model_name,
                                   choices=choices, usage=u))
 
-        yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""),
-                                     token_ids=[])])
-        async with contextlib.aclosing(gen.run()) as outputs:
-            async for new, text, out in outputs:
+        for index, gen in enumerate(gens):
+            yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant",
+                                                                      content=""),
+                                         token_ids=[])], gen.usage() if continuous else None)
+        async with contextlib.aclosing(_merged(gens)) as events:
+            async for index, (new, text, out) in events:
+                gen = gens[index]
+                running = gen.usage() if continuous else None
                 if out.finished and gen.finish_reason == "error":
                     if new:
-                        yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(content=text),
-                                                     token_ids=new)])
+                        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text),
+                                                     token_ids=new)], running)
                     yield gen.error_event()
                     break
-                yield chunk([ChatChunkChoice(index=0, delta=ChatDelta(content=text),
-                                             token_ids=new, finish_reason=gen.finish_reason)])
-        if usage:
-            yield chunk([], gen.usage())
+                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text),
+                                             token_ids=new, finish_reason=gen.finish_reason
+                                             if out.finished else None)], running)
+        if include_usage:
+            yield chunk([], _total_usage(gens))
         yield _DONE
 
-    async def _collect(self, request: Request, gen: _Generation) -> str:
-        """Run a non-streaming request to its end, aborting it if the client goes away."""
+    async def _collect(self, request: Request, gens: list[_Generation]) -> list[str]:
+        """Run non-streaming requests to their end, aborting them if the client goes away."""
 
-        async def collect() -> str:
-            parts = []
-            async with contextlib.aclosing(gen.run()) as outputs:
-                async for _, text, _ in outputs:
-                    parts.append(text)
-            return "".join(parts)
+        async def collect() -> list[str]:
+            parts: list[list[str]] = [[] for _ in gens]
+            async with contextlib.aclosing(_merged(gens)) as events:
+                async for index, (_, text, _) in events:
+                    parts[index].append(text)
+            return ["".join(p) for p in parts]
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -372,16 +508,18 @@ class _Server:
                 work.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await work
-            gen.abandon()
+            for gen in gens:
+                gen.abandon()
         if work.cancelled():
             raise ApiError(499, "client closed the request", code="client_closed")
-        text = work.result()
-        if gen.finish_reason == "error":
-            raise ApiError(500, gen.error or "request failed", type="server_error",
+        texts = work.result()
+        failed = next((g for g in gens if g.finish_reason == "error"), None)
+        if failed is not None:
+            raise ApiError(500, failed.error or "request failed", type="server_error",
                            code="engine_error")
-        return text
+        return texts
 
-    async def models(self, request: Request) -> Response:
+    def model_card(self) -> ModelCard:
         art = self.artifact
         spec = art.model
         info = {"vocab_size": spec.vocab_size, "max_seq_len": art.max_seq_len,
@@ -390,10 +528,20 @@ class _Server:
                 "family": spec.family, "eos_token_ids": list(spec.eos_token_ids),
                 "artifact": art.label, "identity": art.identity,
                 "policy": self.ab.batcher.policy.label, "max_waiting": self.ab.batcher.max_waiting,
-                "tokenizer": self.codec.name}
-        return _json(ModelList(data=[ModelCard(id=self.model_name, created=self.created,
-                                               owned_by="atombatch", atombatch=info,
-                                               max_model_len=art.max_seq_len)]))
+                "tokenizer": self.codec.name, "chat_template": self.codec.chat_template_name,
+                "strict_protocol": self.strict_protocol}
+        return ModelCard(id=self.model_name, created=self.created, owned_by="atombatch",
+                         atombatch=info, max_model_len=art.max_seq_len, root=self.model_name)
+
+    async def models(self, request: Request) -> Response:
+        return _json(ModelList(data=[self.model_card()]))
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_name:
+            raise ApiError(404, f"model {model_id!r} is not served here; this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
+        return _json(self.model_card())
 
     async def health(self, request: Request) -> Response:
         task = getattr(self.ab, "_task", None)
@@ -410,30 +558,96 @@ class _Server:
         assert isinstance(exc, ApiError)
         if exc.status != 499:
             self.metrics.rejected.labels(str(exc.status)).inc()
-        return _json(exc.body, status=exc.status, headers=exc.headers)
+        if 400 <= exc.status < 500:
+            error = exc.body.error
+            level = logging.INFO if exc.status in (429, 499) else logging.WARNING
+            log.log(level, "%s %s -> %d %s%s: %s", request.method, request.url.path, exc.status,
+                    error.code, f" ({error.param})" if error.param else "", error.message)
+        headers = {**(self.headers(request) or {}), **(exc.headers or {})}
+        return _json(exc.body, status=exc.status, headers=headers or None)
 
     async def http_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        body = ErrorResponse(ErrorBody(message=f"{request.method} {request.url.path}: "
-                                       f"{exc.detail}", type="invalid_request_error", code=code))
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        if 400 <= exc.status_code < 500:
+            log.warning("%s %s -> %d %s: %s", request.method, request.url.path, exc.status_code,
+                        code, exc.detail)
+        body = ErrorResponse(ErrorBody(message=message, type="invalid_request_error", code=code))
         return _json(body, status=exc.status_code, headers=dict(exc.headers or {}))
 
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_BACKTICK = re.compile(r"`([^`]*)`")
-_PATH = re.compile(r"at `\$\.?([^`]*)`")
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+_INDEX = re.compile(r"\[\d+\]")
 
 
-def _schema_param(message: str) -> str | None:
-    """The offending field of a msgspec validation message, e.g. `max_tokens` or `messages[0].x`."""
-    path_match = _PATH.search(message)
-    path = path_match.group(1) if path_match else ""
-    if message.startswith(("Object contains unknown field", "Object missing required field")):
-        field = _BACKTICK.search(message)
-        if field:
-            return f"{path}.{field.group(1)}" if path else field.group(1)
-    return path or None
+def _usage_mode(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(a last usage chunk, usage on every chunk): vLLM's `continuous_usage_stats` needs
+    `include_usage` too."""
+    if options is None:
+        return False, False
+    return options.include_usage, options.include_usage and options.continuous_usage_stats
+
+
+def _total_usage(gens: list[_Generation]) -> Usage:
+    prompt = sum(g.prompt_len for g in gens)
+    completion = sum(len(g.token_ids) for g in gens)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion)
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    """A request message as the chat template sees it (text parts joined by newlines, as vLLM's
+    "string" content format does)."""
+    content = message.content
+    if isinstance(content, list):
+        content = "\n".join(part.text for part in content)
+    out: dict[str, Any] = {"role": message.role, "content": content}
+    for name in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+        value = getattr(message, name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+async def _merged(gens: list[_Generation]
+                  ) -> AsyncGenerator[tuple[int, tuple[list[int], str, RequestOutput]], None]:
+    """The outputs of several generations as (choice index, output) in arrival order; leaving
+    early closes (and so aborts) every generation still running."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0].run()) as outputs:
+            async for item in outputs:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, gen: _Generation) -> None:
+        try:
+            async with contextlib.aclosing(gen.run()) as outputs:
+                async for item in outputs:
+                    queue.put_nowait((index, item))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+        else:
+            queue.put_nowait((index, done))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _engine_param(message: str, prompt_param: str) -> str | None:
@@ -451,7 +665,8 @@ def _engine_param(message: str, prompt_param: str) -> str | None:
 def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
                tokenizer: Codec | Any | None = None, *,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after: int = 1,
-               on_shutdown: Callable[[], None] | None = None) -> Starlette:
+               on_shutdown: Callable[[], None] | None = None,
+               strict_protocol: bool = False) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
     Args:
@@ -464,6 +679,9 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
         max_body_bytes: larger request bodies answer 413.
         retry_after: seconds sent in `Retry-After` with a 429.
         on_shutdown: called after the engine drained (e.g. to release a device).
+        strict_protocol: reject request fields the server does not read (400
+            `unknown_parameter`) instead of ignoring them (logged once per name, listed in the
+            `X-Ignored-Fields` response header).
 
     Returns:
         A Starlette app to run with uvicorn (`uvicorn.run(app)` or `uvicorn.Server`).
@@ -476,7 +694,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
         codec = tokenizer
     else:
         codec = HFCodec(tokenizer)
-    server = _Server(ab, model_name, codec, max_body_bytes, retry_after)
+    server = _Server(ab, model_name, codec, max_body_bytes, retry_after, strict_protocol)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -494,6 +712,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
     ]

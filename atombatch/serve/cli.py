@@ -12,14 +12,20 @@ optimum-rbln, whose `rbln_config.json` gives every shape (the shape flags are no
 docs/device.md).
 
 The artifact is built from the shape flags; `--block-size` defaults to the context (eager: one block
-per sequence) and `--num-blocks` to lanes x blocks-per-sequence + 1 (DESIGN §3's general rule).
-Configuration errors (a broken §3 rule, a missing SDK) print one line and exit with status 2.
+per sequence) and `--num-blocks` to lanes x blocks-per-sequence + 1 (the lanes + 1 rule of
+docs/scheduling.md).
+Configuration errors (a broken shape rule, a missing SDK, a missing checkpoint, a chat template that
+does not compile, an address already in use) print one line and exit with status 2. The line
+`atombatch.serve: ... listening on http://HOST:PORT` is printed once the port is bound and the
+engine runs (with `--port 0` it names the port the system picked).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +33,16 @@ from typing import Any
 from atombatch.config import PRESETS, ArtifactConfig, ModelSpec
 from atombatch.engine import Batcher
 from atombatch.errors import ConfigError
+from atombatch.scheduler import POLICY_KINDS, Policy
+from atombatch.serve.chat_template import template_from_argument
 from atombatch.serve.tokens import Codec, HFCodec
+
+POLICY_HELP = {
+    "prefill-first": "a pending prefill chunk runs before the next decode step (default)",
+    "decode-first": "prefill only when no lane decodes",
+    "interleave:N": "at most one prefill chunk per N decode steps while lanes decode",
+    "fill-first:N": "a lane's own prefill at once; chunks into the spare one per N decode steps",
+}
 
 DEFAULT_SPEC = ModelSpec(
     name="atombatch-tiny", family="llama", vocab_size=1024, hidden_size=128, intermediate_size=256,
@@ -52,16 +67,25 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: --max-seq-len)")
     p.add_argument("--num-blocks", type=int, help="KV blocks (default: B x blocks/seq + 1)")
     p.add_argument("--prefill-chunk-size", type=int, default=128)
-    p.add_argument("--policy", default="prefill-first",
-                   help="prefill-first | decode-first | interleave:N")
+    p.add_argument("--policy", default="prefill-first", type=_policy,
+                   metavar="{" + ",".join(POLICY_HELP) + "}",
+                   help="scheduling policy: " + "; ".join(f"{k}: {v}"
+                                                          for k, v in POLICY_HELP.items()))
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queue bound: requests without a lane past it answer 429 (default 256)")
     p.add_argument("--seed", type=int, default=0, help="random weights and engine sampling seed")
     p.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads for the NumPy runtime (default 1; 0 leaves the library's "
                    "default). OpenBLAS threads spin between calls and starve the event loop")
+    p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
+                   help="chat template to use instead of the tokenizer's (a file, or the jinja "
+                   "text itself)")
+    p.add_argument("--strict-protocol", action="store_true",
+                   help="reject request fields the server does not read (400 unknown_parameter) "
+                   "instead of ignoring them (default: ignored, logged once, listed in the "
+                   "X-Ignored-Fields response header)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (named at startup)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     return p
@@ -71,7 +95,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
     """The `Batcher`, served model name and tokenizer that the flags describe.
 
     Raises:
-        ConfigError: a rule of DESIGN §3 is broken, the checkpoint is unusable, or the rebel SDK
+        ConfigError: a shape rule (docs/scheduling.md) is broken, the checkpoint is unusable, or the rebel SDK
             (or `RebelRuntime`) is not available.
     """
     model_dir = Path(args.model) if args.model and Path(args.model).is_dir() else None
@@ -81,6 +105,13 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
         return _serving(runtime, args, model_dir, runtime.spec)
     if model_dir is not None:
         spec = ModelSpec.from_pretrained(model_dir)
+    elif args.model and args.model.lower() not in PRESETS:
+        if os.sep in args.model or args.model.startswith((".", "~")) or Path(args.model).exists():
+            what = "is not a directory" if Path(args.model).exists() else "does not exist"
+            raise ConfigError(f"--model {args.model}: the path {what} (give a Hugging Face "
+                              "checkpoint directory with config.json)")
+        raise ConfigError(f"--model {args.model}: neither a checkpoint directory nor a preset "
+                          f"({', '.join(sorted(PRESETS))})")
     elif args.model:
         if args.model.lower() in PRESETS:
             raise ConfigError(f"--model {args.model}: the NumPy runtime needs weights; give a "
@@ -88,6 +119,10 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
         spec = ModelSpec.preset(args.model)
     else:
         spec = DEFAULT_SPEC
+    if args.max_seq_len > spec.max_position_embeddings:
+        raise ConfigError(f"--max-seq-len {args.max_seq_len} exceeds the model's "
+                          f"max_position_embeddings={spec.max_position_embeddings}: positions "
+                          "past it were never trained")
     block_size = args.block_size or args.max_seq_len
     bps = args.max_seq_len // block_size if block_size else 0
     num_blocks = args.num_blocks or args.batch_size * max(bps, 1) + 1
@@ -109,6 +144,11 @@ def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,
     codec = HFCodec.from_dir(tokenizer_dir) if tokenizer_dir else None
     if args.tokenizer and codec is None:
         raise ConfigError(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
+    if getattr(args, "chat_template", None):
+        if codec is None:
+            raise ConfigError("--chat-template needs a tokenizer (--tokenizer DIR, or a --model "
+                              "checkpoint with tokenizer.json)")
+        codec.chat_template = template_from_argument(args.chat_template, codec.special)
     return batcher, args.served_model_name or spec.name, codec
 
 
@@ -125,9 +165,53 @@ def _rebel_runtime(args: argparse.Namespace) -> Any:
                                      device=devices[0] if len(devices) == 1 else devices)
 
 
+def _policy(text: str) -> str:
+    """argparse type of --policy: a valid policy, else an error listing the values."""
+    try:
+        Policy.parse(text)
+    except (ConfigError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a policy: use one of {', '.join(POLICY_HELP)} "
+            f"(kinds: {', '.join(POLICY_KINDS)})") from None
+    return text
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket bound to host:port (port 0: any free port).
+
+    Raises:
+        OSError: the address is in use, not local, or not resolvable.
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(message)s")
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        print(f"atombatch.serve: cannot listen on {args.host}:{args.port}: {reason.lower()}",
+              file=sys.stderr)
+        return 2
+    try:
+        return _serve(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     try:
         batcher, name, codec = build_engine(args)
     except ConfigError as exc:
@@ -139,13 +223,24 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from atombatch.serve.app import create_app
-    app = create_app(batcher, name, codec)
+    from atombatch.serve.tokens import IdCodec
+    app = create_app(batcher, name, codec, strict_protocol=args.strict_protocol)
     art = batcher.artifact
-    print(f"atombatch.serve: {art.label} ({args.runtime}, policy {batcher.policy.label}, "
-          f"tokenizer {'tokenizers' if codec else 'ids'}) on http://{args.host}:{args.port}",
-          file=sys.stderr)
+    host, port = sock.getsockname()[:2]
+    template = (codec or IdCodec()).chat_template_name
+    banner = (f"atombatch.serve: {art.label} ({args.runtime}, policy {batcher.policy.label}, "
+              f"tokenizer {'tokenizers' if codec else 'ids'}, chat template {template}"
+              f"{', strict protocol' if args.strict_protocol else ''}) listening on "
+              f"http://{host if ':' not in host else f'[{host}]'}:{port}")
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # bound, listening, and the engine's loop runs
+                print(banner, file=sys.stderr, flush=True)
+
     # timeout_graceful_shutdown=None: on SIGINT/SIGTERM uvicorn stops accepting and waits for
     # in-flight streams; then the lifespan drains the engine (AsyncBatcher.close(drain=True)).
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=None)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=None)
+    Server(config).run(sockets=[sock])
     return 0

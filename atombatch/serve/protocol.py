@@ -1,12 +1,16 @@
 """The OpenAI-compatible wire format: request bodies (validated) and response bodies (encoded).
 
-Request bodies are decoded straight into these Structs with `forbid_unknown_fields=True`: a field
-the server does not know is rejected (422), never silently ignored. Fields that exist in the
-OpenAI API but that this server does not implement are declared so they can be *rejected with a
-reason* when set to a non-default value (`n`, `echo`, `logprobs`, penalties, `stop` strings).
+Request bodies are decoded into these Structs by `atombatch.serve.schema`: a field they do not
+declare is dropped and reported (a response header and a warning in the log), or rejected with
+`--strict-protocol`; `null` for an optional field means its default. Fields that exist in the
+OpenAI API but that this server cannot honour are declared so they are *rejected with a reason*
+when set (`tools`, `response_format`, `suffix`, ...) and accepted when null or at their default.
 
 Extensions beyond the OpenAI API (documented in docs/server.md):
-- request: `top_k`, `ignore_eos`, `stop_token_ids`; `prompt` may be a list of token ids.
+- request: `top_k`, `ignore_eos`, `stop_token_ids`; `prompt` may be a list of token ids, or a
+  batch (a list of strings or of token-id lists); vLLM's `stream_options.continuous_usage_stats`
+  and chat template fields (`chat_template_kwargs`, `documents`, `add_generation_prompt`,
+  `continue_final_message`).
 - response: every choice (streamed chunk or whole response) carries `token_ids`, the generated
   token ids it covers, so a client can check ids when the server has no tokenizer.
 """
@@ -18,11 +22,12 @@ from typing import Any, Literal
 import msgspec
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+class StreamOptions(msgspec.Struct):
     include_usage: bool = False          # send a last chunk with `usage` and empty `choices`
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, `usage` on every chunk too
 
 
-class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class _SamplingFields(msgspec.Struct, kw_only=True):
     model: str | None = None             # must name the served model when given
     temperature: float = 1.0             # OpenAI's default; 0 = greedy
     top_p: float = 1.0
@@ -42,19 +47,28 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class CompletionRequest(_SamplingFields, kw_only=True):
     """`POST /v1/completions`."""
 
-    prompt: str | list[int]              # text (needs a tokenizer, or "<id>" pieces) or token ids
+    # text (needs a tokenizer, or "<id>" pieces), token ids, or a batch: strings or id lists
+    prompt: str | list[int | str | list[int]]
     max_tokens: int = 16                 # OpenAI's default for completions
     echo: bool = False                   # only False is served
     logprobs: int | None = None          # only None is served
+    suffix: str | None = None            # only None or "" is served
+    best_of: int | None = None           # only None or 1 is served
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: str                            # system | user | assistant | tool | developer
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class ChatMessage(msgspec.Struct):
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (to the template)
+    tool_call_id: str | None = None      # a tool result's call id (to the template)
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (to the template)
 
 
-class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
+class ContentPart(msgspec.Struct):
     type: Literal["text"]
     text: str
 
@@ -66,6 +80,20 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_tokens: int | None = None        # None: up to the context length
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False               # only False is served
+    # Tool calling and structured output cannot be honoured: set -> 400 naming the field (tools
+    # with tool_choice "none" are only shown to the template, as vLLM does).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None  # deprecated OpenAI form of tools
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # only {"type": "text"} is served
+    # Chat template inputs (vLLM extensions), passed to the template as transformers does.
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None     # a per-request template: rejected (not trusted)
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -153,6 +181,7 @@ class ModelCard(msgspec.Struct):
     owned_by: str
     atombatch: dict[str, Any]            # extension: artifact shapes (vocab, context, lanes, ...)
     max_model_len: int                   # vLLM's field name for the context length
+    root: str | None = None              # vLLM: the model the id serves
     object: str = "model"
 
 

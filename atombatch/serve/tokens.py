@@ -6,9 +6,9 @@ its ids written as `<17><3><250>`, and a text prompt (or a chat message) is read
 working against a random-weight model and makes every text exactly checkable.
 
 With a tokenizer (`HFCodec`, `tokenizers` + `tokenizer.json`) text is encoded and decoded by it.
-Chat messages are rendered with the checkpoint's chat template (`tokenizer_config.json`
-`chat_template`, rendered with jinja2 as Hugging Face does) or, without one, with the simple
-template
+Chat messages are rendered with the checkpoint's chat template (`atombatch.serve.chat_template`:
+`chat_template.jinja` or `tokenizer_config.json`, rendered as transformers renders them) or,
+without one, with the simple template
 
     <role>: <content>\\n   (one line per message)   then   assistant:
 
@@ -19,13 +19,13 @@ completes.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from atombatch.errors import ConfigError, RequestError
+from atombatch.serve.chat_template import ChatTemplate, load_chat_template, special_tokens_of
 
 _PIECE = re.compile(r"\s*<(\d+)>")
 _SPACE = re.compile(r"\s*")
@@ -34,9 +34,12 @@ _SPACE = re.compile(r"\s*")
 class Codec(Protocol):
     name: str
 
+    @property
+    def chat_template_name(self) -> str: ...  # the template in use (startup line, /v1/models)
+
     def encode(self, text: str) -> list[int]: ...
 
-    def render_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]: ...
+    def render_chat(self, messages: Sequence[dict[str, Any]], **template: Any) -> list[int]: ...
 
     def decoder(self) -> Decoder: ...
 
@@ -44,11 +47,14 @@ class Codec(Protocol):
 class Decoder(Protocol):
     def step(self, token_ids: Sequence[int]) -> str: ...
 
+    def flush(self) -> str: ...  # at the end: whatever step() held back
+
 
 class IdCodec:
     """No tokenizer: token `t` reads and writes as `"<t>"`."""
 
     name = "ids"
+    chat_template_name = "none (no tokenizer: message token ids concatenated)"
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -65,11 +71,11 @@ class IdCodec:
                                "like '<17><3>' (or send the prompt as a list of ids)")
         return ids
 
-    def render_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+    def render_chat(self, messages: Sequence[dict[str, Any]], **template: Any) -> list[int]:
         """The messages' ids concatenated in order (roles carry no tokens without a tokenizer)."""
         ids: list[int] = []
-        for _, content in messages:
-            ids.extend(self.encode(content))
+        for message in messages:
+            ids.extend(self.encode(message.get("content") or ""))
         return ids
 
     def decoder(self) -> _IdDecoder:
@@ -80,30 +86,29 @@ class _IdDecoder:
     def step(self, token_ids: Sequence[int]) -> str:
         return "".join(f"<{t}>" for t in token_ids)
 
+    def flush(self) -> str:
+        return ""
+
 
 class HFCodec:
     """A `tokenizers.Tokenizer` plus the checkpoint's chat template (or the simple one)."""
 
     name = "tokenizers"
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None,
+    def __init__(self, tokenizer: Any, chat_template: ChatTemplate | str | None = None,
                  special: dict[str, str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.special = special or {}
-        self._template: Any = None
-        if chat_template:
-            try:
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
-            except ImportError:  # pragma: no cover - jinja2 ships with the server extra
-                raise ConfigError("the tokenizer has a chat template; rendering it needs jinja2 "
-                                  "(pip install 'atombatch[server]')") from None
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        if isinstance(chat_template, str):
+            chat_template = ChatTemplate({"default": chat_template}, "chat_template argument",
+                                         self.special)
+        self.chat_template = chat_template
 
-            def raise_exception(message: str) -> None:
-                raise RequestError(f"chat template: {message}")
-
-            env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(chat_template)
+    @property
+    def chat_template_name(self) -> str:
+        if self.chat_template is None:
+            return "none (fallback: '<role>: <content>' lines, then 'assistant:')"
+        return self.chat_template.name
 
     @classmethod
     def from_dir(cls, path: str | Path) -> HFCodec | None:
@@ -125,36 +130,20 @@ class HFCodec:
             tokenizer = Tokenizer.from_file(str(file))
         except Exception as exc:
             raise ConfigError(f"cannot read {file}: {exc}") from None
-        template, special = None, {}
-        config_file = path / "tokenizer_config.json"
-        if config_file.is_file():
-            config = json.loads(config_file.read_text())
-            template = config.get("chat_template")
-            if isinstance(template, list):  # named templates: take "default"
-                named = {t.get("name"): t.get("template") for t in template}
-                template = named.get("default")
-            for key in ("bos_token", "eos_token"):
-                value = config.get(key)
-                if isinstance(value, dict):
-                    value = value.get("content")
-                if isinstance(value, str):
-                    special[key] = value
-        return cls(tokenizer, template, special)
+        special = special_tokens_of(path)
+        return cls(tokenizer, load_chat_template(path, special), special)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def render_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        if self._template is not None:
-            from jinja2 import TemplateError
-            try:
-                text = self._template.render(
-                    messages=[{"role": r, "content": c} for r, c in messages],
-                    add_generation_prompt=True, **self.special)
-            except TemplateError as exc:
-                raise RequestError(f"chat template failed on these messages: {exc}") from None
+    def render_chat(self, messages: Sequence[dict[str, Any]], **template: Any) -> list[int]:
+        """Render with the chat template (see `ChatTemplate.render` for `template`) and encode
+        without adding special tokens, as `apply_chat_template(tokenize=True)` does."""
+        if self.chat_template is not None:
+            text = self.chat_template.render(messages, **template)
         else:
-            text = "".join(f"{role}: {content}\n" for role, content in messages) + "assistant:"
+            text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + \
+                "assistant:"
         return self.encode(text)
 
     def decoder(self) -> _HFDecoder:
@@ -172,6 +161,13 @@ class _HFDecoder:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):
             return ""
+        new, self.sent = text[self.sent:], len(text)
+        return new
+
+    def flush(self) -> str:
+        """The held-back tail once the generation ends (an incomplete UTF-8 sequence stays one
+        U+FFFD, as a whole decode shows it)."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         new, self.sent = text[self.sent:], len(text)
         return new
 

@@ -1,0 +1,155 @@
+"""The benchmarks as a person meets them: missing optional dependencies fail before a run,
+progress is visible without a terminal, plots show the whole matrix, and the tables explain
+themselves in whole sentences."""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from atombatch.bench import fit, micro, plot, serve
+from atombatch.bench.progress import CellProgress
+
+SMALL = ["--models", "qwen3-0.6b", "--routes", "native,pd-whole", "--inputs", "128,512",
+         "--outputs", "16", "--artifacts", "B1/k1,B4/k5,B4/k1", "--policies", "prefill-first",
+         "--concurrency", "4"]
+
+
+def test_plot_without_matplotlib_fails_before_any_cell_runs(monkeypatch: Any, capsys: Any,
+                                                            tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert serve.main([*SMALL, "--plot", str(tmp_path / "p.png")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no table: nothing was run
+    assert "pip install 'atombatch[plot]'" in captured.err
+    assert "[1/" not in captured.err and not (tmp_path / "p.png").exists()
+
+
+def test_progress_is_one_line_per_cell_without_a_terminal(capsys: Any) -> None:
+    assert serve.main(SMALL) == 0
+    err = capsys.readouterr().err.splitlines()
+    cells = 2 * 2 * 3
+    pattern = re.compile(r"^\[ ?(\d+)/12\] qwen3-0\.6b (native|pd-whole) (128|512)/16 \S+ "
+                         r"prefill-first: (ok|rejected) in \d+\.\d s \| elapsed \d\d:\d\d, "
+                         r"left ~\d\d:\d\d$")
+    lines = [line for line in err if pattern.match(line)]
+    assert [int(pattern.match(line).group(1)) for line in lines] == list(range(1, cells + 1))
+    assert err[-1].startswith(f"{cells} cells in ")
+    assert serve.main([*SMALL, "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_on_a_terminal_is_a_tqdm_bar() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    meter = CellProgress(3, stream=stream)
+    for n in range(3):
+        meter.start(f"cell {n}")
+        meter.finish(f"cell {n}", "ok")
+    meter.close()
+    text = stream.getvalue()
+    assert "\r" in text and "3/3" in text and "cell 2" in text and "last: ok" in text
+
+
+@pytest.fixture(scope="module")
+def report() -> serve.ServeReport:
+    return serve.run(models=["qwen3-0.6b", "koni-8b"], routes=["native", "pd-whole"],
+                     inputs=[128, 2048], outputs=[16], artifacts=["B1/k1", "B4/k5", "B4/k1"],
+                     policies=["prefill-first", "decode-first"], load=serve.Load(concurrency=4))
+
+
+def test_plot_panels_cover_the_matrix_and_mark_what_did_not_run(report: Any) -> None:
+    panels = plot.panels(report)
+    assert {(p.model, p.route, p.metric) for p in panels} == {
+        (m, r, k) for m in ("qwen3-0.6b", "koni-8b") for r in ("native", "pd-whole")
+        for k in ("ttft", "e2e")}
+    for panel in panels:
+        assert {(b.input_len, b.artifact) for b in panel.boxes} == {
+            (i, a) for i in (128, 2048) for a in ("B1/k1", "B4/k5", "B4/k1")}
+        by = {(b.input_len, b.artifact): b for b in panel.boxes}
+        assert by[(128, "B4/k1")].mark == "rejected" and not by[(128, "B4/k1")].values
+        if panel.model == "koni-8b":  # B4/k5 at context 9216 does not fit one device
+            assert by[(2048, "B4/k5")].mark == "no fit"
+        else:
+            assert len(by[(2048, "B4/k5")].values) == 4
+        values = [v for b in panel.boxes for v in b.values]
+        assert panel.log_scale == (max(values) / min(values) > plot.LOG_SPAN)
+        # 180 s is far above these runs' latencies: no line, but the title says so
+        assert panel.timeout_line is None and "timeout 180 s off scale" in panel.title
+    assert any(p.log_scale for p in panels) and not all(p.log_scale for p in panels)
+
+
+def test_plot_timeout_line_only_when_in_range(report: Any) -> None:
+    top = max(v for p in plot.panels(report) for b in p.boxes for v in b.values)
+    params = {**report.params, "load": {**report.params["load"], "timeout_s": top / 2}}
+    near = plot.panels(msgspec.structs.replace(report, params=params))
+    drawn = [p for p in near if p.timeout_line is not None]
+    assert drawn and all(p.timeout_line == top / 2 for p in drawn)
+    assert all("off scale" in p.title for p in near if p.timeout_line is None)
+
+
+def test_plot_writes_one_png_per_policy(report: Any, tmp_path: Path) -> None:
+    paths = serve.write_plot(report, tmp_path / "serve.png")
+    assert paths == [tmp_path / "serve.png", tmp_path / "serve-decode-first.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_matrix_reasons_are_whole_sentences(report: Any) -> None:
+    table = serve.format_table(report)
+    rejected = [c for c in report.cells if c.status == "rejected"]
+    assert rejected
+    for cell in rejected:
+        first = cell.error.split(". ")[0]
+        assert first in table  # never cut mid-word or mid-clause
+
+
+def test_micro_explains_its_columns() -> None:
+    records = [micro.MicroRecord(op=op, impl=impl, lanes=4, num_blocks=5, ns_per_op=100.0)
+               for op in micro.OPS for impl in ("c", "py")]
+    text = micro.format_table(records)
+    header = text.splitlines()[0].split()
+    legend = "\n".join(micro.LEGEND)
+    assert legend in text
+    for column in ("shape", "B", "blocks", "op", "c ns", "py ns", "py/c"):
+        assert column in " ".join(header)
+        assert re.search(rf"(^|[ ;/]){re.escape(column)} =", legend, re.M), column
+    for op in micro.OPS:
+        assert op in legend
+
+
+def test_fit_single_and_table_agree(capsys: Any) -> None:
+    assert fit.main(["--table", "--model", "koni-8b"]) == 0
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.startswith("koni-8b") and
+               " 1 B1/k1 " in line)
+    kv, other, projected, headroom = re.findall(r"-?[\d,]{5,}", row)
+    assert fit.main(["--model", "koni-8b", "--num-blocks", "1"]) == 0
+    single = capsys.readouterr().out
+    for name, value in (("KV/device", kv), ("other/device", other), ("projected", projected),
+                        ("headroom", headroom)):
+        assert re.search(rf"^  {re.escape(name)} +{value} bytes", single, re.M), name
+    assert re.search(r"^  verdict +fits$", single, re.M) and " fits " in row
+    assert re.search(r"^  basis +observed \(conditional\)$", single, re.M)
+    assert row.rstrip().endswith("observed (conditional)")
+    # --estimate gives the table's other basis word
+    assert fit.main(["--model", "koni-8b", "--num-blocks", "1", "--estimate"]) == 1
+    assert re.search(r"^  basis +estimate$", capsys.readouterr().out, re.M)
+
+
+def test_bench_http_without_httpx_fails_at_once(monkeypatch: Any, capsys: Any) -> None:
+    from atombatch.bench import http
+
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    assert http.main(["--url", "http://127.0.0.1:9", "-c", "2", "--input-len", "8",
+                      "--output-len", "4"]) == 2
+    assert "pip install 'atombatch[server]'" in capsys.readouterr().err
