@@ -16,6 +16,7 @@ from test_scheduler import artifact, core, drive, expected  # noqa: F401  (`core
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
 from atombatch import blocks as blocks_module
+from atombatch.bench import serve as serve_bench
 from atombatch.pd import InProcessSource
 from atombatch.runtime import NumpyRuntime
 
@@ -239,3 +240,65 @@ def test_a_failing_row_fails_its_own_request_not_the_lane_with_that_index(bucket
     for prompt, params, rid in arrivals[0]:
         if rid != "nan":
             assert streamed[rid] == expected(prompt, params, art), rid
+
+
+@settings(max_examples=12, deadline=None)
+@given(family=st.sampled_from(["llama", "gemma3"]), data=st.data())
+def test_random_pd_and_native_mix_with_buckets_and_aborts(family, data):
+    """Native and PD requests (whole or layer-stream) arrive and are aborted at random steps on a
+    bucketed B4; every request that finishes by length equals its native B4 output, and every
+    aborted one streamed a prefix of it."""
+    spec = pd.SPECS[family]
+    plain = pd.artifact(spec, 4, 5)
+    buckets = data.draw(bucket_sets(4), label="buckets")
+    bucketed = ArtifactConfig(**{**{f: getattr(plain, f) for f in plain.__struct_fields__},
+                                 "decoder_batch_sizes": buckets})
+    n = data.draw(st.integers(2, 6), label="requests")
+    work = pd.prompts(n, seed=data.draw(st.integers(0, 1000), label="seed"))
+    want = pd.native(spec, work, plain)
+    producer = pd.producer_for(spec)
+    batcher = Batcher(NumpyRuntime.random(bucketed, pd.SEED))
+    plan = []
+    for i in range(n):
+        mode = data.draw(st.sampled_from([None, "whole", "layer-stream"]), label=f"mode{i}")
+        at = data.draw(st.integers(0, 20), label=f"at{i}")
+        abort_at = data.draw(st.one_of(st.none(), st.integers(at, 40)), label=f"abort{i}")
+        plan.append((i, mode, at, abort_at))
+    ids: dict[int, str] = {}
+    streamed: dict[str, list[int]] = {}
+    finals: dict[str, object] = {}
+    step = 0
+    while step <= 40 or batcher.has_unfinished():
+        for i, mode, at, abort_at in plan:
+            if at == step:
+                kv = None if mode is None else InProcessSource.from_producer(
+                    producer, f"pd-{i}", work[i], pd.PARAMS, mode=mode)
+                ids[i] = batcher.submit(work[i], pd.PARAMS, kv=kv, request_id=f"r{i}")
+            if abort_at == step and i in ids:
+                batcher.abort(ids[i])
+        for out in batcher.step():
+            streamed.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+        batcher.check_invariants()
+        step += 1
+        assert step < 2000
+    for i, rid in ids.items():
+        got = streamed.get(rid, [])
+        if finals[rid].finish_reason == "abort":
+            assert list(want[i][: len(got)]) == got, rid
+        else:
+            assert finals[rid].finish_reason == "length" and tuple(got) == want[i], rid
+
+
+@pytest.mark.parametrize("text, specs", [
+    ("k5/B4,k1/B1", ["k5/B4", "k1/B1"]),                        # any part order, as parse_artifact
+    ("B4/k5/dbs1,2,4,ctx4096/B1/k1", ["B4/k5/dbs1,2,4", "ctx4096/B1/k1"]),
+    ("B4/k5/dbs1,2,4,B1/k1", ["B4/k5/dbs1,2,4", "B1/k1"]),
+])
+def test_bench_serve_artifact_list_splits_specs_not_bucket_lists(text, specs):
+    parsed = serve_bench._parser().parse_args(["--artifacts", text]).artifacts
+    assert parsed == specs
+    model = serve_bench.small_spec("qwen3-0.6b")
+    assert all(not isinstance(serve_bench.parse_artifact(s, model, 4096, 128)[1], str)
+               for s in parsed)
