@@ -753,9 +753,10 @@ def _csv(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
 
 
 def _artifact_list(text: str) -> list[str]:
-    """Comma-separated artifact specs; a comma inside `dbs1,2,4` stays with its artifact (a new
-    spec starts with `B<digits>`)."""
-    return [part.strip() for part in re.split(r",(?=\s*[Bb]\d)", text) if part.strip()]
+    """Comma-separated artifact specs; a comma inside `dbs1,2,4` stays with its artifact (a comma
+    followed by a digit continues a bucket list; a new spec starts with a part name, in any
+    order, like `parse_artifact` takes them)."""
+    return [part.strip() for part in re.split(r",(?!\s*\d)", text) if part.strip()]
 
 
 def _parser() -> argparse.ArgumentParser:
