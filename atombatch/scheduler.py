@@ -732,7 +732,10 @@ class Scheduler:
         if not lanes:
             return None
         padding = self._padding_block()
-        self.decode_inputs.build(self.lanes, padding)
+        if self.decode_inputs.build(self.lanes, padding) != len(lanes):
+            # rows 0..n-1 are read back as `lanes`: lane and request state must agree
+            raise StateError(f"the lane table has {self.lanes.num_decoding()} decoding lanes, the "
+                             f"requests {len(lanes)}")
         self._decodes_since_prefill += 1
         return StepPlan(kind="decode", inputs=self.decode_inputs, lanes=lanes,
                         request_ids=tuple(self.by_lane[lane].request_id for lane in lanes))  # type: ignore[union-attr]
