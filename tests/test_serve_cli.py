@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from atombatch import SamplingParams
 from atombatch.serve.cli import build_engine, main, parser
 
 
@@ -128,3 +129,18 @@ def test_chat_template_flag_overrides_the_tokenizers(tmp_path: Path) -> None:
     args = parser().parse_args(["--max-seq-len", "128", "--chat-template", str(override)])
     with pytest.raises(Exception, match="--chat-template needs a tokenizer"):
         build_engine(args)
+
+
+def test_decoder_batch_sizes_flag_builds_a_bucketed_engine(capsys: Any) -> None:
+    args = parser().parse_args(["--max-seq-len", "128", "--decoder-batch-sizes", "1,2,4"])
+    batcher, _, _ = build_engine(args)
+    assert batcher.runtime.artifact.decoder_batch_sizes == (1, 2, 4)
+    done = batcher.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0,
+                                                        ignore_eos=True))
+    assert len(done[0].token_ids) == 3 and batcher.stats().bucket_steps == {1: 2}
+    assert main(["--max-seq-len", "128", "--decoder-batch-sizes", "1,2"]) == 2
+    assert "decoder_batch_sizes=(1, 2) must lie in 1..batch_size=4 and include batch_size" in \
+        one_error_line(capsys)
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--decoder-batch-sizes", "one"])
+    assert "'one' is not a comma list of batch sizes" in capsys.readouterr().err

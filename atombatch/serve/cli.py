@@ -67,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: --max-seq-len)")
     p.add_argument("--num-blocks", type=int, help="KV blocks (default: B x blocks/seq + 1)")
     p.add_argument("--prefill-chunk-size", type=int, default=128)
+    p.add_argument("--decoder-batch-sizes", type=_batch_sizes, default=(),
+                   help="compiled decode batches, e.g. 1,2,4 (default: --batch-size only); each "
+                        "decode step runs the smallest that holds the decoding lanes")
     p.add_argument("--policy", default="prefill-first", type=_policy,
                    metavar="{" + ",".join(POLICY_HELP) + "}",
                    help="scheduling policy: " + "; ".join(f"{k}: {v}"
@@ -128,7 +131,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
     num_blocks = args.num_blocks or args.batch_size * max(bps, 1) + 1
     artifact = ArtifactConfig(model=spec, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
                               block_size=block_size, num_blocks=num_blocks,
-                              prefill_chunk_size=min(args.prefill_chunk_size, args.max_seq_len))
+                              prefill_chunk_size=min(args.prefill_chunk_size, args.max_seq_len),
+                              decoder_batch_sizes=args.decoder_batch_sizes)
     from atombatch.runtime.numpy_runtime import NumpyRuntime
     if model_dir is not None:
         runtime = NumpyRuntime.from_pretrained(model_dir, artifact=artifact)
@@ -163,6 +167,15 @@ def _rebel_runtime(args: argparse.Namespace) -> Any:
     devices = [int(d) for d in str(args.device).split(",")]
     return RebelRuntime.from_optimum(args.model,
                                      device=devices[0] if len(devices) == 1 else devices)
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    """argparse type of --decoder-batch-sizes: a comma list of positive ints."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of batch sizes, e.g. 1,2,4"
+                                         ) from None
 
 
 def _policy(text: str) -> str:
