@@ -3,10 +3,12 @@
 Request bodies are decoded straight into these Structs with `forbid_unknown_fields=True`: a field
 the server does not know is rejected (422), never silently ignored. Fields that exist in the
 OpenAI API but that this server does not implement are declared so they can be *rejected with a
-reason* when set to a non-default value (`n`, `echo`, `logprobs`, penalties, `stop` strings).
+reason* when set to a non-default value (`echo`, `prompt_logprobs`).
 
-Extensions beyond the OpenAI API (documented in docs/server.md):
-- request: `top_k`, `ignore_eos`, `stop_token_ids`; `prompt` may be a list of token ids.
+Extensions beyond the OpenAI API, with vLLM's names (documented in docs/server.md): `top_k`,
+`min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+`include_stop_str_in_output`, `allowed_token_ids`, `bad_words`, `skip_special_tokens`;
+`prompt` may be a list of token ids.
 - response: every choice (streamed chunk or whole response) carries `token_ids`, the generated
   token ids it covers, so a client can check ids when the server has no tokenizer.
 """
@@ -27,15 +29,24 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     temperature: float = 1.0             # OpenAI's default; 0 = greedy
     top_p: float = 1.0
     top_k: int = 0                       # extension; 0 (or -1, vLLM's spelling) = off
+    min_p: float = 0.0                   # extension
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None  # text stop strings: rejected unless empty
+    stop: str | list[str] | None = None  # stop strings (need a tokenizer)
     stop_token_ids: list[int] = []       # extension: extra stop token ids besides EOS
+    include_stop_str_in_output: bool = False  # extension
     ignore_eos: bool = False             # extension: generate through EOS (benchmarks)
-    n: int = 1                           # only 1 is served
-    presence_penalty: float = 0.0        # only 0 is served
-    frequency_penalty: float = 0.0       # only 0 is served
+    n: int = 1                           # choices per prompt
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0      # extension
+    min_tokens: int = 0                  # extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string key) -> bias
+    allowed_token_ids: list[int] | None = None  # extension
+    bad_words: list[str] = []            # extension (needs a tokenizer)
+    skip_special_tokens: bool = True     # extension
+    prompt_logprobs: int | None = None   # extension: not served (see docs/server.md)
     user: str | None = None              # accepted and ignored
 
 
@@ -45,7 +56,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[int]              # text (needs a tokenizer, or "<id>" pieces) or token ids
     max_tokens: int = 16                 # OpenAI's default for completions
     echo: bool = False                   # only False is served
-    logprobs: int | None = None          # only None is served
+    logprobs: int | None = None          # top candidates per token (0..20), with the sampled one
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -65,7 +76,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None        # None: up to the context length
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
-    logprobs: bool = False               # only False is served
+    logprobs: bool = False               # return the sampled tokens' logprobs
+    top_logprobs: int | None = None      # and this many top candidates (0..20; needs logprobs)
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -75,12 +87,22 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
+class CompletionLogprobs(msgspec.Struct):
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     token_ids: list[int]                 # extension: the generated ids this choice covers
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+    stop_reason: str | int | None = None  # vLLM: the stop string or stop id that ended it
 
 
 class CompletionResponse(msgspec.Struct):
@@ -97,12 +119,30 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     content: str | None = None
 
 
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     token_ids: list[int]                 # extension
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
+    stop_reason: str | int | None = None  # vLLM: the stop string or stop id that ended it
 
 
 class ChatChunk(msgspec.Struct):
@@ -124,7 +164,8 @@ class ChatChoice(msgspec.Struct):
     message: ChatResponseMessage
     token_ids: list[int]                 # extension
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
+    stop_reason: str | int | None = None  # vLLM: the stop string or stop id that ended it
 
 
 class ChatResponse(msgspec.Struct):
