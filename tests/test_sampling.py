@@ -583,3 +583,23 @@ def test_aborting_an_n_request_ends_every_choice() -> None:
     assert [o.finished for o in outs].count(True) == 1
     batcher.check_invariants()
     assert batcher.stats().occupied_lanes == 0
+
+
+def test_preemption_keeps_seeded_sampling_penalties_and_logprobs() -> None:
+    tight = ArtifactConfig(model=spec(), batch_size=4, max_seq_len=64, block_size=8, num_blocks=9,
+                           prefill_chunk_size=8)
+    roomy = ArtifactConfig(model=spec(), batch_size=1, max_seq_len=64, block_size=8,
+                           num_blocks=9, prefill_chunk_size=8)
+    prompts = [list(range(1 + i, 20 + i)) for i in range(4)]
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=40 + i, max_tokens=40,
+                             ignore_eos=True, frequency_penalty=0.5, repetition_penalty=1.2,
+                             logprobs=1) for i in range(4)]
+    batcher = Batcher(NumpyRuntime.random(tight, seed=11))
+    done = batcher.generate(prompts, params)
+    assert batcher.stats().preemptions > 0
+    for prompt, p, completion in zip(prompts, params, done, strict=True):
+        [alone] = Batcher(NumpyRuntime.random(roomy, seed=11)).generate([prompt], p)
+        assert completion.token_ids == alone.token_ids
+        assert completion.logprobs is not None and len(completion.logprobs) == 40
+        assert [lp.token_id for lp in completion.logprobs] == list(completion.token_ids)
+    batcher.check_invariants()
