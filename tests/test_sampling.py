@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -603,3 +605,53 @@ def test_preemption_keeps_seeded_sampling_penalties_and_logprobs() -> None:
         assert completion.logprobs is not None and len(completion.logprobs) == 40
         assert [lp.token_id for lp in completion.logprobs] == list(completion.token_ids)
     batcher.check_invariants()
+
+
+def test_special_tokens_in_text_follow_skip_special_tokens() -> None:
+    tok = piece_tokenizer()
+    ids = [PIECES.index("p1"), 1, PIECES.index("p2")]  # 1 is the special "<eos>"
+    skip = Detokenizer(tok, [], SamplingParams())
+    keep = Detokenizer(tok, [], SamplingParams(skip_special_tokens=False))
+    assert "".join(skip.add([t], n + 1) for n, t in enumerate(ids)) == "p1p2"
+    assert "".join(keep.add([t], n + 1) for n, t in enumerate(ids)) == "p1<eos>p2"
+
+
+_OPTIONS = st.fixed_dictionaries({}, optional={
+    "temperature": st.sampled_from([0.0, 1e-300, 0.3, 1.0, 2.5]),
+    "top_k": st.sampled_from([-1, 0, 1, 3, 50]),
+    "top_p": st.sampled_from([0.2, 0.9, 1.0]),
+    "min_p": st.sampled_from([0.0, 0.1, 0.5]),
+    "presence_penalty": st.sampled_from([0.0, -1.0, 1.5]),
+    "frequency_penalty": st.sampled_from([0.0, 0.7]),
+    "repetition_penalty": st.sampled_from([1.0, 0.5, 1.8]),
+    "logit_bias": st.sampled_from([None, {3: 5.0, 9: -100.0}]),
+    "allowed_token_ids": st.sampled_from([None, (2, 3, 9, 40, EOS)]),
+    "min_tokens": st.sampled_from([0, 2]),
+    "logprobs": st.sampled_from([None, 0, 4]),
+    "seed": st.integers(0, 2**64 - 1),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.tuples(_OPTIONS, st.lists(st.integers(0, VOCAB - 1), max_size=6),
+                               st.integers(0, 2**32)), min_size=1, max_size=6),
+       mode=st.sampled_from(["raw", "processed"]), data_seed=st.integers(0, 1000))
+def test_each_row_samples_as_if_alone(rows: list, mode: str, data_seed: int) -> None:
+    """Vectorization never mixes rows: a batch gives each row what a call of its own gives."""
+    logits = logits_rows(len(rows), seed=data_seed)
+    params = [SamplingParams(max_tokens=16, **options) for options, _, _ in rows]
+    outputs = [output for _, output, _ in rows]
+    states = [state(p, (1, 2), seed=s) for p, (_, _, s) in zip(params, rows, strict=True)]
+    batch = sample_rows(logits, states, outputs, mode=mode)  # type: ignore[arg-type]
+    for i, (p, (_, output, s)) in enumerate(zip(params, rows, strict=True)):
+        alone = sample_rows(logits[i:i + 1], [state(p, (1, 2), seed=s)], [output],
+                            mode=mode)  # type: ignore[arg-type]
+        assert (i in batch.masked_rows) == (0 in alone.masked_rows)
+        if i in batch.masked_rows:
+            continue
+        assert batch.tokens[i] == alone.tokens[0]
+        assert batch.logprobs[i] == alone.logprobs[0]
+        if p.allowed_token_ids is not None:
+            assert batch.tokens[i] in p.allowed_token_ids
+        if len(output) < p.min_tokens:
+            assert batch.tokens[i] != EOS
