@@ -557,6 +557,7 @@ def test_n_choices_share_the_prompt_prefill() -> None:
         assert completion.logprobs is not None and len(completion.logprobs) == 6
     streamed = {i: [t for o in outs if o.index == i for t in o.new_token_ids] for i in range(3)}
     assert all(tuple(streamed[i]) == completions[i].token_ids for i in range(3))
+    assert not batcher._groups and not batcher._extras and not batcher._samplers
 
 
 def test_n_choices_without_a_prefix_cache_and_generate_grouping() -> None:
@@ -585,6 +586,8 @@ def test_aborting_an_n_request_ends_every_choice() -> None:
     assert [o.finished for o in outs].count(True) == 1
     batcher.check_invariants()
     assert batcher.stats().occupied_lanes == 0
+    # nothing kept for finished requests (per-request sampler, detokenizer and group records)
+    assert not batcher._groups and not batcher._extras and not batcher._samplers
 
 
 def test_preemption_keeps_seeded_sampling_penalties_and_logprobs() -> None:
