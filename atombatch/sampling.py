@@ -197,7 +197,10 @@ def _filtered(x: npt.NDArray[np.float32], top: npt.NDArray[np.float32],
     top_k = np.array([s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in states])
     top_p = np.array([s.params.top_p for s in states], dtype=np.float64)
     need = np.flatnonzero((top_k < vocab) | (top_p < 1.0))
-    if need.size:
+    if need.size == z.shape[0]:  # every row: in place
+        threshold = _thresholds(z, top_k, top_p)
+        z[z < threshold[:, None]] = _NEG_INF
+    elif need.size:
         sub = z[need]
         threshold = _thresholds(sub, top_k[need], top_p[need])
         sub[sub < threshold[:, None]] = _NEG_INF
@@ -225,8 +228,10 @@ def _thresholds(z: npt.NDArray[np.float32], k: npt.NDArray[np.int_],
     kth = np.where(with_k & exact, head[rows, np.minimum(k, m) - 1], _NEG_INF)
     head_k = np.where(np.arange(m)[None, :] >= np.minimum(k, m)[:, None], _NEG_INF, head)
     mass = np.cumsum(np.exp(head_k.astype(np.float64)), axis=1)
-    total = np.where(with_k & exact, mass[:, -1],
-                     np.exp(z.astype(np.float64)).sum(axis=1))
+    total = mass[:, -1].copy()  # the mass top-k keeps; rows without top-k: the whole row's
+    whole = np.flatnonzero(~(with_k & exact) & (p < 1.0))
+    if whole.size:
+        total[whole] = np.exp(z[whole]).sum(axis=1, dtype=np.float64)
     # The smallest most-likely set reaching p: entries whose preceding mass is below p.
     last = (mass < p[:, None] * total[:, None]).sum(axis=1)
     with_p = p < 1.0
