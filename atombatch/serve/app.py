@@ -284,7 +284,8 @@ class _Server:
                 logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
         except RequestError as exc:
             message = str(exc)
-            param = _engine_param(message, "prompt") or message.split(" ", 1)[0]
+            lead = re.match(r"[a-z_]+", message)  # SamplingParams messages start with the field
+            param = lead.group(0) if lead else None
             if param == "logprobs" and not isinstance(body, CompletionRequest):
                 param = "top_logprobs"
                 message = message.replace("logprobs=", "top_logprobs=", 1)
