@@ -23,10 +23,15 @@ PROMPT_CONTEXT = 8  # prompt tokens that prime the decoder (spacing of the first
 
 
 class Detokenizer:
-    """The text of one request, streamed in safe pieces."""
+    """The text of one request, streamed in safe pieces.
 
-    __slots__ = ("_checked", "_hold", "_stream", "include_stop", "min_tokens", "sent", "stop",
-                 "stopped", "text", "tokenizer")
+    Stop strings are matched by one Knuth-Morris-Pratt automaton per string, fed character by
+    character: the cost per generated character is O(number of stop strings) whatever their
+    length, and each automaton's state (the longest end of the text that begins its string) is
+    exactly what must be held back."""
+
+    __slots__ = ("_failure", "_pending", "_released", "_states", "_stream", "include_stop",
+                 "min_tokens", "stop", "stopped", "tokenizer")
 
     def __init__(self, tokenizer: Any, prompt: Sequence[int] | npt.NDArray[np.integer],
                  params: SamplingParams) -> None:
@@ -38,59 +43,84 @@ class Detokenizer:
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
-        self._hold = max((len(s) for s in self.stop), default=0)
-        self.text = ""          # everything decoded so far (cut at a matched stop string)
-        self.sent = 0           # characters of `text` already handed out
-        self._checked = 0       # `text` before this offset holds no stop string
-        self.stopped: str | None = None  # the stop string that matched
+        self._failure = [_prefix_function(stop) for stop in self.stop]
+        self._states = [0] * len(self.stop)
+        self._released: list[str] = []   # text handed out, in pieces
+        self._pending = ""                # decoded, not handed out (could begin a stop string)
+        self.stopped: str | None = None   # the stop string that matched
+
+    @property
+    def text(self) -> str:
+        """Everything decoded so far (ending before a matched stop string, or after it with
+        `include_stop_str_in_output`)."""
+        return "".join(self._released) + self._pending
 
     def add(self, token_ids: Sequence[int], generated: int) -> str:
         """Decode new ids (`generated` = tokens generated so far, these included); returns the
         text that may be streamed now. Sets `stopped` when a stop string matched."""
         if self.stopped is not None:
             return ""
+        new = []
         for token in token_ids:
             piece = self._stream.step(self.tokenizer, int(token))
             if piece:
-                self.text += piece
+                new.append(piece)
+        added = "".join(new)
         if not self.stop:
-            return self._take(len(self.text))
-        if generated >= self.min_tokens:
-            start = max(0, self._checked - self._hold + 1)
-            best = -1
-            match = ""
-            for stop in self.stop:
-                at = self.text.find(stop, start)
-                if at >= 0 and (best < 0 or at < best):
-                    best, match = at, stop
-            if best >= 0:
-                end = best + (len(match) if self.include_stop else 0)
-                self.text = self.text[:end]
-                self.stopped = match
-                return self._take(end)
-        self._checked = len(self.text)  # before min_tokens, occurrences do not count
-        return self._take(len(self.text) - self._tail())
+            return self._release(added)
+        base = len(self._pending)
+        self._pending += added
+        counts = generated >= self.min_tokens  # before min_tokens a match does not count
+        states, stops, failures = self._states, self.stop, self._failure
+        for offset, char in enumerate(added):
+            for j, stop in enumerate(stops):
+                state = _advance(stop, failures[j], states[j], char)
+                states[j] = state
+                if state == len(stop) and counts:
+                    end = base + offset + 1
+                    keep = end if self.include_stop else end - len(stop)
+                    text, self._pending = self._pending[:keep], ""
+                    self.stopped = stop
+                    return self._release(text)
+        # Hold back what could still become a stop string (a whole match ignored before
+        # min_tokens counts only by its longest proper border).
+        hold = max((state if state < len(stop) else failures[j][state - 1]
+                    for j, (stop, state) in enumerate(zip(stops, states, strict=True))), default=0)
+        cut = len(self._pending) - hold
+        text, self._pending = self._pending[:cut], self._pending[cut:]
+        return self._release(text)
 
     def flush(self) -> str:
         """The request ended for another reason: whatever was held back."""
-        return self._take(len(self.text))
+        text, self._pending = self._pending, ""
+        return self._release(text)
 
-    def _tail(self) -> int:
-        """Length of the longest end of `text` that begins some stop string."""
-        text = self.text
-        longest = 0
-        for stop in self.stop:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+    def _release(self, text: str) -> str:
+        if text:
+            self._released.append(text)
+        return text
 
-    def _take(self, end: int) -> str:
-        if end <= self.sent:
-            return ""
-        piece, self.sent = self.text[self.sent:end], end
-        return piece
+
+def _prefix_function(pattern: str) -> list[int]:
+    """KMP failure function: for each prefix, the length of its longest proper border."""
+    failure = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = failure[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        failure[i] = k
+    return failure
+
+
+def _advance(pattern: str, failure: list[int], state: int, char: str) -> int:
+    """The automaton's next state: the longest prefix of `pattern` ending the text + `char`."""
+    while state and (state == len(pattern) or pattern[state] != char):
+        state = failure[state - 1]
+    if pattern[state] == char:
+        state += 1
+    return state
 
 
 def bad_word_ids(tokenizer: Any, words: Sequence[str]) -> list[tuple[int, ...]]:

@@ -4,6 +4,7 @@ stop strings through the detokenizer, n > 1 sharing the prompt's prefill."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -658,3 +659,38 @@ def test_each_row_samples_as_if_alone(rows: list, mode: str, data_seed: int) -> 
             assert batch.tokens[i] in p.allowed_token_ids
         if len(output) < p.min_tokens:
             assert batch.tokens[i] != EOS
+
+
+AB_PIECES = ["<unk>"] + ["".join(p) for n in (1, 2, 3) for p in itertools.product("ab", repeat=n)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(pieces=st.lists(st.integers(1, len(AB_PIECES) - 1), min_size=1, max_size=12),
+       stops=st.lists(st.text("ab", min_size=1, max_size=5), min_size=1, max_size=3),
+       include=st.booleans())
+def test_stop_strings_against_a_naive_search(pieces: list[int], stops: list[str],
+                                             include: bool) -> None:
+    """Streamed text = the text up to the first stop string to end (by str.find), nothing of
+    it streamed early; overlapping and self-similar stop strings included."""
+    from tokenizers import Tokenizer, decoders, models
+
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(AB_PIECES)}, unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    text = "".join(AB_PIECES[t] for t in pieces)
+    ends = [(text.find(s) + len(s), k, s) for k, s in enumerate(stops) if s in text]
+    detok = Detokenizer(tok, [], SamplingParams(stop=stops, include_stop_str_in_output=include))
+    streamed = ""
+    for n, token in enumerate(pieces):
+        streamed += detok.add([token], n + 1)
+        if detok.stopped is not None:
+            break
+        # what is out never reaches into a stop string's first occurrence
+        assert all(len(streamed) <= end - len(s) for end, _, s in ends)
+    if not ends:
+        assert detok.stopped is None and streamed + detok.flush() == text
+        return
+    end, _, stop = min(ends)
+    assert detok.stopped is not None
+    assert len(detok.stopped) and text.find(detok.stopped) + len(detok.stopped) == end
+    cut = end if include else end - len(detok.stopped)
+    assert streamed == text[:cut] == detok.text

@@ -25,6 +25,12 @@ def server() -> Iterator[ServerThread]:
         yield s
 
 
+@pytest.fixture
+def client(server: ServerThread) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
 def reference_logprobs(tokens: list[int]) -> np.ndarray:
     """log-softmax of the full-recompute logits at every position of `tokens`."""
     logits = NumpyRuntime.random(ART, seed=WEIGHT_SEED).reference_logits(tokens).astype(np.float64)
@@ -55,8 +61,7 @@ def test_subnormal_temperature_is_served_greedily(server: ServerThread, temperat
         assert ids == want
 
 
-def test_n_choices_in_one_response(server: ServerThread) -> None:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+def test_n_choices_in_one_response(server: ServerThread, client: openai.OpenAI) -> None:
     prompt = list(range(3, 60))
     want = expected([prompt], 5)[0]
     out = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, temperature=0, n=3)
@@ -96,8 +101,8 @@ def test_completion_logprobs_match_the_model(server: ServerThread) -> None:
         assert list(lp["top_logprobs"][i]) == [f"<{t}>" for t in top]
 
 
-def test_chat_logprobs_with_the_openai_client(server: ServerThread) -> None:
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+def test_chat_logprobs_with_the_openai_client(server: ServerThread,
+                                               client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=NAME, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
         messages=[{"role": "user", "content": "<20><21><22>"}])
@@ -158,9 +163,9 @@ def test_stop_strings_stream_through_the_engine_detokenizer(tmp_path: Any) -> No
     stop = full[second + len(f"w{want[2]}") - 1: second + len(f"w{want[2]}") + 3]
     cut = full.index(stop)
     batcher = Batcher(NumpyRuntime.random(ART, seed=WEIGHT_SEED))
-    with ServerThread(create_app(batcher, NAME, tok)) as s:
+    with ServerThread(create_app(batcher, NAME, tok)) as s, \
+            openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0) as client:
         assert batcher.tokenizer is tok
-        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
         parts = []
         finish = stop_reason = None
         for chunk in client.completions.create(model=NAME, prompt="w10 w11 w12", max_tokens=10,
