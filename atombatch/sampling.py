@@ -43,14 +43,16 @@ _NEG_INF = np.float32(-np.inf)
 class RequestSampler:
     """What the sampler keeps for one request between steps."""
 
-    __slots__ = ("allowed", "bad_words", "bias_ids", "bias_values", "counted", "counts", "params",
-                 "prompt_seen", "rng", "stop_ids")
+    __slots__ = ("allowed", "bad_words", "bias_ids", "bias_values", "counted", "counts",
+                 "params", "penalized", "prompt", "prompt_seen", "rng", "stop_ids", "vocab")
 
     def __init__(self, params: SamplingParams, prompt: npt.NDArray[np.int64], vocab: int,
                  eos_token_ids: Sequence[int], rng: np.random.Generator,
                  bad_words: Sequence[Sequence[int]] = ()) -> None:
         self.params = params
         self.rng = rng
+        self.vocab = vocab
+        self.prompt = prompt
         self.allowed: npt.NDArray[np.intp] | None = None
         if params.allowed_token_ids is not None:
             self.allowed = np.unique(np.asarray(params.allowed_token_ids, dtype=np.intp))
@@ -64,19 +66,23 @@ class RequestSampler:
             stops.update(int(t) for t in eos_token_ids)
         self.stop_ids = np.asarray(sorted(stops), dtype=np.intp)
         self.bad_words = [tuple(int(t) for t in word) for word in bad_words if len(word)]
-        penalized = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or \
+        self.penalized = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or \
             params.repetition_penalty != 1.0
-        self.counts: npt.NDArray[np.int32] | None = \
-            np.zeros(vocab, dtype=np.int32) if penalized else None
+        # Built at the first sampling step (a queued request holds no vocabulary-sized arrays).
+        self.counts: npt.NDArray[np.int32] | None = None  # generated tokens by id
         self.counted = 0                 # output tokens already added to `counts`
-        self.prompt_seen: npt.NDArray[np.bool_] | None = None
-        if params.repetition_penalty != 1.0:
-            self.prompt_seen = np.zeros(vocab, dtype=np.bool_)
-            self.prompt_seen[np.asarray(prompt, dtype=np.intp)] = True
+        self.prompt_seen: npt.NDArray[np.bool_] | None = None  # ids in the prompt
 
     def observe(self, output: Sequence[int]) -> None:
         """Count the output tokens generated since the last call (usually one)."""
-        if self.counts is None or self.counted >= len(output):
+        if not self.penalized:
+            return
+        if self.counts is None:
+            self.counts = np.zeros(self.vocab, dtype=np.int32)
+            if self.params.repetition_penalty != 1.0:
+                self.prompt_seen = np.zeros(self.vocab, dtype=np.bool_)
+                self.prompt_seen[np.asarray(self.prompt, dtype=np.intp)] = True
+        if self.counted >= len(output):
             return
         new = np.asarray(output[self.counted:], dtype=np.intp)
         np.add.at(self.counts, new, 1)
@@ -115,7 +121,7 @@ def sample_rows(logits: npt.NDArray[np.floating], states: Sequence[RequestSample
             x[i, state.stop_ids] = _NEG_INF
         if state.bias_ids is not None:
             x[i, state.bias_ids] += state.bias_values
-    penalized = [i for i, s in enumerate(states) if s.counts is not None]
+    penalized = [i for i, s in enumerate(states) if s.penalized]
     if penalized:
         _apply_penalties(x, penalized, states)
 

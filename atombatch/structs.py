@@ -18,7 +18,7 @@ MAX_LOGPROBS = 20                          # top logprobs per position at most (
 MAX_N = 64                                 # completions per prompt at most
 MAX_STOP_STRINGS = 64                      # stop strings / bad words per request at most
 MAX_STOP_CHARS = 1024                      # characters per stop string or bad word at most
-MAX_LIST_ITEMS = 1 << 20                   # ids in stop_token_ids / allowed_token_ids / logit_bias
+MAX_LIST_ITEMS = 1 << 18                   # ids in stop_token_ids / allowed_token_ids / logit_bias
 GREEDY_EPS = 1e-5                          # temperatures below this sample greedily (vLLM's eps)
 
 
