@@ -694,3 +694,18 @@ def test_stop_strings_against_a_naive_search(pieces: list[int], stops: list[str]
     assert len(detok.stopped) and text.find(detok.stopped) + len(detok.stopped) == end
     cut = end if include else end - len(detok.stopped)
     assert streamed == text[:cut] == detok.text
+
+
+def test_plain_greedy_steps_never_enter_the_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
+    import atombatch.engine as engine_module
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a plain greedy request went through sample_rows")
+
+    monkeypatch.setattr(engine_module, "sample_rows", refuse)
+    batcher = Batcher(NumpyRuntime.random(artifact(), seed=0))
+    done = batcher.generate([[1, 2], [3, 4, 5], [6]],
+                            SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert all(c.finish_reason == "length" for c in done)
+    [failed] = batcher.generate([[1, 2]], SamplingParams(temperature=0.5, max_tokens=3))
+    assert failed.finish_reason == "error" and "sample_rows" in (failed.error or "")
