@@ -97,7 +97,8 @@ class EngineStats(msgspec.Struct, frozen=True):
 
     occupied_lanes: int                 # lanes holding a request now
     decoding_lanes: int                 # of those, decoding
-    queue_length: int                   # requests without a lane (waiting + staging/staged)
+    queue_length: int                   # requests without a lane (waiting + staging/staged, and
+                                        #   n > 1 choices waiting for choice 0's prefill)
     free_blocks: int
     spare_blocks: int
     staged_blocks: int
@@ -723,9 +724,10 @@ class Batcher:
         s = self.scheduler
         free, spare, staged, lane, cached = s.pool.counts()
         c = s.counters
+        held = sum(len(g.held) for g in self._groups.values()) if self._groups else 0
         return EngineStats(
             occupied_lanes=s.lanes.num_busy, decoding_lanes=s.lanes.num_decoding(),
-            queue_length=s.num_waiting, free_blocks=free, spare_blocks=spare,
+            queue_length=s.num_waiting + held, free_blocks=free, spare_blocks=spare,
             staged_blocks=staged, lane_blocks=lane, cached_blocks=cached, steps=c.steps,
             imports=c.imports,
             prefill_chunks=c.prefill_chunks, staged_chunks=c.staged_chunks,

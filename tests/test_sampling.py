@@ -577,6 +577,7 @@ def test_aborting_an_n_request_ends_every_choice() -> None:
     rid = batcher.submit(list(range(1, 20)), SamplingParams(temperature=1.0, n=4, max_tokens=20,
                                                             ignore_eos=True))
     batcher.step()  # choice 0's prefill; the others wait for it
+    assert batcher.stats().queue_length == 3
     assert batcher.abort(rid)
     outs = batcher.step()
     while batcher.has_unfinished():
