@@ -13,12 +13,19 @@ from atombatch.errors import (
                               StateError,
 )
 from atombatch.scheduler import Policy
-from atombatch.structs import Completion, RequestOutput, RequestTimings, SamplingParams
+from atombatch.structs import (
+    Completion,
+    RequestOutput,
+    RequestTimings,
+    SamplingParams,
+    TokenLogprob,
+    TokenLogprobs,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArtifactConfig", "AsyncBatcher", "AtomBatchError", "Batcher", "CapacityError", "Completion",
     "ConfigError", "EngineStats", "KVTransferError", "ModelSpec", "Policy", "RequestError", "RequestOutput",
-    "RequestTimings", "SamplingParams", "StateError", "plan",
+    "RequestTimings", "SamplingParams", "StateError", "TokenLogprob", "TokenLogprobs", "plan",
 ]

@@ -93,8 +93,8 @@ class AsyncBatcher:
         max_waiting = self.batcher.max_waiting
         if max_waiting is not None:
             waiting = self.batcher.scheduler.num_waiting + \
-                sum(1 for kind, _ in self._inbox if kind == "submit")
-            if waiting >= max_waiting:
+                sum(payload[1].n for kind, payload in self._inbox if kind == "submit")
+            if waiting + params.n > max_waiting:  # each of n choices waits for a lane
                 raise CapacityError(f"queue is full: {waiting} requests wait, "
                                     f"max_waiting={max_waiting}")
         if request_id is None:

@@ -18,12 +18,19 @@ import numpy.typing as npt
 import structlog
 
 from atombatch.config import ArtifactConfig, check_serving
-from atombatch.errors import CapacityError, RequestError
+from atombatch.detokenizer import Detokenizer, bad_word_ids
+from atombatch.errors import CapacityError, ConfigError, RequestError
 from atombatch.prefix import HostCache
 from atombatch.runtime.base import Runtime
-from atombatch.sampling import sample
+from atombatch.sampling import LOGPROBS_MODES, LogprobsMode, RequestSampler, sample_rows
 from atombatch.scheduler import PDImport, Policy, Request, RequestState, Scheduler, StepPlan
-from atombatch.structs import Completion, RequestOutput, RequestTimings, SamplingParams
+from atombatch.structs import (
+    Completion,
+    RequestOutput,
+    RequestTimings,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 log = structlog.wrap_logger(
     logging.getLogger("atombatch"),
@@ -59,12 +66,39 @@ class KVLink:
         self.last_progress = now
 
 
+class _Extras:
+    """What the engine keeps for a request beyond the scheduler's record (only for requests that
+    need it: sampling options, a tokenizer, logprobs or n > 1)."""
+
+    __slots__ = ("detok", "index", "logprobs", "public_id", "sampler", "stop_reason")
+
+    def __init__(self, public_id: str, index: int) -> None:
+        self.public_id = public_id            # the id submit() returned
+        self.index = index                    # the choice (n > 1)
+        self.sampler: RequestSampler | None = None
+        self.detok: Detokenizer | None = None
+        self.logprobs: list[TokenLogprobs] | None = None
+        self.stop_reason: str | int | None = None
+
+
+class _Group:
+    """The choices of one request with n > 1."""
+
+    __slots__ = ("held", "live", "members")
+
+    def __init__(self) -> None:
+        self.members: list[Request] = []     # every choice, index order
+        self.held: list[Request] = []        # choices waiting for choice 0's prefill
+        self.live = 0                        # choices not finished yet
+
+
 class EngineStats(msgspec.Struct, frozen=True):
     """A snapshot a server can export (gauges and counters)."""
 
     occupied_lanes: int                 # lanes holding a request now
     decoding_lanes: int                 # of those, decoding
-    queue_length: int                   # requests without a lane (waiting + staging/staged)
+    queue_length: int                   # requests without a lane (waiting + staging/staged, and
+                                        #   n > 1 choices waiting for choice 0's prefill)
     free_blocks: int
     spare_blocks: int
     staged_blocks: int
@@ -102,6 +136,11 @@ class Batcher:
         pd_timeout: seconds a PD request may wait for its producer's next message (header or
             layer) before it fails; the wait for the header includes the producer's own queue,
             so this must exceed the longest queueing a producer can have.
+        tokenizer: a `tokenizers.Tokenizer`; with it outputs carry text, and `stop` strings
+            and `bad_words` work (see docs/sampling.md).
+        logprobs_mode: "raw" (log-softmax of the model's logits, vLLM's default) or
+            "processed" (of the distribution the token was drawn from: after penalties, bias,
+            masks, temperature and top-k/top-p/min-p).
 
     Raises:
         ConfigError: the artifact and the options break a rule of DESIGN §3.
@@ -110,8 +149,12 @@ class Batcher:
     def __init__(self, runtime: Runtime, *, prefix_cache: bool = False, host_cache_bytes: int = 0,
                  policy: Policy | str = "prefill-first", seed: int = 0,
                  clock: Callable[[], float] | None = None, max_waiting: int | None = None,
-                 pd_timeout: float = 300.0) -> None:
+                 pd_timeout: float = 300.0, tokenizer: Any | None = None,
+                 logprobs_mode: LogprobsMode = "raw") -> None:
         artifact: ArtifactConfig = runtime.artifact
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not one of "
+                              f"{', '.join(LOGPROBS_MODES)}")
         check_serving(artifact, prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes)
         self.runtime = runtime
         self.artifact = artifact
@@ -129,6 +172,11 @@ class Batcher:
         self.idle = True  # the last step ran no device call (nothing runnable: e.g. PD waits)
         self.pd_timeout = pd_timeout
         self._kv: dict[str, KVLink] = {}
+        self.tokenizer = tokenizer
+        self.logprobs_mode: LogprobsMode = logprobs_mode
+        self._extras: dict[str, _Extras] = {}      # by scheduler request id
+        self._samplers: dict[str, RequestSampler] = {}  # requests that are not plain greedy
+        self._groups: dict[str, _Group] = {}       # n > 1 requests by the id submit() returned
 
     # -- requests ---------------------------------------------------------------------------------
     @property
@@ -154,23 +202,36 @@ class Batcher:
             i = int(bad[0])
             raise RequestError(f"token id {int(tokens[i])} at prompt index {i} is outside the "
                                f"vocabulary 0..{vocab - 1}")
-        if params.max_tokens < 1:
-            raise RequestError(f"max_tokens={params.max_tokens} must be >= 1")
-        total = tokens.size + params.max_tokens
-        if total > self.artifact.max_seq_len:
-            raise RequestError(f"prompt of {tokens.size} tokens + max_tokens={params.max_tokens} "
-                               f"= {total} exceeds max_seq_len={self.artifact.max_seq_len}")
-        if not params.temperature >= 0.0 or not np.isfinite(params.temperature):
-            raise RequestError(f"temperature={params.temperature} must be a finite number >= 0")
-        if params.top_k < 0:
-            raise RequestError(f"top_k={params.top_k} must be >= 0 (0 turns it off)")
-        if not 0.0 < params.top_p <= 1.0:
-            raise RequestError(f"top_p={params.top_p} must be in (0, 1]")
-        if params.seed is not None and not 0 <= params.seed < 2**64:
-            raise RequestError(f"seed={params.seed} must be in 0..2**64-1")
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        max_len = self.artifact.max_seq_len
+        if params.max_tokens is None:
+            if tokens.size >= max_len:
+                raise RequestError(f"prompt of {tokens.size} tokens leaves no room to generate: "
+                                   f"max_seq_len={max_len}")
+        else:
+            total = tokens.size + params.max_tokens
+            if total > max_len:
+                raise RequestError(f"prompt of {tokens.size} tokens + max_tokens="
+                                   f"{params.max_tokens} = {total} exceeds max_seq_len={max_len}")
         for stop in params.stop_token_ids:
-            if not 0 <= stop < vocab:
+            if stop >= vocab:
                 raise RequestError(f"stop token id {stop} is outside the vocabulary 0..{vocab - 1}")
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("logit_bias", params.logit_bias or ())):
+            for token in ids:
+                if token >= vocab:
+                    raise RequestError(f"{name} names token id {token}, outside the vocabulary "
+                                       f"0..{vocab - 1}")
+        if self.tokenizer is None:
+            for name in ("stop", "bad_words"):
+                if getattr(params, name):
+                    raise RequestError(f"{name}={list(getattr(params, name))!r} needs a tokenizer: "
+                                       "build the Batcher with tokenizer=... (docs/sampling.md)")
+        if params.prompt_logprobs is not None:
+            raise RequestError(f"prompt_logprobs={params.prompt_logprobs} is not supported: the "
+                               "compiled prefill returns only the last position's logits "
+                               "(docs/sampling.md)")
         return tokens.astype(np.int64, copy=True)
 
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
@@ -189,24 +250,74 @@ class Batcher:
         """
         params = params or SamplingParams()
         tokens = self.validate(prompt, params)
-        if self.max_waiting is not None and self.scheduler.num_waiting >= self.max_waiting:
+        n = params.n
+        if kv is not None and (n > 1 or params.logprobs is not None):
+            raise RequestError("n > 1 and logprobs need the engine to sample the first token; a "
+                               "request with a KV source gets it from its producer")
+        if self.max_waiting is not None and self.scheduler.num_waiting + n > self.max_waiting:
             raise CapacityError(f"queue is full: {self.scheduler.num_waiting} requests wait, "
                                 f"max_waiting={self.max_waiting}")
         if request_id is None:
             request_id = f"req-{self._next_id}"
-        elif request_id in self.scheduler.requests:
+        elif request_id in self.scheduler.requests or request_id in self._groups or \
+                (n > 1 and any(f"{request_id}#{i}" in self.scheduler.requests for i in range(n))):
             raise RequestError(f"request_id={request_id!r} is already in flight")
         self._next_id += 1
+        if params.max_tokens is None:
+            params = msgspec.structs.replace(
+                params, max_tokens=self.artifact.max_seq_len - int(tokens.size))
+        arrival = self.clock()
+        if n == 1:
+            request = self._new_request(request_id, request_id, 0, tokens, params, arrival)
+            if kv is not None:
+                request.pd = PDImport()
+                self._kv[request_id] = KVLink(kv, request.arrival)
+            self.scheduler.add(request)
+        else:
+            # Choice 0 prefills first; with a prefix cache the others wait for it and start from
+            # its prompt blocks (see `_release_held`), otherwise they prefill alongside.
+            group = _Group()
+            wait = self.scheduler.prefix is not None
+            for index in range(n):
+                seed = None if params.seed is None else (params.seed + index) % 2**64
+                child = msgspec.structs.replace(params, n=1, seed=seed)
+                request = self._new_request(f"{request_id}#{index}", request_id, index, tokens,
+                                            child, arrival)
+                group.members.append(request)
+                if index and wait:
+                    group.held.append(request)
+                else:
+                    self.scheduler.add(request)
+            group.live = n
+            self._groups[request_id] = group
+        log.debug("request.submitted", request_id=request_id, prompt_len=len(tokens),
+                  max_tokens=params.max_tokens, n=n)
+        return request_id
+
+    def _new_request(self, internal_id: str, public_id: str, index: int,
+                     tokens: npt.NDArray[np.int64], params: SamplingParams,
+                     arrival: float) -> Request:
         seed = params.seed if params.seed is not None else \
             int(self._seed_seq.spawn(1)[0].generate_state(1)[0])
-        request = Request(request_id, tokens, params, self.clock(), np.random.default_rng(seed))
-        if kv is not None:
-            request.pd = PDImport()
-            self._kv[request_id] = KVLink(kv, request.arrival)
-        self.scheduler.add(request)
-        log.debug("request.submitted", request_id=request_id, prompt_len=len(tokens),
-                  max_tokens=params.max_tokens)
-        return request_id
+        rng = np.random.default_rng(seed)
+        request = Request(internal_id, tokens, params, arrival, rng)
+        extras = None
+        if internal_id != public_id or self.tokenizer is not None or \
+                params.logprobs is not None or not params.plain_greedy:
+            extras = _Extras(public_id, index)
+            self._extras[internal_id] = extras
+        if extras is None:
+            return request
+        if not params.plain_greedy:
+            words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
+            extras.sampler = RequestSampler(params, tokens, self.spec.vocab_size,
+                                            self.spec.eos_token_ids, rng, words)
+            self._samplers[internal_id] = extras.sampler
+        if self.tokenizer is not None:
+            extras.detok = Detokenizer(self.tokenizer, tokens, params)
+        if params.logprobs is not None:
+            extras.logprobs = []
+        return request
 
     def abort(self, request_id: str) -> bool:
         """End a queued, prefilling, staged or decoding request; its lane and blocks free at once.
@@ -214,6 +325,20 @@ class Batcher:
         Returns False when the request is unknown or already finished. Its final output (reason
         "abort") comes out of the next `step()`.
         """
+        group = self._groups.get(request_id)
+        if group is not None:
+            for member in group.members:
+                if member.state is RequestState.FINISHED:
+                    continue
+                if member in group.held:
+                    group.held.remove(member)
+                    member.set_state(RequestState.FINISHED)
+                    member.finish_reason = "abort"
+                elif self.scheduler.abort(member.request_id) is None:
+                    continue
+                self._pending.append(self._final_output(member, ()))
+            self._flush_events()
+            return True
         request = self.scheduler.abort(request_id)
         if request is None:
             return False
@@ -222,7 +347,8 @@ class Batcher:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or \
+            any(group.held for group in self._groups.values())
 
     # -- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -243,8 +369,25 @@ class Batcher:
             self._run_import(plan, outputs)
         else:
             self._run_decode(plan, outputs)
+        if self._groups:
+            self._release_held()
         self._flush_events()
         return outputs
+
+    def _release_held(self) -> None:
+        """Queue the choices that waited for choice 0 once it has its first token (or ended):
+        its full prompt blocks are published in the prefix cache first, so they start there."""
+        for group in self._groups.values():
+            if not group.held:
+                continue
+            first = group.members[0]
+            if not first.output and first.state is not RequestState.FINISHED:
+                continue
+            if first.state is RequestState.DECODING:
+                self.scheduler.share_prompt(first)
+            for request in group.held:
+                self.scheduler.add(request)
+            group.held.clear()
 
     def _run_block_ops(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         """Cache-management KV moves the plan needs before its device call, in a safe order:
@@ -289,7 +432,7 @@ class Batcher:
                 if not np.isfinite(row).all():
                     raise RequestError(f"prefill returned non-finite logits for "
                                        f"{plan.request_id} at position {plan.chunk_start}")
-                token = sample(row, request.params, request.rng)
+                token = self._sample_one(request, row)
         except Exception as exc:  # the runtime failed this request; the others go on
             self._fail(request, f"prefill failed: {exc}", outputs)
             return
@@ -400,25 +543,69 @@ class Batcher:
                     self._fail(request, f"decode step failed: {exc}", outputs)
             return
         tokens: dict[int, int] = {}
-        # One pass over all rows for the checks every lane needs and for greedy picks. Row `row`
-        # of the logits is the lane `plan.lanes[row]` (decoding lanes are packed first).
+        # One pass over all rows for the checks every lane needs and for greedy picks; requests
+        # with sampling options go through one vectorized `sample_rows` call. Row `row` of the
+        # logits is the lane `plan.lanes[row]` (decoding lanes are packed first).
         finite = np.asarray(np.isfinite(logits).all(axis=1))
         greedy = logits.argmax(axis=1)
+        samplers = self._samplers
+        special: list[tuple[int, int, Request, RequestSampler]] = []
         for row, (lane, request_id) in enumerate(zip(plan.lanes, plan.request_ids, strict=True)):
             request = scheduler.requests.get(request_id)
             if request is None:  # failed by this plan's block ops
                 continue
-            try:
-                if not finite[row]:
-                    raise RequestError(f"decode returned non-finite logits on lane {lane}")
-                if request.params.temperature == 0.0:
-                    tokens[lane] = int(greedy[row])
-                else:
-                    tokens[lane] = sample(logits[row], request.params, request.rng)
-            except Exception as exc:
-                self._fail(request, str(exc), outputs)
+            if not finite[row]:
+                self._fail(request, f"decode returned non-finite logits on lane {lane}", outputs)
+                continue
+            sampler = samplers.get(request_id) if samplers else None
+            if sampler is None:
+                tokens[lane] = int(greedy[row])
+            else:
+                special.append((row, lane, request, sampler))
+        if special:
+            self._sample_special(logits, special, tokens, outputs)
         for done in scheduler.complete_decode(plan, tokens, self.clock()):
             outputs.append(self._output(done))
+
+    def _sample_special(self, logits: npt.NDArray[np.floating],
+                        special: list[tuple[int, int, Request, RequestSampler]],
+                        tokens: dict[int, int], outputs: list[RequestOutput]) -> None:
+        """Sample the (row, lane, request, sampler) entries of one decode step at once."""
+        rows = [row for row, _, _, _ in special]
+        try:
+            result = sample_rows(logits[rows], [s for _, _, _, s in special],
+                                 [r.output for _, _, r, _ in special], self.logprobs_mode)
+        except Exception as exc:  # a sampler bug fails these requests, not the engine
+            for _, _, request, _ in special:
+                self._fail(request, f"sampling failed: {exc}", outputs)
+            return
+        masked = set(result.masked_rows)
+        for i, (_, lane, request, _) in enumerate(special):
+            if i in masked:
+                self._fail(request, "every token is masked (allowed_token_ids, bad_words, "
+                           "logit_bias and min_tokens exclude the whole vocabulary)", outputs)
+                continue
+            tokens[lane] = int(result.tokens[i])
+            self._keep_logprobs(request, result.logprobs[i])
+
+    def _sample_one(self, request: Request, row: npt.NDArray[np.floating]) -> int:
+        """The first token of a request from its prefill's last logits."""
+        sampler = self._samplers.get(request.request_id) if self._samplers else None
+        if sampler is None:
+            return int(np.argmax(row))
+        result = sample_rows(row.reshape(1, -1), [sampler], [request.output], self.logprobs_mode)
+        if result.masked_rows:
+            raise RequestError("every token is masked (allowed_token_ids, bad_words, logit_bias "
+                               "and min_tokens exclude the whole vocabulary)")
+        self._keep_logprobs(request, result.logprobs[0])
+        return int(result.tokens[0])
+
+    def _keep_logprobs(self, request: Request, logprobs: TokenLogprobs | None) -> None:
+        if logprobs is None:
+            return
+        extras = self._extras[request.request_id]
+        assert extras.logprobs is not None
+        extras.logprobs.append(logprobs)
 
     def _fail(self, request: Request, message: str, outputs: list[RequestOutput]) -> None:
         self.scheduler.fail(request, message)
@@ -426,19 +613,56 @@ class Batcher:
 
     def _output(self, request: Request) -> RequestOutput:
         new = (request.output[-1],)
+        extras = self._extras.get(request.request_id) if self._extras else None
+        if extras is None:
+            if request.state is RequestState.FINISHED:
+                return self._final_output(request, new)
+            return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=False)
+        text = None
+        if extras.detok is not None:
+            text = extras.detok.add(new, len(request.output))
+            if extras.detok.stopped is not None and request.state is not RequestState.FINISHED:
+                self.scheduler.finish(request, "stop")
+                extras.stop_reason = extras.detok.stopped
         if request.state is RequestState.FINISHED:
-            return self._final_output(request, new)
-        return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=False)
+            return self._final_output(request, new, text)
+        logprobs = None
+        if extras.logprobs is not None:
+            logprobs = tuple(extras.logprobs[len(request.output) - 1:len(request.output)])
+        return RequestOutput(request_id=extras.public_id, new_token_ids=new, finished=False,
+                             index=extras.index, text=text, logprobs=logprobs)
 
-    def _final_output(self, request: Request, new: tuple[int, ...]) -> RequestOutput:
+    def _final_output(self, request: Request, new: tuple[int, ...],
+                      text: str | None = None) -> RequestOutput:
         if request.request_id in self._kv:
             self._close_kv(request.request_id)
-        completion = self._completion(request)
-        return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=True,
+        extras = self._extras.pop(request.request_id, None) if self._extras else None
+        self._samplers.pop(request.request_id, None)
+        if extras is None:
+            completion = self._completion(request)
+            return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=True,
+                                 finish_reason=request.finish_reason, error=request.error,
+                                 completion=completion)
+        if extras.detok is not None:
+            text = (text or "") + extras.detok.flush()
+        completion = self._completion(request, extras)
+        logprobs = None
+        if extras.logprobs is not None:
+            logprobs = tuple(extras.logprobs[len(request.output) - len(new):])
+        finished = True
+        group = self._groups.get(extras.public_id) if extras.public_id != request.request_id \
+            else None
+        if group is not None:
+            group.live -= 1
+            finished = group.live == 0
+            if finished:
+                del self._groups[extras.public_id]
+        return RequestOutput(request_id=extras.public_id, new_token_ids=new, finished=finished,
                              finish_reason=request.finish_reason, error=request.error,
-                             completion=completion)
+                             completion=completion, index=extras.index, text=text,
+                             logprobs=logprobs)
 
-    def _completion(self, request: Request) -> Completion:
+    def _completion(self, request: Request, extras: _Extras | None = None) -> Completion:
         now = self.clock()
         timings = None
         if request.admitted_at is not None:
@@ -449,10 +673,22 @@ class Batcher:
                 finished=now, queue_wait=request.admitted_at - request.arrival,
                 ttft=first - request.arrival, e2e=now - request.arrival,
                 inter_token=tuple(b - a for a, b in itertools.pairwise(times)))
-        return Completion(request_id=request.request_id, prompt_len=len(request.prompt),
+        stop_reason = extras.stop_reason if extras is not None else None
+        if stop_reason is None and request.finish_reason == "stop" and request.output and \
+                request.output[-1] in request.params.stop_token_ids:
+            stop_reason = request.output[-1]  # a stop id (EOS leaves it None, as in vLLM)
+        if extras is None:
+            return Completion(request_id=request.request_id, prompt_len=len(request.prompt),
+                              token_ids=tuple(request.output), finish_reason=request.finish_reason
+                              or "error", error=request.error, timings=timings,
+                              preemptions=request.preemptions, stop_reason=stop_reason)
+        return Completion(request_id=extras.public_id, prompt_len=len(request.prompt),
                           token_ids=tuple(request.output), finish_reason=request.finish_reason or
                           "error", error=request.error, timings=timings,
-                          preemptions=request.preemptions)
+                          preemptions=request.preemptions, index=extras.index,
+                          text=extras.detok.text if extras.detok is not None else None,
+                          logprobs=tuple(extras.logprobs) if extras.logprobs is not None else None,
+                          stop_reason=stop_reason)
 
     def _flush_events(self) -> None:
         events = self.scheduler.events
@@ -468,7 +704,11 @@ class Batcher:
     # -- conveniences -------------------------------------------------------------------------------
     def generate(self, prompts: Iterable[Sequence[int] | npt.NDArray[np.integer]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
-        """Submit every prompt, run until all finish; completions in prompt order."""
+        """Submit every prompt, run until all finish; completions in prompt order.
+
+        A prompt whose params have `n > 1` contributes its n completions one after the other,
+        in choice order (`Completion.index` 0..n-1), so the list is flat: one entry per choice.
+        """
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             per_prompt = [params or SamplingParams()] * len(prompts)
@@ -477,20 +717,23 @@ class Batcher:
             if len(per_prompt) != len(prompts):
                 raise RequestError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         ids = [self.submit(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
-        done: dict[str, Completion] = {}
-        while len(done) < len(ids):
+        done: dict[tuple[str, int], Completion] = {}
+        want = sum(sp.n for sp in per_prompt)
+        while len(done) < want:
             for out in self.step():
-                if out.finished and out.completion is not None:
-                    done[out.request_id] = out.completion
-        return [done[i] for i in ids]
+                if out.completion is not None:
+                    done[out.request_id, out.index] = out.completion
+        return [done[i, index] for i, sp in zip(ids, per_prompt, strict=True)
+                for index in range(sp.n)]
 
     def stats(self) -> EngineStats:
         s = self.scheduler
         free, spare, staged, lane, cached = s.pool.counts()
         c = s.counters
+        held = sum(len(g.held) for g in self._groups.values()) if self._groups else 0
         return EngineStats(
             occupied_lanes=s.lanes.num_busy, decoding_lanes=s.lanes.num_decoding(),
-            queue_length=s.num_waiting, free_blocks=free, spare_blocks=spare,
+            queue_length=s.num_waiting + held, free_blocks=free, spare_blocks=spare,
             staged_blocks=staged, lane_blocks=lane, cached_blocks=cached, steps=c.steps,
             imports=c.imports,
             prefill_chunks=c.prefill_chunks, staged_chunks=c.staged_chunks,

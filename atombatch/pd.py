@@ -438,7 +438,7 @@ class Producer:
             RequestError: an empty prompt, covered_len outside 1..len(prompt), a prefix longer
                 than this producer's max_seq_len, or a token outside the vocabulary.
         """
-        params = params or SamplingParams()
+        params = params or SamplingParams(temperature=0.0)  # no params: greedy
         spec, art = self.spec, self.artifact
         tokens = np.asarray(list(prompt), dtype=np.int64)
         covered = len(tokens) if covered_len is None else int(covered_len)
@@ -465,7 +465,8 @@ class Producer:
         first = None
         if covered == len(tokens):
             assert logits is not None
-            first = sample(logits, params, np.random.default_rng(params.seed))
+            first = sample(logits, params, np.random.default_rng(params.seed), spec.eos_token_ids,
+                           tokens)
         header = KVHeader(
             request_id=request_id, model_identity=self.identity, num_layers=spec.num_layers,
             layer_kinds=spec.layer_kinds, prompt_len=len(tokens), covered_len=covered,
@@ -717,7 +718,8 @@ class ZmqSource:
         self._monitor = self._socket.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         request = KVRequest(request_id=request_id, prompt=[int(t) for t in prompt],
-                            params=params or SamplingParams(), mode=mode, covered_len=covered_len)
+                            params=params or SamplingParams(temperature=0.0), mode=mode,
+                            covered_len=covered_len)
         try:
             self._socket.connect(endpoint)
             self._socket.send_multipart([REQUEST, _encoder.encode(request)])

@@ -1,31 +1,329 @@
-"""Token sampling: greedy, or seeded temperature / top-k / top-p."""
+"""Token sampling, vectorized over the rows of one step's logits.
+
+Order of operations (vLLM's v1 sampler, so options mean what vLLM users expect):
+
+1. logprobs in "raw" mode: log-softmax of the model's own logits (the default, as in vLLM);
+2. `allowed_token_ids`: every other id is masked;
+3. `bad_words`: the last token of a bad word is masked when the tokens before it were just
+   generated (one-token words always);
+4. `min_tokens`: EOS and `stop_token_ids` are masked until that many tokens were generated;
+5. `logit_bias` is added;
+6. penalties: repetition (a logit of an id seen in the prompt or the output is divided by the
+   penalty when positive, multiplied when negative), then frequency (minus penalty x count of the
+   id in the output) and presence (minus penalty once per id in the output);
+7. greedy rows (temperature < 1e-5) take the argmax here, lowest id on a tie;
+8. the others: divide by the temperature, drop tokens below `min_p` x the top probability,
+   keep the `top_k` most likely, keep the smallest most-likely set whose mass reaches `top_p`,
+   and draw from what is left with the request's own generator (one uniform number per token,
+   inverse CDF), so a seeded request samples the same tokens whatever else shares the step;
+9. logprobs in "processed" mode: log-softmax of what step 7 or 8 sampled from.
+
+Per-request state (`RequestSampler`) is built once at submit: masks and bias as index arrays,
+and the penalties' output-token counts, kept incrementally (each new token adds one) rather than
+recounted every step. A request whose options are all off (`SamplingParams.plain_greedy`) gets no
+state at all: the engine takes one argmax over the whole step for those rows.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from atombatch.structs import SamplingParams
+from atombatch.structs import GREEDY_EPS, SamplingParams, TokenLogprob, TokenLogprobs
+
+LogprobsMode = Literal["raw", "processed"]
+LOGPROBS_MODES = ("raw", "processed")
+_NEG_INF = np.float32(-np.inf)
+
+
+class RequestSampler:
+    """What the sampler keeps for one request between steps."""
+
+    __slots__ = ("allowed", "bad_words", "bias_ids", "bias_values", "counted", "counts",
+                 "params", "penalized", "prompt", "prompt_seen", "rng", "stop_ids", "vocab")
+
+    def __init__(self, params: SamplingParams, prompt: npt.NDArray[np.int64], vocab: int,
+                 eos_token_ids: Sequence[int], rng: np.random.Generator,
+                 bad_words: Sequence[Sequence[int]] = ()) -> None:
+        self.params = params
+        self.rng = rng
+        self.vocab = vocab
+        self.prompt = prompt
+        self.allowed: npt.NDArray[np.intp] | None = None
+        if params.allowed_token_ids is not None:
+            self.allowed = np.unique(np.asarray(params.allowed_token_ids, dtype=np.intp))
+        self.bias_ids: npt.NDArray[np.intp] | None = None
+        self.bias_values: npt.NDArray[np.float32] | None = None
+        if params.logit_bias:
+            self.bias_ids = np.fromiter(params.logit_bias.keys(), dtype=np.intp)
+            self.bias_values = np.fromiter(params.logit_bias.values(), dtype=np.float32)
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(int(t) for t in eos_token_ids)
+        self.stop_ids = np.asarray(sorted(stops), dtype=np.intp)
+        self.bad_words = [tuple(int(t) for t in word) for word in bad_words if len(word)]
+        self.penalized = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or \
+            params.repetition_penalty != 1.0
+        # Built at the first sampling step (a queued request holds no vocabulary-sized arrays).
+        self.counts: npt.NDArray[np.int32] | None = None  # generated tokens by id
+        self.counted = 0                 # output tokens already added to `counts`
+        self.prompt_seen: npt.NDArray[np.bool_] | None = None  # ids in the prompt
+
+    def observe(self, output: Sequence[int]) -> None:
+        """Count the output tokens generated since the last call (usually one)."""
+        if not self.penalized:
+            return
+        if self.counts is None:
+            self.counts = np.zeros(self.vocab, dtype=np.int32)
+            if self.params.repetition_penalty != 1.0:
+                self.prompt_seen = np.zeros(self.vocab, dtype=np.bool_)
+                self.prompt_seen[np.asarray(self.prompt, dtype=np.intp)] = True
+        if self.counted >= len(output):
+            return
+        new = np.asarray(output[self.counted:], dtype=np.intp)
+        np.add.at(self.counts, new, 1)
+        self.counted = len(output)
+
+
+class SampleResult(msgspec.Struct):
+    tokens: npt.NDArray[np.int64]                      # one sampled id per row
+    logprobs: list[TokenLogprobs | None]               # per row; None where not asked for
+    masked_rows: list[int]                             # rows whose every token was masked
+
+
+def sample_rows(logits: npt.NDArray[np.floating], states: Sequence[RequestSampler],
+                outputs: Sequence[Sequence[int]], mode: LogprobsMode = "raw") -> SampleResult:
+    """Sample one token per row of `logits [rows, vocab]`; row i belongs to `states[i]`, whose
+    generated tokens so far are `outputs[i]`. Rows must be finite (the engine checks)."""
+    rows, vocab = logits.shape
+    x = np.array(logits, dtype=np.float32, copy=True)
+    for state, output in zip(states, outputs, strict=True):
+        state.observe(output)
+    want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    raw_lp = _log_softmax(x[want]) if want and mode == "raw" else None
+
+    # Masks and bias (row by row: each is a short index list), then penalties (vectorized).
+    for i, state in enumerate(states):
+        params = state.params
+        if state.allowed is not None:
+            keep = np.full(vocab, _NEG_INF, dtype=np.float32)
+            keep[state.allowed] = 0.0
+            x[i] += keep
+        if state.bad_words:
+            banned = _banned(state.bad_words, outputs[i])
+            if banned:
+                x[i, banned] = _NEG_INF
+        if len(outputs[i]) < params.min_tokens and state.stop_ids.size:
+            x[i, state.stop_ids] = _NEG_INF
+        if state.bias_ids is not None:
+            x[i, state.bias_ids] += state.bias_values
+    penalized = [i for i, s in enumerate(states) if s.penalized]
+    if penalized:
+        _apply_penalties(x, penalized, states)
+
+    top = x.max(axis=1)
+    masked_rows = [int(i) for i in np.flatnonzero(~np.isfinite(top))]
+    if masked_rows:  # nothing left to sample: the engine fails these requests
+        x[masked_rows] = 0.0
+        top[masked_rows] = 0.0
+    tokens = np.empty(rows, dtype=np.int64)
+    greedy = np.fromiter((s.params.temperature < GREEDY_EPS for s in states), dtype=np.bool_,
+                         count=rows)
+    if greedy.any():
+        tokens[greedy] = x[greedy].argmax(axis=1)
+    sampled = np.flatnonzero(~greedy)
+    z: npt.NDArray[np.float32] | None = None  # the sampled rows' final log-probabilities
+    if sampled.size:
+        z = _filtered(x if sampled.size == rows else x[sampled], top[sampled],
+                      [states[int(i)] for i in sampled])
+        uniform = np.fromiter((states[int(i)].rng.random() for i in sampled), dtype=np.float64,
+                              count=sampled.size)
+        tokens[sampled] = _draw(z, uniform)
+
+    logprobs: list[TokenLogprobs | None] = [None] * rows
+    if want:
+        if raw_lp is not None:
+            lp = raw_lp
+        else:  # processed: what each row was drawn from (greedy rows: the processed logits)
+            position = {int(i): j for j, i in enumerate(sampled)}
+            lp = _log_softmax(np.stack([x[i] if i not in position else z[position[i]]  # type: ignore[index]
+                                        for i in want]))
+        for j, i in enumerate(want):
+            k = states[i].params.logprobs
+            assert k is not None
+            logprobs[i] = _gather(lp[j], int(tokens[i]), k)
+    return SampleResult(tokens=tokens, logprobs=logprobs, masked_rows=masked_rows)
+
+
+def _banned(words: list[tuple[int, ...]], output: Sequence[int]) -> list[int]:
+    banned = []
+    n = len(output)
+    for word in words:
+        head = len(word) - 1
+        if head == 0 or (n >= head and tuple(output[n - head:]) == word[:head]):
+            banned.append(word[-1])
+    return banned
+
+
+def _apply_penalties(x: npt.NDArray[np.float32], rows: list[int],
+                     states: Sequence[RequestSampler]) -> None:
+    counts = np.stack([states[i].counts for i in rows])  # type: ignore[misc]
+    sub = x[rows]
+    seen_out = counts > 0
+    rep = np.array([states[i].params.repetition_penalty for i in rows], dtype=np.float32)
+    if (rep != 1.0).any():
+        seen = seen_out.copy()
+        for j, i in enumerate(rows):
+            prompt_seen = states[i].prompt_seen
+            if prompt_seen is not None:
+                seen[j] |= prompt_seen
+        r = rep[:, None]
+        sub = np.where(seen, np.where(sub > 0, sub / r, sub * r), sub)
+    freq = np.array([states[i].params.frequency_penalty for i in rows], dtype=np.float32)
+    pres = np.array([states[i].params.presence_penalty for i in rows], dtype=np.float32)
+    sub = sub - freq[:, None] * counts - pres[:, None] * seen_out
+    x[rows] = sub
+
+
+def _filtered(x: npt.NDArray[np.float32], top: npt.NDArray[np.float32],
+              states: Sequence[RequestSampler]) -> npt.NDArray[np.float32]:
+    """Temperature, min_p, top_k and top_p for sampled rows; masked entries become -inf."""
+    vocab = x.shape[1]
+    temperature = np.array([s.params.temperature for s in states], dtype=np.float32)
+    # Shift before scaling: (x - max) <= 0, so a tiny temperature gives -inf, never inf - inf.
+    z = np.subtract(x, top[:, None])
+    z /= temperature[:, None]
+    min_p = np.array([s.params.min_p for s in states], dtype=np.float32)
+    if (min_p > 0).any():  # relative to the top probability: exp(z) is 1 at the top
+        z[np.exp(z) < min_p[:, None]] = _NEG_INF
+    top_k = np.array([s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in states])
+    top_p = np.array([s.params.top_p for s in states], dtype=np.float64)
+    need = np.flatnonzero((top_k < vocab) | (top_p < 1.0))
+    if need.size == z.shape[0]:  # every row: in place
+        threshold = _thresholds(z, top_k, top_p)
+        z[z < threshold[:, None]] = _NEG_INF
+    elif need.size:
+        sub = z[need]
+        threshold = _thresholds(sub, top_k[need], top_p[need])
+        sub[sub < threshold[:, None]] = _NEG_INF
+        z[need] = sub
+    return z
+
+
+CANDIDATES = 256  # top-k/top-p look at this many most likely ids first (a partial sort)
+
+
+def _thresholds(z: npt.NDArray[np.float32], k: npt.NDArray[np.int_],
+                p: npt.NDArray[np.float64]) -> npt.NDArray[np.float32]:
+    """Per row, the smallest value kept by top-k and then top-p (ties at it are kept too).
+
+    Most rows are decided by the `CANDIDATES` largest values (a partial sort, O(vocab)): top-k
+    with k <= CANDIDATES, and top-p when those candidates already hold mass p. The other rows
+    sort their whole row."""
+    n, vocab = z.shape
+    m = min(vocab, CANDIDATES)
+    largest = np.partition(-z, m - 1, axis=1)[:, :m] if m < vocab else -z  # negated, unordered
+    head = -np.sort(largest, axis=1)                                       # descending
+    rows = np.arange(n)
+    with_k = k < vocab
+    exact = k <= m
+    kth = np.where(with_k & exact, head[rows, np.minimum(k, m) - 1], _NEG_INF)
+    head_k = np.where(np.arange(m)[None, :] >= np.minimum(k, m)[:, None], _NEG_INF, head)
+    mass = np.cumsum(np.exp(head_k.astype(np.float64)), axis=1)
+    total = mass[:, -1].copy()  # the mass top-k keeps; rows without top-k: the whole row's
+    whole = np.flatnonzero(~(with_k & exact) & (p < 1.0))
+    if whole.size:
+        total[whole] = np.exp(z[whole]).sum(axis=1, dtype=np.float64)
+    # The smallest most-likely set reaching p: entries whose preceding mass is below p.
+    last = (mass < p[:, None] * total[:, None]).sum(axis=1)
+    with_p = p < 1.0
+    pth = np.where(with_p, head[rows, np.minimum(last, m - 1)], _NEG_INF)
+    threshold = np.maximum(kth, pth).astype(np.float32)
+    slow = np.flatnonzero(~exact | (with_p & (last >= m)))
+    for i in slow:
+        threshold[i] = _threshold_full(z[i], int(k[i]), float(p[i]))
+    return threshold
+
+
+def _threshold_full(row: npt.NDArray[np.float32], k: int, p: float) -> np.float32:
+    vocab = row.size
+    ordered = -np.sort(-row)
+    kth = ordered[k - 1] if k < vocab else _NEG_INF
+    kept = np.where(np.arange(vocab) >= k, _NEG_INF, ordered)
+    mass = np.cumsum(np.exp(kept.astype(np.float64)))
+    if p >= 1.0:
+        return np.float32(kth)
+    last = min(int((mass < p * mass[-1]).sum()), vocab - 1)
+    return np.float32(max(kth, ordered[last]))
+
+
+DRAW_BLOCK = 256  # ids per block of the two-level inverse CDF in `_draw`
+
+
+def _draw(z: npt.NDArray[np.float32], uniform: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
+    """Inverse-CDF draw per row from unnormalized log-probabilities (max 0): the first id whose
+    cumulative mass exceeds uniform x the row's total; a masked id has no mass and is never drawn.
+
+    Two levels, so no cumulative sum over the whole vocabulary: block masses first (one pass),
+    then the cumulative sum inside the one block the target falls in."""
+    n, vocab = z.shape
+    mass = np.exp(z)
+    starts = np.arange(0, vocab, DRAW_BLOCK)
+    blocks = np.cumsum(np.add.reduceat(mass, starts, axis=1).astype(np.float64), axis=1)
+    tokens = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        cdf = blocks[i]
+        target = uniform[i] * cdf[-1]
+        b = min(int(np.searchsorted(cdf, target, side="right")), cdf.size - 1)
+        lo = int(starts[b])
+        inside = np.cumsum(mass[i, lo:lo + DRAW_BLOCK].astype(np.float64))
+        rest = target - (cdf[b - 1] if b else 0.0)
+        j = min(int(np.searchsorted(inside, rest, side="right")), inside.size - 1)
+        token = lo + j
+        if mass[i, token] == 0.0:  # rounding at a block edge: the nearest id with mass
+            alive = np.flatnonzero(mass[i])
+            token = int(alive[min(int(np.searchsorted(alive, token)), alive.size - 1)])
+        tokens[i] = token
+    return tokens
+
+
+def _log_softmax(x: npt.NDArray[np.floating]) -> npt.NDArray[np.float32]:
+    x64 = x.astype(np.float64)
+    shifted = x64 - x64.max(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        out = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    return out.astype(np.float32)
+
+
+def _gather(lp: npt.NDArray[np.float32], token: int, k: int) -> TokenLogprobs:
+    chosen = float(lp[token])
+    rank = int((lp > lp[token]).sum()) + 1
+    top: tuple[TokenLogprob, ...] = ()
+    if k:
+        k = min(k, lp.size)
+        ids = np.argpartition(-lp, k - 1)[:k]
+        ids = ids[np.lexsort((ids, -lp[ids]))]  # most likely first, then lowest id
+        top = tuple(TokenLogprob(token_id=int(t), logprob=float(lp[t]), rank=r + 1)
+                    for r, t in enumerate(ids))
+    return TokenLogprobs(token_id=token, logprob=chosen, rank=rank, top=top)
 
 
 def sample(logits: npt.NDArray[np.floating], params: SamplingParams,
-           rng: np.random.Generator) -> int:
-    """One token from a row of logits. Greedy when temperature is 0 (ties: lowest id)."""
-    if params.temperature == 0.0:
-        return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / params.temperature
-    vocab = scaled.shape[0]
-    if 0 < params.top_k < vocab:
-        kth = np.partition(scaled, vocab - params.top_k)[vocab - params.top_k]
-        scaled = np.where(scaled >= kth, scaled, -np.inf)
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        keep = int(np.searchsorted(cumulative, params.top_p)) + 1  # smallest set reaching top_p
-        mask = np.zeros_like(probs)
-        mask[order[:keep]] = 1.0
-        probs = probs * mask
-        probs /= probs.sum()
-    return int(rng.choice(vocab, p=probs))
+           rng: np.random.Generator, eos_token_ids: Sequence[int] = (),
+           prompt: Sequence[int] | npt.NDArray[np.integer] = ()) -> int:
+    """One token from one row of logits (the first token of a request: nothing generated yet).
+
+    Greedy when temperature < 1e-5 (ties: lowest id). Used by PD producers and the simulator;
+    the engine samples whole steps with `sample_rows`.
+    """
+    row = np.asarray(logits).reshape(1, -1)
+    if params.plain_greedy:
+        return int(np.argmax(row[0]))
+    state = RequestSampler(params, np.asarray(prompt, dtype=np.int64), row.shape[1],
+                           eos_token_ids, rng)
+    result = sample_rows(row, [state], [()])
+    return int(result.tokens[0])

@@ -321,7 +321,7 @@ class Scheduler:
         need = 0
         for request in self.by_lane:
             if request is not None:
-                final = min(len(request.prompt) + request.params.max_tokens, limit)
+                final = min(len(request.prompt) + (request.params.max_tokens or limit), limit)
                 need += max(self.lanes.blocks_for(final) - self.lanes.num_held(request.lane), 0)
         return need
 
@@ -496,6 +496,36 @@ class Scheduler:
         inserted = self.prefix.insert(block, entry.parent, entry.tokens)
         assert inserted is not None, "a host entry on the device was not replaced by _lookup"
         self.pool.acquire(block)
+
+    def share_prompt(self, request: Request) -> int:
+        """Publish a decoding lane's full prompt blocks in the prefix cache, pinned by that lane
+        (they become its leading shared blocks), so requests with the same prompt (the other
+        choices of an n > 1 request) start from them. Decode never writes a full prompt block.
+        Returns how many blocks were published."""
+        if self.prefix is None or request.lane < 0 or request.state is not S.DECODING:
+            return 0
+        bs = self.artifact.block_size
+        row = self.lanes.blocks(request.lane)
+        parent = ROOT
+        published = 0
+        for j in range(min(len(request.prompt) // bs, len(row))):
+            block = row[j]
+            if j < request.shared:
+                entry = self.prefix.entry(block)
+                assert entry is not None
+                parent = entry.digest
+                continue
+            inserted = self.prefix.insert(block, parent, request.prompt[j * bs:(j + 1) * bs])
+            if inserted is None:  # an identical block is cached already: stop here
+                break
+            self.pool.cache(block)
+            self.pool.acquire(block)
+            request.shared += 1
+            parent = inserted.digest
+            published += 1
+        if published:
+            self._event("prefix.published", request_id=request.request_id, blocks=published)
+        return published
 
     def _lane_for_staged(self, request: Request, now: float) -> None:
         """A lane became idle: the staging request takes it with its filled blocks."""
@@ -831,7 +861,7 @@ class Scheduler:
                                               token in self.eos_token_ids):
             self.finish(request, "stop")
             return True
-        if len(request.output) >= params.max_tokens:
+        if params.max_tokens is not None and len(request.output) >= params.max_tokens:
             self.finish(request, "length")
             return True
         return False

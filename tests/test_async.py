@@ -27,7 +27,7 @@ def prompts(n, seed=0):
 
 
 async def test_sixteen_streams_with_random_cancellations_match_b1():
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     work = prompts(16)
     reference = Batcher(NumpyRuntime.random(artifact(1), seed=1)).generate(work, params)
     batcher = Batcher(NumpyRuntime.random(artifact(4), seed=1))
@@ -72,11 +72,11 @@ async def test_sixteen_streams_with_random_cancellations_match_b1():
 async def test_invalid_submit_raises_at_once_and_others_carry_on():
     batcher = Batcher(NumpyRuntime.random(artifact(2), seed=0))
     async with AsyncBatcher(batcher, offload=False) as ab:
-        good = asyncio.create_task(ab.generate([1, 2, 3], SamplingParams(max_tokens=5)))
+        good = asyncio.create_task(ab.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=5)))
         with pytest.raises(RequestError, match="outside the vocabulary"):
             ab.submit([1, 999])
         with pytest.raises(RequestError, match="exceeds max_seq_len"):
-            ab.submit([1] * 90, SamplingParams(max_tokens=10))
+            ab.submit([1] * 90, SamplingParams(temperature=0.0, max_tokens=10))
         completion = await good
     assert len(completion.token_ids) == 5 and completion.finish_reason == "length"
     assert completion.timings.ttft >= 0 and completion.timings.e2e >= completion.timings.ttft
@@ -86,7 +86,7 @@ async def test_close_drains_in_flight_streams():
     batcher = Batcher(NumpyRuntime.random(artifact(2), seed=0))
     ab = AsyncBatcher(batcher)
     await ab.start()
-    rid = ab.submit([5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True))
+    rid = ab.submit([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     collector = asyncio.create_task(_collect(ab, rid))
     await ab.close(drain=True)
     tokens, reason = await collector
@@ -133,7 +133,7 @@ async def test_waiting_on_a_producer_does_not_spin_the_loop():
     art = artifact(2)
     producer = Producer(NumpyRuntime.random(art, seed=1))
     prompt = [3, 4, 5, 6]
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     items = list(producer.produce("late", prompt, params).items())
     batcher = Batcher(NumpyRuntime.random(art, seed=1))
     want = Batcher(NumpyRuntime.random(art, seed=1)).generate([prompt], params)[0].token_ids
@@ -150,7 +150,7 @@ async def test_waiting_on_a_producer_does_not_spin_the_loop():
 async def test_outputs_of_a_request_that_already_finished_are_still_delivered():
     batcher = Batcher(NumpyRuntime.random(artifact(2), seed=0))
     async with AsyncBatcher(batcher, offload=False) as ab:
-        rid = ab.submit([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+        rid = ab.submit([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         for _ in range(200):
             await asyncio.sleep(0.005)
             if ab.in_flight == 0:

@@ -24,7 +24,7 @@ from atombatch.pd import InProcessSource, Producer
 from atombatch.runtime import NumpyRuntime, RebelRuntime, Runtime
 
 NEW_TOKENS = 8
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 B = 4
 
 

@@ -49,7 +49,7 @@ def runtime(path, spec, batch_size, block_size=128, num_blocks=None, chunk=16, m
     return NumpyRuntime.from_pretrained(path, artifact=art)
 
 
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 def test_numpy_full_recompute_matches_transformers(family_case):
@@ -105,7 +105,7 @@ def test_batched_staggered_with_aborts_and_lane_reuse(family_case, layout):
             ids[batcher.submit(prompts[index], GREEDY)] = index
         if step in doomed:
             noise = rng.integers(3, 512, size=int(rng.integers(4, 40))).tolist()
-            rid = batcher.submit(noise, SamplingParams(max_tokens=40, ignore_eos=True))
+            rid = batcher.submit(noise, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
             aborts.setdefault(step + doomed[step], []).append(rid)
         for rid in aborts.get(step, []):
             batcher.abort(rid)
@@ -134,8 +134,9 @@ def test_stop_at_eos_and_generate_through_it_with_ignore_eos(family_case):
     rt = runtime(path, spec, 2)
     stop_token = references[1][3]
     first_hit = references[1].index(stop_token)
-    stopping = SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=(stop_token,))
-    through = SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=(stop_token,), ignore_eos=True)
+    stopping = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=(stop_token,))
+    through = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=(stop_token,),
+                             ignore_eos=True)
     # ignore_eos concerns the model's EOS ids; give this spec our token as its EOS to test both
     eos_spec = spec.__class__(**{**{f: getattr(spec, f) for f in spec.__struct_fields__},
                                  "eos_token_ids": (stop_token,)})
@@ -143,11 +144,11 @@ def test_stop_at_eos_and_generate_through_it_with_ignore_eos(family_case):
         model=eos_spec, batch_size=2, max_seq_len=128, block_size=128, num_blocks=3,
         prefill_chunk_size=16))
     stop_done, eos_done = Batcher(rt).generate([prompts[1]], stopping)[0], \
-        Batcher(eos_rt).generate([prompts[1]], SamplingParams(max_tokens=NEW_TOKENS))[0]
+        Batcher(eos_rt).generate([prompts[1]], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))[0]
     assert list(stop_done.token_ids) == references[1][: first_hit + 1]
     assert stop_done.finish_reason == "stop"
     assert eos_done.token_ids == stop_done.token_ids and eos_done.finish_reason == "stop"
-    past = Batcher(eos_rt).generate([prompts[1]], SamplingParams(max_tokens=NEW_TOKENS,
+    past = Batcher(eos_rt).generate([prompts[1]], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                                  ignore_eos=True))[0]
     assert list(past.token_ids) == references[1] and past.finish_reason == "length"
     explicit = Batcher(rt).generate([prompts[1]], through)[0]

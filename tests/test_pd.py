@@ -36,7 +36,7 @@ SPECS = {
                         layer_types=("sliding_attention", "full_attention") * 2,
                         query_pre_attn_scalar=8.0, tie_word_embeddings=True, **TINY),
 }
-PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SEED = 7
 
 
@@ -100,7 +100,7 @@ def test_import_is_staged_in_the_spare_while_all_lanes_decode(family):
     want_native = native(spec, long_runs + pd_prompt, art)
     batcher = Batcher(NumpyRuntime.random(art, SEED))
     for p in long_runs:
-        batcher.submit(p, SamplingParams(max_tokens=10, ignore_eos=True))
+        batcher.submit(p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
     while batcher.stats().decoding_lanes < 4:
         batcher.step()
     producer = producer_for(spec)

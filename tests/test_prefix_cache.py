@@ -16,7 +16,7 @@ from atombatch.runtime import NumpyRuntime
 
 SPEC = ModelSpec(name="tiny-llama", family="llama", vocab_size=256, hidden_size=32,
                  intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
-GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def artifact(batch_size=2, block_size=128, num_blocks=None, chunk=16, max_seq_len=128):
@@ -138,7 +138,7 @@ def test_errored_requests_leave_nothing_in_the_cache():
     batcher = Batcher(Failing(art), prefix_cache=True)
     prompt = next(p for p in ([t] + [5] * 19 for t in range(1, 97))
                   if reference(p, 1, 97)[0] == 77)
-    [failed] = batcher.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))
+    [failed] = batcher.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     assert failed.finish_reason == "error"
     assert len(batcher.scheduler.prefix) == 0 and batcher.scheduler.pool.num_cached == 0
 
@@ -205,7 +205,7 @@ def test_staged_request_restores_its_prefix_from_the_host_cache(caplog):
     first, later = (system + tail for tail in rng_prompts(2, 10, seed=21))
     flood = rng_prompts(4, 60, seed=22)   # distinct prompts that push the system prompt out
     busy = rng_prompts(2, 20, seed=23)    # two long runs that keep both lanes decoding
-    long_run = SamplingParams(max_tokens=60, ignore_eos=True)
+    long_run = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     rt = NumpyRuntime.random(art, seed=4)
     batcher = Batcher(rt, prefix_cache=True, host_cache_bytes=1 << 22)
     want = run(art, [later], prefix_cache=False)[0][0]

@@ -106,7 +106,8 @@ def test_random_workloads_with_buckets_keep_padding_safe_and_tokens_right(shape,
         prompt = data.draw(st.lists(st.integers(1, alphabet), min_size=plen, max_size=plen))
         if data.draw(st.booleans()):
             prompt = (stem + prompt)[:plen]
-        params = SamplingParams(max_tokens=data.draw(st.integers(1, 64 - plen)), ignore_eos=True)
+        params = SamplingParams(max_tokens=data.draw(st.integers(1, 64 - plen)), temperature=0.0,
+                                ignore_eos=True)
         arrivals.setdefault(data.draw(st.integers(0, 30)), []).append((prompt, params, f"r{i}"))
         if data.draw(st.booleans()) and data.draw(st.booleans()):
             aborts.setdefault(data.draw(st.integers(0, 60)), []).append(f"r{i}")
@@ -156,7 +157,7 @@ def test_pd_imports_while_smaller_buckets_decode(family, mode):
     bucketed = ArtifactConfig(**{**{f: getattr(plain, f) for f in plain.__struct_fields__},
                                  "decoder_batch_sizes": (1, 2, 4)})
     natives, imported = pd.prompts(3, seed=11), pd.prompts(2, seed=12)
-    long = SamplingParams(max_tokens=30, ignore_eos=True)
+    long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     want = [c.token_ids for c in Batcher(NumpyRuntime.random(plain, pd.SEED)).generate(natives,
                                                                                        long)]
     want += pd.native(spec, imported, plain)
@@ -198,7 +199,7 @@ def test_prefix_cache_and_host_cache_with_buckets_keep_outputs(buckets):
     rng = np.random.default_rng(3)
     stem = rng.integers(1, 256, size=36).tolist()
     work = [stem + rng.integers(1, 256, size=int(n)).tolist() for n in rng.integers(20, 50, 15)]
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     want = [c.token_ids for c in Batcher(NumpyRuntime.random(plain, 5)).generate(work, params)]
     runtime = NumpyRuntime.random(bucketed, 5)
     batcher = Batcher(runtime, prefix_cache=True, host_cache_bytes=1 << 20)
@@ -230,10 +231,10 @@ def test_a_failing_row_fails_its_own_request_not_the_lane_with_that_index(bucket
     one row must fail the request of that row's lane and leave the others' tokens exact."""
     art = artifact(batch_size=4, buckets=buckets)
     batcher = Batcher(NanOnToken(art))
-    good = SamplingParams(max_tokens=12, ignore_eos=True)
+    good = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     nan_prompt = next([t] for t in range(1, 96) if expected([t], SamplingParams(
-        max_tokens=1, ignore_eos=True), art)[0] == 55)
-    arrivals = {0: [([9], SamplingParams(max_tokens=1, ignore_eos=True), "short"),
+        max_tokens=1, temperature=0.0, ignore_eos=True), art)[0] == 55)
+    arrivals = {0: [([9], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), "short"),
                     ([4, 5, 6], good, "ok1"), (nan_prompt, good, "nan"), ([7, 8], good, "ok2")]}
     finals, streamed = drive(batcher, arrivals)
     assert finals["nan"].finish_reason == "error" and "non-finite" in finals["nan"].error

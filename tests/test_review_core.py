@@ -182,7 +182,7 @@ def test_any_chunk_block_combination_gives_reference_tokens(seed):
     while work or batcher.has_unfinished():
         if work and (rng.random() < 0.5 or not batcher.has_unfinished()):
             prompt, max_tokens = work.pop(0)
-            ids[batcher.submit(prompt, SamplingParams(max_tokens=max_tokens,
+            ids[batcher.submit(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                       ignore_eos=True))] = (prompt, max_tokens)
         for out in batcher.step():
             if out.finished:
@@ -244,7 +244,7 @@ def test_gemma3_matches_transformers_at_window_and_context_edges(gemma3_case, la
                          block_size=layout["block_size"], num_blocks=layout["num_blocks"],
                          prefill_chunk_size=layout["chunk"])
     batcher = Batcher(NumpyRuntime.from_pretrained(path, artifact=art))
-    done = [batcher.submit(prompt, SamplingParams(max_tokens=len(want), ignore_eos=True))
+    done = [batcher.submit(prompt, SamplingParams(temperature=0.0, max_tokens=len(want), ignore_eos=True))
             for prompt, want in cases]
     finals = {}
     while batcher.has_unfinished():

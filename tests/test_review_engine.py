@@ -31,7 +31,7 @@ def art(batch_size=2, max_seq_len=64, block_size=64, num_blocks=None, chunk=8, h
 
 
 def params(n):
-    return SamplingParams(max_tokens=n, ignore_eos=True)
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def step_checked(batcher, finals, streamed):
@@ -179,8 +179,8 @@ def test_pd_request_aborted_mid_import_returns_its_blocks(staged):
     a = tiny_art(2, 3)
     producer = Producer(NumpyRuntime.random(tiny_art(1, 2), seed=7))
     batcher = Batcher(NumpyRuntime.random(a, seed=7))
-    p = SamplingParams(max_tokens=6, ignore_eos=True)
-    busy = [batcher.submit([1 + i, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
+    p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    busy = [batcher.submit([1 + i, 2, 3], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
             for i in range(2 if staged else 0)]
     finals, streamed = {}, {}
     for _ in range(30):
@@ -221,7 +221,7 @@ def test_error_during_import_fails_only_that_request_and_frees_partly_written_bl
     a = tiny_art(2, 2 * (64 // block_size) + 1, block_size)
     producer = Producer(NumpyRuntime.random(tiny_art(1, 2), seed=7))
     native = Batcher(NumpyRuntime.random(a, seed=7))
-    p = SamplingParams(max_tokens=6, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     others = [[3, 4, 5], list(range(30, 50))]
     want = [c.token_ids for c in native.generate(others, p)]
     batcher = Batcher(FailingImport.random(a, seed=7), prefix_cache=True)

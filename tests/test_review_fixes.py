@@ -18,7 +18,8 @@ def test_oversubscribed_pool_never_stages_so_a_preempted_lane_has_a_padding_targ
     for step in range(400):
         if step in arrivals:
             n, m = arrivals[step]
-            ids[batcher.submit([3] * n, SamplingParams(max_tokens=m, ignore_eos=True))] = (n, m)
+            params = SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+            ids[batcher.submit([3] * n, params)] = (n, m)
         for out in batcher.step():
             if out.finished:
                 finals[out.request_id] = out
@@ -35,10 +36,10 @@ def test_staging_never_takes_blocks_running_lanes_will_need():
     art = ArtifactConfig(model=ledger_spec(), batch_size=2, max_seq_len=64, block_size=16,
                          num_blocks=9, prefill_chunk_size=16)  # exactly lanes x 4 + 1
     batcher = Batcher(LedgerRuntime(art))
-    long_run = SamplingParams(max_tokens=60, ignore_eos=True)
+    long_run = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     batcher.submit([1, 2], long_run)
     batcher.submit([3, 4], long_run)
-    batcher.submit(list(range(1, 60)), SamplingParams(max_tokens=5, ignore_eos=True))
+    batcher.submit(list(range(1, 60)), SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     finals = run_to_end(batcher)
     assert batcher.stats().preemptions == 0
     assert all(out.finish_reason == "length" for out in finals.values())
@@ -57,7 +58,7 @@ def test_host_restore_of_a_digest_still_on_the_device_shares_the_device_block():
             return super().prefill(inputs)
 
     batcher = Batcher(FailLate(art), prefix_cache=True, host_cache_bytes=1 << 20)
-    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     prompt = list(range(1, 21))  # blocks: 1-8, 9-16, 17-20 (partial)
     want = tuple(reference(prompt, 1, 97))
     assert batcher.generate([prompt], one)[0].token_ids == want
@@ -87,7 +88,7 @@ def test_a_failed_copy_fails_the_request_it_was_for_and_nothing_else():
 
     rt = FlakyCopy(art)
     batcher = Batcher(rt, prefix_cache=True)
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     base = list(range(1, 41))
     batcher.generate([[*base, 7]], params)
     prompts = [[*base[:36], 9, 9, 9], [*base[:27], 3, 3, 3]]  # the second copies a pinned block

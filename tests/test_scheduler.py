@@ -88,7 +88,7 @@ def expected(prompt, params, art):
 # -- the state table --------------------------------------------------------------------------------
 def test_every_state_has_a_transition_entry_and_illegal_moves_raise():
     assert set(TRANSITIONS) == set(RequestState)
-    request = Request("r", np.array([1]), SamplingParams(), 0.0, np.random.default_rng(0))
+    request = Request("r", np.array([1]), SamplingParams(temperature=0.0), 0.0, np.random.default_rng(0))
     with pytest.raises(StateError, match="illegal transition waiting -> decoding"):
         request.set_state(RequestState.DECODING)
     request.set_state(RequestState.FINISHED)
@@ -127,7 +127,8 @@ def test_all_layouts_and_policies_generate_the_reference_tokens(core, layout, po
     arrivals: dict[int, list] = {}
     for i in range(10):
         prompt = rng.integers(1, 90, size=int(rng.integers(1, 30))).tolist()
-        params = SamplingParams(max_tokens=int(rng.integers(1, 64 - len(prompt))), ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 64 - len(prompt))),
+                                ignore_eos=True)
         arrivals.setdefault(int(rng.integers(0, 40)), []).append((prompt, params, f"r{i}"))
     finals, streamed = drive(batcher, arrivals)
     for batch in arrivals.values():
@@ -141,8 +142,8 @@ def test_all_layouts_and_policies_generate_the_reference_tokens(core, layout, po
 def test_rotation_stages_into_the_spare_and_takes_over_the_finished_lane(core):
     art = artifact(batch_size=2, num_blocks=3)
     batcher = Batcher(LedgerRuntime(art))
-    short = SamplingParams(max_tokens=3, ignore_eos=True)
-    long = SamplingParams(max_tokens=20, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     arrivals = {0: [([1, 2, 3], short, "a"), ([4, 5], long, "b"), ([6, 7, 8, 9], long, "c")]}
     finals, _ = drive(batcher, arrivals)
     stats = batcher.stats()
@@ -156,7 +157,7 @@ def test_rotation_stages_into_the_spare_and_takes_over_the_finished_lane(core):
 def test_lane_released_by_abort_is_reused_by_the_next_request_in_the_next_step(core):
     art = artifact(batch_size=2, num_blocks=3)
     batcher = Batcher(LedgerRuntime(art), policy="prefill-first")
-    p = SamplingParams(max_tokens=30, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     a, b_, c = batcher.submit([1, 2], p), batcher.submit([3, 4], p), batcher.submit([5], p)
     while batcher.scheduler.requests[b_].state is not RequestState.DECODING:
         batcher.step()
@@ -172,7 +173,7 @@ def test_lane_released_by_abort_is_reused_by_the_next_request_in_the_next_step(c
 def test_abort_queued_prefilling_staged_and_decoding_in_one_step(core):
     art = artifact(batch_size=2, num_blocks=3, max_seq_len=128, block_size=128, chunk=8)
     batcher = Batcher(LedgerRuntime(art), policy="prefill-first")
-    p = SamplingParams(max_tokens=40, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ids = [batcher.submit(list(range(1, 40)), p) for _ in range(5)]
     states = {}
     for _ in range(200):
@@ -199,7 +200,7 @@ def test_abort_queued_prefilling_staged_and_decoding_in_one_step(core):
 def test_oversubscribed_pool_preempts_and_recomputes_without_changing_tokens(core):
     art = artifact(batch_size=4, block_size=8, num_blocks=9, max_seq_len=64)
     batcher = Batcher(LedgerRuntime(art))
-    p = SamplingParams(max_tokens=40, ignore_eos=True)
+    p = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompts = [list(range(1 + i, 20 + i)) for i in range(4)]
     finals, _ = drive(batcher, {0: [(pr, p, f"r{i}") for i, pr in enumerate(prompts)]})
     assert batcher.stats().preemptions > 0
@@ -213,8 +214,8 @@ def test_stop_tokens_and_eos(core):
     art = artifact(eos=(reference([1, 2, 3], 3, 97)[2],))
     batcher = Batcher(LedgerRuntime(art))
     eos = art.model.eos_token_ids[0]
-    through = SamplingParams(max_tokens=8, ignore_eos=True)
-    stopping = SamplingParams(max_tokens=8)
+    through = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    stopping = SamplingParams(temperature=0.0, max_tokens=8)
     finals, _ = drive(batcher, {0: [([1, 2, 3], stopping, "stop"), ([1, 2, 3], through, "go")]})
     assert finals["stop"].finish_reason == "stop"
     assert finals["stop"].completion.token_ids[-1] == eos and \
@@ -222,30 +223,39 @@ def test_stop_tokens_and_eos(core):
     assert finals["go"].finish_reason == "length" and len(finals["go"].completion.token_ids) == 8
     first = reference([1, 2, 3], 1, 97)[0]
     batcher = Batcher(LedgerRuntime(art))
-    finals, _ = drive(batcher, {0: [([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True,
+    finals, _ = drive(batcher, {0: [([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
                                                                 stop_token_ids=(first,)), "s")]})
     assert finals["s"].completion.token_ids == (first,) and finals["s"].finish_reason == "stop"
 
 
 # -- bad input and failures ---------------------------------------------------------------------
 @pytest.mark.parametrize(("prompt", "params", "match"), [
-    ([], SamplingParams(), "prompt is empty"),
-    ([1, 97], SamplingParams(), "token id 97 at prompt index 1 is outside the vocabulary 0..96"),
-    ([1, -1], SamplingParams(), "token id -1 at prompt index 1"),
-    ([1] * 60, SamplingParams(max_tokens=5), "60 tokens \\+ max_tokens=5 = 65 exceeds max_seq_len=64"),
-    ([1], SamplingParams(max_tokens=0), "max_tokens=0 must be >= 1"),
-    ([1], SamplingParams(temperature=-1.0), "temperature=-1.0"),
-    ([1], SamplingParams(top_p=0.0), "top_p=0.0 must be in"),
-    ([1], SamplingParams(top_k=-2), "top_k=-2"),
-    ([1], SamplingParams(stop_token_ids=(500,)), "stop token id 500"),
-    ([1], SamplingParams(seed=-3), "seed=-3 must be in"),
-    ([[1, 2]], SamplingParams(), "flat sequence"),
+    ([], SamplingParams(temperature=0.0), "prompt is empty"),
+    ([1, 97], SamplingParams(temperature=0.0),
+     "token id 97 at prompt index 1 is outside the vocabulary 0..96"),
+    ([1, -1], SamplingParams(temperature=0.0), "token id -1 at prompt index 1"),
+    ([1] * 60, SamplingParams(temperature=0.0, max_tokens=5),
+     "60 tokens \\+ max_tokens=5 = 65 exceeds max_seq_len=64"),
+    ([1], SamplingParams(temperature=0.0, stop_token_ids=(500,)), "stop token id 500"),
+    ([[1, 2]], SamplingParams(temperature=0.0), "flat sequence"),
 ])
 def test_invalid_requests_are_rejected_at_submit_and_nothing_is_queued(prompt, params, match):
     batcher = Batcher(LedgerRuntime(artifact()))
     with pytest.raises(RequestError, match=match):
         batcher.submit(prompt, params)
     assert not batcher.has_unfinished()
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"max_tokens": 0}, "max_tokens=0 must be >= 1"),
+    ({"temperature": -1.0}, "temperature=-1.0"),
+    ({"top_p": 0.0}, "top_p=0.0 must be a finite number in"),
+    ({"top_k": -2}, "top_k=-2 must be >= -1"),
+    ({"seed": -3}, "seed=-3 must be >= 0"),
+])
+def test_out_of_range_sampling_params_are_rejected_when_built(fields, match):
+    with pytest.raises(RequestError, match=match):
+        SamplingParams(**fields)
 
 
 def test_queue_bound_and_duplicate_ids():
@@ -280,7 +290,7 @@ class Poisoned(LedgerRuntime):
 def test_runtime_failures_fail_only_their_request(core):
     art = artifact(batch_size=3, num_blocks=4)
     batcher = Batcher(Poisoned(art))
-    good = SamplingParams(max_tokens=12, ignore_eos=True)
+    good = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     # a prompt whose first generated token is 55 makes the next decode step return NaN for it
     nan_prompt = next([t] for t in range(1, 96) if reference([t], 1, 97)[0] == 55)
     arrivals = {0: [([1, 2, 66, 3], good, "fault"), ([4, 5, 6], good, "ok1"),
@@ -298,7 +308,7 @@ def test_runtime_failures_fail_only_their_request(core):
 def test_structlog_events_carry_request_lane_and_blocks(core, caplog):
     batcher = Batcher(LedgerRuntime(artifact(batch_size=1, num_blocks=2)))
     with caplog.at_level(logging.INFO, logger="atombatch"):
-        batcher.generate([[1, 2], [3]], SamplingParams(max_tokens=2, ignore_eos=True))
+        batcher.generate([[1, 2], [3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     events = [msgspec.json.decode(r.getMessage()) for r in caplog.records]
     names = [e["event"] for e in events]
     assert names.count("request.admitted") == 2 and names.count("request.finished") == 2
@@ -337,7 +347,8 @@ def test_random_workloads_keep_invariants_and_tokens(core, shape, chunk, data, p
         prompt = data.draw(st.lists(st.integers(1, alphabet), min_size=plen, max_size=plen))
         if data.draw(st.booleans()):  # shared prefixes make the prefix cache hit
             prompt = (stem + prompt)[:plen]
-        params = SamplingParams(max_tokens=data.draw(st.integers(1, 64 - plen)), ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=data.draw(st.integers(1, 64 - plen)),
+                                ignore_eos=True)
         arrivals.setdefault(data.draw(st.integers(0, 30)), []).append((prompt, params, f"r{i}"))
         if data.draw(st.booleans()) and data.draw(st.booleans()):
             aborts.setdefault(data.draw(st.integers(0, 60)), []).append(f"r{i}")

@@ -261,8 +261,13 @@ BAD = [
     ({"prompt": [5], "max_tokens": 4, "stop_token_ids": [999]}, 400, "stop_token_ids",
      "invalid_value"),
     ({"prompt": [5], "max_tokens": 4, "seed": -1}, 400, "seed", "invalid_value"),
-    ({"prompt": [5], "max_tokens": 4, "n": 2}, 400, "n", "unsupported_value"),
-    ({"prompt": [5], "max_tokens": 4, "stop": ["x"]}, 400, "stop", "unsupported_value"),
+    ({"prompt": [5], "max_tokens": 4, "n": 0}, 400, "n", "invalid_value"),
+    ({"prompt": [5], "max_tokens": 4, "logprobs": 21}, 400, "logprobs", "invalid_value"),
+    ({"prompt": [5], "max_tokens": 4, "min_p": 2}, 400, "min_p", "invalid_value"),
+    ({"prompt": [5], "max_tokens": 4, "logit_bias": {"x": 1}}, 400, "logit_bias", "invalid_value"),
+    ({"prompt": [5], "max_tokens": 4, "logit_bias": {"7": 101}}, 400, "logit_bias", "invalid_value"),
+    ({"prompt": [5], "max_tokens": 4, "stop": ["x"]}, 400, "stop", "invalid_value"),
+    ({"prompt": [5], "max_tokens": 4, "echo": True}, 400, "echo", "unsupported_value"),
     ({"prompt": [5], "max_tokens": 4, "model": "gpt-9"}, 404, "model", "model_not_found"),
 ]
 

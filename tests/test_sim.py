@@ -35,7 +35,7 @@ def run_origin(artifact: ArtifactConfig, costs: CostModel | None = None,
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, KONI.vocab_size, 8192) for _ in range(16)]
     batcher = Batcher(SimRuntime(artifact, costs), policy=policy)
-    done = batcher.generate(prompts, SamplingParams(max_tokens=128, ignore_eos=True))
+    done = batcher.generate(prompts, SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
     return done, batcher
 
 
@@ -92,7 +92,7 @@ def test_a_decode_step_is_billed_by_the_bucket_that_ran() -> None:
         costs.decode_step_s(koni(), [8200]))
     assert costs.decode_step_s(bucketed, [8200], rows=1) < costs.decode_step_s(plain, [8200])
     # the same one-request workload through the Batcher: rows, device time and tokens
-    prompts, params = [[5] * 300], SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts, params = [[5] * 300], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     runs = {}
     for art in (plain, bucketed):
         rt = SimRuntime(art, costs)
@@ -174,10 +174,11 @@ def test_virtual_clock_and_pseudo_logits() -> None:
     rt = SimRuntime(art)
     batcher = Batcher(rt)
     assert batcher.clock == rt.clock
-    done = batcher.generate([[5] * 300, [6] * 300], SamplingParams(max_tokens=4))
+    done = batcher.generate([[5] * 300, [6] * 300], SamplingParams(temperature=0.0, max_tokens=4))
     assert rt.clock() == pytest.approx(rt.device.prefill_s + rt.device.decode_s)
     assert done[0].token_ids != done[1].token_ids
-    again = Batcher(SimRuntime(art)).generate([[5] * 300, [6] * 300], SamplingParams(max_tokens=4))
+    again = Batcher(SimRuntime(art)).generate([[5] * 300, [6] * 300],
+                                              SamplingParams(temperature=0.0, max_tokens=4))
     assert [c.token_ids for c in again] == [c.token_ids for c in done]   # deterministic
     assert not set(KONI.eos_token_ids) & {t for c in done for t in c.token_ids}
     rt.advance_to(rt.clock() + 5.0)
@@ -236,7 +237,7 @@ def test_pd_routes_equal_native_through_the_real_consumer_path(model: str, shape
                          num_blocks=shape[1], prefill_chunk_size=128)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, spec.vocab_size, n) for n in (700, 1500, 130, 1024, 900, 64)]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     native = Batcher(SimRuntime(art)).generate(prompts, params)
     done, batcher, rt, trace = run_pd(art, mode, prompts, params)
     assert [c.token_ids for c in done] == [c.token_ids for c in native]
@@ -253,7 +254,7 @@ def test_layer_stream_first_token_no_later_than_whole() -> None:
     art = koni(4, 5)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, KONI.vocab_size, 8192) for _ in range(6)]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     costs = msgspec.structs.replace(CostModel.default(), transfer_bandwidth=2e9)  # a slow link
     whole, *_ = run_pd(art, "whole", prompts, params, costs)
     stream, *_ = run_pd(art, "layer-stream", prompts, params, costs)
@@ -271,7 +272,7 @@ def test_pd_request_holds_no_lane_until_its_header_arrives(pd_header: str) -> No
     rt = SimRuntime(art, costs)
     producer = SimProducer(rt, "layer-stream")
     batcher = Batcher(rt, pd_timeout=math.inf)
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompt = np.arange(3, 3 + 2048)
     producer.source("other", prompt, params).close()  # occupies the producer first
     rt.advance_to(1.0)

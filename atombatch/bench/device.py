@@ -112,7 +112,7 @@ class _Timed:
 def check_buckets(rt: RebelRuntime, prompt_len: int, new_tokens: int) -> tuple[Check, Check]:
     """The probe alone vs among B-1 others; and the host time per step of the crowded run."""
     art = rt.artifact
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     probe = probe_prompt(art.model.vocab_size, prompt_len)
     others = [probe_prompt(art.model.vocab_size, prompt_len, seed=s)
               for s in range(1, art.batch_size)]

@@ -74,10 +74,10 @@ def _probe_rows(spec: ModelSpec, batch_size: int, prompts: list[list[int]],
                          num_blocks=batch_size + 1, prefill_chunk_size=32)
     recording = _Recording(NumpyRuntime.random(art, seed=0))
     batcher = Batcher(recording)  # type: ignore[arg-type]
-    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     probe = batcher.submit(prompts[0], params)
     for prompt in prompts[1:batch_size]:
-        batcher.submit(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+        batcher.submit(prompt, SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True))
     tokens: tuple[int, ...] = ()
     while batcher.has_unfinished():
         request = batcher.scheduler.requests.get(probe)

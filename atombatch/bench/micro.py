@@ -235,7 +235,7 @@ def _engine_step_loop(impl: ModuleType, lanes: int) -> Loop:
     finally:
         for name, value in saved.items():
             setattr(core, name, value)
-    params = SamplingParams(max_tokens=ENGINE_MAX_SEQ_LEN - 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=ENGINE_MAX_SEQ_LEN - 8, ignore_eos=True)
     for _ in range(lanes):
         batcher.submit([1, 2, 3], params)
     while batcher.scheduler.lanes.num_decoding() < lanes:

@@ -449,7 +449,7 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
     rng = np.random.default_rng(load.seed)
     prompts = [rng.integers(3, spec.vocab_size, input_len, dtype=np.int64)
                for _ in range(load.total)]
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
     try:
         arrivals, done, start = _serve(batcher, clock, wait_until, prompts, params, load, producer)

@@ -676,7 +676,7 @@ class SimProducer:
     def source(self, request_id: str, prompt: Sequence[int] | npt.NDArray[np.integer],
                params: SamplingParams | None = None, arrival: float | None = None) -> SimKVSource:
         """Queue `prompt` on the producer (at `arrival`, default now); returns its KV source."""
-        params = params or SamplingParams()
+        params = params or SamplingParams(temperature=0.0)  # no params: greedy
         spec, art, costs = self.artifact.model, self.artifact, self.costs
         n = len(prompt)
         now = self.runtime.clock() if arrival is None else arrival

@@ -53,10 +53,13 @@ from atombatch.serve.protocol import (
     ChatChunkChoice,
     ChatCompletionRequest,
     ChatDelta,
+    ChatLogprobs,
     ChatMessage,
     ChatResponse,
     ChatResponseMessage,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ErrorBody,
@@ -64,10 +67,11 @@ from atombatch.serve.protocol import (
     ModelCard,
     ModelList,
     StreamOptions,
+    TopLogprob,
     Usage,
 )
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
-from atombatch.structs import RequestOutput, SamplingParams
+from atombatch.structs import RequestOutput, SamplingParams, TokenLogprobs
 
 T = TypeVar("T")
 log = logging.getLogger("atombatch.serve")
@@ -119,22 +123,40 @@ class _SSEResponse(StreamingResponse):
                 generation.abandon()
 
 
+class _Choice:
+    """What one of a request's n choices produced so far."""
+
+    __slots__ = ("decoder", "finish_reason", "logprobs", "stop_reason", "text", "token_ids")
+
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder                # used when the engine sends no text of its own
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+
 class _Generation:
     """One accepted request: its engine id, its output iterator and its timing for the metrics."""
 
     def __init__(self, server: _Server, request_id: str, prompt_len: int,
-                 outputs: AsyncIterator[RequestOutput], accepted: float) -> None:
+                 outputs: AsyncIterator[RequestOutput], accepted: float, n: int = 1) -> None:
         self.server = server
         self.request_id = request_id
         self.prompt_len = prompt_len
         self.outputs = outputs
         self.accepted = accepted
-        self.decoder: Decoder = server.codec.decoder()
-        self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
+        self.choices = [_Choice(server.codec.decoder()) for _ in range(n)]
+        self.generated = 0
+        self.finish_reason: str | None = None  # the whole request (an error in any choice wins)
         self.error: str | None = None
         self.started = False                 # run() began (it then does its own accounting)
         self.abandoned = False
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
 
     def abandon(self) -> None:
         """Abort the request unless it finished (a no-op after run() has cleaned up)."""
@@ -159,22 +181,37 @@ class _Generation:
         last = self.accepted
         try:
             async for out in self.outputs:
+                choice = self.choices[out.index] if out.index < len(self.choices) else \
+                    self.choices[0]
                 new = list(out.new_token_ids)
                 if new:
                     now = time.perf_counter()
-                    if self.token_ids:
+                    if self.generated:
                         metrics.inter_token.observe(now - last)
                     else:
                         metrics.ttft.observe(now - self.accepted)
                     last = now
-                    self.token_ids.extend(new)
+                    choice.token_ids.extend(new)
+                    self.generated += len(new)
                     metrics.generation_tokens.inc(len(new))
+                if out.logprobs:
+                    choice.logprobs.extend(out.logprobs)
+                if out.text is not None:  # the engine detokenized (stop strings held back)
+                    text = out.text
+                else:
+                    text = choice.decoder.step(new) if new else ""
+                    if out.finish_reason is not None:
+                        text += choice.decoder.flush()
+                choice.text.append(text)
+                if out.finish_reason is not None:
+                    choice.finish_reason = out.finish_reason
+                    if out.completion is not None:
+                        choice.stop_reason = out.completion.stop_reason
+                    if out.finish_reason == "error" and self.error is None:
+                        self.error = out.error
                 if out.finished:
-                    self.finish_reason = out.finish_reason or "error"
-                    self.error = out.error
-                text = self.decoder.step(new) if new else ""
-                if out.finished:
-                    text += self.decoder.flush()
+                    self.finish_reason = "error" if self.error is not None else \
+                        out.finish_reason or "error"
                 yield new, text, out
         finally:
             metrics.in_flight.dec()
@@ -191,7 +228,7 @@ class _Generation:
                 metrics.e2e.observe(time.perf_counter() - self.accepted)
 
     def usage(self) -> Usage:
-        n = len(self.token_ids)
+        n = self.generated
         return Usage(prompt_tokens=self.prompt_len, completion_tokens=n,
                      total_tokens=self.prompt_len + n)
 
@@ -247,32 +284,53 @@ class _Server:
         ignored = getattr(request.state, "ignored_fields", None)
         return {IGNORED_FIELDS_HEADER: ", ".join(ignored)} if ignored else None
 
-    def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int
+    def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
                ) -> SamplingParams:
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model {body.model!r} is not served here; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
-        unsupported: list[tuple[str, object, object]] = [
-            ("n", body.n, 1), ("presence_penalty", body.presence_penalty, 0.0),
-            ("frequency_penalty", body.frequency_penalty, 0.0)]
         if isinstance(body, CompletionRequest):
-            unsupported += [("echo", body.echo, False), ("logprobs", body.logprobs, None)]
+            if body.echo:
+                raise ApiError(400, "echo=True is not supported: only False is served",
+                               param="echo", code="unsupported_value")
+            logprobs = body.logprobs
         else:
-            unsupported += [("logprobs", body.logprobs, False)]
-        for name, value, served in unsupported:
-            if value != served:
-                raise ApiError(400, f"{name}={value!r} is not supported: only {served!r} is served",
-                               param=name, code="unsupported_value")
-        if body.stop:
-            raise ApiError(400, f"stop={body.stop!r}: stop strings are not supported; use "
-                           "stop_token_ids", param="stop", code="unsupported_value")
-        if body.seed is not None and body.seed < 0:
-            raise ApiError(400, f"seed={body.seed} must be >= 0", param="seed",
-                           code="invalid_value")
-        top_k = 0 if body.top_k == -1 else body.top_k
-        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_k=top_k,
-                              top_p=body.top_p, seed=body.seed,
-                              stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos)
+            if body.top_logprobs is not None and not body.logprobs:
+                raise ApiError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true",
+                               param="top_logprobs", code="invalid_value")
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        stop: tuple[str, ...] = () if body.stop is None else \
+            (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
+        bias = None
+        if body.logit_bias is not None:
+            bias = {}
+            for key, value in body.logit_bias.items():
+                if not (key.isascii() and key.isdigit() and len(key) <= 12):
+                    raise ApiError(400, f"logit_bias key {key!r} must be a token id",
+                                   param="logit_bias", code="invalid_value")
+                bias[int(key)] = value
+        try:
+            return SamplingParams(
+                n=body.n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=stop,
+                stop_token_ids=tuple(body.stop_token_ids),
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+                logit_bias=bias,
+                allowed_token_ids=None if body.allowed_token_ids is None else
+                tuple(body.allowed_token_ids),
+                bad_words=tuple(body.bad_words), skip_special_tokens=body.skip_special_tokens,
+                logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
+        except RequestError as exc:
+            message = str(exc)
+            lead = re.match(r"[a-z_]+", message)  # SamplingParams messages start with the field
+            param = lead.group(0) if lead else None
+            if param == "logprobs" and not isinstance(body, CompletionRequest):
+                param = "top_logprobs"
+                message = message.replace("logprobs=", "top_logprobs=", 1)
+            raise ApiError(400, message, param=param, code="invalid_value") from None
 
     def encode(self, text: str, param: str) -> list[int]:
         try:
@@ -300,7 +358,43 @@ class _Server:
                            code="invalid_value") from None
         self.metrics.prompt_tokens.inc(len(prompt))
         # Take the output iterator now, before any await: the request may finish at once.
-        return _Generation(self, request_id, len(prompt), self.ab.outputs(request_id), accepted)
+        return _Generation(self, request_id, len(prompt), self.ab.outputs(request_id), accepted,
+                           params.n)
+
+    # -- logprobs in OpenAI's shapes ------------------------------------------------------------
+    def token_text(self, token: int) -> str:
+        codec = self.codec
+        if isinstance(codec, HFCodec):
+            return str(codec.tokenizer.decode([token], skip_special_tokens=False))
+        return f"<{token}>"
+
+    def completion_logprobs(self, logprobs: list[TokenLogprobs], start: int = 0
+                            ) -> CompletionLogprobs:
+        tokens, offsets = [], []
+        offset = start
+        for lp in logprobs:
+            text = self.token_text(lp.token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=[lp.logprob for lp in logprobs],
+            top_logprobs=[{self.token_text(t.token_id): t.logprob for t in lp.top}
+                          for lp in logprobs],
+            text_offset=offsets)
+
+    def chat_logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs:
+        def top(token: int, logprob: float) -> TopLogprob:
+            text = self.token_text(token)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        content = []
+        for lp in logprobs:
+            text = self.token_text(lp.token_id)
+            content.append(ChatTokenLogprob(
+                token=text, logprob=lp.logprob, bytes=list(text.encode()),
+                top_logprobs=[top(t.token_id, t.logprob) for t in lp.top]))
+        return ChatLogprobs(content=content)
 
     def prompts(self, prompt: str | list[Any]) -> list[list[int]]:
         """A completions `prompt` as token-id lists: one, or a batch (strings or id lists)."""
@@ -389,35 +483,48 @@ class _Server:
         if body.stream:
             usage = _usage_mode(body.stream_options)
             return _SSEResponse(self._stream_completion(gens, created, usage), gens, headers)
-        texts = await self._collect(request, gens)
+        await self._collect(request, gens)
+        want_logprobs = params.logprobs is not None
         return _json(CompletionResponse(
             id=gens[0].request_id, created=created, model=self.model_name,
-            choices=[CompletionChoice(index=i, text=text, token_ids=gen.token_ids,
-                                      finish_reason=gen.finish_reason)
-                     for i, (gen, text) in enumerate(zip(gens, texts, strict=True))],
+            choices=[CompletionChoice(
+                index=g * params.n + i, text="".join(c.text), token_ids=c.token_ids,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                logprobs=self.completion_logprobs(c.logprobs) if want_logprobs else None)
+                for g, gen in enumerate(gens) for i, c in enumerate(gen.choices)],
             usage=_total_usage(gens)), headers=headers)
 
     async def _stream_completion(self, gens: list[_Generation], created: int,
                                  usage: tuple[bool, bool]) -> AsyncIterator[bytes]:
+        """Choice `g * n + i` is choice i of prompt g (OpenAI's order for batched prompts)."""
         include_usage, continuous = usage
 
         def chunk(choices: list[CompletionChoice], u: Usage | None = None) -> bytes:
             return _sse(CompletionResponse(id=gens[0].request_id, created=created,
                                            model=self.model_name, choices=choices, usage=u))
 
+        n = len(gens[0].choices)
+        offsets = [[0] * n for _ in gens]
         async with contextlib.aclosing(_merged(gens)) as events:
-            async for index, (new, text, out) in events:
-                gen = gens[index]
+            async for g, (new, text, out) in events:
+                gen, i = gens[g], out.index
+                index = g * n + i
                 running = gen.usage() if continuous else None
-                if out.finished and gen.finish_reason == "error":
+                logprobs = None
+                if out.logprobs is not None:
+                    logprobs = self.completion_logprobs(list(out.logprobs), offsets[g][i])
+                offsets[g][i] += len(text)
+                if out.finish_reason == "error":
                     if new:
-                        yield chunk([CompletionChoice(index=index, text=text, token_ids=new)],
-                                    running)
+                        yield chunk([CompletionChoice(index=index, text=text, token_ids=new,
+                                                      logprobs=logprobs)], running)
                     yield gen.error_event()
                     break
                 yield chunk([CompletionChoice(index=index, text=text, token_ids=new,
-                                              finish_reason=gen.finish_reason if out.finished
-                                              else None)], running)
+                                              finish_reason=out.finish_reason,
+                                              stop_reason=gen.choices[i].stop_reason
+                                              if out.finish_reason else None,
+                                              logprobs=logprobs)], running)
         if include_usage:
             yield chunk([], _total_usage(gens))
         yield _DONE
@@ -438,8 +545,7 @@ class _Server:
         except RequestError as exc:
             raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else \
-            body.max_tokens if body.max_tokens is not None else \
-            max(1, self.artifact.max_seq_len - len(prompt))
+            body.max_tokens  # None: up to the context end
         params = self.params(body, max_tokens)
         gens = self.submit_all("chatcmpl", [prompt], params, "messages")
         created = int(time.time())
@@ -447,12 +553,15 @@ class _Server:
         if body.stream:
             usage = _usage_mode(body.stream_options)
             return _SSEResponse(self._stream_chat(gens, created, usage), gens, headers)
-        texts = await self._collect(request, gens)
+        await self._collect(request, gens)
+        want_logprobs = params.logprobs is not None
         return _json(ChatResponse(
             id=gens[0].request_id, created=created, model=self.model_name,
-            choices=[ChatChoice(index=i, message=ChatResponseMessage("assistant", text),
-                                token_ids=gen.token_ids, finish_reason=gen.finish_reason)
-                     for i, (gen, text) in enumerate(zip(gens, texts, strict=True))],
+            choices=[ChatChoice(index=i, message=ChatResponseMessage("assistant", "".join(c.text)),
+                                token_ids=c.token_ids, finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason,
+                                logprobs=self.chat_logprobs(c.logprobs) if want_logprobs else None)
+                     for i, c in enumerate(gens[0].choices)],
             usage=_total_usage(gens)), headers=headers)
 
     async def _stream_chat(self, gens: list[_Generation], created: int,
@@ -463,36 +572,41 @@ class _Server:
             return _sse(ChatChunk(id=gens[0].request_id, created=created, model=self.model_name,
                                   choices=choices, usage=u))
 
-        for index, gen in enumerate(gens):
-            yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant",
-                                                                      content=""),
-                                         token_ids=[])], gen.usage() if continuous else None)
+        n = len(gens[0].choices)
+        for g, gen in enumerate(gens):
+            for i in range(n):
+                yield chunk([ChatChunkChoice(index=g * n + i,
+                                             delta=ChatDelta(role="assistant", content=""),
+                                             token_ids=[])], gen.usage() if continuous else None)
         async with contextlib.aclosing(_merged(gens)) as events:
-            async for index, (new, text, out) in events:
-                gen = gens[index]
+            async for g, (new, text, out) in events:
+                gen, i = gens[g], out.index
+                index = g * n + i
                 running = gen.usage() if continuous else None
-                if out.finished and gen.finish_reason == "error":
+                logprobs = None if out.logprobs is None else self.chat_logprobs(list(out.logprobs))
+                if out.finish_reason == "error":
                     if new:
                         yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text),
-                                                     token_ids=new)], running)
+                                                     token_ids=new, logprobs=logprobs)], running)
                     yield gen.error_event()
                     break
                 yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text),
-                                             token_ids=new, finish_reason=gen.finish_reason
-                                             if out.finished else None)], running)
+                                             token_ids=new, finish_reason=out.finish_reason,
+                                             stop_reason=gen.choices[i].stop_reason
+                                             if out.finish_reason else None,
+                                             logprobs=logprobs)], running)
         if include_usage:
             yield chunk([], _total_usage(gens))
         yield _DONE
 
-    async def _collect(self, request: Request, gens: list[_Generation]) -> list[str]:
-        """Run non-streaming requests to their end, aborting them if the client goes away."""
+    async def _collect(self, request: Request, gens: list[_Generation]) -> None:
+        """Run non-streaming requests to their end (their choices keep what they produced),
+        aborting them if the client goes away."""
 
-        async def collect() -> list[str]:
-            parts: list[list[str]] = [[] for _ in gens]
+        async def collect() -> None:
             async with contextlib.aclosing(_merged(gens)) as events:
-                async for index, (_, text, _) in events:
-                    parts[index].append(text)
-            return ["".join(p) for p in parts]
+                async for _ in events:
+                    pass
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -512,12 +626,11 @@ class _Server:
                 gen.abandon()
         if work.cancelled():
             raise ApiError(499, "client closed the request", code="client_closed")
-        texts = work.result()
+        work.result()
         failed = next((g for g in gens if g.finish_reason == "error"), None)
         if failed is not None:
             raise ApiError(500, failed.error or "request failed", type="server_error",
                            code="engine_error")
-        return texts
 
     def model_card(self) -> ModelCard:
         art = self.artifact
@@ -592,7 +705,7 @@ def _usage_mode(options: StreamOptions | None) -> tuple[bool, bool]:
 
 def _total_usage(gens: list[_Generation]) -> Usage:
     prompt = sum(g.prompt_len for g in gens)
-    completion = sum(len(g.token_ids) for g in gens)
+    completion = sum(g.generated for g in gens)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion)
 
@@ -675,7 +788,9 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
             closes it with `drain=True` (in-flight requests finish first).
         model_name: the id served at `/v1/models` and expected in `model` fields.
         tokenizer: None (token-id text, see `atombatch.serve.tokens`), a `Codec`, or a
-            `tokenizers.Tokenizer`.
+            `tokenizers.Tokenizer`; a Hugging Face tokenizer is also given to the engine (when it
+            has none) so stop strings and bad words work and text streams through its
+            detokenizer.
         max_body_bytes: larger request bodies answer 413.
         retry_after: seconds sent in `Retry-After` with a 429.
         on_shutdown: called after the engine drained (e.g. to release a device).
@@ -694,6 +809,9 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
         codec = tokenizer
     else:
         codec = HFCodec(tokenizer)
+    if isinstance(codec, HFCodec) and ab.batcher.tokenizer is None:
+        # The engine detokenizes (stop strings, bad words, streamed text) with the same tokenizer.
+        ab.batcher.tokenizer = codec.tokenizer
     server = _Server(ab, model_name, codec, max_body_bytes, retry_after, strict_protocol)
 
     @contextlib.asynccontextmanager

@@ -4,13 +4,15 @@ Request bodies are decoded into these Structs by `atombatch.serve.schema`: a fie
 declare is dropped and reported (a response header and a warning in the log), or rejected with
 `--strict-protocol`; `null` for an optional field means its default. Fields that exist in the
 OpenAI API but that this server cannot honour are declared so they are *rejected with a reason*
-when set (`tools`, `response_format`, `suffix`, ...) and accepted when null or at their default.
+when set (`tools`, `response_format`, `suffix`, `prompt_logprobs`, ...) and accepted when null or
+at their default.
 
 Extensions beyond the OpenAI API (documented in docs/server.md):
-- request: `top_k`, `ignore_eos`, `stop_token_ids`; `prompt` may be a list of token ids, or a
-  batch (a list of strings or of token-id lists); vLLM's `stream_options.continuous_usage_stats`
-  and chat template fields (`chat_template_kwargs`, `documents`, `add_generation_prompt`,
-  `continue_final_message`).
+- request, with vLLM's names: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
+  `stop_token_ids`, `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`,
+  `skip_special_tokens`; `prompt` may be a list of token ids, or a batch (a list of strings or of
+  token-id lists); vLLM's `stream_options.continuous_usage_stats` and chat template fields
+  (`chat_template_kwargs`, `documents`, `add_generation_prompt`, `continue_final_message`).
 - response: every choice (streamed chunk or whole response) carries `token_ids`, the generated
   token ids it covers, so a client can check ids when the server has no tokenizer.
 """
@@ -32,15 +34,24 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     temperature: float = 1.0             # OpenAI's default; 0 = greedy
     top_p: float = 1.0
     top_k: int = 0                       # extension; 0 (or -1, vLLM's spelling) = off
+    min_p: float = 0.0                   # extension
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None  # text stop strings: rejected unless empty
+    stop: str | list[str] | None = None  # stop strings (need a tokenizer)
     stop_token_ids: list[int] = []       # extension: extra stop token ids besides EOS
+    include_stop_str_in_output: bool = False  # extension
     ignore_eos: bool = False             # extension: generate through EOS (benchmarks)
-    n: int = 1                           # only 1 is served
-    presence_penalty: float = 0.0        # only 0 is served
-    frequency_penalty: float = 0.0       # only 0 is served
+    n: int = 1                           # choices per prompt
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0      # extension
+    min_tokens: int = 0                  # extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string key) -> bias
+    allowed_token_ids: list[int] | None = None  # extension
+    bad_words: list[str] = []            # extension (needs a tokenizer)
+    skip_special_tokens: bool = True     # extension
+    prompt_logprobs: int | None = None   # extension: not served (see docs/server.md)
     user: str | None = None              # accepted and ignored
 
 
@@ -51,7 +62,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[int | str | list[int]]
     max_tokens: int = 16                 # OpenAI's default for completions
     echo: bool = False                   # only False is served
-    logprobs: int | None = None          # only None is served
+    logprobs: int | None = None          # top candidates per token (0..20), with the sampled one
     suffix: str | None = None            # only None or "" is served
     best_of: int | None = None           # only None or 1 is served
 
@@ -79,7 +90,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None        # None: up to the context length
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
-    logprobs: bool = False               # only False is served
+    logprobs: bool = False               # return the sampled tokens' logprobs
+    top_logprobs: int | None = None      # and this many top candidates (0..20; needs logprobs)
     # Tool calling and structured output cannot be honoured: set -> 400 naming the field (tools
     # with tool_choice "none" are only shown to the template, as vLLM does).
     tools: list[dict[str, Any]] | None = None
@@ -103,12 +115,22 @@ class Usage(msgspec.Struct):
     total_tokens: int
 
 
+class CompletionLogprobs(msgspec.Struct):
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     token_ids: list[int]                 # extension: the generated ids this choice covers
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+    stop_reason: str | int | None = None  # vLLM: the stop string or stop id that ended it
 
 
 class CompletionResponse(msgspec.Struct):
@@ -125,12 +147,30 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     content: str | None = None
 
 
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     token_ids: list[int]                 # extension
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
+    stop_reason: str | int | None = None  # vLLM: the stop string or stop id that ended it
 
 
 class ChatChunk(msgspec.Struct):
@@ -152,7 +192,8 @@ class ChatChoice(msgspec.Struct):
     message: ChatResponseMessage
     token_ids: list[int]                 # extension
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
+    stop_reason: str | int | None = None  # vLLM: the stop string or stop id that ended it
 
 
 class ChatResponse(msgspec.Struct):
