@@ -317,16 +317,17 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
                           f"sizes in 1..batch_size={batch_size} and contain batch_size")
 
     # -- tensor parallel -------------------------------------------------------------------------------
-    tp_values = {v for v in (raw.get("tensor_parallel_size"), raw.get("num_devices"))
-                 if v is not None}
-    tp_values |= {cfg.get("num_devices") for cfg in cfgs_raw
-                  if isinstance(cfg, dict) and cfg.get("num_devices") is not None}
+    recorded_tp = [raw.get("tensor_parallel_size"), raw.get("num_devices")]
+    recorded_tp += [cfg.get("num_devices") for cfg in cfgs_raw if isinstance(cfg, dict)]
+    for value in recorded_tp:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise ConfigError(f"{CONFIG_FILE}: num_devices={value!r} must be a positive integer")
+    tp_values = {v for v in recorded_tp if v is not None}
     if len(tp_values) > 1:
         raise ConfigError(f"{CONFIG_FILE}: num_devices / tensor_parallel_size disagree across "
                           f"the file: {sorted(tp_values)}")
     tp = tp_values.pop() if tp_values else 1
-    if not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"{CONFIG_FILE}: num_devices={tp!r} must be a positive integer")
 
     try:
         artifact = _artifact(spec, batch_size=batch_size, max_seq_len=max_seq_len,

@@ -340,3 +340,13 @@ def test_a_device_cache_size_that_contradicts_the_config_is_refused(fake_rebel, 
     with pytest.raises(ConfigError, match=r"KV cache past_key_values_3 holds 163840 bytes on the "
                                           r"device, rbln_config.json gives \[5, 2, 128, 16\]"):
         RebelRuntime.from_optimum(d)
+
+
+def test_a_missing_input_is_caught_by_the_device(fake_rebel, tmp_path, llama):
+    _, path, prompts, _ = llama
+    rt = RebelRuntime.from_optimum(compiled(tmp_path, path, "eager"))
+    rt._decoders[B][1].getters.pop()                     # block_tables left out
+    [completion] = Batcher(rt).generate([prompts[0]], GREEDY)
+    assert completion.finish_reason == "error"
+    assert "decoder_batch_4: 2 inputs given, the graph takes 3 (input_ids, cache_position, " \
+           "block_tables)" in str(completion.error)

@@ -149,6 +149,7 @@ REFUSALS = {
     "graph-names": (dict(_compile_cfgs=[{"compiled_model_name": "prefill", "input_info": None}]),
                     "_compile_cfgs names"),
     "dtype": (dict(dtype="int8"), "dtype='int8'"),
+    "tp-type": (dict(num_devices=[0, 1]), r"num_devices=\[0, 1\] must be a positive integer"),
 }
 
 
@@ -232,3 +233,34 @@ def test_model_spec_must_agree_with_the_directory(tmp_path, checkpoints):
     other = msgspec.structs.replace(spec, num_layers=3)
     with pytest.raises(ConfigError, match="num_layers"):
         load(d, other)
+
+
+BAD_VALUES = ("x", -1, 0, [1], {"a": 1}, None, True, 1.5)
+
+
+def test_any_malformed_field_is_a_config_error_or_accepted(tmp_path, checkpoints):
+    """Every top-level field, and every field of a compile configuration, replaced by values of
+    the wrong kind: load() either accepts the file or raises ConfigError, nothing else."""
+    d = compile_dir(tmp_path / "c", checkpoints["gemma3"], batch_size=2, max_seq_len=128,
+                    kvcache_block_size=32, kvcache_num_blocks=9, decoder_batch_sizes=[1, 2])
+    original = json.loads((d / "rbln_config.json").read_text())
+    outcomes = {"accepted": 0, "refused": 0}
+    for field in original:
+        for bad in BAD_VALUES:
+            (d / "rbln_config.json").write_text(json.dumps({**original, field: bad}))
+            try:
+                load(d)
+                outcomes["accepted"] += 1
+            except ConfigError:
+                outcomes["refused"] += 1
+    for key in ("compiled_model_name", "input_info", "num_devices"):
+        for bad in BAD_VALUES:
+            cfgs = [dict(cfg) for cfg in original["_compile_cfgs"]]
+            cfgs[1][key] = bad
+            (d / "rbln_config.json").write_text(json.dumps({**original, "_compile_cfgs": cfgs}))
+            try:
+                load(d)
+                outcomes["accepted"] += 1
+            except ConfigError:
+                outcomes["refused"] += 1
+    assert outcomes["refused"] > outcomes["accepted"] > 0
