@@ -367,7 +367,7 @@ class _Server:
                            code="unsupported_value")
         if body.chat_template is not None:
             raise ApiError(400, "chat_template: a per-request template is not accepted; the server "
-                           f"renders with {self.codec.chat_template_name}",
+                           f"renders with {getattr(self.codec, 'chat_template_name', 'its own')}",
                            param="chat_template", code="unsupported_value")
 
     def check_completion_features(self, body: CompletionRequest) -> None:
@@ -528,7 +528,8 @@ class _Server:
                 "family": spec.family, "eos_token_ids": list(spec.eos_token_ids),
                 "artifact": art.label, "identity": art.identity,
                 "policy": self.ab.batcher.policy.label, "max_waiting": self.ab.batcher.max_waiting,
-                "tokenizer": self.codec.name, "chat_template": self.codec.chat_template_name,
+                "tokenizer": self.codec.name,
+                "chat_template": getattr(self.codec, "chat_template_name", "unknown"),
                 "strict_protocol": self.strict_protocol}
         return ModelCard(id=self.model_name, created=self.created, owned_by="atombatch",
                          atombatch=info, max_model_len=art.max_seq_len, root=self.model_name)
