@@ -235,17 +235,27 @@ class _Server:
             request.state.ignored_fields = ignored
             for path in ignored:
                 name = _INDEX.sub("[]", path)
-                if name not in self.warned_fields:
-                    self.warned_fields.add(name)
-                    log.warning("%s: ignoring the unknown request field %r (further uses are "
-                                "ignored silently; --strict-protocol rejects them)",
-                                request.url.path, name)
+                if name in self.warned_fields or len(self.warned_fields) > MAX_WARNED_FIELDS:
+                    continue
+                self.warned_fields.add(name)
+                if len(self.warned_fields) > MAX_WARNED_FIELDS:
+                    log.warning("more than %d distinct unknown request fields: no longer "
+                                "logging new ones", MAX_WARNED_FIELDS)
+                    break
+                log.warning("%s: ignoring the unknown request field %r (further uses are "
+                            "ignored silently; --strict-protocol rejects them)",
+                            request.url.path, name)
         return value
 
     def headers(self, request: Request) -> dict[str, str] | None:
         """`X-Ignored-Fields` when the body had fields this server does not read."""
         ignored = getattr(request.state, "ignored_fields", None)
-        return {IGNORED_FIELDS_HEADER: ", ".join(ignored)} if ignored else None
+        if not ignored:
+            return None
+        listed = ", ".join(ignored[:MAX_LISTED_FIELDS])
+        if len(ignored) > MAX_LISTED_FIELDS:
+            listed += f", ... ({len(ignored) - MAX_LISTED_FIELDS} more)"
+        return {IGNORED_FIELDS_HEADER: listed}
 
     def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int
                ) -> SamplingParams:
@@ -580,6 +590,8 @@ class _Server:
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+MAX_LISTED_FIELDS = 32       # names in X-Ignored-Fields (a client controls how many there are)
+MAX_WARNED_FIELDS = 1024     # distinct names logged once each; past it, no more are logged
 _INDEX = re.compile(r"\[\d+\]")
 
 
