@@ -153,3 +153,11 @@ def test_bench_http_without_httpx_fails_at_once(monkeypatch: Any, capsys: Any) -
     assert http.main(["--url", "http://127.0.0.1:9", "-c", "2", "--input-len", "8",
                       "--output-len", "4"]) == 2
     assert "pip install 'atombatch[server]'" in capsys.readouterr().err
+
+
+def test_an_unwritable_output_fails_before_the_run(capsys: Any, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert serve.main([*SMALL, "--json", str(blocker / "out.json")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "out.json: cannot create its folder" in captured.err

@@ -353,7 +353,8 @@ def test_template_errors(tmp_path: Path) -> None:
     with pytest.raises(RequestError, match="cannot both be true"):
         codec.chat_template.render(bad, continue_final_message=True)
     # The sandbox holds: no attribute escapes, no underscore names on a namespace.
-    for text in ("{{ messages.__class__.__mro__ }}", "{% set ns = namespace(_x=1) %}"):
+    for text in ("{{ messages.__class__.__mro__ }}", "{% set ns = namespace(_x=1) %}",
+                 "{{ 1 / 0 }}", "{{ messages[0].content.upper() }}"):
         with pytest.raises(RequestError, match="failed on these messages"):
             ChatTemplate({"default": text}, "t").render([])
     with pytest.raises(ConfigError, match=r"^chat template broken.jinja line 2: .*'endfor'"):

@@ -81,6 +81,17 @@ def test_unknown_fields_are_ignored_logged_once_and_listed(server: ServerThread,
     assert "x-ignored-fields" not in clean.headers
 
 
+def test_ignored_fields_are_bounded(server: ServerThread) -> None:
+    from atombatch.serve.app import MAX_LISTED_FIELDS
+
+    extra = {f"x{i:04d}": i for i in range(2000)}
+    r = post(server, "/v1/completions", {"prompt": IDS, "max_tokens": 2, **extra})
+    assert r.status_code == 200
+    listed = r.headers["x-ignored-fields"].split(", ")
+    assert listed[:MAX_LISTED_FIELDS] == [f"x{i:04d}" for i in range(MAX_LISTED_FIELDS)]
+    assert listed[-1] == f"... ({2000 - MAX_LISTED_FIELDS} more)"
+
+
 def test_strict_protocol_rejects_unknown_fields() -> None:
     app = create_app(Batcher(NumpyRuntime.random(ART, seed=WEIGHT_SEED)), NAME,
                      strict_protocol=True)

@@ -835,6 +835,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_writable(path: Path) -> None:
+    """Fail before the run when an output file cannot be written."""
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot create its folder ({exc.strerror})") from None
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{path}: not writable (checked before the run)")
+
+
 def _costs_from_args(args: argparse.Namespace) -> CostModel:
     from atombatch.runtime.sim import calibrate
     costs = CostModel.load(args.costs) if args.costs is not None else CostModel.default()
@@ -862,6 +873,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.plot is not None:
             require_matplotlib()
+        for path in (args.json, args.plot):
+            if path is not None:
+                _check_writable(path)
         costs = None if numpy_runtime else _costs_from_args(args)
         if costs is not None and args.save_costs is not None:
             costs.save(args.save_costs)

@@ -272,17 +272,27 @@ class _Server:
             request.state.ignored_fields = ignored
             for path in ignored:
                 name = _INDEX.sub("[]", path)
-                if name not in self.warned_fields:
-                    self.warned_fields.add(name)
-                    log.warning("%s: ignoring the unknown request field %r (further uses are "
-                                "ignored silently; --strict-protocol rejects them)",
-                                request.url.path, name)
+                if name in self.warned_fields or len(self.warned_fields) > MAX_WARNED_FIELDS:
+                    continue
+                self.warned_fields.add(name)
+                if len(self.warned_fields) > MAX_WARNED_FIELDS:
+                    log.warning("more than %d distinct unknown request fields: no longer "
+                                "logging new ones", MAX_WARNED_FIELDS)
+                    break
+                log.warning("%s: ignoring the unknown request field %r (further uses are "
+                            "ignored silently; --strict-protocol rejects them)",
+                            request.url.path, name)
         return value
 
     def headers(self, request: Request) -> dict[str, str] | None:
         """`X-Ignored-Fields` when the body had fields this server does not read."""
         ignored = getattr(request.state, "ignored_fields", None)
-        return {IGNORED_FIELDS_HEADER: ", ".join(ignored)} if ignored else None
+        if not ignored:
+            return None
+        listed = ", ".join(ignored[:MAX_LISTED_FIELDS])
+        if len(ignored) > MAX_LISTED_FIELDS:
+            listed += f", ... ({len(ignored) - MAX_LISTED_FIELDS} more)"
+        return {IGNORED_FIELDS_HEADER: listed}
 
     def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
                ) -> SamplingParams:
@@ -461,7 +471,7 @@ class _Server:
                            code="unsupported_value")
         if body.chat_template is not None:
             raise ApiError(400, "chat_template: a per-request template is not accepted; the server "
-                           f"renders with {self.codec.chat_template_name}",
+                           f"renders with {getattr(self.codec, 'chat_template_name', 'its own')}",
                            param="chat_template", code="unsupported_value")
 
     def check_completion_features(self, body: CompletionRequest) -> None:
@@ -641,7 +651,8 @@ class _Server:
                 "family": spec.family, "eos_token_ids": list(spec.eos_token_ids),
                 "artifact": art.label, "identity": art.identity,
                 "policy": self.ab.batcher.policy.label, "max_waiting": self.ab.batcher.max_waiting,
-                "tokenizer": self.codec.name, "chat_template": self.codec.chat_template_name,
+                "tokenizer": self.codec.name,
+                "chat_template": getattr(self.codec, "chat_template_name", "unknown"),
                 "strict_protocol": self.strict_protocol}
         return ModelCard(id=self.model_name, created=self.created, owned_by="atombatch",
                          atombatch=info, max_model_len=art.max_seq_len, root=self.model_name)
@@ -692,6 +703,8 @@ class _Server:
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+MAX_LISTED_FIELDS = 32       # names in X-Ignored-Fields (a client controls how many there are)
+MAX_WARNED_FIELDS = 1024     # distinct names logged once each; past it, no more are logged
 _INDEX = re.compile(r"\[\d+\]")
 
 

@@ -92,7 +92,6 @@ class ChatTemplate:
             RequestError: the template raised (`raise_exception`) or failed on these inputs, or
                 `continue_final_message` cannot be honoured.
         """
-        from jinja2 import TemplateError
         if continue_final_message and add_generation_prompt:
             raise RequestError("continue_final_message and add_generation_prompt cannot both be "
                                "true: continuing the last message adds no new assistant header")
@@ -113,8 +112,7 @@ class ChatTemplate:
             text: str = template.render(**context)
         except _TemplateRaised as exc:
             raise RequestError(f"chat template: {exc.message}") from None
-        except (TemplateError, TypeError, ValueError, KeyError, AttributeError,
-                IndexError) as exc:
+        except Exception as exc:  # any failure of an untrusted template fails this request only
             raise RequestError(f"chat template {self.source} failed on these messages: "
                                f"{type(exc).__name__}: {exc}") from None
         if final is not None:

@@ -15,7 +15,7 @@ histograms and finish reasons are observed by the HTTP layer as tokens reach the
 | atombatch_engine_requests_finished_total | counter | reason (engine view, all requests) |
 | atombatch_requests_in_flight | gauge | HTTP requests between accept and last byte |
 | atombatch_requests_finished_total | counter | reason = stop, length, abort, error, disconnect |
-| atombatch_requests_rejected_total | counter | status = 400, 404, 413, 422, 429, 503 |
+| atombatch_requests_rejected_total | counter | status = 400, 404, 413, 429, 503 |
 | atombatch_prompt_tokens_total, atombatch_generation_tokens_total | counter | |
 | atombatch_time_to_first_token_seconds | histogram | accept -> first token out |
 | atombatch_inter_token_latency_seconds | histogram | gap between consecutive tokens out |
