@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
@@ -18,7 +19,7 @@ import numpy.typing as npt
 import structlog
 
 from atombatch.config import ArtifactConfig, check_serving
-from atombatch.errors import CapacityError, RequestError
+from atombatch.errors import CapacityError, ConfigError, RequestError, StateError, TransientDeviceError
 from atombatch.prefix import HostCache
 from atombatch.runtime.base import Runtime
 from atombatch.sampling import sample
@@ -36,6 +37,10 @@ log = structlog.wrap_logger(
 )
 
 _WARN_EVENTS = frozenset({"request.failed"})
+
+# Requests without a lane that a Batcher keeps by default; past it `submit` raises CapacityError.
+# Each waiting request holds its prompt (at most max_seq_len int64 ids) and a little bookkeeping.
+DEFAULT_MAX_WAITING = 4096
 
 
 class KVSource(Protocol):
@@ -97,18 +102,25 @@ class Batcher:
         policy: prefill/decode interleaving: "prefill-first", "decode-first", "interleave:N".
         seed: derives the RNG of requests that give no seed of their own.
         clock: seconds; defaults to the runtime's `clock` (virtual time) or `time.perf_counter`.
-        max_waiting: bound on requests without a lane; `submit` raises `CapacityError` past it.
+        max_waiting: bound on requests without a lane; `submit` raises `CapacityError` past it
+            (default `DEFAULT_MAX_WAITING`; None removes the bound, for callers that bound their
+            own submissions).
         pd_timeout: seconds a PD request may wait for its producer's next message (header or
             layer) before it fails; the wait for the header includes the producer's own queue,
             so this must exceed the longest queueing a producer can have.
 
+    A Batcher is driven by one consumer: `step()` raises `StateError` when another thread is
+    already inside it (two interleaved steps would corrupt the lane tables). `AsyncBatcher` is
+    the way to share one engine between many clients.
+
     Raises:
-        ConfigError: the artifact and the options break a rule of DESIGN §3.
+        ConfigError: the artifact and the options break a rule of docs/rules.md.
     """
 
     def __init__(self, runtime: Runtime, *, prefix_cache: bool = False, host_cache_bytes: int = 0,
                  policy: Policy | str = "prefill-first", seed: int = 0,
-                 clock: Callable[[], float] | None = None, max_waiting: int | None = None,
+                 clock: Callable[[], float] | None = None,
+                 max_waiting: int | None = DEFAULT_MAX_WAITING,
                  pd_timeout: float = 300.0) -> None:
         artifact: ArtifactConfig = runtime.artifact
         check_serving(artifact, prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes)
@@ -121,7 +133,11 @@ class Batcher:
                                    prefix_cache=prefix_cache, host_cache=self.host_cache)
         self.clock: Callable[[], float] = clock or getattr(runtime, "clock", None) or \
             time.perf_counter
+        if max_waiting is not None and (isinstance(max_waiting, bool) or
+                                        not isinstance(max_waiting, int) or max_waiting < 1):
+            raise ConfigError(f"max_waiting={max_waiting!r} must be an int >= 1 (or None: unbounded)")
         self.max_waiting = max_waiting
+        self._step_lock = threading.Lock()
         self._seed_seq = np.random.SeedSequence(seed)
         self._next_id = 0
         self._pending: list[RequestOutput] = []
@@ -141,7 +157,10 @@ class Batcher:
         Raises:
             RequestError: naming the offending value and the rule.
         """
-        tokens = np.asarray(prompt)
+        try:
+            tokens = np.asarray(prompt)
+        except (ValueError, TypeError) as exc:  # ragged nesting, mixed types
+            raise RequestError(f"prompt must be a flat sequence of token ids: {exc}") from None
         if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
             raise RequestError(f"prompt must be a flat sequence of token ids, got shape "
                                f"{tokens.shape} of {tokens.dtype}")
@@ -225,7 +244,20 @@ class Batcher:
 
     # -- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one device call (a prefill chunk or a decode step); returns what it produced."""
+        """Run one device call (a prefill chunk or a decode step); returns what it produced.
+
+        Raises:
+            StateError: another thread is inside `step()` of this Batcher (one consumer only).
+        """
+        if not self._step_lock.acquire(blocking=False):
+            raise StateError("Batcher.step() is already running in another thread: a Batcher "
+                             "has one consumer (share it through AsyncBatcher)")
+        try:
+            return self._step()
+        finally:
+            self._step_lock.release()
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         if self._kv:
             self._poll_kv(outputs)
@@ -281,7 +313,7 @@ class Batcher:
         if request is None:  # failed by this plan's block ops: nothing to compute for it
             return
         try:
-            logits = self.runtime.prefill(plan.inputs)
+            logits = self._device_call(self.runtime.prefill, plan.inputs)
             token = None
             if plan.last_chunk and not request.recomputing:
                 row = np.asarray(logits).reshape(-1)
@@ -388,7 +420,7 @@ class Batcher:
     def _run_decode(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         scheduler = self.scheduler
         try:
-            logits = np.asarray(self.runtime.decode(plan.inputs))
+            logits = np.asarray(self._device_call(self.runtime.decode, plan.inputs))
         except Exception as exc:
             for request_id in plan.request_ids:
                 request = scheduler.requests.get(request_id)
@@ -414,6 +446,17 @@ class Batcher:
                 self._fail(request, str(exc), outputs)
         for done in scheduler.complete_decode(plan, tokens, self.clock()):
             outputs.append(self._output(done))
+
+    def _device_call(self, call: Callable[[Any], Any], inputs: Any) -> Any:
+        """One prefill or decode call, repeated once when the runtime says the fault was
+        transient (`TransientDeviceError`: nothing was written that the repeat would not
+        overwrite). Any other failure, or a second one, propagates and fails the step's
+        requests: they shared one device call."""
+        try:
+            return call(inputs)
+        except TransientDeviceError as exc:
+            log.warning("device.retry", call=getattr(call, "__name__", "call"), error=str(exc))
+            return call(inputs)
 
     def _fail(self, request: Request, message: str, outputs: list[RequestOutput]) -> None:
         self.scheduler.fail(request, message)
@@ -463,7 +506,11 @@ class Batcher:
     # -- conveniences -------------------------------------------------------------------------------
     def generate(self, prompts: Iterable[Sequence[int] | npt.NDArray[np.integer]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
-        """Submit every prompt, run until all finish; completions in prompt order."""
+        """Submit every prompt, run until all finish; completions in prompt order.
+
+        Prompts are all validated first (a bad one raises before anything is queued), then fed
+        to the queue as `max_waiting` allows.
+        """
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             per_prompt = [params or SamplingParams()] * len(prompts)
@@ -471,9 +518,14 @@ class Batcher:
             per_prompt = list(params)
             if len(per_prompt) != len(prompts):
                 raise RequestError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.submit(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
+        for prompt, sp in zip(prompts, per_prompt, strict=True):
+            self.validate(prompt, sp)
+        ids: list[str] = []
         done: dict[str, Completion] = {}
-        while len(done) < len(ids):
+        while len(done) < len(prompts):
+            while len(ids) < len(prompts) and (self.max_waiting is None or
+                                               self.scheduler.num_waiting < self.max_waiting):
+                ids.append(self.submit(prompts[len(ids)], per_prompt[len(ids)]))
             for out in self.step():
                 if out.finished and out.completion is not None:
                     done[out.request_id] = out.completion
@@ -496,7 +548,7 @@ class Batcher:
             lane_histogram=tuple(c.lane_histogram))
 
     def check_invariants(self) -> None:
-        """Raise `StateError` if any ownership invariant of DESIGN §3 is broken."""
+        """Raise `StateError` if any ownership invariant of docs/rules.md is broken."""
         self.scheduler.check_invariants()
 
     def record_trace(self) -> list[Any]:

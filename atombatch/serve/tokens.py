@@ -27,7 +27,11 @@ from typing import Any, Protocol
 
 from atombatch.errors import ConfigError, RequestError
 
-_PIECE = re.compile(r"\s*<(\d+)>")
+# A token id is written with at most this many digits (ids are int32 on the device). A longer
+# digit run is refused before it reaches `int()`, so a hostile prompt costs linear time only.
+MAX_ID_DIGITS = 10
+_PIECE = re.compile(rf"\s*<(\d{{1,{MAX_ID_DIGITS}}})>")
+_LONG_PIECE = re.compile(rf"\s*<\d{{{MAX_ID_DIGITS + 1}}}")
 _SPACE = re.compile(r"\s*")
 
 
@@ -60,6 +64,9 @@ class IdCodec:
             ids.append(int(match.group(1)))
             pos = match.end()
         if _SPACE.fullmatch(text, pos) is None:
+            if _LONG_PIECE.match(text, pos):
+                raise RequestError(f"token id piece at offset {pos} has more than "
+                                   f"{MAX_ID_DIGITS} digits: a token id is in 0..2**31-1")
             raise RequestError(f"text {_clip(text[pos:])!r} at offset {pos} is not a '<id>' piece: "
                                "this server has no tokenizer, so text must be written as token ids "
                                "like '<17><3>' (or send the prompt as a list of ids)")
