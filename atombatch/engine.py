@@ -19,7 +19,14 @@ import numpy.typing as npt
 import structlog
 
 from atombatch.config import ArtifactConfig, check_serving
-from atombatch.errors import CapacityError, ConfigError, RequestError, StateError, TransientDeviceError
+from atombatch.errors import (
+    CapacityError,
+    ConfigError,
+    KVTransferError,
+    RequestError,
+    StateError,
+    TransientDeviceError,
+)
 from atombatch.prefix import HostCache
 from atombatch.runtime.base import Runtime
 from atombatch.sampling import sample
@@ -330,7 +337,7 @@ class Batcher:
     # -- prefill/decode disaggregation --------------------------------------------------------------
     def _poll_kv(self, outputs: list[RequestOutput]) -> None:
         """Collect what producers sent; validate it; fail requests whose source broke or stalled."""
-        from atombatch import pd as pdmod
+        from atombatch.pd import checks as pdmod
 
         now = self.clock()
         scheduler = self.scheduler
@@ -353,7 +360,7 @@ class Batcher:
                     link.last_progress = now
                 if layers:
                     if link.header is None:
-                        raise pdmod.KVTransferError(f"request {request_id}: layers arrived "
+                        raise KVTransferError(f"request {request_id}: layers arrived "
                                                     "before the header")
                     for layer in layers:
                         pdmod.validate_layer(link.header, layer, link.seen)
@@ -362,11 +369,11 @@ class Batcher:
                     link.last_progress = now
                 if link.header is not None and link.source.done() and \
                         len(link.seen) != link.header.num_layers:
-                    raise pdmod.KVTransferError(
+                    raise KVTransferError(
                         f"request {request_id}: the producer finished after "
                         f"{len(link.seen)} of {link.header.num_layers} layers")
                 if not link.source.done() and now - link.last_progress > self.pd_timeout:
-                    raise pdmod.KVTransferError(
+                    raise KVTransferError(
                         f"request {request_id}: no KV from the producer for "
                         f"{now - link.last_progress:.1f} s (pd_timeout={self.pd_timeout} s)")
             except Exception as exc:

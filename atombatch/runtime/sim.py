@@ -70,7 +70,7 @@ import numpy.typing as npt
 from atombatch import plan
 from atombatch.config import SLIDING, ArtifactConfig, ModelSpec
 from atombatch.errors import ConfigError, KVTransferError, StateError
-from atombatch.pd import KVHeader, LayerKV, Mode, expected_layer_tokens, model_identity
+from atombatch.pd.wire import KVHeader, LayerKV, Mode, expected_layer_tokens, model_identity
 from atombatch.runtime.base import DecodeArrays, PrefillArrays
 from atombatch.sampling import sample
 from atombatch.structs import SamplingParams
