@@ -26,8 +26,6 @@ from atombatch import (
     SamplingParams,
     StateError,
 )
-from atombatch.engine import DEFAULT_MAX_WAITING
-from atombatch.errors import TransientDeviceError
 from atombatch.runtime import NumpyRuntime, SimRuntime
 
 SPEC = ModelSpec(name="hostile-llama", family="llama", vocab_size=128, hidden_size=32,
@@ -91,6 +89,8 @@ def test_ragged_and_nested_prompts_are_request_errors() -> None:
 
 
 def test_the_default_queue_is_bounded() -> None:
+    from atombatch.engine import DEFAULT_MAX_WAITING
+
     batcher = Batcher(SimRuntime(ART))
     assert batcher.max_waiting == DEFAULT_MAX_WAITING
     for _ in range(DEFAULT_MAX_WAITING):
@@ -183,6 +183,8 @@ class FaultyDecode:
 
 
 def test_a_transient_decode_fault_is_retried_once_and_every_request_finishes_right() -> None:
+    from atombatch.errors import TransientDeviceError
+
     runtime = FaultyDecode(TransientDeviceError("link reset before the graph ran"), at=2)
     batcher = Batcher(runtime)
     ids = [batcher.submit(p, GREEDY) for p in PROMPTS]
@@ -192,6 +194,8 @@ def test_a_transient_decode_fault_is_retried_once_and_every_request_finishes_rig
 
 
 def test_a_decode_fault_fails_that_steps_requests_only() -> None:
+    from atombatch.errors import TransientDeviceError
+
     # Twice transient (the retry fails too), then a plain error: each fails the step's lanes.
     for error, times in ((TransientDeviceError("still down"), 2), (RuntimeError("device hung"), 1)):
         runtime = FaultyDecode(error, at=1, times=times)
