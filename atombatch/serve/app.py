@@ -38,6 +38,7 @@ from starlette.types import Receive, Scope, Send
 from atombatch.aio import AsyncBatcher
 from atombatch.engine import Batcher
 from atombatch.errors import CapacityError, RequestError
+from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES
 from atombatch.serve.metrics import ServerMetrics
 from atombatch.serve.protocol import (
     ChatChoice,
@@ -61,7 +62,6 @@ from atombatch.structs import RequestOutput, SamplingParams
 
 T = TypeVar("T")
 
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 _ENCODER = msgspec.json.Encoder()
 _DONE = b"data: [DONE]\n\n"
 
@@ -178,11 +178,12 @@ class _Generation:
 
 class _Server:
     def __init__(self, ab: AsyncBatcher, model_name: str, codec: Codec,
-                 max_body_bytes: int, retry_after: int) -> None:
+                 max_body_bytes: int, retry_after: int, body_timeout: float = 30.0) -> None:
         self.ab = ab
         self.model_name = model_name
         self.codec = codec
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
         self.retry_after = retry_after
         self.artifact = ab.batcher.artifact
         self.metrics = ServerMetrics(ab.stats, self.artifact.batch_size)
@@ -191,14 +192,7 @@ class _Server:
 
     # -- request parsing ---------------------------------------------------------------------------
     async def decode(self, request: Request, kind: type[T]) -> T:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            raise ApiError(413, f"body of {length} bytes exceeds {self.max_body_bytes} bytes",
-                           code="body_too_large")
-        body = await request.body()
-        if len(body) > self.max_body_bytes:
-            raise ApiError(413, f"body of {len(body)} bytes exceeds {self.max_body_bytes} bytes",
-                           code="body_too_large")
+        body = await self.read_body(request)
         try:
             return msgspec.json.decode(body, type=kind)
         except msgspec.ValidationError as exc:
@@ -206,6 +200,29 @@ class _Server:
                            code="invalid_schema") from None
         except msgspec.DecodeError as exc:
             raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, read as it streams in: 413 the moment it passes `max_body_bytes`
+        (a chunked upload is never buffered past the limit), 408 past `body_timeout`."""
+        limit = self.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"body of {length} bytes exceeds max_body_bytes={limit}",
+                           code="body_too_large", headers=_CLOSE)
+        body = bytearray()
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                async for chunk in request.stream():
+                    if len(body) + len(chunk) > limit:
+                        raise ApiError(413, f"body exceeds max_body_bytes={limit} (read "
+                                       f"{len(body) + len(chunk)} bytes so far)",
+                                       code="body_too_large", headers=_CLOSE)
+                    body += chunk
+        except TimeoutError:
+            raise ApiError(408, f"the body did not arrive within body_timeout="
+                           f"{self.body_timeout} s", code="body_timeout",
+                           headers=_CLOSE) from None
+        return bytes(body)
 
     def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int
                ) -> SamplingParams:
@@ -421,6 +438,7 @@ class _Server:
 
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_CLOSE = {"Connection": "close"}  # the rest of a refused body is never read: end the connection
 _BACKTICK = re.compile(r"`([^`]*)`")
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 
@@ -451,7 +469,8 @@ def _engine_param(message: str, prompt_param: str) -> str | None:
 def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
                tokenizer: Codec | Any | None = None, *,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after: int = 1,
-               on_shutdown: Callable[[], None] | None = None) -> Starlette:
+               on_shutdown: Callable[[], None] | None = None,
+               body_timeout: float = 30.0) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
     Args:
@@ -461,12 +480,14 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
         model_name: the id served at `/v1/models` and expected in `model` fields.
         tokenizer: None (token-id text, see `atombatch.serve.tokens`), a `Codec`, or a
             `tokenizers.Tokenizer`.
-        max_body_bytes: larger request bodies answer 413.
+        max_body_bytes: larger request bodies answer 413, checked as the body streams in.
+        body_timeout: seconds a request body may take to arrive; slower ones answer 408.
         retry_after: seconds sent in `Retry-After` with a 429.
         on_shutdown: called after the engine drained (e.g. to release a device).
 
     Returns:
-        A Starlette app to run with uvicorn (`uvicorn.run(app)` or `uvicorn.Server`).
+        A Starlette app to run with uvicorn; `atombatch.serve.limits.uvicorn_config(app, ...)`
+        adds the connection cap and header timeout an exposed server needs.
     """
     ab = batcher_or_async if isinstance(batcher_or_async, AsyncBatcher) else \
         AsyncBatcher(batcher_or_async, offload=True)
@@ -476,7 +497,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
         codec = tokenizer
     else:
         codec = HFCodec(tokenizer)
-    server = _Server(ab, model_name, codec, max_body_bytes, retry_after)
+    server = _Server(ab, model_name, codec, max_body_bytes, retry_after, body_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

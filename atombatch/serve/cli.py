@@ -11,8 +11,13 @@ a checkpoint. `--model` takes a Hugging Face checkpoint directory (config.json +
 `tokenizer.json` next to it is used for text) or, with `--runtime rebel`, a preset name.
 
 The artifact is built from the shape flags; `--block-size` defaults to the context (eager: one block
-per sequence) and `--num-blocks` to lanes x blocks-per-sequence + 1 (DESIGN §3's general rule).
-Configuration errors (a broken §3 rule, a missing SDK) print one line and exit with status 2.
+per sequence) and `--num-blocks` to lanes x blocks-per-sequence + 1 (the general admission rule of
+docs/rules.md). Configuration errors (a broken rule of docs/rules.md, a missing SDK) print one line
+and exit with status 2.
+
+The server bounds what one client can cost (body size and time, header time, open connections;
+docs/security.md). It speaks plain HTTP with no authentication: put a TLS-terminating proxy with
+authentication in front of it before exposing it beyond a trusted network.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 from atombatch.config import PRESETS, ArtifactConfig, ModelSpec
 from atombatch.engine import Batcher
 from atombatch.errors import ConfigError
+from atombatch.serve.limits import ServerLimits
 from atombatch.serve.tokens import Codec, HFCodec
 
 DEFAULT_SPEC = ModelSpec(
@@ -60,6 +66,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads for the NumPy runtime (default 1; 0 leaves the library's "
                    "default). OpenBLAS threads spin between calls and starve the event loop")
+    limits = ServerLimits()
+    p.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
+                   help="larger request bodies answer 413, checked as they stream in "
+                   f"(default {limits.max_body_bytes})")
+    p.add_argument("--body-timeout", type=float, default=limits.body_timeout,
+                   help=f"seconds a request body may take (default {limits.body_timeout:g})")
+    p.add_argument("--header-timeout", type=float, default=limits.header_timeout,
+                   help="seconds a connection has to deliver a complete request head "
+                   f"(default {limits.header_timeout:g})")
+    p.add_argument("--keep-alive-timeout", type=int, default=limits.keep_alive_timeout,
+                   help=f"idle seconds between requests (default {limits.keep_alive_timeout})")
+    p.add_argument("--max-connections", type=int,
+                   help="open connections; past it the longest-idle one is closed (default: "
+                   "from the descriptor limit, `ulimit -n`)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info",
@@ -71,7 +91,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
     """The `Batcher`, served model name and tokenizer that the flags describe.
 
     Raises:
-        ConfigError: a rule of DESIGN §3 is broken, the checkpoint is unusable, or the rebel SDK
+        ConfigError: a rule of docs/rules.md is broken, the checkpoint is unusable, or the rebel SDK
             (or `RebelRuntime`) is not available.
     """
     model_dir = Path(args.model) if args.model and Path(args.model).is_dir() else None
@@ -138,13 +158,24 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from atombatch.serve.app import create_app
-    app = create_app(batcher, name, codec)
+    from atombatch.serve.limits import uvicorn_config
+    try:
+        limits = ServerLimits(max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                              header_timeout=args.header_timeout,
+                              keep_alive_timeout=args.keep_alive_timeout,
+                              max_connections=args.max_connections).resolved()
+    except ConfigError as exc:
+        print(f"atombatch.serve: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(batcher, name, codec, max_body_bytes=limits.max_body_bytes,
+                     body_timeout=limits.body_timeout)
     art = batcher.artifact
     print(f"atombatch.serve: {art.label} ({args.runtime}, policy {batcher.policy.label}, "
           f"tokenizer {'tokenizers' if codec else 'ids'}) on http://{args.host}:{args.port}",
           file=sys.stderr)
     # timeout_graceful_shutdown=None: on SIGINT/SIGTERM uvicorn stops accepting and waits for
     # in-flight streams; then the lifespan drains the engine (AsyncBatcher.close(drain=True)).
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=None)
+    config = uvicorn_config(app, limits, host=args.host, port=args.port,
+                            log_level=args.log_level, timeout_graceful_shutdown=None)
+    uvicorn.Server(config).run()
     return 0
