@@ -81,6 +81,7 @@ def poll_error(source: KVSource, timeout: float = 10.0) -> KVTransferError:
 
 
 # -- F5: header fields are bounded before anything is built from them -----------------------------
+# Do not run the "huge" ids against f4462de: its set(range(2**62)) is an out-of-memory kill.
 @pytest.mark.parametrize("num_layers", [10**6, 2**62], ids=["million", "huge"])
 def test_a_header_announcing_absurd_layer_counts_fails_small_and_fast(payload: Any,
                                                                       num_layers: int) -> None:
