@@ -150,7 +150,7 @@ class AsyncBatcher:
         """
         if request_id in self._claimed:
             raise StateError(f"outputs({request_id!r}) is already being consumed: each "
-                             "request's outputs have one consumer")
+                             "request's outputs have one consumer (docs/rules.md)")
         queue = self._queues.get(request_id)
         if queue is None:
             final = self._unclaimed.pop(request_id, None)

@@ -258,7 +258,7 @@ class Batcher:
         """
         if not self._step_lock.acquire(blocking=False):
             raise StateError("Batcher.step() is already running in another thread: a Batcher "
-                             "has one consumer (share it through AsyncBatcher)")
+                             "has one consumer (share it through AsyncBatcher; docs/rules.md)")
         try:
             return self._step()
         finally:
