@@ -51,7 +51,11 @@ DEFAULT_MAX_WAITING = 4096
 
 
 class KVSource(Protocol):
-    """Where a PD request's KV comes from (see `atombatch.pd`); polled without blocking."""
+    """Where a PD request's KV comes from (see `atombatch.pd`); polled without blocking.
+
+    A source may also have `expect(artifact, prompt, require_full)`: `submit` calls it so the
+    source can check the header on arrival, before it accepts any layer.
+    """
 
     def poll(self) -> tuple[Any, list[Any]]: ...
     def done(self) -> bool: ...
@@ -226,6 +230,9 @@ class Batcher:
             int(self._seed_seq.spawn(1)[0].generate_state(1)[0])
         request = Request(request_id, tokens, params, self.clock(), np.random.default_rng(seed))
         if kv is not None:
+            expect = getattr(kv, "expect", None)
+            if expect is not None:  # let the source check the header on arrival
+                expect(self.artifact, tokens, self._require_full_prefix)
             request.pd = PDImport()
             self._kv[request_id] = KVLink(kv, request.arrival)
         self.scheduler.add(request)

@@ -319,11 +319,12 @@ class ZmqSource:
     The request is sent on construction from a DEALER socket of its own. `poll` reads with
     `zmq.NOBLOCK`; K/V arrive as zero-copy frames viewed with `np.frombuffer`.
 
-    Pass the decoder's `artifact` (what `Batcher` does not know how to do for you): frames are then
-    capped at the largest legal layer buffer of that artifact and the header is checked against
-    it (and the prompt) on arrival, before any layer frame is decoded. Without it frames are capped
-    at `max_frame_bytes` and the header is only bounded field by field until the engine checks it.
-    A frame over the cap makes ZeroMQ drop the connection; the source reports a disconnect.
+    Pass the decoder's `artifact`: frames are then capped (`ZMQ_MAXMSGSIZE`) at the largest legal
+    layer buffer of that artifact. Without it frames are capped at `max_frame_bytes`. A frame over
+    the cap makes ZeroMQ drop the connection; the source reports a disconnect. Either way the
+    header is checked against the decoder's artifact and prompt on arrival, before any layer frame
+    is decoded, once the artifact is known (`artifact=` or `Batcher.submit`, which calls
+    `expect`), so only layers of the artifact's legal sizes are ever kept.
 
     A killed producer is detected through the socket monitor: the operating system closes a dead
     process's connections, ZeroMQ reports `EVENT_DISCONNECTED`, and `poll` raises once the frames
@@ -378,6 +379,15 @@ class ZmqSource:
         except zmq.ZMQError as exc:
             self.close()
             raise KVTransferError(f"cannot reach a KV producer at {endpoint!r}: {exc}") from exc
+
+    def expect(self, artifact: ArtifactConfig, prompt: Sequence[int], require_full: bool) -> None:
+        """Check the header against `artifact` and `prompt` the moment it arrives, before any
+        layer frame is decoded (`Batcher.submit` calls this). Layers are then only accepted at
+        the artifact's legal sizes, whatever frame cap the socket was opened with."""
+        if self.artifact is None:
+            self.artifact = artifact
+            self._require_full = require_full
+        self._prompt = [int(t) for t in prompt]
 
     def _fail(self, error: KVTransferError) -> KVTransferError:
         self._error = error

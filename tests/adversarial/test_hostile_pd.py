@@ -206,3 +206,21 @@ def test_a_decoder_that_never_reads_does_not_block_an_honest_one(
         hostile.close()
     assert finals[honest].finish_reason == "length", finals[honest].error
     assert finals[honest].completion.token_ids == native.token_ids
+
+
+def test_a_submitted_source_checks_the_header_before_keeping_any_layer(payload: Any) -> None:
+    """Whole mode, no `artifact=`: the Batcher hands the source its artifact, so a header with
+    the wrong shapes fails on arrival instead of buffering layers of those shapes."""
+    batcher = Batcher(NumpyRuntime.random(ART, seed=1), pd_timeout=5.0)
+    fake = FakeProducer()
+    wide = msgspec.structs.replace(payload.header, kv_heads=64)
+    big = np.zeros((64, len(PROMPT), SPEC.head_dim), np.float32)
+    source = ZmqSource(fake.endpoint, "wide", PROMPT, mode="whole")
+    rid = batcher.submit(PROMPT, PARAMS, kv=source)
+    try:
+        fake.answer([[HEADER, encode_header(wide)],
+                     *[[LAYER, msgspec.msgpack.encode(i), big, big] for i in range(2)]])
+        finals = run_to_end(batcher)
+    finally:
+        fake.close()
+    assert "kv_heads=64" in (finals[rid].error or ""), finals[rid].error
