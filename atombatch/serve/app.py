@@ -492,7 +492,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
     ab = batcher_or_async if isinstance(batcher_or_async, AsyncBatcher) else \
         AsyncBatcher(batcher_or_async, offload=True)
     if tokenizer is None:
-        codec: Codec = IdCodec()
+        codec: Codec = IdCodec(max_ids=ab.batcher.artifact.max_seq_len)
     elif hasattr(tokenizer, "render_chat"):
         codec = tokenizer
     else:

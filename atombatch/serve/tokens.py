@@ -54,6 +54,9 @@ class IdCodec:
 
     name = "ids"
 
+    def __init__(self, max_ids: int | None = None) -> None:
+        self.max_ids = max_ids  # stop parsing past this many ids (the server's max_seq_len)
+
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
         pos = 0
@@ -61,6 +64,9 @@ class IdCodec:
             match = _PIECE.match(text, pos)
             if match is None:
                 break
+            if self.max_ids is not None and len(ids) >= self.max_ids:
+                raise RequestError(f"text has more than {self.max_ids} token ids: a prompt must "
+                                   f"fit max_seq_len={self.max_ids}")
             ids.append(int(match.group(1)))
             pos = match.end()
         if _SPACE.fullmatch(text, pos) is None:
@@ -77,6 +83,9 @@ class IdCodec:
         ids: list[int] = []
         for _, content in messages:
             ids.extend(self.encode(content))
+            if self.max_ids is not None and len(ids) > self.max_ids:
+                raise RequestError(f"messages have more than {self.max_ids} token ids: a prompt "
+                                   f"must fit max_seq_len={self.max_ids}")
         return ids
 
     def decoder(self) -> _IdDecoder:

@@ -148,3 +148,15 @@ def test_a_slow_body_answers_408(server: tuple[str, int]) -> None:
                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
         answer = sock.recv(4096)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+
+
+def test_token_id_text_is_parsed_only_up_to_the_context(server: tuple[str, int]) -> None:
+    url, _ = server
+    text = "<7>" * 300_000  # 900 KB under the 1 MiB limit; the context is 1024 tokens
+    for path, body in (("/v1/completions", {**COMPLETION, "prompt": text}),
+                       ("/v1/chat/completions", {**COMPLETION, "messages": [
+                           {"role": "user", "content": "<7>" * 600},
+                           {"role": "user", "content": "<7>" * 600}]})):
+        response = httpx.post(f"{url}{path}", json=body, timeout=30)
+        assert response.status_code == 400, response.text
+        assert "more than 1024 token ids" in response.json()["error"]["message"]
