@@ -43,7 +43,7 @@ class ServerLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     body_timeout: float = 30.0          # seconds to receive a whole request body, else 408
     header_timeout: float = 10.0        # seconds to deliver a complete request head
     keep_alive_timeout: int = 5         # idle seconds between requests on one connection
-    max_header_bytes: int = 64 * 1024   # bytes of an incomplete request head (h11)
+    max_header_bytes: int = 16 * 1024   # bytes of an incomplete request head (h11)
     max_connections: int | None = None  # open connections; None: from the descriptor limit
     limit_concurrency: int | None = None  # requests in flight (uvicorn 503); None: max_connections
     backlog: int | None = None          # listen backlog = accept burst; None: from the fd limit

@@ -160,3 +160,19 @@ def test_token_id_text_is_parsed_only_up_to_the_context(server: tuple[str, int])
         response = httpx.post(f"{url}{path}", json=body, timeout=30)
         assert response.status_code == 400, response.text
         assert "more than 1024 token ids" in response.json()["error"]["message"]
+
+
+def test_server_limits_are_checked_and_follow_the_descriptor_limit() -> None:
+    from atombatch import ConfigError
+    from atombatch.serve.limits import ServerLimits
+
+    with pytest.raises(ConfigError, match="header_timeout=0"):
+        ServerLimits(header_timeout=0)
+    with pytest.raises(ConfigError, match="max_body_bytes=0"):
+        ServerLimits(max_body_bytes=0)
+    with pytest.raises(ConfigError, match="ulimit -n"):
+        ServerLimits(max_connections=10**9).resolved()
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resolved = ServerLimits().resolved()
+    assert resolved.max_connections is not None and resolved.backlog is not None
+    assert resolved.max_connections + 2 * resolved.backlog + 32 <= max(soft, 16 + 2 * 16 + 32)
