@@ -121,8 +121,9 @@ class Batcher:
             so this must exceed the longest queueing a producer can have.
 
     A Batcher is driven by one consumer: `step()` raises `StateError` when another thread is
-    already inside it (two interleaved steps would corrupt the lane tables). `AsyncBatcher` is
-    the way to share one engine between many clients.
+    already inside it (two interleaved steps would corrupt the lane tables); `submit` and `abort`
+    called from another thread wait until a running step ends. `AsyncBatcher` is the way to
+    share one engine between many clients.
 
     Raises:
         ConfigError: the artifact and the options break a rule of docs/rules.md.
@@ -234,8 +235,10 @@ class Batcher:
             if expect is not None:  # let the source check the header on arrival
                 expect(self.artifact, tokens, self._require_full_prefix)
             request.pd = PDImport()
-            self._kv[request_id] = KVLink(kv, request.arrival)
-        self.scheduler.add(request)
+        with self._step_lock:  # from another thread: waits for a running step to end
+            if kv is not None:
+                self._kv[request_id] = KVLink(kv, request.arrival)
+            self.scheduler.add(request)
         log.debug("request.submitted", request_id=request_id, prompt_len=len(tokens),
                   max_tokens=params.max_tokens)
         return request_id
@@ -246,11 +249,12 @@ class Batcher:
         Returns False when the request is unknown or already finished. Its final output (reason
         "abort") comes out of the next `step()`.
         """
-        request = self.scheduler.abort(request_id)
-        if request is None:
-            return False
-        self._pending.append(self._final_output(request, ()))
-        self._flush_events()
+        with self._step_lock:  # from another thread: waits for a running step to end
+            request = self.scheduler.abort(request_id)
+            if request is None:
+                return False
+            self._pending.append(self._final_output(request, ()))
+            self._flush_events()
         return True
 
     def has_unfinished(self) -> bool:

@@ -208,3 +208,34 @@ def test_a_decode_fault_fails_that_steps_requests_only() -> None:
         assert finals[ids[2]].completion.token_ids == reference(PROMPTS[2:])[0]
         stats = batcher.stats()
         assert stats.lane_blocks == 0 and stats.staged_blocks == 0
+
+
+def test_submit_and_abort_from_another_thread_wait_for_the_running_step() -> None:
+    runtime = GatedDecode()
+    batcher = Batcher(runtime)
+    first = batcher.submit(PROMPTS[0], GREEDY)
+    while not runtime.entered.is_set():
+        runner = threading.Thread(target=batcher.step)
+        runner.start()
+        runner.join(0.5)
+        if runner.is_alive():
+            break
+    done = threading.Event()
+
+    def other_thread() -> None:
+        batcher.submit(PROMPTS[1], GREEDY, request_id="late")
+        batcher.abort(first)
+        done.set()
+
+    helper = threading.Thread(target=other_thread)
+    helper.start()
+    helper.join(0.3)
+    try:
+        assert not done.is_set()  # blocked behind the step that is inside the device call
+    finally:
+        runtime.gate.set()
+        runner.join(10)
+        helper.join(10)
+    finals = run_to_end(batcher)
+    assert finals[first].finish_reason == "abort"
+    assert finals["late"].completion.token_ids == reference(PROMPTS[1:2])[0]
