@@ -227,7 +227,7 @@ class _Server:
     def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int
                ) -> SamplingParams:
         if body.model is not None and body.model != self.model_name:
-            raise ApiError(404, f"model {body.model!r} is not served here; this server serves "
+            raise ApiError(404, f"model {_clip(repr(body.model))} is not served here; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
         unsupported: list[tuple[str, object, object]] = [
             ("n", body.n, 1), ("presence_penalty", body.presence_penalty, 0.0),
@@ -241,7 +241,7 @@ class _Server:
                 raise ApiError(400, f"{name}={value!r} is not supported: only {served!r} is served",
                                param=name, code="unsupported_value")
         if body.stop:
-            raise ApiError(400, f"stop={body.stop!r}: stop strings are not supported; use "
+            raise ApiError(400, f"stop={_clip(repr(body.stop))}: stop strings are not supported; use "
                            "stop_token_ids", param="stop", code="unsupported_value")
         if body.seed is not None and body.seed < 0:
             raise ApiError(400, f"seed={body.seed} must be >= 0", param="seed",
@@ -441,6 +441,11 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _CLOSE = {"Connection": "close"}  # the rest of a refused body is never read: end the connection
 _BACKTICK = re.compile(r"`([^`]*)`")
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    """Client-supplied text quoted in an error, cut to `limit` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
 def _schema_param(message: str) -> str | None:

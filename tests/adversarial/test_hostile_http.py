@@ -176,3 +176,11 @@ def test_server_limits_are_checked_and_follow_the_descriptor_limit() -> None:
     resolved = ServerLimits().resolved()
     assert resolved.max_connections is not None and resolved.backlog is not None
     assert resolved.max_connections + 2 * resolved.backlog + 32 <= max(soft, 16 + 2 * 16 + 32)
+
+
+def test_error_messages_quote_client_text_clipped(server: tuple[str, int]) -> None:
+    url, _ = server
+    response = httpx.post(f"{url}/v1/completions", timeout=30,
+                          json={**COMPLETION, "model": "m" * 500_000, "prompt": "<5>"})
+    assert response.status_code == 404
+    assert len(response.content) < 2000 and "500002 chars" in response.json()["error"]["message"]
