@@ -137,6 +137,7 @@ class ZmqProducerServer:
         self._stalled: dict[bytes, float] = {}  # dropped peers -> until when their requests drop
         self.served = 0
         self.dropped_peers = 0
+        self.refused = 0  # requests dropped without a reply (malformed or over the per-peer cap)
 
     # -- the loop ----------------------------------------------------------------------------------
     def serve_forever(self, poll_interval: float = 0.1) -> None:
@@ -191,7 +192,10 @@ class ZmqProducerServer:
                                           f"queued (max_requests_per_peer="
                                           f"{self.max_requests_per_peer})")
             except KVTransferError as exc:
-                self._queue(peer, [ERROR, str(exc).encode()])
+                if peer.outbox:  # not reading its replies: an error reply would only pile up
+                    self.refused += 1
+                else:
+                    self._queue(peer, [ERROR, str(exc).encode()])
                 continue
             peer.requests.append(request)
 

@@ -22,6 +22,7 @@ from rss import MiB, rss_bytes
 from atombatch import ArtifactConfig, Batcher, KVTransferError, ModelSpec, SamplingParams
 from atombatch.pd import (
     END,
+    ERROR,
     HEADER,
     LAYER,
     REQUEST,
@@ -225,3 +226,32 @@ def test_a_submitted_source_checks_the_header_before_keeping_any_layer(payload: 
     finally:
         fake.close()
     assert "kv_heads=64" in (finals[rid].error or ""), finals[rid].error
+
+
+def test_requests_past_the_per_peer_cap_are_refused(payload: Any) -> None:
+    server = ZmqProducerServer(Producer(NumpyRuntime.random(ART, seed=1)), "tcp://127.0.0.1:0",
+                               max_requests_per_peer=3)
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(server.last_endpoint)
+    try:
+        request = msgspec.msgpack.encode(KVRequest(request_id="many", prompt=PROMPT))
+        for _ in range(6):
+            peer.send_multipart([REQUEST, request])
+        peer.send_multipart([REQUEST, b"\xc1 not msgpack"])
+        time.sleep(0.3)  # let the seven requests reach the producer's socket
+        ends: list[bytes] = []
+        deadline = time.monotonic() + 20
+        while len(ends) < 7 and time.monotonic() < deadline:
+            server.serve_one(0.01)
+            while peer.poll(0):
+                kind, *rest = peer.recv_multipart()
+                if kind in (END, ERROR):
+                    ends.append(kind + b" " + (rest[0] if kind == ERROR else b""))
+    finally:
+        peer.close()
+        server.close()
+    errors = [e for e in ends if e.startswith(ERROR)]
+    assert len(ends) == 7 and ends.count(END + b" ") == 3, ends
+    assert sum(b"max_requests_per_peer=3" in e for e in errors) == 3
+    assert sum(b"not a valid KVRequest" in e for e in errors) == 1
