@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 The device holds `num_blocks` KV blocks for the life of the process. `BlockPool` tracks the state of
-every block (DESIGN §3):
+every block (docs/rules.md):
 
     FREE      nobody owns it; it sits in the free list
     SPARE     reserved padding target / staging area; owned by the pool
@@ -19,7 +19,7 @@ changing anything, so a failed call leaves the pool exactly as it was.
 `LaneTable` holds the B stable lanes: state (IDLE / PREFILLING / DECODING), sequence length, the
 token to feed next, and the block row. `SlidingSlots` counts each lane's sliding-window fill.
 `DecodeInputs` and `PrefillInputs` own the device input arrays (allocated once) and rewrite them in
-place each step, applying the padding rules of DESIGN §2.
+place each step, applying the padding rules of docs/rules.md.
 """
 
 from __future__ import annotations
@@ -352,7 +352,7 @@ class LaneTable:
 
     @staticmethod
     def _check_table_block(block: int) -> None:
-        # A -1 or wrapped int16 entry makes the device read or write out of range (DESIGN §2).
+        # A -1 or wrapped int16 entry makes the device read or write out of range (docs/scheduling.md).
         if not 0 <= block <= MAX_TABLE_BLOCK:
             raise StateError(f"block={block} is outside the int16 block-table range "
                              f"0..{MAX_TABLE_BLOCK}")

@@ -2,6 +2,12 @@
 
 Only the loop task touches the `Batcher`; `submit`/`abort` called from other tasks go through an
 inbox the loop drains between steps, so a step running in a worker thread never races with them.
+
+Output contract: each request's outputs have exactly one consumer (`outputs(id)` a second time
+raises `StateError`). A request whose outputs nobody claimed by the time it finished is kept,
+compacted into one output carrying every generated token, for at most `max_unclaimed` requests;
+past that the oldest unclaimed results are dropped (logged as `request.unclaimed_dropped`) and
+`outputs(id)` for them raises `RequestError`.
 """
 
 from __future__ import annotations
@@ -9,17 +15,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from atombatch.engine import Batcher, EngineStats, KVSource
-from atombatch.errors import AtomBatchError, CapacityError, RequestError
+from atombatch.errors import AtomBatchError, CapacityError, ConfigError, RequestError, StateError
 from atombatch.structs import Completion, RequestOutput, SamplingParams
 
 logger = logging.getLogger("atombatch")
+
+# Finished requests whose outputs nobody claimed yet, kept by default (oldest dropped first).
+DEFAULT_MAX_UNCLAIMED = 1024
 
 
 class AsyncBatcher:
@@ -31,18 +42,26 @@ class AsyncBatcher:
             runtime computes (True for real compute; False for the simulator).
         idle_poll: seconds between source polls while every unfinished request waits on a KV
             producer (the loop sleeps instead of spinning).
+        max_unclaimed: finished requests whose outputs were never claimed that are kept for a
+            late `outputs(id)`; the oldest are dropped past it.
 
-    Use as `async with AsyncBatcher(b) as ab:` or call `start()` / `close()`.
+    Use as `async with AsyncBatcher(b) as ab:` or call `start()` / `close()`. `start()` after
+    `close()` starts the loop again on the same Batcher (e.g. in a new event loop).
     """
 
     def __init__(self, batcher: Batcher, *, offload: bool = True,
-                 idle_poll: float = 0.002) -> None:
+                 idle_poll: float = 0.002, max_unclaimed: int = DEFAULT_MAX_UNCLAIMED) -> None:
+        if isinstance(max_unclaimed, bool) or not isinstance(max_unclaimed, int) or \
+                max_unclaimed < 0:
+            raise ConfigError(f"max_unclaimed={max_unclaimed!r} must be an int >= 0")
         self.batcher = batcher
         self.offload = offload
         self.idle_poll = idle_poll
+        self.max_unclaimed = max_unclaimed
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        # finished before anyone called outputs(): kept until claimed
-        self._unclaimed: dict[str, asyncio.Queue[RequestOutput]] = {}
+        # finished before anyone called outputs(): one compacted output each, oldest first
+        self._unclaimed: OrderedDict[str, RequestOutput] = OrderedDict()
+        self.unclaimed_dropped = 0
         self._claimed: set[str] = set()
         self._inbox: list[tuple[str, Any]] = []
         self._wake: asyncio.Event | None = None
@@ -58,7 +77,9 @@ class AsyncBatcher:
         await self.close()
 
     async def start(self) -> None:
+        """Start the step loop (a no-op while it runs); after `close()` it starts again."""
         if self._task is None:
+            self._closing = False
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="atombatch-loop")
 
@@ -103,6 +124,7 @@ class AsyncBatcher:
         if request_id in self._queues:
             raise RequestError(f"request_id={request_id!r} is already in flight")
         self._unclaimed.pop(request_id, None)
+        self._claimed.discard(request_id)
         self._queues[request_id] = asyncio.Queue()
         self._inbox.append(("submit", (tokens, params, request_id, kv)))
         self._poke()
@@ -118,15 +140,27 @@ class AsyncBatcher:
         """Iterate a submitted request's outputs; leaving the iteration early aborts it.
 
         A request that finished before this call (or before the first `__anext__`) still yields
-        its outputs.
+        its outputs: while it is among the last `max_unclaimed` unclaimed results, as one
+        output carrying every generated token.
 
         Raises:
-            RequestError: no request with this id was submitted (or its outputs were taken).
+            StateError: the outputs of this request are already being consumed (one consumer).
+            RequestError: no request with this id was submitted, its outputs were taken, or it
+                finished unclaimed and was dropped under `max_unclaimed`.
         """
-        queue = self._queues.get(request_id) or self._unclaimed.pop(request_id, None)
+        if request_id in self._claimed:
+            raise StateError(f"outputs({request_id!r}) is already being consumed: each "
+                             "request's outputs have one consumer (docs/rules.md)")
+        queue = self._queues.get(request_id)
         if queue is None:
-            raise RequestError(f"request_id={request_id!r} is unknown or its outputs were taken")
-        if request_id in self._queues:
+            final = self._unclaimed.pop(request_id, None)
+            if final is None:
+                raise RequestError(f"request_id={request_id!r} is unknown or its outputs were "
+                                   f"taken (an unclaimed finished request is kept only while "
+                                   f"among the last max_unclaimed={self.max_unclaimed})")
+            queue = asyncio.Queue()
+            queue.put_nowait(final)
+        else:
             self._claimed.add(request_id)
         return self._iterate(request_id, queue)
 
@@ -195,7 +229,24 @@ class AsyncBatcher:
             if out.request_id in self._claimed:
                 self._claimed.discard(out.request_id)
             else:
-                self._unclaimed[out.request_id] = queue
+                self._keep_unclaimed(out.request_id, queue)
+
+    def _keep_unclaimed(self, request_id: str, queue: asyncio.Queue[RequestOutput]) -> None:
+        """Compact a finished, unclaimed request's outputs into one and bound how many are kept."""
+        tokens: list[int] = []
+        last = None
+        while not queue.empty():
+            last = queue.get_nowait()
+            tokens.extend(last.new_token_ids)
+        assert last is not None and last.finished
+        self._unclaimed[request_id] = msgspec.structs.replace(last, new_token_ids=tuple(tokens))
+        while len(self._unclaimed) > self.max_unclaimed:
+            dropped, _ = self._unclaimed.popitem(last=False)
+            self.unclaimed_dropped += 1
+            if self.unclaimed_dropped % 1000 == 1:  # a flood of them must not flood the log
+                logger.warning("request.unclaimed_dropped request_id=%s dropped=%d "
+                               "max_unclaimed=%d", dropped, self.unclaimed_dropped,
+                               self.max_unclaimed)
 
     async def _run(self) -> None:
         assert self._wake is not None

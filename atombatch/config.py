@@ -1,4 +1,4 @@
-"""Model specs and compiled-artifact shapes, with the admission rules of DESIGN §3.
+"""Model specs and compiled-artifact shapes, with the admission rules of docs/rules.md.
 
 An `ArtifactConfig` is one compiled model: its shape fields decide the device's tensors, so every
 one of them goes into `identity`; two artifacts with different identities never share a compiled
@@ -298,7 +298,7 @@ PRESETS: dict[str, ModelSpec] = {
 class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One compiled artifact: decode batch B, context, KV block size and block count, chunk size.
 
-    Construction checks the shape rules of DESIGN §3 and raises `ConfigError` naming the rule.
+    Construction checks the shape rules of docs/rules.md and raises `ConfigError` naming the rule.
     The cache options (prefix, host) are checked against the artifact by `check_serving`.
     """
 
@@ -353,7 +353,7 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ConfigError(
                     f"num_blocks={self.num_blocks} is single-block mode, which a hybrid model "
                     f"({self.model.name}) may not use: its sliding slot cannot rotate; "
-                    f"use num_blocks >= {general} (lanes + 1)")
+                    f"use num_blocks >= {general} (lanes + 1; docs/rules.md)")
             return
         if self.block_size < self.max_seq_len and self.num_blocks >= bps + 1:
             return  # partitioned and oversubscribed: blocks are allocated as sequences grow
@@ -361,7 +361,7 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             f"num_blocks={self.num_blocks} breaks the lanes+1 rule: batch_size={self.batch_size} "
             f"x {bps} blocks per sequence + 1 spare = {general} (single-block mode needs "
             f"batch_size=1 and num_blocks={bps}; partitioned oversubscription needs "
-            f"block_size < max_seq_len and num_blocks >= {bps + 1})")
+            f"block_size < max_seq_len and num_blocks >= {bps + 1}; docs/rules.md)")
 
     @classmethod
     def from_rbln_config(cls, path: str | os.PathLike[str],
@@ -438,7 +438,7 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def check_serving(artifact: ArtifactConfig, *, prefix_cache: bool = False,
                   host_cache_bytes: int = 0) -> None:
-    """Check the Batcher's cache options against the artifact (DESIGN §3). Raises `ConfigError`."""
+    """Check the Batcher's cache options against the artifact (docs/rules.md). Raises `ConfigError`."""
     if host_cache_bytes < 0:
         raise ConfigError(f"host_cache_bytes={host_cache_bytes} must be >= 0")
     if host_cache_bytes and not prefix_cache:

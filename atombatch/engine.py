@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
@@ -19,7 +20,14 @@ import structlog
 
 from atombatch.config import ArtifactConfig, check_serving
 from atombatch.detokenizer import Detokenizer, bad_word_ids
-from atombatch.errors import CapacityError, ConfigError, RequestError
+from atombatch.errors import (
+    CapacityError,
+    ConfigError,
+    KVTransferError,
+    RequestError,
+    StateError,
+    TransientDeviceError,
+)
 from atombatch.prefix import HostCache
 from atombatch.runtime.base import Runtime
 from atombatch.sampling import LOGPROBS_MODES, LogprobsMode, RequestSampler, sample_rows
@@ -44,9 +52,17 @@ log = structlog.wrap_logger(
 
 _WARN_EVENTS = frozenset({"request.failed"})
 
+# Requests without a lane that a Batcher keeps by default; past it `submit` raises CapacityError.
+# Each waiting request holds its prompt (at most max_seq_len int64 ids) and a little bookkeeping.
+DEFAULT_MAX_WAITING = 4096
+
 
 class KVSource(Protocol):
-    """Where a PD request's KV comes from (see `atombatch.pd`); polled without blocking."""
+    """Where a PD request's KV comes from (see `atombatch.pd`); polled without blocking.
+
+    A source may also have `expect(artifact, prompt, require_full)`: `submit` calls it so the
+    source can check the header on arrival, before it accepts any layer.
+    """
 
     def poll(self) -> tuple[Any, list[Any]]: ...
     def done(self) -> bool: ...
@@ -132,7 +148,9 @@ class Batcher:
         policy: prefill/decode interleaving: "prefill-first", "decode-first", "interleave:N".
         seed: derives the RNG of requests that give no seed of their own.
         clock: seconds; defaults to the runtime's `clock` (virtual time) or `time.perf_counter`.
-        max_waiting: bound on requests without a lane; `submit` raises `CapacityError` past it.
+        max_waiting: bound on requests without a lane; `submit` raises `CapacityError` past it
+            (default `DEFAULT_MAX_WAITING`; None removes the bound, for callers that bound their
+            own submissions).
         pd_timeout: seconds a PD request may wait for its producer's next message (header or
             layer) before it fails; the wait for the header includes the producer's own queue,
             so this must exceed the longest queueing a producer can have.
@@ -142,13 +160,19 @@ class Batcher:
             "processed" (of the distribution the token was drawn from: after penalties, bias,
             masks, temperature and top-k/top-p/min-p).
 
+    A Batcher is driven by one consumer: `step()` raises `StateError` when another thread is
+    already inside it (two interleaved steps would corrupt the lane tables); `submit` and `abort`
+    called from another thread wait until a running step ends. `AsyncBatcher` is the way to
+    share one engine between many clients.
+
     Raises:
-        ConfigError: the artifact and the options break a rule of DESIGN §3.
+        ConfigError: the artifact and the options break a rule of docs/rules.md.
     """
 
     def __init__(self, runtime: Runtime, *, prefix_cache: bool = False, host_cache_bytes: int = 0,
                  policy: Policy | str = "prefill-first", seed: int = 0,
-                 clock: Callable[[], float] | None = None, max_waiting: int | None = None,
+                 clock: Callable[[], float] | None = None,
+                 max_waiting: int | None = DEFAULT_MAX_WAITING,
                  pd_timeout: float = 300.0, tokenizer: Any | None = None,
                  logprobs_mode: LogprobsMode = "raw") -> None:
         artifact: ArtifactConfig = runtime.artifact
@@ -165,7 +189,11 @@ class Batcher:
                                    prefix_cache=prefix_cache, host_cache=self.host_cache)
         self.clock: Callable[[], float] = clock or getattr(runtime, "clock", None) or \
             time.perf_counter
+        if max_waiting is not None and (isinstance(max_waiting, bool) or
+                                        not isinstance(max_waiting, int) or max_waiting < 1):
+            raise ConfigError(f"max_waiting={max_waiting!r} must be an int >= 1 (or None: unbounded)")
         self.max_waiting = max_waiting
+        self._step_lock = threading.Lock()
         self._seed_seq = np.random.SeedSequence(seed)
         self._next_id = 0
         self._pending: list[RequestOutput] = []
@@ -190,7 +218,10 @@ class Batcher:
         Raises:
             RequestError: naming the offending value and the rule.
         """
-        tokens = np.asarray(prompt)
+        try:
+            tokens = np.asarray(prompt)
+        except (ValueError, TypeError) as exc:  # ragged nesting, mixed types
+            raise RequestError(f"prompt must be a flat sequence of token ids: {exc}") from None
         if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
             raise RequestError(f"prompt must be a flat sequence of token ids, got shape "
                                f"{tokens.shape} of {tokens.dtype}")
@@ -267,29 +298,34 @@ class Batcher:
             params = msgspec.structs.replace(
                 params, max_tokens=self.artifact.max_seq_len - int(tokens.size))
         arrival = self.clock()
-        if n == 1:
-            request = self._new_request(request_id, request_id, 0, tokens, params, arrival)
-            if kv is not None:
-                request.pd = PDImport()
-                self._kv[request_id] = KVLink(kv, request.arrival)
-            self.scheduler.add(request)
-        else:
-            # Choice 0 prefills first; with a prefix cache the others wait for it and start from
-            # its prompt blocks (see `_release_held`), otherwise they prefill alongside.
-            group = _Group()
-            wait = self.scheduler.prefix is not None
-            for index in range(n):
-                seed = None if params.seed is None else (params.seed + index) % 2**64
-                child = msgspec.structs.replace(params, n=1, seed=seed)
-                request = self._new_request(f"{request_id}#{index}", request_id, index, tokens,
-                                            child, arrival)
-                group.members.append(request)
-                if index and wait:
-                    group.held.append(request)
-                else:
-                    self.scheduler.add(request)
-            group.live = n
-            self._groups[request_id] = group
+        if kv is not None:
+            expect = getattr(kv, "expect", None)
+            if expect is not None:  # let the source check the header on arrival
+                expect(self.artifact, tokens, self._require_full_prefix)
+        with self._step_lock:  # from another thread: waits for a running step to end
+            if n == 1:
+                request = self._new_request(request_id, request_id, 0, tokens, params, arrival)
+                if kv is not None:
+                    request.pd = PDImport()
+                    self._kv[request_id] = KVLink(kv, request.arrival)
+                self.scheduler.add(request)
+            else:
+                # Choice 0 prefills first; with a prefix cache the others wait for it and start
+                # from its prompt blocks (see `_release_held`), otherwise they prefill alongside.
+                group = _Group()
+                wait = self.scheduler.prefix is not None
+                for index in range(n):
+                    seed = None if params.seed is None else (params.seed + index) % 2**64
+                    child = msgspec.structs.replace(params, n=1, seed=seed)
+                    request = self._new_request(f"{request_id}#{index}", request_id, index,
+                                                tokens, child, arrival)
+                    group.members.append(request)
+                    if index and wait:
+                        group.held.append(request)
+                    else:
+                        self.scheduler.add(request)
+                group.live = n
+                self._groups[request_id] = group
         log.debug("request.submitted", request_id=request_id, prompt_len=len(tokens),
                   max_tokens=params.max_tokens, n=n)
         return request_id
@@ -325,25 +361,26 @@ class Batcher:
         Returns False when the request is unknown or already finished. Its final output (reason
         "abort") comes out of the next `step()`.
         """
-        group = self._groups.get(request_id)
-        if group is not None:
-            for member in group.members:
-                if member.state is RequestState.FINISHED:
-                    continue
-                if member in group.held:
-                    group.held.remove(member)
-                    member.set_state(RequestState.FINISHED)
-                    member.finish_reason = "abort"
-                elif self.scheduler.abort(member.request_id) is None:
-                    continue
-                self._pending.append(self._final_output(member, ()))
+        with self._step_lock:  # from another thread: waits for a running step to end
+            group = self._groups.get(request_id)
+            if group is not None:
+                for member in group.members:
+                    if member.state is RequestState.FINISHED:
+                        continue
+                    if member in group.held:
+                        group.held.remove(member)
+                        member.set_state(RequestState.FINISHED)
+                        member.finish_reason = "abort"
+                    elif self.scheduler.abort(member.request_id) is None:
+                        continue
+                    self._pending.append(self._final_output(member, ()))
+                self._flush_events()
+                return True
+            request = self.scheduler.abort(request_id)
+            if request is None:
+                return False
+            self._pending.append(self._final_output(request, ()))
             self._flush_events()
-            return True
-        request = self.scheduler.abort(request_id)
-        if request is None:
-            return False
-        self._pending.append(self._final_output(request, ()))
-        self._flush_events()
         return True
 
     def has_unfinished(self) -> bool:
@@ -352,7 +389,20 @@ class Batcher:
 
     # -- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one device call (a prefill chunk or a decode step); returns what it produced."""
+        """Run one device call (a prefill chunk or a decode step); returns what it produced.
+
+        Raises:
+            StateError: another thread is inside `step()` of this Batcher (one consumer only).
+        """
+        if not self._step_lock.acquire(blocking=False):
+            raise StateError("Batcher.step() is already running in another thread: a Batcher "
+                             "has one consumer (share it through AsyncBatcher; docs/rules.md)")
+        try:
+            return self._step()
+        finally:
+            self._step_lock.release()
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         if self._kv:
             self._poll_kv(outputs)
@@ -425,7 +475,7 @@ class Batcher:
         if request is None:  # failed by this plan's block ops: nothing to compute for it
             return
         try:
-            logits = self.runtime.prefill(plan.inputs)
+            logits = self._device_call(self.runtime.prefill, plan.inputs)
             token = None
             if plan.last_chunk and not request.recomputing:
                 row = np.asarray(logits).reshape(-1)
@@ -442,7 +492,7 @@ class Batcher:
     # -- prefill/decode disaggregation --------------------------------------------------------------
     def _poll_kv(self, outputs: list[RequestOutput]) -> None:
         """Collect what producers sent; validate it; fail requests whose source broke or stalled."""
-        from atombatch import pd as pdmod
+        from atombatch.pd import checks as pdmod
 
         now = self.clock()
         scheduler = self.scheduler
@@ -465,7 +515,7 @@ class Batcher:
                     link.last_progress = now
                 if layers:
                     if link.header is None:
-                        raise pdmod.KVTransferError(f"request {request_id}: layers arrived "
+                        raise KVTransferError(f"request {request_id}: layers arrived "
                                                     "before the header")
                     for layer in layers:
                         pdmod.validate_layer(link.header, layer, link.seen)
@@ -474,11 +524,11 @@ class Batcher:
                     link.last_progress = now
                 if link.header is not None and link.source.done() and \
                         len(link.seen) != link.header.num_layers:
-                    raise pdmod.KVTransferError(
+                    raise KVTransferError(
                         f"request {request_id}: the producer finished after "
                         f"{len(link.seen)} of {link.header.num_layers} layers")
                 if not link.source.done() and now - link.last_progress > self.pd_timeout:
-                    raise pdmod.KVTransferError(
+                    raise KVTransferError(
                         f"request {request_id}: no KV from the producer for "
                         f"{now - link.last_progress:.1f} s (pd_timeout={self.pd_timeout} s)")
             except Exception as exc:
@@ -532,7 +582,7 @@ class Batcher:
     def _run_decode(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         scheduler = self.scheduler
         try:
-            logits = np.asarray(self.runtime.decode(plan.inputs))
+            logits = np.asarray(self._device_call(self.runtime.decode, plan.inputs))
             if logits.ndim != 2 or logits.shape[0] != plan.inputs.num_rows:
                 raise RequestError(f"decode returned logits of shape {logits.shape}; the step ran "
                                    f"{plan.inputs.num_rows} rows")
@@ -606,6 +656,17 @@ class Batcher:
         extras = self._extras[request.request_id]
         assert extras.logprobs is not None
         extras.logprobs.append(logprobs)
+
+    def _device_call(self, call: Callable[[Any], Any], inputs: Any) -> Any:
+        """One prefill or decode call, repeated once when the runtime says the fault was
+        transient (`TransientDeviceError`: nothing was written that the repeat would not
+        overwrite). Any other failure, or a second one, propagates and fails the step's
+        requests: they shared one device call."""
+        try:
+            return call(inputs)
+        except TransientDeviceError as exc:
+            log.warning("device.retry", call=getattr(call, "__name__", "call"), error=str(exc))
+            return call(inputs)
 
     def _fail(self, request: Request, message: str, outputs: list[RequestOutput]) -> None:
         self.scheduler.fail(request, message)
@@ -708,6 +769,8 @@ class Batcher:
 
         A prompt whose params have `n > 1` contributes its n completions one after the other,
         in choice order (`Completion.index` 0..n-1), so the list is flat: one entry per choice.
+        Prompts are all validated first (a bad one raises before anything is queued), then fed
+        to the queue as `max_waiting` allows.
         """
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
@@ -716,10 +779,16 @@ class Batcher:
             per_prompt = list(params)
             if len(per_prompt) != len(prompts):
                 raise RequestError(f"{len(per_prompt)} SamplingParams for {len(prompts)} prompts")
-        ids = [self.submit(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
+        for prompt, sp in zip(prompts, per_prompt, strict=True):
+            self.validate(prompt, sp)
+        ids: list[str] = []
         done: dict[tuple[str, int], Completion] = {}
         want = sum(sp.n for sp in per_prompt)
         while len(done) < want:
+            while len(ids) < len(prompts) and (
+                    self.max_waiting is None or self.scheduler.num_waiting == 0 or
+                    self.scheduler.num_waiting + per_prompt[len(ids)].n <= self.max_waiting):
+                ids.append(self.submit(prompts[len(ids)], per_prompt[len(ids)]))
             for out in self.step():
                 if out.completion is not None:
                     done[out.request_id, out.index] = out.completion
@@ -744,7 +813,7 @@ class Batcher:
             lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps))
 
     def check_invariants(self) -> None:
-        """Raise `StateError` if any ownership invariant of DESIGN §3 is broken."""
+        """Raise `StateError` if any ownership invariant of docs/rules.md is broken."""
         self.scheduler.check_invariants()
 
     def record_trace(self) -> list[Any]:

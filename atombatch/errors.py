@@ -25,3 +25,13 @@ class StateError(AtomBatchError, RuntimeError):
 
 class KVTransferError(RequestError):
     """A KV transfer failed: producer error, garbled or missing data, disconnect, timeout."""
+
+
+class TransientDeviceError(AtomBatchError, RuntimeError):
+    """Raised by a runtime when a device call failed without effect and may be repeated as is.
+
+    A runtime raises it (or an exception whose class derives from it) only when the call wrote
+    nothing that a repeat with the same inputs would not overwrite identically, e.g. a timeout
+    before the graph ran or a recovered link reset. The engine then repeats that one device call
+    once; any other exception, or a second failure, fails the step's requests (docs/rules.md).
+    """

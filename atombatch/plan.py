@@ -1,6 +1,6 @@
 """Device-memory planner: exact KV-cache bytes of an artifact and whether it fits one ATOM.
 
-Theory of operation. The KV tensors of a compiled artifact are fixed by its shapes (DESIGN §1, §2):
+Theory of operation. The KV tensors of a compiled artifact are fixed by its shapes (docs/rules.md):
 every global-attention layer has a K and a V tensor `[num_blocks, kv_heads, block_size, head_dim]`,
 every sliding layer of a hybrid model a K and a V tensor `[batch_size, kv_heads, window, head_dim]`,
 all in `kv_dtype`. Those bytes are exact. Everything else on the device (weights, the runtime's

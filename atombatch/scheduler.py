@@ -15,7 +15,7 @@ Requests move through the states of `TRANSITIONS` (below, the only place that de
        │            │              └──► WAITING              (preempted: recompute later)
        └──► STAGING ┴──► STAGED ──► DECODING                 (all lanes busy: fill the spare)
 
-Block rotation (DESIGN §3): while every lane decodes, the head of the queue is prefilled into the
+Block rotation (docs/rules.md): while every lane decodes, the head of the queue is prefilled into the
 spare block (STAGING) and emits its first token (STAGED). When a lane finishes, that request takes
 the lane and keeps its filled blocks; the finished lane's block becomes the new spare. No KV moves.
 Hybrid models (sliding slots belong to lanes) never stage; a hybrid lane that has started its
@@ -990,7 +990,7 @@ class Scheduler:
 
     # -- invariants -------------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """DESIGN §3 invariants over pool, lanes and requests; raises `StateError` if broken."""
+        """The invariants of docs/rules.md over pool, lanes and requests; raises `StateError` if broken."""
         pool, lanes = self.pool, self.lanes
         pool.check()
         owned: dict[int, str] = {}

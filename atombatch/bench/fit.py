@@ -166,7 +166,7 @@ def format_table(cells: list[FitCell], device_bytes: int, overhead: int) -> str:
         if result is None:
             lines.append(f"{cell.model:<11} {cell.tensor_parallel:>2} {shape:<6} {'-':>15} "
                          f"{'-':>15} {'-':>15} {'-':>15}  "
-                         f"{_short_rejection(cell.rejected or ''):<29} docs/scheduling.md")
+                         f"{_short_rejection(cell.rejected or ''):<29} docs/rules.md")
             continue
         verdict = "fits" if result.fits else "DOES NOT FIT"
         basis = "observed (conditional)" if result.method == "observed" else "estimate"

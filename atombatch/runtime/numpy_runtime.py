@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 `NumpyRuntime` is what proves the scheduler's tables right, so it behaves like the compiled graphs
-of DESIGN §2 rather than like a convenient model:
+of docs/scheduling.md rather than like a convenient model:
 
 * Global-attention layers keep K and V in `kv[g, 0|1]`, each `[num_blocks, kv_heads, block_size,
   head_dim]`. Position p of a sequence lives in block `table[p // block_size]` at offset

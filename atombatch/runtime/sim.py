@@ -29,7 +29,7 @@ origin issue's KONI B1/k1 figures (8192 in / 128 out at c16, strictly serial: 64
 Other models therefore scale from KONI by their weight bytes, KV bytes and FLOPs; that the same two
 rates hold across model sizes is an assumption, stated next to every prediction.
 
-Prefill/decode disaggregation (DESIGN §7) runs on the engine's real consumer path. A `SimProducer`
+Prefill/decode disaggregation (docs/pd.md) runs on the engine's real consumer path. A `SimProducer`
 (an RNGD or another ATOM) prefills prompts one at a time in arrival order, each in the decoder
 artifact's native prefill time divided by `producer_speed`, layer by layer (an equal share per
 layer), and sends each layer's K/V over one serial link at `transfer_bandwidth`. Every request gets
@@ -70,7 +70,7 @@ import numpy.typing as npt
 from atombatch import plan
 from atombatch.config import SLIDING, ArtifactConfig, ModelSpec
 from atombatch.errors import ConfigError, KVTransferError, StateError
-from atombatch.pd import KVHeader, LayerKV, Mode, expected_layer_tokens, model_identity
+from atombatch.pd.wire import KVHeader, LayerKV, Mode, expected_layer_tokens, model_identity
 from atombatch.runtime.base import DecodeArrays, PrefillArrays
 from atombatch.sampling import sample
 from atombatch.structs import SamplingParams

@@ -46,6 +46,7 @@ from atombatch.aio import AsyncBatcher
 from atombatch.engine import Batcher
 from atombatch.errors import CapacityError, RequestError
 from atombatch.serve import schema
+from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES
 from atombatch.serve.metrics import ServerMetrics
 from atombatch.serve.protocol import (
     ChatChoice,
@@ -76,7 +77,6 @@ from atombatch.structs import RequestOutput, SamplingParams, TokenLogprobs
 T = TypeVar("T")
 log = logging.getLogger("atombatch.serve")
 
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 _ENCODER = msgspec.json.Encoder()
 _DONE = b"data: [DONE]\n\n"
 
@@ -239,13 +239,15 @@ class _Generation:
 
 class _Server:
     def __init__(self, ab: AsyncBatcher, model_name: str, codec: Codec,
-                 max_body_bytes: int, retry_after: int, strict_protocol: bool = False) -> None:
+                 max_body_bytes: int, retry_after: int, strict_protocol: bool = False,
+                 body_timeout: float = 30.0) -> None:
         self.ab = ab
         self.strict_protocol = strict_protocol
         self.warned_fields: set[str] = set()      # unknown field names already logged
         self.model_name = model_name
         self.codec = codec
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
         self.retry_after = retry_after
         self.artifact = ab.batcher.artifact
         self.metrics = ServerMetrics(ab.stats, self.artifact.batch_size)
@@ -254,14 +256,7 @@ class _Server:
 
     # -- request parsing ---------------------------------------------------------------------------
     async def decode(self, request: Request, kind: type[T]) -> T:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            raise ApiError(413, f"body of {length} bytes exceeds {self.max_body_bytes} bytes",
-                           code="body_too_large")
-        body = await request.body()
-        if len(body) > self.max_body_bytes:
-            raise ApiError(413, f"body of {len(body)} bytes exceeds {self.max_body_bytes} bytes",
-                           code="body_too_large")
+        body = await self.read_body(request)
         try:
             value, ignored = schema.decode(body, kind, strict=self.strict_protocol)
         except schema.SchemaError as exc:
@@ -294,10 +289,33 @@ class _Server:
             listed += f", ... ({len(ignored) - MAX_LISTED_FIELDS} more)"
         return {IGNORED_FIELDS_HEADER: listed}
 
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, read as it streams in: 413 the moment it passes `max_body_bytes`
+        (a chunked upload is never buffered past the limit), 408 past `body_timeout`."""
+        limit = self.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise ApiError(413, f"body of {length} bytes exceeds max_body_bytes={limit}",
+                           code="body_too_large", headers=_CLOSE)
+        body = bytearray()
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                async for chunk in request.stream():
+                    if len(body) + len(chunk) > limit:
+                        raise ApiError(413, f"body exceeds max_body_bytes={limit} (read "
+                                       f"{len(body) + len(chunk)} bytes so far)",
+                                       code="body_too_large", headers=_CLOSE)
+                    body += chunk
+        except TimeoutError:
+            raise ApiError(408, f"the body did not arrive within body_timeout="
+                           f"{self.body_timeout} s", code="body_timeout",
+                           headers=_CLOSE) from None
+        return bytes(body)
+
     def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
                ) -> SamplingParams:
         if body.model is not None and body.model != self.model_name:
-            raise ApiError(404, f"model {body.model!r} is not served here; this server serves "
+            raise ApiError(404, f"model {_clip(repr(body.model))} is not served here; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
         if isinstance(body, CompletionRequest):
             if body.echo:
@@ -776,6 +794,14 @@ async def _merged(gens: list[_Generation]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+_CLOSE = {"Connection": "close"}  # the rest of a refused body is never read: end the connection
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    """Client-supplied text quoted in an error, cut to `limit` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
 def _engine_param(message: str, prompt_param: str) -> str | None:
     """The parameter a `RequestError` from `Batcher.validate` names (its messages start with it)."""
     match = re.match(r"(\w+)=", message)
@@ -792,7 +818,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
                tokenizer: Codec | Any | None = None, *,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after: int = 1,
                on_shutdown: Callable[[], None] | None = None,
-               strict_protocol: bool = False) -> Starlette:
+               strict_protocol: bool = False, body_timeout: float = 30.0) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
     Args:
@@ -804,7 +830,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
             `tokenizers.Tokenizer`; a Hugging Face tokenizer is also given to the engine (when it
             has none) so stop strings and bad words work and text streams through its
             detokenizer.
-        max_body_bytes: larger request bodies answer 413.
+        max_body_bytes: larger request bodies answer 413, checked as the body streams in.
+        body_timeout: seconds a request body may take to arrive; slower ones answer 408.
         retry_after: seconds sent in `Retry-After` with a 429.
         on_shutdown: called after the engine drained (e.g. to release a device).
         strict_protocol: reject request fields the server does not read (400
@@ -812,12 +839,13 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
             `X-Ignored-Fields` response header).
 
     Returns:
-        A Starlette app to run with uvicorn (`uvicorn.run(app)` or `uvicorn.Server`).
+        A Starlette app to run with uvicorn; `atombatch.serve.limits.uvicorn_config(app, ...)`
+        adds the connection cap and header timeout an exposed server needs.
     """
     ab = batcher_or_async if isinstance(batcher_or_async, AsyncBatcher) else \
         AsyncBatcher(batcher_or_async, offload=True)
     if tokenizer is None:
-        codec: Codec = IdCodec()
+        codec: Codec = IdCodec(max_ids=ab.batcher.artifact.max_seq_len)
     elif hasattr(tokenizer, "render_chat"):
         codec = tokenizer
     else:
@@ -825,7 +853,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
     if isinstance(codec, HFCodec) and ab.batcher.tokenizer is None:
         # The engine detokenizes (stop strings, bad words, streamed text) with the same tokenizer.
         ab.batcher.tokenizer = codec.tokenizer
-    server = _Server(ab, model_name, codec, max_body_bytes, retry_after, strict_protocol)
+    server = _Server(ab, model_name, codec, max_body_bytes, retry_after, strict_protocol,
+                     body_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -12,12 +12,15 @@ optimum-rbln, whose `rbln_config.json` gives every shape (the shape flags are no
 docs/device.md).
 
 The artifact is built from the shape flags; `--block-size` defaults to the context (eager: one block
-per sequence) and `--num-blocks` to lanes x blocks-per-sequence + 1 (the lanes + 1 rule of
-docs/scheduling.md).
-Configuration errors (a broken shape rule, a missing SDK, a missing checkpoint, a chat template that
-does not compile, an address already in use) print one line and exit with status 2. The line
-`atombatch.serve: ... listening on http://HOST:PORT` is printed once the port is bound and the
-engine runs (with `--port 0` it names the port the system picked).
+per sequence) and `--num-blocks` to lanes x blocks-per-sequence + 1 (the general admission rule of
+docs/rules.md). Configuration errors (a broken rule of docs/rules.md, a missing SDK, a missing
+checkpoint, a chat template that does not compile, an address already in use) print one line and
+exit with status 2. The line `atombatch.serve: ... listening on http://HOST:PORT` is printed once
+the port is bound and the engine runs (with `--port 0` it names the port the system picked).
+
+The server bounds what one client can cost (body size and time, header time, open connections;
+docs/security.md). It speaks plain HTTP with no authentication: put a TLS-terminating proxy with
+authentication in front of it before exposing it beyond a trusted network.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from atombatch.engine import Batcher
 from atombatch.errors import ConfigError
 from atombatch.scheduler import POLICY_KINDS, Policy
 from atombatch.serve.chat_template import template_from_argument
+from atombatch.serve.limits import ServerLimits
 from atombatch.serve.tokens import Codec, HFCodec
 
 POLICY_HELP = {
@@ -87,6 +91,20 @@ def parser() -> argparse.ArgumentParser:
                    help="reject request fields the server does not read (400 unknown_parameter) "
                    "instead of ignoring them (default: ignored, logged once, listed in the "
                    "X-Ignored-Fields response header)")
+    limits = ServerLimits()
+    p.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
+                   help="larger request bodies answer 413, checked as they stream in "
+                   f"(default {limits.max_body_bytes})")
+    p.add_argument("--body-timeout", type=float, default=limits.body_timeout,
+                   help=f"seconds a request body may take (default {limits.body_timeout:g})")
+    p.add_argument("--header-timeout", type=float, default=limits.header_timeout,
+                   help="seconds a connection has to deliver a complete request head "
+                   f"(default {limits.header_timeout:g})")
+    p.add_argument("--keep-alive-timeout", type=int, default=limits.keep_alive_timeout,
+                   help=f"idle seconds between requests (default {limits.keep_alive_timeout})")
+    p.add_argument("--max-connections", type=int,
+                   help="open connections; past it the longest-idle one is closed (default: "
+                   "from the descriptor limit, `ulimit -n`)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (named at startup)")
     p.add_argument("--log-level", default="info",
@@ -98,7 +116,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
     """The `Batcher`, served model name and tokenizer that the flags describe.
 
     Raises:
-        ConfigError: a shape rule (docs/scheduling.md) is broken, the checkpoint is unusable, or the rebel SDK
+        ConfigError: a rule of docs/rules.md is broken, the checkpoint is unusable, or the rebel SDK
             (or `RebelRuntime`) is not available.
     """
     model_dir = Path(args.model) if args.model and Path(args.model).is_dir() else None
@@ -236,8 +254,18 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
     from atombatch.serve.app import create_app
+    from atombatch.serve.limits import uvicorn_config
     from atombatch.serve.tokens import IdCodec
-    app = create_app(batcher, name, codec, strict_protocol=args.strict_protocol)
+    try:
+        limits = ServerLimits(max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                              header_timeout=args.header_timeout,
+                              keep_alive_timeout=args.keep_alive_timeout,
+                              max_connections=args.max_connections).resolved()
+    except ConfigError as exc:
+        print(f"atombatch.serve: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(batcher, name, codec, max_body_bytes=limits.max_body_bytes,
+                     body_timeout=limits.body_timeout, strict_protocol=args.strict_protocol)
     art = batcher.artifact
     host, port = sock.getsockname()[:2]
     template = (codec or IdCodec()).chat_template_name
@@ -254,6 +282,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
 
     # timeout_graceful_shutdown=None: on SIGINT/SIGTERM uvicorn stops accepting and waits for
     # in-flight streams; then the lifespan drains the engine (AsyncBatcher.close(drain=True)).
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=None)
+    config = uvicorn_config(app, limits, log_level=args.log_level,
+                            timeout_graceful_shutdown=None)
     Server(config).run(sockets=[sock])
     return 0

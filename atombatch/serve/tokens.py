@@ -27,7 +27,11 @@ from typing import Any, Protocol
 from atombatch.errors import ConfigError, RequestError
 from atombatch.serve.chat_template import ChatTemplate, load_chat_template, special_tokens_of
 
-_PIECE = re.compile(r"\s*<(\d+)>")
+# A token id is written with at most this many digits (ids are int32 on the device). A longer
+# digit run is refused before it reaches `int()`, so a hostile prompt costs linear time only.
+MAX_ID_DIGITS = 10
+_PIECE = re.compile(rf"\s*<(\d{{1,{MAX_ID_DIGITS}}})>")
+_LONG_PIECE = re.compile(rf"\s*<\d{{{MAX_ID_DIGITS + 1}}}")
 _SPACE = re.compile(r"\s*")
 
 
@@ -56,6 +60,9 @@ class IdCodec:
     name = "ids"
     chat_template_name = "none (no tokenizer: message token ids concatenated)"
 
+    def __init__(self, max_ids: int | None = None) -> None:
+        self.max_ids = max_ids  # stop parsing past this many ids (the server's max_seq_len)
+
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
         pos = 0
@@ -63,9 +70,15 @@ class IdCodec:
             match = _PIECE.match(text, pos)
             if match is None:
                 break
+            if self.max_ids is not None and len(ids) >= self.max_ids:
+                raise RequestError(f"text has more than {self.max_ids} token ids: a prompt must "
+                                   f"fit max_seq_len={self.max_ids}")
             ids.append(int(match.group(1)))
             pos = match.end()
         if _SPACE.fullmatch(text, pos) is None:
+            if _LONG_PIECE.match(text, pos):
+                raise RequestError(f"token id piece at offset {pos} has more than "
+                                   f"{MAX_ID_DIGITS} digits: a token id is in 0..2**31-1")
             raise RequestError(f"text {_clip(text[pos:])!r} at offset {pos} is not a '<id>' piece: "
                                "this server has no tokenizer, so text must be written as token ids "
                                "like '<17><3>' (or send the prompt as a list of ids)")
@@ -76,6 +89,9 @@ class IdCodec:
         ids: list[int] = []
         for message in messages:
             ids.extend(self.encode(message.get("content") or ""))
+            if self.max_ids is not None and len(ids) > self.max_ids:
+                raise RequestError(f"messages have more than {self.max_ids} token ids: a prompt "
+                                   f"must fit max_seq_len={self.max_ids}")
         return ids
 
     def decoder(self) -> _IdDecoder:

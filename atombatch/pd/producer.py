@@ -1,0 +1,111 @@
+"""The producer side of PD: prefill a prompt on one's own runtime and export its KV as a payload."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from atombatch.config import ArtifactConfig
+from atombatch.errors import RequestError
+from atombatch.pd.wire import (
+    MODES,
+    WIRE_DTYPES,
+    KVHeader,
+    KVPayload,
+    LayerKV,
+    Mode,
+    expected_layer_tokens,
+    model_identity,
+)
+from atombatch.sampling import sample
+from atombatch.structs import SamplingParams
+
+
+class Producer:
+    """Prefills prompts on its own runtime (lane/slot 0, its own blocks) and exports the KV.
+
+    `runtime` is a `NumpyRuntime` or anything with `artifact`, `prefill(PrefillInputs)` and
+    `read_layer_kv`. Calls are serialized (one prefill at a time on the runtime).
+    """
+
+    def __init__(self, runtime: Any, *, dtype: str = "float32") -> None:
+        from atombatch.blocks import PrefillInputs
+
+        if dtype not in WIRE_DTYPES:
+            raise RequestError(f"dtype={dtype!r} is not one of {sorted(WIRE_DTYPES)}")
+        self.runtime = runtime
+        self.artifact: ArtifactConfig = runtime.artifact
+        self.spec = self.artifact.model
+        self.dtype = dtype
+        self.identity = model_identity(self.spec)
+        self._inputs = PrefillInputs(self.artifact.prefill_chunk_size,
+                                     self.artifact.blocks_per_seq)
+        self._row = np.arange(self.artifact.blocks_per_seq, dtype=np.int32)
+        self._lock = threading.Lock()
+        self.requests = 0
+
+    def produce(self, request_id: str, prompt: Sequence[int],
+                params: SamplingParams | None = None,
+                covered_len: int | None = None) -> KVPayload:
+        """Prefill `prompt[:covered_len]` (default: all of it) and return the whole payload.
+
+        Raises:
+            RequestError: an empty prompt, covered_len outside 1..len(prompt), a prefix longer
+                than this producer's max_seq_len, or a token outside the vocabulary.
+        """
+        params = params or SamplingParams(temperature=0.0)  # no params: greedy
+        spec, art = self.spec, self.artifact
+        tokens = np.asarray(list(prompt), dtype=np.int64)
+        covered = len(tokens) if covered_len is None else int(covered_len)
+        if not 0 < covered <= len(tokens):
+            raise RequestError(f"covered_len={covered} is outside 1..{len(tokens)} (prompt length)")
+        if covered > art.max_seq_len:
+            raise RequestError(f"covered_len={covered} exceeds the producer's max_seq_len="
+                               f"{art.max_seq_len}")
+        if tokens.min() < 0 or tokens.max() >= spec.vocab_size:
+            raise RequestError(f"prompt tokens {tokens.min()}..{tokens.max()} are outside the "
+                               f"vocabulary 0..{spec.vocab_size - 1}")
+        prefix = tokens[:covered]
+        window = spec.sliding_window if spec.is_hybrid else 0
+        with self._lock:
+            self.requests += 1
+            logits = None
+            for start in range(0, covered, art.prefill_chunk_size):
+                self._inputs.build(prefix, start, self._row, len(self._row), 0)
+                logits = self.runtime.prefill(self._inputs)
+            layers = []
+            for i in range(spec.num_layers):
+                k, v = self.runtime.read_layer_kv(i, self._row, covered)
+                layers.append(LayerKV.from_float32(i, k, v, self.dtype))
+        first = None
+        if covered == len(tokens):
+            assert logits is not None
+            first = sample(logits, params, np.random.default_rng(params.seed), spec.eos_token_ids,
+                           tokens)
+        header = KVHeader(
+            request_id=request_id, model_identity=self.identity, num_layers=spec.num_layers,
+            layer_kinds=spec.layer_kinds, prompt_len=len(tokens), covered_len=covered,
+            first_token=first, dtype=self.dtype, kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, sliding_window=window,
+            layer_tokens=expected_layer_tokens(spec.layer_kinds, covered, window))
+        return KVPayload(header, layers)
+
+    def stream(self, request_id: str, prompt: Sequence[int],
+               params: SamplingParams | None = None, mode: Mode = "layer-stream",
+               covered_len: int | None = None) -> Iterator[KVHeader | LayerKV]:
+        """The header, then every `LayerKV` in layer order (what a transport sends).
+
+        The prefill runs when the first item is taken. Both modes read every layer right after the
+        prefill (the runtime's KV is then free for the next request); `mode` is the pacing the
+        consumer asked for, which the transports apply.
+        """
+        if mode not in MODES:
+            raise RequestError(f"mode={mode!r} is not one of {MODES}")
+        return self._stream(request_id, list(prompt), params, covered_len)
+
+    def _stream(self, request_id: str, prompt: list[int], params: SamplingParams | None,
+                covered_len: int | None) -> Iterator[KVHeader | LayerKV]:
+        yield from self.produce(request_id, prompt, params, covered_len).items()
