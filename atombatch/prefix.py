@@ -5,9 +5,9 @@ position (KV at a position depends on all tokens before it), chained block by bl
 
     digest(block j) = xxh3_128(digest(block j-1) || tokens of block j || b"F" or b"P", seed)
 
-(`digest(block -1)` is empty; tokens are int64 little-endian; "F" marks a full block of
-`block_size` tokens, "P" a partial last block). Why this is safe and why xxh3-128 is in
-docs/prefix-cache.md.
+(`digest(block -1)` is 16 zero bytes; tokens are int64 in native byte order; "F" marks a full
+block of `block_size` tokens, "P" a partial last block; the seed is random per index). Why this
+is safe and why xxh3-128 is in docs/prefix-cache.md.
 
 Digests are computed once per request, as its tokens arrive (`TokenChain`): the prompt when the
 request is submitted, generated tokens when the cache next needs them (a lookup after preemption,
@@ -36,7 +36,8 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-ROOT = b""          # the parent digest of block 0
+ROOT = b""          # the parent digest of block 0 (as a key)
+ROOT_INPUT = bytes(16)  # what block 0's hash input starts with: every input is 16 + 8n + 1 bytes
 FULL = b"F"         # suffix of a full block's hash input
 PARTIAL = b"P"      # suffix of a partial block's hash input
 HASH_NAME = "xxh3_128"
@@ -65,7 +66,7 @@ class BlockHasher:
     def digest(self, parent: bytes, tokens: npt.ArrayLike, full: bool) -> bytes:
         """One block's digest in one shot (what `TokenChain` computes incrementally)."""
         data = np.ascontiguousarray(tokens, dtype=np.int64)
-        state = xxhash.xxh3_128(parent, seed=self.seed)
+        state = xxhash.xxh3_128(parent or ROOT_INPUT, seed=self.seed)
         state.update(data.data)
         state.update(FULL if full else PARTIAL)
         self.tokens_hashed += len(data)
@@ -94,7 +95,7 @@ class TokenChain:
         self._buffer = np.empty(max(2 * len(data), 64), dtype=np.int64)
         self.length = 0
         self.digests: list[bytes] = []
-        self._open = xxhash.xxh3_128(ROOT, seed=hasher.seed)
+        self._open = xxhash.xxh3_128(ROOT_INPUT, seed=hasher.seed)
         self._open_start = 0            # first position of the open block
         self.extend(data)
 
@@ -155,7 +156,7 @@ class TokenChain:
         return hasher.digest(self.parent(block), self._buffer[start:end], False)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Entry:
     """One cached prefix block (on the device or on the host)."""
 

@@ -59,7 +59,7 @@ import numpy.typing as npt
 from atombatch import blocks as core
 from atombatch.config import ArtifactConfig
 from atombatch.errors import CapacityError, ConfigError, StateError
-from atombatch.prefix import Entry, HostCache, Match, PrefixIndex, TokenChain
+from atombatch.prefix import ROOT, Entry, HostCache, Match, PrefixIndex, TokenChain
 from atombatch.structs import FinishReason, SamplingParams
 
 
@@ -950,8 +950,8 @@ class Scheduler:
             end = min(start + bs, valid)
             full = end - start == bs
             digest = digests[j] if full else chain.partial_digest(end)
-            if prefix.insert_digest(block, digest, chain.parent(j), tokens[start:end],
-                                    full) is None:
+            if prefix.insert_digest(block, digest, digests[j - 1] if j else ROOT,
+                                    tokens[start:end], full) is None:
                 self.pool.free(block)  # an identical block is cached already
             else:
                 self.pool.cache(block)

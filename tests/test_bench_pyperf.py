@@ -40,3 +40,25 @@ def test_pyperf_suite_rejects_an_unknown_operation(tmp_path):
                              "--debug-single-value"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode != 0 and "--ops='nope'" in result.stderr
+
+
+def test_micro_report_regenerates_readme_and_docs_figures_from_a_recorded_run(tmp_path):
+    import shutil
+
+    from atombatch.bench import micro
+
+    (tmp_path / "docs" / "bench").mkdir(parents=True)
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    shutil.copy(ROOT / "docs" / "prefix-cache.md", tmp_path / "docs" / "prefix-cache.md")
+    recorded = tmp_path / "docs" / "bench" / "micro-test.json"
+    micro.run(lanes=(4,), json_path=str(recorded), quick=True,
+              ops=("engine_step", "decode_build", "prefix_lookup", "prefix_insert"))
+    micro.write_report(str(recorded), root=str(tmp_path))
+    readme = (tmp_path / "README.md").read_text()
+    section = readme[readme.index("<!-- micro:start -->"):readme.index("<!-- micro:end -->")]
+    assert "docs/bench/micro-test.json" in section and "load average" in section
+    assert "| 4 | " in section and "≤ 6 µs" in section
+    assert readme.count("<!-- micro:start -->") == 1 and "Batch invariance" in readme
+    doc = (tmp_path / "docs" / "prefix-cache.md").read_text()
+    figures = doc[doc.index("<!-- prefix-results:start -->"):]
+    assert "bench/micro-test.json" in figures and "full hit" in figures and "≤ 150 µs" in figures

@@ -67,6 +67,7 @@ class MicroRun(msgspec.Struct, frozen=True):
     machine: str                        # platform, cpus, python
     started: str                        # UTC, ISO 8601
     quick: bool                         # short repeats
+    repeats: int                        # timed repeats per case (the median is kept)
     load_before: tuple[float, float, float]  # 1/5/15-minute load averages at the start
     load_after: tuple[float, float, float]   # ... and at the end
     records: list[MicroRecord]
@@ -96,7 +97,8 @@ def measure(time_func: TimeFunc, target_ms: float, repeats: int) -> float:
 
 
 def run(lanes: Iterable[int] = (1, 4, 16, 64, 256), json_path: str | None = None,
-        quick: bool = False, ops: Iterable[str] = OPS) -> list[MicroRecord]:
+        quick: bool = False, ops: Iterable[str] = OPS,
+        repeats: int | None = None) -> list[MicroRecord]:
     """Measure every case (`atombatch.bench.cases`); optionally write the run as JSON.
 
     Args:
@@ -104,11 +106,13 @@ def run(lanes: Iterable[int] = (1, 4, 16, 64, 256), json_path: str | None = None
         json_path: where to write the `MicroRun` (msgspec JSON), or None.
         quick: short repeats (about a millisecond, 3 repeats) for a run of a few seconds.
         ops: the operations to measure (default: all of OPS).
+        repeats: timed repeats per case, of which the median is kept (default 5, quick 3).
 
     Returns:
         One `MicroRecord` per case (op, implementation, B, shape).
     """
-    target_ms, repeats = (1.0, 3) if quick else (20.0, 5)
+    target_ms, default_repeats = (1.0, 3) if quick else (20.0, 5)
+    repeats = repeats or default_repeats
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     load_before = _load()
     records: list[MicroRecord] = []
@@ -119,7 +123,8 @@ def run(lanes: Iterable[int] = (1, 4, 16, 64, 256), json_path: str | None = None
                                    shape=case.shape, load1=_load()[0]))
     if json_path is not None:
         result = MicroRun(commit=provenance.git_commit(), machine=provenance.machine(),
-                          started=started, quick=quick, load_before=load_before,
+                          started=started, quick=quick, repeats=repeats,
+                          load_before=load_before,
                           load_after=_load(), records=records)
         with open(json_path, "wb") as f:
             f.write(msgspec.json.format(msgspec.json.encode(result), indent=2))
@@ -161,6 +166,121 @@ def format_table(records: Sequence[MicroRecord]) -> str:
     return "\n".join(lines)
 
 
+# -- the recorded run, as the README's and docs' figures ----------------------------------------
+
+# Targets of issue 10 (median, idle 2-core machine, null device, every lane decoding), in µs.
+ENGINE_TARGETS_US = {4: 6.0, 16: 10.0, 64: 25.0, 256: 80.0}
+PREFIX_TARGETS_US = {"prefix_lookup": 150.0, "prefix_insert": 300.0}
+README = "README.md"
+PREFIX_DOC = "docs/prefix-cache.md"
+
+
+def _find(run: MicroRun, op: str, shape: str, lanes: int | None = None,
+          impl: str | None = None) -> float | None:
+    for r in run.records:
+        if r.op == op and r.shape == shape and (lanes is None or r.lanes == lanes) and \
+                (impl is None or r.impl == impl):
+            return r.ns_per_op
+    return None
+
+
+def _ns(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value >= 10_000:
+        return f"{value / 1000:,.0f} µs".replace(",", " ")
+    if value >= 1000:
+        return f"{value / 1000:.1f} µs"
+    return f"{value:.0f} ns"
+
+
+def _provenance(run: MicroRun, json_name: str) -> str:
+    loads = [r.load1 for r in run.records if r.load1 >= 0]
+    during = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "unknown"
+    commit = (run.commit or "unknown")[:7] + ("-dirty" if (run.commit or "").endswith("-dirty")
+                                              else "")
+    return (f"Recorded run [{json_name}]({json_name}): commit {commit}, {run.started}, "
+            f"{run.machine}; medians of {run.repeats} repeats{' (quick)' if run.quick else ''}; "
+            f"1-minute load average {run.load_before[0]:.1f} before, {during} during, "
+            f"{run.load_after[0]:.1f} after.")
+
+
+def readme_section(run: MicroRun, json_path: str) -> str:
+    """The README's micro figures, from one recorded run."""
+    lanes = sorted({r.lanes for r in run.records if r.op == "engine_step"})
+    lines = [_provenance(run, json_path), "",
+             "A whole engine step (`Batcher.step()` on a null device, every lane decoding: "
+             "schedule, table build, greedy sampling, outputs), compiled core, per step and per "
+             "lane, beside the pure-Python twin and issue 10's targets:", "",
+             "| B | eager step | per lane | partitioned step | per lane | twin (eager) | "
+             "target |", "|---|---|---|---|---|---|---|"]
+    for b in lanes:
+        eager = _find(run, "engine_step", "eager", b, "c")
+        part = _find(run, "engine_step", "partitioned", b, "c")
+        twin = _find(run, "engine_step", "eager", b, "py")
+        target = ENGINE_TARGETS_US.get(b)
+        lines.append(f"| {b} | {_ns(eager)} | {_ns(eager / b if eager else None)} | "
+                     f"{_ns(part)} | {_ns(part / b if part else None)} | {_ns(twin)} | "
+                     f"{f'≤ {target:g} µs' if target else '-'} |")
+    lines += ["", "Decode-step table build alone (compiled vs twin):", "",
+              "| B | eager | twin | partitioned (72 blocks/seq) | twin |", "|---|---|---|---|---|"]
+    for b in sorted({r.lanes for r in run.records if r.op == "decode_build"}):
+        lines.append(f"| {b} | {_ns(_find(run, 'decode_build', 'eager', b, 'c'))} | "
+                     f"{_ns(_find(run, 'decode_build', 'eager', b, 'py'))} | "
+                     f"{_ns(_find(run, 'decode_build', 'partitioned', b, 'c'))} | "
+                     f"{_ns(_find(run, 'decode_build', 'partitioned', b, 'py'))} |")
+    big = max((r.lanes for r in run.records if r.op == "allocate+free"), default=None)
+    if big is not None:
+        ops = ("allocate+free", "stage+rotate", "touch", "evict+allocate+cache")
+        pairs = ", ".join(f"{op} {_ns(_find(run, op, 'eager', big, 'c'))} / "
+                          f"{_ns(_find(run, op, 'partitioned', big, 'c'))}" for op in ops)
+        lines += ["", f"Per operation the compiled pool costs the same whatever its size (B={big}, "
+                  f"{big + 1} vs {big * 72 + 1} blocks): {pairs}."]
+    lookup = _find(run, "prefix_lookup", "partitioned")
+    insert = _find(run, "prefix_insert", "partitioned")
+    lines += ["", f"Prefix cache, 8 192-token prompt in 128-token blocks: lookup with a full hit "
+              f"{_ns(lookup)} (target ≤ 150 µs), caching the finished request {_ns(insert)} "
+              f"(target ≤ 300 µs); details in [docs/prefix-cache.md](docs/prefix-cache.md)."]
+    return "\n".join(lines)
+
+
+def prefix_section(run: MicroRun, json_path: str) -> str:
+    """docs/prefix-cache.md's figures, from the same run."""
+    rows = [("prefix_hash", "hash the prompt once (xxh3-128), at submit"),
+            ("prefix_hash_blake2b", "the same digests with keyed blake2b-128 (baseline)"),
+            ("prefix_lookup", "lookup, every block cached (full hit)"),
+            ("prefix_insert", "cache the finished request (`Batcher.abort`, lane release included)")]
+    lines = [_provenance(run, json_path), "",
+             "| 8 192-token prompt | 128-token blocks | one eager block | target |",
+             "|---|---|---|---|"]
+    for op, what in rows:
+        target = PREFIX_TARGETS_US.get(op)
+        lines.append(f"| {what} | {_ns(_find(run, op, 'partitioned'))} | "
+                     f"{_ns(_find(run, op, 'eager'))} | "
+                     f"{f'≤ {target:g} µs' if target else '-'} |")
+    return "\n".join(lines)
+
+
+def _replace_between(path: str, start: str, end: str, text: str) -> None:
+    with open(path, encoding="utf-8") as f:
+        content = f.read()
+    a, b = content.index(start) + len(start), content.index(end)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(content[:a] + "\n" + text + "\n" + content[b:])
+
+
+def write_report(json_path: str, root: str = ".") -> None:
+    """Regenerate the README's and docs/prefix-cache.md's figures from a recorded run."""
+    with open(json_path, "rb") as f:
+        run = msgspec.json.decode(f.read(), type=MicroRun)
+    rel = os.path.relpath(json_path, root)
+    _replace_between(os.path.join(root, README), "<!-- micro:start -->", "<!-- micro:end -->",
+                     readme_section(run, rel))
+    _replace_between(os.path.join(root, PREFIX_DOC), "<!-- prefix-results:start -->",
+                     "<!-- prefix-results:end -->",
+                     prefix_section(run, os.path.relpath(json_path, os.path.join(root, "docs"))))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m atombatch.bench micro",
@@ -170,9 +290,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated batch sizes B (default: 1,4,16,64,256)")
     parser.add_argument("--quick", action="store_true", help="short repeats (a few seconds)")
     parser.add_argument("--json", metavar="PATH", help="write the run as msgspec JSON")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed repeats per case, median kept (default 5; --quick 3)")
     parser.add_argument("--ops", default=",".join(OPS),
                         help="comma-separated operations (default: all)")
+    parser.add_argument("--report", metavar="JSON",
+                        help="measure nothing: rewrite the README's and docs/prefix-cache.md's "
+                             "figures from a recorded run")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.report:
+        write_report(args.report)
+        print(f"README.md and {PREFIX_DOC} regenerated from {args.report}")
+        return 0
     try:
         lanes = [int(x) for x in args.lanes.split(",") if x.strip()]
     except ValueError:
@@ -185,7 +314,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(ops) - set(OPS))
     if unknown:
         parser.error(f"--ops: unknown operations {unknown}; known: {', '.join(OPS)}")
-    records = run(lanes=lanes, json_path=args.json, quick=args.quick, ops=ops)
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    records = run(lanes=lanes, json_path=args.json, quick=args.quick, ops=ops,
+                  repeats=args.repeats)
     print(format_table(records))
     if args.json:
         print(f"\nwrote {len(records)} records to {args.json}")
