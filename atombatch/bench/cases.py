@@ -99,12 +99,30 @@ def shapes(batch_size: int) -> list[tuple[str, int, int, int]]:
             ("partitioned", bps, PARTITIONED_BLOCK_SIZE, batch_size * bps + 1)]
 
 
+CPU_SECONDS = [0.0]
+"""Process CPU time spent in timed regions, accumulated by every time function (wall time is what
+they return). On a shared machine a timed region is descheduled part of the time; its CPU time
+is close to what it would take on an idle one. `micro` reports both."""
+
+
+def start_clocks() -> tuple[float, float]:
+    cpu = time.process_time()
+    return time.perf_counter(), cpu
+
+
+def stop_clocks(started: tuple[float, float]) -> float:
+    """Wall seconds since `started`; the CPU seconds go to CPU_SECONDS."""
+    wall = time.perf_counter()
+    CPU_SECONDS[0] += time.process_time() - started[1]
+    return wall - started[0]
+
+
 def timed(loop: Loop) -> TimeFunc:
     """A loop whose every iteration is the operation: time the whole loop."""
     def time_func(loops: int) -> float:
-        start = time.perf_counter()
+        started = start_clocks()
         loop(loops)
-        return time.perf_counter() - start
+        return stop_clocks(started)
     return time_func
 
 
@@ -351,10 +369,10 @@ def engine_step_time_func(impl: ModuleType, lanes: int, shape: str) -> TimeFunc:
             if left[0] <= 0:
                 renew()
             run = min(loops, left[0])
-            start = time.perf_counter()
+            started = start_clocks()
             for _ in range(run):
                 step()
-            elapsed += time.perf_counter() - start
+            elapsed += stop_clocks(started)
             loops -= run
             left[0] -= run
         return elapsed
@@ -449,9 +467,9 @@ def prefix_time_func(impl: ModuleType, op: str, shape: str) -> TimeFunc:
                 tokens[0] = 1 + serial[0] % (ENGINE_VOCAB - 1)   # a new prefix: no hit
                 tokens[1] = 1 + serial[0] // (ENGINE_VOCAB - 1) % (ENGINE_VOCAB - 1)
                 request_id = decoding_request(tokens)
-                start = time.perf_counter()
+                started = start_clocks()
                 batcher.abort(request_id)     # releases the lane and caches its 8 192 positions
-                elapsed += time.perf_counter() - start
+                elapsed += stop_clocks(started)
                 batcher.step()                # drains the final output (untimed)
             return elapsed
         return insert

@@ -50,8 +50,9 @@ class MicroRecord(msgspec.Struct, frozen=True):
     impl: str        # "c" (compiled `_blocks`) or "py" (`_blocks_py`)
     lanes: int       # batch size B
     num_blocks: int  # blocks in the pool (B + 1 eager, B * 72 + 1 partitioned)
-    ns_per_op: float  # median over repeats, nanoseconds per operation
+    ns_per_op: float  # median over repeats, nanoseconds per operation (wall clock)
     shape: str = ""  # "eager" | "partitioned"
+    cpu_ns_per_op: float = -1.0  # median over repeats of the process CPU time per operation
     load1: float = -1.0  # the 1-minute load average when the measurement ended (-1: unknown)
 
     @property
@@ -84,8 +85,9 @@ def _load() -> tuple[float, float, float]:
 # -- timing ----------------------------------------------------------------------------------------
 
 
-def measure(time_func: TimeFunc, target_ms: float, repeats: int) -> float:
-    """Median nanoseconds per iteration of `time_func` (seconds for n iterations), timeit-style."""
+def measure(time_func: TimeFunc, target_ms: float, repeats: int) -> tuple[float, float]:
+    """Median wall and CPU nanoseconds per iteration of `time_func` (seconds for n
+    iterations), timeit-style."""
     target = target_ms * 1e-3
     n = 1
     elapsed = time_func(n)
@@ -93,7 +95,12 @@ def measure(time_func: TimeFunc, target_ms: float, repeats: int) -> float:
         n *= 10
         elapsed = time_func(n)
     n = max(1, int(n * target / max(elapsed, 1e-9)))
-    return statistics.median(time_func(n) * 1e9 / n for _ in range(repeats))
+    wall, cpu = [], []
+    for _ in range(repeats):
+        case_defs.CPU_SECONDS[0] = 0.0
+        wall.append(time_func(n) * 1e9 / n)
+        cpu.append(case_defs.CPU_SECONDS[0] * 1e9 / n)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def run(lanes: Iterable[int] = (1, 4, 16, 64, 256), json_path: str | None = None,
@@ -117,10 +124,11 @@ def run(lanes: Iterable[int] = (1, 4, 16, 64, 256), json_path: str | None = None
     load_before = _load()
     records: list[MicroRecord] = []
     for case in case_defs.cases(lanes, ops):
-        ns = measure(case.make(), target_ms, repeats)
+        ns, cpu_ns = measure(case.make(), target_ms, repeats)
         records.append(MicroRecord(op=case.op, impl=case.impl, lanes=case.lanes,
                                    num_blocks=case.num_blocks, ns_per_op=round(ns, 1),
-                                   shape=case.shape, load1=_load()[0]))
+                                   shape=case.shape, cpu_ns_per_op=round(cpu_ns, 1),
+                                   load1=_load()[0]))
     if json_path is not None:
         result = MicroRun(commit=provenance.git_commit(), machine=provenance.machine(),
                           started=started, quick=quick, repeats=repeats,
@@ -132,33 +140,37 @@ def run(lanes: Iterable[int] = (1, 4, 16, 64, 256), json_path: str | None = None
 
 
 def format_table(records: Sequence[MicroRecord]) -> str:
-    """One line per (shape, B, op): compiled and twin ns/op side by side, and their ratio;
-    engine_step also per lane; the prefix-cache cases in microseconds; the load average."""
-    by_key: dict[tuple[str, int, int], dict[str, float]] = {}
+    """One line per (shape, B, op): compiled and twin ns/op side by side, and their ratio (wall
+    medians), the compiled CPU-time median, engine_step also per lane; the prefix-cache cases in
+    microseconds; the load average."""
+    by_key: dict[tuple[str, int, int], dict[str, MicroRecord]] = {}
     for r in records:
         if r.op in case_defs.PREFIX_OPS:
             continue
-        by_key.setdefault((r.shape, r.lanes, r.num_blocks), {})[f"{r.op}/{r.impl}"] = r.ns_per_op
+        by_key.setdefault((r.shape, r.lanes, r.num_blocks), {})[f"{r.op}/{r.impl}"] = r
     lines = [f"{'shape':<12}{'B':>4}{'blocks':>7}  {'op':<22}{'c ns':>10}{'py ns':>12}{'py/c':>8}"
-             f"{'c ns/lane':>11}"]
+             f"{'c cpu ns':>10}{'cpu/lane':>10}"]
     for (shape, b, num_blocks), values in by_key.items():
         for op in OPS:
             c, py = values.get(f"{op}/c"), values.get(f"{op}/py")
             if c is None and py is None:
                 continue
-            ratio = f"{py / c:7.1f}x" if c and py else "       -"
-            c_text = f"{c:10.0f}" if c is not None else f"{'-':>10}"
-            py_text = f"{py:12.0f}" if py is not None else f"{'-':>12}"
-            per_lane = f"{c / b:11.0f}" if op == "engine_step" and c is not None else ""
+            ratio = f"{py.ns_per_op / c.ns_per_op:7.1f}x" if c and py else "       -"
+            c_text = f"{c.ns_per_op:10.0f}" if c is not None else f"{'-':>10}"
+            py_text = f"{py.ns_per_op:12.0f}" if py is not None else f"{'-':>12}"
+            cpu = f"{c.cpu_ns_per_op:10.0f}" if c is not None else f"{'-':>10}"
+            per_lane = f"{c.cpu_ns_per_op / b:10.0f}" if op == "engine_step" and c else ""
             lines.append(f"{shape:<12}{b:>4}{num_blocks:>7}  {op:<22}{c_text}{py_text}{ratio}"
-                         f"{per_lane}")
+                         f"{cpu}{per_lane}")
     prefix = [r for r in records if r.op in case_defs.PREFIX_OPS]
     if prefix:
         lines.append("")
         lines.append(f"prefix cache, {case_defs.PREFIX_TOKENS}-token prompt "
-                     f"({'/'.join(sorted({r.impl for r in prefix}))} core):")
+                     f"({'/'.join(sorted({r.impl for r in prefix}))} core):"
+                     f"{'wall us':>16}{'cpu us':>10}")
         for r in prefix:
-            lines.append(f"  {r.shape:<12}{r.op:<22}{r.ns_per_op / 1000:10.1f} us")
+            lines.append(f"  {r.shape:<12}{r.op:<22}{r.ns_per_op / 1000:10.1f}"
+                         f"{r.cpu_ns_per_op / 1000:10.1f}")
     loads = [r.load1 for r in records if r.load1 >= 0]
     if loads:
         lines.append(f"\n1-minute load average during the run: {min(loads):.2f}..{max(loads):.2f} "
@@ -176,17 +188,19 @@ PREFIX_DOC = "docs/prefix-cache.md"
 
 
 def _find(run: MicroRun, op: str, shape: str, lanes: int | None = None,
-          impl: str | None = None) -> float | None:
+          impl: str | None = None, cpu: bool = False) -> float | None:
     for r in run.records:
         if r.op == op and r.shape == shape and (lanes is None or r.lanes == lanes) and \
                 (impl is None or r.impl == impl):
-            return r.ns_per_op
+            value = r.cpu_ns_per_op if cpu else r.ns_per_op
+            return value if value >= 0 else None
     return None
 
 
-def _ns(value: float | None) -> str:
+def _ns(value: float | None, per: int = 1) -> str:
     if value is None:
         return "-"
+    value /= per
     if value >= 10_000:
         return f"{value / 1000:,.0f} µs".replace(",", " ")
     if value >= 1000:
@@ -197,50 +211,58 @@ def _ns(value: float | None) -> str:
 def _provenance(run: MicroRun, json_name: str) -> str:
     loads = [r.load1 for r in run.records if r.load1 >= 0]
     during = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "unknown"
-    commit = (run.commit or "unknown")[:7] + ("-dirty" if (run.commit or "").endswith("-dirty")
-                                              else "")
-    return (f"Recorded run [{json_name}]({json_name}): commit {commit}, {run.started}, "
-            f"{run.machine}; medians of {run.repeats} repeats{' (quick)' if run.quick else ''}; "
-            f"1-minute load average {run.load_before[0]:.1f} before, {during} during, "
-            f"{run.load_after[0]:.1f} after.")
+    return (f"Recorded run [{os.path.basename(json_name)}]({json_name}): commit "
+            f"{(run.commit or 'unknown')[:7]}{'-dirty' if (run.commit or '').endswith('-dirty') else ''}"
+            f", {run.started}, {run.machine}; medians of {run.repeats} repeats"
+            f"{' (quick)' if run.quick else ''}. 1-minute load average {run.load_before[0]:.1f} "
+            f"before, {during} during, {run.load_after[0]:.1f} after the run. Each figure is "
+            "given as wall-clock median / process-CPU-time median: on a loaded machine a timed "
+            "loop is descheduled part of the time, and its CPU time is the better estimate of "
+            "what it costs on an idle one.")
 
 
 def readme_section(run: MicroRun, json_path: str) -> str:
     """The README's micro figures, from one recorded run."""
     lanes = sorted({r.lanes for r in run.records if r.op == "engine_step"})
+
+    def both(op: str, shape: str, b: int, impl: str, per: int = 1) -> str:
+        return (f"{_ns(_find(run, op, shape, b, impl), per)} / "
+                f"{_ns(_find(run, op, shape, b, impl, cpu=True), per)}")
+
     lines = [_provenance(run, json_path), "",
              "A whole engine step (`Batcher.step()` on a null device, every lane decoding: "
-             "schedule, table build, greedy sampling, outputs), compiled core, per step and per "
-             "lane, beside the pure-Python twin and issue 10's targets:", "",
-             "| B | eager step | per lane | partitioned step | per lane | twin (eager) | "
-             "target |", "|---|---|---|---|---|---|---|"]
+             "schedule, table build, greedy sampling, outputs) with the compiled core, per step "
+             "and per lane, beside the pure-Python twin and issue 10's targets (wall, idle "
+             "machine):", "",
+             "| B | eager step | eager per lane | partitioned step | partitioned per lane | "
+             "twin, eager step | target |", "|---|---|---|---|---|---|---|"]
     for b in lanes:
-        eager = _find(run, "engine_step", "eager", b, "c")
-        part = _find(run, "engine_step", "partitioned", b, "c")
-        twin = _find(run, "engine_step", "eager", b, "py")
         target = ENGINE_TARGETS_US.get(b)
-        lines.append(f"| {b} | {_ns(eager)} | {_ns(eager / b if eager else None)} | "
-                     f"{_ns(part)} | {_ns(part / b if part else None)} | {_ns(twin)} | "
+        lines.append(f"| {b} | {both('engine_step', 'eager', b, 'c')} | "
+                     f"{both('engine_step', 'eager', b, 'c', b)} | "
+                     f"{both('engine_step', 'partitioned', b, 'c')} | "
+                     f"{both('engine_step', 'partitioned', b, 'c', b)} | "
+                     f"{both('engine_step', 'eager', b, 'py')} | "
                      f"{f'≤ {target:g} µs' if target else '-'} |")
-    lines += ["", "Decode-step table build alone (compiled vs twin):", "",
+    lines += ["", "Decode-step table build alone, compiled vs twin:", "",
               "| B | eager | twin | partitioned (72 blocks/seq) | twin |", "|---|---|---|---|---|"]
     for b in sorted({r.lanes for r in run.records if r.op == "decode_build"}):
-        lines.append(f"| {b} | {_ns(_find(run, 'decode_build', 'eager', b, 'c'))} | "
-                     f"{_ns(_find(run, 'decode_build', 'eager', b, 'py'))} | "
-                     f"{_ns(_find(run, 'decode_build', 'partitioned', b, 'c'))} | "
-                     f"{_ns(_find(run, 'decode_build', 'partitioned', b, 'py'))} |")
+        lines.append(f"| {b} | {both('decode_build', 'eager', b, 'c')} | "
+                     f"{both('decode_build', 'eager', b, 'py')} | "
+                     f"{both('decode_build', 'partitioned', b, 'c')} | "
+                     f"{both('decode_build', 'partitioned', b, 'py')} |")
     big = max((r.lanes for r in run.records if r.op == "allocate+free"), default=None)
     if big is not None:
         ops = ("allocate+free", "stage+rotate", "touch", "evict+allocate+cache")
-        pairs = ", ".join(f"{op} {_ns(_find(run, op, 'eager', big, 'c'))} / "
-                          f"{_ns(_find(run, op, 'partitioned', big, 'c'))}" for op in ops)
+        pairs = ", ".join(f"{op} {_ns(_find(run, op, 'eager', big, 'c', cpu=True))} / "
+                          f"{_ns(_find(run, op, 'partitioned', big, 'c', cpu=True))}"
+                          for op in ops)
         lines += ["", f"Per operation the compiled pool costs the same whatever its size (B={big}, "
-                  f"{big + 1} vs {big * 72 + 1} blocks): {pairs}."]
-    lookup = _find(run, "prefix_lookup", "partitioned")
-    insert = _find(run, "prefix_insert", "partitioned")
-    lines += ["", f"Prefix cache, 8 192-token prompt in 128-token blocks: lookup with a full hit "
-              f"{_ns(lookup)} (target ≤ 150 µs), caching the finished request {_ns(insert)} "
-              f"(target ≤ 300 µs); details in [docs/prefix-cache.md](docs/prefix-cache.md)."]
+                  f"{big + 1} vs {big * 72 + 1} blocks, CPU time): {pairs}."]
+    lines += ["", "Prefix cache, 8 192-token prompt in 128-token blocks: lookup with a full hit "
+              f"{both('prefix_lookup', 'partitioned', 1, 'c')} (target ≤ 150 µs), caching the "
+              f"finished request {both('prefix_insert', 'partitioned', 1, 'c')} (target ≤ 300 µs); "
+              "details in [docs/prefix-cache.md](docs/prefix-cache.md)."]
     return "\n".join(lines)
 
 
@@ -255,8 +277,9 @@ def prefix_section(run: MicroRun, json_path: str) -> str:
              "|---|---|---|---|"]
     for op, what in rows:
         target = PREFIX_TARGETS_US.get(op)
-        lines.append(f"| {what} | {_ns(_find(run, op, 'partitioned'))} | "
-                     f"{_ns(_find(run, op, 'eager'))} | "
+        cells = [f"{_ns(_find(run, op, shape))} / {_ns(_find(run, op, shape, cpu=True))}"
+                 for shape in ("partitioned", "eager")]
+        lines.append(f"| {what} | {cells[0]} | {cells[1]} | "
                      f"{f'≤ {target:g} µs' if target else '-'} |")
     return "\n".join(lines)
 
