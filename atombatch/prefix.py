@@ -92,7 +92,7 @@ class TokenChain:
     def __init__(self, hasher: BlockHasher, tokens: npt.ArrayLike = ()) -> None:
         self._hasher = hasher
         data = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        self._buffer = np.empty(max(2 * len(data), 64), dtype=np.int64)
+        self._buffer = np.empty(len(data) + 64, dtype=np.int64)  # room for some output
         self.length = 0
         self.digests: list[bytes] = []
         self._open = xxhash.xxh3_128(ROOT_INPUT, seed=hasher.seed)
@@ -113,7 +113,7 @@ class TokenChain:
             return
         if end > len(self._buffer):
             # a new buffer: views of the old one (held by cache entries) stay valid
-            grown = np.empty(max(2 * len(self._buffer), end), dtype=np.int64)
+            grown = np.empty(max(len(self._buffer) * 3 // 2, end + 64), dtype=np.int64)
             grown[:start] = self._buffer[:start]
             self._buffer = grown
         buffer = self._buffer

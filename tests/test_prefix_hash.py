@@ -28,8 +28,8 @@ def one_shot_digests(hasher: BlockHasher, tokens: list[int]) -> list[bytes]:
 
 @settings(max_examples=200, deadline=None)
 @given(block_size=st.integers(1, 9),
-       tokens=st.lists(st.integers(-2**63, 2**63 - 1), max_size=60),
-       cuts=st.lists(st.integers(0, 60), max_size=8),
+       tokens=st.lists(st.integers(-2**63, 2**63 - 1), max_size=200),
+       cuts=st.lists(st.integers(0, 200), max_size=8),
        seed=st.integers(0, 2**64 - 1))
 def test_incremental_digests_equal_one_shot_digests(block_size, tokens, cuts, seed):
     hasher = BlockHasher(block_size, seed=seed)
@@ -37,7 +37,7 @@ def test_incremental_digests_equal_one_shot_digests(block_size, tokens, cuts, se
     chain = hasher.chain(tokens[:bounds[1]] if len(bounds) > 1 else [])
     for a, b in itertools.pairwise(bounds[1:]):
         chain.extend(tokens[a:b])
-    assert chain.length == len(tokens) and chain.tokens.tolist() == tokens
+    assert chain.length == len(tokens) and chain.tokens.tolist() == tokens  # across regrowth
     reference_hasher = BlockHasher(block_size, seed=seed)
     assert chain.digests == one_shot_digests(reference_hasher, tokens)
     # every token went through the hash function exactly once
