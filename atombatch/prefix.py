@@ -48,6 +48,17 @@ def new_seed() -> int:
     return int.from_bytes(os.urandom(8), "little")
 
 
+def chain_digest(parent: bytes, tokens: npt.ArrayLike, full: bool, seed: int = 0) -> bytes:
+    """One block's digest with the cache's encoding and a fixed seed (default 0), the same in
+    every process: for code outside a cache that must agree across processes, such as a router's
+    table of where it sent which prefixes. A cache's own digests use its random seed (see
+    `BlockHasher`), so these never equal them; a collision here can only misroute."""
+    state = xxhash.xxh3_128(parent or ROOT_INPUT, seed=seed)
+    state.update(np.ascontiguousarray(tokens, dtype=np.int64).data)
+    state.update(FULL if full else PARTIAL)
+    return state.digest()
+
+
 class BlockHasher:
     """The block digest function of one prefix cache, with counters of the work it did.
 

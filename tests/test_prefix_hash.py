@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from ledger import LedgerRuntime, ledger_spec, reference
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
-from atombatch.prefix import ROOT, BlockHasher, PrefixIndex
+from atombatch.prefix import ROOT, BlockHasher, PrefixIndex, chain_digest
 
 
 def one_shot_digests(hasher: BlockHasher, tokens: list[int]) -> list[bytes]:
@@ -142,3 +142,16 @@ def test_no_token_is_hashed_twice_under_preemption_and_host_restores(seed):
     assert hasher.tokens_hashed == sum(r.chain.length for r in requests)
     for r in requests:
         assert r.chain.length <= len(r.prompt) + len(r.output)
+
+
+def test_chain_digest_is_the_cache_encoding_with_a_fixed_seed():
+    """Routers outside the cache use `chain_digest`: the same in every process (seed 0 unless
+    told), equal to a cache hasher's digest under that seed, different under the cache's own."""
+    tokens = np.arange(16, dtype=np.int64)
+    block0 = chain_digest(ROOT, tokens, True)
+    assert block0 == BlockHasher(16, seed=0).digest(ROOT, tokens, True)
+    assert chain_digest(block0, tokens, False) == BlockHasher(16, seed=0).digest(block0, tokens,
+                                                                                 False)
+    assert chain_digest(ROOT, tokens, True, seed=9) == BlockHasher(16, seed=9).digest(
+        ROOT, tokens, True)
+    assert chain_digest(ROOT, tokens, True, seed=9) != block0
