@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """The micro-benchmarks as a pyperf suite: calibrated loops, worker processes, metadata.
 
-    python bench/micro.py -o micro.json                 # every case (several minutes)
     python bench/micro.py --fast --lanes 16 --ops engine_step,prefix_lookup,prefix_insert
+    python bench/micro.py -o micro.json                 # every compiled case (about an hour)
     python -m pyperf compare_to base.json head.json --table
     python bench/compare.py BASE [HEAD]                 # two commits, one command
 
 The cases are `atombatch.bench.cases`, the same ones `python -m atombatch.bench micro` times;
-nothing here redefines them. Benchmark names are `op/shape/B<lanes>/<impl>`, e.g.
+nothing here redefines them. By default only the compiled core is measured (`--impls c,py` adds
+the pure-Python twin, which `bench micro` already compares side by side). A case takes about
+20 s with `--fast` on a 2-core machine (10 worker processes, 2 values each), about 40 s without.
+Benchmark names are `op/shape/B<lanes>/<impl>`, e.g.
 `engine_step/partitioned/B64/c`; every value is the time of one operation (one engine step, one
 lookup of the 8 192-token prompt, ...). pyperf records the machine's load average with each run
 (`python -m pyperf dump --verbose`); the commit measured is in the `atombatch_commit` metadata.
@@ -64,8 +67,8 @@ def main() -> None:
                                   help=f"batch sizes B (default: {DEFAULT_LANES})")
     runner.argparser.add_argument("--ops", default=",".join(cases.OPS),
                                   help="operations (default: all of atombatch.bench.cases.OPS)")
-    runner.argparser.add_argument("--impls", default="c,py",
-                                  help="block cores: c (compiled), py (twin); default both")
+    runner.argparser.add_argument("--impls", default="c",
+                                  help="block cores: c (compiled), py (twin); default c")
     args = runner.parse_args()
     try:
         lanes = [int(b) for b in _csv(args.lanes, None, "lanes")]
