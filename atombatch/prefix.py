@@ -3,12 +3,23 @@
 A cached block is identified by a digest of every token from position 0 up to its last valid
 position (KV at a position depends on all tokens before it), chained block by block:
 
-    digest(block j) = blake2b(digest(block j-1) || tokens of block j || full-or-partial)
+    digest(block j) = xxh3_128(digest(block j-1) || tokens of block j || b"F" or b"P", seed)
 
-Full blocks (block_size valid tokens) are found by digest in O(1) per block. The last, partial block
-of a finished sequence is cached too (with an eager artifact a block is a whole sequence, so
-partial blocks are where the hits are); a lookup compares the prompt against the partial children
-of the matched chain and takes the longest common token prefix.
+(`digest(block -1)` is 16 zero bytes; tokens are int64 in native byte order; "F" marks a full
+block of `block_size` tokens, "P" a partial last block; the seed is random per index). Why this
+is safe and why xxh3-128 is in docs/prefix-cache.md.
+
+Digests are computed once per request, as its tokens arrive (`TokenChain`): the prompt when the
+request is submitted, generated tokens when the cache next needs them (a lookup after preemption,
+or caching the finished sequence), so a decode step does no hashing. Every token is fed to the
+hash function exactly once: a full block's digest is finished when its last token arrives, and
+the open (last, partial) block is kept as a running hash state whose partial digest is a copy.
+Lookup walks the request's stored digests; caching a finished request reuses them.
+
+Full blocks are found by digest in O(1) per block. The last, partial block of a finished sequence
+is cached too (with an eager artifact a block is a whole sequence, so partial blocks are where the
+hits are); a lookup compares the prompt against the partial children of the matched chain and
+takes the longest common token prefix.
 
 The host cache keeps blocks the device cache evicted, by the same digests, in an LRU bounded in
 bytes; a lookup that runs off the device chain continues into it.
@@ -16,24 +27,147 @@ bytes; a lookup that runs off the device chain continues into it.
 
 from __future__ import annotations
 
-import hashlib
+import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
-ROOT = b""
-
-
-def chain_digest(parent: bytes, tokens: npt.NDArray[np.int64], full: bool) -> bytes:
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(np.ascontiguousarray(tokens, dtype=np.int64).tobytes())
-    h.update(b"F" if full else b"P")
-    return h.digest()
+ROOT = b""          # the parent digest of block 0 (as a key)
+ROOT_INPUT = bytes(16)  # what block 0's hash input starts with: every input is 16 + 8n + 1 bytes
+FULL = b"F"         # suffix of a full block's hash input
+PARTIAL = b"P"      # suffix of a partial block's hash input
+HASH_NAME = "xxh3_128"
 
 
-@dataclass(eq=False)
+def new_seed() -> int:
+    """A random 64-bit hash seed: digests are unpredictable outside the process."""
+    return int.from_bytes(os.urandom(8), "little")
+
+
+def chain_digest(parent: bytes, tokens: npt.ArrayLike, full: bool, seed: int = 0) -> bytes:
+    """One block's digest with the cache's encoding and a fixed seed (default 0), the same in
+    every process: for code outside a cache that must agree across processes, such as a router's
+    table of where it sent which prefixes. A cache's own digests use its random seed (see
+    `BlockHasher`), so these never equal them; a collision here can only misroute."""
+    state = xxhash.xxh3_128(parent or ROOT_INPUT, seed=seed)
+    state.update(np.ascontiguousarray(tokens, dtype=np.int64).data)
+    state.update(FULL if full else PARTIAL)
+    return state.digest()
+
+
+class BlockHasher:
+    """The block digest function of one prefix cache, with counters of the work it did.
+
+    `tokens_hashed` counts tokens fed to the hash function and `digests_made` the digests it
+    finished; tests use them to prove that lookups and inserts hash nothing.
+    """
+
+    __slots__ = ("block_size", "digests_made", "seed", "tokens_hashed")
+
+    def __init__(self, block_size: int, seed: int | None = None) -> None:
+        self.block_size = block_size
+        self.seed = new_seed() if seed is None else seed
+        self.tokens_hashed = 0
+        self.digests_made = 0
+
+    def digest(self, parent: bytes, tokens: npt.ArrayLike, full: bool) -> bytes:
+        """One block's digest in one shot (what `TokenChain` computes incrementally)."""
+        data = np.ascontiguousarray(tokens, dtype=np.int64)
+        state = xxhash.xxh3_128(parent or ROOT_INPUT, seed=self.seed)
+        state.update(data.data)
+        state.update(FULL if full else PARTIAL)
+        self.tokens_hashed += len(data)
+        self.digests_made += 1
+        return state.digest()
+
+    def chain(self, tokens: npt.ArrayLike = ()) -> TokenChain:
+        """A chain over `tokens` (hashed now); more tokens are appended with `extend`."""
+        return TokenChain(self, tokens)
+
+
+class TokenChain:
+    """One sequence's tokens and the digests of its blocks, computed as the tokens arrive.
+
+    `digests[j]` is the digest of full block j. The open (last, partial) block is a running hash
+    state fed with every token appended so far, so `partial_digest(length)` costs a copy, not a
+    re-hash. Tokens are kept in a growing int64 buffer; views handed out (`tokens`) stay valid
+    because positions, once written, never change.
+    """
+
+    __slots__ = ("_buffer", "_hasher", "_open", "_open_start", "digests", "length")
+
+    def __init__(self, hasher: BlockHasher, tokens: npt.ArrayLike = ()) -> None:
+        self._hasher = hasher
+        data = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        self._buffer = np.empty(len(data) + 64, dtype=np.int64)  # room for some output
+        self.length = 0
+        self.digests: list[bytes] = []
+        self._open = xxhash.xxh3_128(ROOT_INPUT, seed=hasher.seed)
+        self._open_start = 0            # first position of the open block
+        self.extend(data)
+
+    @property
+    def tokens(self) -> npt.NDArray[np.int64]:
+        """Every token appended so far (a view)."""
+        return self._buffer[:self.length]
+
+    def extend(self, tokens: npt.ArrayLike | Sequence[int]) -> None:
+        """Append tokens and hash them: finish the digest of every block they complete and feed
+        the rest into the open block's running state."""
+        data = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        start, end = self.length, self.length + len(data)
+        if end == start:
+            return
+        if end > len(self._buffer):
+            # a new buffer: views of the old one (held by cache entries) stay valid
+            grown = np.empty(max(len(self._buffer) * 3 // 2, end + 64), dtype=np.int64)
+            grown[:start] = self._buffer[:start]
+            self._buffer = grown
+        buffer = self._buffer
+        buffer[start:end] = data
+        self.length = end
+        hasher, block_size = self._hasher, self._hasher.block_size
+        position = start
+        while position < end:
+            block_end = self._open_start + block_size
+            stop = min(end, block_end)
+            self._open.update(buffer[position:stop].data)
+            hasher.tokens_hashed += stop - position
+            position = stop
+            if position == block_end:
+                self._open.update(FULL)
+                digest = self._open.digest()
+                hasher.digests_made += 1
+                self.digests.append(digest)
+                self._open = xxhash.xxh3_128(digest, seed=hasher.seed)
+                self._open_start = block_end
+
+    def parent(self, block: int) -> bytes:
+        """The digest block `block` is chained to."""
+        return self.digests[block - 1] if block else ROOT
+
+    def partial_digest(self, end: int) -> bytes:
+        """The digest of the partial block that ends at position `end` (not a block boundary).
+
+        At the end of the chain this finishes a copy of the running state (no token is hashed
+        again); a sequence cached at fewer positions than it holds (aborted while re-prefilling
+        after a preemption) hashes that one block's tokens."""
+        hasher = self._hasher
+        block = end // hasher.block_size
+        if end == self.length and block * hasher.block_size == self._open_start:
+            state = self._open.copy()
+            state.update(PARTIAL)
+            hasher.digests_made += 1
+            return state.digest()
+        start = block * hasher.block_size
+        return hasher.digest(self.parent(block), self._buffer[start:end], False)
+
+
+@dataclass(eq=False, slots=True)
 class Entry:
     """One cached prefix block (on the device or on the host)."""
 
@@ -79,44 +213,61 @@ class _Index:
         if not siblings:
             del self.children[entry.parent]
 
-    def walk(self, prompt: npt.NDArray[np.int64], block_size: int, parent: bytes, start: int,
-             match: Match) -> bytes:
-        """Extend `match` from `start` through full blocks, then the best partial child."""
-        position = start
-        while position + block_size <= len(prompt):
-            digest = chain_digest(parent, prompt[position:position + block_size], True)
-            entry = self.by_digest.get(digest)
+    def walk(self, chain: TokenChain, length: int, start_block: int, match: Match) -> None:
+        """Extend `match` over the first `length` tokens of `chain` from block `start_block`:
+        through full blocks by their stored digests, then the best partial child."""
+        block_size = chain._hasher.block_size
+        digests, by_digest = chain.digests, self.by_digest
+        block, last = start_block, length // block_size
+        while block < last:
+            entry = by_digest.get(digests[block])
             if entry is None:
                 break
             match.entries.append(entry)
-            parent, position = digest, position + block_size
+            block += 1
+        position = block * block_size
         match.tokens = position
+        children = self.children.get(chain.parent(block))
+        if not children or position >= length:
+            return
+        rest = chain.tokens[position:min(position + block_size, length)]
         best, best_len = None, 0
-        rest = prompt[position:position + block_size]
-        for child in self.children.get(parent, {}).values():
-            length = _common_prefix(child.tokens, rest)
-            if length > best_len:
-                best, best_len = child, length
+        for child in children.values():
+            common = _common_prefix(child.tokens, rest)
+            if common > best_len:
+                best, best_len = child, common
         if best is not None:
             match.entries.append(best)
             match.tokens = position + best_len
-        return parent
 
 
 class PrefixIndex:
     """The device prefix cache's index: CACHED blocks by prefix digest."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, seed: int | None = None) -> None:
         self.block_size = block_size
+        self.hasher = BlockHasher(block_size, seed)
         self._index = _Index()
         self._by_block: dict[int, Entry] = {}
 
     def __len__(self) -> int:
         return len(self._by_block)
 
-    def lookup(self, prompt: npt.NDArray[np.int64]) -> Match:
+    def chain(self, tokens: npt.ArrayLike = ()) -> TokenChain:
+        """A new request's chain: its prompt hashed once, here."""
+        return self.hasher.chain(tokens)
+
+    def lookup(self, prompt: npt.ArrayLike) -> Match:
+        """The longest cached prefix of `prompt` (hashes it; the scheduler uses `match`)."""
+        chain = self.hasher.chain(prompt)
+        return self.match(chain, chain.length)
+
+    def match(self, chain: TokenChain, length: int) -> Match:
+        """The longest cached prefix of the first `length` tokens of `chain`; hashes nothing."""
+        if chain.length < length:
+            raise ValueError(f"length={length} is past the chain's {chain.length} tokens")
         match = Match()
-        self._index.walk(prompt, self.block_size, ROOT, 0, match)
+        self._index.walk(chain, length, 0, match)
         return match
 
     def entry(self, block: int) -> Entry | None:
@@ -125,14 +276,20 @@ class PrefixIndex:
     def find(self, digest: bytes) -> Entry | None:
         return self._index.by_digest.get(digest)
 
-    def insert(self, block: int, parent: bytes, tokens: npt.NDArray[np.int64]) -> Entry | None:
-        """Index `block` as holding `tokens` after the prefix `parent`; None if already cached."""
-        full = len(tokens) == self.block_size
-        digest = chain_digest(parent, tokens, full)
+    def insert(self, block: int, parent: bytes, tokens: npt.ArrayLike) -> Entry | None:
+        """Index `block` as holding `tokens` after the prefix `parent` (hashes the tokens);
+        None if already cached."""
+        data = np.array(tokens, dtype=np.int64)
+        full = len(data) == self.block_size
+        return self.insert_digest(block, self.hasher.digest(parent, data, full), parent, data,
+                                  full)
+
+    def insert_digest(self, block: int, digest: bytes, parent: bytes,
+                      tokens: npt.NDArray[np.int64], full: bool) -> Entry | None:
+        """Index `block` under a digest already computed; None if that digest is cached."""
         if digest in self._index.by_digest:
             return None
-        entry = Entry(digest=digest, parent=parent, tokens=np.array(tokens, dtype=np.int64),
-                      full=full, block=block)
+        entry = Entry(digest=digest, parent=parent, tokens=tokens, full=full, block=block)
         self._index.add(entry)
         self._by_block[block] = entry
         return entry
@@ -177,17 +334,16 @@ class HostCache:
         self.used_bytes += size
         self.stores += 1
 
-    def extend(self, prompt: npt.NDArray[np.int64], match: Match) -> list[Entry]:
-        """Continue a device match into host copies when that covers more of the prompt; returns
-        the host entries now in the match. A device chain ending in a partly matched block is
-        compared with the host's continuation of its wholly matched part; the longer wins."""
+    def extend(self, chain: TokenChain, length: int, match: Match) -> list[Entry]:
+        """Continue a device match of the first `length` tokens of `chain` into host copies when
+        that covers more of them; returns the host entries now in the match. A device chain
+        ending in a partly matched block is compared with the host's continuation of its wholly
+        matched part; the longer wins. Hashes nothing."""
         # only blocks matched to their last token can be continued (a partly matched entry,
         # full or not, ends the device chain)
         full = match.entries[: match.tokens // self.block_size]
-        parent = full[-1].digest if full else ROOT
         host_match = Match()
-        self._index.walk(prompt, self.block_size, parent, len(full) * self.block_size,
-                         host_match)
+        self._index.walk(chain, length, len(full), host_match)
         if host_match.tokens <= match.tokens:
             return []
         match.entries = [*full, *host_match.entries]

@@ -59,7 +59,7 @@ import numpy.typing as npt
 from atombatch import blocks as core
 from atombatch.config import ArtifactConfig
 from atombatch.errors import CapacityError, ConfigError, StateError
-from atombatch.prefix import ROOT, Entry, HostCache, Match, PrefixIndex, chain_digest
+from atombatch.prefix import ROOT, Entry, HostCache, Match, PrefixIndex, TokenChain
 from atombatch.structs import FinishReason, SamplingParams
 
 
@@ -141,9 +141,10 @@ class PDImport:
 class Request:
     """The scheduler's mutable record of one request."""
 
-    __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "error", "finish_reason",
-                 "first_token_at", "lane", "output", "params", "pd", "preemptions", "prefill_pos",
-                 "prompt", "request_id", "rng", "shared", "state", "token_times")
+    __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "chain", "error",
+                 "finish_reason", "first_token_at", "lane", "output", "params", "pd",
+                 "preemptions", "prefill_pos", "prompt", "request_id", "rng", "shared", "state",
+                 "token_times")
 
     def __init__(self, request_id: str, prompt: npt.NDArray[np.int64], params: SamplingParams,
                  arrival: float, rng: np.random.Generator) -> None:
@@ -166,6 +167,7 @@ class Request:
         self.error: str | None = None
         self.pd: PDImport | None = None  # set for a request whose KV a producer sends
         self.shared = 0                  # leading row entries that are pinned CACHED blocks
+        self.chain: TokenChain | None = None  # prefix cache: its tokens' block digests
 
     @property
     def ready(self) -> bool:
@@ -301,6 +303,8 @@ class Scheduler:
             raise StateError(f"request id {request.request_id!r} is already in flight")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.prefix is not None and request.chain is None:
+            request.chain = self.prefix.chain(request.prompt)  # the prompt is hashed once, here
 
     def _blocks_for_prefill(self, request: Request) -> int:
         """Blocks a request holds once its whole prefill (padded last chunk) is written."""
@@ -385,13 +389,27 @@ class Scheduler:
         request.admit_order = self._admit_counter
         self._admit_counter += 1
 
-    def _lookup(self, tokens: npt.NDArray[np.int64]) -> Match:
-        """Longest cached prefix, on the device and then on the host. A host entry whose digest
-        is (still or again) on the device is replaced by the device block: a child can outlive
-        its evicted parent there, and a restore must never duplicate a cached digest."""
+    def _chain(self, request: Request, length: int) -> TokenChain:
+        """The request's digest chain over its first `length` tokens (prompt, then output):
+        generated tokens are hashed here, when the cache first needs them, never twice."""
         assert self.prefix is not None
-        match = self.prefix.lookup(tokens)
-        if self.host is not None and self.host.extend(tokens, match):
+        chain = request.chain
+        if chain is None:
+            chain = request.chain = self.prefix.chain(request.prompt)
+        if chain.length < length:
+            prompt_len = len(request.prompt)
+            chain.extend(request.output[chain.length - prompt_len:length - prompt_len])
+        return chain
+
+    def _lookup(self, request: Request, length: int) -> Match:
+        """Longest cached prefix of the request's first `length` tokens, on the device and then
+        on the host, walking the request's stored digests. A host entry whose digest is (still
+        or again) on the device is replaced by the device block: a child can outlive its evicted
+        parent there, and a restore must never duplicate a cached digest."""
+        assert self.prefix is not None
+        chain = self._chain(request, length)
+        match = self.prefix.match(chain, length)
+        if self.host is not None and self.host.extend(chain, length, match):
             match.entries = [self.prefix.find(e.digest) or e if e.block < 0 else e
                              for e in match.entries]
         return match
@@ -400,7 +418,7 @@ class Scheduler:
         """Start a fresh lane from the longest cached prefix of what it must prefill."""
         assert self.prefix is not None
         tokens = request.prefill_tokens
-        match = self._lookup(tokens)
+        match = self._lookup(request, len(tokens))
         q, bs, lane = self.artifact.prefill_chunk_size, self.artifact.block_size, request.lane
         resume = (min(match.tokens, len(tokens) - 1) // q) * q
         if resume == 0:
@@ -448,7 +466,7 @@ class Scheduler:
         prefill resumes in) from the cached block by a device copy or a host restore."""
         assert self.prefix is not None
         tokens = request.prefill_tokens
-        match = self._lookup(tokens)
+        match = self._lookup(request, len(tokens))
         q, bs = self.artifact.prefill_chunk_size, self.artifact.block_size
         resume = (min(match.tokens, len(tokens) - 1) // q) * q
         request.blocks = []
@@ -493,7 +511,8 @@ class Scheduler:
         cache and is pinned by the request that restored it."""
         assert self.prefix is not None
         self.pool.cache(block)
-        inserted = self.prefix.insert(block, entry.parent, entry.tokens)
+        inserted = self.prefix.insert_digest(block, entry.digest, entry.parent, entry.tokens,
+                                             entry.full)
         assert inserted is not None, "a host entry on the device was not replaced by _lookup"
         self.pool.acquire(block)
 
@@ -506,22 +525,18 @@ class Scheduler:
             return 0
         bs = self.artifact.block_size
         row = self.lanes.blocks(request.lane)
-        parent = ROOT
+        full_blocks = min(len(request.prompt) // bs, len(row))
+        chain = self._chain(request, full_blocks * bs)  # the prompt's digests: nothing re-hashed
         published = 0
-        for j in range(min(len(request.prompt) // bs, len(row))):
+        for j in range(request.shared, full_blocks):
             block = row[j]
-            if j < request.shared:
-                entry = self.prefix.entry(block)
-                assert entry is not None
-                parent = entry.digest
-                continue
-            inserted = self.prefix.insert(block, parent, request.prompt[j * bs:(j + 1) * bs])
+            inserted = self.prefix.insert_digest(block, chain.digests[j], chain.parent(j),
+                                                 chain.tokens[j * bs:(j + 1) * bs], True)
             if inserted is None:  # an identical block is cached already: stop here
                 break
             self.pool.cache(block)
             self.pool.acquire(block)
             request.shared += 1
-            parent = inserted.digest
             published += 1
         if published:
             self._event("prefix.published", request_id=request.request_id, blocks=published)
@@ -952,28 +967,31 @@ class Scheduler:
             self.waiting.remove(request)
 
     def _cache_blocks(self, request: Request, held: list[int], valid: int) -> None:
-        """Keep a released lane's KV in the prefix cache (shared blocks are just unpinned)."""
-        assert self.prefix is not None
+        """Keep a released lane's KV in the prefix cache (shared blocks are just unpinned).
+
+        The digests are the request's own, computed as its tokens arrived: nothing is hashed
+        here but the generated tokens the chain has not seen yet."""
+        prefix = self.prefix
+        assert prefix is not None
         bs = self.artifact.block_size
-        tokens = request.prefill_tokens  # what positions 0..valid-1 hold
-        parent = ROOT
+        chain = self._chain(request, valid)  # positions 0..valid-1 hold its first valid tokens
+        tokens, digests = chain.tokens, chain.digests
         for j, block in enumerate(held):
             if j < request.shared:
-                entry = self.prefix.entry(block)
-                assert entry is not None
-                parent = entry.digest
                 self.pool.release(block)
                 continue
             start = j * bs
             if start >= valid:
                 self.pool.free(block)
                 continue
-            chunk = tokens[start:min(start + bs, valid)]
-            if self.prefix.insert(block, parent, chunk) is None:
+            end = min(start + bs, valid)
+            full = end - start == bs
+            digest = digests[j] if full else chain.partial_digest(end)
+            if prefix.insert_digest(block, digest, digests[j - 1] if j else ROOT,
+                                    tokens[start:end], full) is None:
                 self.pool.free(block)  # an identical block is cached already
             else:
                 self.pool.cache(block)
-            parent = chain_digest(parent, chunk, len(chunk) == bs)
 
     def _release_staged(self, request: Request) -> None:
         for j, block in enumerate(request.blocks):

@@ -776,12 +776,18 @@ def test_micro_bench_quick_writes_records(tmp_path) -> None:
 
     path = tmp_path / "micro.json"
     records = micro.run(lanes=(2,), json_path=str(path), quick=True)
-    assert {(r.impl, r.num_blocks) for r in records} == {("c", 3), ("py", 3), ("c", 145),
-                                                         ("py", 145)}
+    block_records = [r for r in records if r.op not in micro.case_defs.PREFIX_OPS]
+    assert {(r.impl, r.num_blocks) for r in block_records} == {("c", 3), ("py", 3), ("c", 145),
+                                                               ("py", 145)}
     assert {r.op for r in records} == set(micro.OPS)
-    assert all(r.ns_per_op > 0 and r.lanes == 2 for r in records)
-    assert msgspec.json.decode(path.read_bytes(), type=list[micro.MicroRecord]) == records
-    assert "decode_build" in micro.format_table(records)
+    assert {(r.op, r.shape) for r in records if r.op == "engine_step"} == {
+        ("engine_step", "eager"), ("engine_step", "partitioned")}
+    assert all(r.ns_per_op > 0 for r in records)
+    assert all(r.lanes == 2 for r in block_records)
+    run = msgspec.json.decode(path.read_bytes(), type=micro.MicroRun)
+    assert run.records == records and len(run.load_before) == 3
+    table = micro.format_table(records)
+    assert "decode_build" in table and "prefix_lookup" in table and "load average" in table
 
 
 def test_an_owner_outside_int32_is_refused_before_any_change(impl):

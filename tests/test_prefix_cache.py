@@ -233,9 +233,11 @@ def test_host_lookup_never_continues_from_a_partly_matched_block():
     index, host = PrefixIndex(block_size=4), HostCache(1 << 20, block_size=4)
     index.insert(0, b"", np.array([1, 1, 4, 16], dtype=np.int64))
     prompt = np.array([1, 1, 1, 1, 1, 1], dtype=np.int64)
-    match = index.lookup(prompt)
+    chain = index.chain(prompt)
+    match = index.match(chain, len(prompt))
     assert match.tokens == 2
-    assert host.extend(prompt, match) == [] and match.tokens == 2
-    entry = PrefixIndex(4).insert(9, b"", np.array([1, 1, 1, 1], dtype=np.int64))
+    assert host.extend(chain, len(prompt), match) == [] and match.tokens == 2
+    evicted = PrefixIndex(4, seed=index.hasher.seed)  # the same digests, another index
+    entry = evicted.insert(9, b"", np.array([1, 1, 1, 1], dtype=np.int64))
     host.put(entry, np.zeros(8))
-    assert [e.block for e in host.extend(prompt, match)] == [-1] and match.tokens == 4
+    assert [e.block for e in host.extend(chain, len(prompt), match)] == [-1] and match.tokens == 4

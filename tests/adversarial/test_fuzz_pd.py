@@ -91,7 +91,11 @@ FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 @given(fields=header_maps())
 def test_a_decoded_header_is_bounded_or_refused(fields: dict[str, Any]) -> None:
     try:
-        header = decode_header(msgspec.msgpack.encode(fields))
+        frame = msgspec.msgpack.encode(fields)
+    except OverflowError:  # an int msgpack cannot carry never reaches a decoder
+        return
+    try:
+        header = decode_header(frame)
     except KVTransferError as exc:
         assert len(str(exc)) < 1000
         return

@@ -1,0 +1,64 @@
+"""The pyperf suite in bench/ runs (fastest mode) and its results compare with pyperf."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pyperf  # the bench extra, part of the test extra
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pyperf_suite_runs_the_shared_cases_and_compares(tmp_path):
+    from atombatch.bench import cases
+
+    output = tmp_path / "suite.json"
+    ops = "decode_build,engine_step,prefix_lookup,prefix_insert"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "micro.py"), "--debug-single-value",
+                    "--quiet", "--lanes", "2", "--impls", "c,py", "--ops", ops,
+                    "-o", str(output)], cwd=tmp_path, check=True, capture_output=True,
+                   text=True, timeout=600)
+    suite = pyperf.BenchmarkSuite.load(str(output))
+    want = {case.name for case in cases.cases((2,), ops.split(","))}
+    assert set(suite.get_benchmark_names()) == want
+    assert {"engine_step/partitioned/B2/c", "prefix_insert/partitioned/B1/c"} <= want
+    for bench in suite.get_benchmarks():
+        assert bench.get_nvalue() >= 1 and bench.median() > 0
+        metadata = bench.get_metadata()
+        assert metadata["atombatch_op"] == bench.get_name().split("/")[0]
+        assert "load_avg_1min" in metadata and "atombatch_commit" in metadata
+    compared = subprocess.run([sys.executable, "-m", "pyperf", "compare_to", str(output),
+                               str(output), "--table"], check=True, capture_output=True,
+                              text=True, timeout=120)
+    assert "engine_step/eager/B2/c" in compared.stdout
+
+
+def test_pyperf_suite_rejects_an_unknown_operation(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "micro.py"), "--ops", "nope",
+                             "--debug-single-value"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0 and "--ops='nope'" in result.stderr
+
+
+def test_micro_report_regenerates_readme_and_docs_figures_from_a_recorded_run(tmp_path):
+    import shutil
+
+    from atombatch.bench import micro
+
+    (tmp_path / "docs" / "bench").mkdir(parents=True)
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    shutil.copy(ROOT / "docs" / "prefix-cache.md", tmp_path / "docs" / "prefix-cache.md")
+    recorded = tmp_path / "docs" / "bench" / "micro-test.json"
+    micro.run(lanes=(4,), json_path=str(recorded), quick=True,
+              ops=("engine_step", "decode_build", "prefix_lookup", "prefix_insert"))
+    micro.write_report(str(recorded), root=str(tmp_path))
+    readme = (tmp_path / "README.md").read_text()
+    section = readme[readme.index("<!-- micro:start -->"):readme.index("<!-- micro:end -->")]
+    assert "docs/bench/micro-test.json" in section and "load average" in section
+    assert "| 4 | " in section and "≤ 6 µs" in section
+    assert readme.count("<!-- micro:start -->") == 1 and "Batch invariance" in readme
+    doc = (tmp_path / "docs" / "prefix-cache.md").read_text()
+    figures = doc[doc.index("<!-- prefix-results:start -->"):]
+    assert "bench/micro-test.json" in figures and "full hit" in figures and "≤ 150 µs" in figures
