@@ -1,4 +1,4 @@
-"""`python -m atombatch.bench [micro|serve|fit|http|invariance] ...`; no subcommand runs a short
+"""`python -m atombatch.bench [micro|serve|fit|http|invariance|cluster] ...`; no subcommand runs a short
 micro + batch invariance + serve."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import importlib
 import sys
 import time
 
-SUBCOMMANDS = ("micro", "serve", "fit", "http", "invariance")
-USAGE = ("usage: python -m atombatch.bench [micro|serve|fit|http|invariance] [options]\n"
+SUBCOMMANDS = ("micro", "serve", "fit", "http", "invariance", "cluster")
+USAGE = ("usage: python -m atombatch.bench [micro|serve|fit|http|invariance|cluster] [options]\n"
          "       python -m atombatch.bench            (short micro + invariance + serve)\n"
          "       python -m atombatch.bench SUBCOMMAND --help")
 
