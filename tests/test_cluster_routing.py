@@ -150,3 +150,17 @@ def test_load_only_baselines() -> None:
         PrefixAffinityPolicy().rank((), [])
     with pytest.raises(ConfigError, match="max_imbalance=-1"):
         PrefixAffinityPolicy(max_imbalance=-1)
+
+
+def test_a_free_lane_elsewhere_beats_queueing_on_the_prefix_holder() -> None:
+    policy = PrefixAffinityPolicy(max_imbalance=8)
+    digests = route_digests(list(range(64)), 16)
+    policy.routed(digests, "r0")
+    full = [ReplicaLoad("r0", lanes=2, in_flight=2), ReplicaLoad("r1", lanes=2, in_flight=1)]
+    assert policy.rank(digests, full)[0] == "r1"      # r0 has no free lane, r1 has one
+    everyone_full = [ReplicaLoad("r0", lanes=2, in_flight=3),
+                     ReplicaLoad("r1", lanes=2, in_flight=2)]
+    assert policy.rank(digests, everyone_full)[0] == "r0"   # then affinity, within the bound
+    no_cache = [ReplicaLoad("r0", lanes=2, in_flight=1, prefix_cache=False),
+                ReplicaLoad("r1", lanes=2, in_flight=0, prefix_cache=False)]
+    assert policy.rank(digests, no_cache)[0] == "r1"  # nothing cached anywhere: least loaded

@@ -186,7 +186,8 @@ class _Replica:
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(self.name, lanes=self.batcher.artifact.batch_size,
-                           in_flight=len(self.in_flight))
+                           in_flight=len(self.in_flight),
+                           prefix_cache=self.batcher.scheduler.prefix is not None)
 
     def next_producer_event(self) -> float | None:
         events = [e for e in (v.next_event() for v in self.views) if e is not None]

@@ -18,8 +18,12 @@ The choice, for one request:
 1. `floor` = the smallest load among the candidates. A replica is *eligible* when its load is at
    most `floor + max_imbalance`: affinity may pile work onto a replica only that far beyond the
    least loaded one, so a hot prefix never starves the others and never queues without bound.
+   Lanes come first: while some candidate has a free lane, only replicas with a free lane are
+   eligible (a request never waits for a lane on a prefix holder while a lane is free elsewhere:
+   a lane wait costs whole requests' decode time, a missed prefix costs only its prefill).
 2. Among eligible replicas, the one holding the longest run of the prompt's leading digests wins
-   (only runs of at least `min_match_blocks` count); ties go to the lower load.
+   (only runs of at least `min_match_blocks` count, and only on replicas with a prefix cache);
+   ties go to the lower load.
 3. With no match, the least loaded replica wins; ties are broken by rendezvous hashing of the
    prompt's first digest, so requests of a new prefix group that arrive together land together and
    different groups spread.
@@ -73,6 +77,7 @@ class ReplicaLoad(msgspec.Struct, frozen=True):
     occupied: int = 0                   # lanes holding a request (last report)
     queue: int = 0                      # requests without a lane (last report)
     in_flight: int = 0                  # requests this router sent there and saw no end of yet
+    prefix_cache: bool = True           # the replica keeps prefixes (False: affinity is moot)
 
     @property
     def load(self) -> int:
@@ -145,10 +150,13 @@ class PrefixAffinityPolicy:
         if not replicas:
             raise CapacityError("no replicas to route to")
         floor = min(r.load for r in replicas)
-        matches = {r.replica: self.match_blocks(digests, r.replica) for r in replicas}
+        matches = {r.replica: self.match_blocks(digests, r.replica) if r.prefix_cache else 0
+                   for r in replicas}
         bound = floor + self.max_imbalance
+        lane_free = any(r.free_lanes > 0 for r in replicas)
         usable = [r for r in replicas if matches[r.replica] >= self.min_match_blocks]
-        eligible = [r for r in usable if r.load <= bound]
+        eligible = [r for r in usable
+                    if r.load <= bound and (r.free_lanes > 0 or not lane_free)]
         first = digests[0] if digests else b""
 
         def spread(r: ReplicaLoad) -> bytes:  # rendezvous hash: a stable order per prefix

@@ -157,7 +157,8 @@ class AtomRequestRouter(RequestRouter):
         return ReplicaLoad(key, lanes=int(stats.get("lanes", 1)),
                            occupied=int(stats.get("occupied", 0)),
                            queue=int(stats.get("queue", 0)),
-                           in_flight=self.in_flight.get(key, 0))
+                           in_flight=self.in_flight.get(key, 0),
+                           prefix_cache=bool(stats.get("prefix_cache", True)))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -378,7 +379,9 @@ class AtomReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         s = self.batcher.stats()
         return {"lanes": self.batcher.artifact.batch_size, "occupied": s.occupied_lanes,
-                "queue": s.queue_length, "prefix_hits": s.prefix_hits,
+                "queue": s.queue_length,
+                "prefix_cache": self.batcher.scheduler.prefix is not None,
+                "prefix_hits": s.prefix_hits,
                 "prefix_hit_tokens": s.prefix_hit_tokens}
 
     def stats(self) -> dict[str, Any]:
