@@ -10,6 +10,8 @@ the policies of `atombatch.cluster` (the same classes the Ray Serve router runs)
     python -m atombatch.bench cluster --models koni-8b,qwen3-4b --replicas 1,2,4,8 \\
         --rates 0.5,1,2,4 --policies pow2,prefix --json cluster.json
     python -m atombatch.bench cluster --size --slo-ttft 2 --rates 4   # ATOMs for a load and SLO
+    python -m atombatch.bench cluster --ray --replicas 2 --conversations 16 --turns 3 \
+        --system-len 768 --user-len 32 --output-len 16     # real Ray Serve: vs its default router
 
 Workload ("chat"): conversations arrive as a Poisson process (`--rates`, conversations/s); each
 opens with one of `--system-prompts` shared system prompts (`--system-len` tokens), then runs
@@ -424,11 +426,27 @@ def _parser() -> argparse.ArgumentParser:
                    help="also print the fewest ATOMs meeting the SLO per model, rate, policy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--ray", action="store_true",
+                   help="instead: atombatch's router vs Ray Serve's default on a local Ray "
+                   "(NumPy replicas, real HTTP; needs the ray extra)")
+    p.add_argument("--concurrency", type=int, default=4, help="--ray: conversations at once")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.ray:
+        from atombatch.bench import cluster_ray
+
+        results = cluster_ray.run(replicas=max(args.replicas), conversations=args.conversations,
+                                  turns=args.turns, system_prompts=args.system_prompts,
+                                  system_len=args.system_len, user_len=args.user_len,
+                                  output_len=args.output_len, concurrency=args.concurrency,
+                                  seed=args.seed)
+        print(cluster_ray.format_table(results))
+        if args.json:
+            args.json.write_bytes(msgspec.json.format(msgspec.json.encode(results)))
+        return 0
     try:
         for model in args.models:
             ModelSpec.preset(model)
