@@ -10,8 +10,8 @@ the policies of `atombatch.cluster` (the same classes the Ray Serve router runs)
     python -m atombatch.bench cluster --models koni-8b,qwen3-4b --replicas 1,2,4,8 \\
         --rates 0.5,1,2,4 --policies pow2,prefix --json cluster.json
     python -m atombatch.bench cluster --size --slo-ttft 2 --rates 4   # ATOMs for a load and SLO
-    python -m atombatch.bench cluster --ray --replicas 2 --conversations 16 --turns 3 \
-        --system-len 768 --user-len 32 --output-len 16     # real Ray Serve: vs its default router
+    python -m atombatch.bench cluster --ray --replicas 2 --conversations 24 --turns 3 \
+        --system-len 512 --user-len 64 --output-len 16     # real Ray Serve: vs its default router
 
 Workload ("chat"): conversations arrive as a Poisson process (`--rates`, conversations/s); each
 opens with one of `--system-prompts` shared system prompts (`--system-len` tokens), then runs
@@ -429,7 +429,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ray", action="store_true",
                    help="instead: atombatch's router vs Ray Serve's default on a local Ray "
                    "(NumPy replicas, real HTTP; needs the ray extra)")
-    p.add_argument("--concurrency", type=int, default=4, help="--ray: conversations at once")
+    p.add_argument("--concurrency", type=int, default=2, help="--ray: conversations at once")
+    p.add_argument("--repeat", type=int, default=2, help="--ray: rounds (routers alternate)")
     return p
 
 
@@ -442,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                                   turns=args.turns, system_prompts=args.system_prompts,
                                   system_len=args.system_len, user_len=args.user_len,
                                   output_len=args.output_len, concurrency=args.concurrency,
-                                  seed=args.seed)
+                                  seed=args.seed, repeat=args.repeat)
         print(cluster_ray.format_table(results))
         if args.json:
             args.json.write_bytes(msgspec.json.format(msgspec.json.encode(results)))

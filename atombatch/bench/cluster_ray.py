@@ -4,7 +4,8 @@ on a real local Ray Serve deployment (NumPy replicas, real HTTP/SSE), side by si
 Both applications get the same replicas (`atombatch.serve.ray.build_app`, prefix cache on), the
 same shared-prefix chat workload and the same client: `--concurrency` conversations at a time,
 each `--turns` turns long, every turn's prompt the whole conversation so far, opening with one of
-`--system-prompts` shared system prompts. Measured at the client: TTFT (request sent -> first
+`--system-prompts` shared system prompts. `--repeat` rounds alternate the routers, so load from
+elsewhere on the machine falls on both. Measured at the client: TTFT (request sent -> first
 token in the SSE stream), requests/s and output tokens/s; from the replicas' own counters (the
 board): prompt tokens whose prefill the prefix cache saved.
 """
@@ -22,11 +23,12 @@ import msgspec
 import numpy as np
 
 ENGINE = ["--batch-size", "2", "--max-seq-len", "2048", "--block-size", "64",
-          "--num-blocks", "160", "--prefill-chunk-size", "64", "--prefix-cache"]
+          "--num-blocks", "96", "--prefill-chunk-size", "64", "--prefix-cache"]
 
 
 class RayRouterResult(msgspec.Struct, frozen=True):
     router: str                          # "prefix" (atombatch) | "default" (Ray Serve's)
+    round: int                           # repetition (routers alternate within a round)
     replicas: int
     requests: int
     failed: int
@@ -107,7 +109,7 @@ def _free_port() -> int:
 def run(*, replicas: int = 2, conversations: int = 16, turns: int = 3, system_prompts: int = 2,
         system_len: int = 768, user_len: int = 32, output_len: int = 16, concurrency: int = 4,
         routers: tuple[str, ...] = ("default", "prefix"), seed: int = 0,
-        num_cpus: int = 2) -> list[RayRouterResult]:
+        num_cpus: int = 2, repeat: int = 1) -> list[RayRouterResult]:
     """Deploy one application per router on a local Ray and drive the same workload through
     each (see the module docstring)."""
     import ray
@@ -126,8 +128,8 @@ def run(*, replicas: int = 2, conversations: int = 16, turns: int = 3, system_pr
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     results = []
     try:
-        for router in routers:
-            name = f"bench-{router}"
+        for router, rep in [(r, k) for k in range(repeat) for r in routers]:
+            name = f"bench-{router}-{rep}"
             serve.run(build_app(ENGINE, replicas=replicas, replica_cpus=0.5, router=router,
                                 routing_stats_s=0.2, app_name=name),
                       name=name, route_prefix=f"/{name}")
@@ -144,7 +146,7 @@ def run(*, replicas: int = 2, conversations: int = 16, turns: int = 3, system_pr
             done = len(ttfts)
             array = np.asarray(ttfts or [float("nan")])
             results.append(RayRouterResult(
-                router=router, replicas=replicas, requests=conversations * turns,
+                router=router, round=rep, replicas=replicas, requests=conversations * turns,
                 failed=counts["failed"], prompt_tokens=counts["prompt_tokens"],
                 prefix_hit_tokens=hits,
                 prefix_hit_rate=hits / counts["prompt_tokens"] if counts["prompt_tokens"] else 0.0,
@@ -160,11 +162,11 @@ def run(*, replicas: int = 2, conversations: int = 16, turns: int = 3, system_pr
 
 
 def format_table(results: list[RayRouterResult]) -> str:
-    head = (f"{'router':<8} {'N':>2} {'reqs':>4} {'fail':>4} {'hit%':>5} {'TTFT p50':>9} "
+    head = (f"{'router':<8} {'#':>1} {'N':>2} {'reqs':>4} {'fail':>4} {'hit%':>5} {'TTFT p50':>9} "
             f"{'TTFT p99':>9} {'req/s':>6} {'tok/s':>6}  per replica")
     lines = [head, "-" * len(head)]
     for r in results:
-        lines.append(f"{r.router:<8} {r.replicas:>2} {r.requests:>4} {r.failed:>4} "
+        lines.append(f"{r.router:<8} {r.round:>1} {r.replicas:>2} {r.requests:>4} {r.failed:>4} "
                      f"{100 * r.prefix_hit_rate:>5.1f} {1000 * r.ttft_p50_s:>7.1f}ms "
                      f"{1000 * r.ttft_p99_s:>7.1f}ms {r.requests_per_s:>6.2f} "
                      f"{r.output_tok_s:>6.1f}  {sorted(r.per_replica.values())}")

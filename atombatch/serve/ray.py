@@ -205,8 +205,10 @@ def _digests_of(pending_request: PendingRequest | None) -> tuple[bytes, ...]:
     if pending_request is None:
         return ()
     for arg in pending_request.args or ():
-        if isinstance(arg, ForwardedRequest):
-            return arg.digests
+        # by attribute, not isinstance: Ray may load this module twice (by value and by name)
+        digests = getattr(arg, "digests", None)
+        if isinstance(digests, tuple):
+            return digests
     return ()
 
 
@@ -729,7 +731,7 @@ def build_app(engine_args: Sequence[str], *, replicas: int = 1, atom_resource: s
     routing: dict[str, Any] = {"request_routing_stats_period_s": routing_stats_s,
                                "request_routing_stats_timeout_s": max(routing_stats_s, 1.0)}
     if router == "prefix":
-        routing.update(request_router_class=AtomRequestRouter,
+        routing.update(request_router_class="atombatch.serve.ray.AtomRequestRouter",
                        request_router_kwargs={"max_imbalance": max_imbalance})
     replica = deployment(
         AtomReplica, name="AtomReplica", num_replicas=replicas,
