@@ -116,6 +116,20 @@ def test_two_replicas_stream_with_prefix_affinity_and_merged_metrics(cluster: st
     # every request of a group went where its first one went; the groups' later requests hit
     assert len({replicas[0], replicas[1], replicas[2]}) == 1
     assert len({replicas[3], replicas[4], replicas[5]}) == 1
+    # affinity beats load: while a long stream of group 0 runs on its replica, another request
+    # of group 0 still goes there (a lane is free) rather than to the idle replica
+    with httpx.Client(timeout=120) as http:
+        body = {"prompt": groups[0][0], "max_tokens": 800, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with http.stream("POST", f"{base}/v1/completions", json=body) as running:
+            lines = running.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            busy = running.headers["x-atombatch-replica"]
+            time.sleep(0.6)                       # the router hears of the load
+            again = http.post(f"{base}/v1/completions",
+                              json={"prompt": groups[0][2], "max_tokens": 2, "temperature": 0})
+            assert again.headers["x-atombatch-replica"] == busy == replicas[0]
+            assert [line for line in lines if line][-1] == "data: [DONE]"
     time.sleep(1.0)
     stats = wait_reports("affinity", 2)
     assert sum(s["prefix_hits"] for s in stats.values()) >= 4
