@@ -821,4 +821,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run from the module by its import name: Ray pickles classes of `__main__` by value, and a
+    # by-value copy of the msgspec Structs above does not rebuild in the workers.
+    from atombatch.serve.ray import main as _main
+
+    sys.exit(_main())
