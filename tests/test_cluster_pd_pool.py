@@ -98,3 +98,17 @@ def test_prompt_for_routing_reads_completions_and_chats() -> None:
     assert prompt_for_routing(chat, codec) == list(codec.render_chat([("user", "<9>")]))
     assert prompt_for_routing(b"not json", codec) == []
     assert prompt_for_routing(b'{"prompt": [1], "unknown": {"x": 1}}', codec) == [1]
+
+
+def test_app_builder_takes_serve_config_args() -> None:
+    pytest.importorskip("ray")
+    from atombatch.errors import ConfigError
+    from atombatch.serve.ray import app_builder
+
+    app = app_builder({"engine": "--batch-size 2 --prefix-cache", "replicas": 3,
+                       "max_imbalance": 2})
+    assert type(app).__name__ == "Application"
+    with pytest.raises(ConfigError, match=r"\['replica'\] are unknown"):
+        app_builder({"replica": 3})
+    with pytest.raises(ConfigError, match="router='random'"):
+        app_builder({"router": "random"})
