@@ -1,5 +1,5 @@
-"""`python -m atombatch.bench [micro|serve|fit|http|invariance|device] ...`; no subcommand runs a short
-micro + batch invariance + serve."""
+"""`python -m atombatch.bench [micro|serve|fit|http|invariance|device|cluster] ...`; no subcommand
+runs a short micro + batch invariance + serve."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import importlib
 import sys
 import time
 
-SUBCOMMANDS = ("micro", "serve", "fit", "http", "invariance", "device")
-USAGE = ("usage: python -m atombatch.bench [micro|serve|fit|http|invariance|device] [options]\n"
+SUBCOMMANDS = ("micro", "serve", "fit", "http", "invariance", "device", "cluster")
+USAGE = ("usage: python -m atombatch.bench [micro|serve|fit|http|invariance|device|cluster] "
+         "[options]\n"
          "       python -m atombatch.bench            (short micro + invariance + serve)\n"
          "       python -m atombatch.bench SUBCOMMAND --help")
 

@@ -80,6 +80,10 @@ def parser() -> argparse.ArgumentParser:
                                                           for k, v in POLICY_HELP.items()))
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queue bound: requests without a lane past it answer 429 (default 256)")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="keep finished sequences' KV for requests sharing a prefix")
+    p.add_argument("--host-cache-bytes", type=int, default=0,
+                   help="host memory for KV blocks evicted from the prefix cache (default 0)")
     p.add_argument("--seed", type=int, default=0, help="random weights and engine sampling seed")
     p.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads for the NumPy runtime (default 1; 0 leaves the library's "
@@ -161,7 +165,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
 
 def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,
              spec: ModelSpec) -> tuple[Batcher, str, Codec | None]:
-    batcher = Batcher(runtime, policy=args.policy, seed=args.seed, max_waiting=args.max_waiting)
+    batcher = Batcher(runtime, policy=args.policy, seed=args.seed, max_waiting=args.max_waiting,
+                      prefix_cache=args.prefix_cache, host_cache_bytes=args.host_cache_bytes)
     tokenizer_dir = args.tokenizer or model_dir
     codec = HFCodec.from_dir(tokenizer_dir) if tokenizer_dir else None
     if args.tokenizer and codec is None:

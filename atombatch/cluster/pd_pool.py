@@ -1,0 +1,170 @@
+"""A decoder's pool of PD producers: pick one by load, stop using one that failed or died.
+
+A decoder replica holds one `ProducerPool`. Every PD request opens a `ZmqSource` to the producer
+with the fewest requests this decoder has in flight there (ties: the one used least recently), and
+the pool counts it until the engine closes the source. A source that fails on the transport marks
+its producer *suspect*: no new request goes there until `check` (called periodically, off the
+engine's loop) finds the producer alive again; a producer found dead is removed for good. So a
+producer that dies or is removed fails only the requests in flight on it (the engine turns their
+`KVTransferError` into `finish_reason="error"`), and the next requests go to the others.
+
+`check` takes the liveness test as a function (a Ray actor ping in `atombatch.serve.ray`, anything
+in tests), so the pool itself does no I/O besides the sources it opens.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from atombatch.errors import CapacityError, KVTransferError
+from atombatch.pd import ZmqSource
+from atombatch.structs import SamplingParams
+
+
+class ProducerState(msgspec.Struct):
+    """One producer as this decoder sees it."""
+
+    name: str
+    endpoint: str                        # ZeroMQ endpoint of its ROUTER socket
+    in_flight: int = 0                   # sources this decoder has open on it
+    opened: int = 0                      # sources opened so far
+    failed: int = 0                      # sources that failed on the transport
+    suspect: bool = False                # a source failed: no new requests until `check`
+    last_used: int = 0                   # order of the last open (tie-break: least recent)
+
+
+class _PooledSource:
+    """A `KVSource` that tells its pool when it ends, and how."""
+
+    def __init__(self, pool: ProducerPool, producer: ProducerState, inner: Any) -> None:
+        self._pool = pool
+        self._producer = producer
+        self._inner = inner
+        self._ended = False
+
+    def poll(self) -> Any:
+        try:
+            return self._inner.poll()
+        except KVTransferError:
+            self._pool._transport_failed(self._producer)
+            raise
+
+    def done(self) -> bool:
+        return bool(self._inner.done())
+
+    def close(self) -> None:
+        try:
+            self._inner.close()
+        finally:
+            if not self._ended:
+                self._ended = True
+                self._pool._closed(self._producer)
+
+
+class ProducerPool:
+    """Producers by name -> endpoint; `open` picks one by load (see the module docstring).
+
+    Args:
+        producers: (name, endpoint) pairs.
+        source_factory: builds a source, default `ZmqSource(endpoint, request_id, prompt,
+            params, mode)` (tests pass another transport).
+        mode: "layer-stream" or "whole".
+    """
+
+    def __init__(self, producers: Sequence[tuple[str, str]] = (), *,
+                 source_factory: Callable[..., Any] | None = None,
+                 mode: str = "layer-stream") -> None:
+        self._lock = threading.Lock()
+        self._producers: dict[str, ProducerState] = {}
+        self._factory: Callable[..., Any] = source_factory or ZmqSource
+        self.mode = mode
+        self._uses = 0
+        for name, endpoint in producers:
+            self.add(name, endpoint)
+
+    def add(self, name: str, endpoint: str) -> None:
+        with self._lock:
+            self._producers[name] = ProducerState(name, endpoint)
+
+    def remove(self, name: str) -> None:
+        """Stop using a producer (requests in flight on it carry on until their sources end)."""
+        with self._lock:
+            self._producers.pop(name, None)
+
+    def snapshot(self) -> list[ProducerState]:
+        with self._lock:
+            return [msgspec.structs.replace(p) for p in self._producers.values()]
+
+    @property
+    def available(self) -> list[str]:
+        with self._lock:
+            return [p.name for p in self._producers.values() if not p.suspect]
+
+    def choose(self) -> ProducerState:
+        """The producer for the next request.
+
+        Raises:
+            CapacityError: no producer is available (none configured, or all suspect).
+        """
+        with self._lock:
+            usable = [p for p in self._producers.values() if not p.suspect]
+            if not usable:
+                raise CapacityError(f"no PD producer is available ({len(self._producers)} known, "
+                                    "all failed or none configured)")
+            best = min(usable, key=lambda p: (p.in_flight, p.last_used))
+            self._uses += 1
+            best.in_flight += 1
+            best.opened += 1
+            best.last_used = self._uses
+            return best
+
+    def open(self, request_id: str, prompt: Sequence[int],
+             params: SamplingParams | None = None) -> _PooledSource:
+        """A KV source for `prompt` from the least loaded available producer.
+
+        Raises:
+            CapacityError: no producer is available.
+            KVTransferError: the chosen producer cannot be reached (it is then suspect).
+        """
+        producer = self.choose()
+        try:
+            inner = self._factory(producer.endpoint, request_id, list(prompt), params,
+                                  self.mode)
+        except Exception:
+            self._closed(producer)
+            self._transport_failed(producer)
+            raise
+        return _PooledSource(self, producer, inner)
+
+    def check(self, alive: Callable[[ProducerState], bool]) -> None:
+        """Re-test every producer: a dead one is removed, a suspect one that answers is used again.
+        Call it periodically from a thread of its own (it may block in `alive`)."""
+        for producer in self.snapshot():
+            ok = False
+            try:
+                ok = bool(alive(producer))
+            except Exception:
+                ok = False
+            with self._lock:
+                current = self._producers.get(producer.name)
+                if current is None:
+                    continue
+                if not ok:
+                    del self._producers[producer.name]
+                else:
+                    current.suspect = False
+
+    # -- from the sources -------------------------------------------------------------------------
+    def _closed(self, producer: ProducerState) -> None:
+        with self._lock:
+            producer.in_flight = max(0, producer.in_flight - 1)
+
+    def _transport_failed(self, producer: ProducerState) -> None:
+        with self._lock:
+            if not producer.suspect:
+                producer.failed += 1
+            producer.suspect = True

@@ -1,0 +1,53 @@
+"""`bench cluster`: many simulated replicas behind the routing policies, with and without PD."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from atombatch.bench import cluster
+from atombatch.bench.__main__ import main as bench_main
+
+SMALL = cluster.Workload(rate=2.0, conversations=12, turns=3, system_prompts=2, system_len=512,
+                         user_len=64, output_len=16, think_s=1.0, seed=1)
+
+
+def test_prefix_affinity_raises_the_hit_rate_over_pow2() -> None:
+    cells = {p: cluster.run_cell("qwen3-0.6b", 4, p, SMALL) for p in ("pow2", "prefix")}
+    for cell in cells.values():
+        assert cell.status == "ok", cell.error
+        assert cell.failed == 0 and cell.completed == cell.requests == 12 * 3
+        assert sum(cell.per_replica) == cell.requests
+        assert 0 < cell.prefix_hit_tokens < cell.prompt_tokens
+    # the same arrivals and prompts: the prefix router finds more of them cached
+    assert cells["prefix"].prompt_tokens == cells["pow2"].prompt_tokens
+    assert cells["prefix"].prefix_hit_tokens > cells["pow2"].prefix_hit_tokens
+
+
+def test_pd_pool_cells_and_hybrid_models_run_without_a_prefix_cache() -> None:
+    pd = cluster.run_cell("qwen3-0.6b", 2, "prefix", SMALL, producers=2)
+    assert pd.status == "ok", pd.error
+    assert pd.completed == pd.requests and pd.atoms == 4
+    assert pd.prefix_hit_tokens == 0   # imported KV is not a prefix hit: it crossed the link
+    gemma = cluster.run_cell("gemma3-1b", 2, "prefix", SMALL)
+    assert gemma.status == "ok" and not gemma.prefix_cache and gemma.prefix_hit_tokens == 0
+    too_long = cluster.run_cell("qwen3-0.6b", 2, "pow2", cluster.Workload(system_len=9000))
+    assert too_long.status == "rejected" and "max_seq_len" in (too_long.error or "")
+
+
+def test_cli_sizes_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cluster.json"
+    status = bench_main(["cluster", "--models", "qwen3-0.6b", "--replicas", "1,2",
+                         "--policies", "prefix", "--rates", "1", "--conversations", "6",
+                         "--turns", "2", "--system-len", "256", "--user-len", "32",
+                         "--output-len", "8", "--slo-ttft", "30", "--size", "--json", str(out)])
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "ATOMs" in printed
+    report = json.loads(out.read_text())
+    assert [c["replicas"] for c in report["cells"]] == [1, 2]
+    (row,) = report["sizing"]
+    assert row["replicas"] == 1 and row["atoms"] == 1      # one replica meets a 30 s TTFT
+    assert bench_main(["cluster", "--policies", "random"]) == 2

@@ -1,0 +1,239 @@
+"""The Ray Serve application on a local Ray (`ray.init(num_cpus=2)`): NumPy replicas behind the
+prefix-aware router, real HTTP from the `openai` client, a replica killed mid-stream, PD producers
+in their own processes, one of them killed mid-request.
+
+Expected tokens come from a plain `Batcher` on the same engine flags (`build_engine`): greedy
+decoding is per lane, so neither routing nor batching can change them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is part of the test extra")
+from ray import serve  # noqa: E402
+
+from atombatch.serve.cli import build_engine, parser  # noqa: E402
+from atombatch.serve.ray import board, build_app  # noqa: E402
+from atombatch.structs import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+ENGINE = ["--batch-size", "2", "--max-seq-len", "1024", "--block-size", "64", "--num-blocks", "40",
+          "--prefill-chunk-size", "64", "--prefix-cache", "--seed", "3"]
+SYSTEM = [(7 * i) % 1000 + 3 for i in range(192)]   # a shared 192-token "system prompt"
+
+
+def expected(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    batcher, _, _ = build_engine(parser().parse_args(ENGINE))
+    done = batcher.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return [list(c.token_ids) for c in done]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def app_names() -> Iterator[list[str]]:
+    """Applications a test deployed; deleted after it (the 2 CPUs are shared by the tests)."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        serve.delete(name)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    # Ray's memory monitor kills workers when the *machine* is short of memory (other processes
+    # count too); these replicas are small, so it is turned off for the test cluster.
+    os.environ["RAY_memory_monitor_refresh_ms"] = "0"  # noqa: SIM112 (Ray spells it so)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def reports(app: str) -> dict[str, dict[str, Any]]:
+    return {k: v["stats"] for k, v in ray.get(board(app).reports.remote()).items()}
+
+
+def wait_reports(app: str, count: int, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = reports(app)
+        if len(found) >= count:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"{count} replicas did not report within {timeout} s: {found}")
+
+
+def stream_ids(response: Any) -> tuple[list[int], str | None]:
+    ids: list[int] = []
+    reason = None
+    for chunk in response:
+        if chunk.choices:
+            ids.extend(getattr(chunk.choices[0], "token_ids", None) or [])
+            reason = chunk.choices[0].finish_reason or reason
+    return ids, reason
+
+
+def test_two_replicas_stream_with_prefix_affinity_and_merged_metrics(cluster: str,
+                                                                     app_names: list[str]) -> None:
+    app_names.append("affinity")
+    serve.run(build_app(ENGINE, replicas=2, replica_cpus=0.25, routing_stats_s=0.2),
+              name="affinity", route_prefix="/affinity")
+    base = f"{cluster}/affinity"
+    wait_reports("affinity", 2)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    groups = {g: [SYSTEM[: 64 * (g + 1)] + [g + 3] * 64 + [t + 10] * 8 for t in range(3)]
+              for g in range(2)}
+    prompts = [p for g in groups.values() for p in g]
+    want = expected(prompts, 6)
+    got, replicas = [], {}
+    for index, prompt in enumerate(prompts):      # one at a time: the router sees idle replicas
+        with httpx.Client(timeout=120) as http:
+            answer = http.post(f"{base}/v1/completions",
+                               json={"prompt": prompt, "max_tokens": 6, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        replicas[index] = answer.headers["x-atombatch-replica"]
+        got.append(answer.json()["choices"][0]["token_ids"])
+    assert got == want
+    # every request of a group went where its first one went; the groups' later requests hit
+    assert len({replicas[0], replicas[1], replicas[2]}) == 1
+    assert len({replicas[3], replicas[4], replicas[5]}) == 1
+    # affinity beats load: while a long stream of group 0 runs on its replica, another request
+    # of group 0 still goes there (a lane is free) rather than to the idle replica
+    with httpx.Client(timeout=120) as http:
+        body = {"prompt": groups[0][0], "max_tokens": 800, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with http.stream("POST", f"{base}/v1/completions", json=body) as running:
+            lines = running.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            busy = running.headers["x-atombatch-replica"]
+            time.sleep(0.6)                       # the router hears of the load
+            again = http.post(f"{base}/v1/completions",
+                              json={"prompt": groups[0][2], "max_tokens": 2, "temperature": 0})
+            assert again.headers["x-atombatch-replica"] == busy == replicas[0]
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+    time.sleep(1.0)
+    stats = wait_reports("affinity", 2)
+    assert sum(s["prefix_hits"] for s in stats.values()) >= 4
+    for replica in {replicas[0], replicas[3]}:
+        assert stats[replica]["prefix_hits"] >= 2
+
+    # streaming through the openai client, several at once, on both replicas
+    stream = client.completions.create(model="atombatch-tiny", prompt=prompts[0], max_tokens=6,
+                                       temperature=0, stream=True)
+    assert stream_ids(stream) == (want[0], "length")
+    chat = client.chat.completions.create(model="atombatch-tiny", temperature=0, max_tokens=4,
+                                          messages=[{"role": "user", "content": "<5><6><7>"}],
+                                          stream=True)
+    assert sum(len(c.choices[0].delta.content or "") > 0 for c in chat if c.choices) == 4
+    client.close()
+
+    metrics = httpx.get(f"{base}/metrics", timeout=30).text
+    for replica in stats:
+        assert f'atombatch_lanes{{replica="{replica}"}} 2.0' in metrics
+    assert httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"] == "atombatch-tiny"
+    bad = httpx.post(f"{base}/v1/completions", json={"prompt": [1], "max_tokens": 0},
+                     timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
+def test_replica_killed_mid_stream(cluster: str, app_names: list[str]) -> None:
+    app_names.append("kill")
+    serve.run(build_app(ENGINE, replicas=2, replica_cpus=0.25, routing_stats_s=0.2),
+              name="kill", route_prefix="/kill")
+    base = f"{cluster}/kill"
+    wait_reports("kill", 2)
+    http = httpx.Client(timeout=120)
+    long = {"max_tokens": 900, "temperature": 0, "stream": True, "ignore_eos": True}
+    streams = []
+    for g in range(4):                            # spread over both replicas (distinct prefixes)
+        prompt = [g + 3] * 64 + [5, 6, 7]
+        response = http.send(http.build_request("POST", f"{base}/v1/completions",
+                                                json={"prompt": prompt, **long}), stream=True)
+        assert response.status_code == 200
+        streams.append((response, response.headers["x-atombatch-replica"], response.iter_lines()))
+    victim = streams[0][1]
+    assert {s[1] for s in streams} != {victim}, "the router put every stream on one replica"
+    next(line for line in streams[0][2] if line.startswith("data: {"))   # it is streaming
+    actor = ray.get_actor(f"SERVE_REPLICA::kill#AtomReplica#{victim}", namespace="serve")
+    ray.kill(actor, no_restart=True)
+    for response, replica, lines in streams:
+        events = [line for line in lines if line.startswith("data: ")]
+        response.close()
+        if replica == victim:
+            assert '"replica_failed"' in events[-1]               # ended with an error event
+            assert events[-1] != "data: [DONE]"
+        else:
+            assert events[-1] == "data: [DONE]"
+            tokens = sum(len(e.split('"token_ids":[')[1].split("]")[0].split(","))
+                         for e in events if '"token_ids":[' in e and '"token_ids":[]' not in e)
+            assert tokens == 900                                  # the others ran to the end
+    # the router stops using the dead replica: later requests all land elsewhere and succeed
+    for g in range(4):
+        answer = http.post(f"{base}/v1/completions", json={"prompt": [g + 3] * 64 + [5, 6, 7],
+                                                            "max_tokens": 3, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-atombatch-replica"] != victim
+    http.close()
+
+
+def test_pd_producers_in_their_own_processes(cluster: str, app_names: list[str]) -> None:
+    app_names.append("pd")
+    serve.run(build_app(ENGINE, replicas=1, replica_cpus=0.25, producers=2, routing_stats_s=0.2,
+                        producer_options={"layer_delay": 0.4}, app_name="pd"),
+              name="pd", route_prefix="/pd")
+    base = f"{cluster}/pd"
+    (stats,) = wait_reports("pd", 1).values()
+    assert [p["name"] for p in stats["producers"]] == ["p0", "p1"]
+    http = httpx.Client(timeout=120)
+    prompts = [[g + 3] * 40 + [9, 8] for g in range(2)]
+    want = expected(prompts, 5)
+    answers = [http.post(f"{base}/v1/completions", json={"prompt": p, "max_tokens": 5,
+                                                         "temperature": 0}) for p in prompts]
+    assert [a.json()["choices"][0]["token_ids"] for a in answers] == want   # PD == native
+    (stats,) = wait_reports("pd", 1).values()
+    assert stats["imports"] > 0 and stats["prefill_chunks"] == 0
+    assert sorted(p["opened"] for p in stats["producers"]) == [1, 1]      # by load: one each
+
+    # kill the producer serving a request while its layers are on the way (0.4 s per layer)
+    doomed = http.send(http.build_request("POST", f"{base}/v1/completions",
+                                          json={"prompt": prompts[0], "max_tokens": 5,
+                                                "temperature": 0, "stream": True}), stream=True)
+    time.sleep(0.3)
+    (stats,) = reports("pd").values()
+    busy = [p["name"] for p in stats["producers"] if p["in_flight"]]
+    assert len(busy) == 1
+    ray.kill(ray.get_actor(f"pd-producer-{busy[0][1:]}", namespace="atombatch"),
+             no_restart=True)
+    events = [line for line in doomed.iter_lines() if line.startswith("data: ")]
+    doomed.close()
+    # the single-process server's error event: the transfer failed, nothing was generated
+    (error,) = [e for e in events if '"error"' in e]
+    assert "KV producer" in error and not any('"token_ids":[' in e for e in events)
+    # the survivor takes every later request; the dead one is dropped from the pool
+    for prompt in prompts:
+        answer = http.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 5,
+                                                           "temperature": 0})
+        assert answer.status_code == 200 and answer.json()["choices"][0]["token_ids"] in want
+    time.sleep(2.0)
+    (stats,) = reports("pd").values()
+    assert [p["name"] for p in stats["producers"]] == [n for n in ("p0", "p1") if n != busy[0]]
+    http.close()
