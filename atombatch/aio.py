@@ -187,10 +187,27 @@ class AsyncBatcher:
 
     async def generate(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                        params: SamplingParams | None = None) -> Completion:
-        """Submit and wait for the whole completion."""
+        """Submit and wait for the whole completion (one choice; `generate_choices` for n > 1).
+
+        Raises:
+            RequestError: `params.n > 1` (nothing is submitted).
+        """
+        if params is not None and params.n > 1:
+            raise RequestError(f"n={params.n}: generate returns one completion; use "
+                               "generate_choices for n > 1")
+        [completion] = await self.generate_choices(prompt, params)
+        return completion
+
+    async def generate_choices(self, prompt: Sequence[int] | npt.NDArray[np.integer],
+                               params: SamplingParams | None = None) -> list[Completion]:
+        """Submit and wait for every choice of the request: `params.n` completions in choice
+        order (`Completion.index`)."""
+        done: dict[int, Completion] = {}
         async for out in self.stream(prompt, params):
-            if out.finished and out.completion is not None:
-                return out.completion
+            if out.completion is not None:
+                done[out.index] = out.completion
+            if out.finished:
+                return [done[index] for index in sorted(done)]
         raise AtomBatchError("stream ended without a final output")  # pragma: no cover
 
     def stats(self) -> EngineStats:

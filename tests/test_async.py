@@ -159,3 +159,20 @@ async def test_outputs_of_a_request_that_already_finished_are_still_delivered():
         assert len(tokens) == 2
         with pytest.raises(RequestError, match="unknown or its outputs were taken"):
             ab.outputs(rid)
+
+
+async def test_generate_choices_returns_every_choice_as_the_batcher_does():
+    params = SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=6, ignore_eos=True)
+    prompt = prompts(1, seed=4)[0]
+    want = Batcher(NumpyRuntime.random(artifact(4), seed=0)).generate([prompt], params)
+    async with AsyncBatcher(Batcher(NumpyRuntime.random(artifact(4), seed=0)),
+                            offload=False) as ab:
+        got = await ab.generate_choices(prompt, params)
+        with pytest.raises(RequestError, match="n=3: generate returns one completion; use "
+                                               "generate_choices"):
+            await ab.generate(prompt, params)
+        [single] = await ab.generate_choices(prompt, SamplingParams(temperature=0.0, max_tokens=4))
+    assert [c.index for c in got] == [0, 1, 2]
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert len({c.token_ids for c in got}) > 1  # seeds seed + i: the choices differ
+    assert len(single.token_ids) == 4
