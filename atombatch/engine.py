@@ -33,6 +33,7 @@ from atombatch.runtime.base import Runtime
 from atombatch.sampling import LOGPROBS_MODES, LogprobsMode, RequestSampler, sample_rows
 from atombatch.scheduler import PDImport, Policy, Request, RequestState, Scheduler, StepPlan
 from atombatch.structs import (
+    GREEDY_EPS,
     Completion,
     RequestOutput,
     RequestTimings,
@@ -511,6 +512,8 @@ class Batcher:
                     progress.header_ok = True
                     progress.covered_len = header.covered_len
                     progress.first_token = header.first_token
+                    if header.first_token is not None:
+                        self._skip_first_draw(request_id)
                     progress.num_layers = header.num_layers
                     link.last_progress = now
                 if layers:
@@ -535,6 +538,14 @@ class Batcher:
                 self._fail(request, f"KV import failed: {exc}", outputs)
                 continue
             progress.pending = len(self._writable(link))
+
+    def _skip_first_draw(self, request_id: str) -> None:
+        """The producer sampled the first token from `default_rng(seed)` (docs/pd.md): advance
+        this request's generator past that draw, so its later tokens are the ones a colocated
+        run with the same seed samples."""
+        sampler = self._samplers.get(request_id) if self._samplers else None
+        if sampler is not None and sampler.params.temperature >= GREEDY_EPS:
+            sampler.rng.random()
 
     def _writable(self, link: KVLink) -> list[Any]:
         """Layers that may be written now. A hybrid model's sliding layers wait for the whole
