@@ -6,10 +6,13 @@ Each test drives real computation (the NumPy runtime, the engine's detokenizer o
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 from driving import run_to_end
 from test_pd import SEED, SPECS, artifact, producer_for, prompts
 
-from atombatch import Batcher, SamplingParams
+from atombatch import AsyncBatcher, Batcher, SamplingParams
 from atombatch.pd import InProcessSource
 from atombatch.runtime import NumpyRuntime
 
@@ -34,3 +37,31 @@ def test_pd_seeded_sampling_matches_the_colocated_run() -> None:
         got = finals[rid].completion
         assert got.token_ids[0] == want.token_ids[0]  # same first-token sampler and seed
         assert got.token_ids == want.token_ids
+
+
+def test_an_unclaimed_n_request_keeps_every_choice() -> None:
+    """AsyncBatcher compacts a finished request nobody iterated yet; with n > 1 that must keep
+    each choice apart (tokens, logprobs, final output), not glue the choices into one."""
+    art = artifact(SPECS["llama"], 4, 5)
+    params = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=6, ignore_eos=True,
+                            logprobs=1)
+    prompt = prompts(1, seed=12)[0]
+    want = Batcher(NumpyRuntime.random(art, SEED)).generate([prompt], params)
+
+    async def late_reader() -> list[Any]:
+        async with AsyncBatcher(Batcher(NumpyRuntime.random(art, SEED)), offload=False) as ab:
+            rid = ab.submit(prompt, params)
+            while ab.in_flight:  # finishes before anyone asks for its outputs
+                await asyncio.sleep(0.001)
+            return [out async for out in ab.outputs(rid)]
+
+    outs = asyncio.run(late_reader())
+    assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
+    for completion in want:
+        mine = [o for o in outs if o.index == completion.index]
+        tokens = tuple(t for o in mine for t in o.new_token_ids)
+        assert tokens == completion.token_ids
+        logprobs = [lp.token_id for o in mine for lp in o.logprobs or ()]
+        assert logprobs == list(completion.token_ids)
+        [final] = [o.completion for o in mine if o.completion is not None]
+        assert final.token_ids == completion.token_ids
