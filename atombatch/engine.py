@@ -693,9 +693,20 @@ class Batcher:
         text = None
         if extras.detok is not None:
             text = extras.detok.add(new, len(request.output))
-            if extras.detok.stopped is not None and request.state is not RequestState.FINISHED:
-                self.scheduler.finish(request, "stop")
-                extras.stop_reason = extras.detok.stopped
+            if extras.detok.stopped is not None:
+                # a stop string wins over max_tokens and EOS on the same token (as in vLLM):
+                # the text ends before it
+                if request.state is not RequestState.FINISHED:
+                    self.scheduler.finish(request, "stop")
+                elif request.finish_reason == "length":
+                    finished = self.scheduler.counters.finished
+                    finished["length"] -= 1
+                    if not finished["length"]:
+                        del finished["length"]
+                    finished["stop"] = finished.get("stop", 0) + 1
+                    request.finish_reason = "stop"
+                if request.finish_reason == "stop":
+                    extras.stop_reason = extras.detok.stopped
         if request.state is RequestState.FINISHED:
             return self._final_output(request, new, text)
         logprobs = None

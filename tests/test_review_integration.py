@@ -65,3 +65,30 @@ def test_an_unclaimed_n_request_keeps_every_choice() -> None:
         assert logprobs == list(completion.token_ids)
         [final] = [o.completion for o in mine if o.completion is not None]
         assert final.token_ids == completion.token_ids
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop() -> None:
+    """The token that reaches max_tokens also completes a stop string: the text ends before the
+    stop string, so the request stopped on it (finish_reason "stop", stop_reason the string), as
+    vLLM reports it; "length" with a cut text and no stop_reason contradicts itself."""
+    from test_sampling import artifact as sampling_artifact
+    from test_sampling import piece_tokenizer
+
+    tok = piece_tokenizer()
+    art = sampling_artifact()
+    prompt = [3, 4, 5]
+    base = Batcher(NumpyRuntime.random(art, seed=3), tokenizer=tok).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    text = base.text
+    assert text == tok.decode(list(base.token_ids))
+    # the shortest end of the text that occurs nowhere before: a stop string that the 4th (last
+    # allowed) token completes
+    stop = next(text[-k:] for k in range(1, len(text) + 1) if text.find(text[-k:]) == len(text) - k)
+    assert stop not in tok.decode(list(base.token_ids[:-1]))
+    batcher = Batcher(NumpyRuntime.random(art, seed=3), tokenizer=tok)
+    [done] = batcher.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4,
+                                                       ignore_eos=True, stop=[stop]))
+    assert done.token_ids == base.token_ids
+    assert done.text == text[:len(text) - len(stop)]
+    assert (done.finish_reason, done.stop_reason) == ("stop", stop)
+    assert batcher.stats().finished == {"stop": 1}
