@@ -294,6 +294,10 @@ class Batcher:
         elif request_id in self.scheduler.requests or request_id in self._groups or \
                 (n > 1 and any(f"{request_id}#{i}" in self.scheduler.requests for i in range(n))):
             raise RequestError(f"request_id={request_id!r} is already in flight")
+        elif request_id.rpartition("#")[0] in self._groups:
+            # `<id>#<index>` names the choices of an n > 1 request; some wait outside the scheduler
+            raise RequestError(f"request_id={request_id!r} is reserved for the choices of the "
+                               f"n > 1 request {request_id.rpartition('#')[0]!r} in flight")
         self._next_id += 1
         if params.max_tokens is None:
             params = msgspec.structs.replace(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from driving import run_to_end
 from test_pd import SEED, SPECS, artifact, producer_for, prompts
 
@@ -92,3 +93,26 @@ def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop() -> None:
     assert done.text == text[:len(text) - len(stop)]
     assert (done.finish_reason, done.stop_reason) == ("stop", stop)
     assert batcher.stats().finished == {"stop": 1}
+
+
+def test_a_request_id_of_a_held_choice_is_refused_at_submit() -> None:
+    """With a prefix cache, choices 1.. of an n > 1 request wait (held) for choice 0's prefill
+    under the internal ids `<id>#<index>`. A caller's own request with such an id was accepted and
+    the step that released the held choices raised StateError: the whole engine stopped."""
+    from test_sampling import artifact as sampling_artifact
+
+    from atombatch import RequestError
+
+    art = sampling_artifact()
+    batcher = Batcher(NumpyRuntime.random(art, seed=1), prefix_cache=True)
+    params = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=3, ignore_eos=True)
+    batcher.submit(list(range(1, 20)), params, request_id="x")
+    with pytest.raises(RequestError, match="'x#1'"):
+        batcher.submit([1, 2, 3], SamplingParams(max_tokens=4), request_id="x#1")
+    outs = []
+    while batcher.has_unfinished():
+        outs.extend(batcher.step())
+        batcher.check_invariants()
+    finals = {(o.request_id, o.index): o.completion for o in outs if o.completion is not None}
+    want = Batcher(NumpyRuntime.random(art, seed=1)).generate([list(range(1, 20))], params)
+    assert [finals["x", i].token_ids for i in range(2)] == [c.token_ids for c in want]
