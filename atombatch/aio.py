@@ -113,7 +113,7 @@ class AsyncBatcher:
         tokens = self.batcher.validate(prompt, params)
         max_waiting = self.batcher.max_waiting
         if max_waiting is not None:
-            waiting = self.batcher.scheduler.num_waiting + \
+            waiting = self.batcher.num_waiting + \
                 sum(payload[1].n for kind, payload in self._inbox if kind == "submit")
             if waiting + params.n > max_waiting:  # each of n choices waits for a lane
                 raise CapacityError(f"queue is full: {waiting} requests wait, "

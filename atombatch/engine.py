@@ -286,8 +286,8 @@ class Batcher:
         if kv is not None and (n > 1 or params.logprobs is not None):
             raise RequestError("n > 1 and logprobs need the engine to sample the first token; a "
                                "request with a KV source gets it from its producer")
-        if self.max_waiting is not None and self.scheduler.num_waiting + n > self.max_waiting:
-            raise CapacityError(f"queue is full: {self.scheduler.num_waiting} requests wait, "
+        if self.max_waiting is not None and self.num_waiting + n > self.max_waiting:
+            raise CapacityError(f"queue is full: {self.num_waiting} requests wait, "
                                 f"max_waiting={self.max_waiting}")
         if request_id is None:
             request_id = f"req-{self._next_id}"
@@ -387,6 +387,13 @@ class Batcher:
             self._pending.append(self._final_output(request, ()))
             self._flush_events()
         return True
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests without a lane: the scheduler's queue plus n > 1 choices held for choice 0's
+        prefill (what `max_waiting` bounds)."""
+        held = sum(len(g.held) for g in self._groups.values()) if self._groups else 0
+        return self.scheduler.num_waiting + held
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or \
@@ -808,15 +815,17 @@ class Batcher:
         for prompt, sp in zip(prompts, per_prompt, strict=True):
             self.validate(prompt, sp)
         ids: list[str] = []
+        mine: set[str] = set()
         done: dict[tuple[str, int], Completion] = {}
         want = sum(sp.n for sp in per_prompt)
         while len(done) < want:
             while len(ids) < len(prompts) and (
-                    self.max_waiting is None or self.scheduler.num_waiting == 0 or
-                    self.scheduler.num_waiting + per_prompt[len(ids)].n <= self.max_waiting):
+                    self.max_waiting is None or self.num_waiting == 0 or
+                    self.num_waiting + per_prompt[len(ids)].n <= self.max_waiting):
                 ids.append(self.submit(prompts[len(ids)], per_prompt[len(ids)]))
+                mine.add(ids[-1])
             for out in self.step():
-                if out.completion is not None:
+                if out.completion is not None and out.request_id in mine:  # not others' requests
                     done[out.request_id, out.index] = out.completion
         return [done[i, index] for i, sp in zip(ids, per_prompt, strict=True)
                 for index in range(sp.n)]
@@ -825,10 +834,9 @@ class Batcher:
         s = self.scheduler
         free, spare, staged, lane, cached = s.pool.counts()
         c = s.counters
-        held = sum(len(g.held) for g in self._groups.values()) if self._groups else 0
         return EngineStats(
             occupied_lanes=s.lanes.num_busy, decoding_lanes=s.lanes.num_decoding(),
-            queue_length=s.num_waiting + held, free_blocks=free, spare_blocks=spare,
+            queue_length=self.num_waiting, free_blocks=free, spare_blocks=spare,
             staged_blocks=staged, lane_blocks=lane, cached_blocks=cached, steps=c.steps,
             imports=c.imports,
             prefill_chunks=c.prefill_chunks, staged_chunks=c.staged_chunks,

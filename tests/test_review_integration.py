@@ -116,3 +116,37 @@ def test_a_request_id_of_a_held_choice_is_refused_at_submit() -> None:
     finals = {(o.request_id, o.index): o.completion for o in outs if o.completion is not None}
     want = Batcher(NumpyRuntime.random(art, seed=1)).generate([list(range(1, 20))], params)
     assert [finals["x", i].token_ids for i in range(2)] == [c.token_ids for c in want]
+
+
+def test_max_waiting_counts_the_choices_held_for_choice_zero() -> None:
+    """With a prefix cache an n > 1 request queues choice 0 and holds the others outside the
+    scheduler; the queue bound must count them (docs/sampling.md: "max_waiting counts each
+    choice"), or n=64 requests multiply it by 64."""
+    from test_sampling import artifact as sampling_artifact
+
+    from atombatch import CapacityError
+
+    batcher = Batcher(NumpyRuntime.random(sampling_artifact(), seed=1), prefix_cache=True,
+                      max_waiting=8)
+    params = SamplingParams(n=4, max_tokens=2, temperature=1.0, ignore_eos=True)
+    batcher.submit(list(range(1, 20)), params)
+    batcher.submit(list(range(2, 21)), params)
+    assert batcher.stats().queue_length == 8
+    with pytest.raises(CapacityError, match="max_waiting=8"):
+        batcher.submit(list(range(3, 22)), params)
+    with pytest.raises(CapacityError, match="max_waiting=8"):
+        batcher.submit([5, 6], SamplingParams(max_tokens=2))
+
+    async def through_async() -> None:
+        async with AsyncBatcher(Batcher(NumpyRuntime.random(sampling_artifact(), seed=1),
+                                        prefix_cache=True, max_waiting=8), offload=False) as ab:
+            ab.batcher.submit(list(range(1, 20)), params)
+            ab.batcher.submit(list(range(2, 21)), params)
+            with pytest.raises(CapacityError, match="max_waiting=8"):
+                ab.submit([5, 6], SamplingParams(max_tokens=2))
+
+    asyncio.run(through_async())
+    # generate feeds within the bound, and the two requests already queued (whose outputs it
+    # steps past) do not count among its own completions
+    done = batcher.generate([list(range(4, 23))] * 3, params)
+    assert len(done) == 3 * 4
