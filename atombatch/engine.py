@@ -163,7 +163,8 @@ class Batcher:
 
     A Batcher is driven by one consumer: `step()` raises `StateError` when another thread is
     already inside it (two interleaved steps would corrupt the lane tables); `submit` and `abort`
-    called from another thread wait until a running step ends. `AsyncBatcher` is the way to
+    called from another thread wait until a running step ends (and a step waits for them).
+    `AsyncBatcher` is the way to
     share one engine between many clients.
 
     Raises:
@@ -194,7 +195,8 @@ class Batcher:
                                         not isinstance(max_waiting, int) or max_waiting < 1):
             raise ConfigError(f"max_waiting={max_waiting!r} must be an int >= 1 (or None: unbounded)")
         self.max_waiting = max_waiting
-        self._step_lock = threading.Lock()
+        self._step_lock = threading.Lock()      # the engine's state: step, submit, abort
+        self._consumer = threading.Lock()       # held by the one thread inside step()
         self._seed_seq = np.random.SeedSequence(seed)
         self._next_id = 0
         self._pending: list[RequestOutput] = []
@@ -406,13 +408,14 @@ class Batcher:
         Raises:
             StateError: another thread is inside `step()` of this Batcher (one consumer only).
         """
-        if not self._step_lock.acquire(blocking=False):
+        if not self._consumer.acquire(blocking=False):
             raise StateError("Batcher.step() is already running in another thread: a Batcher "
                              "has one consumer (share it through AsyncBatcher; docs/rules.md)")
         try:
-            return self._step()
+            with self._step_lock:  # waits for a submit or abort from another thread
+                return self._step()
         finally:
-            self._step_lock.release()
+            self._consumer.release()
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []

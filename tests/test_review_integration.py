@@ -150,3 +150,68 @@ def test_max_waiting_counts_the_choices_held_for_choice_zero() -> None:
     # steps past) do not count among its own completions
     done = batcher.generate([list(range(4, 23))] * 3, params)
     assert len(done) == 3 * 4
+
+
+class _SlowClosingSource:
+    """A KV source that never delivers and whose close() waits for a gate (a transport whose
+    teardown takes a while); the engine closes it inside `abort`, under its step lock."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.closing = threading.Event()
+        self.gate = threading.Event()
+
+    def poll(self) -> tuple[Any, list[Any]]:
+        return None, []
+
+    def done(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closing.set()
+        self.gate.wait(10)
+
+
+def test_step_waits_for_an_abort_from_another_thread_instead_of_raising() -> None:
+    """Batcher's contract: `submit`/`abort` from another thread wait for a running step. The
+    reverse held too little: a `step()` that arrived while another thread's abort held the lock
+    raised StateError ("already running in another thread") though no step ran, crashing the
+    consumer's loop."""
+    import threading
+
+    from test_sampling import artifact as sampling_artifact
+
+    batcher = Batcher(NumpyRuntime.random(sampling_artifact(), seed=1))
+    source = _SlowClosingSource()
+    pd = batcher.submit([1, 2, 3], SamplingParams(max_tokens=2), kv=source)
+    other = batcher.submit([4, 5, 6], SamplingParams(max_tokens=2))
+    aborter = threading.Thread(target=batcher.abort, args=(pd,))
+    aborter.start()
+    assert source.closing.wait(10)  # the abort is inside the engine now
+    errors: list[BaseException] = []
+    outputs: list[Any] = []
+
+    def consume() -> None:
+        try:
+            outputs.extend(batcher.step())
+        except BaseException as exc:  # recorded for the assertion below
+            errors.append(exc)
+
+    stepper = threading.Thread(target=consume)
+    stepper.start()
+    stepper.join(0.5)  # a step that raises does so at once; a waiting one is still here
+    source.gate.set()
+    aborter.join(10)
+    stepper.join(10)
+    assert not errors, errors
+    outputs.extend(run_to_end_outputs(batcher))
+    finals = {o.request_id: o for o in outputs if o.finished}
+    assert finals[pd].finish_reason == "abort" and finals[other].finish_reason == "length"
+
+
+def run_to_end_outputs(batcher: Batcher) -> list[Any]:
+    outs: list[Any] = []
+    while batcher.has_unfinished():
+        outs.extend(batcher.step())
+    return outs
