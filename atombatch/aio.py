@@ -214,6 +214,9 @@ class AsyncBatcher:
                 try:
                     self.batcher.submit(tokens, params, request_id=request_id, kv=kv)
                 except Exception as exc:  # one bad request must not stop the loop
+                    if kv is not None:  # the engine never took the source: release it here
+                        with contextlib.suppress(Exception):
+                            kv.close()
                     self._deliver(RequestOutput(request_id=request_id, new_token_ids=(),
                                                 finished=True, finish_reason="error",
                                                 error=str(exc)))

@@ -215,3 +215,61 @@ def run_to_end_outputs(batcher: Batcher) -> list[Any]:
     while batcher.has_unfinished():
         outs.extend(batcher.step())
     return outs
+
+
+def test_a_pd_replica_prefills_n_and_logprobs_requests_itself() -> None:
+    """A Ray Serve replica with PD producers (`_PooledAsyncBatcher`) opened a producer source for
+    every request, and the engine refuses a KV source for n > 1 or logprobs (the engine must
+    sample the first token): every such HTTP request failed, after costing a producer prefill
+    whose source was never closed. Those requests are prefilled by the replica instead."""
+    pytest.importorskip("ray")
+    from atombatch.cluster.pd_pool import ProducerPool
+    from atombatch.pd import Producer
+    from atombatch.serve.ray import _PooledAsyncBatcher
+
+    spec = SPECS["llama"]
+    producer = producer_for(spec)
+    opened: list[Any] = []
+
+    def source(endpoint: str, request_id: str, prompt: list[int], params: Any,
+               mode: str) -> Any:
+        assert isinstance(producer, Producer)
+        opened.append(InProcessSource.from_producer(producer, request_id, prompt, params,
+                                                    mode=mode))
+        return opened[-1]
+
+    art = artifact(spec, 4, 5)
+    prompt = prompts(1, seed=14)[0]
+    cases = [SamplingParams(temperature=1.0, seed=9, n=2, max_tokens=5, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2),
+             SamplingParams(temperature=1.0, seed=9, max_tokens=5, ignore_eos=True)]
+    want = [Batcher(NumpyRuntime.random(art, SEED)).generate([prompt], p) for p in cases]
+
+    async def serve() -> list[list[Any]]:
+        pool = ProducerPool([("p0", "inproc://p0")], source_factory=source)
+        ab = _PooledAsyncBatcher(Batcher(NumpyRuntime.random(art, SEED)), pool)
+        async with ab:
+            got = []
+            for params in cases:
+                rid = ab.submit(prompt, params)
+                got.append([o async for o in ab.outputs(rid)])
+        return got
+
+    got = asyncio.run(serve())
+    for outs, completions in zip(got, want, strict=True):
+        assert all(o.finish_reason != "error" for o in outs), [o.error for o in outs]
+        finals = sorted((o.completion for o in outs if o.completion is not None),
+                        key=lambda c: c.index)
+        assert [c.token_ids for c in finals] == [c.token_ids for c in completions]
+    assert len(opened) == 1  # only the plain request went to the producer
+
+    async def refused_source() -> tuple[list[Any], bool]:
+        kv = InProcessSource.from_producer(producer, "kv-n2", prompt, cases[0])
+        async with AsyncBatcher(Batcher(NumpyRuntime.random(art, SEED))) as ab:
+            rid = ab.submit(prompt, cases[0], kv=kv)
+            outs = [o async for o in ab.outputs(rid)]
+        return outs, kv._closed
+
+    outs, closed = asyncio.run(refused_source())
+    assert [o.finish_reason for o in outs] == ["error"] and "n > 1" in (outs[0].error or "")
+    assert closed  # a source the engine refused is closed, not left to its transport
