@@ -526,8 +526,6 @@ class Batcher:
                     progress.header_ok = True
                     progress.covered_len = header.covered_len
                     progress.first_token = header.first_token
-                    if header.first_token is not None:
-                        self._skip_first_draw(request_id)
                     progress.num_layers = header.num_layers
                     link.last_progress = now
                 if layers:
@@ -591,7 +589,11 @@ class Batcher:
             return
         written = {id(layer) for layer in layers}
         link.arrived = [layer for layer in link.arrived if id(layer) not in written]
-        for done in scheduler.complete_import(plan, len(layers), self.clock()):
+        had_first = bool(request.output)
+        done_list = scheduler.complete_import(plan, len(layers), self.clock())
+        if not had_first and request.output:  # the producer's first token was taken
+            self._skip_first_draw(request.request_id)
+        for done in done_list:
             outputs.append(self._output(done))
         if request.pd is None:
             self._close_kv(plan.request_id)
