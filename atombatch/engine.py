@@ -419,6 +419,8 @@ class Batcher:
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self._groups:  # choice 0 may have ended outside a step (an abort of its own id)
+            self._release_held()
         if self._kv:
             self._poll_kv(outputs)
         plan = self.scheduler.schedule(self.clock())

@@ -273,3 +273,31 @@ def test_a_pd_replica_prefills_n_and_logprobs_requests_itself() -> None:
     outs, closed = asyncio.run(refused_source())
     assert [o.finish_reason for o in outs] == ["error"] and "n > 1" in (outs[0].error or "")
     assert closed  # a source the engine refused is closed, not left to its transport
+
+
+def test_aborting_choice_zero_alone_releases_the_held_choices() -> None:
+    """Choices 1.. of an n > 1 request wait for choice 0's prefill; choice 0 aborted by its own
+    id (`<id>#0`, the id the engine's logs show) while prefilling left them held forever: the
+    engine reported unfinished work and stepped idly without end."""
+    from test_sampling import artifact as sampling_artifact
+
+    art = sampling_artifact()
+    prompt = list(range(1, 41))  # three prefill chunks
+    params = SamplingParams(n=3, max_tokens=3, temperature=1.0, seed=2, ignore_eos=True)
+    batcher = Batcher(NumpyRuntime.random(art, seed=1), prefix_cache=True)
+    batcher.submit(prompt, params, request_id="x")
+    batcher.step()  # choice 0's first chunk
+    assert batcher.abort("x#0")
+    outs: list[Any] = []
+    for _ in range(100):
+        if not batcher.has_unfinished():
+            break
+        outs.extend(batcher.step())
+    assert not batcher.has_unfinished()
+    finals = {o.index: o for o in outs if o.finish_reason is not None}
+    assert finals[0].finish_reason == "abort"
+    assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
+    want = Batcher(NumpyRuntime.random(art, seed=1)).generate([prompt], params)
+    assert [finals[i].completion.token_ids for i in (1, 2)] == [want[1].token_ids,
+                                                                 want[2].token_ids]
+    batcher.check_invariants()
