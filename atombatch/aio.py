@@ -188,7 +188,16 @@ class AsyncBatcher:
 
     async def generate(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                        params: SamplingParams | None = None) -> Completion:
-        """Submit and wait for the whole completion."""
+        """Submit and wait for the whole completion.
+
+        Raises:
+            RequestError: `params.n > 1` (one Completion cannot hold n choices: iterate
+                `stream()`, whose final output per choice carries its completion).
+        """
+        if params is not None and params.n > 1:
+            raise RequestError(f"generate() returns one Completion, params.n={params.n}: iterate "
+                               "stream() for the n choices (each choice's last output carries "
+                               "its completion)")
         async for out in self.stream(prompt, params):
             if out.finished and out.completion is not None:
                 return out.completion

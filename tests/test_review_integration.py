@@ -301,3 +301,25 @@ def test_aborting_choice_zero_alone_releases_the_held_choices() -> None:
     assert [finals[i].completion.token_ids for i in (1, 2)] == [want[1].token_ids,
                                                                  want[2].token_ids]
     batcher.check_invariants()
+
+
+def test_async_generate_refuses_n_choices_instead_of_returning_one_at_random() -> None:
+    """`AsyncBatcher.generate` returned the completion of whichever choice ended last; with
+    n > 1 it now says so, and `stream()` gives every choice."""
+    from test_sampling import artifact as sampling_artifact
+
+    from atombatch import RequestError
+
+    art = sampling_artifact()
+    params = SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=4, ignore_eos=True)
+    want = Batcher(NumpyRuntime.random(art, seed=1)).generate([[1, 2, 3]], params)
+
+    async def run() -> list[Any]:
+        async with AsyncBatcher(Batcher(NumpyRuntime.random(art, seed=1)), offload=False) as ab:
+            with pytest.raises(RequestError, match="params.n=2"):
+                await ab.generate([1, 2, 3], params)
+            return [o.completion async for o in ab.stream([1, 2, 3], params)
+                    if o.completion is not None]
+
+    got = sorted(asyncio.run(run()), key=lambda c: c.index)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
