@@ -285,8 +285,9 @@ class Batcher:
         params = params or SamplingParams()
         tokens = self.validate(prompt, params)
         n = params.n
-        if kv is not None and (n > 1 or params.logprobs is not None):
-            raise RequestError("n > 1 and logprobs need the engine to sample the first token; a "
+        if kv is not None and (n > 1 or params.logprobs is not None or params.bad_words):
+            raise RequestError("n > 1, logprobs and bad_words need the engine to sample the first "
+                               "token (a producer has no tokenizer to ban bad words with); a "
                                "request with a KV source gets it from its producer")
         if self.max_waiting is not None and self.num_waiting + n > self.max_waiting:
             raise CapacityError(f"queue is full: {self.num_waiting} requests wait, "

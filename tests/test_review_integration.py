@@ -323,3 +323,30 @@ def test_async_generate_refuses_n_choices_instead_of_returning_one_at_random() -
 
     got = sorted(asyncio.run(run()), key=lambda c: c.index)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
+
+
+def test_bad_words_with_a_kv_source_are_refused_not_ignored_for_the_first_token() -> None:
+    """A producer has no tokenizer, so it cannot ban `bad_words` from the first token it samples:
+    a PD request with bad words got a banned first token a colocated run never gives. The engine
+    refuses such a source (like n > 1 and logprobs); a PD replica prefills the request itself."""
+    from test_sampling import PIECES, piece_tokenizer
+    from test_sampling import artifact as sampling_artifact
+
+    from atombatch import RequestError
+    from atombatch.pd import Producer
+
+    tok = piece_tokenizer()
+    art = sampling_artifact()
+    prompt = [9, 8, 7]
+    plain = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    [base] = Batcher(NumpyRuntime.random(art, seed=4), tokenizer=tok).generate([prompt], plain)
+    banned = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                            bad_words=[PIECES[base.token_ids[0]]])
+    [colocated] = Batcher(NumpyRuntime.random(art, seed=4), tokenizer=tok).generate([prompt],
+                                                                                     banned)
+    assert colocated.token_ids[0] != base.token_ids[0]
+    producer = Producer(NumpyRuntime.random(art, seed=4))
+    batcher = Batcher(NumpyRuntime.random(art, seed=4), tokenizer=tok)
+    source = InProcessSource.from_producer(producer, "bw", prompt, banned)
+    with pytest.raises(RequestError, match="bad_words"):
+        batcher.submit(prompt, banned, kv=source)
