@@ -376,13 +376,18 @@ class Batcher:
                     if member.state is RequestState.FINISHED:
                         continue
                     if member in group.held:
-                        group.held.remove(member)
-                        member.set_state(RequestState.FINISHED)
-                        member.finish_reason = "abort"
+                        self._abort_held(group, member)
                     elif self.scheduler.abort(member.request_id) is None:
                         continue
                     self._pending.append(self._final_output(member, ()))
                 self._flush_events()
+                return True
+            group = self._groups.get(request_id.rpartition("#")[0])
+            held = next((m for m in group.held if m.request_id == request_id), None) \
+                if group is not None else None
+            if group is not None and held is not None:  # one choice, still waiting for choice 0
+                self._abort_held(group, held)
+                self._pending.append(self._final_output(held, ()))
                 return True
             request = self.scheduler.abort(request_id)
             if request is None:
@@ -397,6 +402,12 @@ class Batcher:
         prefill (what `max_waiting` bounds)."""
         held = sum(len(g.held) for g in self._groups.values()) if self._groups else 0
         return self.scheduler.num_waiting + held
+
+    @staticmethod
+    def _abort_held(group: _Group, member: Request) -> None:
+        group.held.remove(member)
+        member.set_state(RequestState.FINISHED)
+        member.finish_reason = "abort"
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or \

@@ -350,3 +350,29 @@ def test_bad_words_with_a_kv_source_are_refused_not_ignored_for_the_first_token(
     source = InProcessSource.from_producer(producer, "bw", prompt, banned)
     with pytest.raises(RequestError, match="bad_words"):
         batcher.submit(prompt, banned, kv=source)
+
+
+def test_one_held_choice_aborted_by_its_id_ends_alone() -> None:
+    """`abort("<id>#<index>")` ended a choice already in the scheduler, but returned False for a
+    choice still held for choice 0's prefill: the same id, a different answer by timing."""
+    from test_sampling import artifact as sampling_artifact
+
+    art = sampling_artifact()
+    prompt = list(range(1, 41))
+    params = SamplingParams(n=3, max_tokens=3, temperature=1.0, seed=2, ignore_eos=True)
+    batcher = Batcher(NumpyRuntime.random(art, seed=1), prefix_cache=True)
+    batcher.submit(prompt, params, request_id="x")
+    batcher.step()
+    assert batcher.abort("x#2")
+    assert not batcher.abort("x#2")  # once
+    outs: list[Any] = []
+    while batcher.has_unfinished():
+        outs.extend(batcher.step())
+    finals = {o.index: o for o in outs if o.finish_reason is not None}
+    assert finals[2].finish_reason == "abort" and not finals[2].new_token_ids
+    want = Batcher(NumpyRuntime.random(art, seed=1)).generate([prompt], params)
+    assert [finals[i].completion.token_ids for i in (0, 1)] == [want[0].token_ids,
+                                                                 want[1].token_ids]
+    assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
+    batcher.check_invariants()
+    assert not batcher._groups and not batcher._extras
