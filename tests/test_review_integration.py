@@ -376,3 +376,29 @@ def test_one_held_choice_aborted_by_its_id_ends_alone() -> None:
     assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
     batcher.check_invariants()
     assert not batcher._groups and not batcher._extras
+
+
+def test_temperatures_and_penalties_past_float32_keep_masks_and_filters() -> None:
+    """SamplingParams accepts any temperature >= 0 and any repetition_penalty > 0 (as vLLM does);
+    the sampler computes in float32, where temperature=1e39 became inf (a masked -inf logit
+    divided by inf is NaN: tokens outside allowed_token_ids and top_k were drawn) and
+    repetition_penalty=1e-300 became 0 (a seen token's logit +inf: the request failed as if
+    every token were masked)."""
+    from test_sampling import artifact as sampling_artifact
+
+    art = sampling_artifact()
+    prompt = [1, 2, 3]
+
+    def run(**fields: Any) -> Any:
+        batcher = Batcher(NumpyRuntime.random(art, seed=1))
+        [done] = batcher.generate([prompt], SamplingParams(max_tokens=8, seed=1,
+                                                           ignore_eos=True, **fields))
+        return done
+
+    for temperature in (1e39, 1e308):
+        done = run(temperature=temperature, allowed_token_ids=[5, 6])
+        assert done.finish_reason == "length" and set(done.token_ids) <= {5, 6}
+        greedy = run(temperature=0.0)
+        assert run(temperature=temperature, top_k=1).token_ids == greedy.token_ids
+    done = run(temperature=1.0, repetition_penalty=1e-300)
+    assert done.finish_reason == "length" and len(done.token_ids) == 8, done.error
