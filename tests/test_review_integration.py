@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import numpy as np
 import pytest
 from driving import run_to_end
 from test_pd import SEED, SPECS, artifact, producer_for, prompts
@@ -402,3 +403,45 @@ def test_temperatures_and_penalties_past_float32_keep_masks_and_filters() -> Non
         assert run(temperature=temperature, top_k=1).token_ids == greedy.token_ids
     done = run(temperature=1.0, repetition_penalty=1e-300)
     assert done.finish_reason == "length" and len(done.token_ids) == 8, done.error
+
+
+def test_rebel_runtime_sampling_n_choices_and_caches_with_buckets(fake_rebel: Any,
+                                                                  tmp_path: Any) -> None:
+    """RebelRuntime (emulated rebel) with decode buckets 1/2/4, an oversubscribed flash layout,
+    prefix and host caches, seeded sampling, top-p, logprobs and n > 1 sharing the prompt: each
+    choice samples exactly what it samples alone on a one-lane directory (seed + index)."""
+    import msgspec
+    from fakerebel.compiler import compile_dir
+    from hf_models import save_checkpoint
+
+    from atombatch.runtime import RebelRuntime
+
+    path = save_checkpoint("llama", tmp_path / "ckpt")
+    many = compile_dir(tmp_path / "b4", path, batch_size=4, max_seq_len=128, prefill_chunk_size=16,
+                       kvcache_block_size=16, kvcache_num_blocks=14,
+                       decoder_batch_sizes=[1, 2, 4])
+    one = compile_dir(tmp_path / "b1", path, batch_size=1, max_seq_len=128, prefill_chunk_size=16,
+                      kvcache_block_size=16, kvcache_num_blocks=9)
+    rng = np.random.default_rng(0)
+    system = rng.integers(3, 512, size=40).tolist()
+    work, params = [], []
+    for i in range(5):
+        tail = rng.integers(3, 512, size=int(rng.integers(2, 20))).tolist()
+        work.append(system + tail if i % 2 else rng.integers(3, 512, size=int(rng.integers(5, 50)))
+                    .tolist())
+        params.append(SamplingParams(temperature=(0.0, 1.0, 0.7)[i % 3], seed=10 + i,
+                                     n=(1, 2, 3)[i % 3], max_tokens=int(rng.integers(5, 30)),
+                                     ignore_eos=True, logprobs=1 if i % 2 else None, top_p=0.9))
+    batcher = Batcher(RebelRuntime.from_optimum(many), prefix_cache=True, host_cache_bytes=1 << 20)
+    done = iter(batcher.generate(work, params))
+    batcher.check_invariants()
+    stats = batcher.stats()
+    assert stats.prefix_hits > 0 and len(stats.bucket_steps) > 1
+    for prompt, sp in zip(work, params, strict=True):
+        for index in range(sp.n):
+            got = next(done)
+            alone = msgspec.structs.replace(sp, n=1, seed=sp.seed + index)
+            [want] = Batcher(RebelRuntime.from_optimum(one)).generate([prompt], alone)
+            assert (got.index, got.token_ids) == (index, want.token_ids)
+            if sp.logprobs is not None:
+                assert [lp.token_id for lp in got.logprobs] == list(got.token_ids)
