@@ -5,9 +5,9 @@ inbox the loop drains between steps, so a step running in a worker thread never 
 
 Output contract: each request's outputs have exactly one consumer (`outputs(id)` a second time
 raises `StateError`). A request whose outputs nobody claimed by the time it finished is kept,
-compacted into one output carrying every generated token, for at most `max_unclaimed` requests;
-past that the oldest unclaimed results are dropped (logged as `request.unclaimed_dropped`) and
-`outputs(id)` for them raises `RequestError`.
+compacted into one output per choice carrying its every token, piece of text and logprob, for at
+most `max_unclaimed` requests; past that the oldest unclaimed results are dropped (logged as
+`request.unclaimed_dropped`) and `outputs(id)` for them raises `RequestError`.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class AsyncBatcher:
         self.max_unclaimed = max_unclaimed
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         # finished before anyone called outputs(): one compacted output each, oldest first
-        self._unclaimed: OrderedDict[str, RequestOutput] = OrderedDict()
+        self._unclaimed: OrderedDict[str, tuple[RequestOutput, ...]] = OrderedDict()
         self.unclaimed_dropped = 0
         self._claimed: set[str] = set()
         self._inbox: list[tuple[str, Any]] = []
@@ -113,7 +113,7 @@ class AsyncBatcher:
         tokens = self.batcher.validate(prompt, params)
         max_waiting = self.batcher.max_waiting
         if max_waiting is not None:
-            waiting = self.batcher.scheduler.num_waiting + \
+            waiting = self.batcher.num_waiting + \
                 sum(payload[1].n for kind, payload in self._inbox if kind == "submit")
             if waiting + params.n > max_waiting:  # each of n choices waits for a lane
                 raise CapacityError(f"queue is full: {waiting} requests wait, "
@@ -141,7 +141,7 @@ class AsyncBatcher:
 
         A request that finished before this call (or before the first `__anext__`) still yields
         its outputs: while it is among the last `max_unclaimed` unclaimed results, as one
-        output carrying every generated token.
+        output per choice carrying that choice's every token (the request's final one last).
 
         Raises:
             StateError: the outputs of this request are already being consumed (one consumer).
@@ -153,13 +153,14 @@ class AsyncBatcher:
                              "request's outputs have one consumer (docs/rules.md)")
         queue = self._queues.get(request_id)
         if queue is None:
-            final = self._unclaimed.pop(request_id, None)
-            if final is None:
+            finals = self._unclaimed.pop(request_id, None)
+            if finals is None:
                 raise RequestError(f"request_id={request_id!r} is unknown or its outputs were "
                                    f"taken (an unclaimed finished request is kept only while "
                                    f"among the last max_unclaimed={self.max_unclaimed})")
             queue = asyncio.Queue()
-            queue.put_nowait(final)
+            for final in finals:
+                queue.put_nowait(final)
         else:
             self._claimed.add(request_id)
         return self._iterate(request_id, queue)
@@ -230,6 +231,9 @@ class AsyncBatcher:
                 try:
                     self.batcher.submit(tokens, params, request_id=request_id, kv=kv)
                 except Exception as exc:  # one bad request must not stop the loop
+                    if kv is not None:  # the engine never took the source: release it here
+                        with contextlib.suppress(Exception):
+                            kv.close()
                     self._deliver(RequestOutput(request_id=request_id, new_token_ids=(),
                                                 finished=True, finish_reason="error",
                                                 error=str(exc)))
@@ -250,13 +254,14 @@ class AsyncBatcher:
 
     def _keep_unclaimed(self, request_id: str, queue: asyncio.Queue[RequestOutput]) -> None:
         """Compact a finished, unclaimed request's outputs into one and bound how many are kept."""
-        tokens: list[int] = []
-        last = None
+        by_choice: dict[int, list[RequestOutput]] = {}
         while not queue.empty():
-            last = queue.get_nowait()
-            tokens.extend(last.new_token_ids)
-        assert last is not None and last.finished
-        self._unclaimed[request_id] = msgspec.structs.replace(last, new_token_ids=tuple(tokens))
+            out = queue.get_nowait()
+            by_choice.setdefault(out.index, []).append(out)
+        kept = [_compact(outs) for outs in by_choice.values()]
+        kept.sort(key=lambda out: out.finished)  # the request's last output stays last
+        assert kept and kept[-1].finished
+        self._unclaimed[request_id] = tuple(kept)
         while len(self._unclaimed) > self.max_unclaimed:
             dropped, _ = self._unclaimed.popitem(last=False)
             self.unclaimed_dropped += 1
@@ -301,3 +306,14 @@ class AsyncBatcher:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=self.idle_poll)
+
+
+def _compact(outs: list[RequestOutput]) -> RequestOutput:
+    """One choice's outputs as one: its last output with every token, piece of text and logprob."""
+    last = outs[-1]
+    text = None if all(o.text is None for o in outs) else "".join(o.text or "" for o in outs)
+    logprobs = None if all(o.logprobs is None for o in outs) else \
+        tuple(lp for o in outs for lp in o.logprobs or ())
+    return msgspec.structs.replace(last, new_token_ids=tuple(t for o in outs
+                                                             for t in o.new_token_ids),
+                                   text=text, logprobs=logprobs)

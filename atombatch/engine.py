@@ -33,6 +33,7 @@ from atombatch.runtime.base import Runtime
 from atombatch.sampling import LOGPROBS_MODES, LogprobsMode, RequestSampler, sample_rows
 from atombatch.scheduler import PDImport, Policy, Request, RequestState, Scheduler, StepPlan
 from atombatch.structs import (
+    GREEDY_EPS,
     Completion,
     RequestOutput,
     RequestTimings,
@@ -162,7 +163,8 @@ class Batcher:
 
     A Batcher is driven by one consumer: `step()` raises `StateError` when another thread is
     already inside it (two interleaved steps would corrupt the lane tables); `submit` and `abort`
-    called from another thread wait until a running step ends. `AsyncBatcher` is the way to
+    called from another thread wait until a running step ends (and a step waits for them).
+    `AsyncBatcher` is the way to
     share one engine between many clients.
 
     Raises:
@@ -193,7 +195,8 @@ class Batcher:
                                         not isinstance(max_waiting, int) or max_waiting < 1):
             raise ConfigError(f"max_waiting={max_waiting!r} must be an int >= 1 (or None: unbounded)")
         self.max_waiting = max_waiting
-        self._step_lock = threading.Lock()
+        self._step_lock = threading.Lock()      # the engine's state: step, submit, abort
+        self._consumer = threading.Lock()       # held by the one thread inside step()
         self._seed_seq = np.random.SeedSequence(seed)
         self._next_id = 0
         self._pending: list[RequestOutput] = []
@@ -282,17 +285,22 @@ class Batcher:
         params = params or SamplingParams()
         tokens = self.validate(prompt, params)
         n = params.n
-        if kv is not None and (n > 1 or params.logprobs is not None):
-            raise RequestError("n > 1 and logprobs need the engine to sample the first token; a "
+        if kv is not None and (n > 1 or params.logprobs is not None or params.bad_words):
+            raise RequestError("n > 1, logprobs and bad_words need the engine to sample the first "
+                               "token (a producer has no tokenizer to ban bad words with); a "
                                "request with a KV source gets it from its producer")
-        if self.max_waiting is not None and self.scheduler.num_waiting + n > self.max_waiting:
-            raise CapacityError(f"queue is full: {self.scheduler.num_waiting} requests wait, "
+        if self.max_waiting is not None and self.num_waiting + n > self.max_waiting:
+            raise CapacityError(f"queue is full: {self.num_waiting} requests wait, "
                                 f"max_waiting={self.max_waiting}")
         if request_id is None:
             request_id = f"req-{self._next_id}"
         elif request_id in self.scheduler.requests or request_id in self._groups or \
                 (n > 1 and any(f"{request_id}#{i}" in self.scheduler.requests for i in range(n))):
             raise RequestError(f"request_id={request_id!r} is already in flight")
+        elif request_id.rpartition("#")[0] in self._groups:
+            # `<id>#<index>` names the choices of an n > 1 request; some wait outside the scheduler
+            raise RequestError(f"request_id={request_id!r} is reserved for the choices of the "
+                               f"n > 1 request {request_id.rpartition('#')[0]!r} in flight")
         self._next_id += 1
         if params.max_tokens is None:
             params = msgspec.structs.replace(
@@ -368,13 +376,18 @@ class Batcher:
                     if member.state is RequestState.FINISHED:
                         continue
                     if member in group.held:
-                        group.held.remove(member)
-                        member.set_state(RequestState.FINISHED)
-                        member.finish_reason = "abort"
+                        self._abort_held(group, member)
                     elif self.scheduler.abort(member.request_id) is None:
                         continue
                     self._pending.append(self._final_output(member, ()))
                 self._flush_events()
+                return True
+            group = self._groups.get(request_id.rpartition("#")[0])
+            held = next((m for m in group.held if m.request_id == request_id), None) \
+                if group is not None else None
+            if group is not None and held is not None:  # one choice, still waiting for choice 0
+                self._abort_held(group, held)
+                self._pending.append(self._final_output(held, ()))
                 return True
             request = self.scheduler.abort(request_id)
             if request is None:
@@ -382,6 +395,19 @@ class Batcher:
             self._pending.append(self._final_output(request, ()))
             self._flush_events()
         return True
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests without a lane: the scheduler's queue plus n > 1 choices held for choice 0's
+        prefill (what `max_waiting` bounds)."""
+        held = sum(len(g.held) for g in self._groups.values()) if self._groups else 0
+        return self.scheduler.num_waiting + held
+
+    @staticmethod
+    def _abort_held(group: _Group, member: Request) -> None:
+        group.held.remove(member)
+        member.set_state(RequestState.FINISHED)
+        member.finish_reason = "abort"
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or \
@@ -394,16 +420,19 @@ class Batcher:
         Raises:
             StateError: another thread is inside `step()` of this Batcher (one consumer only).
         """
-        if not self._step_lock.acquire(blocking=False):
+        if not self._consumer.acquire(blocking=False):
             raise StateError("Batcher.step() is already running in another thread: a Batcher "
                              "has one consumer (share it through AsyncBatcher; docs/rules.md)")
         try:
-            return self._step()
+            with self._step_lock:  # waits for a submit or abort from another thread
+                return self._step()
         finally:
-            self._step_lock.release()
+            self._consumer.release()
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self._groups:  # choice 0 may have ended outside a step (an abort of its own id)
+            self._release_held()
         if self._kv:
             self._poll_kv(outputs)
         plan = self.scheduler.schedule(self.clock())
@@ -536,6 +565,14 @@ class Batcher:
                 continue
             progress.pending = len(self._writable(link))
 
+    def _skip_first_draw(self, request_id: str) -> None:
+        """The producer sampled the first token from `default_rng(seed)` (docs/pd.md): advance
+        this request's generator past that draw, so its later tokens are the ones a colocated
+        run with the same seed samples."""
+        sampler = self._samplers.get(request_id) if self._samplers else None
+        if sampler is not None and sampler.params.temperature >= GREEDY_EPS:
+            sampler.rng.random()
+
     def _writable(self, link: KVLink) -> list[Any]:
         """Layers that may be written now. A hybrid model's sliding layers wait for the whole
         payload, so no decode step (which writes every lane's slot) falls between their writes."""
@@ -566,7 +603,11 @@ class Batcher:
             return
         written = {id(layer) for layer in layers}
         link.arrived = [layer for layer in link.arrived if id(layer) not in written]
-        for done in scheduler.complete_import(plan, len(layers), self.clock()):
+        had_first = bool(request.output)
+        done_list = scheduler.complete_import(plan, len(layers), self.clock())
+        if not had_first and request.output:  # the producer's first token was taken
+            self._skip_first_draw(request.request_id)
+        for done in done_list:
             outputs.append(self._output(done))
         if request.pd is None:
             self._close_kv(plan.request_id)
@@ -682,9 +723,20 @@ class Batcher:
         text = None
         if extras.detok is not None:
             text = extras.detok.add(new, len(request.output))
-            if extras.detok.stopped is not None and request.state is not RequestState.FINISHED:
-                self.scheduler.finish(request, "stop")
-                extras.stop_reason = extras.detok.stopped
+            if extras.detok.stopped is not None:
+                # a stop string wins over max_tokens and EOS on the same token (as in vLLM):
+                # the text ends before it
+                if request.state is not RequestState.FINISHED:
+                    self.scheduler.finish(request, "stop")
+                elif request.finish_reason == "length":
+                    finished = self.scheduler.counters.finished
+                    finished["length"] -= 1
+                    if not finished["length"]:
+                        del finished["length"]
+                    finished["stop"] = finished.get("stop", 0) + 1
+                    request.finish_reason = "stop"
+                if request.finish_reason == "stop":
+                    extras.stop_reason = extras.detok.stopped
         if request.state is RequestState.FINISHED:
             return self._final_output(request, new, text)
         logprobs = None
@@ -782,15 +834,17 @@ class Batcher:
         for prompt, sp in zip(prompts, per_prompt, strict=True):
             self.validate(prompt, sp)
         ids: list[str] = []
+        mine: set[str] = set()
         done: dict[tuple[str, int], Completion] = {}
         want = sum(sp.n for sp in per_prompt)
         while len(done) < want:
             while len(ids) < len(prompts) and (
-                    self.max_waiting is None or self.scheduler.num_waiting == 0 or
-                    self.scheduler.num_waiting + per_prompt[len(ids)].n <= self.max_waiting):
+                    self.max_waiting is None or self.num_waiting == 0 or
+                    self.num_waiting + per_prompt[len(ids)].n <= self.max_waiting):
                 ids.append(self.submit(prompts[len(ids)], per_prompt[len(ids)]))
+                mine.add(ids[-1])
             for out in self.step():
-                if out.completion is not None:
+                if out.completion is not None and out.request_id in mine:  # not others' requests
                     done[out.request_id, out.index] = out.completion
         return [done[i, index] for i, sp in zip(ids, per_prompt, strict=True)
                 for index in range(sp.n)]
@@ -799,10 +853,9 @@ class Batcher:
         s = self.scheduler
         free, spare, staged, lane, cached = s.pool.counts()
         c = s.counters
-        held = sum(len(g.held) for g in self._groups.values()) if self._groups else 0
         return EngineStats(
             occupied_lanes=s.lanes.num_busy, decoding_lanes=s.lanes.num_decoding(),
-            queue_length=s.num_waiting + held, free_blocks=free, spare_blocks=spare,
+            queue_length=self.num_waiting, free_blocks=free, spare_blocks=spare,
             staged_blocks=staged, lane_blocks=lane, cached_blocks=cached, steps=c.steps,
             imports=c.imports,
             prefill_chunks=c.prefill_chunks, staged_chunks=c.staged_chunks,

@@ -169,12 +169,17 @@ def _banned(words: list[tuple[int, ...]], output: Sequence[int]) -> list[int]:
     return banned
 
 
+_F32 = np.finfo(np.float32)
+
+
 def _apply_penalties(x: npt.NDArray[np.float32], rows: list[int],
                      states: Sequence[RequestSampler]) -> None:
     counts = np.stack([states[i].counts for i in rows])  # type: ignore[misc]
     sub = x[rows]
     seen_out = counts > 0
-    rep = np.array([states[i].params.repetition_penalty for i in rows], dtype=np.float32)
+    # float32 from any positive penalty: never 0 (a seen logit / 0 is inf) nor inf
+    rep = np.clip(np.array([states[i].params.repetition_penalty for i in rows]),
+                  _F32.tiny, _F32.max).astype(np.float32)
     if (rep != 1.0).any():
         seen = seen_out.copy()
         for j, i in enumerate(rows):
@@ -182,7 +187,9 @@ def _apply_penalties(x: npt.NDArray[np.float32], rows: list[int],
             if prompt_seen is not None:
                 seen[j] |= prompt_seen
         r = rep[:, None]
-        sub = np.where(seen, np.where(sub > 0, sub / r, sub * r), sub)
+        with np.errstate(over="ignore"):
+            sub = np.where(seen, np.where(sub > 0, sub / r, sub * r), sub)
+        np.minimum(sub, _F32.max, out=sub)  # favoured without bound: the largest finite logit
     freq = np.array([states[i].params.frequency_penalty for i in rows], dtype=np.float32)
     pres = np.array([states[i].params.presence_penalty for i in rows], dtype=np.float32)
     sub = sub - freq[:, None] * counts - pres[:, None] * seen_out
@@ -193,7 +200,9 @@ def _filtered(x: npt.NDArray[np.float32], top: npt.NDArray[np.float32],
               states: Sequence[RequestSampler]) -> npt.NDArray[np.float32]:
     """Temperature, min_p, top_k and top_p for sampled rows; masked entries become -inf."""
     vocab = x.shape[1]
-    temperature = np.array([s.params.temperature for s in states], dtype=np.float32)
+    # a temperature past float32's range is the largest float32 (inf would turn -inf into NaN)
+    temperature = np.minimum(np.array([s.params.temperature for s in states]),
+                             _F32.max).astype(np.float32)
     # Shift before scaling: (x - max) <= 0, so a tiny temperature gives -inf, never inf - inf.
     z = np.subtract(x, top[:, None])
     z /= temperature[:, None]
