@@ -12,7 +12,14 @@ from driving import run_to_end
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ledger import LedgerRuntime
-from test_scheduler import artifact, core, drive, expected  # noqa: F401  (`core`: a fixture)
+from test_scheduler import (  # noqa: F401  (`core`: a fixture)
+    artifact,
+    check_workload,
+    core,
+    draw_workload,
+    drive,
+    expected,
+)
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
 from atombatch import blocks as blocks_module
@@ -96,31 +103,10 @@ def test_random_workloads_with_buckets_keep_padding_safe_and_tokens_right(shape,
     batcher = Batcher(runtime, policy=policy, prefix_cache=prefix_cache,
                       host_cache_bytes=host_bytes)
     runtime.scheduler = batcher.scheduler
-    n = data.draw(st.integers(1, 8))
-    arrivals: dict[int, list] = {}
-    aborts: dict[int, list[str]] = {}
-    alphabet = data.draw(st.sampled_from([3, 96]))
-    stem = data.draw(st.lists(st.integers(1, alphabet), min_size=0, max_size=30))
-    for i in range(n):
-        plen = data.draw(st.integers(1, 40))
-        prompt = data.draw(st.lists(st.integers(1, alphabet), min_size=plen, max_size=plen))
-        if data.draw(st.booleans()):
-            prompt = (stem + prompt)[:plen]
-        params = SamplingParams(max_tokens=data.draw(st.integers(1, 64 - plen)), temperature=0.0,
-                                ignore_eos=True)
-        arrivals.setdefault(data.draw(st.integers(0, 30)), []).append((prompt, params, f"r{i}"))
-        if data.draw(st.booleans()) and data.draw(st.booleans()):
-            aborts.setdefault(data.draw(st.integers(0, 60)), []).append(f"r{i}")
+    arrivals, aborts = draw_workload(data)
     finals, streamed = drive(batcher, arrivals, aborts)
     assert runtime.violations == []
-    for batch in arrivals.values():
-        for prompt, params, rid in batch:
-            out = finals[rid]
-            want = expected(prompt, params, art)
-            if out.finish_reason == "abort":
-                assert want[: len(streamed.get(rid, []))] == streamed.get(rid, [])
-            else:
-                assert out.finish_reason == "length" and streamed[rid] == want
+    check_workload(arrivals, finals, streamed, art)
     stats = batcher.stats()
     assert set(stats.bucket_steps) <= set(buckets)
     assert sum(stats.bucket_steps.values()) == stats.decode_steps == runtime.decode_calls

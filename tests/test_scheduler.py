@@ -317,6 +317,38 @@ def test_structlog_events_carry_request_lane_and_blocks(core, caplog):
 
 
 # -- random workloads: invariants every step, tokens always right -----------------------------------
+def draw_workload(data: st.DataObject) -> tuple[dict[int, list], dict[int, list[str]]]:
+    """Up to 8 greedy requests (arrival step -> [(prompt, params, id)]) and some aborts
+    (step -> ids); a tiny alphabet makes prompts share prefixes (and partial blocks) all the time."""
+    arrivals: dict[int, list] = {}
+    aborts: dict[int, list[str]] = {}
+    alphabet = data.draw(st.sampled_from([3, 96]))
+    stem = data.draw(st.lists(st.integers(1, alphabet), min_size=0, max_size=30))
+    for i in range(data.draw(st.integers(1, 8))):
+        plen = data.draw(st.integers(1, 40))
+        prompt = data.draw(st.lists(st.integers(1, alphabet), min_size=plen, max_size=plen))
+        if data.draw(st.booleans()):  # shared prefixes make the prefix cache hit
+            prompt = (stem + prompt)[:plen]
+        params = SamplingParams(temperature=0.0, max_tokens=data.draw(st.integers(1, 64 - plen)),
+                                ignore_eos=True)
+        arrivals.setdefault(data.draw(st.integers(0, 30)), []).append((prompt, params, f"r{i}"))
+        if data.draw(st.booleans()) and data.draw(st.booleans()):
+            aborts.setdefault(data.draw(st.integers(0, 60)), []).append(f"r{i}")
+    return arrivals, aborts
+
+
+def check_workload(arrivals: dict[int, list], finals: dict, streamed: dict, art) -> None:
+    """Finished requests produced the reference tokens; aborted ones streamed a prefix of them."""
+    for batch in arrivals.values():
+        for prompt, params, rid in batch:
+            out = finals[rid]
+            want = expected(prompt, params, art)
+            if out.finish_reason == "abort":
+                assert want[: len(streamed.get(rid, []))] == streamed.get(rid, [])
+            else:
+                assert out.finish_reason == "length" and streamed[rid] == want
+
+
 shapes = st.sampled_from([
     dict(batch_size=1, num_blocks=1), dict(batch_size=1, num_blocks=2), dict(batch_size=2),
     dict(batch_size=4), dict(batch_size=3, block_size=16), dict(batch_size=4, block_size=8,
@@ -336,31 +368,9 @@ def test_random_workloads_keep_invariants_and_tokens(core, shape, chunk, data, p
     host_bytes = data.draw(st.sampled_from([0, 500, 5000])) if prefix_cache else 0
     batcher = Batcher(LedgerRuntime(art), policy=policy, prefix_cache=prefix_cache,
                       host_cache_bytes=host_bytes)
-    n = data.draw(st.integers(1, 8))
-    arrivals: dict[int, list] = {}
-    aborts: dict[int, list[str]] = {}
-    # a tiny alphabet makes prompts share prefixes (and partial blocks) all the time
-    alphabet = data.draw(st.sampled_from([3, 96]))
-    stem = data.draw(st.lists(st.integers(1, alphabet), min_size=0, max_size=30))
-    for i in range(n):
-        plen = data.draw(st.integers(1, 40))
-        prompt = data.draw(st.lists(st.integers(1, alphabet), min_size=plen, max_size=plen))
-        if data.draw(st.booleans()):  # shared prefixes make the prefix cache hit
-            prompt = (stem + prompt)[:plen]
-        params = SamplingParams(temperature=0.0, max_tokens=data.draw(st.integers(1, 64 - plen)),
-                                ignore_eos=True)
-        arrivals.setdefault(data.draw(st.integers(0, 30)), []).append((prompt, params, f"r{i}"))
-        if data.draw(st.booleans()) and data.draw(st.booleans()):
-            aborts.setdefault(data.draw(st.integers(0, 60)), []).append(f"r{i}")
+    arrivals, aborts = draw_workload(data)
     finals, streamed = drive(batcher, arrivals, aborts)
-    for batch in arrivals.values():
-        for prompt, params, rid in batch:
-            out = finals[rid]
-            want = expected(prompt, params, art)
-            if out.finish_reason == "abort":
-                assert want[: len(streamed.get(rid, []))] == streamed.get(rid, [])
-            else:
-                assert out.finish_reason == "length" and streamed[rid] == want
+    check_workload(arrivals, finals, streamed, art)
     pool = batcher.scheduler.pool
     assert pool.num_free + pool.num_spare + pool.num_cached == art.num_blocks
     assert pool.num_evictable == pool.num_cached

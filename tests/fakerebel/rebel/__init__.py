@@ -21,7 +21,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from atombatch.config import ArtifactConfig, ModelSpec
@@ -62,8 +61,7 @@ class _DeviceModel:
             block_size=cfg["kvcache_block_size"], num_blocks=cfg["kvcache_num_blocks"],
             prefill_chunk_size=cfg["prefill_chunk_size"], kv_dtype="float32")
         self.buckets = tuple(sorted(cfg.get("decoder_batch_sizes") or [cfg["batch_size"]]))
-        if "decoder_batch_sizes" in ArtifactConfig.__struct_fields__:
-            fields["decoder_batch_sizes"] = self.buckets
+        fields["decoder_batch_sizes"] = self.buckets
         self.rt = NumpyRuntime.from_pretrained(directory, artifact=ArtifactConfig(**fields))
         self.dtype = cfg.get("dtype", "float32")
         self.logits_to_keep = cfg.get("logits_to_keep", 1)
@@ -104,19 +102,7 @@ class _DeviceModel:
             input_ids=named["input_ids"], cache_position=cache_position,
             block_tables=named["block_tables"],
             local_block_tables=named.get("local_block_tables", np.zeros((rows, 1), np.int16)))
-        return self._out(self._decode_rows(inputs, rows)[:, None, :])
-
-    def _decode_rows(self, inputs: Any, rows: int) -> np.ndarray:
-        rt = self.rt
-        if rows == rt.artifact.batch_size or "decoder_batch_sizes" in ArtifactConfig.__struct_fields__:
-            return rt.decode(inputs)
-        # Until the NumPy runtime runs bucketed decode graphs itself: the same decoder (same
-        # weights, same KV arrays) seen as a batch-`rows` graph; slots keep the full lane range.
-        view = object.__new__(NumpyRuntime)
-        view.__dict__.update(rt.__dict__)
-        view.artifact = msgspec.structs.replace(rt.artifact, batch_size=rows)
-        view._check_slot = rt._check_slot  # type: ignore[method-assign]
-        return view.decode(inputs)
+        return self._out(self.rt.decode(inputs)[:, None, :])
 
     def _out(self, logits: np.ndarray) -> np.ndarray:
         if self.dtype == "float32":
