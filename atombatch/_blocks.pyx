@@ -41,6 +41,21 @@ LANE_STATE_NAMES = ("IDLE", "PREFILLING", "DECODING")
 
 MAX_TABLE_BLOCK = 32767  # block tables are int16 on the device: a larger id cannot be addressed
 
+from atombatch._blocks_py import (  # shared with the twin: one definition of the step codes
+    LANE_OWN_OUTPUT,
+    LANE_SAMPLE,
+    LANE_STOPCHECK,
+    MAX_STOP_IDS,
+    ROW_CHECK,
+    ROW_LENGTH,
+    ROW_NONFINITE,
+    ROW_OK,
+    ROW_SAMPLE,
+    ROW_SKIPPED,
+    ROW_STATUS_NAMES,
+    ROW_STOP,
+)
+
 IMPLEMENTATION = "c"
 
 DEBUG = bool(ATOMBATCH_DEBUG)
@@ -55,6 +70,16 @@ cdef enum:
     C_LANE_PREFILLING = 1
     C_LANE_DECODING = 2
     C_MAX_TABLE_BLOCK = 32767
+    C_ROW_OK = 0
+    C_ROW_SAMPLE = 1
+    C_ROW_NONFINITE = 2
+    C_ROW_STOP = 3
+    C_ROW_LENGTH = 4
+    C_ROW_CHECK = 5
+    C_ROW_SKIPPED = 6
+    C_LANE_SAMPLE = 1
+    C_LANE_OWN_OUTPUT = 2
+    C_LANE_STOPCHECK = 4
 
 
 cdef extern from *:
@@ -69,6 +94,36 @@ cdef extern from *:
     #endif
     """
     int _ctz64 "atombatch_ctz64"(uint64_t x) noexcept nogil  # x != 0
+
+
+cdef extern from *:
+    """
+    #include <string.h>
+    /* Greedy pick over one float32 row: the index of the first maximum (-0.0 == +0.0, as numpy's
+       argmax), or -1 when any entry is NaN or infinite. Floats are compared as order-preserving
+       int32 keys so that both passes are integer loops the compiler can vectorize. */
+    static inline long long atombatch_argmax_f32(const float *x, long long n) {
+        uint32_t bad = 0;
+        int32_t best = INT32_MIN;
+        long long i;
+        for (i = 0; i < n; i++) {
+            uint32_t b; memcpy(&b, x + i, 4);
+            bad |= (uint32_t)((b & 0x7f800000u) == 0x7f800000u);
+            b &= (b == 0x80000000u) ? 0u : 0xffffffffu;
+            int32_t k = (int32_t)(b ^ ((uint32_t)((int32_t)b >> 31) & 0x7fffffffu));
+            best = k > best ? k : best;
+        }
+        if (bad) return -1;
+        for (i = 0; i < n; i++) {
+            uint32_t b; memcpy(&b, x + i, 4);
+            b &= (b == 0x80000000u) ? 0u : 0xffffffffu;
+            int32_t k = (int32_t)(b ^ ((uint32_t)((int32_t)b >> 31) & 0x7fffffffu));
+            if (k == best) return i;
+        }
+        return -1;
+    }
+    """
+    long long _argmax_f32 "atombatch_argmax_f32"(const float *x, long long n) noexcept nogil
 
 
 cdef inline Py_ssize_t _ceil_div(Py_ssize_t a, Py_ssize_t b) noexcept:
@@ -857,3 +912,281 @@ cdef class PrefillInputs:
         self._local_block_tables_v[0] = <int16_t>sliding_slot
         self._query_position_v[0] = <int16_t>(real - 1)
         return real
+
+
+@cython.final
+cdef class StepKernel:
+    """The per-lane work of a decode step, for every lane in one call each.
+
+    A steady decode step is `grow()` (a new block for each lane at a block boundary, taken from the
+    free list), `build(padding_block)` (the decode inputs, in place), the device call, `pick(logits)`
+    (greedy argmax and the finite check of every row) and `complete(now)` (append each row's token
+    to its request's output list, advance the lane and its sliding slot, detect stop ids and the
+    output limit). Each returns how many entries of `attention` the caller must look at: lanes that
+    need a block the free list does not have (eviction or preemption is the caller's choice), rows
+    the caller samples or fails, rows that finished or whose requests want their outputs built by
+    the caller. Everything else stays in this class's arrays: nothing is allocated per lane, and
+    no Python runs per lane.
+
+    The request data a lane needs (its output and token-time lists, its id, its output limit, its
+    stop ids and flags) is bound when the lane starts decoding (`bind`) and dropped when the lane is
+    released (`unbind`). Rows are those of the last `build`: rows `0..num_rows-1` are the decoding
+    lanes in lane order (`inputs.row_lanes`); `tokens` and `status` are indexed by row.
+    """
+
+    cdef readonly BlockPool pool
+    cdef readonly LaneTable lanes
+    cdef readonly DecodeInputs inputs
+    cdef readonly object slots
+    cdef readonly Py_ssize_t num_rows, completed, max_stop_ids
+    cdef readonly object tokens, status, attention, ids
+    cdef readonly object _num_out, _max_out, _flags
+    cdef object _num_stops, _stops, _outputs, _times
+    cdef int64_t[::1] _tokens_v
+    cdef int8_t[::1] _status_v
+    cdef int32_t[::1] _attention_v
+    cdef int32_t[::1] _num_out_v, _max_out_v, _num_stops_v
+    cdef int8_t[::1] _flags_v
+    cdef int64_t[:, ::1] _stops_v
+    cdef int32_t[::1] _fill_v
+    cdef Py_ssize_t _window
+
+    def __cinit__(self, BlockPool pool not None, LaneTable lanes not None,
+                  DecodeInputs inputs not None, SlidingSlots slots=None,
+                  Py_ssize_t max_stop_ids=MAX_STOP_IDS):
+        cdef Py_ssize_t b = lanes._b
+        if inputs._b != b or inputs._bps != lanes._bps:
+            raise StateError(f"decode buffers are {(inputs._b, inputs._bps)}, lanes are "
+                             f"{(b, lanes._bps)}")
+        if slots is not None and slots._fill_v.shape[0] != b:
+            raise StateError(f"sliding slots cover {slots._fill_v.shape[0]} lanes, the table {b}")
+        if max_stop_ids < 0:
+            raise CapacityError(f"max_stop_ids={max_stop_ids} must be >= 0")
+        self.pool = pool
+        self.lanes = lanes
+        self.inputs = inputs
+        self.slots = slots
+        if slots is not None:
+            self._fill_v = slots._fill_v
+            self._window = slots._window
+        self.max_stop_ids = max_stop_ids
+        self.num_rows = 0
+        self.completed = 0
+        self.tokens = np.zeros(b, dtype=np.int64)
+        self.status = np.zeros(b, dtype=np.int8)
+        self.attention = np.zeros(b, dtype=np.int32)
+        self._num_out = np.zeros(b, dtype=np.int32)
+        self._max_out = np.zeros(b, dtype=np.int32)
+        self._flags = np.zeros(b, dtype=np.int8)
+        self._num_stops = np.zeros(b, dtype=np.int32)
+        self._stops = np.zeros((b, max(max_stop_ids, 1)), dtype=np.int64)
+        self._tokens_v = self.tokens
+        self._status_v = self.status
+        self._attention_v = self.attention
+        self._num_out_v = self._num_out
+        self._max_out_v = self._max_out
+        self._flags_v = self._flags
+        self._num_stops_v = self._num_stops
+        self._stops_v = self._stops
+        self._outputs = [None] * b
+        self._times = [None] * b
+        self.ids = [None] * b
+
+    # -- per-lane request data ------------------------------------------------------------------
+    def bind(self, Py_ssize_t lane, request_id, list output not None, list times not None,
+             Py_ssize_t max_output, stop_ids, int flags):
+        """Lane `lane` decodes for `request_id`: its tokens go to `output` (and `now` to `times`),
+        it finishes "length" once `output` holds `max_output` tokens and "stop" on a token of
+        `stop_ids`. `flags`: LANE_SAMPLE (the caller samples its row) and LANE_OWN_OUTPUT (the
+        caller builds its outputs); more stop ids than `max_stop_ids` add LANE_STOPCHECK."""
+        self.lanes._check_lane(lane)
+        if not 0 <= max_output <= 0x7FFFFFFF:
+            raise RequestError(f"max_output={max_output} is outside 0..{0x7FFFFFFF}")
+        if flags & ~(C_LANE_SAMPLE | C_LANE_OWN_OUTPUT):
+            raise StateError(f"flags={flags} has bits other than LANE_SAMPLE | LANE_OWN_OUTPUT")
+        stops = list(stop_ids)
+        cdef Py_ssize_t j, n = len(stops)
+        if n > self.max_stop_ids:
+            flags |= C_LANE_STOPCHECK
+            n = 0
+        for j in range(n):
+            self._stops_v[lane, j] = stops[j]
+        self._num_stops_v[lane] = <int32_t>n
+        self._num_out_v[lane] = <int32_t>len(output)
+        self._max_out_v[lane] = <int32_t>max_output
+        self._flags_v[lane] = <int8_t>flags
+        self._outputs[lane] = output
+        self._times[lane] = times
+        self.ids[lane] = request_id
+
+    def unbind(self, Py_ssize_t lane):
+        """Drop the lane's request data (it finished, failed or was preempted)."""
+        self.lanes._check_lane(lane)
+        self._outputs[lane] = None
+        self._times[lane] = None
+        self.ids[lane] = None
+        self._flags_v[lane] = 0
+        self._num_stops_v[lane] = 0
+
+    def flags(self, Py_ssize_t lane):
+        self.lanes._check_lane(lane)
+        return self._flags_v[lane]
+
+    def num_output(self, Py_ssize_t lane):
+        self.lanes._check_lane(lane)
+        return self._num_out_v[lane]
+
+    # -- the step -------------------------------------------------------------------------------
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    @cython.initializedcheck(ATOMBATCH_DEBUG)
+    def grow(self):
+        """Give every decoding lane the blocks its next position needs, from the free list, in lane
+        order. Returns k: `attention[:k]` are the lanes (in lane order) still short of a block
+        because the free list ran dry; the caller evicts or preempts for them, then grows again."""
+        cdef LaneTable lanes = self.lanes
+        cdef BlockPool pool = self.pool
+        cdef Py_ssize_t b = lanes._b, bps = lanes._bps, lane, need, k = 0
+        cdef int32_t held, block
+        cdef int8_t[::1] state = lanes._state_v
+        cdef int32_t[::1] num_held = lanes._num_held_v
+        cdef int32_t[::1] seq_len = lanes._seq_len_v
+        cdef int32_t[:, ::1] rows = lanes._rows_v
+        for lane in range(b):
+            if state[lane] != C_LANE_DECODING:
+                continue
+            need = lanes._blocks_for(seq_len[lane] + 1)
+            while num_held[lane] < need:
+                held = num_held[lane]
+                if held >= bps:
+                    raise CapacityError(f"lane={lane} already holds {held} blocks, the row's "
+                                        f"{bps} entries")
+                block = pool._next_v[pool._free_head]
+                if block == pool._free_tail:
+                    self._attention_v[k] = <int32_t>lane
+                    k += 1
+                    break
+                if block > C_MAX_TABLE_BLOCK:
+                    raise StateError(f"block={block} is outside the int16 block-table range "
+                                     f"0..{MAX_TABLE_BLOCK}")
+                pool._unlink(block)
+                pool._move(block, C_LANE, <int32_t>lane)
+                rows[lane, held] = block
+                num_held[lane] = held + 1
+        pool._debug_check()
+        return k
+
+    def build(self, Py_ssize_t padding_block):
+        """The decode inputs for the decoding lanes (`DecodeInputs.build`); returns the rows that
+        decode (rows of the bucket past them are padding)."""
+        self.num_rows = self.inputs.build(self.lanes, padding_block)
+        return self.num_rows
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    @cython.initializedcheck(ATOMBATCH_DEBUG)
+    def pick(self, logits):
+        """Greedy tokens for the rows of the last build from float32 `logits` [rows, vocab] (row-
+        major): `tokens[row]` is the first maximum. Returns k: `attention[:k]` are the rows the
+        caller handles, in row order: ROW_SAMPLE (its lane's request samples: the caller writes
+        `tokens[row]`) and ROW_NONFINITE (a NaN or infinite logit: the caller fails the request)."""
+        cdef const float[:, ::1] values = logits
+        cdef Py_ssize_t n = self.num_rows, row, k = 0, vocab = values.shape[1]
+        cdef long long best
+        cdef int32_t[::1] row_lanes = self.inputs._row_lanes_v
+        if values.shape[0] < n:
+            raise StateError(f"logits have {values.shape[0]} rows, the step ran {n}")
+        if vocab < 1:
+            raise StateError("logits have no vocabulary entries")
+        for row in range(n):
+            best = _argmax_f32(&values[row, 0], vocab)
+            if best < 0:
+                self._status_v[row] = C_ROW_NONFINITE
+                self._tokens_v[row] = 0
+                self._attention_v[k] = <int32_t>row
+                k += 1
+            elif self._flags_v[row_lanes[row]] & C_LANE_SAMPLE:
+                self._status_v[row] = C_ROW_SAMPLE
+                self._tokens_v[row] = best
+                self._attention_v[k] = <int32_t>row
+                k += 1
+            else:
+                self._status_v[row] = C_ROW_OK
+                self._tokens_v[row] = best
+        return k
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    @cython.initializedcheck(ATOMBATCH_DEBUG)
+    def complete(self, now):
+        """Each row's `tokens[row]` becomes its lane's next token: appended to the bound output
+        list (and `now` to the token times), the lane one position longer, its sliding slot one
+        fuller. A row whose lane no longer decodes (its request failed during the step) is
+        ROW_SKIPPED; a ROW_NONFINITE row is left alone. Returns k: `attention[:k]` are the rows
+        the caller handles, in row order: ROW_STOP (a stop id), ROW_LENGTH (the output limit),
+        ROW_CHECK (the caller checks the stop condition) and ROW_OK rows of LANE_OWN_OUTPUT lanes.
+        `completed` counts the tokens appended."""
+        cdef LaneTable lanes = self.lanes
+        cdef Py_ssize_t n = self.num_rows, row, lane, k = 0, j, done = 0
+        cdef int8_t[::1] state = lanes._state_v
+        cdef int32_t[::1] seq_len = lanes._seq_len_v
+        cdef int64_t[::1] next_token = lanes._next_token_v
+        cdef int32_t[::1] row_lanes = self.inputs._row_lanes_v
+        cdef int64_t token
+        cdef int8_t status, flags
+        cdef bint hybrid = self.slots is not None
+        cdef list outputs = self._outputs, times = self._times
+        for row in range(n):  # validated first: a failed call changes nothing
+            lane = row_lanes[row]
+            if state[lane] == C_LANE_DECODING and self._status_v[row] != C_ROW_NONFINITE and \
+                    outputs[lane] is None:
+                raise StateError(f"lane={lane} decodes but no request is bound to it")
+        for row in range(n):
+            lane = row_lanes[row]
+            if self._status_v[row] == C_ROW_NONFINITE:
+                continue
+            if state[lane] != C_LANE_DECODING:
+                self._status_v[row] = C_ROW_SKIPPED
+                continue
+            token = self._tokens_v[row]
+            seq_len[lane] += 1
+            next_token[lane] = token
+            if hybrid and self._fill_v[lane] < self._window:
+                self._fill_v[lane] += 1
+            (<list>outputs[lane]).append(token)
+            (<list>times[lane]).append(now)
+            self._num_out_v[lane] += 1
+            done += 1
+            flags = self._flags_v[lane]
+            status = C_ROW_OK
+            if flags & C_LANE_STOPCHECK:
+                status = C_ROW_CHECK
+            else:
+                for j in range(self._num_stops_v[lane]):
+                    if self._stops_v[lane, j] == token:
+                        status = C_ROW_STOP
+                        break
+                if status == C_ROW_OK and self._num_out_v[lane] >= self._max_out_v[lane]:
+                    status = C_ROW_LENGTH
+            self._status_v[row] = status
+            if status != C_ROW_OK or flags & C_LANE_OWN_OUTPUT:
+                self._attention_v[k] = <int32_t>row
+                k += 1
+        self.completed = done
+        return k
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    @cython.initializedcheck(ATOMBATCH_DEBUG)
+    def emit(self, list out not None, factory):
+        """Append `factory(request_id, (token,), False)` for every ROW_OK row whose lane is not
+        LANE_OWN_OUTPUT (the outputs nobody but the caller's list wants built); returns how many."""
+        cdef Py_ssize_t n = self.num_rows, row, lane, count = 0
+        cdef int32_t[::1] row_lanes = self.inputs._row_lanes_v
+        cdef list ids = self.ids
+        for row in range(n):
+            lane = row_lanes[row]
+            if self._status_v[row] == C_ROW_OK and not self._flags_v[lane] & C_LANE_OWN_OUTPUT:
+                out.append(factory(ids[lane], (self._tokens_v[row],), False))
+                count += 1
+        return count

@@ -24,7 +24,7 @@ place each step, applying the padding rules of docs/rules.md.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -44,6 +44,22 @@ LANE_DECODING = 2
 LANE_STATE_NAMES = ("IDLE", "PREFILLING", "DECODING")
 
 MAX_TABLE_BLOCK = 32767  # block tables are int16 on the device: a larger id cannot be addressed
+
+# What a decode step did to a row (`StepKernel.status`).
+ROW_OK = 0          # token appended; the lane decodes on
+ROW_SAMPLE = 1      # the lane's request samples: the caller writes the row's token
+ROW_NONFINITE = 2   # a NaN or infinite logit: the caller fails the request
+ROW_STOP = 3        # the token is one of the lane's stop ids: finish "stop"
+ROW_LENGTH = 4      # the output reached its limit: finish "length"
+ROW_CHECK = 5       # the caller checks the stop condition (more stop ids than the kernel holds)
+ROW_SKIPPED = 6     # the lane stopped decoding during the step (its request failed)
+ROW_STATUS_NAMES = ("OK", "SAMPLE", "NONFINITE", "STOP", "LENGTH", "CHECK", "SKIPPED")
+
+# What a lane's request wants from the kernel (`StepKernel.bind` flags).
+LANE_SAMPLE = 1       # sampled by the caller (temperature, penalties, ...), not greedy
+LANE_OWN_OUTPUT = 2   # the caller builds its outputs (text, logprobs, n > 1 choices)
+LANE_STOPCHECK = 4    # set by `bind` when the stop ids do not fit the kernel's per-lane array
+MAX_STOP_IDS = 16     # stop ids held per lane (EOS ids plus `stop_token_ids`)
 
 IMPLEMENTATION = "py"
 
@@ -683,3 +699,226 @@ class PrefillInputs:
         self.local_block_tables[0] = sliding_slot
         self.query_position[()] = real - 1
         return real
+
+
+def _argmax_or_nonfinite(row: npt.NDArray[np.float32]) -> int:
+    """The first maximum of a row (-0.0 == +0.0), or -1 when an entry is NaN or infinite."""
+    if not np.isfinite(row).all():
+        return -1
+    return int(row.argmax())
+
+
+class StepKernel:
+    """The per-lane work of a decode step, for every lane in one call each.
+
+    A steady decode step is `grow()` (a new block for each lane at a block boundary, taken from the
+    free list), `build(padding_block)` (the decode inputs, in place), the device call, `pick(logits)`
+    (greedy argmax and the finite check of every row) and `complete(now)` (append each row's token
+    to its request's output list, advance the lane and its sliding slot, detect stop ids and the
+    output limit). Each returns how many entries of `attention` the caller must look at: lanes that
+    need a block the free list does not have (eviction or preemption is the caller's choice), rows
+    the caller samples or fails, rows that finished or whose requests want their outputs built by
+    the caller. Everything else stays in this class's arrays: nothing is allocated per lane, and
+    no Python runs per lane (in the compiled core; this twin is the readable reference).
+
+    The request data a lane needs (its output and token-time lists, its id, its output limit, its
+    stop ids and flags) is bound when the lane starts decoding (`bind`) and dropped when the lane is
+    released (`unbind`). Rows are those of the last `build`: rows `0..num_rows-1` are the decoding
+    lanes in lane order (`inputs.row_lanes`); `tokens` and `status` are indexed by row.
+    """
+
+    def __init__(self, pool: BlockPool, lanes: LaneTable, inputs: DecodeInputs,
+                 slots: SlidingSlots | None = None, max_stop_ids: int = MAX_STOP_IDS) -> None:
+        b = lanes._b
+        if inputs._block_tables.shape != (b, lanes._bps):
+            raise StateError(f"decode buffers are {inputs._block_tables.shape}, lanes are "
+                             f"{(b, lanes._bps)}")
+        if slots is not None and len(slots._fill) != b:
+            raise StateError(f"sliding slots cover {len(slots._fill)} lanes, the table {b}")
+        if max_stop_ids < 0:
+            raise CapacityError(f"max_stop_ids={max_stop_ids} must be >= 0")
+        self.pool = pool
+        self.lanes = lanes
+        self.inputs = inputs
+        self.slots = slots
+        self.max_stop_ids = max_stop_ids
+        self.num_rows = 0
+        self.completed = 0
+        self.tokens = np.zeros(b, dtype=np.int64)
+        self.status = np.zeros(b, dtype=np.int8)
+        self.attention = np.zeros(b, dtype=np.int32)
+        self._num_out = np.zeros(b, dtype=np.int32)
+        self._max_out = np.zeros(b, dtype=np.int32)
+        self._flags = np.zeros(b, dtype=np.int8)
+        self._stops: list[tuple[int, ...]] = [()] * b
+        self._outputs: list[list[int] | None] = [None] * b
+        self._times: list[list[float] | None] = [None] * b
+        self.ids: list[str | None] = [None] * b
+
+    # -- per-lane request data ------------------------------------------------------------------
+    def bind(self, lane: int, request_id: str, output: list[int], times: list[float],
+             max_output: int, stop_ids: Sequence[int], flags: int) -> None:
+        """Lane `lane` decodes for `request_id`: its tokens go to `output` (and `now` to `times`),
+        it finishes "length" once `output` holds `max_output` tokens and "stop" on a token of
+        `stop_ids`. `flags`: LANE_SAMPLE (the caller samples its row) and LANE_OWN_OUTPUT (the
+        caller builds its outputs); more stop ids than `max_stop_ids` add LANE_STOPCHECK."""
+        self.lanes._check_lane(lane)
+        if not isinstance(output, list) or not isinstance(times, list):
+            raise TypeError("output and times must be lists")
+        if not 0 <= max_output <= 0x7FFFFFFF:
+            raise RequestError(f"max_output={max_output} is outside 0..{0x7FFFFFFF}")
+        if flags & ~(LANE_SAMPLE | LANE_OWN_OUTPUT):
+            raise StateError(f"flags={flags} has bits other than LANE_SAMPLE | LANE_OWN_OUTPUT")
+        stops = tuple(int(t) for t in stop_ids)
+        if len(stops) > self.max_stop_ids:
+            flags |= LANE_STOPCHECK
+            stops = ()
+        self._stops[lane] = stops
+        self._num_out[lane] = len(output)
+        self._max_out[lane] = max_output
+        self._flags[lane] = flags
+        self._outputs[lane] = output
+        self._times[lane] = times
+        self.ids[lane] = request_id
+
+    def unbind(self, lane: int) -> None:
+        """Drop the lane's request data (it finished, failed or was preempted)."""
+        self.lanes._check_lane(lane)
+        self._outputs[lane] = None
+        self._times[lane] = None
+        self.ids[lane] = None
+        self._flags[lane] = 0
+        self._stops[lane] = ()
+
+    def flags(self, lane: int) -> int:
+        self.lanes._check_lane(lane)
+        return int(self._flags[lane])
+
+    def num_output(self, lane: int) -> int:
+        self.lanes._check_lane(lane)
+        return int(self._num_out[lane])
+
+    # -- the step -------------------------------------------------------------------------------
+    def grow(self) -> int:
+        """Give every decoding lane the blocks its next position needs, from the free list, in lane
+        order. Returns k: `attention[:k]` are the lanes (in lane order) still short of a block
+        because the free list ran dry; the caller evicts or preempts for them, then grows again."""
+        lanes, pool = self.lanes, self.pool
+        k = 0
+        for lane in range(lanes._b):
+            if lanes._state[lane] != LANE_DECODING:
+                continue
+            need = lanes.blocks_for(int(lanes._seq_len[lane]) + 1)
+            while lanes._num_held[lane] < need:
+                held = int(lanes._num_held[lane])
+                if held >= lanes._bps:
+                    raise CapacityError(f"lane={lane} already holds {held} blocks, the row's "
+                                        f"{lanes._bps} entries")
+                block = pool.first_free()
+                if block < 0:
+                    self.attention[k] = lane
+                    k += 1
+                    break
+                if block > MAX_TABLE_BLOCK:
+                    raise StateError(f"block={block} is outside the int16 block-table range "
+                                     f"0..{MAX_TABLE_BLOCK}")
+                pool.allocate(LANE, lane)
+                lanes._rows[lane, held] = block
+                lanes._num_held[lane] = held + 1
+        return k
+
+    def build(self, padding_block: int) -> int:
+        """The decode inputs for the decoding lanes (`DecodeInputs.build`); returns the rows that
+        decode (rows of the bucket past them are padding)."""
+        self.num_rows = self.inputs.build(self.lanes, padding_block)
+        return self.num_rows
+
+    def pick(self, logits: npt.NDArray[np.float32]) -> int:
+        """Greedy tokens for the rows of the last build from float32 `logits` [rows, vocab] (row-
+        major): `tokens[row]` is the first maximum. Returns k: `attention[:k]` are the rows the
+        caller handles, in row order: ROW_SAMPLE (its lane's request samples: the caller writes
+        `tokens[row]`) and ROW_NONFINITE (a NaN or infinite logit: the caller fails the request)."""
+        if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or logits.ndim != 2 \
+                or not logits.flags.c_contiguous:
+            raise ValueError("logits must be a C-contiguous 2-D float32 array")
+        n = self.num_rows
+        if logits.shape[0] < n:
+            raise StateError(f"logits have {logits.shape[0]} rows, the step ran {n}")
+        if logits.shape[1] < 1:
+            raise StateError("logits have no vocabulary entries")
+        k = 0
+        for row in range(n):
+            best = _argmax_or_nonfinite(logits[row])
+            if best < 0:
+                self.status[row] = ROW_NONFINITE
+                self.tokens[row] = 0
+                self.attention[k] = row
+                k += 1
+            elif self._flags[self.inputs._row_lanes[row]] & LANE_SAMPLE:
+                self.status[row] = ROW_SAMPLE
+                self.tokens[row] = best
+                self.attention[k] = row
+                k += 1
+            else:
+                self.status[row] = ROW_OK
+                self.tokens[row] = best
+        return k
+
+    def complete(self, now: float) -> int:
+        """Each row's `tokens[row]` becomes its lane's next token: appended to the bound output
+        list (and `now` to the token times), the lane one position longer, its sliding slot one
+        fuller. A row whose lane no longer decodes (its request failed during the step) is
+        ROW_SKIPPED; a ROW_NONFINITE row is left alone. Returns k: `attention[:k]` are the rows
+        the caller handles, in row order: ROW_STOP (a stop id), ROW_LENGTH (the output limit),
+        ROW_CHECK (the caller checks the stop condition) and ROW_OK rows of LANE_OWN_OUTPUT lanes.
+        `completed` counts the tokens appended."""
+        lanes, row_lanes = self.lanes, self.inputs._row_lanes
+        n = self.num_rows
+        for row in range(n):  # validated first: a failed call changes nothing
+            lane = int(row_lanes[row])
+            if lanes._state[lane] == LANE_DECODING and self.status[row] != ROW_NONFINITE and \
+                    self._outputs[lane] is None:
+                raise StateError(f"lane={lane} decodes but no request is bound to it")
+        k = done = 0
+        for row in range(n):
+            lane = int(row_lanes[row])
+            if self.status[row] == ROW_NONFINITE:
+                continue
+            if lanes._state[lane] != LANE_DECODING:
+                self.status[row] = ROW_SKIPPED
+                continue
+            token = int(self.tokens[row])
+            lanes._seq_len[lane] += 1
+            lanes._next_token[lane] = token
+            if self.slots is not None and self.slots._fill[lane] < self.slots._window:
+                self.slots._fill[lane] += 1
+            self._outputs[lane].append(token)  # type: ignore[union-attr]
+            self._times[lane].append(now)  # type: ignore[union-attr]
+            self._num_out[lane] += 1
+            done += 1
+            flags = int(self._flags[lane])
+            if flags & LANE_STOPCHECK:
+                status = ROW_CHECK
+            elif token in self._stops[lane]:
+                status = ROW_STOP
+            elif self._num_out[lane] >= self._max_out[lane]:
+                status = ROW_LENGTH
+            else:
+                status = ROW_OK
+            self.status[row] = status
+            if status != ROW_OK or flags & LANE_OWN_OUTPUT:
+                self.attention[k] = row
+                k += 1
+        self.completed = done
+        return k
+
+    def emit(self, out: list[object], factory: Callable[..., object]) -> int:
+        """Append `factory(request_id, (token,), False)` for every ROW_OK row whose lane is not
+        LANE_OWN_OUTPUT (the outputs nobody but the caller's list wants built); returns how many."""
+        count = 0
+        for row in range(self.num_rows):
+            lane = int(self.inputs._row_lanes[row])
+            if self.status[row] == ROW_OK and not self._flags[lane] & LANE_OWN_OUTPUT:
+                out.append(factory(self.ids[lane], (int(self.tokens[row]),), False))
+                count += 1
+        return count

@@ -22,6 +22,7 @@ LaneTable = _impl.LaneTable
 SlidingSlots = _impl.SlidingSlots
 DecodeInputs = _impl.DecodeInputs
 PrefillInputs = _impl.PrefillInputs
+StepKernel = _impl.StepKernel
 IMPLEMENTATION: str = _impl.IMPLEMENTATION
 
 from atombatch._blocks_py import (  # noqa: E402  (constants are shared by both implementations)
@@ -31,7 +32,18 @@ from atombatch._blocks_py import (  # noqa: E402  (constants are shared by both 
     LANE_DECODING,
     LANE_IDLE,
     LANE_PREFILLING,
+    LANE_OWN_OUTPUT,
+    LANE_SAMPLE,
     LANE_STATE_NAMES,
+    LANE_STOPCHECK,
+    ROW_CHECK,
+    ROW_LENGTH,
+    ROW_NONFINITE,
+    ROW_OK,
+    ROW_SAMPLE,
+    ROW_SKIPPED,
+    ROW_STATUS_NAMES,
+    ROW_STOP,
     SPARE,
     STAGED,
     STATE_NAMES,
@@ -45,7 +57,18 @@ __all__ = [
     "LANE_DECODING",
     "LANE_IDLE",
     "LANE_PREFILLING",
+    "LANE_OWN_OUTPUT",
+    "LANE_SAMPLE",
     "LANE_STATE_NAMES",
+    "LANE_STOPCHECK",
+    "ROW_CHECK",
+    "ROW_LENGTH",
+    "ROW_NONFINITE",
+    "ROW_OK",
+    "ROW_SAMPLE",
+    "ROW_SKIPPED",
+    "ROW_STATUS_NAMES",
+    "ROW_STOP",
     "SPARE",
     "STAGED",
     "STATE_NAMES",
@@ -54,4 +77,5 @@ __all__ = [
     "LaneTable",
     "PrefillInputs",
     "SlidingSlots",
+    "StepKernel",
 ]

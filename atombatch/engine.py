@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
+from atombatch import blocks as core
 from atombatch.config import ArtifactConfig, check_serving
 from atombatch.detokenizer import Detokenizer, bad_word_ids
 from atombatch.errors import (
@@ -352,7 +353,9 @@ class Batcher:
             self._extras[internal_id] = extras
         if extras is None:
             return request
+        request.lane_flags = core.LANE_OWN_OUTPUT
         if not params.plain_greedy:
+            request.lane_flags |= core.LANE_SAMPLE
             words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
             extras.sampler = RequestSampler(params, tokens, self.spec.vocab_size,
                                             self.spec.eos_token_ids, rng, words)
@@ -621,47 +624,49 @@ class Batcher:
                 log.warning("kv.close_failed", request_id=request_id, error=str(exc))
 
     def _run_decode(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
+        """One decode step. The kernel picks every greedy row and checks every row's logits in
+        one call, and appends every token in another; Python touches only the rows it hands
+        back (sampled requests, failures, finishes, requests whose outputs carry extras)."""
         scheduler = self.scheduler
+        kernel = scheduler.kernel
         try:
-            logits = np.asarray(self._device_call(self.runtime.decode, plan.inputs))
+            logits = self._device_call(self.runtime.decode, plan.inputs)
+            if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or \
+                    not logits.flags.c_contiguous:
+                logits = np.ascontiguousarray(logits, dtype=np.float32)
             if logits.ndim != 2 or logits.shape[0] != plan.inputs.num_rows:
                 raise RequestError(f"decode returned logits of shape {logits.shape}; the step ran "
                                    f"{plan.inputs.num_rows} rows")
         except Exception as exc:
-            for request_id in plan.request_ids:
-                request = scheduler.requests.get(request_id)
-                if request is not None:
-                    self._fail(request, f"decode step failed: {exc}", outputs)
+            for request in scheduler.decode_requests(plan):
+                self._fail(request, f"decode step failed: {exc}", outputs)
             return
-        tokens: dict[int, int] = {}
-        # One pass over all rows for the checks every lane needs and for greedy picks; requests
-        # with sampling options go through one vectorized `sample_rows` call. Row `row` of the
-        # logits is the lane `plan.lanes[row]` (decoding lanes are packed first).
-        finite = np.asarray(np.isfinite(logits).all(axis=1))
-        greedy = logits.argmax(axis=1)
-        samplers = self._samplers
-        special: list[tuple[int, int, Request, RequestSampler]] = []
-        for row, (lane, request_id) in enumerate(zip(plan.lanes, plan.request_ids, strict=True)):
-            request = scheduler.requests.get(request_id)
-            if request is None:  # failed by this plan's block ops
-                continue
-            if not finite[row]:
-                self._fail(request, f"decode returned non-finite logits on lane {lane}", outputs)
-                continue
-            sampler = samplers.get(request_id) if samplers else None
-            if sampler is None:
-                tokens[lane] = int(greedy[row])
-            else:
-                special.append((row, lane, request, sampler))
-        if special:
-            self._sample_special(logits, special, tokens, outputs)
-        for done in scheduler.complete_decode(plan, tokens, self.clock()):
-            outputs.append(self._output(done))
+        attention = kernel.pick(logits)
+        if attention:
+            lanes = plan.inputs.row_lanes
+            special: list[tuple[int, int, Request, RequestSampler]] = []
+            for row in kernel.attention[:attention].tolist():
+                lane = int(lanes[row])
+                request = scheduler.by_lane[lane]
+                if request is None:  # failed by this plan's block ops
+                    continue
+                if kernel.status[row] == core.ROW_NONFINITE:
+                    self._fail(request, f"decode returned non-finite logits on lane {lane}",
+                               outputs)
+                else:
+                    special.append((row, lane, request, self._samplers[request.request_id]))
+            if special:
+                self._sample_special(logits, special, kernel.tokens, outputs)
+        done = scheduler.complete_decode(plan, self.clock())
+        kernel.emit(outputs, RequestOutput)
+        for request in done:
+            outputs.append(self._output(request))
 
     def _sample_special(self, logits: npt.NDArray[np.floating],
                         special: list[tuple[int, int, Request, RequestSampler]],
-                        tokens: dict[int, int], outputs: list[RequestOutput]) -> None:
-        """Sample the (row, lane, request, sampler) entries of one decode step at once."""
+                        tokens: npt.NDArray[np.int64], outputs: list[RequestOutput]) -> None:
+        """Sample the (row, lane, request, sampler) entries of one decode step at once; each
+        token goes to `tokens[row]`."""
         rows = [row for row, _, _, _ in special]
         try:
             result = sample_rows(logits[rows], [s for _, _, _, s in special],
@@ -671,12 +676,12 @@ class Batcher:
                 self._fail(request, f"sampling failed: {exc}", outputs)
             return
         masked = set(result.masked_rows)
-        for i, (_, lane, request, _) in enumerate(special):
+        for i, (row, _, request, _) in enumerate(special):
             if i in masked:
                 self._fail(request, "every token is masked (allowed_token_ids, bad_words, "
                            "logit_bias and min_tokens exclude the whole vocabulary)", outputs)
                 continue
-            tokens[lane] = int(result.tokens[i])
+            tokens[row] = int(result.tokens[i])
             self._keep_logprobs(request, result.logprobs[i])
 
     def _sample_one(self, request: Request, row: npt.NDArray[np.floating]) -> int:

@@ -142,9 +142,9 @@ class Request:
     """The scheduler's mutable record of one request."""
 
     __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "chain", "error",
-                 "finish_reason", "first_token_at", "lane", "output", "params", "pd",
-                 "preemptions", "prefill_pos", "prompt", "request_id", "rng", "shared", "state",
-                 "token_times")
+                 "finish_reason", "first_token_at", "lane", "lane_flags", "output", "params",
+                 "pd", "preemptions", "prefill_pos", "prompt", "request_id", "rng", "shared",
+                 "state", "token_times")
 
     def __init__(self, request_id: str, prompt: npt.NDArray[np.int64], params: SamplingParams,
                  arrival: float, rng: np.random.Generator) -> None:
@@ -168,6 +168,7 @@ class Request:
         self.pd: PDImport | None = None  # set for a request whose KV a producer sends
         self.shared = 0                  # leading row entries that are pinned CACHED blocks
         self.chain: TokenChain | None = None  # prefix cache: its tokens' block digests
+        self.lane_flags = 0              # StepKernel flags: LANE_SAMPLE, LANE_OWN_OUTPUT
 
     @property
     def ready(self) -> bool:
@@ -207,9 +208,8 @@ class StepPlan(msgspec.Struct):
     chunk_len: int = 0                       # prefill: real tokens in the chunk
     last_chunk: bool = False                 # prefill: the chunk ends the prompt (sample after it)
     staged: bool = False                     # prefill: into the spare (no lane yet)
-    lanes: tuple[int, ...] = ()              # decode: lanes that decode, in row order (rows
-                                             #   0..len-1 of the bucket; the other rows are padding)
-    request_ids: tuple[str, ...] = ()        # decode: their requests, row by row
+    rows: int = 0                            # decode: rows 0..rows-1 of the bucket decode (their
+                                             #   lanes are `inputs.row_lanes`); the rest is padding
     blocks: tuple[int, ...] = ()             # import: the request's block row (positions 0..)
     slot: int = 0                            # import: its sliding slot (hybrid)
     saves: tuple[Entry, ...] = ()            # first: copy these evicted blocks to the host cache
@@ -266,6 +266,7 @@ class Scheduler:
         self.decode_inputs = core.DecodeInputs(artifact.batch_size, bps,
                                                artifact.decoder_batch_sizes)
         self.prefill_inputs = core.PrefillInputs(artifact.prefill_chunk_size, bps)
+        self.kernel = core.StepKernel(self.pool, self.lanes, self.decode_inputs, self.slots)
         self.single_block = artifact.single_block
         self.spare = -1 if self.single_block else self.pool.reserve_spare()
         self.waiting: deque[Request] = deque()
@@ -566,7 +567,15 @@ class Scheduler:
     def _start_decode(self, request: Request) -> None:
         seq_len = len(request.prompt) + len(request.output) - 1
         if self._ensure_blocks_held(request, seq_len + 1):
-            self.lanes.start_decode(request.lane, seq_len, request.output[-1])
+            lane = request.lane
+            self.lanes.start_decode(lane, seq_len, request.output[-1])
+            params = request.params
+            stops = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                stops.extend(self.eos_token_ids)
+            limit = params.max_tokens if params.max_tokens is not None else 0x7FFFFFFF
+            self.kernel.bind(lane, request.request_id, request.output, request.token_times,
+                             limit, stops, request.lane_flags)
 
     # -- planning ---------------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan | None:
@@ -614,10 +623,13 @@ class Scheduler:
     def _next_prefill(self) -> Request | None:
         """The lane prefill that came first, else the staging request, else start staging."""
         best: Request | None = None
-        for request in self.by_lane:
-            if request is not None and request.state is S.PREFILLING and self._runnable(request) \
-                    and (best is None or request.admit_order < best.admit_order):
-                best = request
+        lanes = self.lanes
+        if lanes.num_busy != lanes.num_decoding():  # some lane prefills (or imports)
+            for request in self.by_lane:
+                if request is not None and request.state is S.PREFILLING and \
+                        self._runnable(request) and \
+                        (best is None or request.admit_order < best.admit_order):
+                    best = request
         if best is not None:
             return best
         if self.staging is not None:
@@ -769,21 +781,32 @@ class Scheduler:
         return max(candidates, key=lambda r: r.admit_order)
 
     def _plan_decode(self) -> StepPlan | None:
-        for lane, request in enumerate(self.by_lane):
-            if request is not None and request.state is S.DECODING:
-                self._ensure_blocks_held(request, self.lanes.seq_len(lane) + 1)
-        lanes = tuple(lane for lane, r in enumerate(self.by_lane)
-                      if r is not None and r.state is S.DECODING)
-        if not lanes:
+        kernel = self.kernel
+        short = kernel.grow()  # lanes at a block boundary take FREE blocks, all in one call
+        if short:
+            # The free list ran dry: evict or preempt for these lanes, in lane order (as if each
+            # had grown alone), then every decoding lane holds its next position's block.
+            for lane in kernel.attention[:short].tolist():
+                request = self.by_lane[lane]
+                if request is not None and request.state is S.DECODING:
+                    self._ensure_blocks_held(request, self.lanes.seq_len(lane) + 1)
+            if kernel.grow():
+                raise StateError("decoding lanes are still short of blocks after eviction and "
+                                 "preemption")
+        if not self.lanes.num_decoding():
             return None
-        padding = self._padding_block()
-        if self.decode_inputs.build(self.lanes, padding) != len(lanes):
-            # rows 0..n-1 are read back as `lanes`: lane and request state must agree
-            raise StateError(f"the lane table has {self.lanes.num_decoding()} decoding lanes, the "
-                             f"requests {len(lanes)}")
+        rows = kernel.build(self._padding_block())
         self._decodes_since_prefill += 1
-        return StepPlan(kind="decode", inputs=self.decode_inputs, lanes=lanes,
-                        request_ids=tuple(self.by_lane[lane].request_id for lane in lanes))  # type: ignore[union-attr]
+        return StepPlan(kind="decode", inputs=self.decode_inputs, rows=rows)
+
+    def decode_requests(self, plan: StepPlan) -> list[Request]:
+        """The requests of a decode plan's rows that are still running, in row order."""
+        out = []
+        for lane in plan.inputs.row_lanes[:plan.rows].tolist():
+            request = self.by_lane[lane]
+            if request is not None and request.state is S.DECODING:
+                out.append(request)
+        return out
 
     def _padding_block(self) -> int:
         """A FREE or SPARE block for padding rows (never STAGED, LANE or CACHED); -1 if the bucket
@@ -836,25 +859,36 @@ class Scheduler:
             self._start_decode(request)
         return [request]
 
-    def complete_decode(self, plan: StepPlan, tokens: dict[int, int], now: float) -> list[Request]:
-        """A decode step ran; `tokens[lane]` is each decoding lane's sample."""
-        rows = plan.inputs.num_rows
-        self._record(StepRecord(kind="decode", lanes=len(plan.lanes), rows=rows))
-        self.counters.decode_steps += 1
-        self.counters.lane_histogram[len(plan.lanes)] += 1
-        self.counters.bucket_steps[rows] = self.counters.bucket_steps.get(rows, 0) + 1
+    def complete_decode(self, plan: StepPlan, now: float) -> list[Request]:
+        """A decode step ran and `kernel.tokens[row]` holds each row's token (picked or sampled;
+        rows the engine failed are skipped). The kernel appends them all; this handles only the
+        rows it hands back: finished requests and those whose outputs the engine builds, which
+        are returned."""
+        kernel = self.kernel
+        attention = kernel.complete(now)
+        bucket = plan.inputs.num_rows
+        counters = self.counters
+        self._record(StepRecord(kind="decode", lanes=plan.rows, rows=bucket))
+        counters.decode_steps += 1
+        counters.lane_histogram[plan.rows] += 1
+        counters.bucket_steps[bucket] = counters.bucket_steps.get(bucket, 0) + 1
+        counters.generated_tokens += kernel.completed
+        if not attention:
+            return []
         out = []
-        for lane, request_id in zip(plan.lanes, plan.request_ids, strict=True):
-            request = self.by_lane[lane]
-            if request is None or request.request_id != request_id or \
-                    request.state is not S.DECODING or lane not in tokens:
-                continue
-            token = tokens[lane]
-            self.lanes.advance(lane, token)
-            if self.slots is not None:
-                self.slots.advance(lane, 1)
-            self._append_token(request, token, now)
-            self._check_stop(request, token)
+        rows = kernel.attention[:attention].tolist()
+        lanes = plan.inputs.row_lanes
+        status = kernel.status
+        for row in rows:
+            request = self.by_lane[lanes[row]]
+            assert request is not None
+            code = status[row]
+            if code == core.ROW_STOP:
+                self.finish(request, "stop")
+            elif code == core.ROW_LENGTH:
+                self.finish(request, "length")
+            elif code == core.ROW_CHECK:
+                self._check_stop(request, request.output[-1])
             out.append(request)
         return out
 
@@ -954,6 +988,7 @@ class Scheduler:
             else:
                 valid = request.prefill_pos
             held = self.lanes.release(lane)
+            self.kernel.unbind(lane)
             self.by_lane[lane] = None
             request.lane = -1
             if self.prefix is not None:

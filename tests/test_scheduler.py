@@ -38,6 +38,7 @@ def core(request, monkeypatch):
     monkeypatch.setattr(scheduler_module.core, "SlidingSlots", impl.SlidingSlots)
     monkeypatch.setattr(scheduler_module.core, "DecodeInputs", impl.DecodeInputs)
     monkeypatch.setattr(scheduler_module.core, "PrefillInputs", impl.PrefillInputs)
+    monkeypatch.setattr(scheduler_module.core, "StepKernel", impl.StepKernel)
     return request.param
 
 

@@ -314,7 +314,7 @@ def batcher_on(impl: ModuleType, artifact: Any, **options: Any) -> Any:
 
     core = scheduler_module.core
     names = [n for n in ("BlockPool", "LaneTable", "SlidingSlots", "DecodeInputs",
-                         "PrefillInputs") if hasattr(impl, n)]
+                         "PrefillInputs", "StepKernel") if hasattr(impl, n)]
     saved = {name: getattr(core, name) for name in names}
     try:  # the scheduler binds its core objects at construction
         for name in names:
