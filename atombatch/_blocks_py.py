@@ -25,6 +25,7 @@ place each step, applying the padding rules of docs/rules.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -912,7 +913,7 @@ class StepKernel:
         self.completed = done
         return k
 
-    def emit(self, out: list[object], factory: Callable[..., object]) -> int:
+    def emit(self, out: list[Any], factory: Callable[..., Any]) -> int:
         """Append `factory(request_id, (token,), False)` for every ROW_OK row whose lane is not
         LANE_OWN_OUTPUT (the outputs nobody but the caller's list wants built); returns how many."""
         count = 0

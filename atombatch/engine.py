@@ -638,8 +638,8 @@ class Batcher:
                 raise RequestError(f"decode returned logits of shape {logits.shape}; the step ran "
                                    f"{plan.inputs.num_rows} rows")
         except Exception as exc:
-            for request in scheduler.decode_requests(plan):
-                self._fail(request, f"decode step failed: {exc}", outputs)
+            for failed in scheduler.decode_requests(plan):
+                self._fail(failed, f"decode step failed: {exc}", outputs)
             return
         attention = kernel.pick(logits)
         if attention:
