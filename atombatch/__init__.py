@@ -3,7 +3,7 @@
 from atombatch import plan
 from atombatch.aio import AsyncBatcher
 from atombatch.config import ArtifactConfig, ModelSpec
-from atombatch.engine import Batcher, EngineStats
+from atombatch.engine import Batcher, EngineStats, StepResult
 from atombatch.errors import (
                               AtomBatchError,
                               CapacityError,
@@ -27,5 +27,6 @@ __version__ = "0.1.0"
 __all__ = [
     "ArtifactConfig", "AsyncBatcher", "AtomBatchError", "Batcher", "CapacityError", "Completion",
     "ConfigError", "EngineStats", "KVTransferError", "ModelSpec", "Policy", "RequestError", "RequestOutput",
-    "RequestTimings", "SamplingParams", "StateError", "TokenLogprob", "TokenLogprobs", "plan",
+    "RequestTimings", "SamplingParams", "StateError", "StepResult", "TokenLogprob", "TokenLogprobs",
+    "plan",
 ]

@@ -939,11 +939,11 @@ cdef class StepKernel:
     cdef readonly DecodeInputs inputs
     cdef readonly object slots
     cdef readonly Py_ssize_t num_rows, completed, max_stop_ids
-    cdef readonly object tokens, status, attention, ids
+    cdef readonly object tokens, status, plain, attention, ids
     cdef readonly object _num_out, _max_out, _flags
     cdef object _num_stops, _stops, _outputs, _times
     cdef int64_t[::1] _tokens_v
-    cdef int8_t[::1] _status_v
+    cdef int8_t[::1] _status_v, _plain_v
     cdef int32_t[::1] _attention_v
     cdef int32_t[::1] _num_out_v, _max_out_v, _num_stops_v
     cdef int8_t[::1] _flags_v
@@ -974,6 +974,7 @@ cdef class StepKernel:
         self.completed = 0
         self.tokens = np.zeros(b, dtype=np.int64)
         self.status = np.zeros(b, dtype=np.int8)
+        self.plain = np.zeros(b, dtype=np.bool_)
         self.attention = np.zeros(b, dtype=np.int32)
         self._num_out = np.zeros(b, dtype=np.int32)
         self._max_out = np.zeros(b, dtype=np.int32)
@@ -982,6 +983,7 @@ cdef class StepKernel:
         self._stops = np.zeros((b, max(max_stop_ids, 1)), dtype=np.int64)
         self._tokens_v = self.tokens
         self._status_v = self.status
+        self._plain_v = self.plain.view(np.int8)
         self._attention_v = self.attention
         self._num_out_v = self._num_out
         self._max_out_v = self._max_out
@@ -1125,7 +1127,8 @@ cdef class StepKernel:
         ROW_SKIPPED; a ROW_NONFINITE row is left alone. Returns k: `attention[:k]` are the rows
         the caller handles, in row order: ROW_STOP (a stop id), ROW_LENGTH (the output limit),
         ROW_CHECK (the caller checks the stop condition) and ROW_OK rows of LANE_OWN_OUTPUT lanes.
-        `completed` counts the tokens appended."""
+        `completed` counts the tokens appended; `plain[row]` is True for the other rows that
+        appended a token (the caller has nothing to do for them but report the token)."""
         cdef LaneTable lanes = self.lanes
         cdef Py_ssize_t n = self.num_rows, row, lane, k = 0, j, done = 0
         cdef int8_t[::1] state = lanes._state_v
@@ -1143,6 +1146,7 @@ cdef class StepKernel:
                 raise StateError(f"lane={lane} decodes but no request is bound to it")
         for row in range(n):
             lane = row_lanes[row]
+            self._plain_v[row] = 0
             if self._status_v[row] == C_ROW_NONFINITE:
                 continue
             if state[lane] != C_LANE_DECODING:
@@ -1172,6 +1176,8 @@ cdef class StepKernel:
             if status != C_ROW_OK or flags & C_LANE_OWN_OUTPUT:
                 self._attention_v[k] = <int32_t>row
                 k += 1
+            else:
+                self._plain_v[row] = 1
         self.completed = done
         return k
 
@@ -1179,14 +1185,13 @@ cdef class StepKernel:
     @cython.wraparound(ATOMBATCH_DEBUG)
     @cython.initializedcheck(ATOMBATCH_DEBUG)
     def emit(self, list out not None, factory):
-        """Append `factory(request_id, (token,), False)` for every ROW_OK row whose lane is not
-        LANE_OWN_OUTPUT (the outputs nobody but the caller's list wants built); returns how many."""
-        cdef Py_ssize_t n = self.num_rows, row, lane, count = 0
+        """Append `factory(request_id, (token,), False)` for every `plain` row of the last
+        `complete` (built only for callers that want one object per token); returns how many."""
+        cdef Py_ssize_t n = self.num_rows, row, count = 0
         cdef int32_t[::1] row_lanes = self.inputs._row_lanes_v
         cdef list ids = self.ids
         for row in range(n):
-            lane = row_lanes[row]
-            if self._status_v[row] == C_ROW_OK and not self._flags_v[lane] & C_LANE_OWN_OUTPUT:
-                out.append(factory(ids[lane], (self._tokens_v[row],), False))
+            if self._plain_v[row]:
+                out.append(factory(ids[row_lanes[row]], (self._tokens_v[row],), False))
                 count += 1
         return count

@@ -747,6 +747,7 @@ class StepKernel:
         self.completed = 0
         self.tokens = np.zeros(b, dtype=np.int64)
         self.status = np.zeros(b, dtype=np.int8)
+        self.plain = np.zeros(b, dtype=np.bool_)
         self.attention = np.zeros(b, dtype=np.int32)
         self._num_out = np.zeros(b, dtype=np.int32)
         self._max_out = np.zeros(b, dtype=np.int32)
@@ -872,7 +873,8 @@ class StepKernel:
         ROW_SKIPPED; a ROW_NONFINITE row is left alone. Returns k: `attention[:k]` are the rows
         the caller handles, in row order: ROW_STOP (a stop id), ROW_LENGTH (the output limit),
         ROW_CHECK (the caller checks the stop condition) and ROW_OK rows of LANE_OWN_OUTPUT lanes.
-        `completed` counts the tokens appended."""
+        `completed` counts the tokens appended; `plain[row]` is True for the other rows that
+        appended a token (the caller has nothing to do for them but report the token)."""
         lanes, row_lanes = self.lanes, self.inputs._row_lanes
         n = self.num_rows
         for row in range(n):  # validated first: a failed call changes nothing
@@ -883,6 +885,7 @@ class StepKernel:
         k = done = 0
         for row in range(n):
             lane = int(row_lanes[row])
+            self.plain[row] = False
             if self.status[row] == ROW_NONFINITE:
                 continue
             if lanes._state[lane] != LANE_DECODING:
@@ -910,16 +913,18 @@ class StepKernel:
             if status != ROW_OK or flags & LANE_OWN_OUTPUT:
                 self.attention[k] = row
                 k += 1
+            else:
+                self.plain[row] = True
         self.completed = done
         return k
 
     def emit(self, out: list[Any], factory: Callable[..., Any]) -> int:
-        """Append `factory(request_id, (token,), False)` for every ROW_OK row whose lane is not
-        LANE_OWN_OUTPUT (the outputs nobody but the caller's list wants built); returns how many."""
+        """Append `factory(request_id, (token,), False)` for every `plain` row of the last
+        `complete` (built only for callers that want one object per token); returns how many."""
         count = 0
         for row in range(self.num_rows):
-            lane = int(self.inputs._row_lanes[row])
-            if self.status[row] == ROW_OK and not self._flags[lane] & LANE_OWN_OUTPUT:
+            if self.plain[row]:
+                lane = int(self.inputs._row_lanes[row])
                 out.append(factory(self.ids[lane], (int(self.tokens[row]),), False))
                 count += 1
         return count

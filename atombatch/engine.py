@@ -140,6 +140,31 @@ class EngineStats(msgspec.Struct, frozen=True):
     bucket_steps: dict[int, int]        # decode steps by compiled decode batch size that ran
 
 
+class StepResult:
+    """What one `Batcher.step_arrays()` produced: the decode step's tokens as arrays, and a
+    `RequestOutput` for everything else.
+
+    `lanes`, `tokens` and `plain` are indexed by the decode step's rows (empty when the step ran
+    no decode): row `i` decoded lane `lanes[i]` and produced `tokens[i]`. A `plain` row's token is
+    reported only here: its request (`request_ids[lane]`) is running with nothing else to say (no
+    text, logprobs or n > 1 choices) and did not finish. Every other row, and every first token,
+    finish or error of the step, is in `outputs`, exactly as `step()` would return it. The arrays
+    are views the next step overwrites: copy what must outlive it. `request_ids` is the engine's
+    lane table (by lane), also rewritten by later steps.
+    """
+
+    __slots__ = ("lanes", "outputs", "plain", "request_ids", "tokens")
+
+    def __init__(self, outputs: list[RequestOutput], lanes: npt.NDArray[np.int32],
+                 tokens: npt.NDArray[np.int64], plain: npt.NDArray[np.bool_],
+                 request_ids: list[str | None]) -> None:
+        self.outputs = outputs
+        self.lanes = lanes
+        self.tokens = tokens
+        self.plain = plain
+        self.request_ids = request_ids
+
+
 class Batcher:
     """Continuous batching over one compiled artifact.
 
@@ -209,6 +234,7 @@ class Batcher:
         self._extras: dict[str, _Extras] = {}      # by scheduler request id
         self._samplers: dict[str, RequestSampler] = {}  # requests that are not plain greedy
         self._groups: dict[str, _Group] = {}       # n > 1 requests by the id submit() returned
+        self._decoded = False                      # the last step completed a decode
 
     # -- requests ---------------------------------------------------------------------------------
     @property
@@ -428,11 +454,36 @@ class Batcher:
                              "has one consumer (share it through AsyncBatcher; docs/rules.md)")
         try:
             with self._step_lock:  # waits for a submit or abort from another thread
-                return self._step()
+                outputs = self._step()
+                if self._decoded:
+                    self.scheduler.kernel.emit(outputs, RequestOutput)
+                return outputs
+        finally:
+            self._consumer.release()
+
+    def step_arrays(self) -> StepResult:
+        """`step()` for embedders that batch (benchmarks, a server loop that streams in bulk):
+        the tokens of requests that are simply decoding on come back as arrays, without a
+        `RequestOutput` per token (see `StepResult`).
+
+        Raises:
+            StateError: another thread is inside `step()` of this Batcher (one consumer only).
+        """
+        if not self._consumer.acquire(blocking=False):
+            raise StateError("Batcher.step() is already running in another thread: a Batcher "
+                             "has one consumer (share it through AsyncBatcher; docs/rules.md)")
+        try:
+            with self._step_lock:
+                outputs = self._step()
+                kernel = self.scheduler.kernel
+                rows = kernel.num_rows if self._decoded else 0
+                return StepResult(outputs, kernel.inputs.row_lanes[:rows], kernel.tokens[:rows],
+                                  kernel.plain[:rows], kernel.ids)
         finally:
             self._consumer.release()
 
     def _step(self) -> list[RequestOutput]:
+        self._decoded = False
         outputs, self._pending = self._pending, []
         if self._groups:  # choice 0 may have ended outside a step (an abort of its own id)
             self._release_held()
@@ -658,7 +709,7 @@ class Batcher:
             if special:
                 self._sample_special(logits, special, kernel.tokens, outputs)
         done = scheduler.complete_decode(plan, self.clock())
-        kernel.emit(outputs, RequestOutput)
+        self._decoded = True  # the kernel's plain rows are this step's (step() emits them)
         for request in done:
             outputs.append(self._output(request))
 

@@ -24,7 +24,7 @@ from atombatch.errors import StateError
 from tests.test_blocks_properties import LANE_ARRAYS, Twin, assert_same_arrays, twin
 
 LANE, DECODING = py_impl.LANE, py_impl.LANE_DECODING
-KERNEL_ARRAYS = ("tokens", "status", "attention", "_num_out", "_max_out", "_flags")
+KERNEL_ARRAYS = ("tokens", "status", "plain", "attention", "_num_out", "_max_out", "_flags")
 
 
 def kernel_twin(pool: Twin, lanes: Twin, inputs: Twin, slots: Twin | None,
@@ -204,6 +204,10 @@ def test_kernel_twin_and_reference_agree_over_random_steps(data: st.DataObject) 
             assert status == want, (row, lane, status, want)
             if want != py_impl.ROW_OK or flags[lane] & py_impl.LANE_OWN_OUTPUT:
                 want_attention.append(row)
+            else:
+                assert kernel.c.plain[row]
+        assert kernel.c.plain[:rows].sum() == completed - sum(
+            1 for row in want_attention if kernel.c.status[row] != py_impl.ROW_SKIPPED)
         assert kernel.c.attention[:attention].tolist() == want_attention
         assert kernel.completed == completed
         emitted: tuple[list[Any], list[Any]] = ([], [])
