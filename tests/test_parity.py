@@ -190,7 +190,7 @@ def test_corrupting_an_idle_lanes_padding_row_changes_a_live_request(family_case
                 busy = [lane for lane in range(2) if scheduler.lanes.num_held(lane)]
                 return scheduler.lanes.blocks(busy[0])[0]
 
-            monkeypatch.setattr(scheduler, "_padding_block", live_block_as_padding)
+            monkeypatch.setattr(scheduler.kv, "padding_block", live_block_as_padding)
         [completion] = batcher.generate([prompts[0]], GREEDY)
         return completion.token_ids, np.stack([logits[0] for logits in rt.seen])
 

@@ -60,6 +60,11 @@ BLOCK_OPS = (
 ENGINE_OPS = (
     "engine_step",            # a whole Batcher decode step on a null device: schedule + build +
                               #   greedy sampling + outputs, every lane decoding
+    "engine_step_arrays",     # the same step through Batcher.step_arrays(): tokens as arrays,
+                              #   no RequestOutput per token
+    "scheduler_step",         # the scheduler alone: schedule() + complete_decode() (growth,
+                              #   table build, token append and stop checks), no device call,
+                              #   no sampling, no outputs
 )
 PREFIX_OPS = (
     "prefix_hash",            # hashing an 8 192-token prompt once (xxh3-128 block chain, and
@@ -140,10 +145,11 @@ def cases(lanes: Iterable[int] = (1, 4, 16, 64, 256), ops: Iterable[str] = OPS,
                     if op in wanted:
                         out.append(Case(op, name, shape, b, num_blocks, _block_case(
                             impl, op, b, bps, block_size, num_blocks)))
-                if "engine_step" in wanted:
-                    engine_blocks = b + 1 if shape == "eager" else num_blocks
-                    out.append(Case("engine_step", name, shape, b, engine_blocks,
-                                    _engine_case(impl, b, shape)))
+                for op in ENGINE_OPS:
+                    if op in wanted:
+                        engine_blocks = b + 1 if shape == "eager" else num_blocks
+                        out.append(Case(op, name, shape, b, engine_blocks,
+                                        _engine_case(impl, b, shape, op)))
     default = implementations()[0]
     for shape, num_blocks in (("eager", 2), ("partitioned", PREFIX_MAX_SEQ_LEN // 128 + 1)):
         for op in PREFIX_OPS:
@@ -325,12 +331,16 @@ def batcher_on(impl: ModuleType, artifact: Any, **options: Any) -> Any:
             setattr(core, name, value)
 
 
-def _engine_case(impl: ModuleType, lanes: int, shape: str) -> Callable[[], TimeFunc]:
-    return lambda: engine_step_time_func(impl, lanes, shape)
+def _engine_case(impl: ModuleType, lanes: int, shape: str,
+                 op: str = "engine_step") -> Callable[[], TimeFunc]:
+    return lambda: engine_step_time_func(impl, lanes, shape, op)
 
 
-def engine_step_time_func(impl: ModuleType, lanes: int, shape: str) -> TimeFunc:
-    """A Batcher with every lane decoding; each timed iteration is one `step()`.
+def engine_step_time_func(impl: ModuleType, lanes: int, shape: str,
+                          op: str = "engine_step") -> TimeFunc:
+    """A Batcher with every lane decoding; each timed iteration is one `step()` (engine_step),
+    one `step_arrays()` (engine_step_arrays) or the scheduler's share of a step alone
+    (scheduler_step: `schedule` + `complete_decode`, the tokens of the previous step reused).
 
     Prompt lengths are staggered over a block so that block growth (partitioned) is spread over
     steps as in a real workload. Before any lane could finish, the lanes are renewed (aborted and
@@ -364,7 +374,15 @@ def engine_step_time_func(impl: ModuleType, lanes: int, shape: str) -> TimeFunc:
             batcher.step()
         left[0] = max_tokens - 2
 
-    def time_func(loops: int, step: Callable[[], Any] = batcher.step) -> float:
+    scheduler, clock = batcher.scheduler, batcher.clock
+
+    def scheduler_step() -> None:
+        scheduler.complete_decode(scheduler.schedule(clock()), clock())
+
+    step_of = {"engine_step": batcher.step, "engine_step_arrays": batcher.step_arrays,
+               "scheduler_step": scheduler_step}
+
+    def time_func(loops: int, step: Callable[[], Any] = step_of[op]) -> float:
         elapsed = 0.0
         while loops:
             if left[0] <= 0:

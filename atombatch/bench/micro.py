@@ -159,7 +159,7 @@ def format_table(records: Sequence[MicroRecord]) -> str:
             c_text = f"{c.ns_per_op:10.0f}" if c is not None else f"{'-':>10}"
             py_text = f"{py.ns_per_op:12.0f}" if py is not None else f"{'-':>12}"
             cpu = f"{c.cpu_ns_per_op:10.0f}" if c is not None else f"{'-':>10}"
-            per_lane = f"{c.cpu_ns_per_op / b:10.0f}" if op == "engine_step" and c else ""
+            per_lane = f"{c.cpu_ns_per_op / b:10.0f}" if op in case_defs.ENGINE_OPS and c else ""
             lines.append(f"{shape:<12}{b:>4}{num_blocks:>7}  {op:<22}{c_text}{py_text}{ratio}"
                          f"{cpu}{per_lane}")
     prefix = [r for r in records if r.op in case_defs.PREFIX_OPS]
@@ -186,7 +186,7 @@ LEGEND = (
     "_blocks; py ns = the same on its pure-Python twin; py/c = how many times faster the compiled "
     "one is;",
     "  c cpu ns = the compiled median in process CPU time (a loaded machine deschedules timed "
-    "loops: wall > cpu); cpu/lane = engine_step's CPU time divided by B.",
+    "loops: wall > cpu); cpu/lane = the engine and scheduler steps' CPU time divided by B.",
     "ops: allocate+free = a free block taken by a lane and freed; assign+release = the lowest idle "
     "lane taken and given back; stage+rotate = the spare staged, then rotated into a lane;",
     "  touch = a cached block made most recently used; evict+allocate+cache = the LRU cached block "
@@ -194,7 +194,9 @@ LEGEND = (
     "cached again; acquire+release = a cached block pinned and unpinned;",
     "  decode_build / prefill_build = one decode step's / one 128-token prefill chunk's input "
     "arrays; engine_step = a whole Batcher decode step on a null device (schedule, build, greedy "
-    "sampling, outputs), every lane decoding;",
+    "sampling, outputs), every lane decoding; engine_step_arrays = the same through "
+    "Batcher.step_arrays() (tokens as arrays, no RequestOutput per token); scheduler_step = "
+    "schedule() + complete_decode() alone (growth, build, append, stop checks);",
     "  prefix_hash = hashing the prompt's block chain once (xxh3-128); prefix_hash_blake2b = the "
     "same with keyed blake2b, the baseline; "
     "prefix_lookup = its longest cached prefix, every block cached; prefix_insert = caching the "
@@ -268,6 +270,20 @@ def readme_section(run: MicroRun, json_path: str) -> str:
                      f"{both('engine_step', 'partitioned', b, 'c', b)} | "
                      f"{both('engine_step', 'eager', b, 'py')} | "
                      f"{f'≤ {target:g} µs' if target else '-'} |")
+    lines += ["", "The same step through `Batcher.step_arrays()` (tokens as arrays, a "
+              "`RequestOutput` only for what is not a plain token), and the scheduler's share "
+              "alone (`schedule` + `complete_decode`: growth, table build, token append and "
+              "stop checks) beside the compiled core's table build it wraps (eager, compiled):",
+              "", "| B | step_arrays | per lane | scheduler | table build | scheduler / build "
+              "(CPU) |", "|---|---|---|---|---|---|"]
+    for b in lanes:
+        sched = _find(run, "scheduler_step", "eager", b, "c", cpu=True)
+        build = _find(run, "decode_build", "eager", b, "c", cpu=True)
+        ratio = f"{sched / build:.1f}×" if sched and build else "-"
+        lines.append(f"| {b} | {both('engine_step_arrays', 'eager', b, 'c')} | "
+                     f"{both('engine_step_arrays', 'eager', b, 'c', b)} | "
+                     f"{both('scheduler_step', 'eager', b, 'c')} | "
+                     f"{both('decode_build', 'eager', b, 'c')} | {ratio} |")
     lines += ["", "Decode-step table build alone, compiled vs twin:", "",
               "| B | eager | twin | partitioned (72 blocks/seq) | twin |", "|---|---|---|---|---|"]
     for b in sorted({r.lanes for r in run.records if r.op == "decode_build"}):
@@ -301,8 +317,10 @@ def readme_section(run: MicroRun, json_path: str) -> str:
                   "wall time on an idle machine, which this shared machine never was): "
                   + "; ".join(verdicts) + "."]
         if not engine_met:
-            lines[-1] += (" The engine step is still driven lane by lane from Python: the "
-                          "scheduler's per-lane work is what a compiled step kernel is to remove.")
+            lines[-1] += (" What remains of a steady step is per step, not per lane: the "
+                          "Python of `step()` / `schedule()` / `complete_decode()` around the "
+                          "kernel calls, and one `RequestOutput` per token in `step()` "
+                          "(`step_arrays()` builds none).")
         if not prefix_met:
             lines[-1] += " The prefix cache misses its targets in this run."
     lines += ["", "Prefix cache, 8 192-token prompt in 128-token blocks: lookup with a full hit "

@@ -1,0 +1,166 @@
+"""The scheduler's records: a request and its states, a step's plan, the trace and the counters.
+
+These are data: the scheduler (`atombatch.scheduler`, who runs) and the KV manager
+(`atombatch.kv_manager`, which blocks and rows) both read and write them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from atombatch.errors import StateError
+from atombatch.prefix import Entry, TokenChain
+from atombatch.structs import FinishReason, SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"        # queued: no lane, no blocks
+    STAGING = "staging"        # no lane; prefilling into the spare (STAGED blocks)
+    STAGED = "staged"          # no lane; prefill done, first token out, waiting for a lane
+    PREFILLING = "prefilling"  # has a lane; prefill chunks in progress
+    DECODING = "decoding"      # has a lane; one token per decode step
+    FINISHED = "finished"      # terminal
+
+
+S = RequestState
+TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    S.WAITING: frozenset({S.PREFILLING, S.STAGING, S.FINISHED}),
+    S.STAGING: frozenset({S.STAGED, S.PREFILLING, S.WAITING, S.FINISHED}),
+    S.STAGED: frozenset({S.DECODING, S.FINISHED}),
+    S.PREFILLING: frozenset({S.DECODING, S.WAITING, S.FINISHED}),
+    S.DECODING: frozenset({S.WAITING, S.FINISHED}),
+    S.FINISHED: frozenset(),
+}
+
+
+class PDImport:
+    """Progress of a request's KV import; the engine fills in what the producer sent."""
+
+    __slots__ = ("covered_len", "done_layers", "first_token", "header_ok", "num_layers", "pending")
+
+    def __init__(self) -> None:
+        self.header_ok = False          # the header arrived and matched the artifact
+        self.covered_len = 0            # prompt tokens whose KV the producer sends
+        self.first_token: int | None = None  # the producer's sample after the whole prompt
+        self.num_layers = 0             # layers to import
+        self.done_layers = 0            # layers written into the request's blocks
+        self.pending = 0                # layers arrived, not yet written
+
+    @property
+    def complete(self) -> bool:
+        return self.header_ok and self.done_layers == self.num_layers
+
+
+class Request:
+    """The scheduler's mutable record of one request."""
+
+    __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "chain", "error",
+                 "finish_reason", "first_token_at", "lane", "lane_flags", "output", "params",
+                 "pd", "preemptions", "prefill_pos", "prompt", "request_id", "rng", "shared",
+                 "state", "token_times")
+
+    def __init__(self, request_id: str, prompt: npt.NDArray[np.int64], params: SamplingParams,
+                 arrival: float, rng: np.random.Generator) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.arrival = arrival
+        self.rng = rng
+        self.state = S.WAITING
+        self.lane = -1
+        self.blocks: list[int] = []      # STAGED blocks while staging (lane blocks live in LaneTable)
+        self.output: list[int] = []
+        self.prefill_pos = 0             # positions of `prefill_tokens` already written
+        self.admit_order = -1
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.token_times: list[float] = []
+        self.preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.pd: PDImport | None = None  # set for a request whose KV a producer sends
+        self.shared = 0                  # leading row entries that are pinned CACHED blocks
+        self.chain: TokenChain | None = None  # prefix cache: its tokens' block digests
+        self.lane_flags = 0              # StepKernel flags: LANE_SAMPLE, LANE_OWN_OUTPUT
+
+    @property
+    def ready(self) -> bool:
+        """Admissible: native, or a PD request whose header has been validated."""
+        return self.pd is None or self.pd.header_ok
+
+    @property
+    def importing(self) -> bool:
+        return self.pd is not None and not self.pd.complete
+
+    def set_state(self, new: RequestState) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise StateError(f"request {self.request_id}: illegal transition "
+                             f"{self.state.value} -> {new.value}")
+        self.state = new
+
+    @property
+    def prefill_tokens(self) -> npt.NDArray[np.int64]:
+        """What a (re)prefill must write: the prompt, plus all but the last generated token."""
+        if len(self.output) <= 1:
+            return self.prompt
+        return np.concatenate([self.prompt, np.asarray(self.output[:-1], dtype=np.int64)])
+
+    @property
+    def recomputing(self) -> bool:
+        """A preempted request whose next token is already known (no sampling after prefill)."""
+        return len(self.output) > 0
+
+
+class StepPlan(msgspec.Struct):
+    """One device call, decided by the scheduler, executed by the engine."""
+
+    kind: str                                # "prefill" | "decode" | "import"
+    inputs: Any                              # PrefillInputs or DecodeInputs, filled in place
+    request_id: str = ""                     # prefill: the request whose chunk this is
+    chunk_start: int = 0                     # prefill: first position of the chunk
+    chunk_len: int = 0                       # prefill: real tokens in the chunk
+    last_chunk: bool = False                 # prefill: the chunk ends the prompt (sample after it)
+    staged: bool = False                     # prefill: into the spare (no lane yet)
+    rows: int = 0                            # decode: rows 0..rows-1 of the bucket decode (their
+                                             #   lanes are `inputs.row_lanes`); the rest is padding
+    blocks: tuple[int, ...] = ()             # import: the request's block row (positions 0..)
+    slot: int = 0                            # import: its sliding slot (hybrid)
+    saves: tuple[Entry, ...] = ()            # first: copy these evicted blocks to the host cache
+    restores: tuple[tuple[int, Any, str], ...] = ()  # then: write host data into a block
+                                                     #   (block, data, for request id)
+    copies: tuple[tuple[int, int, str], ...] = ()    # then: copy_block(src, dst, for request id)
+
+
+class StepRecord(msgspec.Struct, frozen=True):
+    """A compact trace entry: what each step ran (compared across runtimes)."""
+
+    kind: str                                # "prefill" | "decode" | "import"
+    lanes: int                               # decode: decoding lanes; prefill: 1
+    request_id: str = ""                     # prefill: whose chunk
+    rows: int = 0                            # decode: rows of the compiled batch that ran
+
+
+class Counters(msgspec.Struct):
+    """Monotonic counters a server can export."""
+
+    steps: int = 0
+    imports: int = 0
+    prefill_chunks: int = 0
+    staged_chunks: int = 0                  # prefill chunks or imports into the spare
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    rotations: int = 0
+    preemptions: int = 0
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    prefix_hit_tokens: int = 0
+    host_restores: int = 0
+    evictions: int = 0
+    finished: dict[str, int] = msgspec.field(default_factory=dict)
+    lane_histogram: list[int] = msgspec.field(default_factory=list)  # decode steps by busy lanes
+    bucket_steps: dict[int, int] = msgspec.field(default_factory=dict)  # decode steps by rows run
