@@ -30,7 +30,7 @@ cdef class BlockPool:
 
 @cython.final
 cdef class LaneTable:
-    cdef readonly Py_ssize_t _b, _bps, _block_size, _num_busy
+    cdef readonly Py_ssize_t _b, _bps, _block_size, _num_busy, _num_decoding
     cdef readonly object _state, _seq_len, _next_token, _num_held, _rows
     cdef int8_t[::1] _state_v
     cdef int32_t[::1] _seq_len_v, _num_held_v

@@ -99,31 +99,19 @@ cdef extern from *:
 cdef extern from *:
     """
     #include <string.h>
-    /* Greedy pick over one float32 row: the index of the first maximum (-0.0 == +0.0, as numpy's
-       argmax), or -1 when any entry is NaN or infinite. Floats are compared as order-preserving
-       int32 keys so that both passes are integer loops the compiler can vectorize. */
-    static inline long long atombatch_argmax_f32(const float *x, long long n) {
+    /* 1 when every entry of a float32 row is finite (no NaN, no infinity): one pass over the
+       exponent bits, an integer loop the compiler vectorizes. */
+    static inline int atombatch_all_finite_f32(const float *x, long long n) {
         uint32_t bad = 0;
-        int32_t best = INT32_MIN;
         long long i;
         for (i = 0; i < n; i++) {
             uint32_t b; memcpy(&b, x + i, 4);
             bad |= (uint32_t)((b & 0x7f800000u) == 0x7f800000u);
-            b &= (b == 0x80000000u) ? 0u : 0xffffffffu;
-            int32_t k = (int32_t)(b ^ ((uint32_t)((int32_t)b >> 31) & 0x7fffffffu));
-            best = k > best ? k : best;
         }
-        if (bad) return -1;
-        for (i = 0; i < n; i++) {
-            uint32_t b; memcpy(&b, x + i, 4);
-            b &= (b == 0x80000000u) ? 0u : 0xffffffffu;
-            int32_t k = (int32_t)(b ^ ((uint32_t)((int32_t)b >> 31) & 0x7fffffffu));
-            if (k == best) return i;
-        }
-        return -1;
+        return bad == 0;
     }
     """
-    long long _argmax_f32 "atombatch_argmax_f32"(const float *x, long long n) noexcept nogil
+    int _all_finite_f32 "atombatch_all_finite_f32"(const float *x, long long n) noexcept nogil
 
 
 cdef inline Py_ssize_t _ceil_div(Py_ssize_t a, Py_ssize_t b) noexcept:
@@ -483,6 +471,7 @@ cdef class LaneTable:
         self._num_held_v = self._num_held
         self._rows_v = self._rows
         self._num_busy = 0
+        self._num_decoding = 0
         # Idle lanes as a bitmap, so `assign` finds the lowest one in B / 64 word reads.
         cdef Py_ssize_t lane
         self._idle_bits = np.zeros((batch_size + 63) // 64, dtype=np.uint64)
@@ -527,11 +516,7 @@ cdef class LaneTable:
     @cython.boundscheck(ATOMBATCH_DEBUG)
     @cython.wraparound(ATOMBATCH_DEBUG)
     def num_decoding(self):
-        cdef Py_ssize_t lane, n = 0
-        for lane in range(self._b):
-            if self._state_v[lane] == C_LANE_DECODING:
-                n += 1
-        return n
+        return self._num_decoding
 
     def state(self, Py_ssize_t lane):
         self._check_lane(lane)
@@ -591,6 +576,8 @@ cdef class LaneTable:
         self._check_busy(lane)
         cdef Py_ssize_t j
         cdef list held = [self._rows_v[lane, j] for j in range(self._num_held_v[lane])]
+        if self._state_v[lane] == C_LANE_DECODING:
+            self._num_decoding -= 1
         self._state_v[lane] = C_LANE_IDLE
         self._idle_v[lane >> 6] |= (<uint64_t>1) << (lane & 63)
         self._seq_len_v[lane] = 0
@@ -651,6 +638,8 @@ cdef class LaneTable:
         if self._blocks_for(seq_len + 1) > self._num_held_v[lane]:
             raise StateError(f"lane={lane} holds {self._num_held_v[lane]} blocks, too few for "
                              f"position {seq_len}")
+        if self._state_v[lane] != C_LANE_DECODING:
+            self._num_decoding += 1
         self._state_v[lane] = C_LANE_DECODING
         self._seq_len_v[lane] = <int32_t>seq_len
         self._next_token_v[lane] = token
@@ -658,6 +647,8 @@ cdef class LaneTable:
     def stop_decode(self, Py_ssize_t lane):
         """DECODING -> PREFILLING (preemption keeps the lane while it recomputes)."""
         self._check_busy(lane)
+        if self._state_v[lane] == C_LANE_DECODING:
+            self._num_decoding -= 1
         self._state_v[lane] = C_LANE_PREFILLING
 
     def advance(self, Py_ssize_t lane, int64_t token):
@@ -919,14 +910,14 @@ cdef class StepKernel:
     """The per-lane work of a decode step, for every lane in one call each.
 
     A steady decode step is `grow()` (a new block for each lane at a block boundary, taken from the
-    free list), `build(padding_block)` (the decode inputs, in place), the device call, `pick(logits)`
-    (greedy argmax and the finite check of every row) and `complete(now)` (append each row's token
-    to its request's output list, advance the lane and its sliding slot, detect stop ids and the
-    output limit). Each returns how many entries of `attention` the caller must look at: lanes that
-    need a block the free list does not have (eviction or preemption is the caller's choice), rows
-    the caller samples or fails, rows that finished or whose requests want their outputs built by
-    the caller. Everything else stays in this class's arrays: nothing is allocated per lane, and
-    no Python runs per lane.
+    free list), `build(padding_block)` (the decode inputs, in place), the device call,
+    `pick(logits, greedy)` (the greedy tokens, numpy's argmax, and the finite check of every row)
+    and `complete(now)` (append each row's token to its request's output list, advance the lane
+    and its sliding slot, detect stop ids and the output limit). Each returns how many entries of
+    `attention` the caller must look at: lanes that need a block the free list does not have
+    (eviction or preemption is the caller's choice), rows the caller samples or fails, rows that
+    finished or whose requests want their outputs built by the caller. Everything else stays in
+    this class's arrays: nothing is allocated per lane, and no Python runs per lane.
 
     The request data a lane needs (its output and token-time lists, its id, its output limit, its
     stop ids and flags) is bound when the lane starts decoding (`bind`) and dropped when the lane is
@@ -1087,22 +1078,30 @@ cdef class StepKernel:
     @cython.boundscheck(ATOMBATCH_DEBUG)
     @cython.wraparound(ATOMBATCH_DEBUG)
     @cython.initializedcheck(ATOMBATCH_DEBUG)
-    def pick(self, logits):
-        """Greedy tokens for the rows of the last build from float32 `logits` [rows, vocab] (row-
-        major): `tokens[row]` is the first maximum. Returns k: `attention[:k]` are the rows the
-        caller handles, in row order: ROW_SAMPLE (its lane's request samples: the caller writes
-        `tokens[row]`) and ROW_NONFINITE (a NaN or infinite logit: the caller fails the request)."""
+    def pick(self, logits, greedy):
+        """The rows of the last build: `greedy[row]` (the row's argmax, e.g. numpy's
+        `logits.argmax(axis=1)`, int64) becomes `tokens[row]`, and every row of float32 `logits`
+        [rows, vocab] (row-major) is checked finite in one pass. Returns k: `attention[:k]` are
+        the rows the caller handles, in row order: ROW_SAMPLE (its lane's request samples: the
+        caller writes `tokens[row]`) and ROW_NONFINITE (a NaN or infinite logit: the caller fails
+        the request)."""
         cdef const float[:, ::1] values = logits
+        cdef const int64_t[::1] picks = greedy
         cdef Py_ssize_t n = self.num_rows, row, k = 0, vocab = values.shape[1]
-        cdef long long best
+        cdef int64_t best
         cdef int32_t[::1] row_lanes = self.inputs._row_lanes_v
-        if values.shape[0] < n:
-            raise StateError(f"logits have {values.shape[0]} rows, the step ran {n}")
+        if values.shape[0] < n or picks.shape[0] < n:
+            raise StateError(f"logits have {values.shape[0]} rows and greedy {picks.shape[0]}, "
+                             f"the step ran {n}")
         if vocab < 1:
             raise StateError("logits have no vocabulary entries")
         for row in range(n):
-            best = _argmax_f32(&values[row, 0], vocab)
-            if best < 0:
+            if not 0 <= picks[row] < vocab:
+                raise StateError(f"greedy[{row}]={picks[row]} is outside the vocabulary "
+                                 f"0..{vocab - 1}")
+        for row in range(n):
+            best = picks[row]
+            if not _all_finite_f32(&values[row, 0], vocab):
                 self._status_v[row] = C_ROW_NONFINITE
                 self._tokens_v[row] = 0
                 self._attention_v[k] = <int32_t>row

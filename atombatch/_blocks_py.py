@@ -357,6 +357,7 @@ class LaneTable:
         self._num_held = np.zeros(batch_size, dtype=np.int32)
         self._rows = np.full((batch_size, blocks_per_seq), -1, dtype=np.int32)
         self._num_busy = 0
+        self._num_decoding = 0
 
     def _check_lane(self, lane: int) -> None:
         if not 0 <= lane < self._b:
@@ -395,7 +396,7 @@ class LaneTable:
         return self._b - self._num_busy
 
     def num_decoding(self) -> int:
-        return int(np.count_nonzero(self._state == LANE_DECODING))
+        return self._num_decoding
 
     def state(self, lane: int) -> int:
         self._check_lane(lane)
@@ -442,6 +443,8 @@ class LaneTable:
         """Return the lane to the idle set at once; gives back the blocks it held, in order."""
         self._check_busy(lane)
         held = self.blocks(lane)
+        if self._state[lane] == LANE_DECODING:
+            self._num_decoding -= 1
         self._state[lane] = LANE_IDLE
         self._seq_len[lane] = 0
         self._next_token[lane] = 0
@@ -497,6 +500,8 @@ class LaneTable:
         if self.blocks_for(seq_len + 1) > self._num_held[lane]:
             raise StateError(f"lane={lane} holds {self._num_held[lane]} blocks, too few for "
                              f"position {seq_len}")
+        if self._state[lane] != LANE_DECODING:
+            self._num_decoding += 1
         self._state[lane] = LANE_DECODING
         self._seq_len[lane] = seq_len
         self._next_token[lane] = token
@@ -504,6 +509,8 @@ class LaneTable:
     def stop_decode(self, lane: int) -> None:
         """DECODING -> PREFILLING (preemption keeps the lane while it recomputes)."""
         self._check_busy(lane)
+        if self._state[lane] == LANE_DECODING:
+            self._num_decoding -= 1
         self._state[lane] = LANE_PREFILLING
 
     def advance(self, lane: int, token: int) -> None:
@@ -702,25 +709,19 @@ class PrefillInputs:
         return real
 
 
-def _argmax_or_nonfinite(row: npt.NDArray[np.float32]) -> int:
-    """The first maximum of a row (-0.0 == +0.0), or -1 when an entry is NaN or infinite."""
-    if not np.isfinite(row).all():
-        return -1
-    return int(row.argmax())
-
-
 class StepKernel:
     """The per-lane work of a decode step, for every lane in one call each.
 
     A steady decode step is `grow()` (a new block for each lane at a block boundary, taken from the
-    free list), `build(padding_block)` (the decode inputs, in place), the device call, `pick(logits)`
-    (greedy argmax and the finite check of every row) and `complete(now)` (append each row's token
-    to its request's output list, advance the lane and its sliding slot, detect stop ids and the
-    output limit). Each returns how many entries of `attention` the caller must look at: lanes that
-    need a block the free list does not have (eviction or preemption is the caller's choice), rows
-    the caller samples or fails, rows that finished or whose requests want their outputs built by
-    the caller. Everything else stays in this class's arrays: nothing is allocated per lane, and
-    no Python runs per lane (in the compiled core; this twin is the readable reference).
+    free list), `build(padding_block)` (the decode inputs, in place), the device call,
+    `pick(logits, greedy)` (the greedy tokens, numpy's argmax, and the finite check of every row)
+    and `complete(now)` (append each row's token to its request's output list, advance the lane
+    and its sliding slot, detect stop ids and the output limit). Each returns how many entries of
+    `attention` the caller must look at: lanes that need a block the free list does not have
+    (eviction or preemption is the caller's choice), rows the caller samples or fails, rows that
+    finished or whose requests want their outputs built by the caller. Everything else stays in
+    this class's arrays: nothing is allocated per lane, and no Python runs per lane (in the
+    compiled core; this twin is the readable reference).
 
     The request data a lane needs (its output and token-time lists, its id, its output limit, its
     stop ids and flags) is bound when the lane starts decoding (`bind`) and dropped when the lane is
@@ -835,22 +836,33 @@ class StepKernel:
         self.num_rows = self.inputs.build(self.lanes, padding_block)
         return self.num_rows
 
-    def pick(self, logits: npt.NDArray[np.float32]) -> int:
-        """Greedy tokens for the rows of the last build from float32 `logits` [rows, vocab] (row-
-        major): `tokens[row]` is the first maximum. Returns k: `attention[:k]` are the rows the
-        caller handles, in row order: ROW_SAMPLE (its lane's request samples: the caller writes
-        `tokens[row]`) and ROW_NONFINITE (a NaN or infinite logit: the caller fails the request)."""
+    def pick(self, logits: npt.NDArray[np.float32], greedy: npt.NDArray[np.int64]) -> int:
+        """The rows of the last build: `greedy[row]` (the row's argmax, e.g. numpy's
+        `logits.argmax(axis=1)`, int64) becomes `tokens[row]`, and every row of float32 `logits`
+        [rows, vocab] (row-major) is checked finite in one pass. Returns k: `attention[:k]` are
+        the rows the caller handles, in row order: ROW_SAMPLE (its lane's request samples: the
+        caller writes `tokens[row]`) and ROW_NONFINITE (a NaN or infinite logit: the caller fails
+        the request)."""
         if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or logits.ndim != 2 \
                 or not logits.flags.c_contiguous:
             raise ValueError("logits must be a C-contiguous 2-D float32 array")
+        if not isinstance(greedy, np.ndarray) or greedy.dtype != np.int64 or greedy.ndim != 1 \
+                or not greedy.flags.c_contiguous:
+            raise ValueError("greedy must be a C-contiguous 1-D int64 array")
         n = self.num_rows
-        if logits.shape[0] < n:
-            raise StateError(f"logits have {logits.shape[0]} rows, the step ran {n}")
-        if logits.shape[1] < 1:
+        if logits.shape[0] < n or greedy.shape[0] < n:
+            raise StateError(f"logits have {logits.shape[0]} rows and greedy {greedy.shape[0]}, "
+                             f"the step ran {n}")
+        vocab = logits.shape[1]
+        if vocab < 1:
             raise StateError("logits have no vocabulary entries")
+        for row in range(n):
+            if not 0 <= greedy[row] < vocab:
+                raise StateError(f"greedy[{row}]={greedy[row]} is outside the vocabulary "
+                                 f"0..{vocab - 1}")
         k = 0
         for row in range(n):
-            best = _argmax_or_nonfinite(logits[row])
+            best = int(greedy[row]) if np.isfinite(logits[row]).all() else -1
             if best < 0:
                 self.status[row] = ROW_NONFINITE
                 self.tokens[row] = 0

@@ -692,7 +692,7 @@ class Batcher:
             for failed in scheduler.decode_requests(plan):
                 self._fail(failed, f"decode step failed: {exc}", outputs)
             return
-        attention = kernel.pick(logits)
+        attention = kernel.pick(logits, logits.argmax(axis=1))
         if attention:
             lanes = plan.inputs.row_lanes
             special: list[tuple[int, int, Request, RequestSampler]] = []

@@ -338,7 +338,7 @@ class Scheduler:
     def complete_import(self, plan: StepPlan, layers: int, now: float) -> list[Request]:
         """`layers` more layers of a PD request were written; returns requests with output."""
         request = self.requests.get(plan.request_id)
-        self._record(StepRecord(kind="import", lanes=1, request_id=plan.request_id))
+        self._record("import", 1, plan.request_id)
         self.counters.imports += 1
         self.counters.staged_chunks += plan.staged
         if request is None or request.pd is None or request.state not in (S.PREFILLING,
@@ -415,7 +415,7 @@ class Scheduler:
         Returns the requests that produced output (a first token, or a finish).
         """
         request = self.requests.get(plan.request_id)
-        self._record(StepRecord(kind="prefill", lanes=1, request_id=plan.request_id))
+        self._record("prefill", 1, plan.request_id)
         self.counters.prefill_chunks += 1
         self.counters.staged_chunks += plan.staged
         if request is None or request.state not in (S.PREFILLING, S.STAGING):
@@ -453,7 +453,7 @@ class Scheduler:
         attention = kernel.complete(now)
         bucket = plan.inputs.num_rows
         counters = self.counters
-        self._record(StepRecord(kind="decode", lanes=plan.rows, rows=bucket))
+        self._record("decode", plan.rows, rows=bucket)
         counters.decode_steps += 1
         counters.lane_histogram[plan.rows] += 1
         counters.bucket_steps[bucket] = counters.bucket_steps.get(bucket, 0) + 1
@@ -477,10 +477,11 @@ class Scheduler:
             out.append(request)
         return out
 
-    def _record(self, record: StepRecord) -> None:
+    def _record(self, kind: str, lanes: int, request_id: str = "", rows: int = 0) -> None:
         self.counters.steps += 1
         if self.trace is not None:
-            self.trace.append(record)
+            self.trace.append(StepRecord(kind=kind, lanes=lanes, request_id=request_id,
+                                         rows=rows))
 
     def _append_token(self, request: Request, token: int, now: float) -> None:
         request.output.append(token)

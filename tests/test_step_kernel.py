@@ -140,7 +140,8 @@ def test_kernel_twin_and_reference_agree_over_random_steps(data: st.DataObject) 
                                              min_size=inputs.num_rows,
                                              max_size=inputs.num_rows), label="logits"),
                           dtype=np.float32).reshape(inputs.num_rows, vocab)
-        attention = kernel.pick(values)
+        greedy = np.argmax(values, axis=1).astype(np.int64)
+        attention = kernel.pick(values, greedy)
         assert_same_arrays(kernel, KERNEL_ARRAYS)
         want_attention = []
         for row, lane in enumerate(decoding):
@@ -244,13 +245,16 @@ def test_kernel_refuses_misuse_without_changing_anything(impl: Any) -> None:
     with pytest.raises(StateError, match="flags"):
         kernel.bind(lane, "r", [], [], 4, (), 64)
     with pytest.raises(StateError, match="rows"):
-        kernel.pick(np.zeros((0, 3), dtype=np.float32))
+        kernel.pick(np.zeros((0, 3), dtype=np.float32), np.zeros(1, dtype=np.int64))
     with pytest.raises(ValueError):
-        kernel.pick(np.zeros((1, 3), dtype=np.float64))
+        kernel.pick(np.zeros((1, 3), dtype=np.float64), np.zeros(1, dtype=np.int64))
+    with pytest.raises(StateError, match="outside the vocabulary"):
+        kernel.pick(np.zeros((1, 3), dtype=np.float32), np.array([3], dtype=np.int64))
     output: list[int] = [9]
     kernel.bind(lane, "r", output, [], 3, (7,), 0)
     assert kernel.num_output(lane) == 1
-    assert kernel.pick(np.array([[0.0, 1.0, 0.5]], dtype=np.float32)) == 0
+    logits = np.array([[0.0, 1.0, 0.5]], dtype=np.float32)
+    assert kernel.pick(logits, logits.argmax(axis=1)) == 0
     assert kernel.complete(2.0) == 0 and output == [9, 1] and kernel.completed == 1
     assert lanes.seq_len(lane) == 2 and lanes.next_token(lane) == 1
 
