@@ -215,6 +215,14 @@ class Scheduler:
     def schedule(self, now: float) -> StepPlan | None:
         """Decide the next device call and fill its inputs; None when there is nothing to run."""
         self._step_time = now
+        lanes = self.kv.lanes
+        if not self.waiting and self.staging is None and lanes.num_busy and \
+                lanes.num_busy == lanes.num_decoding():
+            # A steady decode: nothing to admit, stage or prefill (what the loop below finds).
+            plan = self._plan_decode()
+            if plan is not None and self.kv.has_ops:
+                self.kv.take_ops(plan)
+            return plan
         plan = None
         for _ in range(3):  # a prefill that preempted its own request re-plans once more
             self._admit(now)
