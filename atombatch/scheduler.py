@@ -370,9 +370,18 @@ class Scheduler:
             if self.single_block:
                 # Origin PR mode: the lone lane takes block 0 and gives it back on finish.
                 self.lanes.push_block(lane, self.pool.allocate(core.LANE, lane))
-            elif self.prefix is not None and not request.importing:
+            elif self.prefix is not None and self._reads_prefix_cache(request):
                 self._attach_prefix(request)
             self._event("lane.assigned", request_id=request.request_id, lane=lane)
+
+    @staticmethod
+    def _reads_prefix_cache(request: Request) -> bool:
+        """A fresh lane may start from cached KV, unless it imports its KV (PD) or asks for
+        prompt logprobs before its first token: cached positions have no logits (as in vLLM,
+        such a request prefills everything; its blocks are still cached when it ends)."""
+        if request.importing:
+            return False
+        return request.params.prompt_logprobs is None or request.recomputing
 
     def _first_ready(self) -> Request | None:
         """The oldest waiting request that can run (a PD request without its header cannot)."""
@@ -631,7 +640,7 @@ class Scheduler:
             self.staging = request
             self.pool.stage(self.spare, -2)
             spare, self.spare = self.spare, -1
-            if self.prefix is not None and not request.importing:
+            if self.prefix is not None and self._reads_prefix_cache(request):
                 self._attach_prefix_staged(request, spare)
             else:
                 request.blocks = [spare]

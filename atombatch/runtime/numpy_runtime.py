@@ -96,6 +96,8 @@ class NumpyRuntime:
         import_calls, export_calls: how many `write_layer_kv` / `read_layer_kv` calls ran (PD).
     """
 
+    every_position_logits = True  # `prefill(every_position=True)` works (prompt logprobs)
+
     def __init__(self, artifact: ArtifactConfig, weights: dict[str, np.ndarray]) -> None:
         """Build from Hugging Face-named weights (any float dtype; kept as float32).
 

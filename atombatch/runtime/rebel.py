@@ -241,15 +241,40 @@ class RebelRuntime:
                              f"decoder_batch_sizes={list(self.decoder_batch_sizes)}") from None
 
     # -- protocol -----------------------------------------------------------------------------------
-    def prefill(self, inputs: PrefillArrays) -> npt.NDArray[np.float32]:
+    @property
+    def every_position_logits(self) -> bool:
+        """The prefill graph returns every chunk position's logits (`logits_to_keep=0`), so
+        `prefill(every_position=True)` (prompt logprobs) works."""
+        return self.compiled.logits_to_keep == 0
+
+    @property
+    def every_position_hint(self) -> str:
+        """Why prompt logprobs cannot be served from this directory, for the request's error."""
+        return (f"the prefill graph of {self.compiled.path} was compiled with logits_to_keep="
+                f"{self.compiled.logits_to_keep} (rbln_config.json) and returns only the last "
+                "position's logits; compile the model with rbln_logits_to_keep=0 to serve "
+                "prompt_logprobs (docs/device.md)")
+
+    def prefill(self, inputs: PrefillArrays, *, every_position: bool = False
+                ) -> npt.NDArray[np.float32]:
+        """One prefill chunk: the last real token's logits `[vocab]`, or with `every_position`
+        (a `logits_to_keep=0` graph only) every chunk position's, `[Q, vocab]`.
+
+        Raises:
+            StateError: `every_position` on a graph compiled with `logits_to_keep=1`.
+        """
+        if every_position and not self.every_position_logits:
+            raise StateError(self.every_position_hint)
         args = self._prefill_args.build(inputs)
         out = self._first_output(self._prefill(*(array for _, array in args)))
         self.prefill_calls += 1
         vocab = self.spec.vocab_size
-        if self._query_position_input and self.compiled.logits_to_keep == 1:
+        if self.compiled.logits_to_keep == 1:
             return np.asarray(out, dtype=F32).reshape(vocab)
         # logits_to_keep=0: every chunk position comes back; keep the last real token's row
         rows = np.asarray(out).reshape(-1, vocab)
+        if every_position:
+            return np.asarray(rows, dtype=F32)
         return np.asarray(rows[int(inputs.query_position)], dtype=F32)
 
     def decode(self, inputs: DecodeArrays) -> npt.NDArray[np.float32]:
