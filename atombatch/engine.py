@@ -149,6 +149,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     prefix_hit_tokens: int              # prompt tokens whose prefill the cache saved
     host_restores: int                  # blocks written back from the host cache
     evictions: int                      # CACHED blocks evicted from the device
+    prompt_forks: int                   # n > 1 choices started from a device copy of choice 0's
+                                        #   prompt KV (prefix cache off)
+    fork_saved_tokens: int              # prompt tokens those choices did not prefill
     finished: dict[str, int]            # requests by finish reason
     lane_histogram: tuple[int, ...]     # decode steps by number of decoding lanes (index = lanes)
     bucket_steps: dict[int, int]        # decode steps by compiled decode batch size that ran
@@ -227,6 +230,11 @@ class Batcher:
         # prompt KV (see `_release_held`); hybrid models also need the runtime's `copy_slot`
         self._forks = not prefix_cache and not self.artifact.single_block and \
             (not self.spec.is_hybrid or callable(getattr(runtime, "copy_slot", None)))
+        kv_methods = getattr(runtime, "kv_methods", None)  # RebelRuntime: what the SDK has
+        if isinstance(kv_methods, dict):
+            needed = ("_fetch_kv_cache", "_update_kv_cache") if self.spec.is_hybrid else ()
+            self._forks = self._forks and all(kv_methods.get(name, False)
+                                              for name in ("_copy_kv_cache", *needed))
 
     # -- requests ---------------------------------------------------------------------------------
     @property
@@ -352,10 +360,11 @@ class Batcher:
                     self._kv[request_id] = KVLink(kv, request.arrival)
                 self.scheduler.add(request)
             else:
-                # Choice 0 prefills first; with a prefix cache the others wait for it and start
-                # from its prompt blocks (see `_release_held`), otherwise they prefill alongside.
+                # Choice 0 prefills first; the others wait for it and start from its prompt's
+                # KV: cached blocks with a prefix cache, a device copy without (see
+                # `_release_held`); where neither works they prefill alongside.
                 group = _Group()
-                wait = self.scheduler.prefix is not None
+                wait = self.scheduler.prefix is not None or self._forks
                 group.prompt_logprobs = params.prompt_logprobs
                 for index in range(n):
                     seed = None if params.seed is None else (params.seed + index) % 2**64
@@ -475,7 +484,7 @@ class Batcher:
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         if self._groups:  # choice 0 may have ended outside a step (an abort of its own id)
-            self._release_held()
+            self._release_held(outputs, fork=True)
         if self._kv:
             self._poll_kv(outputs)
         plan = self.scheduler.schedule(self.clock())
@@ -492,24 +501,83 @@ class Batcher:
         else:
             self._run_decode(plan, outputs)
         if self._groups:
-            self._release_held()
+            self._release_held(outputs, fork=False)
         self._flush_events()
         return outputs
 
-    def _release_held(self) -> None:
-        """Queue the choices that waited for choice 0 once it has its first token (or ended):
-        its full prompt blocks are published in the prefix cache first, so they start there."""
+    def _release_held(self, outputs: list[RequestOutput], fork: bool) -> None:
+        """Start the choices that waited for choice 0 once it has its first token (or ended).
+
+        With a prefix cache, choice 0's full prompt blocks are published in the cache first, so
+        the others start there (re-running only the last chunk). Without one (`self._forks`),
+        each takes an idle lane with a device copy of choice 0's prompt KV and samples its own
+        first token from choice 0's first-token logits: no prefill at all. Forks run only at the
+        start of a step (`fork`), so their copies run before any device call can change a block.
+        The choices wait for a lane while choice 0 decodes or is staged (its prompt positions stay
+        as they are); a hybrid model's sliding slot changes with choice 0's first decode, so
+        there they fork right away or not at all. Choices that cannot fork are queued: they
+        prefill on their own."""
         for group in self._groups.values():
             if not group.held:
                 continue
             first = group.members[0]
             if not first.output and first.state is not RequestState.FINISHED:
                 continue
-            if first.state is RequestState.DECODING:
+            if self._forks:
+                forkable = group.first_row is not None and \
+                    first.state in (RequestState.DECODING, RequestState.STAGED) and \
+                    (not self.spec.is_hybrid or len(first.output) == 1)
+                if forkable and fork:
+                    self._fork_held(group, first, outputs)
+                if forkable and group.held:
+                    continue  # wait for a lane (or blocks) to free up
+            elif first.state is RequestState.DECODING:
                 self.scheduler.share_prompt(first)
+            self._hand_over_prompt_logprobs(group)
             for request in group.held:
                 self.scheduler.add(request)
             group.held.clear()
+            group.first_row = None
+
+    def _fork_held(self, group: _Group, first: Request, outputs: list[RequestOutput]) -> None:
+        """Start held choices on idle lanes from copies of choice 0's prompt KV, while the
+        scheduler finds a lane and blocks for them."""
+        row = group.first_row
+        assert row is not None
+        now = self.clock()
+        while group.held:
+            child = group.held[0]
+            copies = self.scheduler.fork_prompt(first, child, now)
+            if copies is None:
+                break
+            group.held.pop(0)
+            try:
+                for src, dst in copies:
+                    self.runtime.copy_block(src, dst)
+                if self.spec.is_hybrid:
+                    self.runtime.copy_slot(first.lane, child.lane)  # type: ignore[attr-defined]
+                token = self._sample_one(child, row)
+            except Exception as exc:  # this choice fails; choice 0 and the others go on
+                self._fail(child, f"starting from choice 0's prompt KV failed: {exc}", outputs)
+                continue
+            for done in self.scheduler.start_forked(child, token, now):
+                outputs.append(self._output(done))
+        if not group.held:
+            group.first_row = None
+
+    def _hand_over_prompt_logprobs(self, group: _Group) -> None:
+        """Choice 0 ended before its first token: the first choice that now prefills on its own
+        computes the request's prompt logprobs instead."""
+        if group.prompt_logprobs is None or group.prompt_result is not None or not group.held:
+            return
+        if group.members[0].output:
+            return
+        child = group.held[0]
+        child.params = msgspec.structs.replace(child.params,
+                                               prompt_logprobs=group.prompt_logprobs)
+        extras = self._extras[child.request_id]
+        extras.prompt = PromptLogprobs(child.prompt, min(group.prompt_logprobs,
+                                                         self.spec.vocab_size))
 
     def _run_block_ops(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         """Cache-management KV moves the plan needs before its device call, in a safe order:
@@ -973,7 +1041,8 @@ class Batcher:
             decode_steps=c.decode_steps, generated_tokens=c.generated_tokens,
             rotations=c.rotations, preemptions=c.preemptions, prefix_hits=c.prefix_hits,
             prefix_misses=c.prefix_misses, prefix_hit_tokens=c.prefix_hit_tokens,
-            host_restores=c.host_restores, evictions=c.evictions, finished=dict(c.finished),
+            host_restores=c.host_restores, evictions=c.evictions, prompt_forks=c.prompt_forks,
+            fork_saved_tokens=c.fork_saved_tokens, finished=dict(c.finished),
             lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps))
 
     def check_invariants(self) -> None:

@@ -243,6 +243,8 @@ class Counters(msgspec.Struct):
     prefix_hit_tokens: int = 0
     host_restores: int = 0
     evictions: int = 0
+    prompt_forks: int = 0                   # n > 1 choices started from a copy of choice 0's KV
+    fork_saved_tokens: int = 0              # prompt tokens those choices did not prefill
     finished: dict[str, int] = msgspec.field(default_factory=dict)
     lane_histogram: list[int] = msgspec.field(default_factory=list)  # decode steps by busy lanes
     bucket_steps: dict[int, int] = msgspec.field(default_factory=dict)  # decode steps by rows run
@@ -550,6 +552,57 @@ class Scheduler:
         if published:
             self._event("prefix.published", request_id=request.request_id, blocks=published)
         return published
+
+    def fork_prompt(self, source: Request, child: Request, now: float
+                    ) -> list[tuple[int, int]] | None:
+        """Start `child` (an n > 1 choice with `source`'s prompt, not queued yet) on an idle lane
+        from a device copy of `source`'s prompt KV: fresh blocks take over the blocks holding
+        positions 0..len(prompt)-1. Those positions are never rewritten while `source` holds its
+        blocks (its decode writes only at its own, later positions; padding rows target FREE or
+        SPARE blocks), so the copy is valid at any time `source` decodes or is staged; what the
+        copies bring beyond the prompt is overwritten by `child`'s own decode before it is read.
+        A hybrid model's sliding slot is the engine's to copy, before `source`'s first decode.
+
+        Returns the (src, dst) block copies, which must run before the next device call, with
+        `child` PREFILLING at the end of its prompt (then `start_forked`); or None, changing
+        nothing, when no lane or not enough blocks are free now.
+        """
+        if self.single_block or source.state not in (S.DECODING, S.STAGED) or not source.output:
+            return None
+        if self.lanes.num_idle <= (self.staging is not None):  # a staged request goes first
+            return None
+        prompt_len = len(child.prompt)
+        copied = self.lanes.blocks_for(prompt_len)
+        row = list(self.lanes.blocks(source.lane)) if source.lane >= 0 else list(source.blocks)
+        need = self.lanes.blocks_for(prompt_len + 1)  # its first decode writes at prompt_len
+        if len(row) < copied or self._available() - self._committed() < need:
+            return None
+        self.requests[child.request_id] = child
+        lane = self.lanes.assign()
+        self._bind(child, lane, now)
+        child.set_state(S.PREFILLING)
+        self._step_time = now
+        self._mark_admitted(child)
+        copies = []
+        for src in row[:copied]:
+            dst = self._take_block(core.LANE, lane)
+            self.lanes.push_block(lane, dst)
+            copies.append((src, dst))
+        child.prefill_pos = prompt_len
+        if self.slots is not None:
+            self.slots.advance(lane, prompt_len)
+        self.counters.prompt_forks += 1
+        self.counters.fork_saved_tokens += prompt_len
+        self._event("prompt.forked", request_id=child.request_id, source=source.request_id,
+                    lane=lane, copies=copies)
+        return copies
+
+    def start_forked(self, child: Request, token: int, now: float) -> list[Request]:
+        """A forked choice's KV copies ran; `token` is its first token (sampled from the
+        source's first-token logits). Returns it as a request with output."""
+        if child.state is not S.PREFILLING:
+            return []  # failed meanwhile
+        return self._first_token(child, token, now)
 
     def _lane_for_staged(self, request: Request, now: float) -> None:
         """A lane became idle: the staging request takes it with its filled blocks."""

@@ -483,6 +483,12 @@ class NumpyRuntime:
         """Copy one block's K/V in every global layer."""
         self.kv[:, :, self._check_block(dst)] = self.kv[:, :, self._check_block(src)]
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy one lane's sliding-window slot in every sliding layer (n > 1 forks, hybrid)."""
+        if self._window:
+            src, dst = self._check_slot(src), self._check_slot(dst)
+            self.sliding_kv[:, :, dst] = self.sliding_kv[:, :, src]
+
     def read_block(self, block: int) -> Array:
         """A copy of one block's K/V of every global layer, `block_shape`."""
         return self.kv[:, :, self._check_block(block)].copy()

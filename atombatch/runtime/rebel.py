@@ -341,6 +341,20 @@ class RebelRuntime:
         copy = self._kv("_copy_kv_cache", "copy_block (prefix-cache copies)")
         copy(self._check_block(src), self._check_block(dst), self.artifact.block_size)
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy one lane's sliding-window slot in every sliding layer (n > 1 forks on hybrid
+        models), through the host: `_fetch_kv_cache` then `_update_kv_cache` per cache."""
+        fetch = self._kv("_fetch_kv_cache", "copy_slot (n > 1 on hybrid models)")
+        update = self._kv("_update_kv_cache", "copy_slot (n > 1 on hybrid models)")
+        src, dst = self._check_slot(src), self._check_slot(dst)
+        window = self.spec.sliding_window
+        for layer in self.spec.sliding_layers:
+            for value in (False, True):
+                name = self.cache_name(layer, value)
+                host = self._host(window)
+                fetch(host, src, 0, window, name)
+                update(host, dst, 0, window, name)
+
     def read_block(self, block: int) -> npt.NDArray[Any]:
         """One block's K/V of every global layer in the cache's dtype, `block_shape`."""
         fetch = self._kv("_fetch_kv_cache", "read_block (host-cache saves)")

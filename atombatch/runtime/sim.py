@@ -583,6 +583,10 @@ class SimRuntime:
             self.costs.memory_bandwidth
         self._now += cost
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """A sliding-window slot copy (n > 1 forks on hybrid models): charged like a block."""
+        self.copy_block(src, dst)
+
     def read_block(self, block: int) -> npt.NDArray[np.generic]:
         return np.zeros(1, dtype=np.float32)
 
