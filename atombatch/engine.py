@@ -646,7 +646,8 @@ class Batcher:
                                 collector: PromptLogprobs) -> npt.NDArray[np.floating]:
         """Run a prefill chunk for every position's logits; feed the real positions to the
         prompt logprobs; return the last real token's row (what the first token samples from)."""
-        call = functools.partial(self.runtime.prefill, every_position=True)
+        prefill: Any = self.runtime.prefill  # the optional keyword (see runtime/base.py)
+        call = functools.partial(prefill, every_position=True)
         logits = np.asarray(self._device_call(call, plan.inputs))
         q, vocab = self.artifact.prefill_chunk_size, self.spec.vocab_size
         if logits.size != q * vocab:

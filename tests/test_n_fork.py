@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fakerebel.compiler import compile_dir
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hf_models import FAMILIES, save_checkpoint
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
@@ -200,3 +202,76 @@ def test_a_failing_copy_fails_that_choice_alone(llama):
     assert [done[rid, i].token_ids for i in (0, 2)] == [want[0], want[2]]
     stats = batcher.stats()
     assert stats.lane_blocks == 0 and stats.free_blocks + stats.spare_blocks == art.num_blocks
+
+
+# -- random workloads on the exact ledger runtime ------------------------------------------------
+SHAPES = [dict(batch_size=2), dict(batch_size=4), dict(batch_size=3, block_size=16),
+          dict(batch_size=4, block_size=8, num_blocks=9), dict(batch_size=2, block_size=16,
+                                                                num_blocks=5),
+          dict(batch_size=3, hybrid=True), dict(batch_size=2, hybrid=True, block_size=16,
+                                                num_blocks=5),
+          dict(batch_size=4, block_size=16, decoder_batch_sizes=(1, 2, 4))]
+
+
+@settings(max_examples=120, deadline=None)
+@given(shape=st.sampled_from(SHAPES), chunk=st.sampled_from([4, 8, 16]), data=st.data(),
+       policy=st.sampled_from(["prefill-first", "decode-first", "interleave:2"]))
+def test_random_workloads_of_n_choices_fork_safely(shape, chunk, data, policy):
+    """Greedy n > 1 requests among single ones, with aborts of whole requests and of single
+    choices at random steps: invariants after every step, every choice's tokens the reference
+    (aborted ones a prefix of it), every block back at the end."""
+    from ledger import LedgerRuntime, ledger_spec, reference
+
+    shape = dict(shape)
+    hybrid = shape.pop("hybrid", False)
+    block_size = shape.pop("block_size", 64)
+    buckets = shape.pop("decoder_batch_sizes", ())
+    b = shape["batch_size"]
+    art = ArtifactConfig(model=ledger_spec(hybrid=hybrid), batch_size=b, max_seq_len=64,
+                         block_size=block_size, prefill_chunk_size=chunk,
+                         num_blocks=shape.get("num_blocks", b * (64 // block_size) + 1),
+                         decoder_batch_sizes=buckets)
+    batcher = Batcher(LedgerRuntime(art), policy=policy)
+    window = art.model.sliding_window if hybrid else 0
+    arrivals: dict[int, list] = {}
+    aborts: dict[int, list[str]] = {}
+    for i in range(data.draw(st.integers(1, 5))):
+        plen = data.draw(st.integers(1, 40))
+        prompt = data.draw(st.lists(st.integers(1, 96), min_size=plen, max_size=plen))
+        n = data.draw(st.integers(1, 4))
+        params = SamplingParams(n=n, temperature=0.0, ignore_eos=True,
+                                max_tokens=data.draw(st.integers(1, 64 - plen)))
+        arrivals.setdefault(data.draw(st.integers(0, 20)), []).append((prompt, params, f"r{i}"))
+        if data.draw(st.integers(0, 3)) == 0:
+            victim = f"r{i}" if n == 1 or data.draw(st.booleans()) else \
+                f"r{i}#{data.draw(st.integers(0, n - 1))}"
+            aborts.setdefault(data.draw(st.integers(0, 60)), []).append(victim)
+    streamed: dict[tuple[str, int], list[int]] = {}
+    reasons: dict[tuple[str, int], str] = {}
+    step = 0
+    while batcher.has_unfinished() or any(s >= step for s in arrivals):
+        for prompt, params, rid in arrivals.get(step, []):
+            batcher.submit(prompt, params, request_id=rid)
+        for rid in aborts.get(step, []):
+            batcher.abort(rid)
+        for out in batcher.step():
+            key = (out.request_id, out.index)
+            assert key not in reasons, f"{key} produced output after finishing"
+            streamed.setdefault(key, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                reasons[key] = out.finish_reason
+        batcher.check_invariants()
+        step += 1
+        assert step < 10_000
+    for batch in arrivals.values():
+        for prompt, params, rid in batch:
+            want = reference(prompt, params.max_tokens, art.model.vocab_size, window)
+            for index in range(params.n):
+                got = streamed.get((rid, index), [])
+                assert reasons[rid, index] in ("length", "abort")
+                if reasons[rid, index] == "abort":
+                    assert got == want[:len(got)]
+                else:
+                    assert got == want
+    pool = batcher.scheduler.pool
+    assert pool.num_free + pool.num_spare == art.num_blocks
