@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fakerebel.compiler import compile_dir
+from hf_models import FAMILIES, save_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hf_models import FAMILIES, save_checkpoint
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.runtime import NumpyRuntime, RebelRuntime
