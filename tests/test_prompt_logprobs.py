@@ -18,7 +18,14 @@ import pytest
 from fakerebel.compiler import compile_dir
 from hf_models import FAMILIES, build_model, hf_logits, save_checkpoint
 
-from atombatch import ArtifactConfig, Batcher, ModelSpec, RequestError, SamplingParams
+from atombatch import (
+    ArtifactConfig,
+    Batcher,
+    ConfigError,
+    ModelSpec,
+    RequestError,
+    SamplingParams,
+)
 from atombatch.runtime import NumpyRuntime, RebelRuntime, SimRuntime
 from atombatch.sampling import PromptLogprobs
 
@@ -102,8 +109,11 @@ def test_eager_layout_and_a_request_that_ends_at_its_first_token(case):
 
 def test_prefix_cache_is_not_read_for_prompt_logprobs(case):
     family, path, spec, prompts, refs = case
-    if spec.is_hybrid:
-        pytest.skip("hybrid models run without a prefix cache (docs/rules.md)")
+    if spec.is_hybrid:  # hybrid models run without a prefix cache: nothing to skip there
+        with pytest.raises(ConfigError, match="prefix"):
+            Batcher(NumpyRuntime.from_pretrained(path, artifact=artifact(spec)),
+                    prefix_cache=True)
+        return
     batcher = Batcher(NumpyRuntime.from_pretrained(path, artifact=artifact(spec)),
                       prefix_cache=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
