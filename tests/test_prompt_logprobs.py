@@ -311,3 +311,25 @@ def test_http_completions_and_chat(served):
     body = r.json()
     entries = body["prompt_logprobs"]
     assert entries[0] is None and all(len(e) == 1 for e in entries[1:])
+
+
+async def test_async_batcher_streams_and_keeps_them():
+    from atombatch import AsyncBatcher
+
+    spec = ModelSpec(name="tiny", family="llama", vocab_size=64, hidden_size=32,
+                     intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
+    art = ArtifactConfig(model=spec, batch_size=2, max_seq_len=64, block_size=64, num_blocks=3,
+                         prefill_chunk_size=8)
+    ref = reference(NumpyRuntime.random(art, seed=1), list(range(3, 23)))
+    prompt = list(range(3, 23))
+    params = SamplingParams(max_tokens=3, prompt_logprobs=2)
+    async with AsyncBatcher(Batcher(NumpyRuntime.random(art, seed=1)), offload=False) as ab:
+        done = await ab.generate(prompt, params)
+        streamed = [out.prompt_logprobs async for out in ab.stream(prompt, params)]
+        rid = ab.submit(prompt, params)          # finishes before anyone asks for its outputs
+        while ab.in_flight:
+            await ab.generate([5], SamplingParams(max_tokens=1))
+        [kept] = [out async for out in ab.outputs(rid)]
+    check_against(done.prompt_logprobs, prompt, ref, 2)
+    assert streamed[0] == done.prompt_logprobs and all(s is None for s in streamed[1:])
+    assert kept.prompt_logprobs == done.prompt_logprobs
