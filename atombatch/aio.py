@@ -314,6 +314,8 @@ def _compact(outs: list[RequestOutput]) -> RequestOutput:
     text = None if all(o.text is None for o in outs) else "".join(o.text or "" for o in outs)
     logprobs = None if all(o.logprobs is None for o in outs) else \
         tuple(lp for o in outs for lp in o.logprobs or ())
+    prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None),
+                           None)
     return msgspec.structs.replace(last, new_token_ids=tuple(t for o in outs
                                                              for t in o.new_token_ids),
-                                   text=text, logprobs=logprobs)
+                                   text=text, logprobs=logprobs, prompt_logprobs=prompt_logprobs)

@@ -6,6 +6,7 @@ failure into a per-request error while the other lanes go on.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -31,10 +32,17 @@ from atombatch.errors import (
 )
 from atombatch.prefix import HostCache
 from atombatch.runtime.base import Runtime
-from atombatch.sampling import LOGPROBS_MODES, LogprobsMode, RequestSampler, sample_rows
+from atombatch.sampling import (
+    LOGPROBS_MODES,
+    LogprobsMode,
+    PromptLogprobs,
+    RequestSampler,
+    sample_rows,
+)
 from atombatch.scheduler import PDImport, Policy, Request, RequestState, Scheduler, StepPlan
 from atombatch.structs import (
     GREEDY_EPS,
+    MAX_LOGPROBS,
     Completion,
     RequestOutput,
     RequestTimings,
@@ -88,7 +96,8 @@ class _Extras:
     """What the engine keeps for a request beyond the scheduler's record (only for requests that
     need it: sampling options, a tokenizer, logprobs or n > 1)."""
 
-    __slots__ = ("detok", "index", "logprobs", "public_id", "sampler", "stop_reason")
+    __slots__ = ("detok", "index", "logprobs", "prompt", "prompt_result", "public_id", "sampler",
+                 "stop_reason")
 
     def __init__(self, public_id: str, index: int) -> None:
         self.public_id = public_id            # the id submit() returned
@@ -97,17 +106,23 @@ class _Extras:
         self.detok: Detokenizer | None = None
         self.logprobs: list[TokenLogprobs] | None = None
         self.stop_reason: str | int | None = None
+        self.prompt: PromptLogprobs | None = None     # prompt logprobs being collected
+        self.prompt_result: tuple[TokenLogprobs | None, ...] | None = None  # once delivered
 
 
 class _Group:
     """The choices of one request with n > 1."""
 
-    __slots__ = ("held", "live", "members")
+    __slots__ = ("first_row", "held", "live", "members", "prompt_logprobs", "prompt_result")
 
     def __init__(self) -> None:
         self.members: list[Request] = []     # every choice, index order
         self.held: list[Request] = []        # choices waiting for choice 0's prefill
         self.live = 0                        # choices not finished yet
+        self.first_row: npt.NDArray[np.float32] | None = None  # choice 0's first-token logits,
+                                             #   kept while choices wait to fork from it
+        self.prompt_logprobs: int | None = None   # the request's prompt_logprobs (choice 0 asks)
+        self.prompt_result: tuple[TokenLogprobs | None, ...] | None = None  # once computed
 
 
 class EngineStats(msgspec.Struct, frozen=True):
@@ -135,6 +150,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     prefix_hit_tokens: int              # prompt tokens whose prefill the cache saved
     host_restores: int                  # blocks written back from the host cache
     evictions: int                      # CACHED blocks evicted from the device
+    prompt_forks: int                   # n > 1 choices started from a device copy of choice 0's
+                                        #   prompt KV (prefix cache off)
+    fork_saved_tokens: int              # prompt tokens those choices did not prefill
     finished: dict[str, int]            # requests by finish reason
     lane_histogram: tuple[int, ...]     # decode steps by number of decoding lanes (index = lanes)
     bucket_steps: dict[int, int]        # decode steps by compiled decode batch size that ran
@@ -235,6 +253,15 @@ class Batcher:
         self._samplers: dict[str, RequestSampler] = {}  # requests that are not plain greedy
         self._groups: dict[str, _Group] = {}       # n > 1 requests by the id submit() returned
         self._decoded = False                      # the last step completed a decode
+        # n > 1 without a prefix cache: choices 1..n-1 start from a device copy of choice 0's
+        # prompt KV (see `_release_held`); hybrid models also need the runtime's `copy_slot`
+        self._forks = not prefix_cache and not self.artifact.single_block and \
+            (not self.spec.is_hybrid or callable(getattr(runtime, "copy_slot", None)))
+        kv_methods = getattr(runtime, "kv_methods", None)  # RebelRuntime: what the SDK has
+        if isinstance(kv_methods, dict):
+            needed = ("_fetch_kv_cache", "_update_kv_cache") if self.spec.is_hybrid else ()
+            self._forks = self._forks and all(kv_methods.get(name, False)
+                                              for name in ("_copy_kv_cache", *needed))
 
     # -- requests ---------------------------------------------------------------------------------
     @property
@@ -290,10 +317,19 @@ class Batcher:
                     raise RequestError(f"{name}={list(getattr(params, name))!r} needs a tokenizer: "
                                        "build the Batcher with tokenizer=... (docs/sampling.md)")
         if params.prompt_logprobs is not None:
-            raise RequestError(f"prompt_logprobs={params.prompt_logprobs} is not supported: the "
-                               "compiled prefill returns only the last position's logits "
-                               "(docs/sampling.md)")
+            self._check_prompt_logprobs(params.prompt_logprobs)
         return tokens.astype(np.int64, copy=True)
+
+    def _check_prompt_logprobs(self, k: int) -> None:
+        vocab = self.spec.vocab_size
+        if k == -1 and vocab > MAX_LOGPROBS:
+            raise RequestError(f"prompt_logprobs=-1 asks for the whole vocabulary ({vocab} ids); "
+                               f"at most {MAX_LOGPROBS} are returned per position")
+        if not getattr(self.runtime, "every_position_logits", False):
+            hint = getattr(self.runtime, "every_position_hint", None) or (
+                f"{type(self.runtime).__name__} returns only the last prefill position's logits")
+            raise RequestError(f"prompt_logprobs={k} needs the logits of every prompt position: "
+                               f"{hint}")
 
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                params: SamplingParams | None = None, request_id: str | None = None,
@@ -316,6 +352,10 @@ class Batcher:
             raise RequestError("n > 1, logprobs and bad_words need the engine to sample the first "
                                "token (a producer has no tokenizer to ban bad words with); a "
                                "request with a KV source gets it from its producer")
+        if kv is not None and params.prompt_logprobs is not None:
+            raise RequestError(f"prompt_logprobs={params.prompt_logprobs} needs the logits of "
+                               "every prompt position, which a PD producer does not send: submit "
+                               "the request without a KV source (docs/pd.md)")
         if self.max_waiting is not None and self.num_waiting + n > self.max_waiting:
             raise CapacityError(f"queue is full: {self.num_waiting} requests wait, "
                                 f"max_waiting={self.max_waiting}")
@@ -332,6 +372,8 @@ class Batcher:
         if params.max_tokens is None:
             params = msgspec.structs.replace(
                 params, max_tokens=self.artifact.max_seq_len - int(tokens.size))
+        if params.prompt_logprobs == -1:  # the whole vocabulary (it fits MAX_LOGPROBS)
+            params = msgspec.structs.replace(params, prompt_logprobs=self.spec.vocab_size)
         arrival = self.clock()
         if kv is not None:
             expect = getattr(kv, "expect", None)
@@ -345,13 +387,19 @@ class Batcher:
                     self._kv[request_id] = KVLink(kv, request.arrival)
                 self.scheduler.add(request)
             else:
-                # Choice 0 prefills first; with a prefix cache the others wait for it and start
-                # from its prompt blocks (see `_release_held`), otherwise they prefill alongside.
+                # Choice 0 prefills first; the others wait for it and start from its prompt's
+                # KV: cached blocks with a prefix cache, a device copy without (see
+                # `_release_held`); where neither works they prefill alongside.
                 group = _Group()
-                wait = self.scheduler.prefix is not None
+                wait = self.scheduler.prefix is not None or self._forks
+                group.prompt_logprobs = params.prompt_logprobs
                 for index in range(n):
                     seed = None if params.seed is None else (params.seed + index) % 2**64
-                    child = msgspec.structs.replace(params, n=1, seed=seed)
+                    # choice 0 computes the prompt logprobs for the request (they are the same
+                    # for every choice); the others may then start from its prompt's KV
+                    child = msgspec.structs.replace(
+                        params, n=1, seed=seed,
+                        prompt_logprobs=params.prompt_logprobs if index == 0 else None)
                     request = self._new_request(f"{request_id}#{index}", request_id, index,
                                                 tokens, child, arrival)
                     group.members.append(request)
@@ -374,7 +422,8 @@ class Batcher:
         request = Request(internal_id, tokens, params, arrival, rng)
         extras = None
         if internal_id != public_id or self.tokenizer is not None or \
-                params.logprobs is not None or not params.plain_greedy:
+                params.logprobs is not None or params.prompt_logprobs is not None or \
+                not params.plain_greedy:
             extras = _Extras(public_id, index)
             self._extras[internal_id] = extras
         if extras is None:
@@ -390,6 +439,9 @@ class Batcher:
             extras.detok = Detokenizer(self.tokenizer, tokens, params)
         if params.logprobs is not None:
             extras.logprobs = []
+        if params.prompt_logprobs is not None:
+            extras.prompt = PromptLogprobs(tokens, min(params.prompt_logprobs,
+                                                       self.spec.vocab_size))
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -486,7 +538,7 @@ class Batcher:
         self._decoded = False
         outputs, self._pending = self._pending, []
         if self._groups:  # choice 0 may have ended outside a step (an abort of its own id)
-            self._release_held()
+            self._release_held(outputs, fork=True)
         if self._kv:
             self._poll_kv(outputs)
         plan = self.scheduler.schedule(self.clock())
@@ -503,24 +555,83 @@ class Batcher:
         else:
             self._run_decode(plan, outputs)
         if self._groups:
-            self._release_held()
+            self._release_held(outputs, fork=False)
         self._flush_events()
         return outputs
 
-    def _release_held(self) -> None:
-        """Queue the choices that waited for choice 0 once it has its first token (or ended):
-        its full prompt blocks are published in the prefix cache first, so they start there."""
+    def _release_held(self, outputs: list[RequestOutput], fork: bool) -> None:
+        """Start the choices that waited for choice 0 once it has its first token (or ended).
+
+        With a prefix cache, choice 0's full prompt blocks are published in the cache first, so
+        the others start there (re-running only the last chunk). Without one (`self._forks`),
+        each takes an idle lane with a device copy of choice 0's prompt KV and samples its own
+        first token from choice 0's first-token logits: no prefill at all. Forks run only at the
+        start of a step (`fork`), so their copies run before any device call can change a block.
+        The choices wait for a lane while choice 0 decodes or is staged (its prompt positions stay
+        as they are); a hybrid model's sliding slot changes with choice 0's first decode, so
+        there they fork right away or not at all. Choices that cannot fork are queued: they
+        prefill on their own."""
         for group in self._groups.values():
             if not group.held:
                 continue
             first = group.members[0]
             if not first.output and first.state is not RequestState.FINISHED:
                 continue
-            if first.state is RequestState.DECODING:
+            if self._forks:
+                forkable = group.first_row is not None and \
+                    first.state in (RequestState.DECODING, RequestState.STAGED) and \
+                    (not self.spec.is_hybrid or len(first.output) == 1)
+                if forkable and fork:
+                    self._fork_held(group, first, outputs)
+                if forkable and group.held:
+                    continue  # wait for a lane (or blocks) to free up
+            elif first.state is RequestState.DECODING:
                 self.scheduler.share_prompt(first)
+            self._hand_over_prompt_logprobs(group)
             for request in group.held:
                 self.scheduler.add(request)
             group.held.clear()
+            group.first_row = None
+
+    def _fork_held(self, group: _Group, first: Request, outputs: list[RequestOutput]) -> None:
+        """Start held choices on idle lanes from copies of choice 0's prompt KV, while the
+        scheduler finds a lane and blocks for them."""
+        row = group.first_row
+        assert row is not None
+        now = self.clock()
+        while group.held:
+            child = group.held[0]
+            copies = self.scheduler.fork_prompt(first, child, now)
+            if copies is None:
+                break
+            group.held.pop(0)
+            try:
+                for src, dst in copies:
+                    self.runtime.copy_block(src, dst)
+                if self.spec.is_hybrid:
+                    self.runtime.copy_slot(first.lane, child.lane)  # type: ignore[attr-defined]
+                token = self._sample_one(child, row)
+            except Exception as exc:  # this choice fails; choice 0 and the others go on
+                self._fail(child, f"starting from choice 0's prompt KV failed: {exc}", outputs)
+                continue
+            for done in self.scheduler.start_forked(child, token, now):
+                outputs.append(self._output(done))
+        if not group.held:
+            group.first_row = None
+
+    def _hand_over_prompt_logprobs(self, group: _Group) -> None:
+        """Choice 0 ended before its first token: the first choice that now prefills on its own
+        computes the request's prompt logprobs instead."""
+        if group.prompt_logprobs is None or group.prompt_result is not None or not group.held:
+            return
+        if group.members[0].output:
+            return
+        child = group.held[0]
+        child.params = msgspec.structs.replace(child.params,
+                                               prompt_logprobs=group.prompt_logprobs)
+        extras = self._extras[child.request_id]
+        extras.prompt = PromptLogprobs(child.prompt, min(group.prompt_logprobs,
+                                                         self.spec.vocab_size))
 
     def _run_block_ops(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         """Cache-management KV moves the plan needs before its device call, in a safe order:
@@ -558,19 +669,76 @@ class Batcher:
         if request is None:  # failed by this plan's block ops: nothing to compute for it
             return
         try:
-            logits = self._device_call(self.runtime.prefill, plan.inputs)
+            collector = self._prompt_collector(request)
+            if collector is None:
+                logits = self._device_call(self.runtime.prefill, plan.inputs)
+                row = np.asarray(logits).reshape(-1)
+            else:
+                row = self._prefill_every_position(plan, collector)
             token = None
             if plan.last_chunk and not request.recomputing:
-                row = np.asarray(logits).reshape(-1)
                 if not np.isfinite(row).all():
                     raise RequestError(f"prefill returned non-finite logits for "
                                        f"{plan.request_id} at position {plan.chunk_start}")
                 token = self._sample_one(request, row)
+                self._keep_first_row(request, row)
         except Exception as exc:  # the runtime failed this request; the others go on
             self._fail(request, f"prefill failed: {exc}", outputs)
             return
         for done in scheduler.complete_prefill(plan, token, self.clock()):
             outputs.append(self._output(done))
+
+    def _prompt_collector(self, request: Request) -> PromptLogprobs | None:
+        """The prompt logprobs this request still collects (none once its first token is out:
+        a preempted request's recompute needs none)."""
+        if not self._extras or request.recomputing:
+            return None
+        extras = self._extras.get(request.request_id)
+        return extras.prompt if extras is not None else None
+
+    def _prefill_every_position(self, plan: StepPlan,
+                                collector: PromptLogprobs) -> npt.NDArray[np.floating]:
+        """Run a prefill chunk for every position's logits; feed the real positions to the
+        prompt logprobs; return the last real token's row (what the first token samples from)."""
+        prefill: Any = self.runtime.prefill  # the optional keyword (see runtime/base.py)
+        call = functools.partial(prefill, every_position=True)
+        logits = np.asarray(self._device_call(call, plan.inputs))
+        q, vocab = self.artifact.prefill_chunk_size, self.spec.vocab_size
+        if logits.size != q * vocab:
+            raise RequestError(f"prefill(every_position=True) returned logits of shape "
+                               f"{logits.shape}; the chunk has {q} positions of {vocab} ids")
+        real = logits.reshape(q, vocab)[:plan.chunk_len]
+        if not np.isfinite(real).all():
+            raise RequestError(f"prefill returned non-finite logits for {plan.request_id} in "
+                               f"positions {plan.chunk_start}..{plan.chunk_start + plan.chunk_len - 1}")
+        collector.add_chunk(real, plan.chunk_start)
+        return real[-1]
+
+    def _prompt_logprobs_out(self, request: Request,
+                             extras: _Extras) -> tuple[TokenLogprobs | None, ...] | None:
+        """The prompt logprobs, built once when the request's first token is out (None on
+        every other output)."""
+        collector = extras.prompt
+        if collector is None or not request.output:
+            return None
+        extras.prompt = None
+        if not collector.complete:  # cannot happen (no prefix-cache read, no PD): never guess
+            log.warning("prompt_logprobs.incomplete", request_id=request.request_id)
+            return None
+        result = extras.prompt_result = collector.result()
+        group = self._groups.get(extras.public_id) if self._groups else None
+        if group is not None:
+            group.prompt_result = result
+        return result
+
+    def _keep_first_row(self, request: Request, row: npt.NDArray[np.floating]) -> None:
+        """Choice 0 of an n > 1 request keeps its first-token logits while other choices wait
+        to fork from its prompt KV: each samples its own first token from that row."""
+        if not self._groups or not request.request_id.endswith("#0"):
+            return
+        group = self._groups.get(request.request_id[:-2])
+        if group is not None and group.held and self._forks:
+            group.first_row = np.array(row, dtype=np.float32)
 
     # -- prefill/decode disaggregation --------------------------------------------------------------
     def _poll_kv(self, outputs: list[RequestOutput]) -> None:
@@ -798,8 +966,11 @@ class Batcher:
         logprobs = None
         if extras.logprobs is not None:
             logprobs = tuple(extras.logprobs[len(request.output) - 1:len(request.output)])
+        prompt_logprobs = self._prompt_logprobs_out(request, extras) \
+            if extras.prompt is not None else None
         return RequestOutput(request_id=extras.public_id, new_token_ids=new, finished=False,
-                             index=extras.index, text=text, logprobs=logprobs)
+                             index=extras.index, text=text, logprobs=logprobs,
+                             prompt_logprobs=prompt_logprobs)
 
     def _final_output(self, request: Request, new: tuple[int, ...],
                       text: str | None = None) -> RequestOutput:
@@ -814,6 +985,8 @@ class Batcher:
                                  completion=completion)
         if extras.detok is not None:
             text = (text or "") + extras.detok.flush()
+        prompt_logprobs = self._prompt_logprobs_out(request, extras) \
+            if extras.prompt is not None else None
         completion = self._completion(request, extras)
         logprobs = None
         if extras.logprobs is not None:
@@ -829,7 +1002,7 @@ class Batcher:
         return RequestOutput(request_id=extras.public_id, new_token_ids=new, finished=finished,
                              finish_reason=request.finish_reason, error=request.error,
                              completion=completion, index=extras.index, text=text,
-                             logprobs=logprobs)
+                             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _completion(self, request: Request, extras: _Extras | None = None) -> Completion:
         now = self.clock()
@@ -857,7 +1030,14 @@ class Batcher:
                           preemptions=request.preemptions, index=extras.index,
                           text=extras.detok.text if extras.detok is not None else None,
                           logprobs=tuple(extras.logprobs) if extras.logprobs is not None else None,
-                          stop_reason=stop_reason)
+                          stop_reason=stop_reason, prompt_logprobs=self._prompt_result(extras))
+
+    def _prompt_result(self, extras: _Extras) -> tuple[TokenLogprobs | None, ...] | None:
+        """A completion's prompt logprobs: its own, or (n > 1) the request's, from choice 0."""
+        if extras.prompt_result is not None:
+            return extras.prompt_result
+        group = self._groups.get(extras.public_id) if self._groups else None
+        return group.prompt_result if group is not None else None
 
     def _flush_events(self) -> None:
         events = self.scheduler.events
@@ -918,7 +1098,8 @@ class Batcher:
             decode_steps=c.decode_steps, generated_tokens=c.generated_tokens,
             rotations=c.rotations, preemptions=c.preemptions, prefix_hits=c.prefix_hits,
             prefix_misses=c.prefix_misses, prefix_hit_tokens=c.prefix_hit_tokens,
-            host_restores=c.host_restores, evictions=c.evictions, finished=dict(c.finished),
+            host_restores=c.host_restores, evictions=c.evictions, prompt_forks=c.prompt_forks,
+            fork_saved_tokens=c.fork_saved_tokens, finished=dict(c.finished),
             lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps))
 
     def check_invariants(self) -> None:

@@ -154,8 +154,17 @@ class KVManager:
         if self.single_block:
             # Origin PR mode: the lone lane takes block 0 and gives it back on finish.
             self.lanes.push_block(lane, self.pool.allocate(core.LANE, lane))
-        elif self.prefix is not None and not request.importing:
+        elif self.prefix is not None and self.reads_prefix_cache(request):
             self.attach_prefix(request)
+
+    @staticmethod
+    def reads_prefix_cache(request: Request) -> bool:
+        """A fresh lane may start from cached KV, unless it imports its KV (PD) or asks for
+        prompt logprobs before its first token: cached positions have no logits (as in vLLM,
+        such a request prefills everything; its blocks are still cached when it ends)."""
+        if request.importing:
+            return False
+        return request.params.prompt_logprobs is None or request.recomputing
 
     def start_decode(self, request: Request, eos_token_ids: Iterable[int]) -> None:
         """The lane decodes from the request's last token: the lane table and the kernel learn
@@ -170,6 +179,25 @@ class KVManager:
         limit = params.max_tokens if params.max_tokens is not None else 0x7FFFFFFF
         self.kernel.bind(lane, request.request_id, request.output, request.token_times, limit,
                          stops, request.lane_flags)
+
+    def fork_blocks(self, source: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Fresh LANE blocks for `child` (bound to an idle lane) to take over the blocks holding
+        `source`'s prompt positions 0..len(prompt)-1; returns the (src, dst) block copies, or
+        None, changing nothing, when the blocks are not there now."""
+        lanes = self.lanes
+        prompt_len = len(child.prompt)
+        copied = lanes.blocks_for(prompt_len)
+        row = list(lanes.blocks(source.lane)) if source.lane >= 0 else list(source.blocks)
+        need = lanes.blocks_for(prompt_len + 1)  # its first decode writes at prompt_len
+        if len(row) < copied or self.available() < need:
+            return None
+        lane = child.lane
+        copies = []
+        for src in row[:copied]:
+            dst = self.take_block(core.LANE, lane)
+            lanes.push_block(lane, dst)
+            copies.append((src, dst))
+        return copies
 
     def take_staged_blocks(self, request: Request, lane: int) -> None:
         """The staging request took `lane`: its filled blocks become the lane's row; a fresh
@@ -186,7 +214,7 @@ class KVManager:
         """A queued request starts filling the spare (STAGED); returns that block."""
         self.pool.stage(self.spare, -2)
         spare, self.spare = self.spare, -1
-        if self.prefix is not None and not request.importing:
+        if self.prefix is not None and self.reads_prefix_cache(request):
             self.attach_prefix_staged(request, spare)
         else:
             request.blocks = [spare]

@@ -161,6 +161,8 @@ class Counters(msgspec.Struct):
     prefix_hit_tokens: int = 0
     host_restores: int = 0
     evictions: int = 0
+    prompt_forks: int = 0                   # n > 1 choices started from a copy of choice 0's KV
+    fork_saved_tokens: int = 0              # prompt tokens those choices did not prefill
     finished: dict[str, int] = msgspec.field(default_factory=dict)
     lane_histogram: list[int] = msgspec.field(default_factory=list)  # decode steps by busy lanes
     bucket_steps: dict[int, int] = msgspec.field(default_factory=dict)  # decode steps by rows run

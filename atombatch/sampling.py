@@ -336,3 +336,72 @@ def sample(logits: npt.NDArray[np.floating], params: SamplingParams,
                            eos_token_ids, rng)
     result = sample_rows(row, [state], [()])
     return int(result.tokens[0])
+
+
+class PromptLogprobs:
+    """A request's prompt logprobs (vLLM's `prompt_logprobs`), filled chunk by chunk.
+
+    The logits at prompt position p predict token p + 1, so a prefill chunk covering positions
+    `start..start+length-1` gives the logprobs of prompt tokens `start+1..start+length`; the
+    first prompt token has none. They are the log-softmax of the model's raw logits (as in vLLM:
+    no penalty, bias, mask or temperature), kept as arrays of `len(prompt) x (k + 1)` values
+    (`k <= MAX_LOGPROBS`) until `result()` builds the public structs once. A chunk computed again
+    (a request preempted during its prefill) overwrites its positions with the same values.
+    """
+
+    __slots__ = ("filled", "k", "logprob", "prompt", "rank", "top_ids", "top_logprobs")
+
+    # rows of logits turned into logprobs at once: bounds the float64 scratch to about 32 MiB
+    ROW_BUDGET = 1 << 22
+
+    def __init__(self, prompt: npt.NDArray[np.int64], k: int) -> None:
+        n = len(prompt)
+        self.prompt = prompt
+        self.k = k
+        self.logprob = np.zeros(n, dtype=np.float32)     # of the prompt token at each position
+        self.rank = np.zeros(n, dtype=np.int64)          # its rank among all ids (1 = best)
+        self.top_ids = np.zeros((n, k), dtype=np.int64)  # the k most likely ids, best first
+        self.top_logprobs = np.zeros((n, k), dtype=np.float32)
+        self.filled = np.zeros(n, dtype=np.bool_)
+        self.filled[0] = True                            # the first token has no logprob
+
+    def add_chunk(self, rows: npt.NDArray[np.floating], start: int) -> None:
+        """`rows[i]`: the raw logits at prompt position `start + i` (real tokens only)."""
+        n = len(self.prompt)
+        count = min(len(rows), n - 1 - start)  # the last prompt position predicts no prompt token
+        if count <= 0:
+            return
+        step = max(1, self.ROW_BUDGET // max(rows.shape[1], 1))
+        for lo in range(0, count, step):
+            hi = min(lo + step, count)
+            lp = _log_softmax(np.asarray(rows[lo:hi]))
+            at = slice(start + 1 + lo, start + 1 + hi)
+            targets = self.prompt[at]
+            chosen = lp[np.arange(hi - lo), targets]
+            self.logprob[at] = chosen
+            self.rank[at] = (lp > chosen[:, None]).sum(axis=1) + 1
+            k = min(self.k, lp.shape[1])
+            if k:
+                ids = np.argpartition(-lp, k - 1, axis=1)[:, :k]
+                values = np.take_along_axis(lp, ids, axis=1)
+                order = np.lexsort((ids, -values), axis=-1)  # most likely first, then lowest id
+                self.top_ids[at, :k] = np.take_along_axis(ids, order, axis=1)
+                self.top_logprobs[at, :k] = np.take_along_axis(values, order, axis=1)
+            self.filled[at] = True
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.filled.all())
+
+    def result(self) -> tuple[TokenLogprobs | None, ...]:
+        """One entry per prompt token: None for the first, then its logprob, rank and top k."""
+        k = min(self.k, self.top_ids.shape[1])
+        out: list[TokenLogprobs | None] = [None]
+        prompt, logprob, rank = self.prompt.tolist(), self.logprob.tolist(), self.rank.tolist()
+        top_ids, top_lp = self.top_ids.tolist(), self.top_logprobs.tolist()
+        for i in range(1, len(prompt)):
+            top = tuple(TokenLogprob(token_id=top_ids[i][r], logprob=top_lp[i][r], rank=r + 1)
+                        for r in range(k))
+            out.append(TokenLogprobs(token_id=prompt[i], logprob=logprob[i], rank=rank[i],
+                                     top=top))
+        return tuple(out)

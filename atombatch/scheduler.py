@@ -190,6 +190,57 @@ class Scheduler:
         `KVManager.share_prompt`); returns how many blocks were published."""
         return self.kv.share_prompt(request)
 
+    def fork_prompt(self, source: Request, child: Request, now: float
+                    ) -> list[tuple[int, int]] | None:
+        """Start `child` (an n > 1 choice with `source`'s prompt, not queued yet) on an idle lane
+        from a device copy of `source`'s prompt KV: fresh blocks take over the blocks holding
+        positions 0..len(prompt)-1. Those positions are never rewritten while `source` holds its
+        blocks (its decode writes only at its own, later positions; padding rows target FREE or
+        SPARE blocks), so the copy is valid at any time `source` decodes or is staged; what the
+        copies bring beyond the prompt is overwritten by `child`'s own decode before it is read.
+        A hybrid model's sliding slot is the engine's to copy, before `source`'s first decode.
+
+        Returns the (src, dst) block copies, which must run before the next device call, with
+        `child` PREFILLING at the end of its prompt (then `start_forked`); or None, changing
+        nothing, when no lane or not enough blocks are free now.
+        """
+        kv = self.kv
+        if kv.single_block or source.state not in (S.DECODING, S.STAGED) or not source.output:
+            return None
+        if kv.lanes.num_idle <= (self.staging is not None):  # a staged request goes first
+            return None
+        prompt_len = len(child.prompt)
+        need = kv.lanes.blocks_for(prompt_len + 1)
+        if kv.available() - kv.committed(self.by_lane) < need:
+            return None
+        lane = kv.lanes.assign()
+        child.lane = lane
+        copies = kv.fork_blocks(source, child)
+        if copies is None:
+            kv.lanes.release(lane)
+            child.lane = -1
+            return None
+        self.requests[child.request_id] = child
+        self._bind(child, lane, now)
+        if kv.slots is not None:  # _bind emptied the slot: it holds the copied prompt
+            kv.slots.advance(lane, prompt_len)
+        child.set_state(S.PREFILLING)
+        self._step_time = now
+        self._mark_admitted(child)
+        child.prefill_pos = prompt_len
+        self.counters.prompt_forks += 1
+        self.counters.fork_saved_tokens += prompt_len
+        self._event("prompt.forked", request_id=child.request_id, source=source.request_id,
+                    lane=lane, copies=copies)
+        return copies
+
+    def start_forked(self, child: Request, token: int, now: float) -> list[Request]:
+        """A forked choice's KV copies ran; `token` is its first token (sampled from the
+        source's first-token logits). Returns it as a request with output."""
+        if child.state is not S.PREFILLING:
+            return []  # failed meanwhile
+        return self._first_token(child, token, now)
+
     def _lane_for_staged(self, request: Request, now: float) -> None:
         """A lane became idle: the staging request takes it with its filled blocks."""
         kv = self.kv

@@ -49,7 +49,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     stop_token_ids: tuple[int, ...] = ()       # extra stop token ids besides the model's EOS ids
     ignore_eos: bool = False                   # keep generating through EOS (benchmarks)
     logprobs: int | None = None                # None = off; k >= 0: sampled token's + top k
-    prompt_logprobs: int | None = None         # per prompt token (not served: see docs)
+    prompt_logprobs: int | None = None         # None = off; k >= 0 (-1 = whole vocabulary, if
+                                               #   it fits MAX_LOGPROBS): per prompt token, its
+                                               #   logprob and the top k (raw logits)
     skip_special_tokens: bool = True           # leave special tokens out of the text
 
     def __post_init__(self) -> None:
@@ -69,9 +71,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name}={getattr(self, name)!r} must be a bool")
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                _check_int(self, name, 0, MAX_LOGPROBS)
+        if self.logprobs is not None:
+            _check_int(self, "logprobs", 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            # -1 (vLLM: the whole vocabulary) is resolved against the model's vocabulary at submit
+            _check_int(self, "prompt_logprobs", -1, MAX_LOGPROBS)
         _set(self, "stop", _strings(self.stop, "stop"))
         _set(self, "bad_words", _strings(self.bad_words, "bad_words"))
         _set(self, "stop_token_ids", _ids(self.stop_token_ids, "stop_token_ids"))
@@ -229,6 +233,8 @@ class Completion(msgspec.Struct, frozen=True):
     text: str | None = None               # the generated text (engines with a tokenizer)
     logprobs: tuple[TokenLogprobs, ...] | None = None  # per generated token, when asked for
     stop_reason: str | int | None = None  # the stop string or stop/EOS id that ended it
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # per prompt token (the
+                                          #   first is None), when asked for and computed
 
 
 class RequestOutput(msgspec.Struct, frozen=True):
@@ -249,3 +255,5 @@ class RequestOutput(msgspec.Struct, frozen=True):
     text: str | None = None               # new text (engines with a tokenizer; stop strings held
                                           #   back until they are ruled out)
     logprobs: tuple[TokenLogprobs, ...] | None = None  # for `new_token_ids`, when asked for
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # per prompt token (the
+                                          #   first is None): once, on the request's first output

@@ -119,6 +119,9 @@ class LedgerRuntime:
     def copy_block(self, src: int, dst: int) -> None:
         self.kv[dst] = self.kv[src]
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        self.slots[dst] = self.slots[src]
+
     def read_block(self, block: int) -> np.ndarray:
         return self.kv[block].copy()
 

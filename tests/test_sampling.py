@@ -425,7 +425,8 @@ def test_engine_rejects_ids_outside_the_vocabulary_and_unsupported_options() -> 
         (SamplingParams(logit_bias={VOCAB + 3: 1.0}), "logit_bias names token id 100"),
         (SamplingParams(stop=["x"]), "stop=.'x'. needs a tokenizer"),
         (SamplingParams(bad_words=["x"]), "bad_words=.'x'. needs a tokenizer"),
-        (SamplingParams(prompt_logprobs=1), "prompt_logprobs=1 is not supported"),
+        (SamplingParams(prompt_logprobs=-1), r"prompt_logprobs=-1 asks for the whole vocabulary "
+                                             r"\(97 ids\); at most 20"),
     ]:
         with pytest.raises(RequestError, match=match):
             batcher.submit([1, 2], params)

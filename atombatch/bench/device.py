@@ -87,10 +87,10 @@ class _Timed:
         self.decode_times: dict[int, list[float]] = {}
         self._prefill, self._decode = rt.prefill, rt.decode
 
-        def prefill(inputs: Any) -> Any:
+        def prefill(inputs: Any, **options: Any) -> Any:  # every_position=...
             start = time.perf_counter()
             try:
-                return self._prefill(inputs)
+                return self._prefill(inputs, **options)
             finally:
                 self.inside += time.perf_counter() - start
 
@@ -103,7 +103,7 @@ class _Timed:
                 self.inside += spent
                 self.decode_times.setdefault(int(inputs.input_ids.shape[0]), []).append(spent)
 
-        rt.prefill, rt.decode = prefill, decode  # type: ignore[method-assign]
+        rt.prefill, rt.decode = prefill, decode  # type: ignore[method-assign,assignment]
 
     def restore(self) -> None:
         self.rt.prefill, self.rt.decode = self._prefill, self._decode  # type: ignore[method-assign]

@@ -37,7 +37,13 @@ class Runtime(Protocol):
     artifact: ArtifactConfig
 
     def prefill(self, inputs: PrefillArrays) -> npt.NDArray[np.float32]:
-        """Run one prefill chunk; returns the logits [vocab] of the last real token."""
+        """Run one prefill chunk; returns the logits [vocab] of the last real token.
+
+        Optional capability (prompt logprobs): a runtime whose attribute `every_position_logits`
+        is True also takes `prefill(inputs, every_position=True)` and returns `[Q, vocab]`, the
+        logits of every chunk position (padding rows included). Without it the engine refuses
+        `prompt_logprobs` at submit, with the runtime's `every_position_hint` when it has one.
+        """
         ...
 
     def decode(self, inputs: DecodeArrays) -> npt.NDArray[np.float32]:
@@ -45,7 +51,11 @@ class Runtime(Protocol):
         ...
 
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy one block's K/V in every global layer (the device's KV copy)."""
+        """Copy one block's K/V in every global layer (the device's KV copy).
+
+        Optional companion (hybrid models): `copy_slot(src, dst)` copies a lane's sliding-window
+        slot in every sliding layer; with it an n > 1 request's choices start from choice 0's
+        prompt KV on hybrid models too (see docs/sampling.md)."""
         ...
 
     def read_block(self, block: int) -> npt.NDArray[np.generic]:

@@ -96,6 +96,8 @@ class NumpyRuntime:
         import_calls, export_calls: how many `write_layer_kv` / `read_layer_kv` calls ran (PD).
     """
 
+    every_position_logits = True  # `prefill(every_position=True)` works (prompt logprobs)
+
     def __init__(self, artifact: ArtifactConfig, weights: dict[str, np.ndarray]) -> None:
         """Build from Hugging Face-named weights (any float dtype; kept as float32).
 
@@ -480,6 +482,12 @@ class NumpyRuntime:
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every global layer."""
         self.kv[:, :, self._check_block(dst)] = self.kv[:, :, self._check_block(src)]
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy one lane's sliding-window slot in every sliding layer (n > 1 forks, hybrid)."""
+        if self._window:
+            src, dst = self._check_slot(src), self._check_slot(dst)
+            self.sliding_kv[:, :, dst] = self.sliding_kv[:, :, src]
 
     def read_block(self, block: int) -> Array:
         """A copy of one block's K/V of every global layer, `block_shape`."""

@@ -241,15 +241,40 @@ class RebelRuntime:
                              f"decoder_batch_sizes={list(self.decoder_batch_sizes)}") from None
 
     # -- protocol -----------------------------------------------------------------------------------
-    def prefill(self, inputs: PrefillArrays) -> npt.NDArray[np.float32]:
+    @property
+    def every_position_logits(self) -> bool:
+        """The prefill graph returns every chunk position's logits (`logits_to_keep=0`), so
+        `prefill(every_position=True)` (prompt logprobs) works."""
+        return self.compiled.logits_to_keep == 0
+
+    @property
+    def every_position_hint(self) -> str:
+        """Why prompt logprobs cannot be served from this directory, for the request's error."""
+        return (f"the prefill graph of {self.compiled.path} was compiled with logits_to_keep="
+                f"{self.compiled.logits_to_keep} (rbln_config.json) and returns only the last "
+                "position's logits; compile the model with rbln_logits_to_keep=0 to serve "
+                "prompt_logprobs (docs/device.md)")
+
+    def prefill(self, inputs: PrefillArrays, *, every_position: bool = False
+                ) -> npt.NDArray[np.float32]:
+        """One prefill chunk: the last real token's logits `[vocab]`, or with `every_position`
+        (a `logits_to_keep=0` graph only) every chunk position's, `[Q, vocab]`.
+
+        Raises:
+            StateError: `every_position` on a graph compiled with `logits_to_keep=1`.
+        """
+        if every_position and not self.every_position_logits:
+            raise StateError(self.every_position_hint)
         args = self._prefill_args.build(inputs)
         out = self._first_output(self._prefill(*(array for _, array in args)))
         self.prefill_calls += 1
         vocab = self.spec.vocab_size
-        if self._query_position_input and self.compiled.logits_to_keep == 1:
+        if self.compiled.logits_to_keep == 1:
             return np.asarray(out, dtype=F32).reshape(vocab)
         # logits_to_keep=0: every chunk position comes back; keep the last real token's row
         rows = np.asarray(out).reshape(-1, vocab)
+        if every_position:
+            return np.asarray(rows, dtype=F32)
         return np.asarray(rows[int(inputs.query_position)], dtype=F32)
 
     def decode(self, inputs: DecodeArrays) -> npt.NDArray[np.float32]:
@@ -315,6 +340,20 @@ class RebelRuntime:
         """Copy one block's K/V in every layer, on the device."""
         copy = self._kv("_copy_kv_cache", "copy_block (prefix-cache copies)")
         copy(self._check_block(src), self._check_block(dst), self.artifact.block_size)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy one lane's sliding-window slot in every sliding layer (n > 1 forks on hybrid
+        models), through the host: `_fetch_kv_cache` then `_update_kv_cache` per cache."""
+        fetch = self._kv("_fetch_kv_cache", "copy_slot (n > 1 on hybrid models)")
+        update = self._kv("_update_kv_cache", "copy_slot (n > 1 on hybrid models)")
+        src, dst = self._check_slot(src), self._check_slot(dst)
+        window = self.spec.sliding_window
+        for layer in self.spec.sliding_layers:
+            for value in (False, True):
+                name = self.cache_name(layer, value)
+                host = self._host(window)
+                fetch(host, src, 0, window, name)
+                update(host, dst, 0, window, name)
 
     def read_block(self, block: int) -> npt.NDArray[Any]:
         """One block's K/V of every global layer in the cache's dtype, `block_shape`."""

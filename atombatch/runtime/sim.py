@@ -496,13 +496,25 @@ class SimRuntime:
         return row
 
     # -- Runtime protocol -------------------------------------------------------------------------
-    def prefill(self, inputs: PrefillArrays) -> npt.NDArray[np.float32]:
+    every_position_logits = True  # `prefill(every_position=True)` works (prompt logprobs)
+
+    def prefill(self, inputs: PrefillArrays, *, every_position: bool = False
+                ) -> npt.NDArray[np.float32]:
+        """One chunk's pseudo-logits: the last real token's row (a reused buffer), or with
+        `every_position` a fresh `[Q, vocab]` array, row i spiking at the hash of token i (the
+        cost model charges the same time: the LM head over Q rows is not modelled)."""
         q = int(inputs.query_position)
         start = int(inputs.cache_position[0, 0])
         cost = self.costs.prefill_chunk_s(self.artifact, start, q + 1)
         self.device.prefill_s += cost
         self.device.prefill_calls += 1
         self._now += cost
+        if every_position:
+            ids = np.asarray(inputs.input_ids).reshape(-1)
+            rows = np.tile(self._base, (len(ids), 1))
+            for i, token in enumerate(ids.tolist()):
+                rows[i, self._spike(int(token), start + i)] = 32.0
+            return rows
         row = self._prefill_logits
         row[self._prefill_spike] = self._base[self._prefill_spike]
         spike = self._spike(int(inputs.input_ids[0, q]), start + q)
@@ -570,6 +582,10 @@ class SimRuntime:
         cost = 2 * shapes.global_kv_bytes_per_token * self.artifact.block_size / \
             self.costs.memory_bandwidth
         self._now += cost
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """A sliding-window slot copy (n > 1 forks on hybrid models): charged like a block."""
+        self.copy_block(src, dst)
 
     def read_block(self, block: int) -> npt.NDArray[np.generic]:
         return np.zeros(1, dtype=np.float32)

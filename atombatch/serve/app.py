@@ -67,6 +67,8 @@ from atombatch.serve.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobsJSON,
     StreamOptions,
     TopLogprob,
     Usage,
@@ -151,6 +153,7 @@ class _Generation:
         self.generated = 0
         self.finish_reason: str | None = None  # the whole request (an error in any choice wins)
         self.error: str | None = None
+        self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # when asked for
         self.started = False                 # run() began (it then does its own accounting)
         self.abandoned = False
 
@@ -196,6 +199,8 @@ class _Generation:
                     metrics.generation_tokens.inc(len(new))
                 if out.logprobs:
                     choice.logprobs.extend(out.logprobs)
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs = out.prompt_logprobs
                 if out.text is not None:  # the engine detokenized (stop strings held back)
                     text = out.text
                 else:
@@ -411,6 +416,32 @@ class _Server:
                           for lp in logprobs],
             text_offset=offsets)
 
+    def prompt_logprobs_json(self, entries: tuple[TokenLogprobs | None, ...] | None
+                             ) -> PromptLogprobsJSON | None:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {id: Logprob} holding the
+        prompt token and the top candidates; -inf clamped to -9999.0 as vLLM does."""
+        if entries is None:
+            return None
+        texts: dict[int, str] = {}
+
+        def entry(token: int, logprob: float, rank: int) -> PromptLogprob:
+            text = texts.get(token)
+            if text is None:
+                text = texts[token] = self.token_text(token)
+            return PromptLogprob(logprob=max(logprob, -9999.0), rank=rank, decoded_token=text)
+
+        out: PromptLogprobsJSON = []
+        for lp in entries:
+            if lp is None:
+                out.append(None)
+                continue
+            position = {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
+            for top in lp.top:
+                if str(top.token_id) not in position:
+                    position[str(top.token_id)] = entry(top.token_id, top.logprob, top.rank)
+            out.append(position)
+        return out
+
     def chat_logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs:
         def top(token: int, logprob: float) -> TopLogprob:
             text = self.token_text(token)
@@ -513,12 +544,14 @@ class _Server:
             return _SSEResponse(self._stream_completion(gens, created, usage), gens, headers)
         await self._collect(request, gens)
         want_logprobs = params.logprobs is not None
+        prompt_logprobs = [self.prompt_logprobs_json(gen.prompt_logprobs) for gen in gens]
         return _json(CompletionResponse(
             id=gens[0].request_id, created=created, model=self.model_name,
             choices=[CompletionChoice(
                 index=g * params.n + i, text="".join(c.text), token_ids=c.token_ids,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                logprobs=self.completion_logprobs(c.logprobs) if want_logprobs else None)
+                logprobs=self.completion_logprobs(c.logprobs) if want_logprobs else None,
+                prompt_logprobs=prompt_logprobs[g])
                 for g, gen in enumerate(gens) for i, c in enumerate(gen.choices)],
             usage=_total_usage(gens)), headers=headers)
 
@@ -552,7 +585,9 @@ class _Server:
                                               finish_reason=out.finish_reason,
                                               stop_reason=gen.choices[i].stop_reason
                                               if out.finish_reason else None,
-                                              logprobs=logprobs)], running)
+                                              logprobs=logprobs,
+                                              prompt_logprobs=self.prompt_logprobs_json(
+                                                  out.prompt_logprobs))], running)
         if include_usage:
             yield chunk([], _total_usage(gens))
         yield _DONE
@@ -590,7 +625,8 @@ class _Server:
                                 stop_reason=c.stop_reason,
                                 logprobs=self.chat_logprobs(c.logprobs) if want_logprobs else None)
                      for i, c in enumerate(gens[0].choices)],
-            usage=_total_usage(gens)), headers=headers)
+            usage=_total_usage(gens),
+            prompt_logprobs=self.prompt_logprobs_json(gens[0].prompt_logprobs)), headers=headers)
 
     async def _stream_chat(self, gens: list[_Generation], created: int,
                            usage: tuple[bool, bool]) -> AsyncIterator[bytes]:

@@ -51,7 +51,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     allowed_token_ids: list[int] | None = None  # extension
     bad_words: list[str] = []            # extension (needs a tokenizer)
     skip_special_tokens: bool = True     # extension
-    prompt_logprobs: int | None = None   # extension: not served (see docs/server.md)
+    prompt_logprobs: int | None = None   # extension: per prompt token, its logprob + the top k
     user: str | None = None              # accepted and ignored
 
 
@@ -124,6 +124,19 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's `Logprob` of one candidate at one prompt position."""
+
+    logprob: float                       # -inf is sent as -9999.0 (as vLLM and OpenAI do)
+    rank: int                            # 1 = the most likely id at this position
+    decoded_token: str                   # the id's text (or "<id>" without a tokenizer)
+
+
+# vLLM's prompt_logprobs: one entry per prompt token, None for the first; each maps token ids
+# (JSON object keys, so strings) to their Logprob: the prompt token and the top k candidates
+PromptLogprobsJSON = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
@@ -131,6 +144,8 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
     stop_reason: str | int | None = None  # vLLM: the stop string or stop id that ended it
+    prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM extension: when asked for (streamed
+                                         #   once, with the prompt's first generated token)
 
 
 class CompletionResponse(msgspec.Struct):
@@ -203,6 +218,7 @@ class ChatResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM extension: when asked for
 
 
 class ErrorBody(msgspec.Struct):

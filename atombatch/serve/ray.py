@@ -428,8 +428,10 @@ class _PooledAsyncBatcher(AsyncBatcher):
     def submit(self, prompt: Any, params: SamplingParams | None = None,
                request_id: str | None = None, kv: Any = None) -> str:
         params = params or SamplingParams()
-        # n > 1, logprobs and bad_words need the engine to sample the first token: prefilled here
-        if kv is None and params.n == 1 and params.logprobs is None and not params.bad_words:
+        # n > 1, logprobs and bad_words need the engine to sample the first token, and
+        # prompt_logprobs every prompt position's logits: prefilled here
+        if kv is None and params.n == 1 and params.logprobs is None and not params.bad_words \
+                and params.prompt_logprobs is None:
             self.batcher.validate(prompt, params)   # a bad request costs no producer work
             request_id = request_id or f"pd-{uuid.uuid4().hex[:16]}"
             try:
