@@ -296,3 +296,43 @@ def test_servable_forms_are_accepted(server: ServerThread, extra: dict[str, Any]
     r = post(server, "/v1/chat/completions", body)
     assert r.status_code == 200, r.text
     assert ids_of(r.json()["choices"][0]["message"]["content"]) == expected([IDS], 4)[0]
+
+
+# -- vLLM fields that change results ---------------------------------------------------------------
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server: ServerThread) -> None:
+    prompt = list(range(10, 30))
+    want = expected([prompt[-5:]], 6)[0]
+    assert want != expected([prompt], 6)[0]  # the truncation must be visible in the tokens
+    r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                         "truncate_prompt_tokens": 5})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == want
+    assert r.json()["usage"]["prompt_tokens"] == 5
+    r = post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "".join(f"<{t}>" for t in prompt)}],
+        "max_tokens": 6, "temperature": 0, "truncate_prompt_tokens": 5})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5
+    r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2,
+                                         "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(prompt)
+    r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 2,
+                                         "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_beam_search_is_refused_and_length_penalty_accepted(server: ServerThread) -> None:
+    r = post(server, "/v1/completions", {"prompt": IDS, "max_tokens": 2,
+                                         "use_beam_search": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+    r = post(server, "/v1/completions", {"prompt": IDS, "max_tokens": 4, "temperature": 0,
+                                         "length_penalty": 0.5, "use_beam_search": False})
+    assert r.status_code == 200 and "X-Ignored-Fields" not in r.headers
+    assert r.json()["choices"][0]["token_ids"] == expected([IDS], 4)[0]
+
+
+def test_the_batch_limit_counts_every_choice(server: ServerThread) -> None:
+    limit = ART.batch_size + 64
+    prompts = [[5, 6]] * (limit // 2 + 1)
+    r = post(server, "/v1/completions", {"prompt": prompts, "max_tokens": 1, "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "batch_too_large"
+    assert_blocks_released(wait_idle(server.url))

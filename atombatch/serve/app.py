@@ -455,7 +455,24 @@ class _Server:
                 top_logprobs=[top(t.token_id, t.logprob) for t in lp.top]))
         return ChatLogprobs(content=content)
 
-    def prompts(self, prompt: str | list[Any]) -> list[list[int]]:
+    def truncate(self, prompts: list[list[int]],
+                 body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        """vLLM's `truncate_prompt_tokens`: keep each prompt's last k tokens (-1: the context
+        length); refuse beam search, which this server does not run."""
+        if body.use_beam_search:
+            raise ApiError(400, "use_beam_search=true is not supported: sampling only",
+                           param="use_beam_search", code="unsupported_value")
+        k = body.truncate_prompt_tokens
+        if k is None:
+            return prompts
+        if k == -1:
+            k = self.artifact.max_seq_len
+        if k < 1:
+            raise ApiError(400, f"truncate_prompt_tokens={k} must be >= 1 (or -1: the context "
+                           "length)", param="truncate_prompt_tokens", code="invalid_value")
+        return [prompt[-k:] for prompt in prompts]
+
+    def prompts(self, prompt: str | list[Any], n: int = 1) -> list[list[int]]:
         """A completions `prompt` as token-id lists: one, or a batch (strings or id lists)."""
         if isinstance(prompt, str):
             return [self.encode(prompt, "prompt")]
@@ -470,9 +487,10 @@ class _Server:
                            "or a list of token-id lists, not a mix", param="prompt",
                            code="invalid_type")
         limit = self.artifact.batch_size + (self.ab.batcher.max_waiting or 0)
-        if len(batch) > limit:
-            raise ApiError(400, f"a batch of {len(batch)} prompts exceeds {limit} (lanes + "
-                           "--max-waiting): split it", param="prompt", code="batch_too_large")
+        if len(batch) * n > limit:  # each choice of each prompt is a request
+            raise ApiError(400, f"a batch of {len(batch)} prompts x n={n} choices exceeds "
+                           f"{limit} (lanes + --max-waiting): split it", param="prompt",
+                           code="batch_too_large")
         return batch
 
     def submit_all(self, prefix: str, prompts: list[list[int]], params: SamplingParams,
@@ -536,7 +554,8 @@ class _Server:
         body = await self.decode(request, CompletionRequest)
         self.check_completion_features(body)
         params = self.params(body, body.max_tokens)
-        gens = self.submit_all("cmpl", self.prompts(body.prompt), params, "prompt")
+        gens = self.submit_all("cmpl", self.truncate(self.prompts(body.prompt, body.n), body),
+                               params, "prompt")
         created = int(time.time())
         headers = self.headers(request)
         if body.stream:
@@ -610,7 +629,7 @@ class _Server:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else \
             body.max_tokens  # None: up to the context end
         params = self.params(body, max_tokens)
-        gens = self.submit_all("chatcmpl", [prompt], params, "messages")
+        gens = self.submit_all("chatcmpl", self.truncate([prompt], body), params, "messages")
         created = int(time.time())
         headers = self.headers(request)
         if body.stream:

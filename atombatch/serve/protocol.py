@@ -52,6 +52,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     bad_words: list[str] = []            # extension (needs a tokenizer)
     skip_special_tokens: bool = True     # extension
     prompt_logprobs: int | None = None   # extension: per prompt token, its logprob + the top k
+    truncate_prompt_tokens: int | None = None  # extension: keep the last k prompt tokens
+                                         #   (-1: the context length), as vLLM does
+    use_beam_search: bool = False        # extension: only False is served (no beam search)
+    length_penalty: float = 1.0          # extension: beam search only; no effect without it
     user: str | None = None              # accepted and ignored
 
 
