@@ -20,7 +20,10 @@ the decode buffers in place: no Python object is created per lane.
 """
 
 cimport cython
+from cpython cimport array as carray
 from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint64_t
+
+from array import array
 
 import numpy as np
 
@@ -912,14 +915,14 @@ cdef class StepKernel:
     A steady decode step is `grow()` (a new block for each lane at a block boundary, taken from the
     free list), `build(padding_block)` (the decode inputs, in place), the device call,
     `pick(logits, greedy)` (the greedy tokens, numpy's argmax, and the finite check of every row)
-    and `complete(now)` (append each row's token to its request's output list, advance the lane
+    and `complete(now)` (append each row's token to its request's output array, advance the lane
     and its sliding slot, detect stop ids and the output limit). Each returns how many entries of
     `attention` the caller must look at: lanes that need a block the free list does not have
     (eviction or preemption is the caller's choice), rows the caller samples or fails, rows that
     finished or whose requests want their outputs built by the caller. Everything else stays in
     this class's arrays: nothing is allocated per lane, and no Python runs per lane.
 
-    The request data a lane needs (its output and token-time lists, its id, its output limit, its
+    The request data a lane needs (its output and token-time arrays, its id, its output limit, its
     stop ids and flags) is bound when the lane starts decoding (`bind`) and dropped when the lane is
     released (`unbind`). Rows are those of the last `build`: rows `0..num_rows-1` are the decoding
     lanes in lane order (`inputs.row_lanes`); `tokens` and `status` are indexed by row.
@@ -986,13 +989,17 @@ cdef class StepKernel:
         self.ids = [None] * b
 
     # -- per-lane request data ------------------------------------------------------------------
-    def bind(self, Py_ssize_t lane, request_id, list output not None, list times not None,
-             Py_ssize_t max_output, stop_ids, int flags):
+    def bind(self, Py_ssize_t lane, request_id, carray.array output not None,
+             carray.array times not None, Py_ssize_t max_output, stop_ids, int flags):
         """Lane `lane` decodes for `request_id`: its tokens go to `output` (and `now` to `times`),
         it finishes "length" once `output` holds `max_output` tokens and "stop" on a token of
         `stop_ids`. `flags`: LANE_SAMPLE (the caller samples its row) and LANE_OWN_OUTPUT (the
-        caller builds its outputs); more stop ids than `max_stop_ids` add LANE_STOPCHECK."""
+        caller builds its outputs); more stop ids than `max_stop_ids` add LANE_STOPCHECK.
+        `output` is an `array("q")` and `times` an `array("d")`: appended to in place."""
         self.lanes._check_lane(lane)
+        if output.typecode != "q" or times.typecode != "d":
+            raise TypeError(f"output must be an array('q') and times an array('d'), not "
+                            f"array({output.typecode!r}) and array({times.typecode!r})")
         if not 0 <= max_output <= 0x7FFFFFFF:
             raise RequestError(f"max_output={max_output} is outside 0..{0x7FFFFFFF}")
         if flags & ~(C_LANE_SAMPLE | C_LANE_OWN_OUTPUT):
@@ -1121,7 +1128,7 @@ cdef class StepKernel:
     @cython.initializedcheck(ATOMBATCH_DEBUG)
     def complete(self, now):
         """Each row's `tokens[row]` becomes its lane's next token: appended to the bound output
-        list (and `now` to the token times), the lane one position longer, its sliding slot one
+        array (and `now` to the token times), the lane one position longer, its sliding slot one
         fuller. A row whose lane no longer decodes (its request failed during the step) is
         ROW_SKIPPED; a ROW_NONFINITE row is left alone. Returns k: `attention[:k]` are the rows
         the caller handles, in row order: ROW_STOP (a stop id), ROW_LENGTH (the output limit),
@@ -1138,6 +1145,9 @@ cdef class StepKernel:
         cdef int8_t status, flags
         cdef bint hybrid = self.slots is not None
         cdef list outputs = self._outputs, times = self._times
+        cdef carray.array out, at
+        cdef Py_ssize_t size
+        cdef double when = now
         for row in range(n):  # validated first: a failed call changes nothing
             lane = row_lanes[row]
             if state[lane] == C_LANE_DECODING and self._status_v[row] != C_ROW_NONFINITE and \
@@ -1156,8 +1166,14 @@ cdef class StepKernel:
             next_token[lane] = token
             if hybrid and self._fill_v[lane] < self._window:
                 self._fill_v[lane] += 1
-            (<list>outputs[lane]).append(token)
-            (<list>times[lane]).append(now)
+            out = <carray.array>outputs[lane]
+            size = len(out)
+            carray.resize_smart(out, size + 1)
+            out.data.as_longlongs[size] = token
+            at = <carray.array>times[lane]
+            size = len(at)
+            carray.resize_smart(at, size + 1)
+            at.data.as_doubles[size] = when
             self._num_out_v[lane] += 1
             done += 1
             flags = self._flags_v[lane]

@@ -24,6 +24,7 @@ place each step, applying the padding rules of docs/rules.md.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -715,7 +716,7 @@ class StepKernel:
     A steady decode step is `grow()` (a new block for each lane at a block boundary, taken from the
     free list), `build(padding_block)` (the decode inputs, in place), the device call,
     `pick(logits, greedy)` (the greedy tokens, numpy's argmax, and the finite check of every row)
-    and `complete(now)` (append each row's token to its request's output list, advance the lane
+    and `complete(now)` (append each row's token to its request's output array, advance the lane
     and its sliding slot, detect stop ids and the output limit). Each returns how many entries of
     `attention` the caller must look at: lanes that need a block the free list does not have
     (eviction or preemption is the caller's choice), rows the caller samples or fails, rows that
@@ -723,7 +724,7 @@ class StepKernel:
     this class's arrays: nothing is allocated per lane, and no Python runs per lane (in the
     compiled core; this twin is the readable reference).
 
-    The request data a lane needs (its output and token-time lists, its id, its output limit, its
+    The request data a lane needs (its output and token-time arrays, its id, its output limit, its
     stop ids and flags) is bound when the lane starts decoding (`bind`) and dropped when the lane is
     released (`unbind`). Rows are those of the last `build`: rows `0..num_rows-1` are the decoding
     lanes in lane order (`inputs.row_lanes`); `tokens` and `status` are indexed by row.
@@ -754,20 +755,24 @@ class StepKernel:
         self._max_out = np.zeros(b, dtype=np.int32)
         self._flags = np.zeros(b, dtype=np.int8)
         self._stops: list[tuple[int, ...]] = [()] * b
-        self._outputs: list[list[int] | None] = [None] * b
-        self._times: list[list[float] | None] = [None] * b
+        self._outputs: list[array[int] | None] = [None] * b
+        self._times: list[array[float] | None] = [None] * b
         self.ids: list[str | None] = [None] * b
 
     # -- per-lane request data ------------------------------------------------------------------
-    def bind(self, lane: int, request_id: str, output: list[int], times: list[float],
+    def bind(self, lane: int, request_id: str, output: array[int], times: array[float],
              max_output: int, stop_ids: Sequence[int], flags: int) -> None:
         """Lane `lane` decodes for `request_id`: its tokens go to `output` (and `now` to `times`),
         it finishes "length" once `output` holds `max_output` tokens and "stop" on a token of
         `stop_ids`. `flags`: LANE_SAMPLE (the caller samples its row) and LANE_OWN_OUTPUT (the
-        caller builds its outputs); more stop ids than `max_stop_ids` add LANE_STOPCHECK."""
+        caller builds its outputs); more stop ids than `max_stop_ids` add LANE_STOPCHECK.
+        `output` is an `array("q")` and `times` an `array("d")`: appended to in place."""
         self.lanes._check_lane(lane)
-        if not isinstance(output, list) or not isinstance(times, list):
-            raise TypeError("output and times must be lists")
+        if not isinstance(output, array) or not isinstance(times, array):
+            raise TypeError("output must be an array('q') and times an array('d')")
+        if output.typecode != "q" or times.typecode != "d":
+            raise TypeError(f"output must be an array('q') and times an array('d'), not "
+                            f"array({output.typecode!r}) and array({times.typecode!r})")
         if not 0 <= max_output <= 0x7FFFFFFF:
             raise RequestError(f"max_output={max_output} is outside 0..{0x7FFFFFFF}")
         if flags & ~(LANE_SAMPLE | LANE_OWN_OUTPUT):
@@ -880,7 +885,7 @@ class StepKernel:
 
     def complete(self, now: float) -> int:
         """Each row's `tokens[row]` becomes its lane's next token: appended to the bound output
-        list (and `now` to the token times), the lane one position longer, its sliding slot one
+        array (and `now` to the token times), the lane one position longer, its sliding slot one
         fuller. A row whose lane no longer decodes (its request failed during the step) is
         ROW_SKIPPED; a ROW_NONFINITE row is left alone. Returns k: `attention[:k]` are the rows
         the caller handles, in row order: ROW_STOP (a stop id), ROW_LENGTH (the output limit),

@@ -7,6 +7,7 @@ These are data: the scheduler (`atombatch.scheduler`, who runs) and the KV manag
 from __future__ import annotations
 
 import enum
+from array import array
 from typing import Any
 
 import msgspec
@@ -74,12 +75,14 @@ class Request:
         self.state = S.WAITING
         self.lane = -1
         self.blocks: list[int] = []      # STAGED blocks while staging (lane blocks live in LaneTable)
-        self.output: list[int] = []
+        # int64 and float64 arrays: the decode kernel appends to them in C, without a Python
+        # object per token
+        self.output: array[int] = array("q")
         self.prefill_pos = 0             # positions of `prefill_tokens` already written
         self.admit_order = -1
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
-        self.token_times: list[float] = []
+        self.token_times: array[float] = array("d")
         self.preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None

@@ -11,6 +11,7 @@ loop over the lanes computes.
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import atombatch._blocks as c_impl
@@ -68,8 +69,8 @@ def test_kernel_twin_and_reference_agree_over_random_steps(data: st.DataObject) 
     kernel = kernel_twin(pool, lanes, inputs, slots, max_stop_ids)
     spare = pool.reserve_spare()
     # per lane, what the reference expects (outputs are separate lists per implementation)
-    outputs: dict[int, tuple[list[int], list[int]]] = {}
-    times: dict[int, tuple[list[float], list[float]]] = {}
+    outputs: dict[int, tuple[array[int], array[int]]] = {}
+    times: dict[int, tuple[array[float], array[float]]] = {}
     stops: dict[int, tuple[int, ...]] = {}
     limits: dict[int, int] = {}
     flags: dict[int, int] = {}
@@ -80,8 +81,8 @@ def test_kernel_twin_and_reference_agree_over_random_steps(data: st.DataObject) 
         flag = data.draw(st.sampled_from([0, py_impl.LANE_SAMPLE, py_impl.LANE_OWN_OUTPUT,
                                           py_impl.LANE_SAMPLE | py_impl.LANE_OWN_OUTPUT]))
         prior = data.draw(st.lists(st.integers(0, vocab), max_size=3), label="prior")
-        outputs[lane] = (list(prior), list(prior))
-        times[lane] = ([], [])
+        outputs[lane] = (array("q", prior), array("q", prior))
+        times[lane] = (array("d"), array("d"))
         stops[lane], limits[lane] = stop_ids, limit
         flags[lane] = flag | (py_impl.LANE_STOPCHECK if len(stop_ids) > max_stop_ids else 0)
         for side, impl in (("c", kernel.c), ("py", kernel.py)):
@@ -190,7 +191,7 @@ def test_kernel_twin_and_reference_agree_over_random_steps(data: st.DataObject) 
             token = tokens[row]
             seq_len, out = before[lane]
             assert lanes.seq_len(lane) == seq_len + 1 and lanes.next_token(lane) == token
-            assert outputs[lane][0] == outputs[lane][1] == [*out, token]
+            assert list(outputs[lane][0]) == list(outputs[lane][1]) == [*out, token]
             assert times[lane][0][-1] == times[lane][1][-1] == float(step)
             if slots is not None:
                 assert slots.fill(lane) == min(seq_len + 1, window)
@@ -243,19 +244,23 @@ def test_kernel_refuses_misuse_without_changing_anything(impl: Any) -> None:
         kernel.complete(0.0)
     assert lanes.seq_len(lane) == 1
     with pytest.raises(StateError, match="flags"):
-        kernel.bind(lane, "r", [], [], 4, (), 64)
+        kernel.bind(lane, "r", array("q"), array("d"), 4, (), 64)
+    with pytest.raises(TypeError, match="array"):
+        kernel.bind(lane, "r", array("i"), array("d"), 4, (), 0)
+    with pytest.raises(TypeError):
+        kernel.bind(lane, "r", [], array("d"), 4, (), 0)
     with pytest.raises(StateError, match="rows"):
         kernel.pick(np.zeros((0, 3), dtype=np.float32), np.zeros(1, dtype=np.int64))
     with pytest.raises(ValueError):
         kernel.pick(np.zeros((1, 3), dtype=np.float64), np.zeros(1, dtype=np.int64))
     with pytest.raises(StateError, match="outside the vocabulary"):
         kernel.pick(np.zeros((1, 3), dtype=np.float32), np.array([3], dtype=np.int64))
-    output: list[int] = [9]
-    kernel.bind(lane, "r", output, [], 3, (7,), 0)
+    output = array("q", [9])
+    kernel.bind(lane, "r", output, array("d"), 3, (7,), 0)
     assert kernel.num_output(lane) == 1
     logits = np.array([[0.0, 1.0, 0.5]], dtype=np.float32)
     assert kernel.pick(logits, logits.argmax(axis=1)) == 0
-    assert kernel.complete(2.0) == 0 and output == [9, 1] and kernel.completed == 1
+    assert kernel.complete(2.0) == 0 and list(output) == [9, 1] and kernel.completed == 1
     assert lanes.seq_len(lane) == 2 and lanes.next_token(lane) == 1
 
 
