@@ -428,9 +428,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--ray", action="store_true",
                    help="instead: atombatch's router vs Ray Serve's default on a local Ray "
-                   "(NumPy replicas, real HTTP; needs the ray extra)")
+                   "(real HTTP; replicas on the simulator paced in wall time; needs the ray "
+                   "extra)")
     p.add_argument("--concurrency", type=int, default=2, help="--ray: conversations at once")
     p.add_argument("--repeat", type=int, default=2, help="--ray: rounds (routers alternate)")
+    p.add_argument("--ray-engine", help="--ray: every replica's engine flags, quoted (default: "
+                   "the paced simulator, atombatch.bench.cluster_ray.ENGINE; 'numpy' for the "
+                   "NumPy runtime's ENGINE_NUMPY)")
+    p.add_argument("--ray-cpus", type=int, default=2, help="--ray: CPUs of the local Ray")
     return p
 
 
@@ -439,12 +444,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray:
         from atombatch.bench import cluster_ray
 
+        engine = cluster_ray.ENGINE_NUMPY if args.ray_engine == "numpy" else \
+            args.ray_engine.split() if args.ray_engine else cluster_ray.ENGINE
         results = cluster_ray.run(replicas=max(args.replicas), conversations=args.conversations,
                                   turns=args.turns, system_prompts=args.system_prompts,
                                   system_len=args.system_len, user_len=args.user_len,
                                   output_len=args.output_len, concurrency=args.concurrency,
-                                  seed=args.seed, repeat=args.repeat)
-        print(cluster_ray.format_table(results))
+                                  seed=args.seed, repeat=args.repeat, engine=list(engine),
+                                  num_cpus=args.ray_cpus)
+        print("python -m atombatch.bench cluster " + " ".join(argv or sys.argv[2:]))
+        print(f"engine: {' '.join(engine)}")
+        print(cluster_ray.format_table(results, list(engine)))
         if args.json:
             args.json.write_bytes(msgspec.json.format(msgspec.json.encode(results)))
         return 0
