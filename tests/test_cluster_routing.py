@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams, prefix
 from atombatch.cluster import (
     LoadOnlyPolicy,
+    OtherRouters,
     PrefixAffinityPolicy,
     ReplicaLoad,
     make_policy,
@@ -296,3 +297,20 @@ def test_routing_over_reported_summaries(replica_specs: list[tuple[int, dict[int
         assert chosen.load == floor
     for r in replicas:
         assert policy.match_blocks(request, r.replica, now=100.0) == exact[r.replica]
+
+
+def test_stale_reports_of_the_routers_own_requests_do_not_count_twice() -> None:
+    others = OtherRouters()
+    for n in range(1, 5):
+        others.sent("r0", n)                      # this router sends 4 requests to r0
+    # a report made while they ran arrives after they all ended: not other routers' work
+    assert others.estimate("r0", 1, reported=4, mine=0) == 0
+    assert others.estimate("r0", 1, reported=4, mine=0) == 0   # the same report, judged once
+    # another router's 3 requests: the report shows more than this router ever had there
+    others.sent("r0", 1)
+    assert others.estimate("r0", 2, reported=4, mine=1) == 3
+    assert others.estimate("r0", 2, reported=4, mine=0) == 3   # until the next report
+    assert others.estimate("r0", 3, reported=0, mine=0) == 0   # they ended
+    assert others.estimate("r1", None, reported=2, mine=0) == 2  # a replica never seen
+    others.forget("r1")
+    assert others.estimate("r1", None, reported=0, mine=0) == 0

@@ -10,9 +10,10 @@ prefix cache uses (`atombatch.prefix.chain_digest`: a digest covers every token 
 matching run of leading digests is a shared prefix of that many blocks, whatever the replicas'
 own block sizes. The table maps digest -> replicas that were sent it, bounded in entries (LRU).
 
-Load is what each replica reports (lanes holding a request, requests without a lane) and what the
-router itself has in flight there (sent, not yet finished): reports are periodic and stale by up to
-one period, the router's own count is exact for its own traffic; the larger of the two is used.
+Load is what the router itself has in flight on each replica (sent, not yet finished: exact for
+its own traffic) plus what other routers hold there, estimated from the replica's reports (lanes
+holding a request, requests without a lane) by `OtherRouters`: reports are stale by a period or
+more, so a report only adds the requests it shows beyond this router's own.
 
 What replicas hold is learned two ways. Each replica reports a summary of what its prefix cache
 actually holds (`atombatch.cluster.summary.CacheSummary`: a Bloom filter of the routing digests of
@@ -98,6 +99,42 @@ class ReplicaLoad(msgspec.Struct, frozen=True):
     @property
     def free_lanes(self) -> int:
         return max(0, self.lanes - self.load)
+
+
+class OtherRouters:
+    """Requests other routers hold on each replica, estimated from the replicas' reports.
+
+    A report (`occupied + queue`) counts every request a replica held when it was made, this
+    router's included, and reaches the router a report period or more later (seconds, on a
+    loaded machine). Taken as it is (or as a lower bound on the load), a report made while this
+    router's own requests ran keeps a replica "full" long after they ended, and affinity spills
+    for nothing. So, per replica, the router keeps the most requests it had in flight there
+    since the previous report arrived (the new one was made in that window) and counts only the
+    report's excess over it as other routers' requests. A replica numbers its reports (`seq`,
+    changed whenever its figure changes); each is judged once, when it first arrives.
+    """
+
+    def __init__(self) -> None:
+        # replica -> (seq of the last report judged, most in flight since it arrived, others)
+        self._state: dict[str, tuple[object, int, int]] = {}
+
+    def sent(self, replica: str, mine: int) -> None:
+        """This router now has `mine` requests in flight on `replica`."""
+        seq, window, others = self._state.get(replica, (None, 0, 0))
+        self._state[replica] = (seq, max(window, mine), others)
+
+    def estimate(self, replica: str, seq: object, reported: int, mine: int) -> int:
+        """Other routers' requests on `replica`, given its latest report (`seq`, `reported`)
+        and this router's `mine` in flight there now."""
+        last, window, others = self._state.get(replica, (None, mine, 0))
+        if seq is None or seq != last:
+            others = max(0, reported - max(window, mine))
+            window = mine
+        self._state[replica] = (seq, max(window, mine), others)
+        return others
+
+    def forget(self, replica: str) -> None:
+        self._state.pop(replica, None)
 
 
 class RoutingStats(msgspec.Struct):

@@ -69,6 +69,7 @@ from atombatch.aio import AsyncBatcher
 from atombatch.cluster.routing import (
     DEFAULT_MAX_BLOCKS,
     DEFAULT_ROUTE_BLOCK,
+    OtherRouters,
     PrefixAffinityPolicy,
     ReplicaLoad,
     route_digests,
@@ -155,6 +156,7 @@ class AtomRequestRouter(RequestRouter):
         self.in_flight: dict[str, int] = {}
         # internal request id -> (replica id, the request's digests)
         self._requests: dict[str, tuple[str, tuple[bytes, ...]]] = {}
+        self.others = OtherRouters()
 
     def _state(self) -> PrefixAffinityPolicy:
         if not hasattr(self, "policy"):
@@ -162,13 +164,15 @@ class AtomRequestRouter(RequestRouter):
         return self.policy
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
+        """The replica's load: this router's requests in flight there (exact) plus the other
+        routers' (`atombatch.cluster.routing.OtherRouters`, from its reports)."""
         stats = replica.routing_stats or {}
         key = replica.replica_id.unique_id
         self.policy.report(key, summary_from_stats(stats))
-        return ReplicaLoad(key, lanes=int(stats.get("lanes", 1)),
-                           occupied=int(stats.get("occupied", 0)),
-                           queue=int(stats.get("queue", 0)),
-                           in_flight=self.in_flight.get(key, 0),
+        mine = self.in_flight.get(key, 0)
+        others = self.others.estimate(key, stats.get("seq"), int(stats.get("occupied", 0)) +
+                                      int(stats.get("queue", 0)), mine)
+        return ReplicaLoad(key, lanes=int(stats.get("lanes", 1)), in_flight=mine + others,
                            prefix_cache=bool(stats.get("prefix_cache", True)))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -190,6 +194,7 @@ class AtomRequestRouter(RequestRouter):
         digests = _digests_of(pending_request)
         policy.routed(digests, key, time.monotonic())
         self.in_flight[key] = self.in_flight.get(key, 0) + 1
+        self.others.sent(key, self.in_flight[key])
         self._requests[pending_request.metadata.internal_request_id] = (key, digests)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -214,6 +219,7 @@ class AtomRequestRouter(RequestRouter):
     def _forget(self, key: str) -> None:
         self._state().forget(key)
         self.in_flight.pop(key, None)
+        self.others.forget(key)
         self._requests = {rid: v for rid, v in self._requests.items() if v[0] != key}
 
 
@@ -367,6 +373,8 @@ class AtomReplica:
         self.batcher = batcher
         self.pool = None
         self.summarizer = CacheSummarizer(route_block, max_blocks, bits=summary_bits)
+        self._stats_seq = 0
+        self._stats_held = (0, 0)
         self._stop_checks = threading.Event()
         if pd:
             from atombatch.cluster.pd_pool import ProducerPool
@@ -432,7 +440,13 @@ class AtomReplica:
         stats: dict[str, Any] = {
             "lanes": self.batcher.artifact.batch_size, "occupied": s.occupied_lanes,
             "queue": s.queue_length, "prefix_cache": scheduler.prefix is not None,
-            "prefix_hits": s.prefix_hits, "prefix_hit_tokens": s.prefix_hit_tokens}
+            "prefix_hits": s.prefix_hits, "prefix_hit_tokens": s.prefix_hit_tokens,
+            "seq": self._stats_seq}
+        held = (s.occupied_lanes, s.queue_length)
+        if held != self._stats_held:  # a new figure (the router judges each one once)
+            self._stats_held = held
+            self._stats_seq += 1
+            stats["seq"] = self._stats_seq
         if scheduler.prefix is not None:
             summary = self.summarizer.summary(scheduler.prefix, scheduler.host)
             stats.update(summary_bits=summary.bits, summary_hashes=summary.hashes,
