@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                                   system_len=args.system_len, user_len=args.user_len,
                                   output_len=args.output_len, concurrency=args.concurrency,
                                   seed=args.seed, repeat=args.repeat, engine=list(engine),
-                                  num_cpus=args.ray_cpus)
+                                  num_cpus=args.ray_cpus, max_imbalance=args.max_imbalance)
         print("python -m atombatch.bench cluster " + " ".join(argv or sys.argv[2:]))
         print(f"engine: {' '.join(engine)}")
         print(cluster_ray.format_table(results, list(engine)))

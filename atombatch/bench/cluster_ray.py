@@ -139,8 +139,8 @@ def _free_port() -> int:
 def run(*, replicas: int = 2, conversations: int = 16, turns: int = 3, system_prompts: int = 2,
         system_len: int = 768, user_len: int = 32, output_len: int = 16, concurrency: int = 4,
         routers: tuple[str, ...] = ("default", "prefix"), seed: int = 0,
-        num_cpus: int = 2, repeat: int = 1,
-        engine: list[str] | None = None) -> list[RayRouterResult]:
+        num_cpus: int = 2, repeat: int = 1, engine: list[str] | None = None,
+        max_imbalance: int = 4) -> list[RayRouterResult]:
     """Deploy one application per router on a local Ray and drive the same workload through
     each (see the module docstring)."""
     engine = list(ENGINE if engine is None else engine)
@@ -164,7 +164,8 @@ def run(*, replicas: int = 2, conversations: int = 16, turns: int = 3, system_pr
             name = f"bench-{router}-{rep}"
             serve.run(build_app(engine, replicas=replicas,
                                 replica_cpus=min(0.5, num_cpus / (replicas + 1)),
-                                router=router, routing_stats_s=0.2, app_name=name),
+                                router=router, routing_stats_s=0.2, app_name=name,
+                                max_imbalance=max_imbalance),
                       name=name, route_prefix=f"/{name}")
             _wait_reports(name, replicas)
             url = f"http://127.0.0.1:{port}/{name}/v1/completions"
