@@ -25,6 +25,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is part of the test extra
 from ray import serve  # noqa: E402
 
 from atombatch.cluster import route_digests  # noqa: E402
+from atombatch.errors import ConfigError  # noqa: E402
 from atombatch.serve.cli import build_engine, parser  # noqa: E402
 from atombatch.serve.ray import board, build_app  # noqa: E402
 from atombatch.structs import SamplingParams  # noqa: E402
@@ -326,7 +327,7 @@ def test_pd_producers_in_their_own_processes(cluster: str, app_names: list[str])
         assert sorted(ray.get(board("pd").producers.remote())) == [survivor]
 
         # scaling up while the application runs: the new producer is used at once
-        assert scale_producers("pd", 2, ENGINE) == sorted(names)
+        assert scale_producers("pd", 2) == sorted(names)   # with the flags the app was built with
         wait_for("the new producer in the pool", lambda: sorted(pool_of("pd")) == names)
         before = ray.get(producer(busy).status.remote())["served"]
         assert ask(fresh) == expected([fresh], 5)[0]   # least loaded, least recently used: new
@@ -366,5 +367,9 @@ def test_pd_producers_in_their_own_processes(cluster: str, app_names: list[str])
         with pytest.raises(ValueError):
             producer(leaving)                          # ended
         http.close()
+        with pytest.raises(ConfigError, match="count=-1"):
+            scale_producers("pd", -1)
+        with pytest.raises(ConfigError, match="no stored producer engine flags"):
+            scale_producers("affinity", 1)             # not a PD application
     finally:
         scale_producers("pd", 0, drain_s=0.0, settle_s=0.0)

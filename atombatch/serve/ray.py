@@ -791,6 +791,14 @@ class Board:
         self.stale_s = stale_s
         self._reports: dict[str, tuple[float, dict[str, Any]]] = {}
         self._producers: dict[str, tuple[str, Any]] = {}   # name -> (endpoint, actor handle)
+        self._producer_args: list[str] | None = None
+
+    def set_producer_args(self, args: list[str]) -> None:
+        """The engine flags new producers of this application get by default."""
+        self._producer_args = list(args)
+
+    def producer_args(self) -> list[str] | None:
+        return self._producer_args
 
     def register_producer(self, name: str, endpoint: str, actor: Any) -> None:
         self._producers[name] = (endpoint, actor)
@@ -838,7 +846,8 @@ def scale_producers(app_name: str, count: int, engine_args: Sequence[str] = (), 
     """Make the application's PD pool `count` producers while it runs; returns their names.
 
     New producers (`ProducerActor`, detached, named `{app_name}-producer-{i}` in Ray namespace
-    "atombatch", `engine_args` as their engine flags) register on the board when up, and every
+    "atombatch", `engine_args` as their engine flags; default: the flags the application's
+    producers were built with) register on the board when up, and every
     replica adds them to its pool at its next sync (`pd_check_s`). Removed producers (highest
     index first) are deregistered, so replicas stop choosing them; after `settle_s` (replicas
     have synced) and once the producer has no request left to produce (at most `drain_s`), it is
@@ -848,11 +857,13 @@ def scale_producers(app_name: str, count: int, engine_args: Sequence[str] = (), 
     Call it from any process connected to the Ray cluster (`ray.init(address=...)`).
 
     Raises:
-        ConfigError: `count` is negative.
+        ConfigError: `count` is negative, or producers are to be added and neither
+            `engine_args` nor the application's stored producer flags say what they run.
     """
     if count < 0:
         raise ConfigError(f"count={count} producers must be >= 0")
     registry = board(app_name)
+    engine_args = list(engine_args) or ray.get(registry.producer_args.remote()) or []
     registered = ray.get(registry.producers.remote())
     for name, (_, actor) in registered.items():   # registrations of producers that died
         ready, _ = ray.wait([actor.ping.remote()], timeout=5.0)
@@ -868,6 +879,9 @@ def scale_producers(app_name: str, count: int, engine_args: Sequence[str] = (), 
     new: list[Any] = []
     index = 0
     names = set(current)
+    if len(current) < count and not engine_args:
+        raise ConfigError(f"application {app_name!r} has no stored producer engine flags (it was "
+                          "not built with PD producers): give the producers' engine flags")
     while len(current) + len(new) < count:
         name = producer_name(app_name, index)
         index += 1
@@ -953,6 +967,9 @@ def build_app(engine_args: Sequence[str], *, replicas: int = 1, atom_resource: s
         options["resources"] = {atom_resource: tp}
     if router not in ("prefix", "default"):
         raise ConfigError(f"router={router!r} is not 'prefix' or 'default'")
+    use_pd = bool(producers) if pd is None else pd
+    if use_pd:
+        ray.get(board(app_name).set_producer_args.remote(list(producer_args or engine_args)))
     if producers:
         scale_producers(app_name, producers, list(producer_args or engine_args),
                         replica_cpus=replica_cpus, atom_resource=atom_resource,
@@ -975,7 +992,7 @@ def build_app(engine_args: Sequence[str], *, replicas: int = 1, atom_resource: s
                                ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)
     return ingress.bind(replica.bind(list(engine_args), atom_resource,
-                                     pd=bool(producers) if pd is None else pd, pd_app=app_name,
+                                     pd=use_pd, pd_app=app_name,
                                      pd_check_s=pd_check_s, report_s=report_s,
                                      route_block=route_block, summary_bits=summary_bits),
                         list(engine_args), route_block=route_block)
