@@ -51,3 +51,35 @@ def test_cli_sizes_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture
     (row,) = report["sizing"]
     assert row["replicas"] == 1 and row["atoms"] == 1      # one replica meets a 30 s TTFT
     assert bench_main(["cluster", "--policies", "random"]) == 2
+
+
+def test_paced_simulator_sleeps_its_device_time_and_serves_from_the_cli() -> None:
+    from atombatch.errors import ConfigError
+    from atombatch.runtime.sim import SimRuntime
+    from atombatch.serve.cli import build_engine, parser
+    from atombatch.structs import SamplingParams
+
+    flags = ["--runtime", "sim", "--model", "qwen3-0.6b", "--batch-size", "2", "--max-seq-len",
+             "512", "--block-size", "64", "--num-blocks", "12", "--prefill-chunk-size", "64",
+             "--prefix-cache"]
+    prompt = list(range(3, 300))
+    outputs = {}
+    for pace in ("0", "1"):
+        batcher, name, _ = build_engine(parser().parse_args(flags + ["--sim-pace", pace]))
+        runtime = batcher.runtime
+        assert isinstance(runtime, SimRuntime) and name == "qwen3-0.6b"
+        params = SamplingParams(max_tokens=3, temperature=0.0)
+        outputs[pace] = [list(batcher.generate([p], params)[0].token_ids)
+                         for p in (prompt, prompt + [7])]
+        device = runtime.device.prefill_s + runtime.device.decode_s
+        if pace == "0":
+            assert runtime.clock() == pytest.approx(device)     # virtual: the device time only
+        else:
+            # paced: every call slept its device time, so the (wall) clock is past their sum
+            assert runtime.clock() >= device > 0
+        assert batcher.stats().prefix_hit_tokens > 0           # the second prompt hit the first
+    assert outputs["0"] == outputs["1"]                        # pacing changes no token
+    with pytest.raises(ConfigError, match="pace=-1"):
+        SimRuntime(batcher.runtime.artifact, pace=-1)
+    with pytest.raises(ConfigError, match="needs a preset"):
+        build_engine(parser().parse_args(["--runtime", "sim", "--model", "nope"]))

@@ -112,3 +112,30 @@ def test_app_builder_takes_serve_config_args() -> None:
         app_builder({"replica": 3})
     with pytest.raises(ConfigError, match="router='random'"):
         app_builder({"router": "random"})
+
+
+def test_producers_join_and_leave_while_requests_run() -> None:
+    pool = ProducerPool(source_factory=FakeSource)
+    with pytest.raises(CapacityError):
+        pool.open("r0", [1], None)
+    pool.sync({"a": "tcp://a"})
+    running = pool.open("r1", [1], None)
+    pool.sync({"a": "tcp://a", "b": "tcp://b"})                 # a new producer: used at once
+    assert pool.open("r2", [1], None)._inner.endpoint == "tcp://b"
+    # "a" leaves with a request in flight: retired, never chosen, kept until its request ends
+    pool.sync({"b": "tcp://b"})
+    assert pool.available == ["b"]
+    assert [(p.name, p.retired, p.in_flight) for p in pool.snapshot()] == \
+        [("a", True, 1), ("b", False, 1)]
+    assert all(pool.open(f"n{i}", [1], None)._inner.endpoint == "tcp://b" for i in range(3))
+    assert pool.check(lambda p: True) == []
+    running.close()                                             # its request ended: gone
+    assert [p.name for p in pool.snapshot()] == ["b"]
+    # a producer found dead is not re-added from a stale registry, but its restart (a new
+    # endpoint under the same name) is
+    pool.sync({"b": "tcp://b", "c": "tcp://c"})
+    assert pool.check(lambda p: p.name != "c")[0].name == "c"
+    pool.sync({"b": "tcp://b", "c": "tcp://c"})
+    assert pool.available == ["b"]
+    pool.sync({"b": "tcp://b", "c": "tcp://c2"})
+    assert sorted(pool.available) == ["b", "c"]

@@ -8,8 +8,10 @@ decoding is per lane, so neither routing nor batching can change them.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +24,8 @@ import pytest
 ray = pytest.importorskip("ray", reason="the ray extra is part of the test extra")
 from ray import serve  # noqa: E402
 
+from atombatch.cluster import route_digests  # noqa: E402
+from atombatch.errors import ConfigError  # noqa: E402
 from atombatch.serve.cli import build_engine, parser  # noqa: E402
 from atombatch.serve.ray import board, build_app  # noqa: E402
 from atombatch.structs import SamplingParams  # noqa: E402
@@ -155,6 +159,43 @@ def test_two_replicas_stream_with_prefix_affinity_and_merged_metrics(cluster: st
                      timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 
+    # The router reads the replicas' caches: once group 0's replica evicted it, group 0 no
+    # longer attracts requests there. Fresh prompts that the router's tie-break sends to that
+    # replica fill its 40 blocks (LRU: group 0's blocks go first).
+    holder = replicas[0]
+    (other,) = [r for r in stats if r != holder]
+    http = httpx.Client(timeout=120)
+    flooded = 0
+    for g in range(60):
+        flood = [500 + g] * 384
+        first = route_digests(flood)[0]
+        if min((holder, other), key=lambda r: hashlib.blake2b(
+                first + r.encode(), digest_size=8).digest()) != holder:
+            continue
+        time.sleep(0.3)                           # both idle in the router's eyes
+        answer = http.post(f"{base}/v1/completions",
+                           json={"prompt": flood, "max_tokens": 1, "temperature": 0})
+        flooded += answer.headers["x-atombatch-replica"] == holder
+        if flooded == 7:                          # 7 x 6 blocks > 40
+            break
+    assert flooded == 7
+    time.sleep(2.5)                               # past pending_s: only the reports count
+    body = {"prompt": flood, "max_tokens": 600, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with http.stream("POST", f"{base}/v1/completions", json=body) as running:
+        lines = running.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        assert running.headers["x-atombatch-replica"] == holder   # its cache holds the flood
+        time.sleep(0.6)                           # the router hears of the load
+        again = http.post(f"{base}/v1/completions",
+                          json={"prompt": groups[0][2], "max_tokens": 2, "temperature": 0})
+        # the holder is busier and no longer holds group 0: the idle replica takes it (a router
+        # that only remembered where it sent group 0 would send it to the holder, lane free)
+        assert again.headers["x-atombatch-replica"] == other
+        assert again.json()["choices"][0]["token_ids"] == want[2][:2]
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    http.close()
+
 
 def test_replica_killed_mid_stream(cluster: str, app_names: list[str]) -> None:
     app_names.append("kill")
@@ -196,58 +237,139 @@ def test_replica_killed_mid_stream(cluster: str, app_names: list[str]) -> None:
     http.close()
 
 
+def producer(name: str) -> Any:
+    return ray.get_actor(name, namespace="atombatch")
+
+
+def pool_of(app: str) -> dict[str, dict[str, Any]]:
+    (stats,) = reports(app).values()
+    return {p["name"]: p for p in stats["producers"]}
+
+
+def wait_for(what: str, check: Any, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+def holding(names: list[str]) -> list[str]:
+    """The producers holding a request at their gate (paused after its header)."""
+    return [n for n in names if ray.get(producer(n).status.remote())["held"]]
+
+
 def test_pd_producers_in_their_own_processes(cluster: str, app_names: list[str]) -> None:
+    from atombatch.serve.ray import remove_producers, scale_producers
+
     app_names.append("pd")
+    names = ["pd-producer-0", "pd-producer-1"]
     serve.run(build_app(ENGINE, replicas=1, replica_cpus=0.25, producers=2, routing_stats_s=0.2,
-                        producer_options={"layer_delay": 1.5}, app_name="pd"),
+                        app_name="pd", pd_check_s=0.2, report_s=0.2),
               name="pd", route_prefix="/pd")
     base = f"{cluster}/pd"
-    (stats,) = wait_reports("pd", 1).values()
-    assert [p["name"] for p in stats["producers"]] == ["p0", "p1"]
-    http = httpx.Client(timeout=120)
-    prompts = [[g + 3] * 40 + [9, 8] for g in range(2)]
-    want = expected(prompts, 5)
-    answers = [http.post(f"{base}/v1/completions", json={"prompt": p, "max_tokens": 5,
-                                                         "temperature": 0}) for p in prompts]
-    assert [a.json()["choices"][0]["token_ids"] for a in answers] == want   # PD == native
-    (stats,) = wait_reports("pd", 1).values()
-    assert stats["imports"] > 0 and stats["prefill_chunks"] == 0
-    assert sorted(p["opened"] for p in stats["producers"]) == [1, 1]      # by load: one each
+    try:
+        wait_for("both producers in the pool", lambda: sorted(pool_of("pd")) == names)
+        http = httpx.Client(timeout=120)
+        prompts = [[g + 3] * 40 + [9, 8] for g in range(2)]
+        want = expected(prompts, 5)
 
-    # kill the producer serving a request while its layers are on the way (1.5 s per layer: time
-    # to see it busy in the 0.2 s stats reports even on a loaded machine); a prompt never served
-    # before, so the prefix cache cannot stand in for the import
-    fresh = [11] * 40 + [9, 8]
-    doomed = http.send(http.build_request("POST", f"{base}/v1/completions",
-                                          json={"prompt": fresh, "max_tokens": 5,
-                                                "temperature": 0, "stream": True}), stream=True)
-    busy: list[str] = []
-    deadline = time.monotonic() + 10.0  # polled: a loaded machine delays the stats reports
-    while not busy and time.monotonic() < deadline:
-        time.sleep(0.1)
+        def ask(prompt: list[int]) -> list[int]:
+            answer = http.post(f"{base}/v1/completions",
+                               json={"prompt": prompt, "max_tokens": 5, "temperature": 0})
+            assert answer.status_code == 200, answer.text
+            return list(answer.json()["choices"][0]["token_ids"])
+
+        assert [ask(p) for p in prompts] == want                                # PD == native
+        wait_for("the opens reported", lambda: sorted(
+            p["opened"] for p in pool_of("pd").values()) == [1, 1])           # by load: one each
         (stats,) = reports("pd").values()
-        busy = [p["name"] for p in stats["producers"] if p["in_flight"]]
-    assert len(busy) == 1
-    ray.kill(ray.get_actor(f"pd-producer-{busy[0][1:]}", namespace="atombatch"),
-             no_restart=True)
-    events = [line for line in doomed.iter_lines() if line.startswith("data: ")]
-    doomed.close()
-    errors = [e for e in events if '"error"' in e]
-    if errors:  # the single-process server's error event: the transfer failed, nothing generated
-        assert len(errors) == 1 and "KV producer" in errors[0]
+        assert stats["imports"] > 0 and stats["prefill_chunks"] == 0
+
+        # a producer killed while a request's layers are due: both producers hold every request
+        # after its header, the one holding it is killed, so no layer of it was ever sent; a
+        # prompt never served before, so the prefix cache cannot stand in for the import
+        for name in names:
+            ray.get(producer(name).pause.remote())
+        fresh = [11] * 40 + [9, 8]
+        doomed = http.send(http.build_request("POST", f"{base}/v1/completions",
+                                              json={"prompt": fresh, "max_tokens": 5,
+                                                    "temperature": 0, "stream": True}),
+                           stream=True)
+        (busy,) = wait_for("a producer holding the request", lambda: holding(names))
+        (survivor,) = [n for n in names if n != busy]
+        victim = producer(busy)
+        ray.kill(victim, no_restart=True)
+        # `ray.kill` returns before the actor is dead (the GCS forwards it): until it lands the
+        # actor still runs (and, not held, would go on sending layers)
+        killed = time.monotonic()
+
+        def dead() -> bool:
+            try:
+                ray.get(victim.ping.remote(), timeout=5)
+            except ray.exceptions.RayActorError:
+                return True
+            return False
+
+        wait_for("the killed producer dead", dead, timeout=60)
+        print(f"ray.kill landed within {time.monotonic() - killed:.2f} s")
+        ray.get(producer(survivor).resume.remote())
+        events = [line for line in doomed.iter_lines() if line.startswith("data: ")]
+        doomed.close()
+        errors = [e for e in events if '"error"' in e]
+        assert len(errors) == 1 and "KV producer" in errors[0], events
         assert not any('"token_ids":[' in e for e in events)
-    else:
-        # On this machine the kill has been seen to land after the last layer left: then the
-        # request must simply be right (never a corrupted or partial answer).
+        # the survivor takes every later request; the dead one leaves the pool and the registry
+        assert [ask(p) for p in prompts] == want
+        wait_for("the dead producer out of the pool", lambda: list(pool_of("pd")) == [survivor])
+        assert sorted(ray.get(board("pd").producers.remote())) == [survivor]
+
+        # scaling up while the application runs: the new producer is used at once
+        assert scale_producers("pd", 2) == sorted(names)   # with the flags the app was built with
+        wait_for("the new producer in the pool", lambda: sorted(pool_of("pd")) == names)
+        before = ray.get(producer(busy).status.remote())["served"]
+        assert ask(fresh) == expected([fresh], 5)[0]   # least loaded, least recently used: new
+        assert ray.get(producer(busy).status.remote())["served"] == before + 1
+
+        # removing a producer while it holds a request: it is no longer chosen, its request
+        # finishes (exactly), then it ends
+        for name in names:
+            ray.get(producer(name).pause.remote())
+        other = [14] * 40 + [9, 8]
+        pending = http.send(http.build_request("POST", f"{base}/v1/completions",
+                                               json={"prompt": other, "max_tokens": 5,
+                                                     "temperature": 0, "stream": True}),
+                            stream=True)
+        (leaving,) = wait_for("a producer holding the request", lambda: holding(names))
+        (staying,) = [n for n in names if n != leaving]
+        remover = threading.Thread(target=remove_producers, args=("pd", [leaving]),
+                                   kwargs={"settle_s": 0.5})
+        remover.start()
+        wait_for("the leaving producer retired", lambda: pool_of("pd").get(
+            leaving, {}).get("retired"))
+        ray.get(producer(staying).resume.remote())
+        served = ray.get(producer(staying).status.remote())["served"]
+        third = [15] * 40 + [9, 8]
+        assert ask(third) == expected([third], 5)[0]   # not sent to the retiring producer
+        assert ray.get(producer(staying).status.remote())["served"] == served + 1
+        ray.get(producer(leaving).resume.remote())
+        events = [line for line in pending.iter_lines() if line.startswith("data: ")]
+        pending.close()
         ids = [t for e in events if e != "data: [DONE]"
                for t in msgspec.json.decode(e[6:])["choices"][0]["token_ids"]]
-        assert ids == expected([fresh], 5)[0]
-    # the survivor takes every later request; the dead one is dropped from the pool
-    for prompt in prompts:
-        answer = http.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 5,
-                                                           "temperature": 0})
-        assert answer.status_code == 200 and answer.json()["choices"][0]["token_ids"] in want
-    time.sleep(2.0)
-    (stats,) = reports("pd").values()
-    assert [p["name"] for p in stats["producers"]] == [n for n in ("p0", "p1") if n != busy[0]]
-    http.close()
+        assert ids == expected([other], 5)[0] and events[-1] == "data: [DONE]"
+        remover.join(timeout=60)
+        assert not remover.is_alive()
+        wait_for("the removed producer out of the pool", lambda: list(pool_of("pd")) == [staying])
+        assert sorted(ray.get(board("pd").producers.remote())) == [staying]
+        with pytest.raises(ValueError):
+            producer(leaving)                          # ended
+        http.close()
+        with pytest.raises(ConfigError, match="count=-1"):
+            scale_producers("pd", -1)
+        with pytest.raises(ConfigError, match="no stored producer engine flags"):
+            scale_producers("affinity", 1)             # not a PD application
+    finally:
+        scale_producers("pd", 0, drain_s=0.0, settle_s=0.0)

@@ -47,7 +47,8 @@ import numpy as np
 
 from atombatch.bench import provenance
 from atombatch.bench.serve import fit_verdict, parse_artifact
-from atombatch.cluster import ReplicaLoad, make_policy, route_digests
+from atombatch.cluster import PrefixAffinityPolicy, ReplicaLoad, make_policy, route_digests
+from atombatch.cluster.summary import CacheSummarizer
 from atombatch.config import ModelSpec
 from atombatch.engine import Batcher
 from atombatch.errors import AtomBatchError, ConfigError
@@ -200,8 +201,11 @@ def run_cell(model: str, replicas: int, policy_name: str, workload: Workload, *,
              producers: int = 0, artifact_spec: str | None = None, context: int = CONTEXT,
              chunk: int = CHUNK, costs: CostModel | None = None, slo_ttft: float = 2.0,
              slo_tpot: float = 0.2, max_imbalance: int = 4,
-             pd_mode: str = "layer-stream") -> ClusterCell:
-    """Simulate one cell (see the module docstring)."""
+             pd_mode: str = "layer-stream", report_s: float | None = 0.5,
+             pending_s: float | None = None) -> ClusterCell:
+    """Simulate one cell (see the module docstring). `report_s`: how often replicas report a
+    summary of their prefix cache to the router (None: never; the router knows only where it
+    sent what); `pending_s`: the router's window for its own sends (default the policy's)."""
     wall = time.perf_counter()
     spec = ModelSpec.preset(model)
     artifact_spec = artifact_spec or ARTIFACTS.get(model, ARTIFACT)
@@ -224,6 +228,14 @@ def run_cell(model: str, replicas: int, policy_name: str, workload: Workload, *,
     costs = costs or CostModel.default()
     prefix_cache = not spec.is_hybrid
     policy = make_policy(policy_name, seed=workload.seed, max_imbalance=max_imbalance)
+    if isinstance(policy, PrefixAffinityPolicy) and pending_s is not None:
+        policy.pending_s = pending_s
+    # the replicas report their caches every `report_s` (as `record_routing_stats` does on Ray
+    # Serve); None: the policy knows only where it sent what
+    summarizers = {f"r{i}": CacheSummarizer() for i in range(replicas)} \
+        if report_s is not None and prefix_cache else {}
+    reported_at: dict[str, float] = {}
+    digests_of: dict[str, tuple[bytes, ...]] = {}
     fleet = []
     for i in range(replicas):
         sim = SimRuntime(artifact, costs, seed=0)
@@ -257,6 +269,9 @@ def run_cell(model: str, replicas: int, policy_name: str, workload: Workload, *,
         nonlocal failed, tokens_out, last_finish
         conv, arrived, _ = replica.in_flight.pop(completion.request_id)
         timings = completion.timings
+        digests = digests_of.pop(completion.request_id, ())
+        if timings is not None:
+            policy.completed(digests, replica.name, timings.finished)
         if completion.finish_reason not in ("stop", "length") or timings is None:
             failed += 1
             return
@@ -302,7 +317,13 @@ def run_cell(model: str, replicas: int, policy_name: str, workload: Workload, *,
             prompt = np.concatenate([conv.history, conv.users[conv.turn]])
             conv.history = prompt
             digests = route_digests(prompt)
-            chosen_name = policy.choose(digests, [r.load() for r in fleet])
+            for r in fleet:
+                if r.name in summarizers and when - reported_at.get(r.name, -math.inf) >= \
+                        (report_s or 0.0):
+                    policy.report(r.name, summarizers[r.name].summary(
+                        r.batcher.scheduler.prefix, r.batcher.scheduler.host))
+                    reported_at[r.name] = when
+            chosen_name = policy.choose(digests, [r.load() for r in fleet], when)
             chosen = next(r for r in fleet if r.name == chosen_name)
             rid = f"c{conv.index}t{conv.turn}n{next_id}"
             next_id += 1
@@ -314,6 +335,7 @@ def run_cell(model: str, replicas: int, policy_name: str, workload: Workload, *,
                 if view not in chosen.views:
                     chosen.views.append(view)
             chosen.batcher.submit(prompt, params, request_id=rid, kv=kv)
+            digests_of[rid] = digests
             chosen.in_flight[rid] = (conv, when, len(prompt))
             chosen.served += 1
             prompt_tokens += len(prompt)
@@ -428,9 +450,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--ray", action="store_true",
                    help="instead: atombatch's router vs Ray Serve's default on a local Ray "
-                   "(NumPy replicas, real HTTP; needs the ray extra)")
+                   "(real HTTP; replicas on the simulator paced in wall time; needs the ray "
+                   "extra)")
     p.add_argument("--concurrency", type=int, default=2, help="--ray: conversations at once")
     p.add_argument("--repeat", type=int, default=2, help="--ray: rounds (routers alternate)")
+    p.add_argument("--ray-engine", help="--ray: every replica's engine flags, quoted (default: "
+                   "the paced simulator, atombatch.bench.cluster_ray.ENGINE; 'numpy' for the "
+                   "NumPy runtime's ENGINE_NUMPY)")
+    p.add_argument("--ray-cpus", type=int, default=2, help="--ray: CPUs of the local Ray")
     return p
 
 
@@ -439,12 +466,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray:
         from atombatch.bench import cluster_ray
 
+        engine = cluster_ray.ENGINE_NUMPY if args.ray_engine == "numpy" else \
+            args.ray_engine.split() if args.ray_engine else cluster_ray.ENGINE
         results = cluster_ray.run(replicas=max(args.replicas), conversations=args.conversations,
                                   turns=args.turns, system_prompts=args.system_prompts,
                                   system_len=args.system_len, user_len=args.user_len,
                                   output_len=args.output_len, concurrency=args.concurrency,
-                                  seed=args.seed, repeat=args.repeat)
-        print(cluster_ray.format_table(results))
+                                  seed=args.seed, repeat=args.repeat, engine=list(engine),
+                                  num_cpus=args.ray_cpus, max_imbalance=args.max_imbalance)
+        print("python -m atombatch.bench cluster " + " ".join(argv or sys.argv[2:]))
+        print(f"engine: {' '.join(engine)}")
+        print(cluster_ray.format_table(results, list(engine)))
         if args.json:
             args.json.write_bytes(msgspec.json.format(msgspec.json.encode(results)))
         return 0

@@ -3,12 +3,14 @@ and the cluster simulation (`python -m atombatch.bench cluster`). See docs/clust
 
 from atombatch.cluster.routing import (
     LoadOnlyPolicy,
+    OtherRouters,
     PrefixAffinityPolicy,
     ReplicaLoad,
     RoutingStats,
     make_policy,
     route_digests,
 )
+from atombatch.cluster.summary import CacheSummarizer, CacheSummary
 
-__all__ = ["LoadOnlyPolicy", "PrefixAffinityPolicy", "ReplicaLoad", "RoutingStats", "make_policy",
-           "route_digests"]
+__all__ = ["CacheSummarizer", "CacheSummary", "LoadOnlyPolicy", "OtherRouters",
+           "PrefixAffinityPolicy", "ReplicaLoad", "RoutingStats", "make_policy", "route_digests"]

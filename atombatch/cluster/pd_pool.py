@@ -8,6 +8,13 @@ engine's loop) finds the producer alive again; a producer found dead is removed 
 producer that dies or is removed fails only the requests in flight on it (the engine turns their
 `KVTransferError` into `finish_reason="error"`), and the next requests go to the others.
 
+Producers come and go while the decoder runs: `sync` takes the current registry (name ->
+endpoint; in `atombatch.serve.ray` the application's board, where producers register and
+deregister themselves): a new name joins the pool and gets requests at once (it has none in
+flight, so it is the least loaded); a name that left is *retired*: never chosen again, kept in the
+snapshot until its requests in flight end (they finish normally; if the producer dies meanwhile,
+they fail alone).
+
 `check` takes the liveness test as a function (a Ray actor ping in `atombatch.serve.ray`, anything
 in tests), so the pool itself does no I/O besides the sources it opens.
 """
@@ -35,6 +42,7 @@ class ProducerState(msgspec.Struct):
     failed: int = 0                      # sources that failed on the transport
     suspect: bool = False                # a source failed: no new requests until `check`
     last_used: int = 0                   # order of the last open (tie-break: least recent)
+    retired: bool = False                # removed: no new requests; kept while some in flight
 
 
 class _PooledSource:
@@ -83,17 +91,38 @@ class ProducerPool:
         self._factory: Callable[..., Any] = source_factory or ZmqSource
         self.mode = mode
         self._uses = 0
+        self._dead: set[tuple[str, str]] = set()   # (name, endpoint) found dead: never re-added
         for name, endpoint in producers:
             self.add(name, endpoint)
 
     def add(self, name: str, endpoint: str) -> None:
+        """A producer joins (or rejoins under a new endpoint)."""
         with self._lock:
-            self._producers[name] = ProducerState(name, endpoint)
+            if (name, endpoint) in self._dead:
+                return
+            current = self._producers.get(name)
+            if current is None or current.retired or current.endpoint != endpoint:
+                self._producers[name] = ProducerState(name, endpoint)
 
     def remove(self, name: str) -> None:
-        """Stop using a producer (requests in flight on it carry on until their sources end)."""
+        """Stop choosing a producer; its requests in flight carry on until their sources end."""
         with self._lock:
-            self._producers.pop(name, None)
+            current = self._producers.get(name)
+            if current is None:
+                return
+            if current.in_flight > 0:
+                current.retired = True
+            else:
+                del self._producers[name]
+
+    def sync(self, registry: dict[str, str]) -> None:
+        """Make the pool the registry's producers (name -> endpoint): new ones join, those
+        that left are removed (see the module docstring)."""
+        for name, endpoint in registry.items():
+            self.add(name, endpoint)
+        for state in self.snapshot():
+            if state.name not in registry and not state.retired:
+                self.remove(state.name)
 
     def snapshot(self) -> list[ProducerState]:
         with self._lock:
@@ -102,7 +131,7 @@ class ProducerPool:
     @property
     def available(self) -> list[str]:
         with self._lock:
-            return [p.name for p in self._producers.values() if not p.suspect]
+            return [p.name for p in self._producers.values() if not (p.suspect or p.retired)]
 
     def choose(self) -> ProducerState:
         """The producer for the next request.
@@ -111,10 +140,10 @@ class ProducerPool:
             CapacityError: no producer is available (none configured, or all suspect).
         """
         with self._lock:
-            usable = [p for p in self._producers.values() if not p.suspect]
+            usable = [p for p in self._producers.values() if not (p.suspect or p.retired)]
             if not usable:
                 raise CapacityError(f"no PD producer is available ({len(self._producers)} known, "
-                                    "all failed or none configured)")
+                                    "all failed, retired or none configured)")
             best = min(usable, key=lambda p: (p.in_flight, p.last_used))
             self._uses += 1
             best.in_flight += 1
@@ -140,9 +169,11 @@ class ProducerPool:
             raise
         return _PooledSource(self, producer, inner)
 
-    def check(self, alive: Callable[[ProducerState], bool]) -> None:
-        """Re-test every producer: a dead one is removed, a suspect one that answers is used again.
-        Call it periodically from a thread of its own (it may block in `alive`)."""
+    def check(self, alive: Callable[[ProducerState], bool]) -> list[ProducerState]:
+        """Re-test every producer: a dead one is removed (and never re-added under the same
+        endpoint), a suspect one that answers is used again; returns the dead ones. Call it
+        periodically from a thread of its own (it may block in `alive`)."""
+        dead: list[ProducerState] = []
         for producer in self.snapshot():
             ok = False
             try:
@@ -151,17 +182,23 @@ class ProducerPool:
                 ok = False
             with self._lock:
                 current = self._producers.get(producer.name)
-                if current is None:
+                if current is None or current.endpoint != producer.endpoint:
                     continue
                 if not ok:
                     del self._producers[producer.name]
+                    self._dead.add((producer.name, producer.endpoint))
+                    dead.append(producer)
                 else:
                     current.suspect = False
+        return dead
 
     # -- from the sources -------------------------------------------------------------------------
     def _closed(self, producer: ProducerState) -> None:
         with self._lock:
             producer.in_flight = max(0, producer.in_flight - 1)
+            if producer.retired and producer.in_flight == 0 and \
+                    self._producers.get(producer.name) is producer:
+                del self._producers[producer.name]
 
     def _transport_failed(self, producer: ProducerState) -> None:
         with self._lock:

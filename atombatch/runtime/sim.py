@@ -59,6 +59,7 @@ runtime's last prefill chunk, so greedy PD output equals native output.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -446,6 +447,11 @@ class SimRuntime:
         artifact: the compiled shapes to simulate.
         costs: the cost model (default: `CostModel.default()`, fitted to the origin KONI B1 figures).
         seed: varies the pseudo-logits.
+        pace: wall seconds each simulated device second takes (0, the default: none, the call
+            returns at once and only the virtual clock advances; 1.0: real time). A paced runtime
+            sleeps its device time in every call, so a server or a cluster driven by it costs
+            what the device would (a prefix hit saves that prefill's wall time), and its clock
+            is wall time divided by `pace`.
 
     The pseudo-logits of a call are a fixed random row plus one spike at a token that is a hash of
     the input token and its position (never an EOS id), so greedy runs are deterministic and differ
@@ -453,7 +459,11 @@ class SimRuntime:
     """
 
     def __init__(self, artifact: ArtifactConfig, costs: CostModel | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, pace: float = 0.0) -> None:
+        if not (pace >= 0 and math.isfinite(pace)):
+            raise ConfigError(f"pace={pace} must be a finite number >= 0")
+        self.pace = pace
+        self._wall0 = time.perf_counter()
         self.artifact = artifact
         self.spec = artifact.model
         self.costs = costs if costs is not None else CostModel.default()
@@ -472,13 +482,23 @@ class SimRuntime:
 
     # -- clock ------------------------------------------------------------------------------------
     def clock(self) -> float:
-        """Virtual seconds since the runtime was built."""
+        """Virtual seconds since the runtime was built (paced: wall seconds / pace)."""
+        if self.pace:
+            self._now = max(self._now, (time.perf_counter() - self._wall0) / self.pace)
         return self._now
 
     def advance_to(self, when: float) -> None:
         """Let virtual time pass with the device idle (waiting for arrivals)."""
         if when > self._now:
             self._now = when
+
+    def _spend(self, cost: float) -> None:
+        """The device is busy for `cost` simulated seconds (paced: sleeps them)."""
+        if self.pace:
+            time.sleep(cost * self.pace)
+            self.clock()
+        else:
+            self._now += cost
 
     # -- pseudo-logits ----------------------------------------------------------------------------
     def _spike(self, token: int, position: int) -> int:
@@ -508,7 +528,7 @@ class SimRuntime:
         cost = self.costs.prefill_chunk_s(self.artifact, start, q + 1)
         self.device.prefill_s += cost
         self.device.prefill_calls += 1
-        self._now += cost
+        self._spend(cost)
         if every_position:
             ids = np.asarray(inputs.input_ids).reshape(-1)
             rows = np.tile(self._base, (len(ids), 1))
@@ -533,7 +553,7 @@ class SimRuntime:
         self.device.decode_s += cost
         self.device.decode_calls += 1
         self.device.decode_rows += rows
-        self._now += cost
+        self._spend(cost)
         logits, spikes, base = self._decode_logits, self._decode_spikes, self._base
         for row in range(rows):
             old = spikes[row]
@@ -575,13 +595,13 @@ class SimRuntime:
         cost = self.costs.layer_import_s(art, tokens)
         self.device.import_s += cost
         self.device.import_calls += 1
-        self._now += cost
+        self._spend(cost)
 
     def copy_block(self, src: int, dst: int) -> None:
         shapes = _shapes(self.artifact)
         cost = 2 * shapes.global_kv_bytes_per_token * self.artifact.block_size / \
             self.costs.memory_bandwidth
-        self._now += cost
+        self._spend(cost)
 
     def copy_slot(self, src: int, dst: int) -> None:
         """A sliding-window slot copy (n > 1 forks on hybrid models): charged like a block."""

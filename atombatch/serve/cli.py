@@ -60,7 +60,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="Hugging Face checkpoint dir (with --runtime rebel: a "
                    "directory compiled by optimum-rbln); default: the built-in random tiny spec "
                    "on the NumPy runtime")
-    p.add_argument("--runtime", choices=("numpy", "rebel"), default="numpy")
+    p.add_argument("--runtime", choices=("numpy", "rebel", "sim"), default="numpy",
+                   help="numpy: real math on the CPU; rebel: ATOM devices; sim: no math, the "
+                   "calibrated device-time model of `bench serve` (docs/results.md), its time "
+                   "slept in wall time (--sim-pace), pseudo-logits: for load tests of a server "
+                   "or a cluster without devices (--model names a preset, default qwen3-4b)")
+    p.add_argument("--sim-pace", type=float, default=1.0,
+                   help="--runtime sim: wall seconds per simulated device second (default 1.0: "
+                   "real time; 0: no sleeping)")
+    p.add_argument("--sim-costs", help="--runtime sim: a cost model JSON (default: the fitted "
+                   "one)")
     p.add_argument("--tokenizer", help="dir with tokenizer.json (default: the --model dir if it "
                    "has one; none: token-id text)")
     p.add_argument("--served-model-name", help="id at /v1/models (default: the spec's name)")
@@ -128,6 +137,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
     if args.runtime == "rebel":
         runtime = _rebel_runtime(args)
         return _serving(runtime, args, model_dir, runtime.spec)
+    if args.runtime == "sim":
+        return _sim_engine(args)
     if model_dir is not None:
         spec = ModelSpec.from_pretrained(model_dir)
     elif args.model and args.model.lower() not in PRESETS:
@@ -161,6 +172,27 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
     else:
         runtime = NumpyRuntime.random(artifact, seed=args.seed)
     return _serving(runtime, args, model_dir, spec)
+
+
+def _sim_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
+    """A `SimRuntime` engine: the preset's shapes, the cost model's device time (paced)."""
+    from atombatch.runtime.sim import CostModel, SimRuntime
+
+    name = (args.model or "qwen3-4b").lower()
+    if name not in PRESETS:
+        raise ConfigError(f"--model {args.model}: --runtime sim needs a preset "
+                          f"({', '.join(sorted(PRESETS))})")
+    spec = ModelSpec.preset(name)
+    block_size = args.block_size or args.max_seq_len
+    bps = args.max_seq_len // block_size if block_size else 0
+    num_blocks = args.num_blocks or args.batch_size * max(bps, 1) + 1
+    artifact = ArtifactConfig(model=spec, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
+                              block_size=block_size, num_blocks=num_blocks,
+                              prefill_chunk_size=min(args.prefill_chunk_size, args.max_seq_len),
+                              decoder_batch_sizes=args.decoder_batch_sizes)
+    costs = CostModel.load(args.sim_costs) if args.sim_costs else None
+    runtime = SimRuntime(artifact, costs, seed=args.seed, pace=args.sim_pace)
+    return _serving(runtime, args, None, spec)
 
 
 def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,

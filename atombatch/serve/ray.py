@@ -35,7 +35,10 @@ reports the actor dead, and Serve starts a replacement.
 
 PD pools (`--producers M`): M `ProducerActor`s, each a `Producer` behind a `ZmqProducerServer`
 (docs/pd.md); every replica holds a `ProducerPool` and submits each request with a `ZmqSource` to
-the least loaded live producer (see `atombatch.cluster.pd_pool`).
+the least loaded live producer (see `atombatch.cluster.pd_pool`). Producers register themselves on
+the application's board and deregister when removed; replicas follow the registry, so
+`scale_producers` (or `python -m atombatch.serve.ray --scale-producers M`) changes the pool
+while the application runs.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -66,10 +69,12 @@ from atombatch.aio import AsyncBatcher
 from atombatch.cluster.routing import (
     DEFAULT_MAX_BLOCKS,
     DEFAULT_ROUTE_BLOCK,
+    OtherRouters,
     PrefixAffinityPolicy,
     ReplicaLoad,
     route_digests,
 )
+from atombatch.cluster.summary import DEFAULT_SUMMARY_BITS, CacheSummarizer, CacheSummary
 from atombatch.errors import AtomBatchError, ConfigError
 from atombatch.structs import SamplingParams
 
@@ -136,17 +141,22 @@ def prompt_for_routing(body: bytes, codec: Any) -> list[int]:
 class AtomRequestRouter(RequestRouter):
     """Ray Serve request router: prefix affinity under a bound on imbalance.
 
-    Replicas report `{"lanes", "occupied", "queue"}` through `record_routing_stats`; the router
-    adds its own count of requests in flight per replica (sent, not completed). Configured with
-    `request_router_kwargs`: `max_imbalance`, `min_match_blocks`, `capacity`.
+    Replicas report `{"lanes", "occupied", "queue"}` and a summary of what their prefix cache
+    holds (`summary_*`: `atombatch.cluster.summary.CacheSummary`) through `record_routing_stats`;
+    the router adds its own count of requests in flight per replica (sent, not completed) and
+    what it sent in the last `pending_s` seconds. Configured with `request_router_kwargs`:
+    `max_imbalance`, `min_match_blocks`, `capacity`, `pending_s`.
     """
 
     def initialize_state(self, max_imbalance: int = 4, min_match_blocks: int = 1,
-                         capacity: int = 200_000, **_: Any) -> None:
+                         capacity: int = 200_000, pending_s: float = 2.0, **_: Any) -> None:
         self.policy = PrefixAffinityPolicy(max_imbalance=max_imbalance,
-                                           min_match_blocks=min_match_blocks, capacity=capacity)
+                                           min_match_blocks=min_match_blocks, capacity=capacity,
+                                           pending_s=pending_s)
         self.in_flight: dict[str, int] = {}
-        self._requests: dict[str, str] = {}   # internal request id -> replica id
+        # internal request id -> (replica id, the request's digests)
+        self._requests: dict[str, tuple[str, tuple[bytes, ...]]] = {}
+        self.others = OtherRouters()
 
     def _state(self) -> PrefixAffinityPolicy:
         if not hasattr(self, "policy"):
@@ -154,12 +164,15 @@ class AtomRequestRouter(RequestRouter):
         return self.policy
 
     def _load(self, replica: RunningReplica) -> ReplicaLoad:
+        """The replica's load: this router's requests in flight there (exact) plus the other
+        routers' (`atombatch.cluster.routing.OtherRouters`, from its reports)."""
         stats = replica.routing_stats or {}
         key = replica.replica_id.unique_id
-        return ReplicaLoad(key, lanes=int(stats.get("lanes", 1)),
-                           occupied=int(stats.get("occupied", 0)),
-                           queue=int(stats.get("queue", 0)),
-                           in_flight=self.in_flight.get(key, 0),
+        self.policy.report(key, summary_from_stats(stats))
+        mine = self.in_flight.get(key, 0)
+        others = self.others.estimate(key, stats.get("seq"), int(stats.get("occupied", 0)) +
+                                      int(stats.get("queue", 0)), mine)
+        return ReplicaLoad(key, lanes=int(stats.get("lanes", 1)), in_flight=mine + others,
                            prefix_cache=bool(stats.get("prefix_cache", True)))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -170,21 +183,27 @@ class AtomRequestRouter(RequestRouter):
             return []
         digests = _digests_of(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ranking = policy.rank(digests, [self._load(r) for r in candidate_replicas])
+        ranking = policy.rank(digests, [self._load(r) for r in candidate_replicas],
+                              time.monotonic())
         return [[by_id[key]] for key in ranking]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
         policy = self._state()
         key = replica_id.unique_id
-        policy.routed(_digests_of(pending_request), key)
+        digests = _digests_of(pending_request)
+        policy.routed(digests, key, time.monotonic())
         self.in_flight[key] = self.in_flight.get(key, 0) + 1
-        self._requests[pending_request.metadata.internal_request_id] = key
+        self.others.sent(key, self.in_flight[key])
+        self._requests[pending_request.metadata.internal_request_id] = (key, digests)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._state()
-        key = self._requests.pop(internal_request_id, None)
-        if key is not None and self.in_flight.get(key, 0) > 0:
+        policy = self._state()
+        key, digests = self._requests.pop(internal_request_id, (None, ()))
+        if key is None:
+            return
+        policy.completed(digests, key, time.monotonic())
+        if self.in_flight.get(key, 0) > 0:
             self.in_flight[key] -= 1
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
@@ -200,7 +219,19 @@ class AtomRequestRouter(RequestRouter):
     def _forget(self, key: str) -> None:
         self._state().forget(key)
         self.in_flight.pop(key, None)
-        self._requests = {rid: k for rid, k in self._requests.items() if k != key}
+        self.others.forget(key)
+        self._requests = {rid: v for rid, v in self._requests.items() if v[0] != key}
+
+
+def summary_from_stats(stats: dict[str, Any]) -> CacheSummary | None:
+    """The cache summary a replica put in its routing stats, None if it reports none."""
+    bits = stats.get("summary_bits")
+    if not isinstance(bits, bytes) or not bits:
+        return None
+    return CacheSummary(bits, hashes=int(stats.get("summary_hashes", 7)),
+                        count=int(stats.get("summary_count", 0)),
+                        route_block=int(stats.get("route_block", DEFAULT_ROUTE_BLOCK)),
+                        truncated=bool(stats.get("summary_truncated", False)))
 
 
 def _digests_of(pending_request: PendingRequest | None) -> tuple[bytes, ...]:
@@ -310,15 +341,20 @@ class AtomReplica:
     Args:
         engine_args: flags of `python -m atombatch.serve` describing the engine.
         atom_resource: the custom resource naming a device (None: no device, NumPy runtime).
-        producers: PD producer actors (`ProducerActor` handles); empty: native prefill.
-        pd_check_s: seconds between liveness checks of the producers.
+        pd: take prompts' KV from the PD producers registered on board `pd_app` (docs/pd.md);
+            with none registered the replica prefills natively.
+        pd_check_s: seconds between syncs with the producer registry and liveness checks.
         report_s: seconds between reports (engine stats, metrics) to the application's board.
+        route_block, max_blocks, summary_bits: how the replica summarizes its prefix cache for
+            the router (the ingress's routing digests; the Bloom filter's size).
     """
 
     async def __init__(self, engine_args: Sequence[str],  # type: ignore[misc]
                        atom_resource: str | None = None,
-                       producers: Sequence[Any] = (), pd_check_s: float = 0.5,
-                       report_s: float = 0.5) -> None:
+                       pd: bool = False, pd_app: str = DEFAULT_APP, pd_check_s: float = 0.5,
+                       report_s: float = 0.5, route_block: int = DEFAULT_ROUTE_BLOCK,
+                       max_blocks: int = DEFAULT_MAX_BLOCKS,
+                       summary_bits: int = DEFAULT_SUMMARY_BITS) -> None:
         from threadpoolctl import threadpool_limits
 
         from atombatch.serve.app import create_app
@@ -336,13 +372,18 @@ class AtomReplica:
         self.devices = devices
         self.batcher = batcher
         self.pool = None
+        self.summarizer = CacheSummarizer(route_block, max_blocks, bits=summary_bits)
+        self._stats_seq = 0
+        self._stats_held = (0, 0)
         self._stop_checks = threading.Event()
-        if producers:
+        if pd:
             from atombatch.cluster.pd_pool import ProducerPool
 
-            endpoints = await asyncio.gather(*[p.endpoint.remote() for p in producers])
-            self._producers = {f"p{i}": p for i, p in enumerate(producers)}
-            self.pool = ProducerPool([(f"p{i}", e) for i, e in enumerate(endpoints)])
+            self._registry = board(pd_app)
+            self._producers: dict[str, Any] = {}
+            self.pool = ProducerPool()
+            with contextlib.suppress(Exception):
+                self._sync_producers(await self._registry.producers.remote())
             ab: Any = _PooledAsyncBatcher(batcher, self.pool)
             threading.Thread(target=self._check_producers, args=(pd_check_s,), daemon=True,
                              name="atombatch-pd-check").start()
@@ -362,6 +403,13 @@ class AtomReplica:
                                                                "metrics": self.metrics_text()})
             await asyncio.sleep(period)
 
+    def _sync_producers(self, registry: dict[str, tuple[str, Any]]) -> None:
+        """Follow the board's producer registry: new producers join the pool, removed ones
+        retire (their requests in flight carry on)."""
+        assert self.pool is not None
+        self._producers = {name: actor for name, (_, actor) in registry.items()}
+        self.pool.sync({name: endpoint for name, (endpoint, _) in registry.items()})
+
     def _check_producers(self, period: float) -> None:
         assert self.pool is not None
         pool = self.pool
@@ -369,12 +417,17 @@ class AtomReplica:
         def alive(state: Any) -> bool:
             actor = self._producers.get(state.name)
             if actor is None:
-                return False
+                return state.retired  # a retired producer stays until its requests end
             ready, _ = ray.wait([actor.ping.remote()], timeout=max(period, 1.0))
             return bool(ready) and ray.get(ready[0]) is True
 
         while not self._stop_checks.wait(period):
-            pool.check(alive)
+            with contextlib.suppress(Exception):
+                self._sync_producers(ray.get(self._registry.producers.remote(),
+                                             timeout=max(period, 1.0)))
+            for gone in pool.check(alive):  # dead: out of the registry too (if still the same)
+                with contextlib.suppress(Exception):
+                    self._registry.deregister_producer.remote(gone.name, gone.endpoint)
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         """Run the app for one forwarded request; yields a `ResponseStart`, then body chunks."""
@@ -383,11 +436,23 @@ class AtomReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         s = self.batcher.stats()
-        return {"lanes": self.batcher.artifact.batch_size, "occupied": s.occupied_lanes,
-                "queue": s.queue_length,
-                "prefix_cache": self.batcher.scheduler.prefix is not None,
-                "prefix_hits": s.prefix_hits,
-                "prefix_hit_tokens": s.prefix_hit_tokens}
+        scheduler = self.batcher.scheduler
+        stats: dict[str, Any] = {
+            "lanes": self.batcher.artifact.batch_size, "occupied": s.occupied_lanes,
+            "queue": s.queue_length, "prefix_cache": scheduler.prefix is not None,
+            "prefix_hits": s.prefix_hits, "prefix_hit_tokens": s.prefix_hit_tokens,
+            "seq": self._stats_seq}
+        held = (s.occupied_lanes, s.queue_length)
+        if held != self._stats_held:  # a new figure (the router judges each one once)
+            self._stats_held = held
+            self._stats_seq += 1
+            stats["seq"] = self._stats_seq
+        if scheduler.prefix is not None:
+            summary = self.summarizer.summary(scheduler.prefix, scheduler.host)
+            stats.update(summary_bits=summary.bits, summary_hashes=summary.hashes,
+                         summary_count=summary.count, summary_truncated=summary.truncated,
+                         route_block=summary.route_block)
+        return stats
 
     def stats(self) -> dict[str, Any]:
         """The engine's `EngineStats` as plain data, with the replica id and its devices."""
@@ -448,16 +513,53 @@ class _PooledAsyncBatcher(AsyncBatcher):
 
 
 # -- PD producers ----------------------------------------------------------------------------------
+class _CountingProducer:
+    """A `Producer` that counts the requests it is producing and can be held before each layer
+    (`ProducerActor.pause`: maintenance, and tests that must kill a producer mid-request)."""
+
+    def __init__(self, producer: Any) -> None:
+        self._producer = producer
+        self.artifact = producer.artifact
+        self.active = 0                  # requests being produced
+        self.layers_sent = 0             # layers handed to the transport, over all requests
+        self.held = 0                    # requests waiting at the gate now
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        from atombatch.pd import KVHeader
+
+        self.active += 1
+        try:
+            for item in self._producer.stream(*args, **kwargs):
+                if not isinstance(item, KVHeader) and not self.gate.is_set():
+                    self.held += 1
+                    try:
+                        self.gate.wait()
+                    finally:
+                        self.held -= 1
+                yield item
+                if not isinstance(item, KVHeader):
+                    self.layers_sent += 1
+        finally:
+            self.active -= 1
+
+
 class ProducerActor:
     """A Ray actor: a `Producer` on its own runtime behind a `ZmqProducerServer` (docs/pd.md).
+
+    It registers itself on the board of `app_name` as `name` when it is up (replicas add it to
+    their pools); `scale_producers` deregisters it, waits for its requests to end, then ends it.
 
     Args:
         engine_args: flags of `python -m atombatch.serve` for the producer's runtime (the same
             model as the decoders; its artifact may differ).
+        app_name, name: where and under which name to register (None: not registered).
         host: address to advertise (default: this node's IP); the socket binds every interface.
     """
 
-    def __init__(self, engine_args: Sequence[str], host: str | None = None,
+    def __init__(self, engine_args: Sequence[str], app_name: str | None = None,
+                 name: str | None = None, host: str | None = None,
                  **server_options: Any) -> None:
         from atombatch.pd import Producer, ZmqProducerServer
         from atombatch.serve.cli import build_engine, parser
@@ -465,17 +567,38 @@ class ProducerActor:
         args = parser().parse_args(list(engine_args))
         batcher, _, _ = build_engine(args)
         host = host or ray.util.get_node_ip_address()
-        self.server = ZmqProducerServer(Producer(batcher.runtime), "tcp://*:0", **server_options)
+        self.producer = _CountingProducer(Producer(batcher.runtime))
+        self.server = ZmqProducerServer(self.producer, "tcp://*:0",  # type: ignore[arg-type]
+                                        **server_options)
         port = self.server.last_endpoint.rsplit(":", 1)[1]
         self._endpoint = f"tcp://{host}:{port}"
         threading.Thread(target=self.server.serve_forever, daemon=True,
                          name="atombatch-producer").start()
+        if app_name is not None and name is not None:
+            me = ray.get_runtime_context().current_actor
+            ray.get(board(app_name).register_producer.remote(name, self._endpoint, me))
 
     def endpoint(self) -> str:
         return self._endpoint
 
     def ping(self) -> bool:
         return True
+
+    def status(self) -> dict[str, Any]:
+        """What it is doing: requests being produced (`active`), received and waiting their turn
+        (`queued`), held at the gate, served."""
+        peers = list(self.server._peers.values())
+        return {"active": self.producer.active, "held": self.producer.held,
+                "queued": sum(len(p.requests) for p in peers),
+                "layers_sent": self.producer.layers_sent, "served": int(self.server.served),
+                "paused": not self.producer.gate.is_set(), "pid": os.getpid()}
+
+    def pause(self) -> None:
+        """Hold every request before its next layer until `resume` (the header still goes)."""
+        self.producer.gate.clear()
+
+    def resume(self) -> None:
+        self.producer.gate.set()
 
     def served(self) -> int:
         return int(self.server.served)
@@ -659,7 +782,8 @@ BOARD_NAMESPACE = "atombatch"
 
 
 class Board:
-    """A Ray actor holding each replica's last report (engine stats and metrics text).
+    """A Ray actor holding each replica's last report (engine stats and metrics text) and the
+    application's registry of PD producers.
 
     Replicas report every `report_s`; a report older than `stale_s` is dropped (a dead replica
     leaves the board by going silent).
@@ -668,6 +792,30 @@ class Board:
     def __init__(self, stale_s: float = 5.0) -> None:
         self.stale_s = stale_s
         self._reports: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._producers: dict[str, tuple[str, Any]] = {}   # name -> (endpoint, actor handle)
+        self._producer_args: list[str] | None = None
+
+    def set_producer_args(self, args: list[str]) -> None:
+        """The engine flags new producers of this application get by default."""
+        self._producer_args = list(args)
+
+    def producer_args(self) -> list[str] | None:
+        return self._producer_args
+
+    def register_producer(self, name: str, endpoint: str, actor: Any) -> None:
+        self._producers[name] = (endpoint, actor)
+
+    def deregister_producer(self, name: str, endpoint: str | None = None) -> bool:
+        """Remove a producer (only if still at `endpoint`, when given)."""
+        current = self._producers.get(name)
+        if current is None or (endpoint is not None and current[0] != endpoint):
+            return False
+        del self._producers[name]
+        return True
+
+    def producers(self) -> dict[str, tuple[str, Any]]:
+        """The registered PD producers: name -> (ZeroMQ endpoint, actor handle)."""
+        return dict(self._producers)
 
     def report(self, replica: str, report: dict[str, Any]) -> None:
         self._reports[replica] = (time.monotonic(), report)
@@ -689,12 +837,102 @@ def board(app_name: str = DEFAULT_APP) -> Any:
 
 
 # -- the application -------------------------------------------------------------------------------
+def producer_name(app_name: str, index: int) -> str:
+    return f"{app_name}-producer-{index}"
+
+
+def scale_producers(app_name: str, count: int, engine_args: Sequence[str] = (), *,
+                    replica_cpus: float = 1.0, atom_resource: str | None = None,
+                    producer_options: dict[str, Any] | None = None, drain_s: float = 60.0,
+                    settle_s: float = 1.5, wait: bool = True) -> list[str]:
+    """Make the application's PD pool `count` producers while it runs; returns their names.
+
+    New producers (`ProducerActor`, detached, named `{app_name}-producer-{i}` in Ray namespace
+    "atombatch", `engine_args` as their engine flags; default: the flags the application's
+    producers were built with) register on the board when up, and every
+    replica adds them to its pool at its next sync (`pd_check_s`). Removed producers (highest
+    index first) are deregistered, so replicas stop choosing them; after `settle_s` (replicas
+    have synced) and once the producer has no request left to produce (at most `drain_s`), it is
+    ended. Requests in flight on it finish; only if `drain_s` runs out do they fail (alone, with
+    `finish_reason="error"`, as on any producer fault).
+
+    Call it from any process connected to the Ray cluster (`ray.init(address=...)`).
+
+    Raises:
+        ConfigError: `count` is negative, or producers are to be added and neither
+            `engine_args` nor the application's stored producer flags say what they run.
+    """
+    if count < 0:
+        raise ConfigError(f"count={count} producers must be >= 0")
+    registry = board(app_name)
+    engine_args = list(engine_args) or ray.get(registry.producer_args.remote()) or []
+    registered = ray.get(registry.producers.remote())
+    for name, (_, actor) in registered.items():   # registrations of producers that died
+        ready, _ = ray.wait([actor.ping.remote()], timeout=5.0)
+        try:
+            ok = bool(ready) and ray.get(ready[0]) is True
+        except Exception:
+            ok = False
+        if not ok:
+            ray.get(registry.deregister_producer.remote(name))
+    current = sorted(ray.get(registry.producers.remote()),
+                     key=lambda n: int(n.rsplit("-", 1)[1]) if n.rsplit("-", 1)[1].isdigit()
+                     else -1)
+    new: list[Any] = []
+    index = 0
+    names = set(current)
+    if len(current) < count and not engine_args:
+        raise ConfigError(f"application {app_name!r} has no stored producer engine flags (it was "
+                          "not built with PD producers): give the producers' engine flags")
+    while len(current) + len(new) < count:
+        name = producer_name(app_name, index)
+        index += 1
+        if name in names:
+            continue
+        options: dict[str, Any] = {"num_cpus": replica_cpus}
+        if atom_resource:
+            options["resources"] = {atom_resource: 1}
+        actor = ray.remote(ProducerActor).options(name=name, namespace=BOARD_NAMESPACE,
+                                                  lifetime="detached", **options)
+        new.append(actor.remote(list(engine_args), app_name, name,
+                                **(producer_options or {})))
+        names.add(name)
+    if new and wait:
+        ray.get([a.ping.remote() for a in new])   # registered once its constructor returned
+    doomed = current[count:] if len(current) > count else []
+    remove_producers(app_name, doomed, drain_s=drain_s, settle_s=settle_s)
+    return sorted(ray.get(registry.producers.remote()))
+
+
+def remove_producers(app_name: str, names: Sequence[str], *, drain_s: float = 60.0,
+                     settle_s: float = 1.5) -> None:
+    """Take producers out of the application's pool gracefully: deregister them (replicas stop
+    choosing them at their next sync), wait `settle_s`, then end each once it has no request
+    left to produce (at most `drain_s`; requests still on it then fail alone)."""
+    registry = board(app_name)
+    for name in names:
+        ray.get(registry.deregister_producer.remote(name))
+    if names:
+        time.sleep(settle_s)
+    for name in names:
+        with contextlib.suppress(Exception):
+            actor = ray.get_actor(name, namespace=BOARD_NAMESPACE)
+            deadline = time.monotonic() + drain_s
+            while time.monotonic() < deadline:
+                status: Any = ray.get(actor.status.remote(), timeout=10)
+                if status["active"] == 0 and status["queued"] == 0:
+                    break
+                time.sleep(0.1)
+            ray.kill(actor, no_restart=True)
+
+
 def build_app(engine_args: Sequence[str], *, replicas: int = 1, atom_resource: str | None = None,
-              replica_cpus: float = 1.0, producers: int = 0,
+              replica_cpus: float = 1.0, producers: int = 0, pd: bool | None = None,
               producer_args: Sequence[str] | None = None, max_imbalance: int = 4,
               route_block: int = DEFAULT_ROUTE_BLOCK, routing_stats_s: float = 0.5,
               report_s: float = 0.5, producer_options: dict[str, Any] | None = None,
-              app_name: str = DEFAULT_APP, router: str = "prefix") -> Any:
+              app_name: str = DEFAULT_APP, router: str = "prefix", pending_s: float = 2.0,
+              summary_bits: int = DEFAULT_SUMMARY_BITS, pd_check_s: float = 0.5) -> Any:
     """The Ray Serve application: `AtomIngress` -> `AtomReplica` x `replicas` (+ PD producers).
 
     Args:
@@ -703,15 +941,20 @@ def build_app(engine_args: Sequence[str], *, replicas: int = 1, atom_resource: s
         atom_resource: custom Ray resource naming a device ("ATOM"); a replica asks for as many
             as its engine's `--device` list is long. None: no device resource (NumPy runtime).
         replica_cpus: CPUs Ray reserves per replica (and per producer).
-        producers: PD producer actors to start (0: replicas prefill natively).
+        producers: PD producer actors to start now (`scale_producers` changes it later).
+        pd: replicas take KV from the registered producers (default: `producers > 0`; True with
+            0 producers: a PD application whose producers are added later).
         producer_args: engine flags of the producers (default: `engine_args`).
-        max_imbalance, route_block: the router's policy (docs/cluster.md).
-        routing_stats_s: how often replicas report lanes and queue to the router.
+        max_imbalance, route_block, pending_s: the router's policy (docs/cluster.md).
+        routing_stats_s: how often replicas report lanes, queue and cache summary to the router.
         report_s: how often replicas report stats and metrics to the board.
         producer_options: `ZmqProducerServer` options of the producers (tests: `layer_delay`).
-        app_name: names the producer actors `{app_name}-producer-{i}` (namespace "atombatch").
+        app_name: the Serve application's name (its board, its producers
+            `{app_name}-producer-{i}` in Ray namespace "atombatch").
         router: "prefix" (`AtomRequestRouter`) or "default" (Ray Serve's own power-of-two
             choices router; for comparisons).
+        summary_bits: size of each replica's cache summary (a Bloom filter).
+        pd_check_s: how often replicas sync with the producer registry and ping producers.
 
     A replica whose engine flags break a configuration rule fails its deployment (Ray Serve
     reports the replica's `ConfigError`).
@@ -724,21 +967,23 @@ def build_app(engine_args: Sequence[str], *, replicas: int = 1, atom_resource: s
     options: dict[str, Any] = {"num_cpus": replica_cpus}
     if atom_resource:
         options["resources"] = {atom_resource: tp}
-    producer_handles = []
-    for i in range(producers):
-        actor = ray.remote(ProducerActor).options(name=f"{app_name}-producer-{i}",
-                                                  namespace=BOARD_NAMESPACE, **options)
-        producer_handles.append(actor.remote(list(producer_args or engine_args),
-                                             **(producer_options or {})))
     if router not in ("prefix", "default"):
         raise ConfigError(f"router={router!r} is not 'prefix' or 'default'")
+    use_pd = bool(producers) if pd is None else pd
+    if use_pd:
+        ray.get(board(app_name).set_producer_args.remote(list(producer_args or engine_args)))
+    if producers:
+        scale_producers(app_name, producers, list(producer_args or engine_args),
+                        replica_cpus=replica_cpus, atom_resource=atom_resource,
+                        producer_options=producer_options)
     deployment: Any = serve.deployment
     router_config: Any = RequestRouterConfig
     routing: dict[str, Any] = {"request_routing_stats_period_s": routing_stats_s,
                                "request_routing_stats_timeout_s": max(routing_stats_s, 1.0)}
     if router == "prefix":
         routing.update(request_router_class="atombatch.serve.ray.AtomRequestRouter",
-                       request_router_kwargs={"max_imbalance": max_imbalance})
+                       request_router_kwargs={"max_imbalance": max_imbalance,
+                                              "pending_s": pending_s})
     replica = deployment(
         AtomReplica, name="AtomReplica", num_replicas=replicas,
         max_ongoing_requests=lanes + (args.max_waiting or 0) + 8,
@@ -748,8 +993,10 @@ def build_app(engine_args: Sequence[str], *, replicas: int = 1, atom_resource: s
     ingress = deployment(serve.ingress()(AtomIngress), name="AtomIngress",
                                ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)
-    return ingress.bind(replica.bind(list(engine_args), atom_resource, producer_handles,
-                                     report_s=report_s),
+    return ingress.bind(replica.bind(list(engine_args), atom_resource,
+                                     pd=use_pd, pd_app=app_name,
+                                     pd_check_s=pd_check_s, report_s=report_s,
+                                     route_block=route_block, summary_bits=summary_bits),
                         list(engine_args), route_block=route_block)
 
 
@@ -761,7 +1008,8 @@ def app_builder(args: dict[str, Any]) -> Any:
     if isinstance(engine, str):
         engine = engine.split()
     known = {"replicas", "atom_resource", "replica_cpus", "producers", "producer_args",
-             "max_imbalance", "route_block", "routing_stats_s", "report_s", "app_name", "router"}
+             "max_imbalance", "route_block", "routing_stats_s", "report_s", "app_name", "router",
+             "pd", "pending_s", "summary_bits", "pd_check_s"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ConfigError(f"app_builder args {unknown} are unknown; known: engine, "
@@ -780,6 +1028,13 @@ def _parser() -> argparse.ArgumentParser:
                    "(start nodes with `ray start --resources '{\"ATOM\": 8}'`)")
     p.add_argument("--replica-cpus", type=float, default=1.0)
     p.add_argument("--producers", type=int, default=0, help="PD producer actors (default 0)")
+    p.add_argument("--pd", action="store_true",
+                   help="replicas use PD producers even if --producers is 0 (added later with "
+                   "--scale-producers)")
+    p.add_argument("--scale-producers", type=int, metavar="M",
+                   help="do not start an application: make the running application --app-name "
+                   "(on --address) have M PD producers, then exit; the engine flags describe "
+                   "new producers")
     p.add_argument("--max-imbalance", type=int, default=4,
                    help="requests a replica may hold beyond the least loaded one and still win "
                    "on prefix affinity (default 4)")
@@ -803,12 +1058,24 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=args.address)
     else:
         ray.init(num_cpus=args.num_cpus)
+    if args.scale_producers is not None:
+        try:
+            names = scale_producers(args.app_name, args.scale_producers, engine_args,
+                                    replica_cpus=args.replica_cpus,
+                                    atom_resource=args.atom_resource)
+        except ConfigError as exc:
+            print(f"atombatch.serve.ray: {exc}", file=sys.stderr)
+            return 2
+        print(f"atombatch.serve.ray: {args.app_name} has {len(names)} PD producers: "
+              f"{', '.join(names) or '-'}", file=sys.stderr)
+        return 0
     serve.start(http_options={"host": engine.host, "port": engine.port})
     try:
         app = build_app(engine_args, replicas=args.replicas, atom_resource=args.atom_resource,
                         replica_cpus=args.replica_cpus, producers=args.producers,
                         max_imbalance=args.max_imbalance, route_block=args.route_block,
-                        app_name=args.app_name, router=args.router)
+                        app_name=args.app_name, router=args.router,
+                        pd=args.pd or args.producers > 0)
     except ConfigError as exc:
         print(f"atombatch.serve.ray: {exc}", file=sys.stderr)
         return 2
@@ -822,6 +1089,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        with contextlib.suppress(Exception):
+            scale_producers(args.app_name, 0, drain_s=5.0, settle_s=0.0)
         serve.shutdown()
     return 0
 

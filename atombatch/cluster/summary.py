@@ -1,0 +1,193 @@
+"""What a replica's prefix cache holds, as a bounded summary the router can read.
+
+A replica's prefix cache (atombatch/prefix.py) indexes its blocks by digests with a random seed
+and its own block size, so the router cannot compare them with a prompt. The replica therefore
+re-expresses what it holds in the router's terms: for every cached chain of blocks (device index
+and host cache), the routing digests (`atombatch.cluster.route_digests`: `route_block` tokens per
+digest, the prefix cache's chained digest function with seed 0) of the leading route blocks its
+tokens cover. These go into a Bloom filter of a fixed number of bits, so the summary a replica
+reports has the same size whatever its cache holds; a digest the filter holds is cached on the
+replica with the probability the filter's false-positive rate leaves (about 1% at the capacity).
+
+Computing it: the cached blocks form a tree (a block's parent is the block before it). The
+summarizer walks the tree from its roots, breadth first (leading blocks first: a deeper digest is
+useless to the router without the ones before it), carrying a running route-block hash down each
+branch. What a block contributes depends only on its digest (the digest names every token up to
+its end), so it is memoized by digest and only blocks new since the last summary are hashed; the
+memo keeps only blocks still cached. At most `capacity` digests and `max_blocks` route blocks of
+depth go in.
+
+Reading the cache needs no engine lock: the walk copies each index's dict of entries in one call
+(atomic under the GIL) and a cache entry never changes its tokens; a summary taken while the
+engine steps is a consistent enough picture of a cache that changes every step anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from atombatch import prefix
+from atombatch.errors import ConfigError
+
+DEFAULT_SUMMARY_BITS = 1 << 16          # 8 KiB per replica report
+DEFAULT_HASHES = 7
+BITS_PER_DIGEST = 10                    # ~1% false positives at capacity with 7 hashes
+MAX_SUMMARY_BITS = 1 << 23              # 1 MiB: the most a report may carry
+
+
+def _positions(digests: Sequence[bytes], bits: int, hashes: int) -> npt.NDArray[np.int64]:
+    """Bit positions [len(digests), hashes] of each digest (double hashing of its two halves;
+    a digest is already a uniform 128-bit hash)."""
+    if not digests:
+        return np.zeros((0, hashes), dtype=np.int64)
+    raw = np.frombuffer(b"".join(d[:16].ljust(16, b"\0") for d in digests),
+                        dtype=np.uint64).reshape(-1, 2)
+    h1, h2 = raw[:, 0:1], raw[:, 1:2] | np.uint64(1)
+    steps = np.arange(hashes, dtype=np.uint64)[None, :]
+    with np.errstate(over="ignore"):
+        return ((h1 + steps * h2) % np.uint64(bits)).astype(np.int64)
+
+
+class CacheSummary(msgspec.Struct, frozen=True):
+    """A Bloom filter of the routing digests a replica's prefix cache holds."""
+
+    bits: bytes                          # the filter, `len(bits) * 8` bits
+    hashes: int = DEFAULT_HASHES
+    count: int = 0                       # digests added
+    route_block: int = 64                # tokens per routing digest it was built with
+    truncated: bool = False              # the cache held more than `capacity` digests
+
+    @property
+    def num_bits(self) -> int:
+        return len(self.bits) * 8
+
+    @classmethod
+    def build(cls, digests: Iterable[bytes], *, bits: int = DEFAULT_SUMMARY_BITS,
+              hashes: int = DEFAULT_HASHES, route_block: int = 64,
+              truncated: bool = False) -> CacheSummary:
+        check_summary_size(bits, hashes)
+        found = list(digests)
+        array = np.zeros(bits // 8, dtype=np.uint8)
+        pos = _positions(found, bits, hashes).reshape(-1)
+        np.bitwise_or.at(array, pos >> 3, (1 << (pos & 7)).astype(np.uint8))
+        return cls(bytes(array), hashes, len(found), route_block, truncated)
+
+    def run(self, digests: Sequence[bytes],
+            positions: npt.NDArray[np.int64] | None = None) -> int:
+        """How many of the leading `digests` the filter holds (a run from the first)."""
+        if not digests or not self.bits:
+            return 0
+        pos = positions if positions is not None else \
+            _positions(digests, self.num_bits, self.hashes)
+        array = np.frombuffer(self.bits, dtype=np.uint8)
+        present = ((array[pos >> 3] >> (pos & 7)) & 1).all(axis=1)
+        misses = np.flatnonzero(~present)
+        return int(misses[0]) if misses.size else len(digests)
+
+    def __contains__(self, digest: object) -> bool:
+        return isinstance(digest, bytes) and self.run((digest,)) == 1
+
+
+def check_summary_size(bits: int, hashes: int) -> None:
+    if not (64 <= bits <= MAX_SUMMARY_BITS and bits % 64 == 0):
+        raise ConfigError(f"summary bits={bits} must be a multiple of 64 in 64..{MAX_SUMMARY_BITS}")
+    if not 1 <= hashes <= 16:
+        raise ConfigError(f"summary hashes={hashes} must be in 1..16")
+
+
+class _Node(msgspec.Struct):
+    """What one cached block contributes: the route digests completed inside it and the running
+    hash of the route block open at its end."""
+
+    completed: tuple[bytes, ...]
+    depth: int                          # route blocks completed up to its end
+    last: bytes                         # the last completed route digest (ROOT if none)
+    open_tokens: npt.NDArray[np.int64]  # tokens of the open route block (fewer than route_block)
+
+
+class CacheSummarizer:
+    """Summaries of one replica's prefix cache (device index and host cache), memoized by block
+    digest between calls (see the module docstring).
+
+    Args:
+        route_block: tokens per routing digest (the router's `--route-block`).
+        max_blocks: route blocks of depth summarized (the router digests no deeper).
+        bits, hashes: the Bloom filter's size (the same for every replica of a router).
+        capacity: digests at most (default: bits / 10, about 1% false positives).
+    """
+
+    def __init__(self, route_block: int = 64, max_blocks: int = 64, *,
+                 bits: int = DEFAULT_SUMMARY_BITS, hashes: int = DEFAULT_HASHES,
+                 capacity: int | None = None) -> None:
+        if route_block < 1 or max_blocks < 1:
+            raise ConfigError(f"route_block={route_block} and max_blocks={max_blocks} must be "
+                              ">= 1")
+        check_summary_size(bits, hashes)
+        self.route_block = route_block
+        self.max_blocks = max_blocks
+        self.bits = bits
+        self.hashes = hashes
+        self.capacity = capacity if capacity is not None else bits // BITS_PER_DIGEST
+        self._memo: dict[bytes, _Node] = {}
+        self.hashed_tokens = 0          # tokens hashed so far (tests: memoization works)
+
+    def digests(self, *indexes: Any) -> tuple[list[bytes], bool]:
+        """Routing digests of every chain cached in `indexes` (`PrefixIndex`, `HostCache` or
+        anything with an `_index` of `atombatch.prefix._Index`), shallowest first, and whether
+        the capacity cut some off."""
+        children: dict[bytes, list[Any]] = {}
+        for index in indexes:
+            if index is None:
+                continue
+            for entry in list(index._index.by_digest.values()):
+                children.setdefault(entry.parent, []).append(entry)
+        root = _Node((), 0, prefix.ROOT, np.zeros(0, dtype=np.int64))
+        memo: dict[bytes, _Node] = {}
+        out: list[bytes] = []
+        seen: set[bytes] = set()
+        truncated = False
+        level: list[tuple[bytes, _Node]] = [(prefix.ROOT, root)]
+        while level and not truncated:
+            following: list[tuple[bytes, _Node]] = []
+            for parent_digest, parent in level:
+                for entry in children.get(parent_digest, ()):
+                    node = memo.get(entry.digest) or self._memo.get(entry.digest)
+                    if node is None:
+                        node = self._extend(parent, entry.tokens)
+                    memo[entry.digest] = node
+                    for digest in node.completed:
+                        if digest not in seen:
+                            if len(out) >= self.capacity:
+                                truncated = True
+                                break
+                            seen.add(digest)
+                            out.append(digest)
+                    if entry.full and node.depth < self.max_blocks:
+                        following.append((entry.digest, node))
+            level = following
+        self._memo = memo
+        return out, truncated
+
+    def summary(self, *indexes: Any) -> CacheSummary:
+        digests, truncated = self.digests(*indexes)
+        return CacheSummary.build(digests, bits=self.bits, hashes=self.hashes,
+                                  route_block=self.route_block, truncated=truncated)
+
+    def _extend(self, parent: _Node, tokens: npt.NDArray[np.int64]) -> _Node:
+        rb = self.route_block
+        data = np.concatenate([parent.open_tokens, np.asarray(tokens, dtype=np.int64)])
+        completed: list[bytes] = []
+        last, depth, start = parent.last, parent.depth, 0
+        while len(data) - start >= rb and depth < self.max_blocks:
+            last = prefix.chain_digest(last, data[start:start + rb], True)
+            self.hashed_tokens += rb
+            completed.append(last)
+            depth += 1
+            start += rb
+        rest = data[start:] if depth < self.max_blocks else np.zeros(0, dtype=np.int64)
+        return _Node(tuple(completed), depth, last, rest.copy())
