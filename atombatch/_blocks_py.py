@@ -773,6 +773,9 @@ class StepKernel:
         if flags & ~(LANE_SAMPLE | LANE_OWN_OUTPUT):
             raise StateError(f"flags={flags} has bits other than LANE_SAMPLE | LANE_OWN_OUTPUT")
         stops = tuple(int(t) for t in stop_ids)
+        for t in stops:  # the compiled kernel holds them as int64
+            if not -0x8000000000000000 <= t <= 0x7FFFFFFFFFFFFFFF:
+                raise RequestError(f"stop id {t} is outside the int64 range")
         if len(stops) > self.max_stop_ids:
             flags |= LANE_STOPCHECK
             stops = ()
