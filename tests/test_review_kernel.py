@@ -152,17 +152,30 @@ def draw_params(data: st.DataObject, vocab: int, room: int) -> SamplingParams:
     return SamplingParams(**fields)
 
 
+def piece_tokenizer(vocab: int) -> Any:
+    """Token t >= 2 decodes to the piece "p<t>", glued to its neighbours (stop strings can span
+    tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    pieces = ["<unk>", "<eos>"] + [f"p{i}" for i in range(2, vocab)]
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<eos>"])
+    return tok
+
+
 def alone(model_art: ArtifactConfig, prompt: list[int], params: SamplingParams,
-          seed: int) -> dict[int, Any]:
+          seed: int, tokenizer: Any = None) -> dict[int, Any]:
     """The request run alone on a B1 engine of the same model (full pool)."""
     art = artifact(model_art.model, 1, max_seq_len=model_art.max_seq_len,
                    block_size=model_art.block_size)
-    batcher = Batcher(NumpyRuntime.random(art, seed=seed))
+    batcher = Batcher(NumpyRuntime.random(art, seed=seed), tokenizer=tokenizer)
     batcher.submit(prompt, params, request_id="solo")
     return {index: c for (_, index), c in drive(batcher).items()}
 
 
-LAYOUTS = ["plain", "tight", "prefix", "host", "buckets", "hybrid"]
+LAYOUTS = ["plain", "tight", "prefix", "host", "buckets", "hybrid", "text"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -186,6 +199,9 @@ def test_random_workloads_bind_the_kernel_right_and_match_b1(layout: str,
     if layout == "host":
         kwargs["host_cache_bytes"] = 1 << 20
         art = artifact(model, b, num_blocks=b * 8 // 2 + 2)
+    tokenizer = piece_tokenizer(vocab) if layout == "text" else None
+    if tokenizer is not None:
+        kwargs["tokenizer"] = tokenizer
     policy = data.draw(st.sampled_from(["prefill-first", "decode-first", "interleave:2"]))
     weights_seed = data.draw(st.integers(0, 3), label="weights")
     batcher = Batcher(NumpyRuntime.random(art, seed=weights_seed), policy=policy, **kwargs)
@@ -199,6 +215,11 @@ def test_random_workloads_bind_the_kernel_right_and_match_b1(layout: str,
         else:
             prompt = data.draw(st.lists(st.integers(0, vocab - 1), min_size=plen, max_size=plen))
         params = draw_params(data, vocab, art.max_seq_len - plen)
+        if tokenizer is not None and data.draw(st.booleans(), label="stop string"):
+            ids = data.draw(st.lists(st.integers(2, vocab - 1), min_size=1, max_size=2))
+            stop = tokenizer.decode(ids)[1:]  # e.g. "3p1": ends inside a token, spans two
+            params = SamplingParams(**{**{f: getattr(params, f)
+                                          for f in params.__struct_fields__}, "stop": [stop]})
         rid = f"r{i}"
         batcher.submit(prompt, params, request_id=rid)
         requests.append((rid, prompt, params))
@@ -212,10 +233,11 @@ def test_random_workloads_bind_the_kernel_right_and_match_b1(layout: str,
             assert (rid, index) in finals, (rid, index)
         if rid in aborted:
             continue
-        solo = alone(art, prompt, params, weights_seed)
+        solo = alone(art, prompt, params, weights_seed, tokenizer)
         for index in range(params.n):
             got, want = finals[(rid, index)], solo[index]
             assert got.token_ids == want.token_ids, (rid, index, got, want)
+            assert got.text == want.text, (rid, index)
             assert got.finish_reason == want.finish_reason, (rid, index)
             assert got.stop_reason == want.stop_reason, (rid, index)
     assert all(i is None for i in batcher.scheduler.kernel.ids)
@@ -423,7 +445,7 @@ def test_a_block_op_failure_before_the_decode_skips_that_row() -> None:
     before the device call, its row is skipped by the kernel, the others' tokens are unchanged."""
     art = artifact(spec(), 2, num_blocks=2 * 8 // 2 + 2)
     batcher = Batcher(NumpyRuntime.random(art, seed=1), prefix_cache=True,
-                      host_cache_bytes=1 << 20)
+                      host_cache_bytes=1 << 20, policy="decode-first")
     stem = list(range(6, 30))
     batcher.submit(stem, SamplingParams(temperature=0.0, max_tokens=2), request_id="seed")
     drive(batcher)
@@ -439,7 +461,10 @@ def test_a_block_op_failure_before_the_decode_skips_that_row() -> None:
     batcher.submit([45, 46], GREEDY, request_id="plain")
     decode_all(batcher, 1)
     batcher.submit(stem + [1], GREEDY, request_id="restored")
-    finals = drive(batcher)
+    trace = batcher.record_trace()
+    finals = drive(batcher, until=lambda: "restored" not in batcher.scheduler.requests)
+    assert trace[0].kind == "decode"  # the restore rode on a decode step (decode-first)
+    finals.update(drive(batcher))
     assert finals[("restored", 0)].finish_reason == "error"
     assert finals[("plain", 0)].token_ids == alone(art, [45, 46], GREEDY, 1)[0].token_ids
     assert batcher.stats().host_restores >= 1
@@ -747,3 +772,37 @@ def test_decode_logits_in_any_layout_give_the_float32_tokens(form: str) -> None:
     for rid, prompt in (("a", [1, 2]), ("b", [3, 4, 5])):
         assert finals[(rid, 0)].token_ids == alone(batcher.artifact, prompt, GREEDY,
                                                    1)[0].token_ids
+
+
+@pytest.mark.parametrize(("prompt_len", "many_stops"), [(5, False), (5, True), (31, False)])
+def test_the_scheduler_alone_stops_a_request_without_max_tokens_at_the_context_end(
+        prompt_len: int, many_stops: bool) -> None:
+    """`max_tokens=None` means "up to the context" (SamplingParams): a request the sans-I/O
+    scheduler runs without the engine's default finishes "length" when prompt + output fill
+    max_seq_len, on the kernel's path and on the scheduler's own stop check (more than 16 stop
+    ids, or the first token), instead of the step kernel raising CapacityError for a block past
+    the row."""
+    from atombatch.scheduler import Request, Scheduler
+
+    art = artifact(spec(), 2, max_seq_len=32)
+    scheduler = Scheduler(art)
+    stops = list(range(30, 47)) if many_stops else []
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=None,
+                            stop_token_ids=stops)
+    scheduler.add(Request("a", np.arange(1, prompt_len + 1, dtype=np.int64), params, 0.0,
+                          np.random.default_rng(0)))
+    finished = []
+    for step in range(100):
+        plan = scheduler.schedule(float(step))
+        if plan is None:
+            break
+        if plan.kind == "prefill":
+            done = scheduler.complete_prefill(plan, 7 if plan.last_chunk else None, float(step))
+        else:
+            scheduler.kernel.tokens[:plan.rows] = 7
+            done = scheduler.complete_decode(plan, float(step))
+        finished += [r for r in done if r.state is RequestState.FINISHED]
+        scheduler.check_invariants()
+    [request] = finished
+    assert request.finish_reason == "length"
+    assert len(request.prompt) + len(request.output) == art.max_seq_len
