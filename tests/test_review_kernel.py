@@ -175,7 +175,23 @@ def alone(model_art: ArtifactConfig, prompt: list[int], params: SamplingParams,
     return {index: c for (_, index), c in drive(batcher).items()}
 
 
-LAYOUTS = ["plain", "tight", "prefix", "host", "buckets", "hybrid", "text"]
+LAYOUTS = ["plain", "tight", "prefix", "host", "buckets", "hybrid", "text", "faults"]
+
+
+class Poisoned(NumpyRuntime):
+    """The reference runtime; decode call k poisons row `poison[k]` with a NaN."""
+
+    poison: dict[int, int] = {}
+    calls = 0
+
+    def decode(self, inputs):  # type: ignore[no-untyped-def]
+        logits = super().decode(inputs)
+        self.calls += 1
+        row = self.poison.get(self.calls)
+        if row is not None and row < logits.shape[0]:
+            logits = logits.copy()
+            logits[row, 0] = np.nan
+        return logits
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -204,7 +220,11 @@ def test_random_workloads_bind_the_kernel_right_and_match_b1(layout: str,
         kwargs["tokenizer"] = tokenizer
     policy = data.draw(st.sampled_from(["prefill-first", "decode-first", "interleave:2"]))
     weights_seed = data.draw(st.integers(0, 3), label="weights")
-    batcher = Batcher(NumpyRuntime.random(art, seed=weights_seed), policy=policy, **kwargs)
+    runtime = Poisoned.random(art, seed=weights_seed)
+    if layout == "faults":  # NaN rows now and then: those requests fail, the others go on
+        runtime.poison = data.draw(st.dictionaries(st.integers(1, 60), st.integers(0, b - 1),
+                                                   max_size=4), label="poison")
+    batcher = Batcher(runtime, policy=policy, **kwargs)
     stem = data.draw(st.lists(st.integers(0, vocab - 1), min_size=20, max_size=20))
     requests = []
     aborts: dict[int, list[str]] = {}
@@ -232,6 +252,11 @@ def test_random_workloads_bind_the_kernel_right_and_match_b1(layout: str,
         for index in range(params.n):
             assert (rid, index) in finals, (rid, index)
         if rid in aborted:
+            continue
+        if any(finals[(rid, index)].finish_reason == "error" for index in range(params.n)):
+            assert layout == "faults", finals[(rid, 0)].error
+            assert all("non-finite" in (finals[(rid, index)].error or "non-finite")
+                       for index in range(params.n))
             continue
         solo = alone(art, prompt, params, weights_seed, tokenizer)
         for index in range(params.n):
@@ -371,14 +396,18 @@ def test_float64_logits_pick_the_same_greedy_token_in_prefill_and_decode() -> No
     assert finals[("r", 0)].token_ids[1:] == (last, last, last)
 
 
-@pytest.mark.parametrize("width", [0, 1, 48 + 8])
-def test_logits_of_the_wrong_vocabulary_fail_the_step_not_the_engine(width: int) -> None:
-    """Decode logits with no entries, or not `vocab_size` of them, fail that step's requests with
-    a clear error (no token outside the vocabulary reaches a client or the next step), and
-    the engine serves the next request."""
+@pytest.mark.parametrize("width", [0, 1, 48 + 8, "extra row", "missing row"])
+def test_logits_of_the_wrong_vocabulary_fail_the_step_not_the_engine(width: Any) -> None:
+    """Decode logits with no entries, or not `vocab_size` of them, or not one row per row of the
+    bucket, fail that step's requests with a clear error (no token outside the vocabulary reaches
+    a client or the next step), and the engine serves the next request."""
     def reshape(call: int, logits: np.ndarray) -> np.ndarray:
         if call != 2:
             return logits
+        if width == "extra row":
+            return np.vstack([logits, logits[:1]])
+        if width == "missing row":
+            return logits[:-1]
         out = np.full((logits.shape[0], width), -1.0, dtype=np.float32)
         out[:, :min(width, logits.shape[1])] = logits[:, :width]
         if width > logits.shape[1]:
@@ -393,7 +422,7 @@ def test_logits_of_the_wrong_vocabulary_fail_the_step_not_the_engine(width: int)
     for rid in ("a", "b"):
         completion = finals[(rid, 0)]
         assert completion.finish_reason == "error"
-        assert "vocab" in (completion.error or "")
+        assert "vocab" in (completion.error or "") and "rows" in (completion.error or "")
         assert all(0 <= t < vocab for t in completion.token_ids)
     batcher.submit([5, 6], GREEDY, request_id="c")
     assert drive(batcher)[("c", 0)].token_ids == alone(batcher.artifact, [5, 6], GREEDY,
