@@ -995,6 +995,8 @@ cdef class StepKernel:
         Everything is checked (as Python ints) before anything is written: a refused bind leaves
         the lane's binding as it was."""
         self.lanes._check_lane(lane)
+        if self.lanes._state_v[lane] != C_LANE_DECODING:
+            raise StateError(f"lane={lane} is not decoding: bind it after `start_decode`")
         if not 0 <= max_output <= 0x7FFFFFFF:
             raise RequestError(f"max_output={max_output} is outside 0..{0x7FFFFFFF}")
         if flags & ~(C_LANE_SAMPLE | C_LANE_OWN_OUTPUT):

@@ -766,6 +766,8 @@ class StepKernel:
         `stop_ids`. `flags`: LANE_SAMPLE (the caller samples its row) and LANE_OWN_OUTPUT (the
         caller builds its outputs); more stop ids than `max_stop_ids` add LANE_STOPCHECK."""
         self.lanes._check_lane(lane)
+        if self.lanes._state[lane] != LANE_DECODING:
+            raise StateError(f"lane={lane} is not decoding: bind it after `start_decode`")
         if not isinstance(output, list) or not isinstance(times, list):
             raise TypeError("output and times must be lists")
         if not 0 <= max_output <= 0x7FFFFFFF:

@@ -588,7 +588,10 @@ def kernels(b: int = 2, bps: int = 2, block_size: int = 4) -> list[Any]:
 def test_bind_refuses_the_same_arguments_in_both_implementations(field: str, value: Any) -> None:
     """Out-of-range limits, stop ids and flags get the same typed error from the compiled kernel
     and its twin, and a refused bind leaves the lane's previous binding as it was."""
-    for impl, _, _, kernel in kernels():
+    for impl, pool, lanes, kernel in kernels():
+        lanes.assign()
+        lanes.push_block(0, pool.allocate(impl.LANE, 0))
+        lanes.start_decode(0, 1, 1)
         kernel.bind(0, "old", [], [], 5, [7, 8], py_impl.LANE_OWN_OUTPUT)
         args = dict(max_output=5, stops=[1], flags=0)
         args[field] = value
@@ -835,3 +838,19 @@ def test_the_scheduler_alone_stops_a_request_without_max_tokens_at_the_context_e
     [request] = finished
     assert request.finish_reason == "length"
     assert len(request.prompt) + len(request.output) == art.max_seq_len
+
+
+def test_bind_refuses_a_lane_that_is_not_decoding() -> None:
+    """A binding lives while its lane decodes: an idle or prefilling lane cannot be bound (its
+    request's lists would stay referenced by a lane `complete` never serves)."""
+    for impl, pool, lanes, kernel in kernels():
+        with pytest.raises(StateError, match="not decoding"):
+            kernel.bind(0, "idle", [], [], 3, [], 0)
+        lane = lanes.assign()
+        lanes.push_block(lane, pool.allocate(impl.LANE, lane))
+        with pytest.raises(StateError, match="not decoding"):
+            kernel.bind(lane, "prefilling", [], [], 3, [], 0)
+        assert kernel.ids[lane] is None and kernel.flags(lane) == 0
+        lanes.start_decode(lane, 1, 1)
+        kernel.bind(lane, "decoding", [], [], 3, [], 0)
+        assert kernel.ids[lane] == "decoding", impl.IMPLEMENTATION
