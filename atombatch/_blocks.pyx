@@ -990,13 +990,17 @@ cdef class StepKernel:
 
     # -- per-lane request data ------------------------------------------------------------------
     def bind(self, Py_ssize_t lane, request_id, carray.array output not None,
-             carray.array times not None, Py_ssize_t max_output, stop_ids, int flags):
+             carray.array times not None, max_output, stop_ids, flags):
         """Lane `lane` decodes for `request_id`: its tokens go to `output` (and `now` to `times`),
         it finishes "length" once `output` holds `max_output` tokens and "stop" on a token of
         `stop_ids`. `flags`: LANE_SAMPLE (the caller samples its row) and LANE_OWN_OUTPUT (the
         caller builds its outputs); more stop ids than `max_stop_ids` add LANE_STOPCHECK.
-        `output` is an `array("q")` and `times` an `array("d")`: appended to in place."""
+        `output` is an `array("q")` and `times` an `array("d")`: appended to in place.
+        Everything is checked (as Python ints) before anything is written: a refused bind leaves
+        the lane's binding as it was."""
         self.lanes._check_lane(lane)
+        if self.lanes._state_v[lane] != C_LANE_DECODING:
+            raise StateError(f"lane={lane} is not decoding: bind it after `start_decode`")
         if output.typecode != "q" or times.typecode != "d":
             raise TypeError(f"output must be an array('q') and times an array('d'), not "
                             f"array({output.typecode!r}) and array({times.typecode!r})")
@@ -1004,17 +1008,21 @@ cdef class StepKernel:
             raise RequestError(f"max_output={max_output} is outside 0..{0x7FFFFFFF}")
         if flags & ~(C_LANE_SAMPLE | C_LANE_OWN_OUTPUT):
             raise StateError(f"flags={flags} has bits other than LANE_SAMPLE | LANE_OWN_OUTPUT")
-        stops = list(stop_ids)
+        stops = [int(t) for t in stop_ids]
+        for t in stops:
+            if not -0x8000000000000000 <= t <= 0x7FFFFFFFFFFFFFFF:
+                raise RequestError(f"stop id {t} is outside the int64 range")
         cdef Py_ssize_t j, n = len(stops)
+        cdef int lane_flags = flags
         if n > self.max_stop_ids:
-            flags |= C_LANE_STOPCHECK
+            lane_flags |= C_LANE_STOPCHECK
             n = 0
         for j in range(n):
             self._stops_v[lane, j] = stops[j]
         self._num_stops_v[lane] = <int32_t>n
         self._num_out_v[lane] = <int32_t>len(output)
         self._max_out_v[lane] = <int32_t>max_output
-        self._flags_v[lane] = <int8_t>flags
+        self._flags_v[lane] = <int8_t>lane_flags
         self._outputs[lane] = output
         self._times[lane] = times
         self.ids[lane] = request_id

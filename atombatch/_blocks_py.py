@@ -770,6 +770,8 @@ class StepKernel:
         self.lanes._check_lane(lane)
         if not isinstance(output, array) or not isinstance(times, array):
             raise TypeError("output must be an array('q') and times an array('d')")
+        if self.lanes._state[lane] != LANE_DECODING:
+            raise StateError(f"lane={lane} is not decoding: bind it after `start_decode`")
         if output.typecode != "q" or times.typecode != "d":
             raise TypeError(f"output must be an array('q') and times an array('d'), not "
                             f"array({output.typecode!r}) and array({times.typecode!r})")
@@ -778,6 +780,9 @@ class StepKernel:
         if flags & ~(LANE_SAMPLE | LANE_OWN_OUTPUT):
             raise StateError(f"flags={flags} has bits other than LANE_SAMPLE | LANE_OWN_OUTPUT")
         stops = tuple(int(t) for t in stop_ids)
+        for t in stops:  # the compiled kernel holds them as int64
+            if not -0x8000000000000000 <= t <= 0x7FFFFFFFFFFFFFFF:
+                raise RequestError(f"stop id {t} is outside the int64 range")
         if len(stops) > self.max_stop_ids:
             flags |= LANE_STOPCHECK
             stops = ()

@@ -167,8 +167,8 @@ class StepResult:
     reported only here: its request (`request_ids[lane]`) is running with nothing else to say (no
     text, logprobs or n > 1 choices) and did not finish. Every other row, and every first token,
     finish or error of the step, is in `outputs`, exactly as `step()` would return it. The arrays
-    are views the next step overwrites: copy what must outlive it. `request_ids` is the engine's
-    lane table (by lane), also rewritten by later steps.
+    are views the next step overwrites: copy what must outlive it. `request_ids` is a copy of the
+    engine's lane table (by lane) at the end of the step.
     """
 
     __slots__ = ("lanes", "outputs", "plain", "request_ids", "tokens")
@@ -529,8 +529,10 @@ class Batcher:
                 outputs = self._step()
                 kernel = self.scheduler.kernel
                 rows = kernel.num_rows if self._decoded else 0
+                # a copy of the lane table: an abort from another thread between this step
+                # and the consumer reading the result must not erase whose tokens these are
                 return StepResult(outputs, kernel.inputs.row_lanes[:rows], kernel.tokens[:rows],
-                                  kernel.plain[:rows], kernel.ids)
+                                  kernel.plain[:rows], list(kernel.ids))
         finally:
             self._consumer.release()
 
@@ -849,18 +851,23 @@ class Batcher:
         scheduler = self.scheduler
         kernel = scheduler.kernel
         try:
-            logits = self._device_call(self.runtime.decode, plan.inputs)
+            raw = logits = self._device_call(self.runtime.decode, plan.inputs)
             if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or \
                     not logits.flags.c_contiguous:
                 logits = np.ascontiguousarray(logits, dtype=np.float32)
-            if logits.ndim != 2 or logits.shape[0] != plan.inputs.num_rows:
+            vocab = self.spec.vocab_size
+            if logits.ndim != 2 or logits.shape != (plan.inputs.num_rows, vocab):
                 raise RequestError(f"decode returned logits of shape {logits.shape}; the step ran "
-                                   f"{plan.inputs.num_rows} rows")
+                                   f"{plan.inputs.num_rows} rows of vocab_size={vocab}")
+            # greedy is the argmax of the runtime's own logits (as in prefill): a float32 copy
+            # of wider ones would tie entries they tell apart
+            wide = isinstance(raw, np.ndarray) and raw.dtype.kind == "f" and raw.dtype.itemsize > 4
+            greedy = (raw if wide else logits).argmax(axis=1)
         except Exception as exc:
             for failed in scheduler.decode_requests(plan):
                 self._fail(failed, f"decode step failed: {exc}", outputs)
             return
-        attention = kernel.pick(logits, logits.argmax(axis=1))
+        attention = kernel.pick(logits, greedy)
         if attention:
             lanes = plan.inputs.row_lanes
             special: list[tuple[int, int, Request, RequestSampler]] = []

@@ -176,7 +176,9 @@ class KVManager:
         stops = list(params.stop_token_ids)
         if not params.ignore_eos:
             stops.extend(eos_token_ids)
-        limit = params.max_tokens if params.max_tokens is not None else 0x7FFFFFFF
+        limit = self.artifact.max_seq_len - len(request.prompt)  # None: up to the context end
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens)
         self.kernel.bind(lane, request.request_id, request.output, request.token_times, limit,
                          stops, request.lane_flags)
 

@@ -555,7 +555,10 @@ class Scheduler:
                                               token in self.eos_token_ids):
             self.finish(request, "stop")
             return True
-        if params.max_tokens is not None and len(request.output) >= params.max_tokens:
+        limit = params.max_tokens
+        if limit is None:  # up to the context end (as the kernel's limit, `KVManager.start_decode`)
+            limit = self.artifact.max_seq_len - len(request.prompt)
+        if len(request.output) >= limit:
             self.finish(request, "length")
             return True
         return False
