@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import tracemalloc
+from array import array
 from typing import Any
 
 import atombatch._blocks as c_impl
@@ -37,6 +38,14 @@ from atombatch.runtime import NumpyRuntime
 TINY = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+
+def Q() -> array[int]:
+    return array("q")
+
+
+def D() -> array[float]:
+    return array("d")
 
 def spec(vocab: int = 48, hybrid: bool = False, eos: tuple[int, ...] = (3, 4)) -> ModelSpec:
     if hybrid:
@@ -592,11 +601,11 @@ def test_bind_refuses_the_same_arguments_in_both_implementations(field: str, val
         lanes.assign()
         lanes.push_block(0, pool.allocate(impl.LANE, 0))
         lanes.start_decode(0, 1, 1)
-        kernel.bind(0, "old", [], [], 5, [7, 8], py_impl.LANE_OWN_OUTPUT)
+        kernel.bind(0, "old", Q(), D(), 5, [7, 8], py_impl.LANE_OWN_OUTPUT)
         args = dict(max_output=5, stops=[1], flags=0)
         args[field] = value
         with pytest.raises((RequestError, StateError)) as info:
-            kernel.bind(0, "new", [], [], args["max_output"], args["stops"], args["flags"])
+            kernel.bind(0, "new", Q(), D(), args["max_output"], args["stops"], args["flags"])
         expected = StateError if field == "flags" else RequestError
         assert type(info.value) is expected, (impl.IMPLEMENTATION, info.value)
         assert kernel.ids[0] == "old" and kernel.flags(0) == py_impl.LANE_OWN_OUTPUT
@@ -620,18 +629,18 @@ def test_large_sampled_token_ids_stop_only_on_their_own_id(token: int) -> None:
     """Token ids past int32 (a caller's sampler writes them) match a stop id exactly: no
     truncation makes 2**31 + 7 stop on 7, and the token reaches the output list intact."""
     for impl, pool, lanes, kernel in kernels():
-        outputs = ([], [])
+        outputs = (Q(), Q())
         for lane in (0, 1):
             lanes.assign()
             lanes.push_block(lane, pool.allocate(impl.LANE, lane))
             lanes.start_decode(lane, 1, 1)
             stops = [token] if lane == 0 else [token & 0xFFFFFFFF, token & 0x7FFFFFFF, 7]
-            kernel.bind(lane, f"r{lane}", outputs[lane], [], 100, stops, impl.LANE_SAMPLE)
+            kernel.bind(lane, f"r{lane}", outputs[lane], D(), 100, stops, impl.LANE_SAMPLE)
         logits = np.zeros((2, 3), dtype=np.float32)
         n, status, tokens = run_kernel_step(impl, pool, lanes, kernel, logits,
                                             {0: token, 1: token})
         assert n == 2 and tokens == [token, token]
-        assert outputs == ([token], [token])
+        assert (list(outputs[0]), list(outputs[1])) == ([token], [token])
         lane1 = impl.ROW_STOP if token in (token & 0xFFFFFFFF, token & 0x7FFFFFFF) else impl.ROW_OK
         assert status == [impl.ROW_STOP, lane1], impl.IMPLEMENTATION
 
@@ -639,16 +648,17 @@ def test_large_sampled_token_ids_stop_only_on_their_own_id(token: int) -> None:
 def test_a_vocabulary_of_one_token() -> None:
     """vocab = 1: every greedy pick is token 0, which is the stop id of one lane only."""
     for impl, pool, lanes, kernel in kernels():
-        outputs = ([], [])
+        outputs = (Q(), Q())
         for lane in (0, 1):
             lanes.assign()
             lanes.push_block(lane, pool.allocate(impl.LANE, lane))
             lanes.start_decode(lane, 0, 0)
-            kernel.bind(lane, f"r{lane}", outputs[lane], [], 3, [0] if lane == 0 else [], 0)
+            kernel.bind(lane, f"r{lane}", outputs[lane], D(), 3, [0] if lane == 0 else [], 0)
         logits = np.zeros((2, 1), dtype=np.float32)
         assert run_kernel_step(impl, pool, lanes, kernel, logits, {})[1] == [impl.ROW_STOP,
                                                                              impl.ROW_OK]
-        assert outputs == ([0], [0]) and kernel.plain[:2].tolist() == [False, True]
+        assert (list(outputs[0]), list(outputs[1])) == ([0], [0])
+        assert kernel.plain[:2].tolist() == [False, True]
         out: list[Any] = []
         assert kernel.emit(out, lambda *args: args) == 1 and out == [("r1", (0,), False)]
 
@@ -845,12 +855,12 @@ def test_bind_refuses_a_lane_that_is_not_decoding() -> None:
     request's lists would stay referenced by a lane `complete` never serves)."""
     for impl, pool, lanes, kernel in kernels():
         with pytest.raises(StateError, match="not decoding"):
-            kernel.bind(0, "idle", [], [], 3, [], 0)
+            kernel.bind(0, "idle", Q(), D(), 3, [], 0)
         lane = lanes.assign()
         lanes.push_block(lane, pool.allocate(impl.LANE, lane))
         with pytest.raises(StateError, match="not decoding"):
-            kernel.bind(lane, "prefilling", [], [], 3, [], 0)
+            kernel.bind(lane, "prefilling", Q(), D(), 3, [], 0)
         assert kernel.ids[lane] is None and kernel.flags(lane) == 0
         lanes.start_decode(lane, 1, 1)
-        kernel.bind(lane, "decoding", [], [], 3, [], 0)
+        kernel.bind(lane, "decoding", Q(), D(), 3, [], 0)
         assert kernel.ids[lane] == "decoding", impl.IMPLEMENTATION
