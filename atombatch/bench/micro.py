@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import statistics
 import sys
@@ -124,6 +125,7 @@ def run(lanes: Iterable[int] = (1, 4, 16, 64, 256), json_path: str | None = None
     load_before = _load()
     records: list[MicroRecord] = []
     for case in case_defs.cases(lanes, ops):
+        gc.collect()  # the previous case's engine is garbage: it must not be collected in this one
         ns, cpu_ns = measure(case.make(), target_ms, repeats)
         records.append(MicroRecord(op=case.op, impl=case.impl, lanes=case.lanes,
                                    num_blocks=case.num_blocks, ns_per_op=round(ns, 1),
