@@ -55,6 +55,8 @@ class MicroRecord(msgspec.Struct, frozen=True):
     shape: str = ""  # "eager" | "partitioned"
     cpu_ns_per_op: float = -1.0  # median over repeats of the process CPU time per operation
     load1: float = -1.0  # the 1-minute load average when the measurement ended (-1: unknown)
+    processes: int = 1   # fresh processes measured (`--processes`): the figures are their median
+    cpu_ns_range: tuple[float, float] = (-1.0, -1.0)  # lowest and highest process's CPU median
 
     @property
     def ns_per_lane(self) -> float:
@@ -73,6 +75,7 @@ class MicroRun(msgspec.Struct, frozen=True):
     load_before: tuple[float, float, float]  # 1/5/15-minute load averages at the start
     load_after: tuple[float, float, float]   # ... and at the end
     records: list[MicroRecord]
+    processes: int = 1                  # fresh processes the records are the median of
 
 
 def _load() -> tuple[float, float, float]:
@@ -136,6 +139,49 @@ def run(lanes: Iterable[int] = (1, 4, 16, 64, 256), json_path: str | None = None
                           started=started, quick=quick, repeats=repeats,
                           load_before=load_before,
                           load_after=_load(), records=records)
+        with open(json_path, "wb") as f:
+            f.write(msgspec.json.format(msgspec.json.encode(result), indent=2))
+    return records
+
+
+def run_processes(processes: int, lanes: Sequence[int], json_path: str | None, quick: bool,
+                  ops: Sequence[str], repeats: int | None) -> list[MicroRecord]:
+    """The whole run in `processes` fresh interpreters, one after the other; each case keeps the
+    median of their medians and the range of their CPU medians. A process's memory layout (and
+    the host's placement of it) moves a case by a quarter on a shared VM: one process is one
+    sample, not the figure."""
+    import subprocess
+    import tempfile
+
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    load_before = _load()
+    runs: list[MicroRun] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(processes):
+            path = os.path.join(tmp, f"run{i}.json")
+            argv = [sys.executable, "-m", "atombatch.bench", "micro", "--json", path,
+                    "--lanes", ",".join(map(str, lanes)), "--ops", ",".join(ops)]
+            if quick:
+                argv.append("--quick")
+            if repeats is not None:
+                argv += ["--repeats", str(repeats)]
+            subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+            with open(path, "rb") as f:
+                runs.append(msgspec.json.decode(f.read(), type=MicroRun))
+            print(f"process {i + 1}/{processes} done", file=sys.stderr)
+    records = []
+    for group in zip(*(r.records for r in runs), strict=True):
+        first = group[0]
+        cpus = [r.cpu_ns_per_op for r in group]
+        records.append(msgspec.structs.replace(
+            first, ns_per_op=round(statistics.median(r.ns_per_op for r in group), 1),
+            cpu_ns_per_op=round(statistics.median(cpus), 1),
+            load1=max(r.load1 for r in group), processes=processes,
+            cpu_ns_range=(min(cpus), max(cpus))))
+    if json_path is not None:
+        result = MicroRun(commit=runs[0].commit, machine=runs[0].machine, started=started,
+                          quick=quick, repeats=runs[0].repeats, load_before=load_before,
+                          load_after=_load(), records=records, processes=processes)
         with open(json_path, "wb") as f:
             f.write(msgspec.json.format(msgspec.json.encode(result), indent=2))
     return records
@@ -225,6 +271,16 @@ def _find(run: MicroRun, op: str, shape: str, lanes: int | None = None,
     return None
 
 
+def _spread(run: MicroRun, op: str, shape: str, lanes: int) -> str:
+    """" (lowest–highest process)" for a record measured in several processes."""
+    for r in run.records:
+        if r.op == op and r.shape == shape and r.lanes == lanes and r.impl == "c" and \
+                r.processes > 1:
+            low, high = r.cpu_ns_range
+            return f" ({_ns(low)}–{_ns(high)} over {r.processes} processes)"
+    return ""
+
+
 def _ns(value: float | None, per: int = 1) -> str:
     if value is None:
         return "-"
@@ -239,10 +295,14 @@ def _ns(value: float | None, per: int = 1) -> str:
 def _provenance(run: MicroRun, json_name: str) -> str:
     loads = [r.load1 for r in run.records if r.load1 >= 0]
     during = f"{min(loads):.1f}–{max(loads):.1f}" if loads else "unknown"
+    processes = (f" in each of {run.processes} fresh processes, then the median of those"
+                 if run.processes > 1 else "")
     return (f"Recorded run [{os.path.basename(json_name)}]({json_name}): commit "
             f"{(run.commit or 'unknown')[:7]}{'-dirty' if (run.commit or '').endswith('-dirty') else ''}"
             f", {run.started}, {run.machine}; medians of {run.repeats} repeats"
-            f"{' (quick)' if run.quick else ''}. 1-minute load average {run.load_before[0]:.1f} "
+            f"{' (quick)' if run.quick else ''}"
+            f"{processes}"
+            f". 1-minute load average {run.load_before[0]:.1f} "
             f"before, {during} during, {run.load_after[0]:.1f} after the run. Each figure is "
             "given as wall-clock median / process-CPU-time median: on a loaded machine a timed "
             "loop is descheduled part of the time, and its CPU time is the better estimate of "
@@ -306,7 +366,8 @@ def readme_section(run: MicroRun, json_path: str) -> str:
         cpu = _find(run, "engine_step", "eager", b, "c", cpu=True)
         if cpu is not None:
             engine_met &= cpu <= target * 1000
-            verdicts.append(f"B={b} {_ns(cpu)} vs ≤ {target:g} µs "
+            spread = _spread(run, "engine_step", "eager", b)
+            verdicts.append(f"B={b} {_ns(cpu)}{spread} vs ≤ {target:g} µs "
                             f"({'met' if cpu <= target * 1000 else 'not met'})")
     for op, target in PREFIX_TARGETS_US.items():
         cpu = _find(run, op, "partitioned", cpu=True)
@@ -383,6 +444,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="timed repeats per case, median kept (default 5; --quick 3)")
     parser.add_argument("--ops", default=",".join(OPS),
                         help="comma-separated operations (default: all)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="measure the whole run in N fresh processes and keep each case's "
+                             "median (a shared VM moves one process's figures by a quarter)")
     parser.add_argument("--report", metavar="JSON",
                         help="measure nothing: rewrite the README's and docs/prefix-cache.md's "
                              "figures from a recorded run")
@@ -405,8 +469,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--ops: unknown operations {unknown}; known: {', '.join(OPS)}")
     if args.repeats is not None and args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    records = run(lanes=lanes, json_path=args.json, quick=args.quick, ops=ops,
-                  repeats=args.repeats)
+    if args.processes < 1:
+        parser.error(f"--processes must be >= 1, got {args.processes}")
+    if args.processes > 1:
+        records = run_processes(args.processes, lanes, args.json, args.quick, ops, args.repeats)
+    else:
+        records = run(lanes=lanes, json_path=args.json, quick=args.quick, ops=ops,
+                      repeats=args.repeats)
     print(format_table(records))
     if args.json:
         print(f"\nwrote {len(records)} records to {args.json}")
