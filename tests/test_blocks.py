@@ -801,3 +801,22 @@ def test_an_owner_outside_int32_is_refused_before_any_change(impl):
     assert (pool.counts(), pool.free_blocks()) == before
     assert pool.state(spare) == impl.SPARE
     pool.check()
+
+
+def test_micro_bench_in_several_processes_keeps_the_median_and_the_range(tmp_path) -> None:
+    import msgspec
+
+    from atombatch.bench import micro
+
+    path = tmp_path / "micro.json"
+    records = micro.run_processes(3, (2,), str(path), True, ("decode_build", "engine_step"), 1)
+    run = msgspec.json.decode(path.read_bytes(), type=micro.MicroRun)
+    assert run.processes == 3 and run.records == records
+    assert {(r.op, r.impl, r.shape) for r in records} == {
+        (op, impl, shape) for op in ("decode_build", "engine_step") for impl in ("c", "py")
+        for shape in ("eager", "partitioned")}
+    for r in records:
+        low, high = r.cpu_ns_range
+        assert r.processes == 3 and 0 < low <= r.cpu_ns_per_op <= high
+    text = micro._provenance(run, "x.json")
+    assert "in each of 3 fresh processes" in text
