@@ -253,6 +253,7 @@ class Batcher:
         self._samplers: dict[str, RequestSampler] = {}  # requests that are not plain greedy
         self._groups: dict[str, _Group] = {}       # n > 1 requests by the id submit() returned
         self._decoded = False                      # the last step completed a decode
+        self._kernel = self.scheduler.kv.kernel    # the decode-step kernel (never replaced)
         # n > 1 without a prefix cache: choices 1..n-1 start from a device copy of choice 0's
         # prompt KV (see `_release_held`); hybrid models also need the runtime's `copy_slot`
         self._forks = not prefix_cache and not self.artifact.single_block and \
@@ -508,7 +509,7 @@ class Batcher:
             with self._step_lock:  # waits for a submit or abort from another thread
                 outputs = self._step()
                 if self._decoded:
-                    self.scheduler.kernel.emit(outputs, RequestOutput)
+                    self._kernel.emit(outputs, RequestOutput)
                 return outputs
         finally:
             self._consumer.release()
@@ -558,7 +559,8 @@ class Batcher:
             self._run_decode(plan, outputs)
         if self._groups:
             self._release_held(outputs, fork=False)
-        self._flush_events()
+        if self.scheduler.events:
+            self._flush_events()
         return outputs
 
     def _release_held(self, outputs: list[RequestOutput], fork: bool) -> None:
@@ -849,19 +851,20 @@ class Batcher:
         one call, and appends every token in another; Python touches only the rows it hands
         back (sampled requests, failures, finishes, requests whose outputs carry extras)."""
         scheduler = self.scheduler
-        kernel = scheduler.kernel
+        kernel = self._kernel
         try:
             raw = logits = self._device_call(self.runtime.decode, plan.inputs)
             if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or \
                     not logits.flags.c_contiguous:
                 logits = np.ascontiguousarray(logits, dtype=np.float32)
             vocab = self.spec.vocab_size
-            if logits.ndim != 2 or logits.shape != (plan.inputs.num_rows, vocab):
+            if logits.shape != (plan.inputs.num_rows, vocab):
                 raise RequestError(f"decode returned logits of shape {logits.shape}; the step ran "
                                    f"{plan.inputs.num_rows} rows of vocab_size={vocab}")
             # greedy is the argmax of the runtime's own logits (as in prefill): a float32 copy
             # of wider ones would tie entries they tell apart
-            wide = isinstance(raw, np.ndarray) and raw.dtype.kind == "f" and raw.dtype.itemsize > 4
+            wide = raw is not logits and isinstance(raw, np.ndarray) and \
+                raw.dtype.kind == "f" and raw.dtype.itemsize > 4
             greedy = (raw if wide else logits).argmax(axis=1)
         except Exception as exc:
             for failed in scheduler.decode_requests(plan):

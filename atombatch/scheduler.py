@@ -512,7 +512,9 @@ class Scheduler:
         attention = kernel.complete(now)
         bucket = plan.inputs.num_rows
         counters = self.counters
-        self._record("decode", plan.rows, rows=bucket)
+        counters.steps += 1
+        if self.trace is not None:
+            self.trace.append(StepRecord(kind="decode", lanes=plan.rows, rows=bucket))
         counters.decode_steps += 1
         counters.lane_histogram[plan.rows] += 1
         counters.bucket_steps[bucket] = counters.bucket_steps.get(bucket, 0) + 1
