@@ -6,12 +6,13 @@ failure into a per-request error while the other lanes go on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -502,17 +503,11 @@ class Batcher:
         Raises:
             StateError: another thread is inside `step()` of this Batcher (one consumer only).
         """
-        if not self._consumer.acquire(blocking=False):
-            raise StateError("Batcher.step() is already running in another thread: a Batcher "
-                             "has one consumer (share it through AsyncBatcher; docs/rules.md)")
-        try:
-            with self._step_lock:  # waits for a submit or abort from another thread
-                outputs = self._step()
-                if self._decoded:
-                    self._kernel.emit(outputs, RequestOutput)
-                return outputs
-        finally:
-            self._consumer.release()
+        with self._consuming():
+            outputs = self._step()
+            if self._decoded:
+                self._kernel.emit(outputs, RequestOutput)
+            return outputs
 
     def step_arrays(self) -> StepResult:
         """`step()` for embedders that batch (benchmarks, a server loop that streams in bulk):
@@ -522,18 +517,25 @@ class Batcher:
         Raises:
             StateError: another thread is inside `step()` of this Batcher (one consumer only).
         """
+        with self._consuming():
+            outputs = self._step()
+            kernel = self._kernel
+            rows = kernel.num_rows if self._decoded else 0
+            # a copy of the lane table: an abort from another thread between this step and the
+            # consumer reading the result must not erase whose tokens these are
+            return StepResult(outputs, kernel.inputs.row_lanes[:rows], kernel.tokens[:rows],
+                              kernel.plain[:rows], list(kernel.ids))
+
+    @contextlib.contextmanager
+    def _consuming(self) -> Iterator[None]:
+        """The one consumer inside a step, holding the engine lock (a submit or abort from
+        another thread waits for it, and it waits for them)."""
         if not self._consumer.acquire(blocking=False):
             raise StateError("Batcher.step() is already running in another thread: a Batcher "
                              "has one consumer (share it through AsyncBatcher; docs/rules.md)")
         try:
             with self._step_lock:
-                outputs = self._step()
-                kernel = self.scheduler.kernel
-                rows = kernel.num_rows if self._decoded else 0
-                # a copy of the lane table: an abort from another thread between this step
-                # and the consumer reading the result must not erase whose tokens these are
-                return StepResult(outputs, kernel.inputs.row_lanes[:rows], kernel.tokens[:rows],
-                                  kernel.plain[:rows], list(kernel.ids))
+                yield
         finally:
             self._consumer.release()
 

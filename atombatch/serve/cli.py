@@ -159,19 +159,24 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
         raise ConfigError(f"--max-seq-len {args.max_seq_len} exceeds the model's "
                           f"max_position_embeddings={spec.max_position_embeddings}: positions "
                           "past it were never trained")
-    block_size = args.block_size or args.max_seq_len
-    bps = args.max_seq_len // block_size if block_size else 0
-    num_blocks = args.num_blocks or args.batch_size * max(bps, 1) + 1
-    artifact = ArtifactConfig(model=spec, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
-                              block_size=block_size, num_blocks=num_blocks,
-                              prefill_chunk_size=min(args.prefill_chunk_size, args.max_seq_len),
-                              decoder_batch_sizes=args.decoder_batch_sizes)
+    artifact = _artifact(args, spec)
     from atombatch.runtime.numpy_runtime import NumpyRuntime
     if model_dir is not None:
         runtime = NumpyRuntime.from_pretrained(model_dir, artifact=artifact)
     else:
         runtime = NumpyRuntime.random(artifact, seed=args.seed)
     return _serving(runtime, args, model_dir, spec)
+
+
+def _artifact(args: argparse.Namespace, spec: ModelSpec) -> ArtifactConfig:
+    """The artifact the shape flags describe (one block per sequence unless --block-size)."""
+    block_size = args.block_size or args.max_seq_len
+    bps = args.max_seq_len // block_size if block_size else 0
+    num_blocks = args.num_blocks or args.batch_size * max(bps, 1) + 1
+    return ArtifactConfig(model=spec, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
+                          block_size=block_size, num_blocks=num_blocks,
+                          prefill_chunk_size=min(args.prefill_chunk_size, args.max_seq_len),
+                          decoder_batch_sizes=args.decoder_batch_sizes)
 
 
 def _sim_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
@@ -183,13 +188,7 @@ def _sim_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
         raise ConfigError(f"--model {args.model}: --runtime sim needs a preset "
                           f"({', '.join(sorted(PRESETS))})")
     spec = ModelSpec.preset(name)
-    block_size = args.block_size or args.max_seq_len
-    bps = args.max_seq_len // block_size if block_size else 0
-    num_blocks = args.num_blocks or args.batch_size * max(bps, 1) + 1
-    artifact = ArtifactConfig(model=spec, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
-                              block_size=block_size, num_blocks=num_blocks,
-                              prefill_chunk_size=min(args.prefill_chunk_size, args.max_seq_len),
-                              decoder_batch_sizes=args.decoder_batch_sizes)
+    artifact = _artifact(args, spec)
     costs = CostModel.load(args.sim_costs) if args.sim_costs else None
     runtime = SimRuntime(artifact, costs, seed=args.seed, pace=args.sim_pace)
     return _serving(runtime, args, None, spec)
