@@ -85,6 +85,13 @@ cdef enum:
     C_LANE_STOPCHECK = 4
 
 
+# The compiled code branches on the C enum above; Python callers compare with the twin's constants.
+if (C_ROW_OK, C_ROW_SAMPLE, C_ROW_NONFINITE, C_ROW_STOP, C_ROW_LENGTH, C_ROW_CHECK,
+        C_ROW_SKIPPED, C_LANE_SAMPLE, C_LANE_OWN_OUTPUT, C_LANE_STOPCHECK) != (
+        ROW_OK, ROW_SAMPLE, ROW_NONFINITE, ROW_STOP, ROW_LENGTH, ROW_CHECK, ROW_SKIPPED,
+        LANE_SAMPLE, LANE_OWN_OUTPUT, LANE_STOPCHECK):  # pragma: no cover - a build mistake
+    raise ImportError("atombatch._blocks: step codes disagree with atombatch._blocks_py")
+
 cdef extern from *:
     """
     #if defined(_MSC_VER)

@@ -6,13 +6,12 @@ failure into a per-request error while the other lanes go on.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -255,6 +254,7 @@ class Batcher:
         self._groups: dict[str, _Group] = {}       # n > 1 requests by the id submit() returned
         self._decoded = False                      # the last step completed a decode
         self._kernel = self.scheduler.kv.kernel    # the decode-step kernel (never replaced)
+        self._greedy = np.zeros(artifact.batch_size, dtype=np.int64)  # decode argmax, by row
         # n > 1 without a prefix cache: choices 1..n-1 start from a device copy of choice 0's
         # prompt KV (see `_release_held`); hybrid models also need the runtime's `copy_slot`
         self._forks = not prefix_cache and not self.artifact.single_block and \
@@ -503,11 +503,14 @@ class Batcher:
         Raises:
             StateError: another thread is inside `step()` of this Batcher (one consumer only).
         """
-        with self._consuming():
+        self._enter_step()
+        try:
             outputs = self._step()
             if self._decoded:
                 self._kernel.emit(outputs, RequestOutput)
             return outputs
+        finally:
+            self._leave_step()
 
     def step_arrays(self) -> StepResult:
         """`step()` for embedders that batch (benchmarks, a server loop that streams in bulk):
@@ -517,7 +520,8 @@ class Batcher:
         Raises:
             StateError: another thread is inside `step()` of this Batcher (one consumer only).
         """
-        with self._consuming():
+        self._enter_step()
+        try:
             outputs = self._step()
             kernel = self._kernel
             rows = kernel.num_rows if self._decoded else 0
@@ -525,19 +529,25 @@ class Batcher:
             # consumer reading the result must not erase whose tokens these are
             return StepResult(outputs, kernel.inputs.row_lanes[:rows], kernel.tokens[:rows],
                               kernel.plain[:rows], list(kernel.ids))
+        finally:
+            self._leave_step()
 
-    @contextlib.contextmanager
-    def _consuming(self) -> Iterator[None]:
-        """The one consumer inside a step, holding the engine lock (a submit or abort from
-        another thread waits for it, and it waits for them)."""
+    def _enter_step(self) -> None:
+        """Become the one consumer inside a step, then take the engine lock (a submit or abort
+        from another thread waits for the step, and the step waits for them). Plain calls,
+        not a context manager: a decode step allocates nothing it can avoid."""
         if not self._consumer.acquire(blocking=False):
             raise StateError("Batcher.step() is already running in another thread: a Batcher "
                              "has one consumer (share it through AsyncBatcher; docs/rules.md)")
         try:
-            with self._step_lock:
-                yield
-        finally:
+            self._step_lock.acquire()
+        except BaseException:
             self._consumer.release()
+            raise
+
+    def _leave_step(self) -> None:
+        self._step_lock.release()
+        self._consumer.release()
 
     def _step(self) -> list[RequestOutput]:
         self._decoded = False
@@ -867,7 +877,8 @@ class Batcher:
             # of wider ones would tie entries they tell apart
             wide = raw is not logits and isinstance(raw, np.ndarray) and \
                 raw.dtype.kind == "f" and raw.dtype.itemsize > 4
-            greedy = (raw if wide else logits).argmax(axis=1)
+            greedy = self._greedy[:logits.shape[0]]  # allocated once: the step allocates nothing
+            np.argmax(raw if wide else logits, axis=1, out=greedy)
         except Exception as exc:
             for failed in scheduler.decode_requests(plan):
                 self._fail(failed, f"decode step failed: {exc}", outputs)

@@ -140,11 +140,11 @@ class KVManager:
             request.blocks.append(self.take_block(core.STAGED, -2))
         return True
 
-    def grow_decoding(self) -> list[int]:
+    def grow_decoding(self) -> int:
         """Every decoding lane takes the block its next position needs from the free list, in
-        one kernel call; returns the lanes (in lane order) the free list could not serve."""
-        short = self.kernel.grow()
-        return self.kernel.attention[:short].tolist() if short else []
+        one kernel call; returns k: `kernel.attention[:k]` are the lanes (in lane order) the
+        free list could not serve."""
+        return self.kernel.grow()
 
     # -- a lane's life ----------------------------------------------------------------------------
     def attach(self, request: Request) -> None:

@@ -92,6 +92,7 @@ class Scheduler:
         self._admit_counter = 0
         self._decodes_since_prefill = 0
         self._step_time = 0.0
+        self._decode_plan = StepPlan(kind="decode", inputs=self.kv.decode_inputs)
 
     # -- the KV manager's structures, for readers -------------------------------------------------
     @property
@@ -445,7 +446,7 @@ class Scheduler:
         if short:
             # The free list ran dry: evict or preempt for these lanes, in lane order (as if each
             # had grown alone), then every decoding lane holds its next position's block.
-            for lane in short:
+            for lane in kv.kernel.attention[:short].tolist():
                 request = self.by_lane[lane]
                 if request is not None and request.state is S.DECODING:
                     self._ensure_blocks_held(request, kv.lanes.seq_len(lane) + 1)
@@ -454,9 +455,11 @@ class Scheduler:
                                  "preemption")
         if not kv.lanes.num_decoding():
             return None
-        rows = kv.build_decode()
+        plan = self._decode_plan  # one object, reused: a decode step allocates no plan
+        plan.rows = kv.build_decode()
+        plan.saves = plan.restores = plan.copies = ()
         self._decodes_since_prefill += 1
-        return StepPlan(kind="decode", inputs=kv.decode_inputs, rows=rows)
+        return plan
 
     def decode_requests(self, plan: StepPlan) -> list[Request]:
         """The requests of a decode plan's rows that are still running, in row order."""
