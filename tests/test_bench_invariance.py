@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from atombatch.bench import invariance
+
+pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
 
 
 def test_b4_logits_equal_b1_bit_for_bit_and_the_cli_reports_it(tmp_path, capsys):

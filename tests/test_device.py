@@ -23,6 +23,8 @@ from atombatch.blocks import PrefillInputs
 from atombatch.pd import InProcessSource, Producer
 from atombatch.runtime import NumpyRuntime, RebelRuntime, Runtime
 
+pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
+
 NEW_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 B = 4

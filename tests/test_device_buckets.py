@@ -10,6 +10,8 @@ from test_device import GREEDY, LAYOUTS, make_case
 from atombatch import ArtifactConfig, Batcher, ModelSpec
 from atombatch.runtime import RebelRuntime
 
+pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
+
 FAMILIES = ("llama", "qwen3", "gemma3")
 
 

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.runtime import NumpyRuntime, RebelRuntime
 
+pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
+
 PROMPT_LEN = 37
 CHUNK = 8
 N = 3

@@ -18,6 +18,8 @@ from hf_models import FAMILIES, build_model, hf_logits, save_checkpoint
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.runtime import NumpyRuntime
 
+pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
+
 NEW_TOKENS = 10
 PROMPT_LENS = (5, 17, 33, 47)  # cross 16-token blocks and Gemma3's 16-token window
 

@@ -26,6 +26,8 @@ from atombatch.pd import (
 )
 from atombatch.runtime import NumpyRuntime
 
+pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
+
 TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
             head_dim=8)
 SPECS = {

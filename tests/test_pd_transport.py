@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from support.numerics import assert_f32_close, assert_same_argmax, reduction_length
 
 from atombatch.blocks import PrefillInputs
 from atombatch.config import FULL, SLIDING, ArtifactConfig, ModelSpec
@@ -44,6 +45,8 @@ from atombatch.pd import (
 from atombatch.runtime.numpy_runtime import NumpyRuntime
 from atombatch.structs import SamplingParams
 
+pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
+
 WINDOW = 8
 SPECS = {
     "llama": ModelSpec(name="tiny-llama", family="llama", vocab_size=128, hidden_size=32,
@@ -65,6 +68,14 @@ PRODUCER_ART = dict(batch_size=1, max_seq_len=128, block_size=32, num_blocks=5,
 DECODER_ART = dict(batch_size=3, max_seq_len=64, block_size=16, num_blocks=13,
                    prefill_chunk_size=8, kv_dtype="float32")
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(3, 128, size=37)]
+
+
+def close(family: str, actual: np.ndarray, desired: np.ndarray) -> None:
+    """Equal up to float32 reordering: the producer and the decoder chunk the prompt differently
+    (16 vs 8 tokens), so their matrix shapes, and with them the BLAS kernels' sums, differ."""
+    spec = SPECS[family]
+    assert_f32_close(actual, desired, reduction=reduction_length(spec, PRODUCER_ART["max_seq_len"]),
+                     depth=spec.num_layers + 1)
 
 
 def runtime(family: str, layout: dict[str, Any], seed: int = 0) -> NumpyRuntime:
@@ -209,16 +220,17 @@ def test_producer_with_another_layout_gives_the_decoders_own_kv(family: str) -> 
         got = decoder.read_layer_kv(i, import_row, len(PROMPT), import_slot)
         want = native.read_layer_kv(i, native_row, len(PROMPT), native_slot)
         for x, y in zip(got, want, strict=True):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+            close(family, x, y)
 
     # Decoding after the import continues as the native sequence does.
     token = payload.header.first_token
     for position in range(len(PROMPT), len(PROMPT) + 4):
         mine = decode_one(decoder, import_slot, token, position, import_row, spare=12)
         theirs = decode_one(native, native_slot, token, position, native_row, spare=12)
-        np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-4)
-        assert int(np.argmax(mine)) == int(np.argmax(theirs))
-        token = int(np.argmax(mine))
+        close(family, mine, theirs)
+        assert_same_argmax(mine, theirs, reduction=reduction_length(spec, PRODUCER_ART["max_seq_len"]),
+                           depth=spec.num_layers + 1)
+        token = int(np.argmax(theirs))
 
 
 def test_partial_prefix_carries_the_first_tokens_only() -> None:
@@ -235,7 +247,7 @@ def test_partial_prefix_carries_the_first_tokens_only() -> None:
     for layer in payload.layers:
         want = native.read_layer_kv(layer.layer, [0, 1, 2], 20)
         for x, y in zip(layer.float32(), want, strict=True):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+            close("llama", x, y)
 
 
 def test_sampled_first_token_uses_the_request_seed(gemma_producer: Producer) -> None:

@@ -14,6 +14,8 @@ from atombatch import ArtifactConfig, Batcher, ConfigError, ModelSpec, SamplingP
 from atombatch.prefix import PrefixIndex
 from atombatch.runtime import NumpyRuntime
 
+pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
+
 SPEC = ModelSpec(name="tiny-llama", family="llama", vocab_size=256, hidden_size=32,
                  intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -14,6 +14,8 @@ import pytest
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams, StepResult
 from atombatch.runtime import NumpyRuntime
 
+pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
+
 SPEC = ModelSpec(name="tiny-llama", family="llama", vocab_size=128, hidden_size=32,
                  intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                  eos_token_ids=(5,))
