@@ -23,8 +23,16 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from atombatch.config import ArtifactConfig
 from atombatch.engine import Batcher, EngineStats, KVSource
-from atombatch.errors import AtomBatchError, CapacityError, ConfigError, RequestError, StateError
+from atombatch.errors import (
+    AtomBatchError,
+    CapacityError,
+    ConfigError,
+    RequestError,
+    StateError,
+    UnavailableError,
+)
 from atombatch.structs import Completion, RequestOutput, SamplingParams
 
 logger = logging.getLogger("atombatch")
@@ -33,108 +41,38 @@ logger = logging.getLogger("atombatch")
 DEFAULT_MAX_UNCLAIMED = 1024
 
 
-class AsyncBatcher:
-    """Serve a `Batcher` from asyncio.
+class OutputStreams:
+    """The consumer side shared by `AsyncBatcher` and the engine-core client
+    (`atombatch.core.CoreClient`): one asyncio queue per request, the one-consumer rule, and
+    the bounded keep of finished results nobody claimed yet. Subclasses queue requests
+    (`submit`, `abort`) and feed `_deliver` with what the engine produced."""
 
-    Args:
-        batcher: the engine to drive.
-        offload: run each step in a worker thread so the event loop stays responsive while the
-            runtime computes (True for real compute; False for the simulator).
-        idle_poll: seconds between source polls while every unfinished request waits on a KV
-            producer (the loop sleeps instead of spinning).
-        max_unclaimed: finished requests whose outputs were never claimed that are kept for a
-            late `outputs(id)`; the oldest are dropped past it.
-
-    Use as `async with AsyncBatcher(b) as ab:` or call `start()` / `close()`. `start()` after
-    `close()` starts the loop again on the same Batcher (e.g. in a new event loop).
-    """
-
-    def __init__(self, batcher: Batcher, *, offload: bool = True,
-                 idle_poll: float = 0.002, max_unclaimed: int = DEFAULT_MAX_UNCLAIMED) -> None:
+    def __init__(self, max_unclaimed: int) -> None:
         if isinstance(max_unclaimed, bool) or not isinstance(max_unclaimed, int) or \
                 max_unclaimed < 0:
             raise ConfigError(f"max_unclaimed={max_unclaimed!r} must be an int >= 0")
-        self.batcher = batcher
-        self.offload = offload
-        self.idle_poll = idle_poll
         self.max_unclaimed = max_unclaimed
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         # finished before anyone called outputs(): one compacted output each, oldest first
         self._unclaimed: OrderedDict[str, tuple[RequestOutput, ...]] = OrderedDict()
         self.unclaimed_dropped = 0
         self._claimed: set[str] = set()
-        self._inbox: list[tuple[str, Any]] = []
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._closing = False
-        self._next_id = 0
 
-    async def __aenter__(self) -> AsyncBatcher:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def start(self) -> None:
-        """Start the step loop (a no-op while it runs); after `close()` it starts again."""
-        if self._task is None:
-            self._closing = False
-            self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="atombatch-loop")
-
-    async def close(self, drain: bool = True) -> None:
-        """Stop the loop; with `drain`, let in-flight requests finish first, else abort them."""
-        if self._task is None:
-            return
-        if not drain:
-            for request_id in list(self._queues):
-                self.abort(request_id)
-        self._closing = True
-        self._poke()
-        await self._task
-        self._task = None
-
-    # -- requests ---------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                params: SamplingParams | None = None, request_id: str | None = None,
                kv: KVSource | None = None) -> str:
-        """Validate and queue a request; its outputs arrive through `outputs(request_id)`.
+        raise NotImplementedError
 
-        `kv` is a PD source (see `Batcher.submit`): the KV and first token come from a producer.
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
 
-        Raises:
-            RequestError: the request is invalid, the batcher is closing, or the id is in use.
-            CapacityError: `max_waiting` requests already wait (submits not yet drained count).
-        """
-        if self._task is None or self._closing:
-            raise RequestError("AsyncBatcher is not running (call start() or use async with)")
-        params = params or SamplingParams()
-        tokens = self.batcher.validate(prompt, params)
-        max_waiting = self.batcher.max_waiting
-        if max_waiting is not None:
-            waiting = self.batcher.num_waiting + \
-                sum(payload[1].n for kind, payload in self._inbox if kind == "submit")
-            if waiting + params.n > max_waiting:  # each of n choices waits for a lane
-                raise CapacityError(f"queue is full: {waiting} requests wait, "
-                                    f"max_waiting={max_waiting}")
-        if request_id is None:
-            request_id = f"areq-{self._next_id}"
-            self._next_id += 1
+    def _open(self, request_id: str) -> None:
+        """Give a request about to be queued its output queue."""
         if request_id in self._queues:
             raise RequestError(f"request_id={request_id!r} is already in flight")
         self._unclaimed.pop(request_id, None)
         self._claimed.discard(request_id)
         self._queues[request_id] = asyncio.Queue()
-        self._inbox.append(("submit", (tokens, params, request_id, kv)))
-        self._poke()
-        return request_id
-
-    def abort(self, request_id: str) -> None:
-        """Abort a request (a no-op once it finished); its lane and blocks free before next step."""
-        if request_id in self._queues:
-            self._inbox.append(("abort", request_id))
-            self._poke()
 
     def outputs(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Iterate a submitted request's outputs; leaving the iteration early aborts it.
@@ -211,34 +149,9 @@ class AsyncBatcher:
                 return [done[index] for index in sorted(done)]
         raise AtomBatchError("stream ended without a final output")  # pragma: no cover
 
-    def stats(self) -> EngineStats:
-        return self.batcher.stats()
-
     @property
     def in_flight(self) -> int:
         return len(self._queues)
-
-    # -- the loop ---------------------------------------------------------------------------------
-    def _poke(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    def _drain_inbox(self) -> None:
-        inbox, self._inbox = self._inbox, []
-        for kind, payload in inbox:
-            if kind == "submit":
-                tokens, params, request_id, kv = payload
-                try:
-                    self.batcher.submit(tokens, params, request_id=request_id, kv=kv)
-                except Exception as exc:  # one bad request must not stop the loop
-                    if kv is not None:  # the engine never took the source: release it here
-                        with contextlib.suppress(Exception):
-                            kv.close()
-                    self._deliver(RequestOutput(request_id=request_id, new_token_ids=(),
-                                                finished=True, finish_reason="error",
-                                                error=str(exc)))
-            else:
-                self.batcher.abort(payload)
 
     def _deliver(self, out: RequestOutput) -> None:
         queue = self._queues.get(out.request_id)
@@ -269,6 +182,145 @@ class AsyncBatcher:
                 logger.warning("request.unclaimed_dropped request_id=%s dropped=%d "
                                "max_unclaimed=%d", dropped, self.unclaimed_dropped,
                                self.max_unclaimed)
+
+
+class AsyncBatcher(OutputStreams):
+    """Serve a `Batcher` from asyncio.
+
+    Args:
+        batcher: the engine to drive.
+        offload: run each step in a worker thread so the event loop stays responsive while the
+            runtime computes (True for real compute; False for the simulator).
+        idle_poll: seconds between source polls while every unfinished request waits on a KV
+            producer (the loop sleeps instead of spinning).
+        max_unclaimed: finished requests whose outputs were never claimed that are kept for a
+            late `outputs(id)`; the oldest are dropped past it.
+
+    Use as `async with AsyncBatcher(b) as ab:` or call `start()` / `close()`. `start()` after
+    `close()` starts the loop again on the same Batcher (e.g. in a new event loop).
+    """
+
+    def __init__(self, batcher: Batcher, *, offload: bool = True,
+                 idle_poll: float = 0.002, max_unclaimed: int = DEFAULT_MAX_UNCLAIMED) -> None:
+        super().__init__(max_unclaimed)
+        self.batcher = batcher
+        self.offload = offload
+        self.idle_poll = idle_poll
+        self._inbox: list[tuple[str, Any]] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._next_id = 0
+
+    async def __aenter__(self) -> AsyncBatcher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Start the step loop (a no-op while it runs); after `close()` it starts again."""
+        if self._task is None:
+            self._closing = False
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="atombatch-loop")
+
+    async def close(self, drain: bool = True) -> None:
+        """Stop the loop; with `drain`, let in-flight requests finish first, else abort them."""
+        if self._task is None:
+            return
+        if not drain:
+            for request_id in list(self._queues):
+                self.abort(request_id)
+        self._closing = True
+        self._poke()
+        await self._task
+        self._task = None
+
+    # -- requests ---------------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
+               params: SamplingParams | None = None, request_id: str | None = None,
+               kv: KVSource | None = None) -> str:
+        """Validate and queue a request; its outputs arrive through `outputs(request_id)`.
+
+        `kv` is a PD source (see `Batcher.submit`): the KV and first token come from a producer.
+
+        Raises:
+            RequestError: the request is invalid, the batcher is closing, or the id is in use.
+            CapacityError: `max_waiting` requests already wait (submits not yet drained count).
+        """
+        if self._task is None or self._closing:
+            raise UnavailableError("AsyncBatcher is not running (call start() or use async with)")
+        params = params or SamplingParams()
+        tokens = self.batcher.validate(prompt, params)
+        max_waiting = self.batcher.max_waiting
+        if max_waiting is not None:
+            waiting = self.batcher.num_waiting + \
+                sum(payload[1].n for kind, payload in self._inbox if kind == "submit")
+            if waiting + params.n > max_waiting:  # each of n choices waits for a lane
+                raise CapacityError(f"queue is full: {waiting} requests wait, "
+                                    f"max_waiting={max_waiting}")
+        if request_id is None:
+            request_id = f"areq-{self._next_id}"
+            self._next_id += 1
+        self._open(request_id)
+        self._inbox.append(("submit", (tokens, params, request_id, kv)))
+        self._poke()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (a no-op once it finished); its lane and blocks free before next step."""
+        if request_id in self._queues:
+            self._inbox.append(("abort", request_id))
+            self._poke()
+
+    def stats(self) -> EngineStats:
+        return self.batcher.stats()
+
+    # -- what a front asks of the engine it serves (the same on `CoreClient`) ---------------------
+    @property
+    def artifact(self) -> ArtifactConfig:
+        return self.batcher.artifact
+
+    @property
+    def max_waiting(self) -> int | None:
+        return self.batcher.max_waiting
+
+    @property
+    def policy_label(self) -> str:
+        return self.batcher.policy.label
+
+    @property
+    def running(self) -> bool:
+        """The step loop runs and takes requests."""
+        return self._task is not None and not self._task.done() and not self._closing
+
+    def validate(self, prompt: Sequence[int] | npt.NDArray[np.integer],
+                 params: SamplingParams) -> npt.NDArray[np.int64]:
+        return self.batcher.validate(prompt, params)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _drain_inbox(self) -> None:
+        inbox, self._inbox = self._inbox, []
+        for kind, payload in inbox:
+            if kind == "submit":
+                tokens, params, request_id, kv = payload
+                try:
+                    self.batcher.submit(tokens, params, request_id=request_id, kv=kv)
+                except Exception as exc:  # one bad request must not stop the loop
+                    if kv is not None:  # the engine never took the source: release it here
+                        with contextlib.suppress(Exception):
+                            kv.close()
+                    self._deliver(RequestOutput(request_id=request_id, new_token_ids=(),
+                                                finished=True, finish_reason="error",
+                                                error=str(exc)))
+            else:
+                self.batcher.abort(payload)
 
     async def _run(self) -> None:
         assert self._wake is not None

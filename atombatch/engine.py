@@ -42,13 +42,13 @@ from atombatch.sampling import (
 from atombatch.scheduler import PDImport, Policy, Request, RequestState, Scheduler, StepPlan
 from atombatch.structs import (
     GREEDY_EPS,
-    MAX_LOGPROBS,
     Completion,
     RequestOutput,
     RequestTimings,
     SamplingParams,
     TokenLogprobs,
 )
+from atombatch.validation import RequestRules, validate_request
 
 log = structlog.wrap_logger(
     logging.getLogger("atombatch"),
@@ -220,7 +220,7 @@ class Batcher:
                  clock: Callable[[], float] | None = None,
                  max_waiting: int | None = DEFAULT_MAX_WAITING,
                  pd_timeout: float = 300.0, tokenizer: Any | None = None,
-                 logprobs_mode: LogprobsMode = "raw") -> None:
+                 logprobs_mode: LogprobsMode = "raw", detokenize: bool = True) -> None:
         artifact: ArtifactConfig = runtime.artifact
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not one of "
@@ -248,6 +248,9 @@ class Batcher:
         self.pd_timeout = pd_timeout
         self._kv: dict[str, KVLink] = {}
         self.tokenizer = tokenizer
+        # False: only requests with stop strings are detokenized here (their text decides when
+        # they stop); the others' outputs carry ids alone and a front decodes them
+        self.detokenize = detokenize
         self.logprobs_mode: LogprobsMode = logprobs_mode
         self._extras: dict[str, _Extras] = {}      # by scheduler request id
         self._samplers: dict[str, RequestSampler] = {}  # requests that are not plain greedy
@@ -277,61 +280,14 @@ class Batcher:
         Raises:
             RequestError: naming the offending value and the rule.
         """
-        try:
-            tokens = np.asarray(prompt)
-        except (ValueError, TypeError) as exc:  # ragged nesting, mixed types
-            raise RequestError(f"prompt must be a flat sequence of token ids: {exc}") from None
-        if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
-            raise RequestError(f"prompt must be a flat sequence of token ids, got shape "
-                               f"{tokens.shape} of {tokens.dtype}")
-        if tokens.size == 0:
-            raise RequestError("prompt is empty: a request needs at least one token")
-        vocab = self.spec.vocab_size
-        bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
-        if bad.size:
-            i = int(bad[0])
-            raise RequestError(f"token id {int(tokens[i])} at prompt index {i} is outside the "
-                               f"vocabulary 0..{vocab - 1}")
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        max_len = self.artifact.max_seq_len
-        if params.max_tokens is None:
-            if tokens.size >= max_len:
-                raise RequestError(f"prompt of {tokens.size} tokens leaves no room to generate: "
-                                   f"max_seq_len={max_len}")
-        else:
-            total = tokens.size + params.max_tokens
-            if total > max_len:
-                raise RequestError(f"prompt of {tokens.size} tokens + max_tokens="
-                                   f"{params.max_tokens} = {total} exceeds max_seq_len={max_len}")
-        for stop in params.stop_token_ids:
-            if stop >= vocab:
-                raise RequestError(f"stop token id {stop} is outside the vocabulary 0..{vocab - 1}")
-        for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("logit_bias", params.logit_bias or ())):
-            for token in ids:
-                if token >= vocab:
-                    raise RequestError(f"{name} names token id {token}, outside the vocabulary "
-                                       f"0..{vocab - 1}")
-        if self.tokenizer is None:
-            for name in ("stop", "bad_words"):
-                if getattr(params, name):
-                    raise RequestError(f"{name}={list(getattr(params, name))!r} needs a tokenizer: "
-                                       "build the Batcher with tokenizer=... (docs/sampling.md)")
-        if params.prompt_logprobs is not None:
-            self._check_prompt_logprobs(params.prompt_logprobs)
-        return tokens.astype(np.int64, copy=True)
+        return validate_request(self.rules(), prompt, params, type(self.runtime).__name__)
 
-    def _check_prompt_logprobs(self, k: int) -> None:
-        vocab = self.spec.vocab_size
-        if k == -1 and vocab > MAX_LOGPROBS:
-            raise RequestError(f"prompt_logprobs=-1 asks for the whole vocabulary ({vocab} ids); "
-                               f"at most {MAX_LOGPROBS} are returned per position")
-        if not getattr(self.runtime, "every_position_logits", False):
-            hint = getattr(self.runtime, "every_position_hint", None) or (
-                f"{type(self.runtime).__name__} returns only the last prefill position's logits")
-            raise RequestError(f"prompt_logprobs={k} needs the logits of every prompt position: "
-                               f"{hint}")
+    def rules(self) -> RequestRules:
+        """What `validate` checks against, as a value a front in another process can hold."""
+        return RequestRules(
+            self.artifact, has_tokenizer=self.tokenizer is not None,
+            every_position_logits=bool(getattr(self.runtime, "every_position_logits", False)),
+            every_position_hint=getattr(self.runtime, "every_position_hint", None))
 
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                params: SamplingParams | None = None, request_id: str | None = None,
@@ -423,7 +379,8 @@ class Batcher:
         rng = np.random.default_rng(seed)
         request = Request(internal_id, tokens, params, arrival, rng)
         extras = None
-        if internal_id != public_id or self.tokenizer is not None or \
+        detok = self.tokenizer is not None and (self.detokenize or bool(params.stop))
+        if internal_id != public_id or detok or \
                 params.logprobs is not None or params.prompt_logprobs is not None or \
                 not params.plain_greedy:
             extras = _Extras(public_id, index)
@@ -437,7 +394,7 @@ class Batcher:
             extras.sampler = RequestSampler(params, tokens, self.spec.vocab_size,
                                             self.spec.eos_token_ids, rng, words)
             self._samplers[internal_id] = extras.sampler
-        if self.tokenizer is not None:
+        if detok:
             extras.detok = Detokenizer(self.tokenizer, tokens, params)
         if params.logprobs is not None:
             extras.logprobs = []

@@ -35,3 +35,11 @@ class TransientDeviceError(AtomBatchError, RuntimeError):
     before the graph ran or a recovered link reset. The engine then repeats that one device call
     once; any other exception, or a second failure, fails the step's requests (docs/rules.md).
     """
+
+
+class UnavailableError(RequestError):
+    """The engine cannot take requests now: it is not started, is shutting down, or its core
+    process exited. Nothing of the request was queued; another server (or a later try) may
+    serve it. `http_status` is what a server answers (503)."""
+
+    http_status = 503

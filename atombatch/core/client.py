@@ -1,0 +1,336 @@
+"""`CoreClient`: the front's handle on an engine core process, with `AsyncBatcher`'s async API.
+
+    client = CoreClient(functools.partial(build_batcher, ...))   # a picklable factory
+    client.start_process()          # optional: spawn and wait for Ready now (ConfigError here)
+    async with client:              # start() also spawns if start_process() was not called
+        async for out in client.stream(prompt, params): ...
+
+The factory runs in the child (spawned, so it must be picklable: a module-level function or a
+`functools.partial` of one) and returns the `Batcher` the core steps. The front validates every
+request against the rules the core reported (`RequestRules`) and bounds the queue itself
+(lanes + `max_waiting` choices in flight answer `CapacityError`), so a refused request never
+reaches the core. Outputs come back one message per engine step; a thread receives them and hands
+each to the event loop in one call.
+
+If the core process exits unexpectedly, every request in flight ends with
+`finish_reason="error"`, `running` turns False, `submit` raises `UnavailableError`, and
+`on_core_exit` (if given) is called in the event loop, e.g. to stop the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+import zmq
+
+from atombatch.aio import DEFAULT_MAX_UNCLAIMED, OutputStreams
+from atombatch.config import ArtifactConfig
+from atombatch.core.messages import (
+    Abort,
+    Failed,
+    Ready,
+    Shutdown,
+    Step,
+    Stopped,
+    Submit,
+    core_decoder,
+    front_encoder,
+)
+from atombatch.core.process import run_core
+from atombatch.engine import Batcher, EngineStats, KVSource
+from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
+from atombatch.structs import RequestOutput, SamplingParams
+from atombatch.validation import validate_request
+
+log = structlog.wrap_logger(
+    logging.getLogger("atombatch.core"),
+    wrapper_class=structlog.stdlib.BoundLogger,
+    processors=[structlog.stdlib.filter_by_level, structlog.processors.add_log_level,
+                structlog.processors.JSONRenderer()],
+)
+
+
+class CoreClient(OutputStreams):
+    """Serve requests from an engine core in a child process (see the module docstring).
+
+    Args:
+        factory: picklable callable returning the `Batcher` to run; called in the child.
+        startup_timeout: seconds the core may take to build its engine (weights, compilation).
+        max_unclaimed: as `AsyncBatcher`'s.
+        on_core_exit: called (in the event loop, with the exit code) when the core exits
+            without being asked to.
+    """
+
+    def __init__(self, factory: Callable[[], Batcher], *, startup_timeout: float = 600.0,
+                 max_unclaimed: int = DEFAULT_MAX_UNCLAIMED,
+                 on_core_exit: Callable[[int | None], None] | None = None) -> None:
+        super().__init__(max_unclaimed)
+        self.factory = factory
+        self.startup_timeout = startup_timeout
+        self.on_core_exit = on_core_exit
+        self.ready: Ready | None = None
+        self._stats: EngineStats | None = None
+        self._process: Any = None
+        self._ctx: Any = None
+        self._to_core: Any = None
+        self._from_core: Any = None
+        self._dir: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._receiver: threading.Thread | None = None
+        self._stop_receiving = threading.Event()
+        self._stopped_flag = threading.Event()
+        self._choices: dict[str, int] = {}    # in-flight requests: n of each
+        self._in_flight_choices = 0
+        self._closing = False
+        self._dead = False
+        self._next_id = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start_process(self) -> Ready:
+        """Spawn the core and wait until its engine is built (idempotent).
+
+        Raises:
+            ConfigError: the factory raised one (its message), or the core died or timed out
+                while starting.
+        """
+        if self.ready is not None:
+            return self.ready
+        self._dir = tempfile.mkdtemp(prefix="atombatch-core-")
+        to_core, from_core = (f"ipc://{os.path.join(self._dir, name)}" for name in ("in", "out"))
+        self._ctx = zmq.Context()
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._to_core.setsockopt(zmq.LINGER, 0)
+        self._to_core.bind(to_core)
+        self._from_core = self._ctx.socket(zmq.PULL)
+        self._from_core.setsockopt(zmq.LINGER, 0)
+        self._from_core.bind(from_core)
+        spawn = multiprocessing.get_context("spawn")
+        self._process = spawn.Process(target=run_core, name="atombatch-core",
+                                      args=(self.factory, to_core, from_core, os.getpid()))
+        self._process.start()
+        waited = 0.0
+        while not self._from_core.poll(100):
+            waited += 0.1
+            if not self._process.is_alive():
+                code = self._process.exitcode
+                self._cleanup()
+                raise ConfigError(f"the engine core exited with code {code} while starting")
+            if waited > self.startup_timeout:
+                self._kill()
+                raise ConfigError(f"the engine core did not start within "
+                                  f"startup_timeout={self.startup_timeout:g} s")
+        message = core_decoder.decode(self._from_core.recv())
+        if isinstance(message, Failed):
+            self._process.join(10)
+            self._cleanup()
+            raise ConfigError(message.error) if message.config else \
+                ConfigError(f"the engine core failed to start: {message.error}")
+        assert isinstance(message, Ready)
+        self.ready = message
+        self._stats = message.stats
+        log.info("core.ready", pid=message.pid, artifact=message.rules.artifact.label)
+        return message
+
+    async def __aenter__(self) -> CoreClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Spawn the core (unless `start_process` did) and start receiving its outputs."""
+        if self._receiver is not None:
+            return
+        if self.ready is None:
+            await asyncio.to_thread(self.start_process)
+        self._loop = asyncio.get_running_loop()
+        self._closing = False
+        self._receiver = threading.Thread(target=self._receive, name="atombatch-core-outputs",
+                                          daemon=True)
+        self._receiver.start()
+
+    async def close(self, drain: bool = True) -> None:
+        """Stop the core: with `drain`, in-flight requests finish first, else they are aborted."""
+        if self._process is None:
+            return
+        self._closing = True
+        if not self._dead:
+            with contextlib.suppress(zmq.ZMQError):
+                self._to_core.send(front_encoder.encode(Shutdown(drain=drain)))
+            # the receiver delivers the last outputs, then sees Stopped
+            while self._receiver is not None and self._receiver.is_alive() and \
+                    not self._stopped_flag.is_set():
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(self._process.join, 30)
+        self._stop_receiving.set()
+        if self._receiver is not None:
+            await asyncio.to_thread(self._receiver.join, 5)
+        self._kill()
+
+    def _kill(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            self._process.terminate()
+            self._process.join(5)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        for sock in (self._to_core, self._from_core):
+            if sock is not None:
+                sock.close(linger=0)
+        self._to_core = self._from_core = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    # -- what a front asks of the engine (the same on AsyncBatcher) -------------------------------
+    def _rules_ready(self) -> Ready:
+        if self.ready is None:
+            raise UnavailableError("the engine core is not started (call start() or "
+                                   "start_process())")
+        return self.ready
+
+    @property
+    def artifact(self) -> ArtifactConfig:
+        return self._rules_ready().rules.artifact
+
+    @property
+    def max_waiting(self) -> int | None:
+        return self._rules_ready().max_waiting
+
+    @property
+    def policy_label(self) -> str:
+        return self._rules_ready().policy
+
+    @property
+    def running(self) -> bool:
+        return self._receiver is not None and not self._dead and not self._closing
+
+    @property
+    def core_pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def stats(self) -> EngineStats:
+        """The core's engine stats as of its last step (at most `STATS_INTERVAL` old)."""
+        if self._stats is None:
+            raise UnavailableError("the engine core is not started")
+        return self._stats
+
+    def validate(self, prompt: Sequence[int] | npt.NDArray[np.integer],
+                 params: SamplingParams) -> npt.NDArray[np.int64]:
+        return validate_request(self._rules_ready().rules, prompt, params, "the engine core")
+
+    # -- requests -----------------------------------------------------------------------------------
+    def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
+               params: SamplingParams | None = None, request_id: str | None = None,
+               kv: KVSource | None = None) -> str:
+        """Validate and send a request to the core; outputs arrive through `outputs(id)`.
+
+        Raises:
+            UnavailableError: not started, closing, or the core exited.
+            RequestError: the request is invalid, or `kv` is given (a PD source lives in the
+                process that decodes: give the core's factory the producer instead).
+            CapacityError: lanes + `max_waiting` choices are already in flight.
+        """
+        if not self.running:
+            reason = "exited" if self._dead else "is not running"
+            raise UnavailableError(f"the engine core {reason}")
+        if kv is not None:
+            raise RequestError("a KV source cannot cross into the engine core process: run PD "
+                               "with an in-process AsyncBatcher (docs/pd.md)")
+        params = params or SamplingParams()
+        ready = self._rules_ready()
+        tokens = validate_request(ready.rules, prompt, params, "the engine core")
+        if ready.max_waiting is not None:
+            limit = ready.rules.artifact.batch_size + ready.max_waiting
+            if self._in_flight_choices + params.n > limit:
+                waiting = max(0, self._in_flight_choices - ready.rules.artifact.batch_size)
+                raise CapacityError(f"queue is full: {waiting} requests wait, "
+                                    f"max_waiting={ready.max_waiting}")
+        if request_id is None:
+            request_id = f"creq-{self._next_id}"
+            self._next_id += 1
+        self._open(request_id)
+        self._choices[request_id] = params.n
+        self._in_flight_choices += params.n
+        self._to_core.send(front_encoder.encode(Submit(request_id, tokens.tobytes(), params)))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (a no-op once it finished); the core frees its lane before its next
+        step."""
+        if request_id in self._queues and not self._dead and self._to_core is not None:
+            self._to_core.send(front_encoder.encode(Abort([request_id])))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queues)
+
+    # -- outputs ------------------------------------------------------------------------------------
+    def _receive(self) -> None:
+        """Thread: receive the core's messages; hand each Step to the event loop in one call."""
+        sock, loop = self._from_core, self._loop
+        assert loop is not None
+        while not self._stop_receiving.is_set():
+            if not sock.poll(100):
+                if not self._process.is_alive():
+                    self._process.join(1)
+                    if not self._stopped_flag.is_set():
+                        loop.call_soon_threadsafe(self._core_exited, self._process.exitcode)
+                    return
+                continue
+            message = core_decoder.decode(sock.recv())
+            if isinstance(message, Step):
+                loop.call_soon_threadsafe(self._on_step, message)
+            elif isinstance(message, Stopped):
+                self._stopped_flag.set()
+                return
+
+    def _on_step(self, step: Step) -> None:
+        if step.stats is not None:
+            self._stats = step.stats
+        if step.ids:
+            queues = self._queues
+            for request_id, token in zip(step.ids, np.frombuffer(step.tokens, np.int64).tolist(),
+                                         strict=True):
+                queue = queues.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(RequestOutput(request_id=request_id,
+                                                   new_token_ids=(token,), finished=False))
+        for out in step.outputs:
+            if out.finished:
+                self._finish(out.request_id)
+            self._deliver(out)
+
+    def _finish(self, request_id: str) -> None:
+        n = self._choices.pop(request_id, 0)
+        self._in_flight_choices -= n
+
+    def _core_exited(self, code: int | None) -> None:
+        self._dead = True
+        log.error("core.exited", exit_code=code, in_flight=len(self._queues))
+        for request_id in list(self._queues):
+            self._finish(request_id)
+            self._deliver(RequestOutput(request_id=request_id, new_token_ids=(), finished=True,
+                                        finish_reason="error",
+                                        error=f"the engine core exited (code {code})"))
+        if self.on_core_exit is not None and not self._closing:
+            self.on_core_exit(code)

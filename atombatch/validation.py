@@ -1,0 +1,94 @@
+"""What a request must satisfy against one artifact, checked before it is queued.
+
+One rule set for every place that admits requests: `Batcher.validate` (in-process) and the
+front of an engine-core process (`atombatch.core.client.CoreClient`), which checks requests
+against the artifact the core reported, so that a bad request costs front CPU and never a step
+of the core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from atombatch.config import ArtifactConfig
+from atombatch.errors import RequestError
+from atombatch.structs import MAX_LOGPROBS, SamplingParams
+
+
+class RequestRules(msgspec.Struct, frozen=True):
+    """What the checks need to know of an engine: its artifact and two runtime capabilities."""
+
+    artifact: ArtifactConfig
+    has_tokenizer: bool = False          # stop strings and bad words need one
+    every_position_logits: bool = False  # prompt_logprobs needs the logits of every position
+    every_position_hint: str | None = None  # why not, when the runtime cannot
+
+
+def validate_request(rules: RequestRules, prompt: Sequence[int] | npt.NDArray[np.integer],
+                     params: SamplingParams, runtime_name: str = "the runtime"
+                     ) -> npt.NDArray[np.int64]:
+    """Check a request against `rules`; returns the prompt as a fresh int64 array.
+
+    Raises:
+        RequestError: naming the offending value and the rule.
+    """
+    try:
+        tokens = np.asarray(prompt)
+    except (ValueError, TypeError) as exc:  # ragged nesting, mixed types
+        raise RequestError(f"prompt must be a flat sequence of token ids: {exc}") from None
+    if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
+        raise RequestError(f"prompt must be a flat sequence of token ids, got shape "
+                           f"{tokens.shape} of {tokens.dtype}")
+    if tokens.size == 0:
+        raise RequestError("prompt is empty: a request needs at least one token")
+    vocab = rules.artifact.model.vocab_size
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
+    if bad.size:
+        i = int(bad[0])
+        raise RequestError(f"token id {int(tokens[i])} at prompt index {i} is outside the "
+                           f"vocabulary 0..{vocab - 1}")
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    max_len = rules.artifact.max_seq_len
+    if params.max_tokens is None:
+        if tokens.size >= max_len:
+            raise RequestError(f"prompt of {tokens.size} tokens leaves no room to generate: "
+                               f"max_seq_len={max_len}")
+    else:
+        total = tokens.size + params.max_tokens
+        if total > max_len:
+            raise RequestError(f"prompt of {tokens.size} tokens + max_tokens="
+                               f"{params.max_tokens} = {total} exceeds max_seq_len={max_len}")
+    for stop in params.stop_token_ids:
+        if stop >= vocab:
+            raise RequestError(f"stop token id {stop} is outside the vocabulary 0..{vocab - 1}")
+    for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("logit_bias", params.logit_bias or ())):
+        for token in ids:
+            if token >= vocab:
+                raise RequestError(f"{name} names token id {token}, outside the vocabulary "
+                                   f"0..{vocab - 1}")
+    if not rules.has_tokenizer:
+        for name in ("stop", "bad_words"):
+            if getattr(params, name):
+                raise RequestError(f"{name}={list(getattr(params, name))!r} needs a tokenizer: "
+                                   "build the Batcher with tokenizer=... (docs/sampling.md)")
+    if params.prompt_logprobs is not None:
+        check_prompt_logprobs(rules, params.prompt_logprobs, runtime_name)
+    return tokens.astype(np.int64, copy=True)
+
+
+def check_prompt_logprobs(rules: RequestRules, k: int, runtime_name: str = "the runtime") -> None:
+    vocab = rules.artifact.model.vocab_size
+    if k == -1 and vocab > MAX_LOGPROBS:
+        raise RequestError(f"prompt_logprobs=-1 asks for the whole vocabulary ({vocab} ids); "
+                           f"at most {MAX_LOGPROBS} are returned per position")
+    if not rules.every_position_logits:
+        hint = rules.every_position_hint or (
+            f"{runtime_name} returns only the last prefill position's logits")
+        raise RequestError(f"prompt_logprobs={k} needs the logits of every prompt position: "
+                           f"{hint}")

@@ -1,0 +1,24 @@
+"""Engine factories a spawned engine core can import (module-level, so they pickle)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atombatch import ArtifactConfig, Batcher, ModelSpec
+from atombatch.runtime import NumpyRuntime
+
+SPEC = ModelSpec(name="core-test", family="llama", vocab_size=256, hidden_size=64,
+                 intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                 bos_token_id=1, eos_token_ids=(2,), dtype="float32")
+ART = ArtifactConfig(model=SPEC, batch_size=4, max_seq_len=128, block_size=32, num_blocks=17,
+                     prefill_chunk_size=32, kv_dtype="float32")
+
+
+def numpy_batcher(seed: int = 7, max_waiting: int | None = 64, **options: Any) -> Batcher:
+    """The tiny Llama on the NumPy runtime: real math, four lanes, partitioned blocks."""
+    return Batcher(NumpyRuntime.random(ART, seed=seed), max_waiting=max_waiting, **options)
+
+
+def failing_factory(message: str) -> Batcher:
+    from atombatch.errors import ConfigError
+    raise ConfigError(message)
