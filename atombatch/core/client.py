@@ -225,6 +225,11 @@ class CoreClient(OutputStreams):
         return self._receiver is not None and not self._dead and not self._closing
 
     @property
+    def dead(self) -> bool:
+        """The core process exited without being asked to."""
+        return self._dead
+
+    @property
     def core_pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 

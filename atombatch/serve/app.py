@@ -43,8 +43,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from atombatch.aio import AsyncBatcher
+from atombatch.core import CoreClient
 from atombatch.engine import Batcher
-from atombatch.errors import CapacityError, RequestError
+from atombatch.errors import CapacityError, RequestError, UnavailableError
 from atombatch.serve import schema
 from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES
 from atombatch.serve.metrics import ServerMetrics
@@ -243,7 +244,7 @@ class _Generation:
 
 
 class _Server:
-    def __init__(self, ab: AsyncBatcher, model_name: str, codec: Codec,
+    def __init__(self, ab: AsyncBatcher | CoreClient, model_name: str, codec: Codec,
                  max_body_bytes: int, retry_after: int, strict_protocol: bool = False,
                  body_timeout: float = 30.0) -> None:
         self.ab = ab
@@ -254,7 +255,7 @@ class _Server:
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
         self.retry_after = retry_after
-        self.artifact = ab.batcher.artifact
+        self.artifact = ab.artifact
         self.metrics = ServerMetrics(ab.stats, self.artifact.batch_size)
         self.accepting = False
         self.created = int(time.time())
@@ -383,10 +384,12 @@ class _Server:
         except CapacityError as exc:
             raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.retry_after)}) from None
+        except UnavailableError as exc:
+            core_died = isinstance(self.ab, CoreClient) and self.ab.dead
+            raise ApiError(exc.http_status, str(exc), type="server_error",
+                           code="engine_unavailable" if core_died else "shutting_down") from None
         except RequestError as exc:
             message = str(exc)
-            if "not running" in message:
-                raise ApiError(503, message, type="server_error", code="shutting_down") from None
             raise ApiError(400, message, param=_engine_param(message, prompt_param),
                            code="invalid_value") from None
         self.metrics.prompt_tokens.inc(len(prompt))
@@ -486,7 +489,7 @@ class _Server:
             raise ApiError(400, "prompt must be a string, a list of token ids, a list of strings "
                            "or a list of token-id lists, not a mix", param="prompt",
                            code="invalid_type")
-        limit = self.artifact.batch_size + (self.ab.batcher.max_waiting or 0)
+        limit = self.artifact.batch_size + (self.ab.max_waiting or 0)
         if len(batch) * n > limit:  # each choice of each prompt is a request
             raise ApiError(400, f"a batch of {len(batch)} prompts x n={n} choices exceeds "
                            f"{limit} (lanes + --max-waiting): split it", param="prompt",
@@ -499,7 +502,7 @@ class _Server:
         if len(prompts) > 1:
             for i, prompt in enumerate(prompts):
                 try:
-                    self.ab.batcher.validate(prompt, params)
+                    self.ab.validate(prompt, params)
                 except RequestError as exc:
                     raise ApiError(400, f"prompt[{i}]: {exc}",
                                    param=_engine_param(str(exc), f"prompt[{i}]"),
@@ -723,10 +726,12 @@ class _Server:
                 "num_blocks": art.num_blocks, "prefill_chunk_size": art.prefill_chunk_size,
                 "family": spec.family, "eos_token_ids": list(spec.eos_token_ids),
                 "artifact": art.label, "identity": art.identity,
-                "policy": self.ab.batcher.policy.label, "max_waiting": self.ab.batcher.max_waiting,
+                "policy": self.ab.policy_label, "max_waiting": self.ab.max_waiting,
                 "tokenizer": self.codec.name,
                 "chat_template": getattr(self.codec, "chat_template_name", "unknown"),
-                "strict_protocol": self.strict_protocol}
+                "strict_protocol": self.strict_protocol,
+                "engine_core": ({"mode": "process", "pid": self.ab.core_pid}
+                                if isinstance(self.ab, CoreClient) else {"mode": "inline"})}
         return ModelCard(id=self.model_name, created=self.created, owned_by="atombatch",
                          atombatch=info, max_model_len=art.max_seq_len, root=self.model_name)
 
@@ -741,8 +746,7 @@ class _Server:
         return _json(self.model_card())
 
     async def health(self, request: Request) -> Response:
-        task = getattr(self.ab, "_task", None)
-        if not self.accepting or task is None or task.done():
+        if not self.accepting or not self.ab.running:
             return _json({"status": "unavailable"}, status=503)
         return _json({"status": "ok"})
 
@@ -869,7 +873,7 @@ def _engine_param(message: str, prompt_param: str) -> str | None:
     return None
 
 
-def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
+def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name: str,
                tokenizer: Codec | Any | None = None, *,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after: int = 1,
                on_shutdown: Callable[[], None] | None = None,
@@ -878,8 +882,10 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
 
     Args:
         batcher_or_async: a `Batcher` (wrapped in an `AsyncBatcher` that offloads steps to a
-            worker thread) or an `AsyncBatcher`. The app's lifespan starts it and, at shutdown,
-            closes it with `drain=True` (in-flight requests finish first).
+            worker thread), an `AsyncBatcher`, or a `CoreClient` (the engine in its own process:
+            its engine is built here if `start_process()` was not called yet, and its
+            tokenizer is the core factory's business). The app's lifespan starts it and, at
+            shutdown, closes it with `drain=True` (in-flight requests finish first).
         model_name: the id served at `/v1/models` and expected in `model` fields.
         tokenizer: None (token-id text, see `atombatch.serve.tokens`), a `Codec`, or a
             `tokenizers.Tokenizer`; a Hugging Face tokenizer is also given to the engine (when it
@@ -897,15 +903,20 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher, model_name: str,
         A Starlette app to run with uvicorn; `atombatch.serve.limits.uvicorn_config(app, ...)`
         adds the connection cap and header timeout an exposed server needs.
     """
-    ab = batcher_or_async if isinstance(batcher_or_async, AsyncBatcher) else \
-        AsyncBatcher(batcher_or_async, offload=True)
+    ab: AsyncBatcher | CoreClient
+    if isinstance(batcher_or_async, AsyncBatcher | CoreClient):
+        ab = batcher_or_async
+    else:
+        ab = AsyncBatcher(batcher_or_async, offload=True)
+    if isinstance(ab, CoreClient):
+        ab.start_process()  # the artifact and rules come from the core (ConfigError here)
     if tokenizer is None:
-        codec: Codec = IdCodec(max_ids=ab.batcher.artifact.max_seq_len)
+        codec: Codec = IdCodec(max_ids=ab.artifact.max_seq_len)
     elif hasattr(tokenizer, "render_chat"):
         codec = tokenizer
     else:
         codec = HFCodec(tokenizer)
-    if isinstance(codec, HFCodec) and ab.batcher.tokenizer is None:
+    if isinstance(codec, HFCodec) and isinstance(ab, AsyncBatcher) and ab.batcher.tokenizer is None:
         # The engine detokenizes (stop strings, bad words, streamed text) with the same tokenizer.
         ab.batcher.tokenizer = codec.tokenizer
     server = _Server(ab, model_name, codec, max_body_bytes, retry_after, strict_protocol,

@@ -118,6 +118,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int,
                    help="open connections; past it the longest-idle one is closed (default: "
                    "from the descriptor limit, `ulimit -n`)")
+    p.add_argument("--engine-core", choices=("process", "inline"), default="process",
+                   help="process: the engine steps in its own process and this one serves HTTP, "
+                   "tokenizes and streams (default; docs/architecture.md); inline: both share "
+                   "one interpreter (an AsyncBatcher)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (named at startup)")
     p.add_argument("--log-level", default="info",
@@ -132,7 +136,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
         ConfigError: a rule of docs/rules.md is broken, the checkpoint is unusable, or the rebel SDK
             (or `RebelRuntime`) is not available.
     """
-    model_dir = Path(args.model) if args.model and Path(args.model).is_dir() else None
+    model_dir = _model_dir(args)
     runtime: Any
     if args.runtime == "rebel":
         runtime = _rebel_runtime(args)
@@ -198,6 +202,32 @@ def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,
              spec: ModelSpec) -> tuple[Batcher, str, Codec | None]:
     batcher = Batcher(runtime, policy=args.policy, seed=args.seed, max_waiting=args.max_waiting,
                       prefix_cache=args.prefix_cache, host_cache_bytes=args.host_cache_bytes)
+    return batcher, args.served_model_name or spec.name, codec_from_args(args, model_dir)
+
+
+def _model_dir(args: argparse.Namespace) -> Path | None:
+    if args.runtime == "sim":
+        return None
+    return Path(args.model) if args.model and Path(args.model).is_dir() else None
+
+
+def core_batcher(args: argparse.Namespace) -> Batcher:
+    """The engine of `--engine-core process`, built in the core process from the same flags.
+
+    It keeps the tokenizer for stop strings and bad words only (`detokenize=False`): every other
+    request's text is decoded by the front."""
+    batcher, _, codec = build_engine(args)
+    if args.runtime == "numpy" and args.blas_threads > 0:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(limits=args.blas_threads, user_api="blas")
+    if isinstance(codec, HFCodec):
+        batcher.tokenizer = codec.tokenizer
+        batcher.detokenize = False
+    return batcher
+
+
+def codec_from_args(args: argparse.Namespace, model_dir: Path | None) -> Codec | None:
+    """The tokenizer (and chat template) the flags name: None serves token-id text."""
     tokenizer_dir = args.tokenizer or model_dir
     codec = HFCodec.from_dir(tokenizer_dir) if tokenizer_dir else None
     if args.tokenizer and codec is None:
@@ -207,7 +237,7 @@ def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,
             raise ConfigError("--chat-template needs a tokenizer (--tokenizer DIR, or a --model "
                               "checkpoint with tokenizer.json)")
         codec.chat_template = template_from_argument(args.chat_template, codec.special)
-    return batcher, args.served_model_name or spec.name, codec
+    return codec
 
 
 def _rebel_runtime(args: argparse.Namespace) -> Any:
@@ -279,14 +309,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
+    engine: Any
     try:
-        batcher, name, codec = build_engine(args)
+        if args.engine_core == "process":
+            import functools
+
+            from atombatch.core import CoreClient
+            codec = codec_from_args(args, _model_dir(args))
+            engine = CoreClient(functools.partial(core_batcher, args))
+            ready = engine.start_process()
+            name = args.served_model_name or ready.rules.artifact.model.name
+            art, policy = ready.rules.artifact, ready.policy
+        else:
+            batcher, name, codec = build_engine(args)
+            engine, art, policy = batcher, batcher.artifact, batcher.policy.label
+            if args.runtime == "numpy" and args.blas_threads > 0:
+                from threadpoolctl import threadpool_limits
+                threadpool_limits(limits=args.blas_threads, user_api="blas")
     except ConfigError as exc:
         print(f"atombatch.serve: {exc}", file=sys.stderr)
         return 2
-    if args.runtime == "numpy" and args.blas_threads > 0:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(limits=args.blas_threads, user_api="blas")
     import uvicorn
 
     from atombatch.serve.app import create_app
@@ -299,14 +341,15 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                               max_connections=args.max_connections).resolved()
     except ConfigError as exc:
         print(f"atombatch.serve: {exc}", file=sys.stderr)
+        _stop_engine(engine)
         return 2
-    app = create_app(batcher, name, codec, max_body_bytes=limits.max_body_bytes,
+    app = create_app(engine, name, codec, max_body_bytes=limits.max_body_bytes,
                      body_timeout=limits.body_timeout, strict_protocol=args.strict_protocol)
-    art = batcher.artifact
     host, port = sock.getsockname()[:2]
     template = (codec or IdCodec()).chat_template_name
-    banner = (f"atombatch.serve: {art.label} ({args.runtime}, policy {batcher.policy.label}, "
-              f"tokenizer {'tokenizers' if codec else 'ids'}, chat template {template}"
+    banner = (f"atombatch.serve: {art.label} ({args.runtime}, policy {policy}, "
+              f"tokenizer {'tokenizers' if codec else 'ids'}, chat template {template}, "
+              f"engine core {args.engine_core}"
               f"{', strict protocol' if args.strict_protocol else ''}) listening on "
               f"http://{host if ':' not in host else f'[{host}]'}:{port}")
 
@@ -317,8 +360,31 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                 print(banner, file=sys.stderr, flush=True)
 
     # timeout_graceful_shutdown=None: on SIGINT/SIGTERM uvicorn stops accepting and waits for
-    # in-flight streams; then the lifespan drains the engine (AsyncBatcher.close(drain=True)).
+    # in-flight streams; then the lifespan drains the engine (close(drain=True)).
     config = uvicorn_config(app, limits, log_level=args.log_level,
                             timeout_graceful_shutdown=None)
-    Server(config).run(sockets=[sock])
-    return 0
+    server = Server(config)
+    died: list[int | None] = []
+
+    def core_exited(code: int | None) -> None:  # answer 503 meanwhile, then exit non-zero
+        died.append(code)
+        print(f"atombatch.serve: the engine core exited (code {code}); stopping",
+              file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    if args.engine_core == "process":
+        engine.on_core_exit = core_exited
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        return 130
+    finally:
+        _stop_engine(engine)
+    return 1 if died else 0
+
+
+def _stop_engine(engine: Any) -> None:
+    """Make sure a core process does not outlive the server (a no-op once it stopped)."""
+    kill = getattr(engine, "_kill", None)
+    if kill is not None:
+        kill()

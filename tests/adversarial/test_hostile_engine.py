@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from driving import run_to_end
-from rss import MiB, rss_bytes
+from support.rss import MiB, rss_bytes
 
 from atombatch import (
     ArtifactConfig,

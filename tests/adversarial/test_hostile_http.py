@@ -17,8 +17,8 @@ import time
 
 import httpx
 import pytest
-from rss import MiB, peak_rss_bytes
-from served import served
+from support.rss import MiB, peak_rss_bytes
+from support.served import served
 
 COMPLETION = {"model": "atombatch-tiny", "max_tokens": 2}
 

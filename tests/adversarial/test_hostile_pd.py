@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 from driving import run_to_end
-from rss import MiB, rss_bytes
+from support.rss import MiB, rss_bytes
 
 from atombatch import ArtifactConfig, Batcher, KVTransferError, ModelSpec, SamplingParams
 from atombatch.pd import (
