@@ -144,3 +144,19 @@ def test_decoder_batch_sizes_flag_builds_a_bucketed_engine(capsys: Any) -> None:
     with pytest.raises(SystemExit):
         parser().parse_args(["--decoder-batch-sizes", "one"])
     assert "'one' is not a comma list of batch sizes" in capsys.readouterr().err
+
+
+def test_the_context_defaults_to_the_models_and_a_larger_one_stays_an_error(
+        tmp_path: Path, capsys: Any) -> None:
+    import hf_models
+
+    checkpoint = hf_models.save_checkpoint("llama", tmp_path / "ckpt", "float32")
+    assert json.loads((checkpoint / "config.json").read_text())["max_position_embeddings"] == 512
+    batcher, _, _ = build_engine(parser().parse_args(["--model", str(checkpoint)]))
+    assert batcher.artifact.max_seq_len == 512 and batcher.artifact.block_size == 512
+    # no checkpoint: the built-in spec's 131072 positions, capped for host memory
+    batcher, _, _ = build_engine(parser().parse_args([]))
+    assert batcher.artifact.max_seq_len == 1024
+    assert main(["--model", str(checkpoint), "--max-seq-len", "1024"]) == 2
+    assert "--max-seq-len 1024 exceeds the model's max_position_embeddings=512" in \
+        one_error_line(capsys)

@@ -54,6 +54,11 @@ DEFAULT_SPEC = ModelSpec(
     dtype="float32")
 
 
+# The default context of the host-memory runtimes: a checkpoint's own context (often 32k-128k)
+# would size eager KV blocks of that many tokens per lane on the CPU.
+DEFAULT_CONTEXT_CAP = 1024
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m atombatch.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,7 +81,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="0",
                    help="RebelRuntime: ATOM device index, or a comma list for tensor parallel")
     p.add_argument("--batch-size", type=int, default=4, help="decode lanes B (default 4)")
-    p.add_argument("--max-seq-len", type=int, default=1024, help="context (default 1024)")
+    p.add_argument("--max-seq-len", type=int,
+                   help="context (default: the model's max_position_embeddings, capped at "
+                   f"{DEFAULT_CONTEXT_CAP} on the NumPy and sim runtimes, whose KV lives in "
+                   "host memory; with --runtime rebel the compiled shapes decide)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (default: --max-seq-len)")
     p.add_argument("--num-blocks", type=int, help="KV blocks (default: B x blocks/seq + 1)")
     p.add_argument("--prefill-chunk-size", type=int, default=128)
@@ -159,7 +167,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
         spec = ModelSpec.preset(args.model)
     else:
         spec = DEFAULT_SPEC
-    if args.max_seq_len > spec.max_position_embeddings:
+    if _context(args, spec) > spec.max_position_embeddings:
         raise ConfigError(f"--max-seq-len {args.max_seq_len} exceeds the model's "
                           f"max_position_embeddings={spec.max_position_embeddings}: positions "
                           "past it were never trained")
@@ -172,14 +180,23 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
     return _serving(runtime, args, model_dir, spec)
 
 
+def _context(args: argparse.Namespace, spec: ModelSpec) -> int:
+    """--max-seq-len, or the model's context capped for the host-memory runtimes (vLLM's
+    `max_model_len` default, minus the cap)."""
+    if args.max_seq_len is not None:
+        return int(args.max_seq_len)
+    return min(spec.max_position_embeddings, DEFAULT_CONTEXT_CAP)
+
+
 def _artifact(args: argparse.Namespace, spec: ModelSpec) -> ArtifactConfig:
     """The artifact the shape flags describe (one block per sequence unless --block-size)."""
-    block_size = args.block_size or args.max_seq_len
-    bps = args.max_seq_len // block_size if block_size else 0
+    context = _context(args, spec)
+    block_size = args.block_size or context
+    bps = context // block_size if block_size else 0
     num_blocks = args.num_blocks or args.batch_size * max(bps, 1) + 1
-    return ArtifactConfig(model=spec, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
+    return ArtifactConfig(model=spec, batch_size=args.batch_size, max_seq_len=context,
                           block_size=block_size, num_blocks=num_blocks,
-                          prefill_chunk_size=min(args.prefill_chunk_size, args.max_seq_len),
+                          prefill_chunk_size=min(args.prefill_chunk_size, context),
                           decoder_batch_sizes=args.decoder_batch_sizes)
 
 
