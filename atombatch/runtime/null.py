@@ -110,6 +110,7 @@ class NullRuntime:
         started = time.perf_counter()
         q = int(inputs.query_position)
         start = int(inputs.cache_position[0, 0])
+        result: npt.NDArray[np.float32]
         if every_position:
             ids = np.asarray(inputs.input_ids).reshape(-1).tolist()
             result = np.zeros((len(ids), self.spec.vocab_size), dtype=np.float32)
