@@ -1,4 +1,4 @@
-"""`python -m atombatch.bench [micro|serve|fit|http|invariance|device|cluster] ...`; no subcommand
+"""`python -m atombatch.bench [micro|serve|fit|http|invariance|device|cluster|overlap] ...`; no subcommand
 runs a short micro + batch invariance + serve."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import importlib
 import sys
 import time
 
-SUBCOMMANDS = ("micro", "serve", "fit", "http", "invariance", "device", "cluster")
-USAGE = ("usage: python -m atombatch.bench [micro|serve|fit|http|invariance|device|cluster] "
-         "[options]\n"
+SUBCOMMANDS = ("micro", "serve", "fit", "http", "invariance", "device", "cluster", "overlap")
+USAGE = ("usage: python -m atombatch.bench "
+         "[micro|serve|fit|http|invariance|device|cluster|overlap] [options]\n"
          "       python -m atombatch.bench            (short micro + invariance + serve)\n"
          "       python -m atombatch.bench SUBCOMMAND --help")
 

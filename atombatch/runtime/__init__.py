@@ -1,4 +1,5 @@
-"""Runtimes: the NumPy reference (real math), the simulator (device-time model), the ATOM adapter.
+"""Runtimes: the NumPy reference (real math), the simulator (device-time model), the null device
+(wall-clock waits, no math), the ATOM adapter.
 
 Imported lazily so that `import atombatch.runtime` costs nothing and never touches `rebel`.
 """
@@ -14,6 +15,7 @@ _LAZY = {
     "NumpyRuntime": "atombatch.runtime.numpy_runtime",
     "SimRuntime": "atombatch.runtime.sim",
     "CostModel": "atombatch.runtime.sim",
+    "NullRuntime": "atombatch.runtime.null",
     "RebelRuntime": "atombatch.runtime.rebel",
 }
 

@@ -65,16 +65,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="Hugging Face checkpoint dir (with --runtime rebel: a "
                    "directory compiled by optimum-rbln); default: the built-in random tiny spec "
                    "on the NumPy runtime")
-    p.add_argument("--runtime", choices=("numpy", "rebel", "sim"), default="numpy",
+    p.add_argument("--runtime", choices=("numpy", "rebel", "sim", "null"), default="numpy",
                    help="numpy: real math on the CPU; rebel: ATOM devices; sim: no math, the "
                    "calibrated device-time model of `bench serve` (docs/results.md), its time "
                    "slept in wall time (--sim-pace), pseudo-logits: for load tests of a server "
-                   "or a cluster without devices (--model names a preset, default qwen3-4b)")
+                   "or a cluster without devices (--model names a preset, default qwen3-4b); "
+                   "null: no math, every decode step sleeps --null-step-ms (the ideal device of "
+                   "`bench overlap`, docs/overlap.md; --model names a preset, default the "
+                   "built-in tiny spec)")
     p.add_argument("--sim-pace", type=float, default=1.0,
                    help="--runtime sim: wall seconds per simulated device second (default 1.0: "
                    "real time; 0: no sleeping)")
     p.add_argument("--sim-costs", help="--runtime sim: a cost model JSON (default: the fitted "
                    "one)")
+    p.add_argument("--null-step-ms", type=float, default=20.0,
+                   help="--runtime null: milliseconds per decode step (default 20)")
+    p.add_argument("--null-prefill-ms", type=float,
+                   help="--runtime null: milliseconds per prefill chunk (default: --null-step-ms)")
     p.add_argument("--tokenizer", help="dir with tokenizer.json (default: the --model dir if it "
                    "has one; none: token-id text)")
     p.add_argument("--served-model-name", help="id at /v1/models (default: the spec's name)")
@@ -151,6 +158,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
         return _serving(runtime, args, model_dir, runtime.spec)
     if args.runtime == "sim":
         return _sim_engine(args)
+    if args.runtime == "null":
+        return _null_engine(args)
     if model_dir is not None:
         spec = ModelSpec.from_pretrained(model_dir)
     elif args.model and args.model.lower() not in PRESETS:
@@ -212,6 +221,19 @@ def _sim_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
     artifact = _artifact(args, spec)
     costs = CostModel.load(args.sim_costs) if args.sim_costs else None
     runtime = SimRuntime(artifact, costs, seed=args.seed, pace=args.sim_pace)
+    return _serving(runtime, args, None, spec)
+
+
+def _null_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
+    """A `NullRuntime` engine: the preset's (or the tiny spec's) shapes, fixed sleeps, no math."""
+    from atombatch.runtime.null import NullRuntime
+
+    if args.model and args.model.lower() not in PRESETS:
+        raise ConfigError(f"--model {args.model}: --runtime null needs a preset "
+                          f"({', '.join(sorted(PRESETS))}) or no --model (the tiny spec)")
+    spec = ModelSpec.preset(args.model.lower()) if args.model else DEFAULT_SPEC
+    runtime = NullRuntime(_artifact(args, spec), step_ms=args.null_step_ms,
+                          prefill_ms=args.null_prefill_ms, seed=args.seed)
     return _serving(runtime, args, None, spec)
 
 

@@ -1,0 +1,693 @@
+"""`python -m atombatch.bench overlap`: how much of an ideal device the serving path keeps busy.
+
+    python -m atombatch.bench overlap --batch-sizes 16,64 --step-ms 5,20 --repeats 3 \\
+        --json overlap.json
+
+The device is `NullRuntime` (atombatch/runtime/null.py): every decode step sleeps `--step-ms` with
+the GIL released, as a wait on the device does, and costs no host work of its own. Its ideal
+throughput is a full batch every step, `B / step` tokens per second; a serving path delivers
+`ratio` of it. For each batch size B and step time:
+
+* engine: a `Batcher` on the NullRuntime driven in this process with `step_arrays()`, no HTTP.
+* server: the real server, `python -m atombatch.serve --runtime null ...` in a subprocess (port 0,
+  the address read from its startup line), without and with a tokenizer (a WordLevel
+  `tokenizer.json` covering the whole vocabulary, written to a temporary directory: the server
+  then detokenizes every token and streams text). When the server has `--engine-core`, both
+  `inline` and `process` run, side by side.
+
+One round is B requests submitted at once (concurrency c = B), each an `--prompt-len`-token prompt
+with `max_tokens=--max-tokens`, greedy, `ignore_eos`, streamed; delivered tok/s = tokens received /
+(first send -> last `[DONE]`). A round needs B prefill chunks and `max_tokens - 1` decode steps, so
+with the default `--prefill-ms 0` the best possible ratio is `max_tokens / (max_tokens - 1)`
+(column `bound`); a positive `--prefill-ms` lowers the bound by the prefill time the ideal ignores.
+Each case runs one short warm-up round, then `--repeats` rounds; the table shows medians.
+
+CPU per delivered token is read from /proc (`schedstat`, nanoseconds; `stat` ticks where that is
+missing) around each round: `front` is the server's main thread (the event loop: HTTP, SSE,
+detokenization) with `--engine-core inline` or without the flag, or the whole server process with
+`--engine-core process`; `core` is the rest (the step thread inline, the engine-core child
+processes otherwise). `client` is this process's own CPU (`time.process_time`): the load generator
+is raw asyncio protocols that write the HTTP/1.1 request by hand and count `data:` events and
+`token_ids` entries by scanning bytes, never parsing JSON. The 1/5/15-minute load average is
+recorded before and after every case and the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+from atombatch.bench import provenance
+from atombatch.bench.progress import CellProgress
+
+Path_ = Literal["engine", "server"]
+Load = tuple[float, float, float]
+
+_DATA = b"data: "
+_DONE = b"data: [DONE]"
+_TOKEN_IDS = b'"token_ids":['
+_ERROR = b'{"error"'
+
+
+# -- records ---------------------------------------------------------------------------------------
+class Round(msgspec.Struct, frozen=True):
+    """One measured round: B requests at once, to their last token."""
+
+    requests: int                       # sent
+    ok: int                             # ended with [DONE], HTTP 200 and no error event
+    tokens: int                         # generated tokens received (token_ids entries)
+    events: int                         # SSE data events carrying tokens
+    duration_s: float                   # first send -> last [DONE]
+    tok_per_s: float                    # tokens / duration_s
+    ratio: float                        # tok_per_s / ideal (B / step)
+    front_cpu_s: float                  # see the module docstring
+    core_cpu_s: float
+    client_cpu_s: float                 # this process (engine path: the whole engine)
+    load_before: Load
+    load_after: Load
+    errors: tuple[str, ...] = ()        # what went wrong (first few)
+
+
+class Figures(msgspec.Struct, frozen=True):
+    """Medians over a case's rounds; CPU in microseconds per delivered token."""
+
+    tok_per_s: float
+    ratio: float
+    front_us_per_token: float
+    core_us_per_token: float
+    client_us_per_token: float
+
+
+class Case(msgspec.Struct, frozen=True):
+    path: Path_                         # engine (in-process Batcher) | server (HTTP subprocess)
+    batch_size: int
+    step_ms: float
+    prefill_ms: float
+    tokenizer: bool                     # the server detokenized (WordLevel tokenizer.json)
+    engine_core: str | None             # --engine-core value (None: the flag was not passed)
+    ideal_tok_s: float                  # B / step
+    bound_ratio: float                  # best ratio a round allows (prefill and the first token)
+    rounds: list[Round]
+    median: Figures
+    command: str | None = None          # the server's command line
+
+
+class Report(msgspec.Struct, frozen=True):
+    command: str
+    commit: str | None
+    machine: str
+    params: dict[str, Any]
+    engine_core_flag: bool              # the server offers --engine-core
+    load_before: Load
+    load_after: Load
+    cases: list[Case]
+
+
+# -- CPU from /proc --------------------------------------------------------------------------------
+_TICK = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def _task_cpu(pid: int, tid: int) -> float:
+    """CPU seconds of one thread (0.0 once it is gone)."""
+    base = f"/proc/{pid}/task/{tid}"
+    try:
+        with open(f"{base}/schedstat", "rb") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(f"{base}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) * _TICK  # utime, stime (fields 14, 15)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (scans /proc for parent links)."""
+    parents: dict[int, list[int]] = collections.defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        parents[ppid].append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class ServerCpu(msgspec.Struct, frozen=True):
+    main: float                         # the server's main thread
+    threads: float                      # its other threads
+    children: float                     # every descendant process, all threads
+
+    def __sub__(self, other: ServerCpu) -> ServerCpu:
+        return ServerCpu(self.main - other.main, self.threads - other.threads,
+                         self.children - other.children)
+
+
+def server_cpu(pid: int) -> ServerCpu:
+    """CPU seconds of a server process tree, split as the report needs it."""
+    threads = sum(_task_cpu(pid, t) for t in _threads(pid) if t != pid)
+    children = sum(_task_cpu(c, t) for c in _descendants(pid) for t in _threads(c))
+    return ServerCpu(_task_cpu(pid, pid), threads, children)
+
+
+def _load() -> Load:
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:  # pragma: no cover - platforms without a load average
+        return (-1.0, -1.0, -1.0)
+    return (round(one, 2), round(five, 2), round(fifteen, 2))
+
+
+# -- the client ------------------------------------------------------------------------------------
+class _Stream(asyncio.Protocol):
+    """One streamed completion: write the request, count events and tokens in the bytes."""
+
+    def __init__(self, request: bytes, done: asyncio.Future[None]) -> None:
+        self.request = request
+        self.done = done
+        self.status = 0
+        self.events = 0
+        self.tokens = 0
+        self.finished = False               # [DONE] seen
+        self.error: str | None = None
+        self.ended = 0.0
+        self._tail = b""
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        transport.write(self.request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._tail + data if self._tail else data
+        if not self.status:
+            if len(buf) < 12:
+                self._tail = buf
+                return
+            self.status = int(buf[9:12]) if buf.startswith(b"HTTP/1.") else -1
+            if self.status != 200:
+                self.error = f"HTTP {self.status}: " + buf[:300].decode(errors="replace")
+        end = buf.rfind(b"\n\n")  # complete SSE events end before it; chunk framing sits between
+        if end < 0:
+            self._tail = buf
+            return
+        self._tail = buf[end + 2:]
+        events = buf.count(_DATA, 0, end)
+        at = buf.find(_TOKEN_IDS, 0, end)
+        while at >= 0:
+            start = at + len(_TOKEN_IDS)
+            close = buf.find(b"]", start, end)
+            if close > start:
+                self.tokens += buf.count(b",", start, close) + 1
+            at = buf.find(_TOKEN_IDS, close, end)
+        if buf.find(_ERROR, 0, end) >= 0 and self.error is None:
+            self.error = "error event: " + buf[buf.find(_ERROR):][:300].decode(errors="replace")
+        if buf.endswith(_DONE, 0, end):
+            self.finished = True
+            events -= 1
+            self._finish()
+        self.events += events
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.finished and self.error is None:
+            self.error = f"connection closed before [DONE] ({exc or 'EOF'})"
+        self._finish()
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.ended = time.perf_counter()
+            self.done.set_result(None)
+            if self._transport is not None:
+                self._transport.close()
+
+
+def _request(host: str, port: int, body: bytes) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+            b"Accept: text/event-stream\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+            % (host.encode(), port, len(body))) + body
+
+
+def request_bodies(model: str, prompts: list[list[int]], max_tokens: int) -> list[bytes]:
+    return [msgspec.json.encode({"model": model, "prompt": p, "max_tokens": max_tokens,
+                                 "temperature": 0.0, "stream": True, "ignore_eos": True})
+            for p in prompts]
+
+
+async def _round(host: str, port: int, bodies: list[bytes], timeout: float
+                 ) -> tuple[list[_Stream], float]:
+    """Send every body at once; returns the streams and first send -> last end (seconds)."""
+    loop = asyncio.get_running_loop()
+    streams: list[_Stream] = []
+    started = time.perf_counter()
+    for body in bodies:
+        stream = _Stream(_request(host, port, body), loop.create_future())
+        streams.append(stream)
+
+    async def one(stream: _Stream) -> None:
+        try:
+            await loop.create_connection(lambda: stream, host, port)
+        except OSError as exc:
+            stream.error = f"connect: {exc}"
+            stream._finish()
+        await stream.done
+
+    try:
+        async with asyncio.timeout(timeout):
+            await asyncio.gather(*(one(s) for s in streams))
+    except TimeoutError:
+        for s in streams:
+            if not s.done.done():
+                s.error = f"no [DONE] within {timeout:g} s"
+                s._finish()
+    end = max((s.ended for s in streams), default=started)
+    return streams, end - started
+
+
+# -- the server ------------------------------------------------------------------------------------
+class Server:
+    """`python -m atombatch.serve` in a subprocess on port 0; its stderr is drained in a thread."""
+
+    def __init__(self, argv: list[str], startup_timeout: float = 120.0) -> None:
+        self.argv = argv
+        self.lines: collections.deque[str] = collections.deque(maxlen=200)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+        self.host, self.port = self._wait_for_banner(startup_timeout)
+        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._drain.start()
+
+    def _wait_for_banner(self, timeout: float) -> tuple[str, int]:
+        assert self.proc.stderr is not None
+        found: list[tuple[str, int]] = []
+
+        def read() -> None:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                self.lines.append(line.rstrip())
+                marker = line.rfind("listening on http://")
+                if marker >= 0:
+                    address = line[marker + len("listening on http://"):].strip()
+                    host, _, port = address.rpartition(":")
+                    found.append((host.strip("[]"), int(port)))
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not found:
+            self.stop()
+            tail = "\n".join(list(self.lines)[-10:])
+            raise RuntimeError(f"the server did not start within {timeout:g} s "
+                               f"(exit status {self.proc.poll()}):\n{tail}")
+        return found[0]
+
+    def _drain_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def server_has_engine_core() -> bool:
+    """Whether `python -m atombatch.serve --help` offers `--engine-core`."""
+    out = subprocess.run([sys.executable, "-m", "atombatch.serve", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    return "--engine-core" in out.stdout
+
+
+def write_tokenizer(directory: Path, vocab_size: int) -> Path:
+    """A WordLevel `tokenizer.json` whose words `w0 .. w{vocab-1}` cover every token id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+# -- cases -----------------------------------------------------------------------------------------
+def _prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    # ids from 3 up: clear of the tiny spec's bos (1) and eos (2)
+    return [rng.integers(3, vocab_size, prompt_len).tolist() for _ in range(batch_size)]
+
+
+def _figures(rounds: list[Round]) -> Figures:
+    def med(values: list[float]) -> float:
+        return float(statistics.median(values)) if values else float("nan")
+
+    def per_token(get: Callable[[Round], float]) -> float:
+        return med([1e6 * get(r) / r.tokens for r in rounds if r.tokens])
+
+    return Figures(tok_per_s=med([r.tok_per_s for r in rounds]),
+                   ratio=med([r.ratio for r in rounds]),
+                   front_us_per_token=per_token(lambda r: r.front_cpu_s),
+                   core_us_per_token=per_token(lambda r: r.core_cpu_s),
+                   client_us_per_token=per_token(lambda r: r.client_cpu_s))
+
+
+def bound_ratio(batch_size: int, step_ms: float, prefill_ms: float, prompt_len: int,
+                chunk: int, max_tokens: int) -> float:
+    """The best `ratio` a round allows: B prompts' prefill chunks, then max_tokens - 1 steps."""
+    best = batch_size * -(-prompt_len // chunk) * prefill_ms + (max_tokens - 1) * step_ms
+    return float("inf") if best <= 0 else (batch_size * max_tokens / best) / (batch_size / step_ms)
+
+
+def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: list[list[int]],
+                 max_tokens: int, max_seq_len: int, chunk: int) -> Round:
+    """One round on an in-process Batcher over a NullRuntime (no HTTP): `step_arrays()`."""
+    from atombatch import ArtifactConfig, Batcher, SamplingParams
+    from atombatch.runtime.null import NullRuntime
+    from atombatch.serve.cli import DEFAULT_SPEC
+
+    art = ArtifactConfig(model=DEFAULT_SPEC, batch_size=batch_size, max_seq_len=max_seq_len,
+                         block_size=max_seq_len, num_blocks=batch_size + 1,
+                         prefill_chunk_size=chunk)
+    batcher = Batcher(NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms),
+                      max_waiting=None)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    load_before = _load()
+    cpu0, started = time.process_time(), time.perf_counter()
+    for prompt in prompts:
+        batcher.submit(prompt, params)
+    tokens = events = finished = 0
+    while batcher.has_unfinished():
+        result = batcher.step_arrays()
+        plain = int(np.count_nonzero(result.plain))
+        tokens += plain
+        events += plain
+        for out in result.outputs:
+            tokens += len(out.new_token_ids)
+            events += 1
+            finished += int(out.finished and out.finish_reason == "length")
+    duration, cpu = time.perf_counter() - started, time.process_time() - cpu0
+    tok_s = tokens / duration
+    return Round(requests=len(prompts), ok=finished, tokens=tokens, events=events,
+                 duration_s=duration, tok_per_s=tok_s, ratio=tok_s / (batch_size * 1e3 / step_ms),
+                 front_cpu_s=0.0, core_cpu_s=cpu, client_cpu_s=0.0, load_before=load_before,
+                 load_after=_load())
+
+
+def server_round(server: Server, bodies: list[bytes], batch_size: int, step_ms: float,
+                 split: Literal["thread", "process"], timeout: float) -> Round:
+    """One round of B streamed requests against the server; its CPU split by `split`."""
+    load_before = _load()
+    cpu_before = server_cpu(server.pid)
+    client0 = time.process_time()
+    streams, duration = asyncio.run(_round(server.host, server.port, bodies, timeout))
+    client = time.process_time() - client0
+    cpu = server_cpu(server.pid) - cpu_before
+    if split == "thread":  # inline core: the step thread(s) are the core
+        front, core = cpu.main, cpu.threads + cpu.children
+    else:                  # a core process: the whole server process is the front
+        front, core = cpu.main + cpu.threads, cpu.children
+    tokens = sum(s.tokens for s in streams)
+    tok_s = tokens / duration if duration > 0 else 0.0
+    errors = tuple(s.error for s in streams if s.error is not None)[:5]
+    return Round(requests=len(bodies), ok=sum(s.finished and s.error is None for s in streams),
+                 tokens=tokens, events=sum(s.events for s in streams), duration_s=duration,
+                 tok_per_s=tok_s, ratio=tok_s / (batch_size * 1e3 / step_ms), front_cpu_s=front,
+                 core_cpu_s=core, client_cpu_s=client, load_before=load_before,
+                 load_after=_load(), errors=errors)
+
+
+@contextlib.contextmanager
+def _tokenizer_dir(vocab_size: int) -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="atombatch-overlap-") as tmp:
+        yield write_tokenizer(Path(tmp), vocab_size)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m atombatch.bench overlap", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", type=_ints, default=(16, 64, 256),
+                   help="decode lanes B, also the concurrency (default 16,64,256)")
+    p.add_argument("--step-ms", type=_floats, default=(5.0, 20.0, 70.0),
+                   help="device milliseconds per decode step (default 5,20,70)")
+    p.add_argument("--prefill-ms", type=float, default=0.0,
+                   help="device milliseconds per prefill chunk (default 0: the ratio is the host's "
+                   "alone; see `bound`)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per request (default 256)")
+    p.add_argument("--prompt-len", type=int, default=8, help="prompt tokens (default 8)")
+    p.add_argument("--repeats", type=int, default=1, help="rounds per case; medians (default 1)")
+    p.add_argument("--tokenizers", type=_modes, default=("none", "wordlevel"),
+                   help="comma list of none (token ids) and wordlevel (default both)")
+    p.add_argument("--engine-cores",
+                   help="comma list of --engine-core values for the server (default: inline,process "
+                   "when the server has the flag, else the server's default)")
+    p.add_argument("--no-engine", action="store_true", help="skip the in-process engine cases")
+    p.add_argument("--no-server", action="store_true", help="skip the HTTP server cases")
+    p.add_argument("--timeout", type=float,
+                   help="seconds per round (default: 10 x the ideal round time + 60)")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed")
+    p.add_argument("--json", help="write the report (msgspec JSON) to this path")
+    p.add_argument("--no-progress", action="store_true", help="no per-case progress on stderr")
+    return p
+
+
+def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
+    from atombatch.serve.cli import DEFAULT_SPEC
+
+    spec = DEFAULT_SPEC
+    chunk = 128
+    max_seq_len = max(1024, args.prompt_len + args.max_tokens)
+    if args.engine_cores:
+        cores: list[str | None] = list(args.engine_cores.split(","))
+    else:
+        cores = ["inline", "process"] if engine_core_flag else [None]
+    cells = [(b, s) for b in args.batch_sizes for s in args.step_ms]
+    total = len(cells) * ((0 if args.no_engine else 1) +
+                          (0 if args.no_server else len(args.tokenizers) * len(cores)))
+    progress = CellProgress(total, enabled=not args.no_progress)
+    load_before = _load()
+    cases: list[Case] = []
+
+    def finish(what: str, case: Case) -> None:
+        cases.append(case)
+        m = case.median
+        bad = sum(r.requests - r.ok for r in case.rounds)
+        outcome = f"ratio {m.ratio:.3f}, {m.tok_per_s:.0f} tok/s" + \
+            (f", {bad} requests failed" if bad else "")
+        progress.finish(what, outcome)
+
+    with contextlib.ExitStack() as stack:
+        tok_dir = stack.enter_context(_tokenizer_dir(spec.vocab_size)) \
+            if "wordlevel" in args.tokenizers and not args.no_server else None
+        for batch, step in cells:
+            ideal = batch * 1e3 / step
+            bound = bound_ratio(batch, step, args.prefill_ms, args.prompt_len, chunk,
+                                args.max_tokens)
+            prompts = _prompts(batch, args.prompt_len, spec.vocab_size, args.seed)
+            timeout = args.timeout or 10 * (args.max_tokens * step / 1e3 + batch *
+                                            args.prefill_ms / 1e3) + 60
+            if not args.no_engine:
+                what = f"B{batch} step {step:g} ms engine"
+                progress.start(what)
+                engine_round(batch, step, args.prefill_ms, prompts, 4, max_seq_len, chunk)
+                rounds = [engine_round(batch, step, args.prefill_ms, prompts, args.max_tokens,
+                                       max_seq_len, chunk) for _ in range(args.repeats)]
+                finish(what, Case(path="engine", batch_size=batch, step_ms=step,
+                                  prefill_ms=args.prefill_ms, tokenizer=False, engine_core=None,
+                                  ideal_tok_s=ideal, bound_ratio=bound, rounds=rounds,
+                                  median=_figures(rounds)))
+            if args.no_server:
+                continue
+            for mode in args.tokenizers:
+                for core in cores:
+                    what = f"B{batch} step {step:g} ms server tokenizer {mode}" + \
+                        (f" --engine-core {core}" if core else "")
+                    progress.start(what)
+                    argv = [sys.executable, "-m", "atombatch.serve", "--runtime", "null",
+                            "--null-step-ms", f"{step:g}", "--null-prefill-ms",
+                            f"{args.prefill_ms:g}", "--batch-size", str(batch),
+                            "--max-seq-len", str(max_seq_len), "--prefill-chunk-size",
+                            str(chunk), "--max-waiting", str(max(256, batch)), "--port", "0",
+                            "--log-level", "warning"]
+                    if mode == "wordlevel":
+                        argv += ["--tokenizer", str(tok_dir)]
+                    if core:
+                        argv += ["--engine-core", core]
+                    server = Server(argv)
+                    try:
+                        split: Literal["thread", "process"] = \
+                            "process" if core == "process" else "thread"
+                        warm = request_bodies(spec.name, prompts, 4)
+                        server_round(server, warm, batch, step, split, timeout)
+                        bodies = request_bodies(spec.name, prompts, args.max_tokens)
+                        rounds = [server_round(server, bodies, batch, step, split, timeout)
+                                  for _ in range(args.repeats)]
+                    finally:
+                        server.stop()
+                    finish(what, Case(path="server", batch_size=batch, step_ms=step,
+                                      prefill_ms=args.prefill_ms, tokenizer=mode == "wordlevel",
+                                      engine_core=core, ideal_tok_s=ideal, bound_ratio=bound,
+                                      rounds=rounds, median=_figures(rounds),
+                                      command=shlex.join(["python", *argv[1:]])))
+    progress.close()
+    params = {"batch_sizes": list(args.batch_sizes), "step_ms": list(args.step_ms),
+              "prefill_ms": args.prefill_ms, "max_tokens": args.max_tokens,
+              "prompt_len": args.prompt_len, "repeats": args.repeats,
+              "tokenizers": list(args.tokenizers), "engine_cores": cores, "seed": args.seed,
+              "model": spec.name, "vocab_size": spec.vocab_size, "max_seq_len": max_seq_len,
+              "prefill_chunk_size": chunk, "concurrency": "B", "temperature": 0.0,
+              "ignore_eos": True, "cpu_clock": "schedstat" if
+              os.path.exists("/proc/self/schedstat") else "stat ticks"}
+    return Report(command=shlex.join(["python", "-m", "atombatch.bench", "overlap", *args.argv]),
+                  commit=provenance.git_commit(), machine=provenance.machine(), params=params,
+                  engine_core_flag=engine_core_flag, load_before=load_before,
+                  load_after=_load(), cases=cases)
+
+
+def format_table(report: Report) -> str:
+    """One row per B x step x tokenizer: the engine alone beside each server column."""
+    cores = report.params["engine_cores"]
+    head = f"{'B':>4} {'step':>5} {'ideal':>7} {'bound':>5} | {'engine':>6} {'cpu':>5} | " \
+        f"{'tok':<4}"
+    for core in cores:
+        label = core or "server"
+        head += f" | {label + ' ratio':>13} {'tok/s':>7} {'front':>6} {'core':>6} {'client':>6}"
+    lines = ["bench overlap: delivered / ideal throughput on the null device "
+             f"(prefill {report.params['prefill_ms']:g} ms, {report.params['prompt_len']} in / "
+             f"{report.params['max_tokens']} out, c = B, medians of {report.params['repeats']}); "
+             "CPU in us per delivered token", head, "-" * len(head)]
+    engines = {(c.batch_size, c.step_ms): c for c in report.cases if c.path == "engine"}
+    servers = {(c.batch_size, c.step_ms, c.tokenizer, c.engine_core): c
+               for c in report.cases if c.path == "server"}
+    keys = sorted({(c.batch_size, c.step_ms) for c in report.cases})
+    tokenizers = [t == "wordlevel" for t in report.params["tokenizers"]] or [False]
+    for batch, step in keys:
+        for i, tokenizer in enumerate(tokenizers):
+            engine = engines.get((batch, step))
+            some = engine or next(c for c in report.cases
+                                  if (c.batch_size, c.step_ms) == (batch, step))
+            row = f"{batch:>4} {step:>5g} {some.ideal_tok_s:>7.0f} {some.bound_ratio:>5.3f} | "
+            if engine is not None and i == 0:
+                row += f"{engine.median.ratio:>6.3f} {engine.median.core_us_per_token:>5.1f} | "
+            else:
+                row += f"{'':>6} {'':>5} | "
+            row += f"{'wl' if tokenizer else 'ids':<4}"
+            for core in cores:
+                case = servers.get((batch, step, tokenizer, core))
+                if case is None:
+                    row += f" | {'-':>13} {'':>7} {'':>6} {'':>6} {'':>6}"
+                    continue
+                m = case.median
+                failed = sum(r.requests - r.ok for r in case.rounds)
+                ratio = f"{m.ratio:.3f}" + ("!" if failed else "")
+                row += f" | {ratio:>13} {m.tok_per_s:>7.0f} {m.front_us_per_token:>6.1f} " \
+                    f"{m.core_us_per_token:>6.1f} {m.client_us_per_token:>6.1f}"
+            lines.append(row)
+    failures = [e for c in report.cases for r in c.rounds for e in r.errors]
+    lb, la = report.load_before, report.load_after
+    lines += ["",
+              "ideal = B / step (tok/s); bound = best ratio a round allows (B prefills and "
+              "max_tokens - 1 steps); engine = in-process Batcher.step_arrays(), cpu = its "
+              "process CPU; tok: ids (no tokenizer) or wl (WordLevel tokenizer: detokenized "
+              "text); front = server main thread (whole server process with a core process), "
+              "core = the rest; client = this process",
+              f"commit {report.commit}; load average {lb[0]:.2f}/{lb[1]:.2f}/{lb[2]:.2f} before, "
+              f"{la[0]:.2f}/{la[1]:.2f}/{la[2]:.2f} after; {report.machine}"]
+    if failures:
+        lines.append(f"! requests failed ({len(failures)}), e.g.: {failures[0]}")
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return values
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of numbers") from None
+    if not values or not all(v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every step time must be > 0 ms")
+    return values
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    values = tuple(text.split(","))
+    bad = [v for v in values if v not in ("none", "wordlevel")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not none or wordlevel")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    args.argv = argv
+    for name in ("max_tokens", "prompt_len", "repeats"):
+        if getattr(args, name) < 1:
+            print(f"bench overlap: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if args.prefill_ms < 0:
+        print("bench overlap: --prefill-ms must be >= 0", file=sys.stderr)
+        return 2
+    flag = False if args.no_server else server_has_engine_core()
+    if args.engine_cores and not flag:
+        print("bench overlap: --engine-cores needs a server with --engine-core; this one has "
+              "none", file=sys.stderr)
+        return 2
+    report = run(args, flag)
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
+        print(f"wrote {args.json}")
+    failed = any(r.ok < r.requests for c in report.cases for r in c.rounds)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

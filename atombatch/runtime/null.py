@@ -1,0 +1,188 @@
+"""`NullRuntime`: a device that only waits. No math, no KV, wall-clock device time.
+
+Theory of operation
+-------------------
+A decode call costs exactly what an ideal device of a fixed step time would cost the host: the
+call returns `step_ms` after it was made, and the wait is a `time.sleep`, which releases the GIL
+the way a wait on a real device does (the event loop, the front and any other thread run
+meanwhile). A prefill chunk waits `prefill_ms` (default: the same as a step). The logits are
+written into an array allocated once and the remaining time is slept, so the runtime's own host
+work is inside the device time, as the device's LM head is.
+
+Nothing else costs time: KV import, block copies and host-cache reads and writes are no-ops that
+only check their arguments. Against this runtime, what the serving path delivers divided by
+`batch_size / step` (tokens per second of a full batch) is the share of the device the host keeps
+busy (`python -m atombatch.bench overlap`, docs/overlap.md).
+
+The logits are a zero row with one spike at `1.0` whose token is a hash of the row's input token
+and position (never an EOS id, so greedy requests run to `max_tokens`): greedy output is
+deterministic, differs by position and by prompt, and does not depend on the lane.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from atombatch.config import ArtifactConfig
+from atombatch.errors import ConfigError, StateError
+from atombatch.runtime.base import DecodeArrays, PrefillArrays
+
+# Multipliers of the spike hash (Knuth's multiplicative constant and a small odd prime).
+_TOKEN_MULT = 2654435761
+_POSITION_MULT = 40503
+
+
+class NullCalls(msgspec.Struct):
+    """What a `NullRuntime` was asked to do, and the wall time its calls took."""
+
+    decode_calls: int = 0
+    decode_rows: int = 0                 # rows of every decode call (padding rows included)
+    prefill_calls: int = 0
+    decode_s: float = 0.0                # wall seconds inside decode calls (the sleep and the rest)
+    prefill_s: float = 0.0               # wall seconds inside prefill calls
+
+
+class NullRuntime:
+    """A `Runtime` whose calls only wait: the ideal device of a fixed step time.
+
+    Args:
+        artifact: the compiled shapes (batch, context, blocks, vocabulary) to stand in for.
+        step_ms: milliseconds one decode call takes, whatever its rows and contexts.
+        prefill_ms: milliseconds one prefill chunk takes (default: `step_ms`).
+        seed: varies which token each (input token, position) pair spikes at.
+
+    The returned logits are buffers reused on every call: read them before the next one.
+
+    Raises:
+        ConfigError: a negative or non-finite time.
+    """
+
+    every_position_logits = True  # `prefill(every_position=True)` works (prompt logprobs)
+
+    def __init__(self, artifact: ArtifactConfig, step_ms: float = 20.0,
+                 prefill_ms: float | None = None, seed: int = 0) -> None:
+        prefill_ms = step_ms if prefill_ms is None else prefill_ms
+        for name, value in (("step_ms", step_ms), ("prefill_ms", prefill_ms)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or \
+                    not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name}={value!r} must be a finite number of milliseconds >= 0")
+        self.artifact = artifact
+        self.spec = artifact.model
+        self.step_ms = float(step_ms)
+        self.prefill_ms = float(prefill_ms)
+        self.seed = seed
+        self.calls = NullCalls()
+        self._step_s = self.step_ms / 1000.0
+        self._prefill_s = self.prefill_ms / 1000.0
+        vocab = self.spec.vocab_size
+        eos = set(self.spec.eos_token_ids)
+        # the tokens a spike may land on; a hash picks one by index (EOS ids are skipped)
+        self._allowed = np.array([t for t in range(vocab) if t not in eos], dtype=np.int64)
+        if not len(self._allowed):
+            raise ConfigError(f"vocab_size={vocab} leaves no token that is not an EOS id")
+        self._offset = (seed * 97 + 12345) % len(self._allowed)
+        batch = artifact.batch_size
+        self._decode_logits = np.zeros((batch, vocab), dtype=np.float32)
+        self._decode_spikes = np.zeros(batch, dtype=np.int64)
+        self._rows = np.arange(batch, dtype=np.int64)
+        self._hash = np.zeros(batch, dtype=np.int64)        # scratch for the spike hash
+        self._scratch = np.zeros(batch, dtype=np.int64)
+        self._prefill_logits = np.zeros(vocab, dtype=np.float32)
+        self._prefill_spike = 0
+
+    def spike(self, token: int, position: int) -> int:
+        """The token the logits of `token` at `position` spike at (greedy picks it)."""
+        index = (token * _TOKEN_MULT + position * _POSITION_MULT + self._offset) % \
+            len(self._allowed)
+        return int(self._allowed[index])
+
+    # -- Runtime protocol -------------------------------------------------------------------------
+    def prefill(self, inputs: PrefillArrays, *, every_position: bool = False
+                ) -> npt.NDArray[np.float32]:
+        """Wait `prefill_ms`; the last real token's logits row (a reused buffer), or with
+        `every_position` a fresh `[Q, vocab]` array (row i spikes at the hash of token i)."""
+        started = time.perf_counter()
+        q = int(inputs.query_position)
+        start = int(inputs.cache_position[0, 0])
+        result: npt.NDArray[np.float32]
+        if every_position:
+            ids = np.asarray(inputs.input_ids).reshape(-1).tolist()
+            result = np.zeros((len(ids), self.spec.vocab_size), dtype=np.float32)
+            for i, token in enumerate(ids):
+                result[i, self.spike(int(token), start + i)] = 1.0
+        else:
+            result = self._prefill_logits
+            result[self._prefill_spike] = 0.0
+            self._prefill_spike = self.spike(int(inputs.input_ids[0, q]), start + q)
+            result[self._prefill_spike] = 1.0
+        self._wait_until(started + self._prefill_s)
+        self.calls.prefill_calls += 1
+        self.calls.prefill_s += time.perf_counter() - started
+        return result
+
+    def decode(self, inputs: DecodeArrays) -> npt.NDArray[np.float32]:
+        """Wait `step_ms`; logits `[rows, vocab]` (a reused buffer), one spike per row."""
+        started = time.perf_counter()
+        rows = inputs.input_ids.shape[0]
+        if rows not in self.artifact.decoder_batch_sizes:
+            raise StateError(f"decode inputs have {rows} rows; the compiled decode batches are "
+                             f"{self.artifact.decoder_batch_sizes}")
+        logits, spikes, lanes = self._decode_logits, self._decode_spikes[:rows], self._rows[:rows]
+        hashed, scratch = self._hash[:rows], self._scratch[:rows]
+        logits[lanes, spikes] = 0.0
+        # hashed = (token * T + position * P + offset) % allowed, in preallocated int64 buffers
+        np.multiply(inputs.input_ids[:, 0], _TOKEN_MULT, out=hashed, dtype=np.int64)
+        np.multiply(inputs.cache_position[:, 0], _POSITION_MULT, out=scratch, dtype=np.int64)
+        np.add(hashed, scratch, out=hashed)
+        np.add(hashed, self._offset, out=hashed)
+        np.remainder(hashed, len(self._allowed), out=hashed)
+        np.take(self._allowed, hashed, out=spikes)
+        logits[lanes, spikes] = 1.0
+        self._wait_until(started + self._step_s)
+        self.calls.decode_calls += 1
+        self.calls.decode_rows += rows
+        self.calls.decode_s += time.perf_counter() - started
+        return logits[:rows]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self._check_block(src)
+        self._check_block(dst)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """A sliding-window slot copy (n > 1 forks on hybrid models): nothing to copy."""
+        for slot in (src, dst):
+            if not 0 <= slot < self.artifact.batch_size:
+                raise StateError(f"slot {slot} is outside 0..{self.artifact.batch_size - 1}")
+
+    def read_block(self, block: int) -> npt.NDArray[np.generic]:
+        self._check_block(block)
+        return np.zeros(1, dtype=np.float32)
+
+    def write_block(self, block: int, data: npt.NDArray[np.generic]) -> None:
+        self._check_block(block)
+
+    def write_layer_kv(self, layer: int, k: npt.NDArray[np.generic], v: npt.NDArray[np.generic],
+                       block_row: Sequence[int], slot: int = 0) -> None:
+        """A PD import: nothing is stored (the logits never depend on KV)."""
+        if not 0 <= layer < self.spec.num_layers:
+            raise StateError(f"layer {layer} is outside 0..{self.spec.num_layers - 1}")
+        for block in block_row:
+            self._check_block(block)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _check_block(self, block: int) -> None:
+        if not 0 <= block < self.artifact.num_blocks:
+            raise StateError(f"block {block} is outside 0..{self.artifact.num_blocks - 1}")
+
+    @staticmethod
+    def _wait_until(deadline: float) -> None:
+        """Sleep (GIL released) until `deadline` on the perf_counter clock."""
+        left = deadline - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
