@@ -86,6 +86,10 @@ class OutputStreams:
             RequestError: no request with this id was submitted, its outputs were taken, or it
                 finished unclaimed and was dropped under `max_unclaimed`.
         """
+        return self._iterate(request_id, self._claim(request_id))
+
+    def _claim(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+        """The queue `outputs` / `output_batches` read (the errors are theirs)."""
         if request_id in self._claimed:
             raise StateError(f"outputs({request_id!r}) is already being consumed: each "
                              "request's outputs have one consumer (docs/rules.md)")
@@ -101,7 +105,27 @@ class OutputStreams:
                 queue.put_nowait(final)
         else:
             self._claimed.add(request_id)
-        return self._iterate(request_id, queue)
+        return queue
+
+    def output_batches(self, request_id: str) -> AsyncGenerator[list[RequestOutput], None]:
+        """`outputs(request_id)`, but each wakeup yields every output that is waiting (oldest
+        first) as one list: a consumer that fell behind catches up in one step, with one write.
+        The same one-consumer rule and errors as `outputs`."""
+        return self._batches(request_id, self._claim(request_id))
+
+    async def _batches(self, request_id: str, queue: asyncio.Queue[RequestOutput]
+                       ) -> AsyncGenerator[list[RequestOutput], None]:
+        finished = False
+        try:
+            while not finished:
+                batch = [await queue.get()]
+                while not batch[-1].finished and not queue.empty():
+                    batch.append(queue.get_nowait())
+                finished = batch[-1].finished
+                yield batch
+        finally:
+            if not finished:
+                self.abort(request_id)
 
     async def _iterate(self, request_id: str, queue: asyncio.Queue[RequestOutput]
                        ) -> AsyncGenerator[RequestOutput, None]:
@@ -171,7 +195,7 @@ class OutputStreams:
         while not queue.empty():
             out = queue.get_nowait()
             by_choice.setdefault(out.index, []).append(out)
-        kept = [_compact(outs) for outs in by_choice.values()]
+        kept = [compact_outputs(outs) for outs in by_choice.values()]
         kept.sort(key=lambda out: out.finished)  # the request's last output stays last
         assert kept and kept[-1].finished
         self._unclaimed[request_id] = tuple(kept)
@@ -360,7 +384,7 @@ class AsyncBatcher(OutputStreams):
                     await asyncio.wait_for(self._wake.wait(), timeout=self.idle_poll)
 
 
-def _compact(outs: list[RequestOutput]) -> RequestOutput:
+def compact_outputs(outs: list[RequestOutput]) -> RequestOutput:
     """One choice's outputs as one: its last output with every token, piece of text and logprob."""
     last = outs[-1]
     text = None if all(o.text is None for o in outs) else "".join(o.text or "" for o in outs)

@@ -42,7 +42,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from atombatch.aio import AsyncBatcher
+from atombatch.aio import AsyncBatcher, compact_outputs
 from atombatch.core import CoreClient
 from atombatch.engine import Batcher
 from atombatch.errors import CapacityError, RequestError, UnavailableError
@@ -144,7 +144,7 @@ class _Generation:
     """One accepted request: its engine id, its output iterator and its timing for the metrics."""
 
     def __init__(self, server: _Server, request_id: str, prompt_len: int,
-                 outputs: AsyncIterator[RequestOutput], accepted: float, n: int = 1) -> None:
+                 outputs: AsyncIterator[list[RequestOutput]], accepted: float, n: int = 1) -> None:
         self.server = server
         self.request_id = request_id
         self.prompt_len = prompt_len
@@ -178,47 +178,50 @@ class _Generation:
             self.server.metrics.finished.labels("abort").inc()
 
     async def run(self) -> AsyncGenerator[tuple[list[int], str, RequestOutput], None]:
-        """Yield (new ids, new text, output) per engine output; abort unless it finished."""
+        """Yield (new ids, new text, output) per wakeup and choice: what arrived since the last
+        one, merged (so a stream that fell behind catches up in one SSE event and one write);
+        abort unless it finished. Metrics move once per wakeup, not per token."""
         metrics = self.server.metrics
         self.started = True
         metrics.in_flight.inc()
         last = self.accepted
         try:
-            async for out in self.outputs:
-                choice = self.choices[out.index] if out.index < len(self.choices) else \
-                    self.choices[0]
-                new = list(out.new_token_ids)
-                if new:
-                    now = time.perf_counter()
-                    if self.generated:
-                        metrics.inter_token.observe(now - last)
+            async for batch in self.outputs:
+                for out in _by_choice(batch):
+                    choice = self.choices[out.index] if out.index < len(self.choices) else \
+                        self.choices[0]
+                    new = list(out.new_token_ids)
+                    if new:
+                        now = time.perf_counter()
+                        if self.generated:
+                            metrics.inter_token.observe(now - last)
+                        else:
+                            metrics.ttft.observe(now - self.accepted)
+                        last = now
+                        choice.token_ids.extend(new)
+                        self.generated += len(new)
+                        metrics.generation_tokens.inc(len(new))
+                    if out.logprobs:
+                        choice.logprobs.extend(out.logprobs)
+                    if out.prompt_logprobs is not None:
+                        self.prompt_logprobs = out.prompt_logprobs
+                    if out.text is not None:  # the engine detokenized (stop strings held back)
+                        text = out.text
                     else:
-                        metrics.ttft.observe(now - self.accepted)
-                    last = now
-                    choice.token_ids.extend(new)
-                    self.generated += len(new)
-                    metrics.generation_tokens.inc(len(new))
-                if out.logprobs:
-                    choice.logprobs.extend(out.logprobs)
-                if out.prompt_logprobs is not None:
-                    self.prompt_logprobs = out.prompt_logprobs
-                if out.text is not None:  # the engine detokenized (stop strings held back)
-                    text = out.text
-                else:
-                    text = choice.decoder.step(new) if new else ""
+                        text = choice.decoder.step(new) if new else ""
+                        if out.finish_reason is not None:
+                            text += choice.decoder.flush()
+                    choice.text.append(text)
                     if out.finish_reason is not None:
-                        text += choice.decoder.flush()
-                choice.text.append(text)
-                if out.finish_reason is not None:
-                    choice.finish_reason = out.finish_reason
-                    if out.completion is not None:
-                        choice.stop_reason = out.completion.stop_reason
-                    if out.finish_reason == "error" and self.error is None:
-                        self.error = out.error
-                if out.finished:
-                    self.finish_reason = "error" if self.error is not None else \
-                        out.finish_reason or "error"
-                yield new, text, out
+                        choice.finish_reason = out.finish_reason
+                        if out.completion is not None:
+                            choice.stop_reason = out.completion.stop_reason
+                        if out.finish_reason == "error" and self.error is None:
+                            self.error = out.error
+                    if out.finished:
+                        self.finish_reason = "error" if self.error is not None else \
+                            out.finish_reason or "error"
+                    yield new, text, out
         finally:
             metrics.in_flight.dec()
             if self.finish_reason is None:
@@ -394,7 +397,8 @@ class _Server:
                            code="invalid_value") from None
         self.metrics.prompt_tokens.inc(len(prompt))
         # Take the output iterator now, before any await: the request may finish at once.
-        return _Generation(self, request_id, len(prompt), self.ab.outputs(request_id), accepted,
+        return _Generation(self, request_id, len(prompt), self.ab.output_batches(request_id),
+                           accepted,
                            params.n)
 
     # -- logprobs in OpenAI's shapes ------------------------------------------------------------
@@ -812,6 +816,22 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
         if value is not None:
             out[name] = value
     return out
+
+
+def _by_choice(batch: list[RequestOutput]) -> list[RequestOutput]:
+    """A wakeup's outputs with each run of one choice's consecutive outputs merged into one
+    (tokens, text and logprobs joined; the last one's finish kept)."""
+    if len(batch) == 1:
+        return batch
+    merged: list[RequestOutput] = []
+    run: list[RequestOutput] = []
+    for out in batch:
+        if run and (out.index != run[-1].index or run[-1].finish_reason is not None):
+            merged.append(compact_outputs(run) if len(run) > 1 else run[0])
+            run = []
+        run.append(out)
+    merged.append(compact_outputs(run) if len(run) > 1 else run[0])
+    return merged
 
 
 async def _merged(gens: list[_Generation]

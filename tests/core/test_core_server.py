@@ -55,8 +55,9 @@ def test_the_default_server_runs_its_engine_in_another_process_with_the_same_tok
 
 
 def test_queue_bound_disconnect_and_a_dying_core() -> None:
-    # the paced simulator: a decode step takes its modelled device time, so streams stay open
-    with served("--runtime", "sim", "--batch-size", "1", "--max-waiting", "1") as (url, pid):
+    # the null device: a decode step waits 50 ms, so a 900-token stream stays open for 45 s
+    with served("--runtime", "null", "--null-step-ms", "50", "--batch-size", "1",
+                "--max-waiting", "1") as (url, pid):
         long = {"prompt": [5, 6], "max_tokens": 900, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         with httpx.Client(timeout=60) as client:
