@@ -137,6 +137,10 @@ def parser() -> argparse.ArgumentParser:
                    help="process: the engine steps in its own process and this one serves HTTP, "
                    "tokenizes and streams (default; docs/architecture.md); inline: both share "
                    "one interpreter (an AsyncBatcher)")
+    p.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
+                   help="HTTP parser: httptools (C, the cheapest per streamed event; auto picks "
+                   "it when installed) or h11 (pure Python); both keep the connection guards of "
+                   "docs/security.md")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (named at startup)")
     p.add_argument("--log-level", default="info",
@@ -400,7 +404,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
 
     # timeout_graceful_shutdown=None: on SIGINT/SIGTERM uvicorn stops accepting and waits for
     # in-flight streams; then the lifespan drains the engine (close(drain=True)).
-    config = uvicorn_config(app, limits, log_level=args.log_level,
+    config = uvicorn_config(app, limits, http=args.http, log_level=args.log_level,
                             timeout_graceful_shutdown=None)
     server = Server(config)
     died: list[int | None] = []

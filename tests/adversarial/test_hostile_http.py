@@ -184,3 +184,30 @@ def test_error_messages_quote_client_text_clipped(server: tuple[str, int]) -> No
                           json={**COMPLETION, "model": "m" * 500_000, "prompt": "<5>"})
     assert response.status_code == 404
     assert len(response.content) < 2000 and "500002 chars" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_head_bounds_hold_under_either_parser(http: str) -> None:
+    """The connection guards are the server's, not the parser's: an oversized head is refused
+    and a slow one closed with httptools (the default) as with h11."""
+    with served("--http", http, "--header-timeout", "3") as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=15) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            for _ in range(40):   # 40 x 1 KiB header lines: past the 16 KiB head bound
+                try:
+                    sock.sendall(b"X-Big: " + b"a" * 1017 + b"\r\n")
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+            started = time.monotonic()
+            answer = sock.recv(1024)
+        # refused at once with a status, not left to the header timeout
+        assert answer.startswith((b"HTTP/1.1 431", b"HTTP/1.1 400")), answer
+        assert time.monotonic() - started < 2.5
+        with socket.create_connection((host, int(port)), timeout=15) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            assert sock.recv(1024) == b""  # closed at the 3 s header timeout
+        # and the server still serves
+        response = httpx.post(f"{url}/v1/completions", timeout=20,
+                              json={**COMPLETION, "prompt": "<5><6>"})
+        assert response.status_code == 200, response.text
