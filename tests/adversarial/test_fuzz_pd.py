@@ -53,7 +53,8 @@ HUGE = st.sampled_from([-(2**63), -1, 0, 1, 2, 3, 6, 7, 31, 32, 1024, 1025, 2**3
 # must cost at most ~100 MiB (the 2**62 case is test_hostile_pd.py's "huge" id).
 LAYER_COUNTS = st.sampled_from([-(2**63), -1, 0, 1, 2, 3, 1024, 1025, 10**6])
 FIELD_VALUES: dict[str, Any] = {
-    "request_id": st.one_of(st.text(max_size=20), st.just("x" * 100_000), st.integers()),
+    "request_id": st.one_of(st.text(max_size=20), st.just("x" * 100_000),
+                            st.integers(-2**63, 2**64 - 1)),  # what msgpack can carry
     "model_identity": st.one_of(st.just(GOOD["model_identity"]), st.text(max_size=20)),
     "num_layers": LAYER_COUNTS,
     "layer_kinds": st.one_of(st.just(GOOD["layer_kinds"]),
