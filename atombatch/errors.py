@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class AtomBatchError(Exception):
-    """Base class of every error raised by atombatch."""
+    """Base class of every error raised by atombatch.
+
+    Besides its message it carries data a server answers with, never parsed from the text:
+    `http_status` (per class), `param` (the request field at fault, when one is) and `limit`
+    (the bound that was broken, when there is one).
+    """
+
+    http_status: ClassVar[int] = 500
+
+    def __init__(self, message: str = "", *, param: str | None = None,
+                 limit: int | float | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.limit = limit
 
 
 class ConfigError(AtomBatchError, ValueError):
@@ -14,9 +29,13 @@ class ConfigError(AtomBatchError, ValueError):
 class RequestError(AtomBatchError, ValueError):
     """A single request is invalid or failed; other requests are unaffected."""
 
+    http_status = 400
+
 
 class CapacityError(AtomBatchError, RuntimeError):
     """A pool, lane table or queue has no room for what was asked."""
+
+    http_status = 429
 
 
 class StateError(AtomBatchError, RuntimeError):

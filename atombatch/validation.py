@@ -39,44 +39,48 @@ def validate_request(rules: RequestRules, prompt: Sequence[int] | npt.NDArray[np
     try:
         tokens = np.asarray(prompt)
     except (ValueError, TypeError) as exc:  # ragged nesting, mixed types
-        raise RequestError(f"prompt must be a flat sequence of token ids: {exc}") from None
+        raise RequestError(f"prompt must be a flat sequence of token ids: {exc}",
+                           param="prompt") from None
     if tokens.ndim != 1 or (tokens.size and not np.issubdtype(tokens.dtype, np.integer)):
         raise RequestError(f"prompt must be a flat sequence of token ids, got shape "
-                           f"{tokens.shape} of {tokens.dtype}")
+                           f"{tokens.shape} of {tokens.dtype}", param="prompt")
     if tokens.size == 0:
-        raise RequestError("prompt is empty: a request needs at least one token")
+        raise RequestError("prompt is empty: a request needs at least one token", param="prompt")
     vocab = rules.artifact.model.vocab_size
     bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
     if bad.size:
         i = int(bad[0])
         raise RequestError(f"token id {int(tokens[i])} at prompt index {i} is outside the "
-                           f"vocabulary 0..{vocab - 1}")
+                           f"vocabulary 0..{vocab - 1}", param="prompt", limit=vocab)
     if not isinstance(params, SamplingParams):
         raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
     max_len = rules.artifact.max_seq_len
     if params.max_tokens is None:
         if tokens.size >= max_len:
             raise RequestError(f"prompt of {tokens.size} tokens leaves no room to generate: "
-                               f"max_seq_len={max_len}")
+                               f"max_seq_len={max_len}", param="prompt", limit=max_len)
     else:
         total = tokens.size + params.max_tokens
         if total > max_len:
             raise RequestError(f"prompt of {tokens.size} tokens + max_tokens="
-                               f"{params.max_tokens} = {total} exceeds max_seq_len={max_len}")
+                               f"{params.max_tokens} = {total} exceeds max_seq_len={max_len}",
+                               param="prompt", limit=max_len)
     for stop in params.stop_token_ids:
         if stop >= vocab:
-            raise RequestError(f"stop token id {stop} is outside the vocabulary 0..{vocab - 1}")
+            raise RequestError(f"stop token id {stop} is outside the vocabulary 0..{vocab - 1}",
+                               param="stop_token_ids", limit=vocab)
     for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
                       ("logit_bias", params.logit_bias or ())):
         for token in ids:
             if token >= vocab:
                 raise RequestError(f"{name} names token id {token}, outside the vocabulary "
-                                   f"0..{vocab - 1}")
+                                   f"0..{vocab - 1}", param=name, limit=vocab)
     if not rules.has_tokenizer:
         for name in ("stop", "bad_words"):
             if getattr(params, name):
                 raise RequestError(f"{name}={list(getattr(params, name))!r} needs a tokenizer: "
-                                   "build the Batcher with tokenizer=... (docs/sampling.md)")
+                                   "build the Batcher with tokenizer=... (docs/sampling.md)",
+                                   param=name)
     if params.prompt_logprobs is not None:
         check_prompt_logprobs(rules, params.prompt_logprobs, runtime_name)
     return tokens.astype(np.int64, copy=True)
@@ -86,9 +90,10 @@ def check_prompt_logprobs(rules: RequestRules, k: int, runtime_name: str = "the 
     vocab = rules.artifact.model.vocab_size
     if k == -1 and vocab > MAX_LOGPROBS:
         raise RequestError(f"prompt_logprobs=-1 asks for the whole vocabulary ({vocab} ids); "
-                           f"at most {MAX_LOGPROBS} are returned per position")
+                           f"at most {MAX_LOGPROBS} are returned per position",
+                           param="prompt_logprobs", limit=MAX_LOGPROBS)
     if not rules.every_position_logits:
         hint = rules.every_position_hint or (
             f"{runtime_name} returns only the last prefill position's logits")
         raise RequestError(f"prompt_logprobs={k} needs the logits of every prompt position: "
-                           f"{hint}")
+                           f"{hint}", param="prompt_logprobs")

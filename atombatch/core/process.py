@@ -160,7 +160,8 @@ class CoreLoop:
                     outputs=outputs, stats=stats)
 
     def send(self, message: Step) -> None:
-        self.outbox.send(core_encoder.encode(message))  # copied: a zero-copy frame costs a GC-thread round trip
+        # copied: a zero-copy frame costs a round trip through pyzmq's GC thread
+        self.outbox.send(core_encoder.encode(message))
 
     def take(self, wait_ms: int) -> None:
         """Apply every message the front sent; wait up to `wait_ms` for the first."""

@@ -385,7 +385,7 @@ class _Server:
         try:
             self.ab.submit(prompt, params, request_id=request_id)
         except CapacityError as exc:
-            raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full",
+            raise ApiError(exc.http_status, str(exc), type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.retry_after)}) from None
         except UnavailableError as exc:
             core_died = isinstance(self.ab, CoreClient) and self.ab.dead
@@ -393,7 +393,7 @@ class _Server:
                            code="engine_unavailable" if core_died else "shutting_down") from None
         except RequestError as exc:
             message = str(exc)
-            raise ApiError(400, message, param=_engine_param(message, prompt_param),
+            raise ApiError(exc.http_status, message, param=_param(exc, prompt_param),
                            code="invalid_value") from None
         self.metrics.prompt_tokens.inc(len(prompt))
         # Take the output iterator now, before any await: the request may finish at once.
@@ -509,7 +509,7 @@ class _Server:
                     self.ab.validate(prompt, params)
                 except RequestError as exc:
                     raise ApiError(400, f"prompt[{i}]: {exc}",
-                                   param=_engine_param(str(exc), f"prompt[{i}]"),
+                                   param=_param(exc, f"prompt[{i}]"),
                                    code="invalid_value") from None
         gens: list[_Generation] = []
         try:
@@ -881,16 +881,9 @@ def _clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
-def _engine_param(message: str, prompt_param: str) -> str | None:
-    """The parameter a `RequestError` from `Batcher.validate` names (its messages start with it)."""
-    match = re.match(r"(\w+)=", message)
-    if match:
-        return match.group(1)
-    if message.startswith("stop token id"):
-        return "stop_token_ids"
-    if message.startswith(("prompt", "token id")):
-        return prompt_param
-    return None
+def _param(exc: RequestError, prompt_param: str) -> str | None:
+    """The request field an engine error names (its `param`), in the server's spelling."""
+    return prompt_param if exc.param == "prompt" else exc.param
 
 
 def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name: str,

@@ -63,7 +63,8 @@ def test_queue_bound_disconnect_and_a_dying_core() -> None:
         with httpx.Client(timeout=60) as client:
             with client.stream("POST", f"{url}/v1/completions", json=long) as first:
                 assert first.status_code == 200
-                next(first.iter_lines())
+                first_lines = first.iter_lines()   # held: a collected iterator closes the stream
+                next(first_lines)
                 with client.stream("POST", f"{url}/v1/completions", json=long) as second:
                     assert second.status_code == 200  # waits for the lane
                     third = httpx.post(f"{url}/v1/completions", json=long, timeout=10)
