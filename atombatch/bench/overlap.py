@@ -27,20 +27,23 @@ missing) around each round: `front` is the server's main thread (the event loop:
 detokenization) with `--engine-core inline` or without the flag, or the whole server process with
 `--engine-core process`; `core` is the rest (the step thread inline, the engine-core child
 processes otherwise). `client` is this process's own CPU (`time.process_time`): the load generator
-is raw asyncio protocols that write the HTTP/1.1 request by hand and count `data:` events and
-`token_ids` entries by scanning bytes, never parsing JSON. The 1/5/15-minute load average is
-recorded before and after every case and the run.
+writes each HTTP/1.1 request by hand on its own socket, reads every socket from one epoll loop that
+naps while no stream can be near its end (so one read takes the events of several steps, and the
+end times stay exact; see `client_round`), and counts `data:` events and `token_ids` entries by
+scanning bytes, never parsing JSON. The 1/5/15-minute load average is recorded before and after
+every case and the run.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import contextlib
 import os
+import select
 import shlex
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -193,39 +196,35 @@ def _load() -> Load:
 
 
 # -- the client ------------------------------------------------------------------------------------
-class _Stream(asyncio.Protocol):
-    """One streamed completion: write the request, count events and tokens in the bytes."""
+class _Stream:
+    """One streamed completion's bytes: counts SSE events and `token_ids` entries by scanning."""
 
-    def __init__(self, request: bytes, done: asyncio.Future[None]) -> None:
-        self.request = request
-        self.done = done
+    __slots__ = ("ended", "error", "events", "finished", "status", "tail", "tokens")
+
+    def __init__(self) -> None:
         self.status = 0
-        self.events = 0
+        self.events = 0                      # data events carrying tokens
         self.tokens = 0
-        self.finished = False               # [DONE] seen
+        self.finished = False                # [DONE] seen
         self.error: str | None = None
-        self.ended = 0.0
-        self._tail = b""
-        self._transport: asyncio.Transport | None = None
+        self.ended = 0.0                     # perf_counter at [DONE], error or close
+        self.tail = b""
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
-        transport.write(self.request)  # type: ignore[attr-defined]
-
-    def data_received(self, data: bytes) -> None:
-        buf = self._tail + data if self._tail else data
+    def feed(self, data: bytes, now: float) -> bool:
+        """Take the next bytes; True once the stream is over."""
+        buf = self.tail + data if self.tail else data
         if not self.status:
             if len(buf) < 12:
-                self._tail = buf
-                return
+                self.tail = buf
+                return False
             self.status = int(buf[9:12]) if buf.startswith(b"HTTP/1.") else -1
             if self.status != 200:
                 self.error = f"HTTP {self.status}: " + buf[:300].decode(errors="replace")
         end = buf.rfind(b"\n\n")  # complete SSE events end before it; chunk framing sits between
         if end < 0:
-            self._tail = buf
-            return
-        self._tail = buf[end + 2:]
+            self.tail = buf
+            return False
+        self.tail = buf[end + 2:]
         events = buf.count(_DATA, 0, end)
         at = buf.find(_TOKEN_IDS, 0, end)
         while at >= 0:
@@ -234,25 +233,21 @@ class _Stream(asyncio.Protocol):
             if close > start:
                 self.tokens += buf.count(b",", start, close) + 1
             at = buf.find(_TOKEN_IDS, close, end)
-        if buf.find(_ERROR, 0, end) >= 0 and self.error is None:
-            self.error = "error event: " + buf[buf.find(_ERROR):][:300].decode(errors="replace")
+        error = buf.find(_ERROR, 0, end)
+        if error >= 0 and self.error is None:
+            self.error = "error event: " + buf[error:error + 300].decode(errors="replace")
         if buf.endswith(_DONE, 0, end):
             self.finished = True
             events -= 1
-            self._finish()
         self.events += events
+        if self.finished:
+            self.ended = now
+        return self.finished
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def closed(self, now: float) -> None:
         if not self.finished and self.error is None:
-            self.error = f"connection closed before [DONE] ({exc or 'EOF'})"
-        self._finish()
-
-    def _finish(self) -> None:
-        if not self.done.done():
-            self.ended = time.perf_counter()
-            self.done.set_result(None)
-            if self._transport is not None:
-                self._transport.close()
+            self.error = "connection closed before [DONE]"
+        self.ended = now
 
 
 def _request(host: str, port: int, body: bytes) -> bytes:
@@ -267,32 +262,69 @@ def request_bodies(model: str, prompts: list[list[int]], max_tokens: int) -> lis
             for p in prompts]
 
 
-async def _round(host: str, port: int, bodies: list[bytes], timeout: float
-                 ) -> tuple[list[_Stream], float]:
-    """Send every body at once; returns the streams and first send -> last end (seconds)."""
-    loop = asyncio.get_running_loop()
-    streams: list[_Stream] = []
-    started = time.perf_counter()
-    for body in bodies:
-        stream = _Stream(_request(host, port, body), loop.create_future())
-        streams.append(stream)
+def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_tokens: int,
+                 step_s: float, max_nap: float = 0.05) -> tuple[list[_Stream], float]:
+    """Send every body at once over its own connection and read every stream to [DONE].
 
-    async def one(stream: _Stream) -> None:
-        try:
-            await loop.create_connection(lambda: stream, host, port)
-        except OSError as exc:
-            stream.error = f"connect: {exc}"
-            stream._finish()
-        await stream.done
-
+    The connections are opened before the clock starts; the requests then go out back to back.
+    One epoll loop reads every socket that has data, then naps while no stream can be near its
+    end: a stream gets at most one token per device step, so with `left` tokens still to come
+    for the most advanced open stream, none ends within `left x step_s`. The loop naps half of
+    that (at most `max_nap`), so one read takes the events of several steps (a read costs far
+    more CPU than scanning its bytes) while the end times stay exact: near the end it polls
+    without napping. Returns the streams and first send -> last end (seconds).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    socks: list[socket.socket] = []
     try:
-        async with asyncio.timeout(timeout):
-            await asyncio.gather(*(one(s) for s in streams))
-    except TimeoutError:
-        for s in streams:
-            if not s.done.done():
-                s.error = f"no [DONE] within {timeout:g} s"
-                s._finish()
+        for _ in bodies:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.connect((host, port))
+        requests = [_request(host, port, body) for body in bodies]
+        streams = [_Stream() for _ in bodies]
+        by_fd: dict[int, tuple[socket.socket, _Stream]] = {}
+        most = 0  # tokens of the most advanced stream
+        with select.epoll() as poller:
+            started = time.perf_counter()
+            for sock, request, stream in zip(socks, requests, streams, strict=True):
+                sock.sendall(request)
+                sock.setblocking(False)
+                poller.register(sock.fileno(), select.EPOLLIN)
+                by_fd[sock.fileno()] = (sock, stream)
+            deadline = started + timeout
+            while by_fd:
+                ready = poller.poll(max(0.0, deadline - time.perf_counter()))
+                now = time.perf_counter()
+                if not ready and now >= deadline:
+                    break
+                for fd, _ in ready:
+                    sock, stream = by_fd[fd]
+                    try:
+                        data = sock.recv(1 << 20)
+                    except BlockingIOError:
+                        continue
+                    except OSError as exc:
+                        stream.error = f"recv: {exc}"
+                        data = b""
+                    if not data:
+                        stream.closed(now)
+                    elif not stream.feed(data, now):
+                        if stream.tokens > most:
+                            most = stream.tokens
+                        continue
+                    poller.unregister(fd)
+                    del by_fd[fd]
+                nap = min(max_nap, (max_tokens - most - 1) * step_s / 2)
+                if by_fd and nap > 0.001:
+                    time.sleep(nap)
+        for _, stream in by_fd.values():
+            stream.error = f"no [DONE] within {timeout:g} s"
+            stream.ended = time.perf_counter()
+    finally:
+        for sock in socks:
+            sock.close()
     end = max((s.ended for s in streams), default=started)
     return streams, end - started
 
@@ -431,13 +463,14 @@ def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: li
                  load_after=_load())
 
 
-def server_round(server: Server, bodies: list[bytes], batch_size: int, step_ms: float,
-                 split: Literal["thread", "process"], timeout: float) -> Round:
+def server_round(server: Server, bodies: list[bytes], max_tokens: int, batch_size: int,
+                 step_ms: float, split: Literal["thread", "process"], timeout: float) -> Round:
     """One round of B streamed requests against the server; its CPU split by `split`."""
     load_before = _load()
     cpu_before = server_cpu(server.pid)
     client0 = time.process_time()
-    streams, duration = asyncio.run(_round(server.host, server.port, bodies, timeout))
+    streams, duration = client_round(server.host, server.port, bodies, timeout, max_tokens,
+                                     step_ms / 1e3)
     client = time.process_time() - client0
     cpu = server_cpu(server.pid) - cpu_before
     if split == "thread":  # inline core: the step thread(s) are the core
@@ -556,9 +589,10 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
                         split: Literal["thread", "process"] = \
                             "process" if core == "process" else "thread"
                         warm = request_bodies(spec.name, prompts, 4)
-                        server_round(server, warm, batch, step, split, timeout)
+                        server_round(server, warm, 4, batch, step, split, timeout)
                         bodies = request_bodies(spec.name, prompts, args.max_tokens)
-                        rounds = [server_round(server, bodies, batch, step, split, timeout)
+                        rounds = [server_round(server, bodies, args.max_tokens, batch, step, split,
+                                               timeout)
                                   for _ in range(args.repeats)]
                     finally:
                         server.stop()
