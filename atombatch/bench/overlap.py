@@ -108,8 +108,9 @@ class Case(msgspec.Struct, frozen=True):
     ideal_tok_s: float                  # B / step
     bound_ratio: float                  # best ratio a round allows (prefill and the first token)
     rounds: list[Round]
-    median: Figures
+    median: Figures | None              # None: no round completed (see error)
     command: str | None = None          # the server's command line
+    error: str | None = None            # why the case stopped early (server start, a dead server)
 
 
 class Report(msgspec.Struct, frozen=True):
@@ -543,8 +544,9 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
         cases.append(case)
         m = case.median
         bad = sum(r.requests - r.ok for r in case.rounds)
-        outcome = f"ratio {m.ratio:.3f}, {m.tok_per_s:.0f} tok/s" + \
-            (f", {bad} requests failed" if bad else "")
+        outcome = "no round" if m is None else f"ratio {m.ratio:.3f}, {m.tok_per_s:.0f} tok/s"
+        outcome += (f", {bad} requests failed" if bad else "") + \
+            (f"; failed: {case.error}" if case.error else "")
         progress.finish(what, outcome)
 
     with contextlib.ExitStack() as stack:
@@ -584,23 +586,33 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
                         argv += ["--tokenizer", str(tok_dir)]
                     if core:
                         argv += ["--engine-core", core]
-                    server = Server(argv)
+                    split: Literal["thread", "process"] = \
+                        "process" if core == "process" else "thread"
+                    rounds = []
+                    error: str | None = None
+                    server: Server | None = None
                     try:
-                        split: Literal["thread", "process"] = \
-                            "process" if core == "process" else "thread"
+                        server = Server(argv)
                         warm = request_bodies(spec.name, prompts, 4)
                         server_round(server, warm, 4, batch, step, split, timeout)
                         bodies = request_bodies(spec.name, prompts, args.max_tokens)
-                        rounds = [server_round(server, bodies, args.max_tokens, batch, step, split,
-                                               timeout)
-                                  for _ in range(args.repeats)]
+                        for _ in range(args.repeats):
+                            rounds.append(server_round(server, bodies, args.max_tokens, batch,
+                                                       step, split, timeout))
+                    except (OSError, RuntimeError) as exc:  # the server did not start or died
+                        error = f"{type(exc).__name__}: {exc}"
+                        if server is not None:
+                            time.sleep(0.5)
+                            error += f" (server exit status {server.proc.poll()}; stderr: " + \
+                                " | ".join(list(server.lines)[-5:]) + ")"
                     finally:
-                        server.stop()
+                        if server is not None:
+                            server.stop()
                     finish(what, Case(path="server", batch_size=batch, step_ms=step,
                                       prefill_ms=args.prefill_ms, tokenizer=mode == "wordlevel",
                                       engine_core=core, ideal_tok_s=ideal, bound_ratio=bound,
-                                      rounds=rounds, median=_figures(rounds),
-                                      command=shlex.join(["python", *argv[1:]])))
+                                      rounds=rounds, median=_figures(rounds) if rounds else None,
+                                      command=shlex.join(["python", *argv[1:]]), error=error))
     progress.close()
     params = {"batch_sizes": list(args.batch_sizes), "step_ms": list(args.step_ms),
               "prefill_ms": args.prefill_ms, "max_tokens": args.max_tokens,
@@ -639,23 +651,24 @@ def format_table(report: Report) -> str:
             some = engine or next(c for c in report.cases
                                   if (c.batch_size, c.step_ms) == (batch, step))
             row = f"{batch:>4} {step:>5g} {some.ideal_tok_s:>7.0f} {some.bound_ratio:>5.3f} | "
-            if engine is not None and i == 0:
+            if engine is not None and engine.median is not None and i == 0:
                 row += f"{engine.median.ratio:>6.3f} {engine.median.core_us_per_token:>5.1f} | "
             else:
                 row += f"{'':>6} {'':>5} | "
             row += f"{'wl' if tokenizer else 'ids':<4}"
             for core in cores:
                 case = servers.get((batch, step, tokenizer, core))
-                if case is None:
+                if case is None or case.median is None:
                     row += f" | {'-':>13} {'':>7} {'':>6} {'':>6} {'':>6}"
                     continue
                 m = case.median
-                failed = sum(r.requests - r.ok for r in case.rounds)
+                failed = sum(r.requests - r.ok for r in case.rounds) + bool(case.error)
                 ratio = f"{m.ratio:.3f}" + ("!" if failed else "")
                 row += f" | {ratio:>13} {m.tok_per_s:>7.0f} {m.front_us_per_token:>6.1f} " \
                     f"{m.core_us_per_token:>6.1f} {m.client_us_per_token:>6.1f}"
             lines.append(row)
-    failures = [e for c in report.cases for r in c.rounds for e in r.errors]
+    failures = [e for c in report.cases for r in c.rounds for e in r.errors] + \
+        [c.error for c in report.cases if c.error]
     lb, la = report.load_before, report.load_after
     lines += ["",
               "ideal = B / step (tok/s); bound = best ratio a round allows (B prefills and "
@@ -719,7 +732,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
         print(f"wrote {args.json}")
-    failed = any(r.ok < r.requests for c in report.cases for r in c.rounds)
+    failed = any(r.ok < r.requests for c in report.cases for r in c.rounds) or \
+        any(c.error for c in report.cases)
     return 1 if failed else 0
 
 
