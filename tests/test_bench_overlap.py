@@ -64,6 +64,11 @@ def test_figures_are_consistent(report: Report) -> None:
             assert r.duration_s >= (MAX_TOKENS - 1) * 0.005
             if case.path == "engine":
                 assert r.core_cpu_s > 0
+                assert r.decode_steps == MAX_TOKENS - 1     # the first token is the prefill's
+                assert r.device_s is not None and r.device_s >= r.decode_steps * 0.005
+                assert case.median.host_ms_per_step is not None
+                assert case.median.device_ms_per_step is not None
+                assert case.median.device_ms_per_step >= 5.0  # the null device slept its step
             else:
                 assert 0 < r.events <= r.tokens  # an event carries one token or, late, more
                 assert r.front_cpu_s > 0 and r.core_cpu_s > 0 and r.client_cpu_s > 0

@@ -82,10 +82,12 @@ class Round(msgspec.Struct, frozen=True):
     ratio: float                        # tok_per_s / ideal (B / step)
     front_cpu_s: float                  # see the module docstring
     core_cpu_s: float
-    client_cpu_s: float                 # this process (engine path: the whole engine)
+    client_cpu_s: float                 # this process (the server path's client)
     load_before: Load
     load_after: Load
     errors: tuple[str, ...] = ()        # what went wrong (first few)
+    device_s: float | None = None       # engine path: wall seconds inside the runtime's calls
+    decode_steps: int | None = None     # engine path: decode calls
 
 
 class Figures(msgspec.Struct, frozen=True):
@@ -96,6 +98,8 @@ class Figures(msgspec.Struct, frozen=True):
     front_us_per_token: float
     core_us_per_token: float
     client_us_per_token: float
+    host_ms_per_step: float | None = None    # engine path: wall time outside the runtime / step
+    device_ms_per_step: float | None = None  # engine path: wall time inside it (sleep overshoot)
 
 
 class Case(msgspec.Struct, frozen=True):
@@ -264,7 +268,7 @@ def request_bodies(model: str, prompts: list[list[int]], max_tokens: int) -> lis
 
 
 def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_tokens: int,
-                 step_s: float, max_nap: float = 0.05) -> tuple[list[_Stream], float]:
+                 step_s: float, max_nap: float = 0.25) -> tuple[list[_Stream], float]:
     """Send every body at once over its own connection and read every stream to [DONE].
 
     The connections are opened before the clock starts; the requests then go out back to back.
@@ -415,11 +419,17 @@ def _figures(rounds: list[Round]) -> Figures:
     def per_token(get: Callable[[Round], float]) -> float:
         return med([1e6 * get(r) / r.tokens for r in rounds if r.tokens])
 
+    timed = [r for r in rounds if r.device_s is not None and r.decode_steps]
+    host = med([1e3 * (r.duration_s - r.device_s) / r.decode_steps  # type: ignore[operator]
+                for r in timed]) if timed else None
+    device = med([1e3 * r.device_s / r.decode_steps  # type: ignore[operator]
+                  for r in timed]) if timed else None
     return Figures(tok_per_s=med([r.tok_per_s for r in rounds]),
                    ratio=med([r.ratio for r in rounds]),
                    front_us_per_token=per_token(lambda r: r.front_cpu_s),
                    core_us_per_token=per_token(lambda r: r.core_cpu_s),
-                   client_us_per_token=per_token(lambda r: r.client_cpu_s))
+                   client_us_per_token=per_token(lambda r: r.client_cpu_s),
+                   host_ms_per_step=host, device_ms_per_step=device)
 
 
 def bound_ratio(batch_size: int, step_ms: float, prefill_ms: float, prompt_len: int,
@@ -439,8 +449,8 @@ def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: li
     art = ArtifactConfig(model=DEFAULT_SPEC, batch_size=batch_size, max_seq_len=max_seq_len,
                          block_size=max_seq_len, num_blocks=batch_size + 1,
                          prefill_chunk_size=chunk)
-    batcher = Batcher(NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms),
-                      max_waiting=None)
+    runtime = NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms)
+    batcher = Batcher(runtime, max_waiting=None)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     load_before = _load()
     cpu0, started = time.process_time(), time.perf_counter()
@@ -461,7 +471,8 @@ def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: li
     return Round(requests=len(prompts), ok=finished, tokens=tokens, events=events,
                  duration_s=duration, tok_per_s=tok_s, ratio=tok_s / (batch_size * 1e3 / step_ms),
                  front_cpu_s=0.0, core_cpu_s=cpu, client_cpu_s=0.0, load_before=load_before,
-                 load_after=_load())
+                 load_after=_load(), device_s=runtime.calls.decode_s + runtime.calls.prefill_s,
+                 decode_steps=runtime.calls.decode_calls)
 
 
 def server_round(server: Server, bodies: list[bytes], max_tokens: int, batch_size: int,
@@ -537,6 +548,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
     total = len(cells) * ((0 if args.no_engine else 1) +
                           (0 if args.no_server else len(args.tokenizers) * len(cores)))
     progress = CellProgress(total, enabled=not args.no_progress)
+    commit = provenance.git_commit()  # what runs: taken before any case
     load_before = _load()
     cases: list[Case] = []
 
@@ -623,7 +635,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
               "ignore_eos": True, "cpu_clock": "schedstat" if
               os.path.exists("/proc/self/schedstat") else "stat ticks"}
     return Report(command=shlex.join(["python", "-m", "atombatch.bench", "overlap", *args.argv]),
-                  commit=provenance.git_commit(), machine=provenance.machine(), params=params,
+                  commit=commit, machine=provenance.machine(), params=params,
                   engine_core_flag=engine_core_flag, load_before=load_before,
                   load_after=_load(), cases=cases)
 
@@ -631,8 +643,8 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
 def format_table(report: Report) -> str:
     """One row per B x step x tokenizer: the engine alone beside each server column."""
     cores = report.params["engine_cores"]
-    head = f"{'B':>4} {'step':>5} {'ideal':>7} {'bound':>5} | {'engine':>6} {'cpu':>5} | " \
-        f"{'tok':<4}"
+    head = f"{'B':>4} {'step':>5} {'ideal':>7} {'bound':>5} | {'engine':>6} {'cpu':>5} " \
+        f"{'host':>5} {'sleep':>5} | {'tok':<4}"
     for core in cores:
         label = core or "server"
         head += f" | {label + ' ratio':>13} {'tok/s':>7} {'front':>6} {'core':>6} {'client':>6}"
@@ -651,10 +663,12 @@ def format_table(report: Report) -> str:
             some = engine or next(c for c in report.cases
                                   if (c.batch_size, c.step_ms) == (batch, step))
             row = f"{batch:>4} {step:>5g} {some.ideal_tok_s:>7.0f} {some.bound_ratio:>5.3f} | "
-            if engine is not None and engine.median is not None and i == 0:
-                row += f"{engine.median.ratio:>6.3f} {engine.median.core_us_per_token:>5.1f} | "
+            em = engine.median if engine is not None else None
+            if em is not None and i == 0:
+                row += f"{em.ratio:>6.3f} {em.core_us_per_token:>5.1f} " \
+                    f"{_ms(em.host_ms_per_step)} {_ms(em.device_ms_per_step)} | "
             else:
-                row += f"{'':>6} {'':>5} | "
+                row += f"{'':>6} {'':>5} {'':>5} {'':>5} | "
             row += f"{'wl' if tokenizer else 'ids':<4}"
             for core in cores:
                 case = servers.get((batch, step, tokenizer, core))
@@ -671,16 +685,22 @@ def format_table(report: Report) -> str:
         [c.error for c in report.cases if c.error]
     lb, la = report.load_before, report.load_after
     lines += ["",
-              "ideal = B / step (tok/s); bound = best ratio a round allows (B prefills and "
-              "max_tokens - 1 steps); engine = in-process Batcher.step_arrays(), cpu = its "
-              "process CPU; tok: ids (no tokenizer) or wl (WordLevel tokenizer: detokenized "
-              "text); front = server main thread (whole server process with a core process), "
-              "core = the rest; client = this process",
+              "ideal = B / step (tok/s); bound = the best ratio a round allows (B prefills, "
+              "max_tokens - 1 steps)",
+              "engine = in-process Batcher.step_arrays(): cpu = its process CPU (us/token), "
+              "host = ms per step outside the device call, sleep = ms per step inside it",
+              "tok = ids (no tokenizer) or wl (WordLevel tokenizer: detokenized text); front = "
+              "the server's main thread (with a core process: the whole server process), core = "
+              "the rest, client = this process (us/token); ! = failed requests",
               f"commit {report.commit}; load average {lb[0]:.2f}/{lb[1]:.2f}/{lb[2]:.2f} before, "
               f"{la[0]:.2f}/{la[1]:.2f}/{la[2]:.2f} after; {report.machine}"]
     if failures:
         lines.append(f"! requests failed ({len(failures)}), e.g.: {failures[0]}")
     return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return f"{'-':>5}" if value is None else f"{value:>5.2f}"
 
 
 def _ints(text: str) -> tuple[int, ...]:
