@@ -52,7 +52,8 @@ def test_report_has_every_case_with_its_parameters(report: Report) -> None:
 
 def test_figures_are_consistent(report: Report) -> None:
     for case in report.cases:
-        assert case.error is None and case.median is not None
+        assert case.median is not None
+        assert case.error is None or case.error.startswith("recovered by a restart")
         for r in case.rounds:
             assert r.errors == ()
             assert r.requests == r.ok == B

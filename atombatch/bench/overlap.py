@@ -115,6 +115,7 @@ class Case(msgspec.Struct, frozen=True):
     median: Figures | None              # None: no round completed (see error)
     command: str | None = None          # the server's command line
     error: str | None = None            # why the case stopped early (server start, a dead server)
+    #   or, prefixed "recovered by a restart:", why its server was started again (all rounds ran)
 
 
 class Report(msgspec.Struct, frozen=True):
@@ -558,7 +559,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
         bad = sum(r.requests - r.ok for r in case.rounds)
         outcome = "no round" if m is None else f"ratio {m.ratio:.3f}, {m.tok_per_s:.0f} tok/s"
         outcome += (f", {bad} requests failed" if bad else "") + \
-            (f"; failed: {case.error}" if case.error else "")
+            (f"; {case.error}" if case.error else "")
         progress.finish(what, outcome)
 
     with contextlib.ExitStack() as stack:
@@ -602,24 +603,31 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
                         "process" if core == "process" else "thread"
                     rounds = []
                     error: str | None = None
-                    server: Server | None = None
-                    try:
-                        server = Server(argv)
-                        warm = request_bodies(spec.name, prompts, 4)
-                        server_round(server, warm, 4, batch, step, split, timeout)
-                        bodies = request_bodies(spec.name, prompts, args.max_tokens)
-                        for _ in range(args.repeats):
-                            rounds.append(server_round(server, bodies, args.max_tokens, batch,
-                                                       step, split, timeout))
-                    except (OSError, RuntimeError) as exc:  # the server did not start or died
-                        error = f"{type(exc).__name__}: {exc}"
-                        if server is not None:
+                    restarts = 0
+                    while len(rounds) < args.repeats and restarts <= 1:
+                        server: Server | None = None
+                        try:
+                            server = Server(argv)
+                            warm = request_bodies(spec.name, prompts, 4)
+                            server_round(server, warm, 4, batch, step, split, timeout)
+                            bodies = request_bodies(spec.name, prompts, args.max_tokens)
+                            while len(rounds) < args.repeats:
+                                rounds.append(server_round(server, bodies, args.max_tokens,
+                                                           batch, step, split, timeout))
+                        except (OSError, RuntimeError) as exc:  # did not start, or went away
                             time.sleep(0.5)
-                            error += f" (server exit status {server.proc.poll()}; stderr: " + \
-                                " | ".join(list(server.lines)[-5:]) + ")"
-                    finally:
-                        if server is not None:
-                            server.stop()
+                            status = None if server is None else server.proc.poll()
+                            error = f"{type(exc).__name__}: {exc}" + (
+                                "" if server is None else f" (server exit status {status}; "
+                                "stderr: " + " | ".join(list(server.lines)[-5:]) + ")")
+                            if server is None or status is None:
+                                break     # a live server that refused: no second try
+                            restarts += 1  # a server that exited mid-case: one fresh start
+                        finally:
+                            if server is not None:
+                                server.stop()
+                    if len(rounds) == args.repeats:
+                        error = None if error is None else f"recovered by a restart: {error}"
                     finish(what, Case(path="server", batch_size=batch, step_ms=step,
                                       prefill_ms=args.prefill_ms, tokenizer=mode == "wordlevel",
                                       engine_core=core, ideal_tok_s=ideal, bound_ratio=bound,
@@ -676,13 +684,14 @@ def format_table(report: Report) -> str:
                     row += f" | {'-':>13} {'':>7} {'':>6} {'':>6} {'':>6}"
                     continue
                 m = case.median
-                failed = sum(r.requests - r.ok for r in case.rounds) + bool(case.error)
+                failed = sum(r.requests - r.ok for r in case.rounds) + _failed(case)
                 ratio = f"{m.ratio:.3f}" + ("!" if failed else "")
                 row += f" | {ratio:>13} {m.tok_per_s:>7.0f} {m.front_us_per_token:>6.1f} " \
                     f"{m.core_us_per_token:>6.1f} {m.client_us_per_token:>6.1f}"
             lines.append(row)
     failures = [e for c in report.cases for r in c.rounds for e in r.errors] + \
-        [c.error for c in report.cases if c.error]
+        [c.error for c in report.cases if _failed(c)]
+    restarted = [c for c in report.cases if c.error and not _failed(c)]
     lb, la = report.load_before, report.load_after
     lines += ["",
               "ideal = B / step (tok/s); bound = the best ratio a round allows (B prefills, "
@@ -696,7 +705,15 @@ def format_table(report: Report) -> str:
               f"{la[0]:.2f}/{la[1]:.2f}/{la[2]:.2f} after; {report.machine}"]
     if failures:
         lines.append(f"! requests failed ({len(failures)}), e.g.: {failures[0]}")
+    for c in restarted:
+        lines.append(f"B{c.batch_size} step {c.step_ms:g} ms tokenizer "
+                     f"{'wl' if c.tokenizer else 'ids'}: {c.error}")
     return "\n".join(lines)
+
+
+def _failed(case: Case) -> bool:
+    """The case did not run all its rounds (a restart that recovered is not a failure)."""
+    return case.error is not None and not case.error.startswith("recovered by a restart")
 
 
 def _ms(value: float | None) -> str:
@@ -753,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
         print(f"wrote {args.json}")
     failed = any(r.ok < r.requests for c in report.cases for r in c.rounds) or \
-        any(c.error for c in report.cases)
+        any(_failed(c) for c in report.cases)
     return 1 if failed else 0
 
 
