@@ -27,20 +27,23 @@ missing) around each round: `front` is the server's main thread (the event loop:
 detokenization) with `--engine-core inline` or without the flag, or the whole server process with
 `--engine-core process`; `core` is the rest (the step thread inline, the engine-core child
 processes otherwise). `client` is this process's own CPU (`time.process_time`): the load generator
-is raw asyncio protocols that write the HTTP/1.1 request by hand and count `data:` events and
-`token_ids` entries by scanning bytes, never parsing JSON. The 1/5/15-minute load average is
-recorded before and after every case and the run.
+writes each HTTP/1.1 request by hand on its own socket, reads every socket from one epoll loop that
+naps while no stream can be near its end (so one read takes the events of several steps, and the
+end times stay exact; see `client_round`), and counts `data:` events and `token_ids` entries by
+scanning bytes, never parsing JSON. The 1/5/15-minute load average is recorded before and after
+every case and the run.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import contextlib
 import os
+import select
 import shlex
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -79,10 +82,12 @@ class Round(msgspec.Struct, frozen=True):
     ratio: float                        # tok_per_s / ideal (B / step)
     front_cpu_s: float                  # see the module docstring
     core_cpu_s: float
-    client_cpu_s: float                 # this process (engine path: the whole engine)
+    client_cpu_s: float                 # this process (the server path's client)
     load_before: Load
     load_after: Load
     errors: tuple[str, ...] = ()        # what went wrong (first few)
+    device_s: float | None = None       # engine path: wall seconds inside the runtime's calls
+    decode_steps: int | None = None     # engine path: decode calls
 
 
 class Figures(msgspec.Struct, frozen=True):
@@ -93,6 +98,8 @@ class Figures(msgspec.Struct, frozen=True):
     front_us_per_token: float
     core_us_per_token: float
     client_us_per_token: float
+    host_ms_per_step: float | None = None    # engine path: wall time outside the runtime / step
+    device_ms_per_step: float | None = None  # engine path: wall time inside it (sleep overshoot)
 
 
 class Case(msgspec.Struct, frozen=True):
@@ -105,8 +112,10 @@ class Case(msgspec.Struct, frozen=True):
     ideal_tok_s: float                  # B / step
     bound_ratio: float                  # best ratio a round allows (prefill and the first token)
     rounds: list[Round]
-    median: Figures
+    median: Figures | None              # None: no round completed (see error)
     command: str | None = None          # the server's command line
+    error: str | None = None            # why the case stopped early (server start, a dead server)
+    #   or, prefixed "recovered by a restart:", why its server was started again (all rounds ran)
 
 
 class Report(msgspec.Struct, frozen=True):
@@ -193,39 +202,35 @@ def _load() -> Load:
 
 
 # -- the client ------------------------------------------------------------------------------------
-class _Stream(asyncio.Protocol):
-    """One streamed completion: write the request, count events and tokens in the bytes."""
+class _Stream:
+    """One streamed completion's bytes: counts SSE events and `token_ids` entries by scanning."""
 
-    def __init__(self, request: bytes, done: asyncio.Future[None]) -> None:
-        self.request = request
-        self.done = done
+    __slots__ = ("ended", "error", "events", "finished", "status", "tail", "tokens")
+
+    def __init__(self) -> None:
         self.status = 0
-        self.events = 0
+        self.events = 0                      # data events carrying tokens
         self.tokens = 0
-        self.finished = False               # [DONE] seen
+        self.finished = False                # [DONE] seen
         self.error: str | None = None
-        self.ended = 0.0
-        self._tail = b""
-        self._transport: asyncio.Transport | None = None
+        self.ended = 0.0                     # perf_counter at [DONE], error or close
+        self.tail = b""
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
-        transport.write(self.request)  # type: ignore[attr-defined]
-
-    def data_received(self, data: bytes) -> None:
-        buf = self._tail + data if self._tail else data
+    def feed(self, data: bytes, now: float) -> bool:
+        """Take the next bytes; True once the stream is over."""
+        buf = self.tail + data if self.tail else data
         if not self.status:
             if len(buf) < 12:
-                self._tail = buf
-                return
+                self.tail = buf
+                return False
             self.status = int(buf[9:12]) if buf.startswith(b"HTTP/1.") else -1
             if self.status != 200:
                 self.error = f"HTTP {self.status}: " + buf[:300].decode(errors="replace")
         end = buf.rfind(b"\n\n")  # complete SSE events end before it; chunk framing sits between
         if end < 0:
-            self._tail = buf
-            return
-        self._tail = buf[end + 2:]
+            self.tail = buf
+            return False
+        self.tail = buf[end + 2:]
         events = buf.count(_DATA, 0, end)
         at = buf.find(_TOKEN_IDS, 0, end)
         while at >= 0:
@@ -234,25 +239,21 @@ class _Stream(asyncio.Protocol):
             if close > start:
                 self.tokens += buf.count(b",", start, close) + 1
             at = buf.find(_TOKEN_IDS, close, end)
-        if buf.find(_ERROR, 0, end) >= 0 and self.error is None:
-            self.error = "error event: " + buf[buf.find(_ERROR):][:300].decode(errors="replace")
+        error = buf.find(_ERROR, 0, end)
+        if error >= 0 and self.error is None:
+            self.error = "error event: " + buf[error:error + 300].decode(errors="replace")
         if buf.endswith(_DONE, 0, end):
             self.finished = True
             events -= 1
-            self._finish()
         self.events += events
+        if self.finished:
+            self.ended = now
+        return self.finished
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def closed(self, now: float) -> None:
         if not self.finished and self.error is None:
-            self.error = f"connection closed before [DONE] ({exc or 'EOF'})"
-        self._finish()
-
-    def _finish(self) -> None:
-        if not self.done.done():
-            self.ended = time.perf_counter()
-            self.done.set_result(None)
-            if self._transport is not None:
-                self._transport.close()
+            self.error = "connection closed before [DONE]"
+        self.ended = now
 
 
 def _request(host: str, port: int, body: bytes) -> bytes:
@@ -267,32 +268,69 @@ def request_bodies(model: str, prompts: list[list[int]], max_tokens: int) -> lis
             for p in prompts]
 
 
-async def _round(host: str, port: int, bodies: list[bytes], timeout: float
-                 ) -> tuple[list[_Stream], float]:
-    """Send every body at once; returns the streams and first send -> last end (seconds)."""
-    loop = asyncio.get_running_loop()
-    streams: list[_Stream] = []
-    started = time.perf_counter()
-    for body in bodies:
-        stream = _Stream(_request(host, port, body), loop.create_future())
-        streams.append(stream)
+def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_tokens: int,
+                 step_s: float, max_nap: float = 0.25) -> tuple[list[_Stream], float]:
+    """Send every body at once over its own connection and read every stream to [DONE].
 
-    async def one(stream: _Stream) -> None:
-        try:
-            await loop.create_connection(lambda: stream, host, port)
-        except OSError as exc:
-            stream.error = f"connect: {exc}"
-            stream._finish()
-        await stream.done
-
+    The connections are opened before the clock starts; the requests then go out back to back.
+    One epoll loop reads every socket that has data, then naps while no stream can be near its
+    end: a stream gets at most one token per device step, so with `left` tokens still to come
+    for the most advanced open stream, none ends within `left x step_s`. The loop naps half of
+    that (at most `max_nap`), so one read takes the events of several steps (a read costs far
+    more CPU than scanning its bytes) while the end times stay exact: near the end it polls
+    without napping. Returns the streams and first send -> last end (seconds).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    socks: list[socket.socket] = []
     try:
-        async with asyncio.timeout(timeout):
-            await asyncio.gather(*(one(s) for s in streams))
-    except TimeoutError:
-        for s in streams:
-            if not s.done.done():
-                s.error = f"no [DONE] within {timeout:g} s"
-                s._finish()
+        for _ in bodies:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.connect((host, port))
+        requests = [_request(host, port, body) for body in bodies]
+        streams = [_Stream() for _ in bodies]
+        by_fd: dict[int, tuple[socket.socket, _Stream]] = {}
+        most = 0  # tokens of the most advanced stream
+        with select.epoll() as poller:
+            started = time.perf_counter()
+            for sock, request, stream in zip(socks, requests, streams, strict=True):
+                sock.sendall(request)
+                sock.setblocking(False)
+                poller.register(sock.fileno(), select.EPOLLIN)
+                by_fd[sock.fileno()] = (sock, stream)
+            deadline = started + timeout
+            while by_fd:
+                ready = poller.poll(max(0.0, deadline - time.perf_counter()))
+                now = time.perf_counter()
+                if not ready and now >= deadline:
+                    break
+                for fd, _ in ready:
+                    sock, stream = by_fd[fd]
+                    try:
+                        data = sock.recv(1 << 20)
+                    except BlockingIOError:
+                        continue
+                    except OSError as exc:
+                        stream.error = f"recv: {exc}"
+                        data = b""
+                    if not data:
+                        stream.closed(now)
+                    elif not stream.feed(data, now):
+                        if stream.tokens > most:
+                            most = stream.tokens
+                        continue
+                    poller.unregister(fd)
+                    del by_fd[fd]
+                nap = min(max_nap, (max_tokens - most - 1) * step_s / 2)
+                if by_fd and nap > 0.001:
+                    time.sleep(nap)
+        for _, stream in by_fd.values():
+            stream.error = f"no [DONE] within {timeout:g} s"
+            stream.ended = time.perf_counter()
+    finally:
+        for sock in socks:
+            sock.close()
     end = max((s.ended for s in streams), default=started)
     return streams, end - started
 
@@ -382,11 +420,17 @@ def _figures(rounds: list[Round]) -> Figures:
     def per_token(get: Callable[[Round], float]) -> float:
         return med([1e6 * get(r) / r.tokens for r in rounds if r.tokens])
 
+    timed = [r for r in rounds if r.device_s is not None and r.decode_steps]
+    host = med([1e3 * (r.duration_s - r.device_s) / r.decode_steps  # type: ignore[operator]
+                for r in timed]) if timed else None
+    device = med([1e3 * r.device_s / r.decode_steps  # type: ignore[operator]
+                  for r in timed]) if timed else None
     return Figures(tok_per_s=med([r.tok_per_s for r in rounds]),
                    ratio=med([r.ratio for r in rounds]),
                    front_us_per_token=per_token(lambda r: r.front_cpu_s),
                    core_us_per_token=per_token(lambda r: r.core_cpu_s),
-                   client_us_per_token=per_token(lambda r: r.client_cpu_s))
+                   client_us_per_token=per_token(lambda r: r.client_cpu_s),
+                   host_ms_per_step=host, device_ms_per_step=device)
 
 
 def bound_ratio(batch_size: int, step_ms: float, prefill_ms: float, prompt_len: int,
@@ -406,8 +450,8 @@ def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: li
     art = ArtifactConfig(model=DEFAULT_SPEC, batch_size=batch_size, max_seq_len=max_seq_len,
                          block_size=max_seq_len, num_blocks=batch_size + 1,
                          prefill_chunk_size=chunk)
-    batcher = Batcher(NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms),
-                      max_waiting=None)
+    runtime = NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms)
+    batcher = Batcher(runtime, max_waiting=None)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     load_before = _load()
     cpu0, started = time.process_time(), time.perf_counter()
@@ -428,16 +472,18 @@ def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: li
     return Round(requests=len(prompts), ok=finished, tokens=tokens, events=events,
                  duration_s=duration, tok_per_s=tok_s, ratio=tok_s / (batch_size * 1e3 / step_ms),
                  front_cpu_s=0.0, core_cpu_s=cpu, client_cpu_s=0.0, load_before=load_before,
-                 load_after=_load())
+                 load_after=_load(), device_s=runtime.calls.decode_s + runtime.calls.prefill_s,
+                 decode_steps=runtime.calls.decode_calls)
 
 
-def server_round(server: Server, bodies: list[bytes], batch_size: int, step_ms: float,
-                 split: Literal["thread", "process"], timeout: float) -> Round:
+def server_round(server: Server, bodies: list[bytes], max_tokens: int, batch_size: int,
+                 step_ms: float, split: Literal["thread", "process"], timeout: float) -> Round:
     """One round of B streamed requests against the server; its CPU split by `split`."""
     load_before = _load()
     cpu_before = server_cpu(server.pid)
     client0 = time.process_time()
-    streams, duration = asyncio.run(_round(server.host, server.port, bodies, timeout))
+    streams, duration = client_round(server.host, server.port, bodies, timeout, max_tokens,
+                                     step_ms / 1e3)
     client = time.process_time() - client0
     cpu = server_cpu(server.pid) - cpu_before
     if split == "thread":  # inline core: the step thread(s) are the core
@@ -503,6 +549,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
     total = len(cells) * ((0 if args.no_engine else 1) +
                           (0 if args.no_server else len(args.tokenizers) * len(cores)))
     progress = CellProgress(total, enabled=not args.no_progress)
+    commit = provenance.git_commit()  # what runs: taken before any case
     load_before = _load()
     cases: list[Case] = []
 
@@ -510,8 +557,9 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
         cases.append(case)
         m = case.median
         bad = sum(r.requests - r.ok for r in case.rounds)
-        outcome = f"ratio {m.ratio:.3f}, {m.tok_per_s:.0f} tok/s" + \
-            (f", {bad} requests failed" if bad else "")
+        outcome = "no round" if m is None else f"ratio {m.ratio:.3f}, {m.tok_per_s:.0f} tok/s"
+        outcome += (f", {bad} requests failed" if bad else "") + \
+            (f"; {case.error}" if case.error else "")
         progress.finish(what, outcome)
 
     with contextlib.ExitStack() as stack:
@@ -551,22 +599,40 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
                         argv += ["--tokenizer", str(tok_dir)]
                     if core:
                         argv += ["--engine-core", core]
-                    server = Server(argv)
-                    try:
-                        split: Literal["thread", "process"] = \
-                            "process" if core == "process" else "thread"
-                        warm = request_bodies(spec.name, prompts, 4)
-                        server_round(server, warm, batch, step, split, timeout)
-                        bodies = request_bodies(spec.name, prompts, args.max_tokens)
-                        rounds = [server_round(server, bodies, batch, step, split, timeout)
-                                  for _ in range(args.repeats)]
-                    finally:
-                        server.stop()
+                    split: Literal["thread", "process"] = \
+                        "process" if core == "process" else "thread"
+                    rounds = []
+                    error: str | None = None
+                    restarts = 0
+                    while len(rounds) < args.repeats and restarts <= 1:
+                        server: Server | None = None
+                        try:
+                            server = Server(argv)
+                            warm = request_bodies(spec.name, prompts, 4)
+                            server_round(server, warm, 4, batch, step, split, timeout)
+                            bodies = request_bodies(spec.name, prompts, args.max_tokens)
+                            while len(rounds) < args.repeats:
+                                rounds.append(server_round(server, bodies, args.max_tokens,
+                                                           batch, step, split, timeout))
+                        except (OSError, RuntimeError) as exc:  # did not start, or went away
+                            time.sleep(0.5)
+                            status = None if server is None else server.proc.poll()
+                            error = f"{type(exc).__name__}: {exc}" + (
+                                "" if server is None else f" (server exit status {status}; "
+                                "stderr: " + " | ".join(list(server.lines)[-5:]) + ")")
+                            if server is None or status is None:
+                                break     # a live server that refused: no second try
+                            restarts += 1  # a server that exited mid-case: one fresh start
+                        finally:
+                            if server is not None:
+                                server.stop()
+                    if len(rounds) == args.repeats:
+                        error = None if error is None else f"recovered by a restart: {error}"
                     finish(what, Case(path="server", batch_size=batch, step_ms=step,
                                       prefill_ms=args.prefill_ms, tokenizer=mode == "wordlevel",
                                       engine_core=core, ideal_tok_s=ideal, bound_ratio=bound,
-                                      rounds=rounds, median=_figures(rounds),
-                                      command=shlex.join(["python", *argv[1:]])))
+                                      rounds=rounds, median=_figures(rounds) if rounds else None,
+                                      command=shlex.join(["python", *argv[1:]]), error=error))
     progress.close()
     params = {"batch_sizes": list(args.batch_sizes), "step_ms": list(args.step_ms),
               "prefill_ms": args.prefill_ms, "max_tokens": args.max_tokens,
@@ -577,7 +643,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
               "ignore_eos": True, "cpu_clock": "schedstat" if
               os.path.exists("/proc/self/schedstat") else "stat ticks"}
     return Report(command=shlex.join(["python", "-m", "atombatch.bench", "overlap", *args.argv]),
-                  commit=provenance.git_commit(), machine=provenance.machine(), params=params,
+                  commit=commit, machine=provenance.machine(), params=params,
                   engine_core_flag=engine_core_flag, load_before=load_before,
                   load_after=_load(), cases=cases)
 
@@ -585,8 +651,8 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
 def format_table(report: Report) -> str:
     """One row per B x step x tokenizer: the engine alone beside each server column."""
     cores = report.params["engine_cores"]
-    head = f"{'B':>4} {'step':>5} {'ideal':>7} {'bound':>5} | {'engine':>6} {'cpu':>5} | " \
-        f"{'tok':<4}"
+    head = f"{'B':>4} {'step':>5} {'ideal':>7} {'bound':>5} | {'engine':>6} {'cpu':>5} " \
+        f"{'host':>5} {'sleep':>5} | {'tok':<4}"
     for core in cores:
         label = core or "server"
         head += f" | {label + ' ratio':>13} {'tok/s':>7} {'front':>6} {'core':>6} {'client':>6}"
@@ -605,35 +671,53 @@ def format_table(report: Report) -> str:
             some = engine or next(c for c in report.cases
                                   if (c.batch_size, c.step_ms) == (batch, step))
             row = f"{batch:>4} {step:>5g} {some.ideal_tok_s:>7.0f} {some.bound_ratio:>5.3f} | "
-            if engine is not None and i == 0:
-                row += f"{engine.median.ratio:>6.3f} {engine.median.core_us_per_token:>5.1f} | "
+            em = engine.median if engine is not None else None
+            if em is not None and i == 0:
+                row += f"{em.ratio:>6.3f} {em.core_us_per_token:>5.1f} " \
+                    f"{_ms(em.host_ms_per_step)} {_ms(em.device_ms_per_step)} | "
             else:
-                row += f"{'':>6} {'':>5} | "
+                row += f"{'':>6} {'':>5} {'':>5} {'':>5} | "
             row += f"{'wl' if tokenizer else 'ids':<4}"
             for core in cores:
                 case = servers.get((batch, step, tokenizer, core))
-                if case is None:
+                if case is None or case.median is None:
                     row += f" | {'-':>13} {'':>7} {'':>6} {'':>6} {'':>6}"
                     continue
                 m = case.median
-                failed = sum(r.requests - r.ok for r in case.rounds)
+                failed = sum(r.requests - r.ok for r in case.rounds) + _failed(case)
                 ratio = f"{m.ratio:.3f}" + ("!" if failed else "")
                 row += f" | {ratio:>13} {m.tok_per_s:>7.0f} {m.front_us_per_token:>6.1f} " \
                     f"{m.core_us_per_token:>6.1f} {m.client_us_per_token:>6.1f}"
             lines.append(row)
-    failures = [e for c in report.cases for r in c.rounds for e in r.errors]
+    failures = [e for c in report.cases for r in c.rounds for e in r.errors] + \
+        [c.error for c in report.cases if _failed(c)]
+    restarted = [c for c in report.cases if c.error and not _failed(c)]
     lb, la = report.load_before, report.load_after
     lines += ["",
-              "ideal = B / step (tok/s); bound = best ratio a round allows (B prefills and "
-              "max_tokens - 1 steps); engine = in-process Batcher.step_arrays(), cpu = its "
-              "process CPU; tok: ids (no tokenizer) or wl (WordLevel tokenizer: detokenized "
-              "text); front = server main thread (whole server process with a core process), "
-              "core = the rest; client = this process",
+              "ideal = B / step (tok/s); bound = the best ratio a round allows (B prefills, "
+              "max_tokens - 1 steps)",
+              "engine = in-process Batcher.step_arrays(): cpu = its process CPU (us/token), "
+              "host = ms per step outside the device call, sleep = ms per step inside it",
+              "tok = ids (no tokenizer) or wl (WordLevel tokenizer: detokenized text); front = "
+              "the server's main thread (with a core process: the whole server process), core = "
+              "the rest, client = this process (us/token); ! = failed requests",
               f"commit {report.commit}; load average {lb[0]:.2f}/{lb[1]:.2f}/{lb[2]:.2f} before, "
               f"{la[0]:.2f}/{la[1]:.2f}/{la[2]:.2f} after; {report.machine}"]
     if failures:
         lines.append(f"! requests failed ({len(failures)}), e.g.: {failures[0]}")
+    for c in restarted:
+        lines.append(f"B{c.batch_size} step {c.step_ms:g} ms tokenizer "
+                     f"{'wl' if c.tokenizer else 'ids'}: {c.error}")
     return "\n".join(lines)
+
+
+def _failed(case: Case) -> bool:
+    """The case did not run all its rounds (a restart that recovered is not a failure)."""
+    return case.error is not None and not case.error.startswith("recovered by a restart")
+
+
+def _ms(value: float | None) -> str:
+    return f"{'-':>5}" if value is None else f"{value:>5.2f}"
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -685,7 +769,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
         print(f"wrote {args.json}")
-    failed = any(r.ok < r.requests for c in report.cases for r in c.rounds)
+    failed = any(r.ok < r.requests for c in report.cases for r in c.rounds) or \
+        any(_failed(c) for c in report.cases)
     return 1 if failed else 0
 
 

@@ -1,0 +1,150 @@
+"""`python -m atombatch.bench overlap` in its smallest mode: the report's figures agree with each
+other and with what was asked; the byte-scanning client counts what the server sent."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+
+from atombatch.bench import overlap
+from atombatch.bench.overlap import Report, _Stream
+
+B, MAX_TOKENS = 4, 16
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
+    path = tmp_path_factory.mktemp("overlap") / "overlap.json"
+    # in a child process, as a user runs it (the module's main owns the server's lifetime)
+    done = subprocess.run([sys.executable, "-m", "atombatch.bench", "overlap", "--batch-sizes",
+                           str(B), "--step-ms", "5", "--max-tokens", str(MAX_TOKENS),
+                           "--repeats", "1", "--json", str(path)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # progress per case
+    assert re.search(r"B4 step 5 ms server tokenizer wordlevel( --engine-core \w+)?: ratio",
+                     done.stderr), done.stderr
+    assert "bench overlap: delivered / ideal throughput" in done.stdout
+    return msgspec.json.decode(path.read_bytes(), type=Report)
+
+
+def test_report_has_every_case_with_its_parameters(report: Report) -> None:
+    paths = [(c.path, c.tokenizer) for c in report.cases]
+    cores = 2 if report.engine_core_flag else 1
+    assert paths.count(("engine", False)) == 1
+    assert paths.count(("server", False)) == cores and paths.count(("server", True)) == cores
+    assert report.params["max_tokens"] == MAX_TOKENS and report.params["batch_sizes"] == [B]
+    assert report.commit and report.machine
+    assert all(x >= 0 for x in (*report.load_before, *report.load_after))
+    for case in report.cases:
+        assert (case.batch_size, case.step_ms) == (B, 5.0)
+        assert case.ideal_tok_s == pytest.approx(B / 0.005)
+        assert case.bound_ratio == pytest.approx(MAX_TOKENS / (MAX_TOKENS - 1))
+        assert len(case.rounds) == 1
+        assert (case.command is not None) == (case.path == "server")
+        if case.command is not None:
+            assert "--runtime null --null-step-ms 5" in case.command
+            assert ("--tokenizer" in case.command) == case.tokenizer
+
+
+def test_figures_are_consistent(report: Report) -> None:
+    for case in report.cases:
+        assert case.median is not None
+        assert case.error is None or case.error.startswith("recovered by a restart")
+        for r in case.rounds:
+            assert r.errors == ()
+            assert r.requests == r.ok == B
+            assert r.tokens == B * MAX_TOKENS                  # every token arrived, counted once
+            assert r.tok_per_s == pytest.approx(r.tokens / r.duration_s)
+            assert r.ratio == pytest.approx(r.tok_per_s / case.ideal_tok_s)
+            assert 0 < r.ratio <= 1.2
+            # the device alone needs max_tokens - 1 steps: a round cannot beat them
+            assert r.duration_s >= (MAX_TOKENS - 1) * 0.005
+            if case.path == "engine":
+                assert r.core_cpu_s > 0
+                assert r.decode_steps == MAX_TOKENS - 1     # the first token is the prefill's
+                assert r.device_s is not None and r.device_s >= r.decode_steps * 0.005
+                assert case.median.host_ms_per_step is not None
+                assert case.median.device_ms_per_step is not None
+                assert case.median.device_ms_per_step >= 5.0  # the null device slept its step
+            else:
+                assert 0 < r.events <= r.tokens  # an event carries one token or, late, more
+                assert r.front_cpu_s > 0 and r.core_cpu_s > 0 and r.client_cpu_s > 0
+        m = case.median
+        assert m.ratio == case.rounds[0].ratio
+        if case.path == "server":
+            assert m.front_us_per_token == pytest.approx(
+                1e6 * case.rounds[0].front_cpu_s / (B * MAX_TOKENS))
+            assert m.client_us_per_token > 0
+
+
+def test_table_shows_the_figures(report: Report) -> None:
+    table = overlap.format_table(report)
+    server = next(c for c in report.cases if c.path == "server" and not c.tokenizer)
+    assert f"{server.median.ratio:.3f}" in table
+    assert f"commit {report.commit}" in table and "load average" in table
+
+
+SSE = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+       b"10c\r\ndata: {\"choices\":[{\"text\":\"w1\",\"token_ids\":[7]}]}\n\n\r\n"
+       b"10c\r\ndata: {\"choices\":[{\"text\":\"w1 w2 w3\",\"token_ids\":[8,9,10]}]}\n\n\r\n"
+       b"10c\r\ndata: {\"choices\":[{\"text\":\"\",\"token_ids\":[]}]}\n\n\r\n"
+       b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+@pytest.mark.parametrize("piece", [1, 7, 64, len(SSE)])
+def test_stream_counts_events_and_tokens_however_the_bytes_are_split(piece: int) -> None:
+    stream = _Stream()
+    at = 0
+    while not stream.feed(SSE[at:at + piece], float(at)):
+        at += piece
+        assert at < len(SSE), "[DONE] was not seen"
+    assert b"data:" not in SSE[at + piece:]  # over once [DONE] is complete, not before
+    assert stream.ended == float(at)
+    assert (stream.status, stream.tokens, stream.events, stream.error) == (200, 4, 3, None)
+    assert stream.finished
+
+
+def test_stream_reports_an_error_status_and_an_error_event() -> None:
+    refused = _Stream()
+    refused.feed(b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 2\r\n\r\n{}", 0.0)
+    refused.closed(1.0)
+    assert refused.error is not None and refused.error.startswith("HTTP 429")
+    failed = _Stream()
+    failed.feed(SSE[:SSE.index(b"10c")] + b"5f\r\ndata: {\"error\":{\"message\":\"boom\"}}\n\n", 0)
+    failed.closed(1.0)
+    assert failed.error is not None and "boom" in failed.error and not failed.finished
+
+
+def test_server_cpu_sees_a_childs_threads_and_grandchildren() -> None:
+    script = ("import subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
+              "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        time.sleep(1.0)
+        before = overlap.server_cpu(proc.pid)
+        time.sleep(0.5)
+        spent = overlap.server_cpu(proc.pid) - before
+        assert spent.children > 0.05         # the spinning grandchild
+        assert spent.main < 0.05              # the sleeping parent
+    finally:
+        for child in overlap._descendants(proc.pid):
+            os.kill(child, 9)
+        proc.kill()
+        proc.wait()
+
+
+def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert overlap.main(["--max-tokens", "0", "--no-server", "--no-engine"]) == 2
+    assert "--max-tokens must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        overlap.main(["--step-ms", "0"])
+    with pytest.raises(SystemExit):
+        overlap.main(["--tokenizers", "sentencepiece"])
