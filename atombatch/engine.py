@@ -327,9 +327,6 @@ class Batcher:
             raise RequestError(f"request_id={request_id!r} is reserved for the choices of the "
                                f"n > 1 request {request_id.rpartition('#')[0]!r} in flight")
         self._next_id += 1
-        if params.max_tokens is None:
-            params = msgspec.structs.replace(
-                params, max_tokens=self.artifact.max_seq_len - int(tokens.size))
         if params.prompt_logprobs == -1:  # the whole vocabulary (it fits MAX_LOGPROBS)
             params = msgspec.structs.replace(params, prompt_logprobs=self.spec.vocab_size)
         arrival = self.clock()
@@ -368,7 +365,7 @@ class Batcher:
                 group.live = n
                 self._groups[request_id] = group
         log.debug("request.submitted", request_id=request_id, prompt_len=len(tokens),
-                  max_tokens=params.max_tokens, n=n)
+                  max_tokens=request.max_tokens, n=n)
         return request_id
 
     def _new_request(self, internal_id: str, public_id: str, index: int,
@@ -377,7 +374,7 @@ class Batcher:
         seed = params.seed if params.seed is not None else \
             int(self._seed_seq.spawn(1)[0].generate_state(1)[0])
         rng = np.random.default_rng(seed)
-        request = Request(internal_id, tokens, params, arrival, rng)
+        request = Request(internal_id, tokens, params, arrival, rng, self.artifact.max_seq_len)
         extras = None
         detok = self.tokenizer is not None and (self.detokenize or bool(params.stop))
         if internal_id != public_id or detok or \
@@ -927,18 +924,8 @@ class Batcher:
         text = None
         if extras.detok is not None:
             text = extras.detok.add(new, len(request.output))
-            if extras.detok.stopped is not None:
-                # a stop string wins over max_tokens and EOS on the same token (as in vLLM):
-                # the text ends before it
-                if request.state is not RequestState.FINISHED:
-                    self.scheduler.finish(request, "stop")
-                elif request.finish_reason == "length":
-                    finished = self.scheduler.counters.finished
-                    finished["length"] -= 1
-                    if not finished["length"]:
-                        del finished["length"]
-                    finished["stop"] = finished.get("stop", 0) + 1
-                    request.finish_reason = "stop"
+            if extras.detok.stopped is not None:  # the text ends before the stop string
+                self.scheduler.stop_string(request)
                 if request.finish_reason == "stop":
                     extras.stop_reason = extras.detok.stopped
         if request.state is RequestState.FINISHED:
