@@ -178,7 +178,6 @@ class Batcher:
         self._next_id = 0
         self._pending: list[RequestOutput] = []
         self.idle = True  # the last step ran no device call (nothing runnable: e.g. PD waits)
-        self.pd_timeout = pd_timeout
         self._pd = PDIntake(artifact, pd_timeout)  # the KV links of PD requests
         self.tokenizer = tokenizer
         # False: only requests with stop strings are detokenized here (their text decides when
@@ -187,7 +186,7 @@ class Batcher:
         self.logprobs_mode: LogprobsMode = logprobs_mode
         self._samplers: dict[str, RequestSampler] = {}  # requests that are not plain greedy
         self._groups: dict[str, Group] = {}        # n > 1 requests by the id submit() returned
-        self._outputs = OutputBuilder(self._groups, tokenizer, detokenize, self.spec.vocab_size)
+        self._outputs = OutputBuilder(self._groups, self.spec.vocab_size)
         self._decoded = False                      # the last step completed a decode
         self._kernel = self.scheduler.kv.kernel    # the decode-step kernel (never replaced)
         self._greedy = np.zeros(artifact.batch_size, dtype=np.int64)  # decode argmax, by row
@@ -200,6 +199,15 @@ class Batcher:
             needed = ("_fetch_kv_cache", "_update_kv_cache") if self.spec.is_hybrid else ()
             self._forks = self._forks and all(kv_methods.get(name, False)
                                               for name in ("_copy_kv_cache", *needed))
+
+    @property
+    def pd_timeout(self) -> float:
+        """Seconds a PD request may wait for its producer's next message (see `__init__`)."""
+        return self._pd.timeout
+
+    @pd_timeout.setter
+    def pd_timeout(self, seconds: float) -> None:
+        self._pd.timeout = seconds
 
     @property
     def _kv(self) -> dict[str, KVLink]:
@@ -307,7 +315,7 @@ class Batcher:
             int(self._seed_seq.spawn(1)[0].generate_state(1)[0])
         rng = np.random.default_rng(seed)
         request = Request(internal_id, tokens, params, arrival, rng, self.artifact.max_seq_len)
-        extras = self._outputs.track(request, public_id, index)
+        extras = self._outputs.track(request, public_id, index, self.tokenizer, self.detokenize)
         if extras is None:
             return request
         request.lane_flags = core.LANE_OWN_OUTPUT

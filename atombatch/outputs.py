@@ -44,31 +44,29 @@ class OutputBuilder:
     Args:
         groups: the n > 1 requests in flight, by the id submit() returned (shared with the
             engine: a choice's final output counts it done, and the last one ends the request).
-        tokenizer: a `tokenizers.Tokenizer`, or None (outputs carry ids alone).
-        detokenize: False: only requests with stop strings are detokenized.
         vocab_size: the model's vocabulary (bounds prompt logprobs).
     """
 
-    def __init__(self, groups: dict[str, Group], tokenizer: Any | None, detokenize: bool,
-                 vocab_size: int) -> None:
+    def __init__(self, groups: dict[str, Group], vocab_size: int) -> None:
         self.groups = groups
-        self.tokenizer = tokenizer
-        self.detokenize = detokenize
         self.vocab_size = vocab_size
         self.extras: dict[str, Extras] = {}      # by scheduler request id
 
     # -- requests ---------------------------------------------------------------------------------
-    def track(self, request: Request, public_id: str, index: int) -> Extras | None:
+    def track(self, request: Request, public_id: str, index: int, tokenizer: Any | None,
+              detokenize: bool) -> Extras | None:
         """The `Extras` of a new request, or None when its outputs need nothing beyond ids (a
-        plain greedy n == 1 request without text or logprobs)."""
+        plain greedy n == 1 request without text or logprobs). `tokenizer` (or None: ids
+        alone) and `detokenize` (False: only requests with stop strings get text) are the
+        Batcher's at submit: a server may attach a tokenizer after construction."""
         params = request.params
-        detok = self.tokenizer is not None and (self.detokenize or bool(params.stop))
+        detok = tokenizer is not None and (detokenize or bool(params.stop))
         if request.request_id == public_id and not detok and params.logprobs is None and \
                 params.prompt_logprobs is None and params.plain_greedy:
             return None
         extras = self.extras[request.request_id] = Extras(public_id, index)
         if detok:
-            extras.detok = Detokenizer(self.tokenizer, request.prompt, params)
+            extras.detok = Detokenizer(tokenizer, request.prompt, params)
         if params.logprobs is not None:
             extras.logprobs = []
         if params.prompt_logprobs is not None:
