@@ -7,29 +7,29 @@ failure into a per-request error while the other lanes go on.
 from __future__ import annotations
 
 import functools
-import itertools
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
-import structlog
 
 from atombatch import blocks as core
 from atombatch.config import ArtifactConfig, check_serving
-from atombatch.detokenizer import Detokenizer, bad_word_ids
+from atombatch.detokenizer import bad_word_ids
 from atombatch.errors import (
     CapacityError,
     ConfigError,
-    KVTransferError,
     RequestError,
     StateError,
     TransientDeviceError,
 )
+from atombatch.groups import Group, Move, num_held
+from atombatch.logs import log
+from atombatch.outputs import Extras, OutputBuilder
+from atombatch.pd_intake import KVLink, KVSource, PDIntake
 from atombatch.prefix import HostCache
 from atombatch.runtime.base import Runtime
 from atombatch.sampling import (
@@ -44,85 +44,18 @@ from atombatch.structs import (
     GREEDY_EPS,
     Completion,
     RequestOutput,
-    RequestTimings,
     SamplingParams,
-    TokenLogprobs,
 )
 from atombatch.validation import RequestRules, validate_request
 
-log = structlog.wrap_logger(
-    logging.getLogger("atombatch"),
-    wrapper_class=structlog.stdlib.BoundLogger,
-    processors=[
-        structlog.stdlib.filter_by_level,
-        structlog.processors.add_log_level,
-        structlog.processors.JSONRenderer(),
-    ],
-)
+__all__ = ["DEFAULT_MAX_WAITING", "Batcher", "EngineStats", "Extras", "Group", "KVLink",
+           "KVSource", "StepResult"]
 
 _WARN_EVENTS = frozenset({"request.failed"})
 
 # Requests without a lane that a Batcher keeps by default; past it `submit` raises CapacityError.
 # Each waiting request holds its prompt (at most max_seq_len int64 ids) and a little bookkeeping.
 DEFAULT_MAX_WAITING = 4096
-
-
-class KVSource(Protocol):
-    """Where a PD request's KV comes from (see `atombatch.pd`); polled without blocking.
-
-    A source may also have `expect(artifact, prompt, require_full)`: `submit` calls it so the
-    source can check the header on arrival, before it accepts any layer.
-    """
-
-    def poll(self) -> tuple[Any, list[Any]]: ...
-    def done(self) -> bool: ...
-    def close(self) -> None: ...
-
-
-class KVLink:
-    """The engine's side of one PD request: its source and what arrived so far."""
-
-    __slots__ = ("arrived", "header", "last_progress", "seen", "source")
-
-    def __init__(self, source: KVSource, now: float) -> None:
-        self.source = source
-        self.header: Any = None
-        self.arrived: list[Any] = []     # validated layers not yet written
-        self.seen: set[int] = set()      # layer indices received
-        self.last_progress = now
-
-
-class _Extras:
-    """What the engine keeps for a request beyond the scheduler's record (only for requests that
-    need it: sampling options, a tokenizer, logprobs or n > 1)."""
-
-    __slots__ = ("detok", "index", "logprobs", "prompt", "prompt_result", "public_id", "sampler",
-                 "stop_reason")
-
-    def __init__(self, public_id: str, index: int) -> None:
-        self.public_id = public_id            # the id submit() returned
-        self.index = index                    # the choice (n > 1)
-        self.sampler: RequestSampler | None = None
-        self.detok: Detokenizer | None = None
-        self.logprobs: list[TokenLogprobs] | None = None
-        self.stop_reason: str | int | None = None
-        self.prompt: PromptLogprobs | None = None     # prompt logprobs being collected
-        self.prompt_result: tuple[TokenLogprobs | None, ...] | None = None  # once delivered
-
-
-class _Group:
-    """The choices of one request with n > 1."""
-
-    __slots__ = ("first_row", "held", "live", "members", "prompt_logprobs", "prompt_result")
-
-    def __init__(self) -> None:
-        self.members: list[Request] = []     # every choice, index order
-        self.held: list[Request] = []        # choices waiting for choice 0's prefill
-        self.live = 0                        # choices not finished yet
-        self.first_row: npt.NDArray[np.float32] | None = None  # choice 0's first-token logits,
-                                             #   kept while choices wait to fork from it
-        self.prompt_logprobs: int | None = None   # the request's prompt_logprobs (choice 0 asks)
-        self.prompt_result: tuple[TokenLogprobs | None, ...] | None = None  # once computed
 
 
 class EngineStats(msgspec.Struct, frozen=True):
@@ -245,16 +178,15 @@ class Batcher:
         self._next_id = 0
         self._pending: list[RequestOutput] = []
         self.idle = True  # the last step ran no device call (nothing runnable: e.g. PD waits)
-        self.pd_timeout = pd_timeout
-        self._kv: dict[str, KVLink] = {}
+        self._pd = PDIntake(artifact, pd_timeout)  # the KV links of PD requests
         self.tokenizer = tokenizer
         # False: only requests with stop strings are detokenized here (their text decides when
         # they stop); the others' outputs carry ids alone and a front decodes them
         self.detokenize = detokenize
         self.logprobs_mode: LogprobsMode = logprobs_mode
-        self._extras: dict[str, _Extras] = {}      # by scheduler request id
         self._samplers: dict[str, RequestSampler] = {}  # requests that are not plain greedy
-        self._groups: dict[str, _Group] = {}       # n > 1 requests by the id submit() returned
+        self._groups: dict[str, Group] = {}        # n > 1 requests by the id submit() returned
+        self._outputs = OutputBuilder(self._groups, self.spec.vocab_size)
         self._decoded = False                      # the last step completed a decode
         self._kernel = self.scheduler.kv.kernel    # the decode-step kernel (never replaced)
         self._greedy = np.zeros(artifact.batch_size, dtype=np.int64)  # decode argmax, by row
@@ -267,6 +199,25 @@ class Batcher:
             needed = ("_fetch_kv_cache", "_update_kv_cache") if self.spec.is_hybrid else ()
             self._forks = self._forks and all(kv_methods.get(name, False)
                                               for name in ("_copy_kv_cache", *needed))
+
+    @property
+    def pd_timeout(self) -> float:
+        """Seconds a PD request may wait for its producer's next message (see `__init__`)."""
+        return self._pd.timeout
+
+    @pd_timeout.setter
+    def pd_timeout(self, seconds: float) -> None:
+        self._pd.timeout = seconds
+
+    @property
+    def _kv(self) -> dict[str, KVLink]:
+        """The KV links of PD requests in flight, by request id."""
+        return self._pd.links
+
+    @property
+    def _extras(self) -> dict[str, Extras]:
+        """What requests' outputs need beyond ids, by scheduler request id."""
+        return self._outputs.extras
 
     # -- requests ---------------------------------------------------------------------------------
     @property
@@ -327,48 +278,34 @@ class Batcher:
             raise RequestError(f"request_id={request_id!r} is reserved for the choices of the "
                                f"n > 1 request {request_id.rpartition('#')[0]!r} in flight")
         self._next_id += 1
-        if params.max_tokens is None:
-            params = msgspec.structs.replace(
-                params, max_tokens=self.artifact.max_seq_len - int(tokens.size))
         if params.prompt_logprobs == -1:  # the whole vocabulary (it fits MAX_LOGPROBS)
             params = msgspec.structs.replace(params, prompt_logprobs=self.spec.vocab_size)
         arrival = self.clock()
         if kv is not None:
-            expect = getattr(kv, "expect", None)
-            if expect is not None:  # let the source check the header on arrival
-                expect(self.artifact, tokens, self._require_full_prefix)
+            self._pd.expect(kv, tokens)  # let the source check the header on arrival
         with self._step_lock:  # from another thread: waits for a running step to end
             if n == 1:
                 request = self._new_request(request_id, request_id, 0, tokens, params, arrival)
                 if kv is not None:
                     request.pd = PDImport()
-                    self._kv[request_id] = KVLink(kv, request.arrival)
+                    self._pd.open(request_id, kv, request.arrival)
                 self.scheduler.add(request)
             else:
                 # Choice 0 prefills first; the others wait for it and start from its prompt's
                 # KV: cached blocks with a prefix cache, a device copy without (see
                 # `_release_held`); where neither works they prefill alongside.
-                group = _Group()
+                group = Group(params.prompt_logprobs)
                 wait = self.scheduler.prefix is not None or self._forks
-                group.prompt_logprobs = params.prompt_logprobs
                 for index in range(n):
-                    seed = None if params.seed is None else (params.seed + index) % 2**64
-                    # choice 0 computes the prompt logprobs for the request (they are the same
-                    # for every choice); the others may then start from its prompt's KV
-                    child = msgspec.structs.replace(
-                        params, n=1, seed=seed,
-                        prompt_logprobs=params.prompt_logprobs if index == 0 else None)
                     request = self._new_request(f"{request_id}#{index}", request_id, index,
-                                                tokens, child, arrival)
-                    group.members.append(request)
-                    if index and wait:
-                        group.held.append(request)
-                    else:
+                                                tokens, Group.child_params(params, index),
+                                                arrival)
+                    group.add(request, held=bool(index and wait))
+                    if not (index and wait):
                         self.scheduler.add(request)
-                group.live = n
                 self._groups[request_id] = group
         log.debug("request.submitted", request_id=request_id, prompt_len=len(tokens),
-                  max_tokens=params.max_tokens, n=n)
+                  max_tokens=request.max_tokens, n=n)
         return request_id
 
     def _new_request(self, internal_id: str, public_id: str, index: int,
@@ -377,14 +314,8 @@ class Batcher:
         seed = params.seed if params.seed is not None else \
             int(self._seed_seq.spawn(1)[0].generate_state(1)[0])
         rng = np.random.default_rng(seed)
-        request = Request(internal_id, tokens, params, arrival, rng)
-        extras = None
-        detok = self.tokenizer is not None and (self.detokenize or bool(params.stop))
-        if internal_id != public_id or detok or \
-                params.logprobs is not None or params.prompt_logprobs is not None or \
-                not params.plain_greedy:
-            extras = _Extras(public_id, index)
-            self._extras[internal_id] = extras
+        request = Request(internal_id, tokens, params, arrival, rng, self.artifact.max_seq_len)
+        extras = self._outputs.track(request, public_id, index, self.tokenizer, self.detokenize)
         if extras is None:
             return request
         request.lane_flags = core.LANE_OWN_OUTPUT
@@ -394,13 +325,6 @@ class Batcher:
             extras.sampler = RequestSampler(params, tokens, self.spec.vocab_size,
                                             self.spec.eos_token_ids, rng, words)
             self._samplers[internal_id] = extras.sampler
-        if detok:
-            extras.detok = Detokenizer(self.tokenizer, tokens, params)
-        if params.logprobs is not None:
-            extras.logprobs = []
-        if params.prompt_logprobs is not None:
-            extras.prompt = PromptLogprobs(tokens, min(params.prompt_logprobs,
-                                                       self.spec.vocab_size))
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -416,17 +340,16 @@ class Batcher:
                     if member.state is RequestState.FINISHED:
                         continue
                     if member in group.held:
-                        self._abort_held(group, member)
+                        group.abort_held(member)
                     elif self.scheduler.abort(member.request_id) is None:
                         continue
                     self._pending.append(self._final_output(member, ()))
                 self._flush_events()
                 return True
             group = self._groups.get(request_id.rpartition("#")[0])
-            held = next((m for m in group.held if m.request_id == request_id), None) \
-                if group is not None else None
+            held = group.held_choice(request_id) if group is not None else None
             if group is not None and held is not None:  # one choice, still waiting for choice 0
-                self._abort_held(group, held)
+                group.abort_held(held)
                 self._pending.append(self._final_output(held, ()))
                 return True
             request = self.scheduler.abort(request_id)
@@ -440,14 +363,7 @@ class Batcher:
     def num_waiting(self) -> int:
         """Requests without a lane: the scheduler's queue plus n > 1 choices held for choice 0's
         prefill (what `max_waiting` bounds)."""
-        held = sum(len(g.held) for g in self._groups.values()) if self._groups else 0
-        return self.scheduler.num_waiting + held
-
-    @staticmethod
-    def _abort_held(group: _Group, member: Request) -> None:
-        group.held.remove(member)
-        member.set_state(RequestState.FINISHED)
-        member.finish_reason = "abort"
+        return self.scheduler.num_waiting + num_held(self._groups)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or \
@@ -544,31 +460,31 @@ class Batcher:
         as they are); a hybrid model's sliding slot changes with choice 0's first decode, so
         there they fork right away or not at all. Choices that cannot fork are queued: they
         prefill on their own."""
+        hybrid = self.spec.is_hybrid
         for group in self._groups.values():
             if not group.held:
                 continue
-            first = group.members[0]
-            if not first.output and first.state is not RequestState.FINISHED:
+            move = group.next_move(self._forks, hybrid)
+            if move is Move.WAIT:
                 continue
-            if self._forks:
-                forkable = group.first_row is not None and \
-                    first.state in (RequestState.DECODING, RequestState.STAGED) and \
-                    (not self.spec.is_hybrid or len(first.output) == 1)
-                if forkable and fork:
-                    self._fork_held(group, first, outputs)
-                if forkable and group.held:
+            if move is Move.FORK:
+                if fork:
+                    self._fork_held(group, outputs)
+                if group.held:
                     continue  # wait for a lane (or blocks) to free up
-            elif first.state is RequestState.DECODING:
-                self.scheduler.share_prompt(first)
-            self._hand_over_prompt_logprobs(group)
-            for request in group.held:
+            elif move is Move.SHARE:
+                self.scheduler.share_prompt(group.members[0])
+            queued, heir = group.release()
+            if heir is not None:
+                assert group.prompt_logprobs is not None
+                self._outputs.take_over_prompt_logprobs(heir, group.prompt_logprobs)
+            for request in queued:
                 self.scheduler.add(request)
-            group.held.clear()
-            group.first_row = None
 
-    def _fork_held(self, group: _Group, first: Request, outputs: list[RequestOutput]) -> None:
+    def _fork_held(self, group: Group, outputs: list[RequestOutput]) -> None:
         """Start held choices on idle lanes from copies of choice 0's prompt KV, while the
         scheduler finds a lane and blocks for them."""
+        first = group.members[0]
         row = group.first_row
         assert row is not None
         now = self.clock()
@@ -591,20 +507,6 @@ class Batcher:
                 outputs.append(self._output(done))
         if not group.held:
             group.first_row = None
-
-    def _hand_over_prompt_logprobs(self, group: _Group) -> None:
-        """Choice 0 ended before its first token: the first choice that now prefills on its own
-        computes the request's prompt logprobs instead."""
-        if group.prompt_logprobs is None or group.prompt_result is not None or not group.held:
-            return
-        if group.members[0].output:
-            return
-        child = group.held[0]
-        child.params = msgspec.structs.replace(child.params,
-                                               prompt_logprobs=group.prompt_logprobs)
-        extras = self._extras[child.request_id]
-        extras.prompt = PromptLogprobs(child.prompt, min(group.prompt_logprobs,
-                                                         self.spec.vocab_size))
 
     def _run_block_ops(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         """Cache-management KV moves the plan needs before its device call, in a safe order:
@@ -642,7 +544,7 @@ class Batcher:
         if request is None:  # failed by this plan's block ops: nothing to compute for it
             return
         try:
-            collector = self._prompt_collector(request)
+            collector = self._outputs.prompt_collector(request)
             if collector is None:
                 logits = self._device_call(self.runtime.prefill, plan.inputs)
                 row = np.asarray(logits).reshape(-1)
@@ -660,14 +562,6 @@ class Batcher:
             return
         for done in scheduler.complete_prefill(plan, token, self.clock()):
             outputs.append(self._output(done))
-
-    def _prompt_collector(self, request: Request) -> PromptLogprobs | None:
-        """The prompt logprobs this request still collects (none once its first token is out:
-        a preempted request's recompute needs none)."""
-        if not self._extras or request.recomputing:
-            return None
-        extras = self._extras.get(request.request_id)
-        return extras.prompt if extras is not None else None
 
     def _prefill_every_position(self, plan: StepPlan,
                                 collector: PromptLogprobs) -> npt.NDArray[np.floating]:
@@ -687,78 +581,20 @@ class Batcher:
         collector.add_chunk(real, plan.chunk_start)
         return real[-1]
 
-    def _prompt_logprobs_out(self, request: Request,
-                             extras: _Extras) -> tuple[TokenLogprobs | None, ...] | None:
-        """The prompt logprobs, built once when the request's first token is out (None on
-        every other output)."""
-        collector = extras.prompt
-        if collector is None or not request.output:
-            return None
-        extras.prompt = None
-        if not collector.complete:  # cannot happen (no prefix-cache read, no PD): never guess
-            log.warning("prompt_logprobs.incomplete", request_id=request.request_id)
-            return None
-        result = extras.prompt_result = collector.result()
-        group = self._groups.get(extras.public_id) if self._groups else None
-        if group is not None:
-            group.prompt_result = result
-        return result
-
     def _keep_first_row(self, request: Request, row: npt.NDArray[np.floating]) -> None:
         """Choice 0 of an n > 1 request keeps its first-token logits while other choices wait
         to fork from its prompt KV: each samples its own first token from that row."""
         if not self._groups or not request.request_id.endswith("#0"):
             return
         group = self._groups.get(request.request_id[:-2])
-        if group is not None and group.held and self._forks:
-            group.first_row = np.array(row, dtype=np.float32)
+        if group is not None and self._forks:
+            group.keep_first_row(row)
 
     # -- prefill/decode disaggregation --------------------------------------------------------------
     def _poll_kv(self, outputs: list[RequestOutput]) -> None:
-        """Collect what producers sent; validate it; fail requests whose source broke or stalled."""
-        from atombatch.pd import checks as pdmod
-
-        now = self.clock()
-        scheduler = self.scheduler
-        for request_id, link in list(self._kv.items()):
-            request = scheduler.requests.get(request_id)
-            if request is None or request.pd is None:  # finished, preempted or fully imported
-                self._close_kv(request_id)
-                continue
-            progress = request.pd
-            try:
-                header, layers = link.source.poll()
-                if header is not None and link.header is None:
-                    pdmod.validate_header(header, self.artifact, request.prompt,
-                                          require_full=self._require_full_prefix)
-                    link.header = header
-                    progress.header_ok = True
-                    progress.covered_len = header.covered_len
-                    progress.first_token = header.first_token
-                    progress.num_layers = header.num_layers
-                    link.last_progress = now
-                if layers:
-                    if link.header is None:
-                        raise KVTransferError(f"request {request_id}: layers arrived "
-                                                    "before the header")
-                    for layer in layers:
-                        pdmod.validate_layer(link.header, layer, link.seen)
-                        link.seen.add(layer.layer)
-                    link.arrived.extend(layers)
-                    link.last_progress = now
-                if link.header is not None and link.source.done() and \
-                        len(link.seen) != link.header.num_layers:
-                    raise KVTransferError(
-                        f"request {request_id}: the producer finished after "
-                        f"{len(link.seen)} of {link.header.num_layers} layers")
-                if not link.source.done() and now - link.last_progress > self.pd_timeout:
-                    raise KVTransferError(
-                        f"request {request_id}: no KV from the producer for "
-                        f"{now - link.last_progress:.1f} s (pd_timeout={self.pd_timeout} s)")
-            except Exception as exc:
-                self._fail(request, f"KV import failed: {exc}", outputs)
-                continue
-            progress.pending = len(self._writable(link))
+        """Collect what producers sent; fail requests whose source broke or stalled."""
+        for request, message in self._pd.poll(self.scheduler.requests, self.clock()):
+            self._fail(request, message, outputs)
 
     def _skip_first_draw(self, request_id: str) -> None:
         """The producer sampled the first token from `default_rng(seed)` (docs/pd.md): advance
@@ -768,52 +604,25 @@ class Batcher:
         if sampler is not None and sampler.params.temperature >= GREEDY_EPS:
             sampler.rng.random()
 
-    def _writable(self, link: KVLink) -> list[Any]:
-        """Layers that may be written now. A hybrid model's sliding layers wait for the whole
-        payload, so no decode step (which writes every lane's slot) falls between their writes."""
-        if not self.spec.is_hybrid or link.header is None:
-            return link.arrived
-        if len(link.seen) == link.header.num_layers:
-            return link.arrived
-        kinds = self.spec.layer_kinds
-        return [layer for layer in link.arrived if kinds[layer.layer] != "sliding_attention"]
-
-    @property
-    def _require_full_prefix(self) -> bool:
-        return self.artifact.single_block or self.spec.is_hybrid
-
     def _run_import(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         scheduler = self.scheduler
         request = scheduler.requests.get(plan.request_id)
-        link = self._kv.get(plan.request_id)
+        link = self._pd.links.get(plan.request_id)
         if request is None or link is None:
             return
-        layers = self._writable(link)
         try:
-            for layer in layers:
-                k, v = layer.float32()
-                self.runtime.write_layer_kv(layer.layer, k, v, plan.blocks, plan.slot)
+            written = self._pd.write(link, plan, self.runtime)
         except Exception as exc:
             self._fail(request, f"KV import failed: {exc}", outputs)
             return
-        written = {id(layer) for layer in layers}
-        link.arrived = [layer for layer in link.arrived if id(layer) not in written]
         had_first = bool(request.output)
-        done_list = scheduler.complete_import(plan, len(layers), self.clock())
+        done_list = scheduler.complete_import(plan, written, self.clock())
         if not had_first and request.output:  # the producer's first token was taken
             self._skip_first_draw(request.request_id)
         for done in done_list:
             outputs.append(self._output(done))
         if request.pd is None:
-            self._close_kv(plan.request_id)
-
-    def _close_kv(self, request_id: str) -> None:
-        link = self._kv.pop(request_id, None)
-        if link is not None:
-            try:
-                link.source.close()
-            except Exception as exc:  # a broken transport must not take the engine down
-                log.warning("kv.close_failed", request_id=request_id, error=str(exc))
+            self._pd.close(plan.request_id)
 
     def _run_decode(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         """One decode step. The kernel picks every greedy row and checks every row's logits in
@@ -881,7 +690,7 @@ class Batcher:
                            "logit_bias and min_tokens exclude the whole vocabulary)", outputs)
                 continue
             tokens[row] = int(result.tokens[i])
-            self._keep_logprobs(request, result.logprobs[i])
+            self._outputs.keep_logprobs(request, result.logprobs[i])
 
     def _sample_one(self, request: Request, row: npt.NDArray[np.floating]) -> int:
         """The first token of a request from its prefill's last logits."""
@@ -892,15 +701,8 @@ class Batcher:
         if result.masked_rows:
             raise RequestError("every token is masked (allowed_token_ids, bad_words, logit_bias "
                                "and min_tokens exclude the whole vocabulary)")
-        self._keep_logprobs(request, result.logprobs[0])
+        self._outputs.keep_logprobs(request, result.logprobs[0])
         return int(result.tokens[0])
-
-    def _keep_logprobs(self, request: Request, logprobs: TokenLogprobs | None) -> None:
-        if logprobs is None:
-            return
-        extras = self._extras[request.request_id]
-        assert extras.logprobs is not None
-        extras.logprobs.append(logprobs)
 
     def _device_call(self, call: Callable[[Any], Any], inputs: Any) -> Any:
         """One prefill or decode call, repeated once when the runtime says the fault was
@@ -918,106 +720,28 @@ class Batcher:
         outputs.append(self._final_output(request, ()))
 
     def _output(self, request: Request) -> RequestOutput:
+        """The output of a request's last token (its final one if it finished)."""
         new = (request.output[-1],)
-        extras = self._extras.get(request.request_id) if self._extras else None
+        outputs = self._outputs
+        extras = outputs.extras.get(request.request_id) if outputs.extras else None
         if extras is None:
             if request.state is RequestState.FINISHED:
                 return self._final_output(request, new)
             return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=False)
-        text = None
-        if extras.detok is not None:
-            text = extras.detok.add(new, len(request.output))
-            if extras.detok.stopped is not None:
-                # a stop string wins over max_tokens and EOS on the same token (as in vLLM):
-                # the text ends before it
-                if request.state is not RequestState.FINISHED:
-                    self.scheduler.finish(request, "stop")
-                elif request.finish_reason == "length":
-                    finished = self.scheduler.counters.finished
-                    finished["length"] -= 1
-                    if not finished["length"]:
-                        del finished["length"]
-                    finished["stop"] = finished.get("stop", 0) + 1
-                    request.finish_reason = "stop"
-                if request.finish_reason == "stop":
-                    extras.stop_reason = extras.detok.stopped
+        text, stopped = outputs.text(request, extras)
+        if stopped:  # the stop rule with a stop string: wins over max_tokens and EOS (as in vLLM)
+            self.scheduler.stop_string(request)
+            outputs.stopped_by_string(request, extras)
         if request.state is RequestState.FINISHED:
             return self._final_output(request, new, text)
-        logprobs = None
-        if extras.logprobs is not None:
-            logprobs = tuple(extras.logprobs[len(request.output) - 1:len(request.output)])
-        prompt_logprobs = self._prompt_logprobs_out(request, extras) \
-            if extras.prompt is not None else None
-        return RequestOutput(request_id=extras.public_id, new_token_ids=new, finished=False,
-                             index=extras.index, text=text, logprobs=logprobs,
-                             prompt_logprobs=prompt_logprobs)
+        return outputs.running(request, extras, text)
 
     def _final_output(self, request: Request, new: tuple[int, ...],
                       text: str | None = None) -> RequestOutput:
-        if request.request_id in self._kv:
-            self._close_kv(request.request_id)
-        extras = self._extras.pop(request.request_id, None) if self._extras else None
+        if request.request_id in self._pd.links:
+            self._pd.close(request.request_id)
         self._samplers.pop(request.request_id, None)
-        if extras is None:
-            completion = self._completion(request)
-            return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=True,
-                                 finish_reason=request.finish_reason, error=request.error,
-                                 completion=completion)
-        if extras.detok is not None:
-            text = (text or "") + extras.detok.flush()
-        prompt_logprobs = self._prompt_logprobs_out(request, extras) \
-            if extras.prompt is not None else None
-        completion = self._completion(request, extras)
-        logprobs = None
-        if extras.logprobs is not None:
-            logprobs = tuple(extras.logprobs[len(request.output) - len(new):])
-        finished = True
-        group = self._groups.get(extras.public_id) if extras.public_id != request.request_id \
-            else None
-        if group is not None:
-            group.live -= 1
-            finished = group.live == 0
-            if finished:
-                del self._groups[extras.public_id]
-        return RequestOutput(request_id=extras.public_id, new_token_ids=new, finished=finished,
-                             finish_reason=request.finish_reason, error=request.error,
-                             completion=completion, index=extras.index, text=text,
-                             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-
-    def _completion(self, request: Request, extras: _Extras | None = None) -> Completion:
-        now = self.clock()
-        timings = None
-        if request.admitted_at is not None:
-            first = request.first_token_at if request.first_token_at is not None else now
-            times = request.token_times
-            timings = RequestTimings(
-                arrival=request.arrival, admitted=request.admitted_at, first_token=first,
-                finished=now, queue_wait=request.admitted_at - request.arrival,
-                ttft=first - request.arrival, e2e=now - request.arrival,
-                inter_token=tuple(b - a for a, b in itertools.pairwise(times)))
-        stop_reason = extras.stop_reason if extras is not None else None
-        if stop_reason is None and request.finish_reason == "stop" and request.output and \
-                request.output[-1] in request.params.stop_token_ids:
-            stop_reason = request.output[-1]  # a stop id (EOS leaves it None, as in vLLM)
-        if extras is None:
-            return Completion(request_id=request.request_id, prompt_len=len(request.prompt),
-                              token_ids=tuple(request.output), finish_reason=request.finish_reason
-                              or "error", error=request.error, timings=timings,
-                              preemptions=request.preemptions, stop_reason=stop_reason)
-        return Completion(request_id=extras.public_id, prompt_len=len(request.prompt),
-                          token_ids=tuple(request.output), finish_reason=request.finish_reason or
-                          "error", error=request.error, timings=timings,
-                          preemptions=request.preemptions, index=extras.index,
-                          text=extras.detok.text if extras.detok is not None else None,
-                          logprobs=tuple(extras.logprobs) if extras.logprobs is not None else None,
-                          stop_reason=stop_reason, prompt_logprobs=self._prompt_result(extras))
-
-    def _prompt_result(self, extras: _Extras) -> tuple[TokenLogprobs | None, ...] | None:
-        """A completion's prompt logprobs: its own, or (n > 1) the request's, from choice 0."""
-        if extras.prompt_result is not None:
-            return extras.prompt_result
-        group = self._groups.get(extras.public_id) if self._groups else None
-        return group.prompt_result if group is not None else None
+        return self._outputs.final(request, new, text, self.clock())
 
     def _flush_events(self) -> None:
         events = self.scheduler.events

@@ -36,7 +36,7 @@ from atombatch import blocks as core
 from atombatch.config import ArtifactConfig
 from atombatch.errors import StateError
 from atombatch.prefix import ROOT, Entry, HostCache, Match, PrefixIndex, TokenChain
-from atombatch.request import Counters, Request, StepPlan
+from atombatch.request import Counters, Request, StepPlan, stop_ids
 from atombatch.request import RequestState as S
 
 
@@ -88,11 +88,10 @@ class KVManager:
 
     def growth_reserve(self, running: Iterable[Request | None]) -> int:
         """Blocks the running lanes still need to reach their longest possible length."""
-        limit = self.artifact.max_seq_len
         need = 0
         for request in running:
             if request is not None:
-                final = min(len(request.prompt) + (request.params.max_tokens or limit), limit)
+                final = len(request.prompt) + request.max_tokens  # at most max_seq_len
                 need += max(self.lanes.blocks_for(final) - self.lanes.num_held(request.lane), 0)
         return need
 
@@ -172,15 +171,10 @@ class KVManager:
         lane = request.lane
         self.lanes.start_decode(lane, len(request.prompt) + len(request.output) - 1,
                                 request.output[-1])
-        params = request.params
-        stops = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops.extend(eos_token_ids)
-        limit = self.artifact.max_seq_len - len(request.prompt)  # None: up to the context end
-        if params.max_tokens is not None:
-            limit = min(limit, params.max_tokens)
-        self.kernel.bind(lane, request.request_id, request.output, request.token_times, limit,
-                         stops, request.lane_flags)
+        # the kernel applies `check_stop` to these ids and this limit (see atombatch/request.py)
+        self.kernel.bind(lane, request.request_id, request.output, request.token_times,
+                         request.max_tokens, stop_ids(request.params, eos_token_ids),
+                         request.lane_flags)
 
     def fork_blocks(self, source: Request, child: Request) -> list[tuple[int, int]] | None:
         """Fresh LANE blocks for `child` (bound to an idle lane) to take over the blocks holding

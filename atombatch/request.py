@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from array import array
+from collections.abc import Container, Iterable
 from typing import Any
 
 import msgspec
@@ -17,6 +18,43 @@ import numpy.typing as npt
 from atombatch.errors import StateError
 from atombatch.prefix import Entry, TokenChain
 from atombatch.structs import FinishReason, SamplingParams
+
+
+def output_limit(prompt_len: int, params: SamplingParams, max_seq_len: int) -> int:
+    """Tokens a request may generate: prompt + `max_tokens` capped at `max_seq_len`, and
+    `max_tokens=None` meaning up to the context end. The one place the limit is resolved
+    (`Request.max_tokens` holds it, as vLLM's `Request.max_tokens` does)."""
+    room = max_seq_len - prompt_len
+    return room if params.max_tokens is None else min(params.max_tokens, room)
+
+
+def stop_ids(params: SamplingParams, eos_token_ids: Iterable[int]) -> list[int]:
+    """The ids that end a request with "stop": its `stop_token_ids`, and EOS unless
+    `ignore_eos` (what the decode-step kernel holds per lane)."""
+    stops = list(params.stop_token_ids)
+    if not params.ignore_eos:
+        stops.extend(eos_token_ids)
+    return stops
+
+
+def check_stop(request: Request, token: int, eos_token_ids: Container[int], *,
+               stop_string: bool = False) -> FinishReason | None:
+    """The stop rule, once `token` is the last of `request.output` (vLLM's `check_stop`).
+
+    In order: a stop string that the detokenized text matched with this token (`stop_string`)
+    or a stop id (`stop_token_ids`, and EOS unless `ignore_eos`) gives "stop"; otherwise the
+    output reaching the resolved limit (`request.max_tokens`) gives "length"; otherwise None. A
+    stop string so wins over the limit on the same token (as in vLLM). The decode-step kernel
+    (`StepKernel.complete`) applies the same rule in C to the ids `stop_ids` gives it, with
+    `request.max_tokens` as its limit (`tests/test_stop_rule.py` compares the two).
+    """
+    params = request.params
+    if stop_string or token in params.stop_token_ids or \
+            (not params.ignore_eos and token in eos_token_ids):
+        return "stop"
+    if len(request.output) >= request.max_tokens:
+        return "length"
+    return None
 
 
 class RequestState(enum.Enum):
@@ -61,15 +99,21 @@ class Request:
     """The scheduler's mutable record of one request."""
 
     __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "chain", "error",
-                 "finish_reason", "first_token_at", "lane", "lane_flags", "output", "params",
-                 "pd", "preemptions", "prefill_pos", "prompt", "request_id", "rng", "shared",
-                 "state", "token_times")
+                 "finish_reason", "first_token_at", "lane", "lane_flags", "max_tokens", "output",
+                 "params", "pd", "preemptions", "prefill_pos", "prompt", "request_id", "rng",
+                 "shared", "state", "token_times")
 
     def __init__(self, request_id: str, prompt: npt.NDArray[np.int64], params: SamplingParams,
-                 arrival: float, rng: np.random.Generator) -> None:
+                 arrival: float, rng: np.random.Generator, max_seq_len: int | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
+        # tokens it may generate, resolved once (`output_limit`) for the artifact's context:
+        # every limit check reads this. Without `max_seq_len` the scheduler resolves it when the
+        # request is added (`resolve_limit`); -1 until then
+        self.max_tokens = -1
+        if max_seq_len is not None:
+            self.resolve_limit(max_seq_len)
         self.arrival = arrival
         self.rng = rng
         self.state = S.WAITING
@@ -90,6 +134,11 @@ class Request:
         self.shared = 0                  # leading row entries that are pinned CACHED blocks
         self.chain: TokenChain | None = None  # prefix cache: its tokens' block digests
         self.lane_flags = 0              # StepKernel flags: LANE_SAMPLE, LANE_OWN_OUTPUT
+
+    def resolve_limit(self, max_seq_len: int) -> None:
+        """Fix `max_tokens` for a context of `max_seq_len` positions (once)."""
+        if self.max_tokens < 0:
+            self.max_tokens = output_limit(len(self.prompt), self.params, max_seq_len)
 
     @property
     def ready(self) -> bool:

@@ -59,6 +59,7 @@ from atombatch.request import (
     RequestState,
     StepPlan,
     StepRecord,
+    check_stop,
 )
 from atombatch.structs import FinishReason
 
@@ -146,6 +147,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise StateError(f"request id {request.request_id!r} is already in flight")
+        request.resolve_limit(self.artifact.max_seq_len)  # built without the artifact's context
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if self.kv.prefix is not None and request.chain is None:
@@ -555,18 +557,28 @@ class Scheduler:
         self.counters.generated_tokens += 1
 
     def _check_stop(self, request: Request, token: int) -> bool:
-        params = request.params
-        if token in params.stop_token_ids or (not params.ignore_eos and
-                                              token in self.eos_token_ids):
-            self.finish(request, "stop")
-            return True
-        limit = params.max_tokens
-        if limit is None:  # up to the context end (as the kernel's limit, `KVManager.start_decode`)
-            limit = self.artifact.max_seq_len - len(request.prompt)
-        if len(request.output) >= limit:
-            self.finish(request, "length")
-            return True
-        return False
+        """Finish the request if `check_stop` (the one stop rule) says `token` ends it."""
+        reason = check_stop(request, token, self.eos_token_ids)
+        if reason is None:
+            return False
+        self.finish(request, reason)
+        return True
+
+    def stop_string(self, request: Request) -> None:
+        """The request's detokenized text matched a stop string with its last token: finish it
+        by `check_stop`, whose "stop" then also replaces a "length" finish of that token (the
+        kernel or `_check_stop` saw only ids and the limit)."""
+        reason = check_stop(request, request.output[-1], self.eos_token_ids, stop_string=True)
+        assert reason is not None  # a stop string always stops
+        if request.state is not S.FINISHED:
+            self.finish(request, reason)
+        elif request.finish_reason == "length" and reason != "length":
+            finished = self.counters.finished
+            finished["length"] -= 1
+            if not finished["length"]:
+                del finished["length"]
+            finished[reason] = finished.get(reason, 0) + 1
+            request.finish_reason = reason
 
     # -- endings ----------------------------------------------------------------------------------
     def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
