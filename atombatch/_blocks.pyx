@@ -1225,3 +1225,80 @@ cdef class StepKernel:
                 out.append(factory(ids[row_lanes[row]], (self._tokens_v[row],), False))
                 count += 1
         return count
+
+
+# -- prefix digests and token comparison -----------------------------------------------------------
+# The prefix cache's block digests (`atombatch.prefix`): xxh3-128 from the vendored single-header
+# xxHash 0.8.4 (`_vendor/xxhash`, BSD-2-Clause; the version the `xxhash` wheel wraps), inlined so
+# that a prompt's full blocks are hashed in one call with no Python object per block but the
+# digests themselves. xxh3's one-shot and streaming forms give the same value, so these equal the
+# twin's per-block `xxhash.xxh3_128` states byte for byte.
+
+cdef extern from *:
+    """
+    #define XXH_INLINE_ALL
+    #include "xxhash.h"
+    """
+    ctypedef struct XXH128_hash_t:
+        uint64_t low64
+        uint64_t high64
+    ctypedef struct XXH128_canonical_t:
+        unsigned char digest[16]
+    XXH128_hash_t XXH3_128bits_withSeed(const void* data, size_t length, uint64_t seed) nogil
+    void XXH128_canonicalFromHash(XXH128_canonical_t* dst, XXH128_hash_t hash) nogil
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from libc.stdlib cimport free as c_free
+from libc.stdlib cimport malloc
+from libc.string cimport memcpy
+
+
+def block_digests(const int64_t[::1] tokens, Py_ssize_t start, Py_ssize_t stop,
+                  Py_ssize_t block_size, bytes parent, uint64_t seed):
+    """The chained digests of the full blocks `tokens[start:stop]` (a whole number of blocks),
+    the first chained to `parent` (16 zero bytes when empty): each is
+    `xxh3_128(parent || int64 tokens || b"F", seed)` in canonical (big-endian) byte order."""
+    if block_size <= 0 or start < 0 or stop > tokens.shape[0] or stop < start or \
+            (stop - start) % block_size:
+        raise ValueError(f"tokens[{start}:{stop}] is not a whole number of {block_size}-token "
+                         f"blocks of the {tokens.shape[0]} tokens")
+    if len(parent) not in (0, 16):
+        raise ValueError(f"a parent digest has 16 bytes, not {len(parent)}")
+    cdef list out = []
+    if stop == start:
+        return out
+    cdef Py_ssize_t width = 8 * block_size
+    cdef size_t length = 16 + width + 1
+    cdef unsigned char* buffer = <unsigned char*>malloc(length)
+    if buffer == NULL:
+        raise MemoryError()
+    cdef XXH128_canonical_t canonical
+    cdef Py_ssize_t position = start
+    cdef int i
+    try:
+        if len(parent):
+            memcpy(buffer, PyBytes_AS_STRING(parent), 16)
+        else:
+            for i in range(16):
+                buffer[i] = 0
+        buffer[16 + width] = 70  # b"F"
+        while position < stop:
+            memcpy(buffer + 16, &tokens[position], width)
+            XXH128_canonicalFromHash(&canonical, XXH3_128bits_withSeed(buffer, length, seed))
+            memcpy(buffer, canonical.digest, 16)  # the next block's parent
+            out.append(PyBytes_FromStringAndSize(<char*>canonical.digest, 16))
+            position += block_size
+    finally:
+        c_free(buffer)
+    return out
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def common_prefix(const int64_t[::1] a, const int64_t[::1] b):
+    """How many leading tokens `a` and `b` share."""
+    cdef Py_ssize_t n = min(a.shape[0], b.shape[0])
+    cdef Py_ssize_t i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from atombatch.errors import CapacityError, ConfigError, RequestError, StateError
 
@@ -950,3 +951,39 @@ class StepKernel:
                 out.append(factory(self.ids[lane], (int(self.tokens[row]),), False))
                 count += 1
         return count
+
+
+# -- prefix digests and token comparison ----------------------------------------------------------
+
+_ROOT_INPUT = bytes(16)
+
+
+def block_digests(tokens: npt.NDArray[np.int64], start: int, stop: int, block_size: int,
+                  parent: bytes, seed: int) -> list[bytes]:
+    """The chained digests of the full blocks `tokens[start:stop]` (a whole number of blocks),
+    the first chained to `parent` (16 zero bytes when empty): each is
+    `xxh3_128(parent || int64 tokens || b"F", seed)` in canonical (big-endian) byte order."""
+    if block_size <= 0 or start < 0 or stop > len(tokens) or stop < start or \
+            (stop - start) % block_size:
+        raise ValueError(f"tokens[{start}:{stop}] is not a whole number of {block_size}-token "
+                         f"blocks of the {len(tokens)} tokens")
+    if len(parent) not in (0, 16):
+        raise ValueError(f"a parent digest has 16 bytes, not {len(parent)}")
+    out: list[bytes] = []
+    parent = parent or _ROOT_INPUT
+    for position in range(start, stop, block_size):
+        state = xxhash.xxh3_128(parent, seed=seed)
+        state.update(tokens[position:position + block_size].data)
+        state.update(b"F")
+        parent = state.digest()
+        out.append(parent)
+    return out
+
+
+def common_prefix(a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
