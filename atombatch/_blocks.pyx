@@ -1302,3 +1302,24 @@ def common_prefix(const int64_t[::1] a, const int64_t[::1] b):
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+from cpython.dict cimport PyDict_GetItem
+from cpython.ref cimport PyObject
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+
+
+def match_digests(dict by_digest, list digests, Py_ssize_t start, Py_ssize_t stop, list out):
+    """Append `by_digest[digests[j]]` to `out` for j = start, start + 1, ... while j < stop and
+    the digest is there; returns the first j that was not appended."""
+    cdef Py_ssize_t block = start
+    cdef PyObject* entry
+    if stop > PyList_GET_SIZE(digests):
+        stop = PyList_GET_SIZE(digests)
+    while block < stop:
+        entry = PyDict_GetItem(by_digest, <object>PyList_GET_ITEM(digests, block))
+        if entry == NULL:
+            break
+        out.append(<object>entry)
+        block += 1
+    return block

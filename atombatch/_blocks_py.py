@@ -987,3 +987,17 @@ def common_prefix(a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> int:
         return 0
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
+
+
+def match_digests(by_digest: dict[bytes, Any], digests: list[bytes], start: int, stop: int,
+                  out: list[Any]) -> int:
+    """Append `by_digest[digests[j]]` to `out` for j = start, start + 1, ... while j < stop and
+    the digest is there; returns the first j that was not appended."""
+    block, stop = start, min(stop, len(digests))
+    while block < stop:
+        entry = by_digest.get(digests[block])
+        if entry is None:
+            break
+        out.append(entry)
+        block += 1
+    return block

@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from atombatch.blocks import block_digests, common_prefix
+from atombatch.blocks import block_digests, common_prefix, match_digests
 
 ROOT = b""          # the parent digest of block 0 (as a key)
 ROOT_INPUT = bytes(16)  # what block 0's hash input starts with: every input is 16 + 8n + 1 bytes
@@ -297,26 +297,38 @@ class _Children:
 
 
 class _Index:
-    """Digest -> entry, and parent digest -> children (for partial matches)."""
+    """Digest -> entry, and parent digest -> children (for partial matches): the one child most
+    parents have (a chain), or the `_Children` trie of two or more."""
 
     def __init__(self) -> None:
         self.by_digest: dict[bytes, Entry] = {}
-        self.children: dict[bytes, _Children] = {}
+        self.children: dict[bytes, Entry | _Children] = {}
         self.nodes_visited = 0          # trie nodes partial matches visited (tests: no scan)
 
     def add(self, entry: Entry) -> None:
-        siblings = self.children.get(entry.parent)
+        children = self.children
+        siblings = children.get(entry.parent)
         if siblings is None:
-            siblings = self.children[entry.parent] = _Children()
-        siblings.add(entry)
+            children[entry.parent] = entry
+        elif type(siblings) is _Children:
+            siblings.add(entry)
+        else:  # a second child: the parent's children become a trie
+            trie = _Children()
+            trie.add(siblings)  # type: ignore[arg-type]
+            trie.add(entry)
+            children[entry.parent] = trie
         self.by_digest[entry.digest] = entry
 
     def remove(self, entry: Entry) -> None:
         del self.by_digest[entry.digest]
         siblings = self.children[entry.parent]
-        siblings.remove(entry)
-        if not siblings:
+        if type(siblings) is not _Children:
             del self.children[entry.parent]
+            return
+        siblings.remove(entry)  # type: ignore[union-attr]
+        if len(siblings) == 1:  # type: ignore[arg-type]
+            (last,) = siblings.node_of  # type: ignore[union-attr]
+            self.children[entry.parent] = self.by_digest[last]
 
     def walk(self, chain: TokenChain, length: int, start_block: int, match: Match) -> None:
         """Extend `match` over the first `length` tokens of `chain` from block `start_block`:
@@ -324,26 +336,24 @@ class _Index:
         that shares the most of the next tokens (one trie walk, whatever the number of
         siblings)."""
         block_size = chain._hasher.block_size
-        digests, by_digest = chain.digests, self.by_digest
-        block, last = start_block, length // block_size
-        while block < last:
-            entry = by_digest.get(digests[block])
-            if entry is None:
-                break
-            match.entries.append(entry)
-            block += 1
+        block = match_digests(self.by_digest, chain.digests, start_block, length // block_size,
+                              match.entries)
         position = block * block_size
         match.tokens = position
         if position >= length:
             return
-        children = self.children.get(chain.parent(block))
-        if children is None:
+        siblings = self.children.get(chain.parent(block))
+        if siblings is None:
             return
-        best, shared, visited = children.longest(
-            chain.tokens[position:min(position + block_size, length)])
-        self.nodes_visited += visited
-        if best is not None:
-            match.entries.append(best)
+        rest = chain.tokens[position:min(position + block_size, length)]
+        if type(siblings) is _Children:
+            best, shared, visited = siblings.longest(rest)  # type: ignore[union-attr]
+            self.nodes_visited += visited
+        else:
+            best, shared = siblings, common_prefix(siblings.tokens, rest)  # type: ignore[union-attr]
+            self.nodes_visited += 1
+        if best is not None and shared:
+            match.entries.append(best)  # type: ignore[arg-type]
             match.tokens = position + shared
 
 

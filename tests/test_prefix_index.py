@@ -32,9 +32,12 @@ def brute_force(index: PrefixIndex, prompt: np.ndarray, length: int) -> int:
     return position + best
 
 
-def check_trie(children: _Children) -> int:
+def check_trie(children: _Children | Entry) -> int:
     """The trie's shape: every leaf holds an entry, a node without one branches (two or more
-    edges), edges are keyed by their label's first token and point back up. Returns entries."""
+    edges), edges are keyed by their label's first token and point back up; a trie holds two
+    or more children (a lone child is kept as itself). Returns entries."""
+    if isinstance(children, Entry):
+        return 1
     count, stack = 0, [children.root]
     while stack:
         node: _Node = stack.pop()
@@ -47,7 +50,7 @@ def check_trie(children: _Children) -> int:
         for key, child in node.edges.items():
             assert int(child.label[0]) == key and child.up is node
             stack.append(child)
-    assert count == len(children.node_of)
+    assert count == len(children.node_of) >= 2
     return count
 
 
@@ -139,7 +142,7 @@ def test_a_miss_visits_what_the_prompt_costs_not_what_the_cache_holds(block_size
 
 
 def test_removing_merges_and_prunes_the_trie():
-    children = _Children()
+    children = _Children()  # the trie alone (an index keeps a lone child as itself)
     entries = [Entry(digest=bytes([i]) * 16, parent=ROOT, tokens=np.array(t, dtype=np.int64),
                      full=False) for i, t in enumerate([[1, 2, 3], [1, 2, 4], [1, 2], [5]])]
     for entry in entries:
@@ -157,6 +160,22 @@ def test_removing_merges_and_prunes_the_trie():
     children.remove(entries[0])
     children.remove(entries[3])
     assert not children.root.edges and not children.node_of
+
+
+def test_a_lone_child_is_kept_without_a_trie_and_siblings_share_one():
+    index = PrefixIndex(4, seed=2)
+    chain = index.chain([1, 2, 3, 4, 5, 6])
+    index.insert_digest(0, chain.digests[0], ROOT, chain.tokens[:4], True)
+    index.insert_digest(1, chain.partial_digest(6), chain.digests[0], chain.tokens[4:], False)
+    assert all(isinstance(c, Entry) for c in index._index.children.values())
+    other = index.chain([1, 2, 9])
+    index.insert_digest(2, other.partial_digest(3), ROOT, other.tokens, False)
+    assert isinstance(index._index.children[ROOT], _Children)
+    assert index.match(index.chain([1, 2, 3, 7]), 4).tokens == 3
+    assert index.match(index.chain([1, 2, 9, 9]), 4).tokens == 3
+    index.remove(0)
+    assert isinstance(index._index.children[ROOT], Entry)
+    assert index.match(index.chain([1, 2, 3, 7]), 4).tokens == 2
 
 
 @settings(max_examples=200, deadline=None,
@@ -196,3 +215,12 @@ def test_common_prefix(impl):
     assert impl.common_prefix(a, np.array([1, 2, 9], dtype=np.int64)) == 2
     assert impl.common_prefix(a, np.zeros(0, dtype=np.int64)) == 0
     assert impl.common_prefix(a[1:], np.array([2, 3], dtype=np.int64)) == 2
+
+
+def test_match_digests_stops_at_the_first_missing_digest(impl):
+    table = {b"a": 1, b"b": 2, b"d": 4}
+    out: list[int] = []
+    assert impl.match_digests(table, [b"a", b"b", b"c", b"d"], 0, 4, out) == 2 and out == [1, 2]
+    out = []
+    assert impl.match_digests(table, [b"a", b"b", b"c", b"d"], 3, 9, out) == 4 and out == [4]
+    assert impl.match_digests(table, [b"a"], 0, 0, out) == 0 and out == [4]
