@@ -494,23 +494,35 @@ class KVManager:
         assert prefix is not None
         bs = self.artifact.block_size
         chain = self.chain(request, valid)  # positions 0..valid-1 hold its first valid tokens
-        tokens, digests = chain.tokens, chain.digests
-        for j, block in enumerate(held):
-            if j < request.shared:
-                self.pool.release(block)
-                continue
-            start = j * bs
+        pool = self.pool
+        shared = min(request.shared, len(held))
+        for block in held[:shared]:
+            pool.release(block)
+        full = min(valid // bs, len(held))
+        # the full blocks in one loop; a block whose digest is cached already is freed
+        duplicates = prefix.insert_full_blocks(held, chain, shared, full) if full > shared else []
+        if duplicates:
+            dropped = set(duplicates)
+            for block in held[shared:full]:
+                if block in dropped:
+                    pool.free(block)
+                else:
+                    pool.cache(block)
+        else:
+            for block in held[shared:full]:
+                pool.cache(block)
+        for j in range(max(full, shared), len(held)):
+            block, start = held[j], j * bs
             if start >= valid:
-                self.pool.free(block)
+                pool.free(block)
                 continue
-            end = min(start + bs, valid)
-            full = end - start == bs
-            digest = digests[j] if full else chain.partial_digest(end)
-            if prefix.insert_digest(block, digest, digests[j - 1] if j else ROOT,
-                                    tokens[start:end], full) is None:
-                self.pool.free(block)  # an identical block is cached already
+            end = min(start + bs, valid)  # the partial last block
+            digest = chain.partial_digest(end)
+            if prefix.insert_digest(block, digest, chain.digests[j - 1] if j else ROOT,
+                                    chain.tokens[start:end], False) is None:
+                pool.free(block)  # an identical block is cached already
             else:
-                self.pool.cache(block)
+                pool.cache(block)
 
     # -- invariants -------------------------------------------------------------------------------
     def check(self, by_lane: list[Request | None], staging: Request | None,

@@ -410,6 +410,32 @@ class PrefixIndex:
         self._by_block[block] = entry
         return entry
 
+    def insert_full_blocks(self, blocks: Sequence[int], chain: TokenChain, first: int,
+                           stop: int) -> list[int]:
+        """Index `blocks[j]` as holding full block j of `chain`, for j = first..stop-1, under the
+        chain's stored digests (what `insert_digest` does block by block, in one loop); returns
+        the blocks not indexed because their digest is cached already."""
+        index = self._index
+        by_digest, children, by_block = index.by_digest, index.children, self._by_block
+        digests, tokens, block_size = chain.digests, chain.tokens, self.block_size
+        parent = digests[first - 1] if first else ROOT
+        duplicates = []
+        for j in range(first, stop):
+            digest, block = digests[j], blocks[j]
+            if digest in by_digest:
+                duplicates.append(block)
+            else:
+                entry = Entry(digest, parent, tokens[j * block_size:(j + 1) * block_size], True,
+                              block)
+                if parent in children:
+                    index.add(entry)
+                else:  # the parent's first child (`_Index.add`'s common case, inlined)
+                    children[parent] = entry
+                    by_digest[digest] = entry
+                by_block[block] = entry
+            parent = digest
+        return duplicates
+
     def remove(self, block: int) -> Entry:
         """The block left the cache (evicted or adopted by a lane)."""
         entry = self._by_block.pop(block)
