@@ -379,6 +379,19 @@ cdef class BlockPool:
         self._refcnt_v[block] += 1
         self._debug_check()
 
+    def acquire_blocks(self, blocks):
+        """`acquire` each block in order (a prefix hit pins its shared chain); every block is
+        checked before any is pinned."""
+        cdef Py_ssize_t block
+        for block in blocks:
+            self._expect(block, C_CACHED, "acquire")
+        for block in blocks:
+            if self._refcnt_v[block] == 0:
+                self._unlink(<int32_t>block)
+                self._num_evictable -= 1
+            self._refcnt_v[block] += 1
+        self._debug_check()
+
     def release(self, Py_ssize_t block):
         """Unpin a CACHED block; at refcount 0 it becomes the most recently used evictable block."""
         self._expect(block, C_CACHED, "release")
@@ -610,6 +623,24 @@ cdef class LaneTable:
                                 f"{self._bps} entries")
         self._rows_v[lane, n] = <int32_t>block
         self._num_held_v[lane] = n + 1
+
+    def push_blocks(self, Py_ssize_t lane, blocks):
+        """`push_block` each block in order; all are checked before the row changes."""
+        self._check_busy(lane)
+        cdef Py_ssize_t block
+        for block in blocks:
+            if not 0 <= block <= C_MAX_TABLE_BLOCK:
+                raise StateError(f"block={block} is outside the int16 block-table range "
+                                 f"0..{MAX_TABLE_BLOCK}")
+        cdef int32_t n = self._num_held_v[lane]
+        cdef Py_ssize_t count = len(blocks)
+        if n + count > self._bps:
+            raise CapacityError(f"lane={lane} holds {n} blocks: {count} more exceed the "
+                                f"row's {self._bps} entries")
+        for block in blocks:
+            self._rows_v[lane, n] = <int32_t>block
+            n += 1
+        self._num_held_v[lane] = n
 
     def pop_block(self, Py_ssize_t lane):
         """Remove and return the lane's last block."""

@@ -273,6 +273,17 @@ class BlockPool:
             self._num_evictable -= 1
         self._refcnt[block] += 1
 
+    def acquire_blocks(self, blocks: Sequence[int]) -> None:
+        """`acquire` each block in order (a prefix hit pins its shared chain); every block is
+        checked before any is pinned."""
+        for block in blocks:
+            self._expect(block, CACHED, "acquire")
+        for block in blocks:
+            if self._refcnt[block] == 0:
+                self._unlink(block)
+                self._num_evictable -= 1
+            self._refcnt[block] += 1
+
     def release(self, block: int) -> None:
         """Unpin a CACHED block; at refcount 0 it becomes the most recently used evictable block."""
         self._expect(block, CACHED, "release")
@@ -465,6 +476,18 @@ class LaneTable:
                                 f"{self._bps} entries")
         self._rows[lane, n] = block
         self._num_held[lane] = n + 1
+
+    def push_blocks(self, lane: int, blocks: Sequence[int]) -> None:
+        """`push_block` each block in order; all are checked before the row changes."""
+        self._check_busy(lane)
+        for block in blocks:
+            self._check_table_block(block)
+        n = int(self._num_held[lane])
+        if n + len(blocks) > self._bps:
+            raise CapacityError(f"lane={lane} holds {n} blocks: {len(blocks)} more exceed the "
+                                f"row's {self._bps} entries")
+        self._rows[lane, n:n + len(blocks)] = blocks
+        self._num_held[lane] = n + len(blocks)
 
     def pop_block(self, lane: int) -> int:
         """Remove and return the lane's last block."""

@@ -369,10 +369,16 @@ class KVManager:
             return
         entries = match.entries[: -(-resume // bs)]
         pinned = [e.block for e in entries if e.block >= 0]
-        for block in pinned:  # nothing below may evict what this lane is about to use
-            self.pool.acquire(block)
+        self.pool.acquire_blocks(pinned)  # nothing below may evict what this lane will use
         restored = 0
-        for j, entry in enumerate(entries):
+        # all on the device (no host restore): the blocks wholly before the resume position are
+        # shared as they are, in one call
+        run = resume // bs if len(pinned) == len(entries) else 0
+        if run:
+            self.lanes.push_blocks(lane, pinned[:run])
+            request.shared += run
+        for j in range(run, len(entries)):
+            entry = entries[j]
             below = (j + 1) * bs <= resume  # wholly before the resume position: read-only
             block = entry.block
             if block < 0:  # only on the host: restore into a fresh block
@@ -420,11 +426,14 @@ class KVManager:
             return
         below = resume // bs
         entries = match.entries[: -(-resume // bs)]
-        for entry in entries:  # pinned first: nothing below may evict them
-            if entry.block >= 0:
-                self.pool.acquire(entry.block)
+        pinned = [e.block for e in entries if e.block >= 0]
+        self.pool.acquire_blocks(pinned)  # pinned first: nothing below may evict them
         restored = 0
-        for entry in entries[:below]:
+        run = below if len(pinned) == len(entries) else 0  # all on the device: shared as is
+        if run:
+            request.blocks.extend(pinned[:run])
+            request.shared += run
+        for entry in entries[run:below]:
             block = entry.block
             if block < 0:  # a host copy: restored, cached and shared like a device entry
                 block = self.take_block(core.STAGED, -2)

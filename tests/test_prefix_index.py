@@ -233,3 +233,33 @@ def test_match_digests_stops_at_the_first_missing_digest(impl):
     out = []
     assert impl.match_digests(table, [b"a", b"b", b"c", b"d"], 3, 9, out) == 4 and out == [4]
     assert impl.match_digests(table, [b"a"], 0, 0, out) == 0 and out == [4]
+
+
+def test_acquire_blocks_and_push_blocks_equal_one_at_a_time_and_check_first(impl):
+    from atombatch.errors import CapacityError, StateError
+
+    one, many = impl.BlockPool(8), impl.BlockPool(8)
+    for pool in (one, many):
+        for _ in range(6):
+            pool.cache(pool.allocate(impl.LANE, 0))
+    for block in (4, 1, 4):
+        one.acquire(block)
+    many.acquire_blocks([4, 1, 4])
+    assert one.lru_blocks() == many.lru_blocks() and one.counts() == many.counts()
+    assert [many.refcount(b) for b in range(6)] == [0, 1, 0, 0, 2, 0]
+    with pytest.raises(StateError, match="cannot acquire block=6"):
+        many.acquire_blocks([0, 6])  # block 6 is FREE: nothing was pinned
+    assert many.refcount(0) == 0 and one.lru_blocks() == many.lru_blocks()
+
+    table = impl.LaneTable(2, 4, 16)
+    lane = table.assign()
+    table.push_blocks(lane, [3, 5])
+    table.push_blocks(lane, [])
+    assert list(table.blocks(lane)) == [3, 5]
+    with pytest.raises(CapacityError, match="exceed the row's 4 entries"):
+        table.push_blocks(lane, [6, 7, 8])
+    with pytest.raises(StateError, match="int16 block-table range"):
+        table.push_blocks(lane, [6, -1])
+    assert list(table.blocks(lane)) == [3, 5]
+    with pytest.raises(StateError):
+        table.push_blocks(1, [2])  # an idle lane
