@@ -310,11 +310,11 @@ class _Index:
         siblings = children.get(entry.parent)
         if siblings is None:
             children[entry.parent] = entry
-        elif type(siblings) is _Children:
+        elif isinstance(siblings, _Children):
             siblings.add(entry)
         else:  # a second child: the parent's children become a trie
             trie = _Children()
-            trie.add(siblings)  # type: ignore[arg-type]
+            trie.add(siblings)
             trie.add(entry)
             children[entry.parent] = trie
         self.by_digest[entry.digest] = entry
@@ -322,12 +322,12 @@ class _Index:
     def remove(self, entry: Entry) -> None:
         del self.by_digest[entry.digest]
         siblings = self.children[entry.parent]
-        if type(siblings) is not _Children:
+        if not isinstance(siblings, _Children):
             del self.children[entry.parent]
             return
-        siblings.remove(entry)  # type: ignore[union-attr]
-        if len(siblings) == 1:  # type: ignore[arg-type]
-            (last,) = siblings.node_of  # type: ignore[union-attr]
+        siblings.remove(entry)
+        if len(siblings) == 1:  # a lone child again: kept as itself
+            (last,) = siblings.node_of
             self.children[entry.parent] = self.by_digest[last]
 
     def walk(self, chain: TokenChain, length: int, start_block: int, match: Match) -> None:
@@ -346,14 +346,15 @@ class _Index:
         if siblings is None:
             return
         rest = chain.tokens[position:min(position + block_size, length)]
-        if type(siblings) is _Children:
-            best, shared, visited = siblings.longest(rest)  # type: ignore[union-attr]
+        best: Entry | None
+        if isinstance(siblings, _Children):
+            best, shared, visited = siblings.longest(rest)
             self.nodes_visited += visited
         else:
-            best, shared = siblings, common_prefix(siblings.tokens, rest)  # type: ignore[union-attr]
+            best, shared = siblings, common_prefix(siblings.tokens, rest)
             self.nodes_visited += 1
         if best is not None and shared:
-            match.entries.append(best)  # type: ignore[arg-type]
+            match.entries.append(best)
             match.tokens = position + shared
 
 

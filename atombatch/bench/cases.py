@@ -82,6 +82,8 @@ PREFIX_SCALE_OPS = (
     "prefix_hash_lookup_vllm",  # baseline: vLLM v1's recipe re-implemented (sha256 of the pickled
                               #   (parent, token tuple, None) per block, one dict probe per block)
     "prefix_insert_32k",      # caching a finished 32 768-token request (Batcher.abort)
+    "prefix_admit_hit",       # the step that admits an 8 192-token request whose prompt is cached
+                              #   in 16-token blocks (shares 448 blocks, prefills its last chunk)
     "prefix_admit",           # the step that admits a 128-token request at a full 30k-block
                               #   cache (its lookup misses; its blocks are evicted from the LRU)
     "prefix_admit_nocache",   # the same admitting step with the prefix cache off
@@ -537,6 +539,7 @@ def prefix_scale_shapes() -> list[tuple[str, str, int, int]]:
     out += [("prefix_insert_32k", shape, 1, INSERT_TOKENS // bs + 64 + 1)
             for shape, bs in (("bs16", 16), ("bs128", 128))]
     out += [("prefix_insert_32k", "eager", 1, 2)]
+    out += [("prefix_admit_hit", "bs16", 1, PREFIX_MAX_SEQ_LEN // SCALE_BLOCK_SIZE + 1)]
     out += [(op, "cached30k", b, ADMIT_NUM_BLOCKS) for b in ADMIT_LANES
             for op in ("prefix_admit", "prefix_admit_nocache", "prefix_steady")]
     return out
@@ -550,6 +553,8 @@ def _prefix_scale_case(impl: ModuleType, op: str, shape: str, lanes: int,
         return lambda: prefix_hash_lookup_time_func(op)
     if op == "prefix_insert_32k":
         return lambda: prefix_insert_32k_time_func(impl, shape)
+    if op == "prefix_admit_hit":
+        return lambda: prefix_admit_hit_time_func(impl)
     return lambda: prefix_admit_time_func(impl, op, lanes)
 
 
@@ -669,6 +674,45 @@ def prefix_insert_32k_time_func(impl: ModuleType, shape: str) -> TimeFunc:
             batcher.step()                # drains the final output (untimed)
         return elapsed
     return insert
+
+
+def prefix_admit_hit_time_func(impl: ModuleType) -> TimeFunc:
+    """A B=1 Batcher (16-token blocks, chunks of 1 024) whose cache holds an 8 192-token prompt;
+    each timed iteration is the step that admits that prompt again (lookup, 448 shared blocks
+    pinned, the blocks of its last chunk taken, that chunk prefilled). Submitting (hashing) and
+    finishing are untimed."""
+    from atombatch.config import ArtifactConfig
+    from atombatch.structs import SamplingParams
+
+    art = ArtifactConfig(model=_null_spec(), batch_size=1, max_seq_len=PREFIX_MAX_SEQ_LEN,
+                         block_size=SCALE_BLOCK_SIZE,
+                         num_blocks=PREFIX_MAX_SEQ_LEN // SCALE_BLOCK_SIZE + 1,
+                         prefill_chunk_size=PREFIX_CHUNK)
+    batcher = batcher_on(impl, art, prefix_cache=True)
+    scheduler = batcher.scheduler
+    prompt = np.random.default_rng(0).integers(1, ENGINE_VOCAB, size=PREFIX_TOKENS).tolist()
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def finish(request_id: Any) -> None:
+        while scheduler.lanes.num_decoding() < 1:
+            batcher.step()
+        batcher.abort(request_id)
+        batcher.step()
+
+    finish(batcher.submit(prompt, params))
+
+    def admit(loops: int) -> float:
+        elapsed, hits = 0.0, batcher.stats().prefix_hits
+        for _ in range(loops):
+            request_id = batcher.submit(prompt, params)
+            started = start_clocks()
+            batcher.step()
+            elapsed += stop_clocks(started)
+            finish(request_id)
+        if batcher.stats().prefix_hits != hits + loops:
+            raise RuntimeError("the admit-hit case expected every admission to hit")
+        return elapsed
+    return admit
 
 
 def full_cache_batcher(impl: ModuleType, lanes: int, prefix_cache: bool = True) -> Any:
