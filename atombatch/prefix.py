@@ -16,10 +16,14 @@ hash function exactly once: a full block's digest is finished when its last toke
 the open (last, partial) block is kept as a running hash state whose partial digest is a copy.
 Lookup walks the request's stored digests; caching a finished request reuses them.
 
-Full blocks are found by digest in O(1) per block. The last, partial block of a finished sequence
-is cached too (with an eager artifact a block is a whole sequence, so partial blocks are where the
-hits are); a lookup compares the prompt against the partial children of the matched chain and
-takes the longest common token prefix.
+Full blocks are found by digest in O(1) per block (one compiled pass over the stored digests). The
+last, partial block of a finished sequence is cached too (with an eager artifact a block is a whole
+sequence, so partial blocks are where the hits are); where the full digests stop, a lookup takes
+the child of the matched chain sharing the longest token prefix with the prompt. A parent's
+children sit in a radix trie over their tokens (a lone child as itself), so that costs what the
+prompt block's tokens cost, never one comparison per cached sibling (docs/prefix-cache.md).
+Full-block digests are computed by `blocks.block_digests` (compiled xxh3-128, or its twin) in one
+call per extension of a chain.
 
 The host cache keeps blocks the device cache evicted, by the same digests, in an LRU bounded in
 bytes; a lookup that runs off the device chain continues into it.
