@@ -250,11 +250,12 @@ LEGEND = (
     "prefix_lookup = its longest cached prefix, every block cached; prefix_insert = caching the "
     "finished request;",
     "  prefix_miss = a lookup missing at block 0 with 1k/10k/30k 16-token blocks cached; "
-    "prefix_hash_lookup = hashing + lookup of the prompt in 16-token blocks (_vllm: vLLM v1's "
-    "sha256-pickle recipe, the baseline); prefix_insert_32k = caching a finished 32 768-token "
-    "request; prefix_admit_hit = the step admitting the cached prompt; prefix_admit / "
-    "_nocache / prefix_steady = the step admitting a 128-token request at a full 30k-block "
-    "cache / without a cache / a steady decode step.",
+    "prefix_hash_lookup = hashing + lookup of the prompt in 16-token blocks; "
+    "prefix_hash_lookup_vllm = the same by vLLM v1's sha256-pickle recipe, the baseline; "
+    "prefix_insert_32k = caching a finished 32 768-token request; prefix_admit_hit = the step "
+    "admitting the cached prompt; prefix_admit = the step admitting a 128-token request at a "
+    "full 30k-block cache; prefix_admit_nocache = that step without a cache; prefix_steady = a "
+    "steady decode step at that cache.",
 )
 
 
