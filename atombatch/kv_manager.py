@@ -115,7 +115,13 @@ class KVManager:
             entry = self.prefix.remove(block)
             if self.host is not None:
                 self._saves.append(entry)
-        self._event("block.evicted", block=block)
+        # one event for a run of evictions (growth evicts block by block): logging one per block
+        # cost more than the evictions themselves at a full cache
+        events = self.events
+        if events and events[-1][0] == "block.evicted":
+            events[-1][1]["blocks"].append(block)
+        else:
+            self._event("block.evicted", blocks=[block])
         return block
 
     # -- growth -----------------------------------------------------------------------------------
