@@ -215,9 +215,10 @@ def format_table(records: Sequence[MicroRecord]) -> str:
         lines.append("")
         lines.append(f"prefix cache, {case_defs.PREFIX_TOKENS}-token prompt "
                      f"({'/'.join(sorted({r.impl for r in prefix}))} core):"
-                     f"{'wall us':>16}{'cpu us':>10}")
+                     f"{'wall us':>20}{'cpu us':>10}")
         for r in prefix:
-            lines.append(f"  {r.shape:<12}{r.op:<22}{r.ns_per_op / 1000:10.1f}"
+            shape = r.shape if r.lanes == 1 else f"{r.shape}/B{r.lanes}"
+            lines.append(f"  {shape:<16}{r.op:<26}{r.ns_per_op / 1000:10.1f}"
                          f"{r.cpu_ns_per_op / 1000:10.1f}")
     loads = [r.load1 for r in records if r.load1 >= 0]
     if loads:
