@@ -15,7 +15,7 @@ extensions = [
     Extension(
         "atombatch._blocks",
         ["atombatch/_blocks.pyx"],
-        include_dirs=[np.get_include()],
+        include_dirs=[np.get_include(), "atombatch/_vendor/xxhash"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-O0", "-g"] if DEBUG else ["-O3"],
     )

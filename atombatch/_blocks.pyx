@@ -379,6 +379,19 @@ cdef class BlockPool:
         self._refcnt_v[block] += 1
         self._debug_check()
 
+    def acquire_blocks(self, blocks):
+        """`acquire` each block in order (a prefix hit pins its shared chain); every block is
+        checked before any is pinned."""
+        cdef Py_ssize_t block
+        for block in blocks:
+            self._expect(block, C_CACHED, "acquire")
+        for block in blocks:
+            if self._refcnt_v[block] == 0:
+                self._unlink(<int32_t>block)
+                self._num_evictable -= 1
+            self._refcnt_v[block] += 1
+        self._debug_check()
+
     def release(self, Py_ssize_t block):
         """Unpin a CACHED block; at refcount 0 it becomes the most recently used evictable block."""
         self._expect(block, C_CACHED, "release")
@@ -610,6 +623,24 @@ cdef class LaneTable:
                                 f"{self._bps} entries")
         self._rows_v[lane, n] = <int32_t>block
         self._num_held_v[lane] = n + 1
+
+    def push_blocks(self, Py_ssize_t lane, blocks):
+        """`push_block` each block in order; all are checked before the row changes."""
+        self._check_busy(lane)
+        cdef Py_ssize_t block
+        for block in blocks:
+            if not 0 <= block <= C_MAX_TABLE_BLOCK:
+                raise StateError(f"block={block} is outside the int16 block-table range "
+                                 f"0..{MAX_TABLE_BLOCK}")
+        cdef int32_t n = self._num_held_v[lane]
+        cdef Py_ssize_t count = len(blocks)
+        if n + count > self._bps:
+            raise CapacityError(f"lane={lane} holds {n} blocks: {count} more exceed the "
+                                f"row's {self._bps} entries")
+        for block in blocks:
+            self._rows_v[lane, n] = <int32_t>block
+            n += 1
+        self._num_held_v[lane] = n
 
     def pop_block(self, Py_ssize_t lane):
         """Remove and return the lane's last block."""
@@ -1225,3 +1256,101 @@ cdef class StepKernel:
                 out.append(factory(ids[row_lanes[row]], (self._tokens_v[row],), False))
                 count += 1
         return count
+
+
+# -- prefix digests and token comparison -----------------------------------------------------------
+# The prefix cache's block digests (`atombatch.prefix`): xxh3-128 from the vendored single-header
+# xxHash 0.8.4 (`_vendor/xxhash`, BSD-2-Clause; the version the `xxhash` wheel wraps), inlined so
+# that a prompt's full blocks are hashed in one call with no Python object per block but the
+# digests themselves. xxh3's one-shot and streaming forms give the same value, so these equal the
+# twin's per-block `xxhash.xxh3_128` states byte for byte.
+
+cdef extern from *:
+    """
+    #define XXH_INLINE_ALL
+    #include "xxhash.h"
+    """
+    ctypedef struct XXH128_hash_t:
+        uint64_t low64
+        uint64_t high64
+    ctypedef struct XXH128_canonical_t:
+        unsigned char digest[16]
+    XXH128_hash_t XXH3_128bits_withSeed(const void* data, size_t length, uint64_t seed) nogil
+    void XXH128_canonicalFromHash(XXH128_canonical_t* dst, XXH128_hash_t hash) nogil
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from libc.stdlib cimport free as c_free
+from libc.stdlib cimport malloc
+from libc.string cimport memcpy
+
+
+def block_digests(const int64_t[::1] tokens, Py_ssize_t start, Py_ssize_t stop,
+                  Py_ssize_t block_size, bytes parent, uint64_t seed):
+    """The chained digests of the full blocks `tokens[start:stop]` (a whole number of blocks),
+    the first chained to `parent` (16 zero bytes when empty): each is
+    `xxh3_128(parent || int64 tokens || b"F", seed)` in canonical (big-endian) byte order."""
+    if block_size <= 0 or start < 0 or stop > tokens.shape[0] or stop < start or \
+            (stop - start) % block_size:
+        raise ValueError(f"tokens[{start}:{stop}] is not a whole number of {block_size}-token "
+                         f"blocks of the {tokens.shape[0]} tokens")
+    if len(parent) not in (0, 16):
+        raise ValueError(f"a parent digest has 16 bytes, not {len(parent)}")
+    cdef list out = []
+    if stop == start:
+        return out
+    cdef Py_ssize_t width = 8 * block_size
+    cdef size_t length = 16 + width + 1
+    cdef unsigned char* buffer = <unsigned char*>malloc(length)
+    if buffer == NULL:
+        raise MemoryError()
+    cdef XXH128_canonical_t canonical
+    cdef Py_ssize_t position = start
+    cdef int i
+    try:
+        if len(parent):
+            memcpy(buffer, PyBytes_AS_STRING(parent), 16)
+        else:
+            for i in range(16):
+                buffer[i] = 0
+        buffer[16 + width] = 70  # b"F"
+        while position < stop:
+            memcpy(buffer + 16, &tokens[position], width)
+            XXH128_canonicalFromHash(&canonical, XXH3_128bits_withSeed(buffer, length, seed))
+            memcpy(buffer, canonical.digest, 16)  # the next block's parent
+            out.append(PyBytes_FromStringAndSize(<char*>canonical.digest, 16))
+            position += block_size
+    finally:
+        c_free(buffer)
+    return out
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def common_prefix(const int64_t[::1] a, const int64_t[::1] b):
+    """How many leading tokens `a` and `b` share."""
+    cdef Py_ssize_t n = min(a.shape[0], b.shape[0])
+    cdef Py_ssize_t i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+from cpython.dict cimport PyDict_GetItem
+from cpython.ref cimport PyObject
+from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+
+
+def match_digests(dict by_digest, list digests, Py_ssize_t start, Py_ssize_t stop, list out):
+    """Append `by_digest[digests[j]]` to `out` for j = start, start + 1, ... while j < stop and
+    the digest is there; returns the first j that was not appended."""
+    cdef Py_ssize_t block = start
+    cdef PyObject* entry
+    if stop > PyList_GET_SIZE(digests):
+        stop = PyList_GET_SIZE(digests)
+    while block < stop:
+        entry = PyDict_GetItem(by_digest, <object>PyList_GET_ITEM(digests, block))
+        if entry == NULL:
+            break
+        out.append(<object>entry)
+        block += 1
+    return block

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from atombatch.errors import CapacityError, ConfigError, RequestError, StateError
 
@@ -272,6 +273,17 @@ class BlockPool:
             self._num_evictable -= 1
         self._refcnt[block] += 1
 
+    def acquire_blocks(self, blocks: Sequence[int]) -> None:
+        """`acquire` each block in order (a prefix hit pins its shared chain); every block is
+        checked before any is pinned."""
+        for block in blocks:
+            self._expect(block, CACHED, "acquire")
+        for block in blocks:
+            if self._refcnt[block] == 0:
+                self._unlink(block)
+                self._num_evictable -= 1
+            self._refcnt[block] += 1
+
     def release(self, block: int) -> None:
         """Unpin a CACHED block; at refcount 0 it becomes the most recently used evictable block."""
         self._expect(block, CACHED, "release")
@@ -464,6 +476,18 @@ class LaneTable:
                                 f"{self._bps} entries")
         self._rows[lane, n] = block
         self._num_held[lane] = n + 1
+
+    def push_blocks(self, lane: int, blocks: Sequence[int]) -> None:
+        """`push_block` each block in order; all are checked before the row changes."""
+        self._check_busy(lane)
+        for block in blocks:
+            self._check_table_block(block)
+        n = int(self._num_held[lane])
+        if n + len(blocks) > self._bps:
+            raise CapacityError(f"lane={lane} holds {n} blocks: {len(blocks)} more exceed the "
+                                f"row's {self._bps} entries")
+        self._rows[lane, n:n + len(blocks)] = blocks
+        self._num_held[lane] = n + len(blocks)
 
     def pop_block(self, lane: int) -> int:
         """Remove and return the lane's last block."""
@@ -950,3 +974,53 @@ class StepKernel:
                 out.append(factory(self.ids[lane], (int(self.tokens[row]),), False))
                 count += 1
         return count
+
+
+# -- prefix digests and token comparison ----------------------------------------------------------
+
+_ROOT_INPUT = bytes(16)
+
+
+def block_digests(tokens: npt.NDArray[np.int64], start: int, stop: int, block_size: int,
+                  parent: bytes, seed: int) -> list[bytes]:
+    """The chained digests of the full blocks `tokens[start:stop]` (a whole number of blocks),
+    the first chained to `parent` (16 zero bytes when empty): each is
+    `xxh3_128(parent || int64 tokens || b"F", seed)` in canonical (big-endian) byte order."""
+    if block_size <= 0 or start < 0 or stop > len(tokens) or stop < start or \
+            (stop - start) % block_size:
+        raise ValueError(f"tokens[{start}:{stop}] is not a whole number of {block_size}-token "
+                         f"blocks of the {len(tokens)} tokens")
+    if len(parent) not in (0, 16):
+        raise ValueError(f"a parent digest has 16 bytes, not {len(parent)}")
+    out: list[bytes] = []
+    parent = parent or _ROOT_INPUT
+    for position in range(start, stop, block_size):
+        state = xxhash.xxh3_128(parent, seed=seed)
+        state.update(tokens[position:position + block_size].data)
+        state.update(b"F")
+        parent = state.digest()
+        out.append(parent)
+    return out
+
+
+def common_prefix(a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def match_digests(by_digest: dict[bytes, Any], digests: list[bytes], start: int, stop: int,
+                  out: list[Any]) -> int:
+    """Append `by_digest[digests[j]]` to `out` for j = start, start + 1, ... while j < stop and
+    the digest is there; returns the first j that was not appended."""
+    block, stop = start, min(stop, len(digests))
+    while block < stop:
+        entry = by_digest.get(digests[block])
+        if entry is None:
+            break
+        out.append(entry)
+        block += 1
+    return block

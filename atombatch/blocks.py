@@ -23,6 +23,9 @@ SlidingSlots = _impl.SlidingSlots
 DecodeInputs = _impl.DecodeInputs
 PrefillInputs = _impl.PrefillInputs
 StepKernel = _impl.StepKernel
+block_digests = _impl.block_digests  # a prompt's full-block prefix digests in one call
+common_prefix = _impl.common_prefix  # leading tokens two int64 arrays share
+match_digests = _impl.match_digests  # the run of a chain's digests a dict holds
 IMPLEMENTATION: str = _impl.IMPLEMENTATION
 
 from atombatch._blocks_py import (  # noqa: E402  (constants are shared by both implementations)
@@ -78,4 +81,7 @@ __all__ = [
     "PrefillInputs",
     "SlidingSlots",
     "StepKernel",
+    "block_digests",
+    "common_prefix",
+    "match_digests",
 ]

@@ -114,7 +114,13 @@ class KVManager:
             entry = self.prefix.remove(block)
             if self.host is not None:
                 self._saves.append(entry)
-        self._event("block.evicted", block=block)
+        # one event for a run of evictions (growth evicts block by block): logging one per block
+        # cost more than the evictions themselves at a full cache
+        events = self.events
+        if events and events[-1][0] == "block.evicted":
+            events[-1][1]["blocks"].append(block)
+        else:
+            self._event("block.evicted", blocks=[block])
         return block
 
     # -- growth -----------------------------------------------------------------------------------
@@ -363,10 +369,16 @@ class KVManager:
             return
         entries = match.entries[: -(-resume // bs)]
         pinned = [e.block for e in entries if e.block >= 0]
-        for block in pinned:  # nothing below may evict what this lane is about to use
-            self.pool.acquire(block)
+        self.pool.acquire_blocks(pinned)  # nothing below may evict what this lane will use
         restored = 0
-        for j, entry in enumerate(entries):
+        # all on the device (no host restore): the blocks wholly before the resume position are
+        # shared as they are, in one call
+        run = resume // bs if len(pinned) == len(entries) else 0
+        if run:
+            self.lanes.push_blocks(lane, pinned[:run])
+            request.shared += run
+        for j in range(run, len(entries)):
+            entry = entries[j]
             below = (j + 1) * bs <= resume  # wholly before the resume position: read-only
             block = entry.block
             if block < 0:  # only on the host: restore into a fresh block
@@ -414,11 +426,14 @@ class KVManager:
             return
         below = resume // bs
         entries = match.entries[: -(-resume // bs)]
-        for entry in entries:  # pinned first: nothing below may evict them
-            if entry.block >= 0:
-                self.pool.acquire(entry.block)
+        pinned = [e.block for e in entries if e.block >= 0]
+        self.pool.acquire_blocks(pinned)  # pinned first: nothing below may evict them
         restored = 0
-        for entry in entries[:below]:
+        run = below if len(pinned) == len(entries) else 0  # all on the device: shared as is
+        if run:
+            request.blocks.extend(pinned[:run])
+            request.shared += run
+        for entry in entries[run:below]:
             block = entry.block
             if block < 0:  # a host copy: restored, cached and shared like a device entry
                 block = self.take_block(core.STAGED, -2)
@@ -488,23 +503,35 @@ class KVManager:
         assert prefix is not None
         bs = self.artifact.block_size
         chain = self.chain(request, valid)  # positions 0..valid-1 hold its first valid tokens
-        tokens, digests = chain.tokens, chain.digests
-        for j, block in enumerate(held):
-            if j < request.shared:
-                self.pool.release(block)
-                continue
-            start = j * bs
+        pool = self.pool
+        shared = min(request.shared, len(held))
+        for block in held[:shared]:
+            pool.release(block)
+        full = min(valid // bs, len(held))
+        # the full blocks in one loop; a block whose digest is cached already is freed
+        duplicates = prefix.insert_full_blocks(held, chain, shared, full) if full > shared else []
+        if duplicates:
+            dropped = set(duplicates)
+            for block in held[shared:full]:
+                if block in dropped:
+                    pool.free(block)
+                else:
+                    pool.cache(block)
+        else:
+            for block in held[shared:full]:
+                pool.cache(block)
+        for j in range(max(full, shared), len(held)):
+            block, start = held[j], j * bs
             if start >= valid:
-                self.pool.free(block)
+                pool.free(block)
                 continue
-            end = min(start + bs, valid)
-            full = end - start == bs
-            digest = digests[j] if full else chain.partial_digest(end)
-            if prefix.insert_digest(block, digest, digests[j - 1] if j else ROOT,
-                                    tokens[start:end], full) is None:
-                self.pool.free(block)  # an identical block is cached already
+            end = min(start + bs, valid)  # the partial last block
+            digest = chain.partial_digest(end)
+            if prefix.insert_digest(block, digest, chain.digests[j - 1] if j else ROOT,
+                                    chain.tokens[start:end], False) is None:
+                pool.free(block)  # an identical block is cached already
             else:
-                self.pool.cache(block)
+                pool.cache(block)
 
     # -- invariants -------------------------------------------------------------------------------
     def check(self, by_lane: list[Request | None], staging: Request | None,

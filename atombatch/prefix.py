@@ -16,10 +16,14 @@ hash function exactly once: a full block's digest is finished when its last toke
 the open (last, partial) block is kept as a running hash state whose partial digest is a copy.
 Lookup walks the request's stored digests; caching a finished request reuses them.
 
-Full blocks are found by digest in O(1) per block. The last, partial block of a finished sequence
-is cached too (with an eager artifact a block is a whole sequence, so partial blocks are where the
-hits are); a lookup compares the prompt against the partial children of the matched chain and
-takes the longest common token prefix.
+Full blocks are found by digest in O(1) per block (one compiled pass over the stored digests). The
+last, partial block of a finished sequence is cached too (with an eager artifact a block is a whole
+sequence, so partial blocks are where the hits are); where the full digests stop, a lookup takes
+the child of the matched chain sharing the longest token prefix with the prompt. A parent's
+children sit in a radix trie over their tokens (a lone child as itself), so that costs what the
+prompt block's tokens cost, never one comparison per cached sibling (docs/prefix-cache.md).
+Full-block digests are computed by `blocks.block_digests` (compiled xxh3-128, or its twin) in one
+call per extension of a chain.
 
 The host cache keeps blocks the device cache evicted, by the same digests, in an LRU bounded in
 bytes; a lookup that runs off the device chain continues into it.
@@ -35,6 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 import xxhash
+
+from atombatch.blocks import block_digests, common_prefix, match_digests
 
 ROOT = b""          # the parent digest of block 0 (as a key)
 ROOT_INPUT = bytes(16)  # what block 0's hash input starts with: every input is 16 + 8n + 1 bytes
@@ -116,8 +122,9 @@ class TokenChain:
         return self._buffer[:self.length]
 
     def extend(self, tokens: npt.ArrayLike | Sequence[int]) -> None:
-        """Append tokens and hash them: finish the digest of every block they complete and feed
-        the rest into the open block's running state."""
+        """Append tokens and hash them: the open block's running state takes the tokens up to its
+        end, the full blocks after it are hashed in one compiled call (`blocks.block_digests`),
+        and the rest starts a new open block."""
         data = np.asarray(tokens, dtype=np.int64).reshape(-1)
         start, end = self.length, self.length + len(data)
         if end == start:
@@ -130,21 +137,31 @@ class TokenChain:
         buffer = self._buffer
         buffer[start:end] = data
         self.length = end
-        hasher, block_size = self._hasher, self._hasher.block_size
+        hasher, block_size, digests = self._hasher, self._hasher.block_size, self.digests
+        hasher.tokens_hashed += end - start
         position = start
-        while position < end:
+        if position > self._open_start:  # the open block holds tokens: its state takes more
             block_end = self._open_start + block_size
             stop = min(end, block_end)
             self._open.update(buffer[position:stop].data)
-            hasher.tokens_hashed += stop - position
             position = stop
-            if position == block_end:
-                self._open.update(FULL)
-                digest = self._open.digest()
-                hasher.digests_made += 1
-                self.digests.append(digest)
-                self._open = xxhash.xxh3_128(digest, seed=hasher.seed)
-                self._open_start = block_end
+            if position < block_end:
+                return
+            self._open.update(FULL)
+            digests.append(self._open.digest())
+            hasher.digests_made += 1
+            self._open_start = block_end
+        full = (end - position) // block_size * block_size
+        if full:
+            made = block_digests(buffer, position, position + full, block_size,
+                                 digests[-1] if digests else ROOT, hasher.seed)
+            digests.extend(made)
+            hasher.digests_made += len(made)
+            position += full
+            self._open_start = position
+        self._open = xxhash.xxh3_128(digests[-1] if digests else ROOT_INPUT, seed=hasher.seed)
+        if position < end:
+            self._open.update(buffer[position:end].data)
 
     def parent(self, block: int) -> bytes:
         """The digest block `block` is chained to."""
@@ -187,58 +204,162 @@ class Match:
     tokens: int = 0                     # prompt tokens covered by the chain
 
 
-def _common_prefix(a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
+class _Node:
+    """A node of a parent's children trie: the tokens on the edge into it, the edges out of it by
+    their first token, and the child whose tokens end here (if one does)."""
+
+    __slots__ = ("edges", "entry", "label", "up")
+
+    def __init__(self, label: npt.NDArray[np.int64], up: _Node | None) -> None:
+        self.label = label                  # tokens from `up` to this node (a view, never empty
+                                            #   below the root)
+        self.up = up                        # the node above (None at the root)
+        self.edges: dict[int, _Node] = {}   # first token of a child node's label -> child node
+        self.entry: Entry | None = None     # the child entry whose tokens end at this node
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class _Children:
+    """The cached blocks chained to one parent digest, in a radix trie over their tokens
+    (SGLang's radix cache, one level of it): the child sharing the longest token prefix with a
+    prompt block is found by walking the prompt's tokens down the trie, so it costs what that
+    block's tokens cost, never one comparison per sibling.
+
+    Every leaf holds an entry and every node without one has two or more edges (removal prunes
+    and merges), so each node on a path is a point where cached children diverge; a walk visits
+    at most `block_size + 1` nodes and reaches an entry from any node by following any edge.
+    """
+
+    __slots__ = ("node_of", "root")
+
+    def __init__(self) -> None:
+        self.root = _Node(_EMPTY, None)
+        self.node_of: dict[bytes, _Node] = {}   # entry digest -> the node it ends at
+
+    def __len__(self) -> int:
+        return len(self.node_of)
+
+    def add(self, entry: Entry) -> None:
+        tokens = entry.tokens
+        node, depth, n = self.root, 0, len(tokens)
+        while depth < n:
+            child = node.edges.get(int(tokens[depth]))
+            if child is None:  # nothing shares the next token: a new leaf
+                leaf = _Node(tokens[depth:], node)
+                node.edges[int(tokens[depth])] = leaf
+                node = leaf
+                break
+            label = child.label
+            shared = common_prefix(label, tokens[depth:])
+            if shared < len(label):  # diverges inside the edge: split it
+                middle = _Node(label[:shared], node)
+                node.edges[int(label[0])] = middle
+                child.label, child.up = label[shared:], middle
+                middle.edges[int(child.label[0])] = child
+                child = middle
+            node, depth = child, depth + shared
+        if node.entry is not None:  # same parent and tokens is the same digest
+            raise ValueError(f"tokens already cached as {node.entry.digest.hex()}")
+        node.entry = entry
+        self.node_of[entry.digest] = node
+
+    def remove(self, entry: Entry) -> None:
+        node = self.node_of.pop(entry.digest)
+        node.entry = None
+        up = node.up
+        while up is not None and node.entry is None and not node.edges:  # prune empty leaves
+            del up.edges[int(node.label[0])]
+            node, up = up, up.up
+        if up is not None and node.entry is None and len(node.edges) == 1:  # merge a pass-through
+            (child,) = node.edges.values()
+            child.label = np.concatenate([node.label, child.label])
+            child.up = up
+            up.edges[int(child.label[0])] = child
+
+    def longest(self, tokens: npt.NDArray[np.int64]) -> tuple[Entry | None, int, int]:
+        """A child sharing the longest token prefix with `tokens` (None if none shares one),
+        how many tokens it shares, and how many trie nodes the search visited."""
+        node, depth, n, visited = self.root, 0, len(tokens), 0
+        while depth < n:
+            child = node.edges.get(int(tokens[depth]))
+            if child is None:
+                break
+            visited += 1
+            shared = common_prefix(child.label, tokens[depth:])
+            node, depth = child, depth + shared
+            if shared < len(child.label):
+                break
+        if depth == 0:
+            return None, 0, visited
+        # every child below `node` shares exactly `depth` tokens, none elsewhere shares as many
+        while node.entry is None:
+            node = next(iter(node.edges.values()))
+            visited += 1
+        return node.entry, depth, visited
 
 
 class _Index:
-    """Digest -> entry, and parent digest -> children (for partial matches)."""
+    """Digest -> entry, and parent digest -> children (for partial matches): the one child most
+    parents have (a chain), or the `_Children` trie of two or more."""
 
     def __init__(self) -> None:
         self.by_digest: dict[bytes, Entry] = {}
-        self.children: dict[bytes, dict[bytes, Entry]] = {}
+        self.children: dict[bytes, Entry | _Children] = {}
+        self.nodes_visited = 0          # trie nodes partial matches visited (tests: no scan)
 
     def add(self, entry: Entry) -> None:
+        children = self.children
+        siblings = children.get(entry.parent)
+        if siblings is None:
+            children[entry.parent] = entry
+        elif isinstance(siblings, _Children):
+            siblings.add(entry)
+        else:  # a second child: the parent's children become a trie
+            trie = _Children()
+            trie.add(siblings)
+            trie.add(entry)
+            children[entry.parent] = trie
         self.by_digest[entry.digest] = entry
-        self.children.setdefault(entry.parent, {})[entry.digest] = entry
 
     def remove(self, entry: Entry) -> None:
         del self.by_digest[entry.digest]
         siblings = self.children[entry.parent]
-        del siblings[entry.digest]
-        if not siblings:
+        if not isinstance(siblings, _Children):
             del self.children[entry.parent]
+            return
+        siblings.remove(entry)
+        if len(siblings) == 1:  # a lone child again: kept as itself
+            (last,) = siblings.node_of
+            self.children[entry.parent] = self.by_digest[last]
 
     def walk(self, chain: TokenChain, length: int, start_block: int, match: Match) -> None:
         """Extend `match` over the first `length` tokens of `chain` from block `start_block`:
-        through full blocks by their stored digests, then the best partial child."""
+        through full blocks by their stored digests, then the child of the last matched block
+        that shares the most of the next tokens (one trie walk, whatever the number of
+        siblings)."""
         block_size = chain._hasher.block_size
-        digests, by_digest = chain.digests, self.by_digest
-        block, last = start_block, length // block_size
-        while block < last:
-            entry = by_digest.get(digests[block])
-            if entry is None:
-                break
-            match.entries.append(entry)
-            block += 1
+        block = match_digests(self.by_digest, chain.digests, start_block, length // block_size,
+                              match.entries)
         position = block * block_size
         match.tokens = position
-        children = self.children.get(chain.parent(block))
-        if not children or position >= length:
+        if position >= length:
+            return
+        siblings = self.children.get(chain.parent(block))
+        if siblings is None:
             return
         rest = chain.tokens[position:min(position + block_size, length)]
-        best, best_len = None, 0
-        for child in children.values():
-            common = _common_prefix(child.tokens, rest)
-            if common > best_len:
-                best, best_len = child, common
-        if best is not None:
+        best: Entry | None
+        if isinstance(siblings, _Children):
+            best, shared, visited = siblings.longest(rest)
+            self.nodes_visited += visited
+        else:
+            best, shared = siblings, common_prefix(siblings.tokens, rest)
+            self.nodes_visited += 1
+        if best is not None and shared:
             match.entries.append(best)
-            match.tokens = position + best_len
+            match.tokens = position + shared
 
 
 class PrefixIndex:
@@ -293,6 +414,32 @@ class PrefixIndex:
         self._index.add(entry)
         self._by_block[block] = entry
         return entry
+
+    def insert_full_blocks(self, blocks: Sequence[int], chain: TokenChain, first: int,
+                           stop: int) -> list[int]:
+        """Index `blocks[j]` as holding full block j of `chain`, for j = first..stop-1, under the
+        chain's stored digests (what `insert_digest` does block by block, in one loop); returns
+        the blocks not indexed because their digest is cached already."""
+        index = self._index
+        by_digest, children, by_block = index.by_digest, index.children, self._by_block
+        digests, tokens, block_size = chain.digests, chain.tokens, self.block_size
+        parent = digests[first - 1] if first else ROOT
+        duplicates = []
+        for j in range(first, stop):
+            digest, block = digests[j], blocks[j]
+            if digest in by_digest:
+                duplicates.append(block)
+            else:
+                entry = Entry(digest, parent, tokens[j * block_size:(j + 1) * block_size], True,
+                              block)
+                if parent in children:
+                    index.add(entry)
+                else:  # the parent's first child (`_Index.add`'s common case, inlined)
+                    children[parent] = entry
+                    by_digest[digest] = entry
+                by_block[block] = entry
+            parent = digest
+        return duplicates
 
     def remove(self, block: int) -> Entry:
         """The block left the cache (evicted or adopted by a lane)."""

@@ -66,13 +66,30 @@ ENGINE_OPS = (
                               #   table build, token append and stop checks), no device call,
                               #   no sampling, no outputs
 )
-PREFIX_OPS = (
+PREFIX_8K_OPS = (
     "prefix_hash",            # hashing an 8 192-token prompt once (xxh3-128 block chain, and
                               #   the partial last block's digest)
     "prefix_hash_blake2b",    # baseline: the same digests with keyed blake2b-128
     "prefix_lookup",          # the longest cached prefix of that prompt, every block cached
     "prefix_insert",          # caching the finished 8 192-token request (Batcher.abort)
 )
+PREFIX_SCALE_OPS = (
+    "prefix_miss",            # a lookup that misses at block 0 with 1k/10k/30k 16-token blocks
+                              #   cached in 8-block chains (one root sibling per chain: what a
+                              #   scan of siblings pays most for)
+    "prefix_hash_lookup",     # hashing an 8 192-token prompt in 16-token blocks + its lookup,
+                              #   every block cached (a fresh request's whole prefix-cache cost)
+    "prefix_hash_lookup_vllm",  # baseline: vLLM v1's recipe re-implemented (sha256 of the pickled
+                              #   (parent, token tuple, None) per block, one dict probe per block)
+    "prefix_insert_32k",      # caching a finished 32 768-token request (Batcher.abort)
+    "prefix_admit_hit",       # the step that admits an 8 192-token request whose prompt is cached
+                              #   in 16-token blocks (shares 448 blocks, prefills its last chunk)
+    "prefix_admit",           # the step that admits a 128-token request at a full 30k-block
+                              #   cache (its lookup misses; its blocks are evicted from the LRU)
+    "prefix_admit_nocache",   # the same admitting step with the prefix cache off
+    "prefix_steady",          # a steady decode step of the same Batcher (every lane decoding)
+)
+PREFIX_OPS = PREFIX_8K_OPS + PREFIX_SCALE_OPS
 OPS = BLOCK_OPS + ENGINE_OPS + PREFIX_OPS
 
 
@@ -151,11 +168,17 @@ def cases(lanes: Iterable[int] = (1, 4, 16, 64, 256), ops: Iterable[str] = OPS,
                         out.append(Case(op, name, shape, b, engine_blocks,
                                         _engine_case(impl, b, shape, op)))
     default = implementations()[0]
+    if impls is not None and default.IMPLEMENTATION not in set(impls):
+        return out
     for shape, num_blocks in (("eager", 2), ("partitioned", PREFIX_MAX_SEQ_LEN // 128 + 1)):
-        for op in PREFIX_OPS:
-            if op in wanted and (impls is None or default.IMPLEMENTATION in set(impls)):
+        for op in PREFIX_8K_OPS:
+            if op in wanted:
                 out.append(Case(op, default.IMPLEMENTATION, shape, 1, num_blocks,
                                 _prefix_case(default, op, shape)))
+    for op, shape, b, num_blocks in prefix_scale_shapes():
+        if op in wanted:
+            out.append(Case(op, default.IMPLEMENTATION, shape, b, num_blocks,
+                            _prefix_scale_case(default, op, shape, b, num_blocks)))
     return out
 
 
@@ -493,4 +516,287 @@ def prefix_time_func(impl: ModuleType, op: str, shape: str) -> TimeFunc:
             return elapsed
         return insert
 
-    raise ValueError(f"op={op!r} is not a prefix op ({', '.join(PREFIX_OPS)})")
+    raise ValueError(f"op={op!r} is not a prefix op ({', '.join(PREFIX_8K_OPS)})")
+
+
+# -- the prefix index at scale ---------------------------------------------------------------
+
+SCALE_BLOCK_SIZE = 16              # vLLM's default block size: the most blocks per prompt
+SCALE_CACHED_BLOCKS = (1_000, 10_000, 30_000)
+SCALE_CHAIN_BLOCKS = 8             # cached chains of 128-token prompts: one root sibling each
+INSERT_TOKENS = 32_768             # the finished request of `prefix_insert_32k`
+ADMIT_LANES = (4, 16)
+ADMIT_MAX_SEQ_LEN = 2048
+ADMIT_NUM_BLOCKS = 30_720          # a full cache of 16-token blocks
+ADMIT_PROMPT = 128                 # the admitted request's prompt (a miss)
+
+
+def prefix_scale_shapes() -> list[tuple[str, str, int, int]]:
+    """(op, shape, lanes, num_blocks) of every scale case."""
+    out = [("prefix_miss", f"cached{n // 1000}k", 1, n) for n in SCALE_CACHED_BLOCKS]
+    out += [(op, "bs16", 1, PREFIX_TOKENS // SCALE_BLOCK_SIZE)
+            for op in ("prefix_hash_lookup", "prefix_hash_lookup_vllm")]
+    out += [("prefix_insert_32k", shape, 1, INSERT_TOKENS // bs + 64 + 1)
+            for shape, bs in (("bs16", 16), ("bs128", 128))]
+    out += [("prefix_insert_32k", "eager", 1, 2)]
+    out += [("prefix_admit_hit", "bs16", 1, PREFIX_MAX_SEQ_LEN // SCALE_BLOCK_SIZE + 1)]
+    out += [(op, "cached30k", b, ADMIT_NUM_BLOCKS) for b in ADMIT_LANES
+            for op in ("prefix_admit", "prefix_admit_nocache", "prefix_steady")]
+    return out
+
+
+def _prefix_scale_case(impl: ModuleType, op: str, shape: str, lanes: int,
+                       num_blocks: int) -> Callable[[], TimeFunc]:
+    if op == "prefix_miss":
+        return lambda: prefix_miss_time_func(num_blocks)
+    if op in ("prefix_hash_lookup", "prefix_hash_lookup_vllm"):
+        return lambda: prefix_hash_lookup_time_func(op)
+    if op == "prefix_insert_32k":
+        return lambda: prefix_insert_32k_time_func(impl, shape)
+    if op == "prefix_admit_hit":
+        return lambda: prefix_admit_hit_time_func(impl)
+    return lambda: prefix_admit_time_func(impl, op, lanes)
+
+
+def cached_index(num_blocks: int, chain_blocks: int = SCALE_CHAIN_BLOCKS,
+                 block_size: int = SCALE_BLOCK_SIZE, seed: int = 0) -> Any:
+    """A `PrefixIndex` holding `num_blocks` full blocks in chains of `chain_blocks` random
+    tokens (distinct first blocks)."""
+    from atombatch.prefix import PrefixIndex
+
+    index = PrefixIndex(block_size, seed=1)
+    rng = np.random.default_rng(seed)
+    block = 0
+    while block < num_blocks:
+        chain = index.chain(rng.integers(1, 32_000, size=chain_blocks * block_size))
+        for j in range(min(chain_blocks, num_blocks - block)):
+            index.insert_digest(block, chain.digests[j], chain.parent(j),
+                                chain.tokens[j * block_size:(j + 1) * block_size], True)
+            block += 1
+    return index
+
+
+def prefix_miss_time_func(num_blocks: int) -> TimeFunc:
+    """`PrefixIndex.match` of an 8 192-token prompt (hashed once, untimed) that shares no block
+    with the `num_blocks` cached ones."""
+    index = cached_index(num_blocks)
+    chain = index.chain(np.random.default_rng(99).integers(1, 32_000, size=PREFIX_TOKENS))
+    if index.match(chain, PREFIX_TOKENS).tokens > SCALE_BLOCK_SIZE:
+        raise RuntimeError("the miss case expected a miss")
+
+    def miss(n: int, match=index.match) -> None:
+        for _ in range(n):
+            match(chain, PREFIX_TOKENS)
+    return timed(miss)
+
+
+def vllm_block_hashes(tokens: list[int], block_size: int, none_hash: bytes) -> list[bytes]:
+    """vLLM v1's block hashes (`kv_cache_utils.hash_block_tokens` with its default sha256):
+    sha256 of the pickled (parent hash, tuple of the block's token ids, extra keys) per full
+    block, re-implemented here as the baseline."""
+    import pickle
+
+    out, parent = [], none_hash
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hashlib.sha256(pickle.dumps(
+            (parent, tuple(tokens[start:start + block_size]), None),
+            protocol=pickle.HIGHEST_PROTOCOL)).digest()
+        out.append(parent)
+    return out
+
+
+def prefix_hash_lookup_time_func(op: str) -> TimeFunc:
+    """A fresh 8 192-token prompt's whole prefix-cache cost in 16-token blocks: its digests, then
+    its longest cached prefix, every block cached. The baseline does the same the vLLM v1 way:
+    its block hashes, then one dict probe per block until the first miss."""
+    prompt = np.random.default_rng(0).integers(1, 32_000, size=PREFIX_TOKENS)
+    if op == "prefix_hash_lookup":
+        from atombatch.prefix import PrefixIndex
+
+        index = PrefixIndex(SCALE_BLOCK_SIZE, seed=1)
+        cached = index.chain(prompt)
+        for j in range(PREFIX_TOKENS // SCALE_BLOCK_SIZE):
+            index.insert_digest(j, cached.digests[j], cached.parent(j),
+                                cached.tokens[j * SCALE_BLOCK_SIZE:(j + 1) * SCALE_BLOCK_SIZE],
+                                True)
+
+        def hash_lookup(n: int, chain=index.chain, match=index.match) -> None:
+            for _ in range(n):
+                match(chain(prompt), PREFIX_TOKENS)
+        return timed(hash_lookup)
+
+    tokens = prompt.tolist()  # vLLM keeps a request's token ids as a list
+    none_hash = os.urandom(32)
+    table = {digest: j for j, digest in
+             enumerate(vllm_block_hashes(tokens, SCALE_BLOCK_SIZE, none_hash))}
+
+    def hash_lookup_vllm(n: int) -> None:
+        for _ in range(n):
+            hit = []
+            for digest in vllm_block_hashes(tokens, SCALE_BLOCK_SIZE, none_hash):
+                block = table.get(digest)
+                if block is None:
+                    break
+                hit.append(block)
+    return timed(hash_lookup_vllm)
+
+
+def prefix_insert_32k_time_func(impl: ModuleType, shape: str) -> TimeFunc:
+    """`Batcher.abort` of a decoding request with a 32 768-token prompt: its lane released and
+    its blocks cached (16- or 128-token blocks, or one eager block); a new prefix every time."""
+    from atombatch.config import ArtifactConfig
+    from atombatch.structs import SamplingParams
+
+    max_seq_len = INSERT_TOKENS + 1024
+    block_size = {"bs16": 16, "bs128": 128, "eager": max_seq_len}[shape]
+    art = ArtifactConfig(model=_null_spec(), batch_size=1, max_seq_len=max_seq_len,
+                         block_size=block_size, num_blocks=max_seq_len // block_size + 1,
+                         prefill_chunk_size=PREFIX_CHUNK)
+    batcher = batcher_on(impl, art, prefix_cache=True)
+    scheduler = batcher.scheduler
+    prompt = np.random.default_rng(0).integers(1, ENGINE_VOCAB, size=INSERT_TOKENS)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    serial = [0]
+
+    def insert(loops: int) -> float:
+        elapsed = 0.0
+        for _ in range(loops):
+            serial[0] += 1
+            tokens = prompt.copy()
+            tokens[0] = 1 + serial[0] % (ENGINE_VOCAB - 1)   # a new prefix: no hit
+            tokens[1] = 1 + serial[0] // (ENGINE_VOCAB - 1) % (ENGINE_VOCAB - 1)
+            request_id = batcher.submit(tokens.tolist(), params)
+            while scheduler.lanes.num_decoding() < 1:
+                batcher.step()
+            started = start_clocks()
+            batcher.abort(request_id)     # releases the lane and caches its 32 768 positions
+            elapsed += stop_clocks(started)
+            batcher.step()                # drains the final output (untimed)
+        return elapsed
+    return insert
+
+
+def prefix_admit_hit_time_func(impl: ModuleType) -> TimeFunc:
+    """A B=1 Batcher (16-token blocks, chunks of 1 024) whose cache holds an 8 192-token prompt;
+    each timed iteration is the step that admits that prompt again (lookup, 448 shared blocks
+    pinned, the blocks of its last chunk taken, that chunk prefilled). Submitting (hashing) and
+    finishing are untimed."""
+    from atombatch.config import ArtifactConfig
+    from atombatch.structs import SamplingParams
+
+    art = ArtifactConfig(model=_null_spec(), batch_size=1, max_seq_len=PREFIX_MAX_SEQ_LEN,
+                         block_size=SCALE_BLOCK_SIZE,
+                         num_blocks=PREFIX_MAX_SEQ_LEN // SCALE_BLOCK_SIZE + 1,
+                         prefill_chunk_size=PREFIX_CHUNK)
+    batcher = batcher_on(impl, art, prefix_cache=True)
+    scheduler = batcher.scheduler
+    prompt = np.random.default_rng(0).integers(1, ENGINE_VOCAB, size=PREFIX_TOKENS).tolist()
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def finish(request_id: Any) -> None:
+        while scheduler.lanes.num_decoding() < 1:
+            batcher.step()
+        batcher.abort(request_id)
+        batcher.step()
+
+    finish(batcher.submit(prompt, params))
+
+    def admit(loops: int) -> float:
+        elapsed, hits = 0.0, batcher.stats().prefix_hits
+        for _ in range(loops):
+            request_id = batcher.submit(prompt, params)
+            started = start_clocks()
+            batcher.step()
+            elapsed += stop_clocks(started)
+            finish(request_id)
+        if batcher.stats().prefix_hits != hits + loops:
+            raise RuntimeError("the admit-hit case expected every admission to hit")
+        return elapsed
+    return admit
+
+
+def full_cache_batcher(impl: ModuleType, lanes: int, prefix_cache: bool = True) -> Any:
+    """A Batcher on a null device (16-token blocks, 2 048-token context) whose prefix cache
+    holds all but a few of its 30 720 blocks, from finished 2 000-token requests."""
+    from atombatch.config import ArtifactConfig
+    from atombatch.structs import SamplingParams
+
+    art = ArtifactConfig(model=_null_spec(), batch_size=lanes, max_seq_len=ADMIT_MAX_SEQ_LEN,
+                         block_size=SCALE_BLOCK_SIZE, num_blocks=ADMIT_NUM_BLOCKS,
+                         prefill_chunk_size=512)
+    batcher = batcher_on(impl, art, prefix_cache=prefix_cache)
+    if not prefix_cache:
+        return batcher
+    scheduler, rng = batcher.scheduler, np.random.default_rng(0)
+    once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    room = lanes * art.blocks_per_seq + 200   # what the lanes below will hold, and some
+    while len(scheduler.prefix) < ADMIT_NUM_BLOCKS - room:
+        for _ in range(lanes):
+            batcher.submit(rng.integers(1, ENGINE_VOCAB, size=2000).tolist(), once)
+        while scheduler.has_work():
+            batcher.step()
+    return batcher
+
+
+def prefix_admit_time_func(impl: ModuleType, op: str, lanes: int) -> TimeFunc:
+    """Every lane decoding at a full cache. `prefix_admit`: one lane's request is aborted, a new
+    128-token request is submitted (its prompt hashed; untimed), and the step that admits it is
+    timed (lookup, eviction of the blocks it takes, its prefill chunk, the other lanes' decode);
+    `prefix_admit_nocache` is that step without a prefix cache; `prefix_steady` a decode step."""
+    from atombatch.structs import SamplingParams
+
+    batcher = full_cache_batcher(impl, lanes, prefix_cache=op != "prefix_admit_nocache")
+    scheduler, rng = batcher.scheduler, np.random.default_rng(1)
+    max_tokens = ADMIT_MAX_SEQ_LEN - ADMIT_PROMPT - 8
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids: list[Any] = []
+    left = [0]  # decode steps before the oldest lane could finish
+
+    def fresh() -> Any:
+        return batcher.submit(rng.integers(1, ENGINE_VOCAB, size=ADMIT_PROMPT).tolist(), params)
+
+    def settle() -> None:
+        while scheduler.lanes.num_decoding() < lanes:
+            batcher.step()
+
+    def renew() -> None:
+        for request_id in ids:
+            batcher.abort(request_id)
+        batcher.step()
+        ids[:] = [fresh() for _ in range(lanes)]
+        settle()
+        left[0] = max_tokens - 4
+
+    renew()
+
+    if op == "prefix_steady":
+        def steady(loops: int) -> float:
+            elapsed = 0.0
+            while loops:
+                if left[0] <= 0:
+                    renew()
+                run = min(loops, left[0])
+                started = start_clocks()
+                for _ in range(run):
+                    batcher.step()
+                elapsed += stop_clocks(started)
+                loops -= run
+                left[0] -= run
+            return elapsed
+        return steady
+
+    def admit(loops: int) -> float:
+        elapsed = 0.0
+        for _ in range(loops):
+            if left[0] <= 8:
+                renew()
+            batcher.abort(ids[0])
+            batcher.step()                # drains the abort (untimed)
+            ids[:] = [*ids[1:], fresh()]  # hashed at submit (untimed: prefix_hash times it)
+            started = start_clocks()
+            batcher.step()                # admits it: lookup, eviction, its prefill chunk
+            elapsed += stop_clocks(started)
+            settle()
+            left[0] -= 8                  # steps the other lanes decoded meanwhile (a bound)
+        return elapsed
+    return admit

@@ -215,9 +215,10 @@ def format_table(records: Sequence[MicroRecord]) -> str:
         lines.append("")
         lines.append(f"prefix cache, {case_defs.PREFIX_TOKENS}-token prompt "
                      f"({'/'.join(sorted({r.impl for r in prefix}))} core):"
-                     f"{'wall us':>16}{'cpu us':>10}")
+                     f"{'wall us':>20}{'cpu us':>10}")
         for r in prefix:
-            lines.append(f"  {r.shape:<12}{r.op:<22}{r.ns_per_op / 1000:10.1f}"
+            shape = r.shape if r.lanes == 1 else f"{r.shape}/B{r.lanes}"
+            lines.append(f"  {shape:<16}{r.op:<26}{r.ns_per_op / 1000:10.1f}"
                          f"{r.cpu_ns_per_op / 1000:10.1f}")
     loads = [r.load1 for r in records if r.load1 >= 0]
     if loads:
@@ -248,7 +249,14 @@ LEGEND = (
     "  prefix_hash = hashing the prompt's block chain once (xxh3-128); prefix_hash_blake2b = the "
     "same with keyed blake2b, the baseline; "
     "prefix_lookup = its longest cached prefix, every block cached; prefix_insert = caching the "
-    "finished request.",
+    "finished request;",
+    "  prefix_miss = a lookup missing at block 0 with 1k/10k/30k 16-token blocks cached; "
+    "prefix_hash_lookup = hashing + lookup of the prompt in 16-token blocks; "
+    "prefix_hash_lookup_vllm = the same by vLLM v1's sha256-pickle recipe, the baseline; "
+    "prefix_insert_32k = caching a finished 32 768-token request; prefix_admit_hit = the step "
+    "admitting the cached prompt; prefix_admit = the step admitting a 128-token request at a "
+    "full 30k-block cache; prefix_admit_nocache = that step without a cache; prefix_steady = a "
+    "steady decode step at that cache.",
 )
 
 
