@@ -17,7 +17,7 @@ import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 import numpy as np
@@ -65,6 +65,19 @@ class OutputStreams:
 
     def abort(self, request_id: str) -> None:
         raise NotImplementedError
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def close(self, drain: bool = True) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     def _open(self, request_id: str) -> None:
         """Give a request about to be queued its output queue."""
@@ -236,13 +249,6 @@ class AsyncBatcher(OutputStreams):
         self._closing = False
         self._next_id = 0
 
-    async def __aenter__(self) -> AsyncBatcher:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
     async def start(self) -> None:
         """Start the step loop (a no-op while it runs); after `close()` it starts again."""
         if self._task is None:
@@ -366,13 +372,8 @@ class AsyncBatcher(OutputStreams):
                     await asyncio.sleep(0)  # let clients submit and consume between steps
             except Exception as exc:  # a bug, not a request failure: fail everything in flight
                 logger.exception("atombatch step loop failed")
-                for request_id in list(self._queues):
-                    batcher.abort(request_id)
-                    self._deliver(RequestOutput(request_id=request_id, new_token_ids=(),
-                                                finished=True, finish_reason="error",
-                                                error=f"engine failure: {exc}"))
-                with contextlib.suppress(Exception):
-                    batcher.step()  # drain the abort outputs
+                for out in fail_all(batcher, list(self._queues), exc):
+                    self._deliver(out)
                 continue
             for out in outputs:
                 self._deliver(out)
@@ -382,6 +383,19 @@ class AsyncBatcher(OutputStreams):
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=self.idle_poll)
+
+
+def fail_all(batcher: Batcher, request_ids: list[str], exc: Exception) -> list[RequestOutput]:
+    """After a step raised (a bug, not a request's failure): abort every request in flight and
+    return the error output each one ends with."""
+    outputs = []
+    for request_id in request_ids:
+        batcher.abort(request_id)
+        outputs.append(RequestOutput(request_id=request_id, new_token_ids=(), finished=True,
+                                     finish_reason="error", error=f"engine failure: {exc}"))
+    with contextlib.suppress(Exception):
+        batcher.step()  # drain the abort outputs
+    return outputs
 
 
 def compact_outputs(outs: list[RequestOutput]) -> RequestOutput:

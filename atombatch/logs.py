@@ -6,12 +6,18 @@ import logging
 
 import structlog
 
-log = structlog.wrap_logger(
-    logging.getLogger("atombatch"),
-    wrapper_class=structlog.stdlib.BoundLogger,
-    processors=[
-        structlog.stdlib.filter_by_level,
-        structlog.processors.add_log_level,
-        structlog.processors.JSONRenderer(),
-    ],
-)
+
+def logger(name: str = "atombatch") -> structlog.stdlib.BoundLogger:
+    """A structlog logger over the stdlib logger `name`: JSON events, stdlib levels."""
+    return structlog.wrap_logger(  # type: ignore[no-any-return]
+        logging.getLogger(name),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        processors=[
+            structlog.stdlib.filter_by_level,
+            structlog.processors.add_log_level,
+            structlog.processors.JSONRenderer(),
+        ],
+    )
+
+
+log = logger()

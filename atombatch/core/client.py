@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import multiprocessing
 import os
 import shutil
@@ -32,7 +31,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import structlog
 import zmq
 
 from atombatch.aio import DEFAULT_MAX_UNCLAIMED, OutputStreams
@@ -51,15 +49,11 @@ from atombatch.core.messages import (
 from atombatch.core.process import run_core
 from atombatch.engine import Batcher, EngineStats, KVSource
 from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
+from atombatch.logs import logger
 from atombatch.structs import RequestOutput, SamplingParams
 from atombatch.validation import validate_request
 
-log = structlog.wrap_logger(
-    logging.getLogger("atombatch.core"),
-    wrapper_class=structlog.stdlib.BoundLogger,
-    processors=[structlog.stdlib.filter_by_level, structlog.processors.add_log_level,
-                structlog.processors.JSONRenderer()],
-)
+log = logger("atombatch.core")
 
 
 class CoreClient(OutputStreams):
@@ -142,13 +136,6 @@ class CoreClient(OutputStreams):
         self._stats = message.stats
         log.info("core.ready", pid=message.pid, artifact=message.rules.artifact.label)
         return message
-
-    async def __aenter__(self) -> CoreClient:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     async def start(self) -> None:
         """Spawn the core (unless `start_process` did) and start receiving its outputs."""

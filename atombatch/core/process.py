@@ -12,8 +12,6 @@ exited (checked every loop) or its socket peer vanished, aborting every request 
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import signal
 import time
@@ -21,9 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import structlog
 import zmq
 
+from atombatch.aio import fail_all
 from atombatch.core.messages import (
     Abort,
     Failed,
@@ -37,14 +35,10 @@ from atombatch.core.messages import (
 )
 from atombatch.engine import Batcher
 from atombatch.errors import ConfigError
+from atombatch.logs import logger
 from atombatch.structs import RequestOutput
 
-log = structlog.wrap_logger(
-    logging.getLogger("atombatch.core"),
-    wrapper_class=structlog.stdlib.BoundLogger,
-    processors=[structlog.stdlib.filter_by_level, structlog.processors.add_log_level,
-                structlog.processors.JSONRenderer()],
-)
+log = logger("atombatch.core")
 
 STATS_INTERVAL = 0.05     # seconds between the engine stats a Step carries
 IDLE_WAIT_MS = 100        # how long an idle core waits for a message before checking its parent
@@ -121,14 +115,7 @@ class CoreLoop:
                 result = batcher.step_arrays()
             except Exception as exc:  # a bug, not a request failure: fail everything in flight
                 log.exception("core.step_failed")
-                outputs = []
-                for request_id in list(self.live):
-                    batcher.abort(request_id)
-                    outputs.append(RequestOutput(request_id=request_id, new_token_ids=(),
-                                                 finished=True, finish_reason="error",
-                                                 error=f"engine failure: {exc}"))
-                with contextlib.suppress(Exception):
-                    batcher.step()  # drain the abort outputs
+                outputs = fail_all(batcher, list(self.live), exc)
                 self.send(self.step_message([], outputs, np.zeros(0, np.int64)))
                 continue
             plain = result.plain
