@@ -161,3 +161,15 @@ def test_an_unwritable_output_fails_before_the_run(capsys: Any, tmp_path: Path) 
     assert serve.main([*SMALL, "--json", str(blocker / "out.json")]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "out.json: cannot create its folder" in captured.err
+
+
+def test_bench_help_describes_every_subcommand(capsys) -> None:
+    import importlib
+
+    from atombatch.bench.__main__ import DESCRIPTIONS, main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name, text in DESCRIPTIONS.items():
+        assert f"  {name:<11} {text}" in out
+        assert callable(importlib.import_module(f"atombatch.bench.{name}").main)

@@ -1,5 +1,5 @@
-"""`python -m atombatch.bench [micro|serve|fit|http|invariance|device|cluster|overlap] ...`; no subcommand
-runs a short micro + batch invariance + serve."""
+"""`python -m atombatch.bench [SUBCOMMAND] ...` (see DESCRIPTIONS); no subcommand runs a short
+micro + batch invariance + serve."""
 
 from __future__ import annotations
 
@@ -7,11 +7,25 @@ import importlib
 import sys
 import time
 
-SUBCOMMANDS = ("micro", "serve", "fit", "http", "invariance", "device", "cluster", "overlap")
-USAGE = ("usage: python -m atombatch.bench "
-         "[micro|serve|fit|http|invariance|device|cluster|overlap] [options]\n"
+# What each subcommand measures (its own --help has the flags).
+DESCRIPTIONS = {
+    "micro": "the hot path, compiled vs pure-Python twin: block/lane ops, the decode step, the "
+             "engine step, the prefix cache at scale (ns/op, JSON with the load average)",
+    "serve": "the origin issue's matrix on the simulator: models x prompt/output lengths x B1 vs "
+             "B4, TTFT p50/p99/max, tok/s, timeouts, occupied lanes",
+    "fit": "the memory planner: does an artifact's KV and weights fit the device",
+    "http": "a load generator against a running server (the origin issue's HTTP/SSE matrix)",
+    "invariance": "B4 logits of a lane equal its B1 logits (NumPy runtime)",
+    "device": "the RebelRuntime path on an optimum-rbln compiled directory (emulated rebel here)",
+    "cluster": "replicas behind the router on the simulator (or Ray with --ray): sizing for an SLO",
+    "overlap": "delivered / ideal throughput of the whole serving path on the null device, "
+               "inline vs engine-core process, CPU per token of front, core and client",
+}
+SUBCOMMANDS = tuple(DESCRIPTIONS)
+USAGE = ("usage: python -m atombatch.bench [SUBCOMMAND] [options]\n"
          "       python -m atombatch.bench            (short micro + invariance + serve)\n"
-         "       python -m atombatch.bench SUBCOMMAND --help")
+         "       python -m atombatch.bench SUBCOMMAND --help\n\nsubcommands:\n" +
+         "\n".join(f"  {name:<11} {text}" for name, text in DESCRIPTIONS.items()))
 
 # The short default serve: two models, two prompt lengths, B1 vs B4 on one device and on two.
 SHORT_SERVE = ["--models", "qwen3-4b,koni-8b", "--routes", "native", "--inputs", "2048,8192",
