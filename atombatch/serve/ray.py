@@ -2,8 +2,7 @@
 
     python -m atombatch.serve.ray --replicas 2                 # local Ray, NumPy runtime
     python -m atombatch.serve.ray --replicas 8 --atom-resource ATOM --runtime rebel \\
-        --model koni-8b --compiled-dir /var/cache/atombatch --batch-size 4 --max-seq-len 9216 \\
-        --tensor-parallel 2 --address auto                     # an existing Ray cluster
+        --model /models/koni-8b-rbln --device 0,1 --address auto   # an existing Ray cluster
 
 Every flag of `python -m atombatch.serve` describes each replica's engine (docs/server.md).
 
