@@ -44,8 +44,13 @@ def test_cli_sizes_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture
                          "--turns", "2", "--system-len", "256", "--user-len", "32",
                          "--output-len", "8", "--slo-ttft", "30", "--size", "--json", str(out)])
     assert status == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "ATOMs" in printed
+    # one progress line per cell on stderr (not a terminal here), as it finishes
+    lines = [line for line in captured.err.splitlines() if line.startswith("[")]
+    assert [line[:5] for line in lines] == ["[1/2]", "[2/2]"]
+    assert "qwen3-0.6b rate 1 N1 M0 prefix: meets the SLO in" in lines[0]
     report = json.loads(out.read_text())
     assert [c["replicas"] for c in report["cells"]] == [1, 2]
     (row,) = report["sizing"]

@@ -46,6 +46,7 @@ import msgspec
 import numpy as np
 
 from atombatch.bench import provenance
+from atombatch.bench.progress import CellProgress
 from atombatch.bench.serve import fit_verdict, parse_artifact
 from atombatch.cluster import PrefixAffinityPolicy, ReplicaLoad, make_policy, route_digests
 from atombatch.cluster.summary import CacheSummarizer
@@ -448,6 +449,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="also print the fewest ATOMs meeting the SLO per model, rate, policy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no per-cell progress on stderr (default: a bar on a terminal, a line "
+                   "per cell elsewhere)")
     p.add_argument("--ray", action="store_true",
                    help="instead: atombatch's router vs Ray Serve's default on a local Ray "
                    "(real HTTP; replicas on the simulator paced in wall time; needs the ray "
@@ -490,6 +494,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     costs = CostModel.default()
     cells = []
+    total = len(args.models) * len(args.rates) * len(args.producers) * len(args.replicas) * \
+        len(args.policies)
+    progress = CellProgress(total, enabled=not args.no_progress)
     for model in args.models:
         for rate in args.rates:
             workload = Workload(rate=rate, conversations=args.conversations, turns=args.turns,
@@ -499,12 +506,17 @@ def main(argv: list[str] | None = None) -> int:
             for producers in args.producers:
                 for replicas in args.replicas:
                     for policy in args.policies:
-                        cells.append(run_cell(model, replicas, policy, workload,
-                                              producers=producers, artifact_spec=args.artifact,
-                                              costs=costs, slo_ttft=args.slo_ttft,
-                                              slo_tpot=args.slo_tpot,
-                                              max_imbalance=args.max_imbalance,
-                                              pd_mode=args.pd_mode))
+                        what = f"{model} rate {rate:g} N{replicas} M{producers} {policy}"
+                        progress.start(what)
+                        cell = run_cell(model, replicas, policy, workload,
+                                        producers=producers, artifact_spec=args.artifact,
+                                        costs=costs, slo_ttft=args.slo_ttft,
+                                        slo_tpot=args.slo_tpot,
+                                        max_imbalance=args.max_imbalance, pd_mode=args.pd_mode)
+                        progress.finish(what, cell.status if cell.status != "ok" else
+                                        "meets the SLO" if cell.meets_slo else "misses the SLO")
+                        cells.append(cell)
+    progress.close()
     report = ClusterReport(
         command="python -m atombatch.bench cluster " + " ".join(argv or sys.argv[2:]),
         provenance={"commit": provenance.git_commit(), "machine": provenance.machine()},
