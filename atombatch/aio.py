@@ -12,6 +12,7 @@ most `max_unclaimed` requests; past that the oldest unclaimed results are droppe
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -41,7 +42,7 @@ logger = logging.getLogger("atombatch")
 DEFAULT_MAX_UNCLAIMED = 1024
 
 
-class OutputStreams:
+class OutputStreams(abc.ABC):
     """The consumer side shared by `AsyncBatcher` and the engine-core client
     (`atombatch.core.CoreClient`): one asyncio queue per request, the one-consumer rule, and
     the bounded keep of finished results nobody claimed yet. Subclasses queue requests
@@ -58,19 +59,23 @@ class OutputStreams:
         self.unclaimed_dropped = 0
         self._claimed: set[str] = set()
 
+    @abc.abstractmethod
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                params: SamplingParams | None = None, request_id: str | None = None,
                kv: KVSource | None = None) -> str:
-        raise NotImplementedError
+        """What the subclass does (see AsyncBatcher and CoreClient)."""
 
+    @abc.abstractmethod
     def abort(self, request_id: str) -> None:
-        raise NotImplementedError
+        """What the subclass does (see AsyncBatcher and CoreClient)."""
 
+    @abc.abstractmethod
     async def start(self) -> None:
-        raise NotImplementedError
+        """What the subclass does (see AsyncBatcher and CoreClient)."""
 
+    @abc.abstractmethod
     async def close(self, drain: bool = True) -> None:
-        raise NotImplementedError
+        """What the subclass does (see AsyncBatcher and CoreClient)."""
 
     async def __aenter__(self) -> Self:
         await self.start()

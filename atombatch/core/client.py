@@ -272,10 +272,6 @@ class CoreClient(OutputStreams):
         if request_id in self._queues and not self._dead and self._to_core is not None:
             self._to_core.send(front_encoder.encode(Abort([request_id])))
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._queues)
-
     # -- outputs ------------------------------------------------------------------------------------
     def _receive(self) -> None:
         """Thread: receive the core's messages; hand each Step to the event loop in one call."""

@@ -43,6 +43,7 @@ log = logger("atombatch.core")
 STATS_INTERVAL = 0.05     # seconds between the engine stats a Step carries
 IDLE_WAIT_MS = 100        # how long an idle core waits for a message before checking its parent
 PD_POLL_MS = 2            # while every unfinished request waits on a KV producer
+_NO_TOKENS = np.zeros(0, np.int64)   # a Step without plain tokens (allocated once)
 
 
 def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address: str,
@@ -102,12 +103,12 @@ class CoreLoop:
                     batcher.abort(request_id)
                 return
             if self.stopping is not None and not batcher.has_unfinished():
-                self.send(self.step_message([], [], np.zeros(0, np.int64), force_stats=True))
+                self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
                 self.outbox.send(core_encoder.encode(Stopped()))
                 return
             if not batcher.has_unfinished():
                 if self.errors or stale:  # gone idle: the front sees the final counts
-                    self.send(self.step_message([], [], np.zeros(0, np.int64), force_stats=True))
+                    self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
                     stale = False
                 continue
             stale = True
@@ -116,7 +117,7 @@ class CoreLoop:
             except Exception as exc:  # a bug, not a request failure: fail everything in flight
                 log.exception("core.step_failed")
                 outputs = fail_all(batcher, list(self.live), exc)
-                self.send(self.step_message([], outputs, np.zeros(0, np.int64)))
+                self.send(self.step_message([], outputs, _NO_TOKENS))
                 continue
             plain = result.plain
             if plain.any():
@@ -125,7 +126,7 @@ class CoreLoop:
                 ids = [lane_ids[lane] for lane in result.lanes[rows].tolist()]
                 tokens = result.tokens[rows]
             else:
-                ids, tokens = [], np.zeros(0, np.int64)
+                ids, tokens = [], _NO_TOKENS
             if ids or result.outputs or self.errors:
                 self.send(self.step_message(ids, result.outputs, tokens))
 
