@@ -715,8 +715,9 @@ def test_long_pieces_stop_where_character_steps_stop(pieces: list[int], cuts: li
     same tokens arriving in the same groups, min_tokens included."""
     from unittest import mock
 
-    import atombatch.detokenizer as detok_module
     from tokenizers import Tokenizer, decoders, models
+
+    import atombatch.detokenizer as detok_module
 
     tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(AB_PIECES)}, unk_token="<unk>"))
     tok.decoder = decoders.Fuse()

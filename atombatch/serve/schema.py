@@ -62,9 +62,10 @@ DEFAULT_BOUNDS = Bounds()
 
 
 def decode(body: bytes, kind: type[T], *, strict: bool = False,
-           bounds: Bounds = DEFAULT_BOUNDS) -> tuple[T, list[str]]:
-    """Decode a JSON request body into `kind`; returns it and the unknown fields that were dropped
-    (sanitized: printable ASCII, clipped; at most `bounds.max_unknown` of them).
+           bounds: Bounds = DEFAULT_BOUNDS) -> tuple[T, list[str], int]:
+    """Decode a JSON request body into `kind`; returns it, the unknown fields that were dropped
+    (sanitized: printable ASCII, clipped; the first `bounds.max_unknown` of them) and how many
+    there were.
 
     Raises:
         msgspec.DecodeError: the body is not JSON.
@@ -91,7 +92,7 @@ def decode(body: bytes, kind: type[T], *, strict: bool = False,
         raise SchemaError(f"unknown field `{walk.unknown[0]}` (the server runs with "
                           "--strict-protocol)", param=walk.unknown[0], code="unknown_parameter")
     try:
-        return msgspec.convert(raw, kind), walk.unknown
+        return msgspec.convert(raw, kind), walk.unknown, walk.dropped
     except msgspec.ValidationError as exc:
         raise _schema_error(str(exc)) from None
 
@@ -171,6 +172,7 @@ class _Walk:
     def __init__(self, bounds: Bounds) -> None:
         self.bounds = bounds
         self.unknown: list[str] = []
+        self.dropped = 0
         self.objects = 0
 
     def count(self) -> None:
@@ -206,11 +208,10 @@ class _Walk:
                 self.count()
                 for i, item in enumerate(value):
                     self.value(item, t.item_type, (path, i), depth + 1)
-        elif isinstance(t, mi.DictType) and isinstance(value, dict):
-            if _needs_walk(t.value_type):
-                self.count()
-                for key, item in value.items():
-                    self.value(item, t.value_type, (path, str(key)), depth + 1)
+        elif isinstance(t, mi.DictType) and isinstance(value, dict) and _needs_walk(t.value_type):
+            self.count()
+            for key, item in value.items():
+                self.value(item, t.value_type, (path, str(key)), depth + 1)
 
     def free(self, value: dict[str, Any] | list[Any], depth: int) -> None:
         """A free-form value: only its nesting and its number of containers are bounded."""
@@ -225,6 +226,7 @@ class _Walk:
                     stack.append((child, level + 1))
 
     def drop(self, path: _Path) -> None:
+        self.dropped += 1
         if len(self.unknown) < self.bounds.max_unknown:
             self.unknown.append(_render(path, self.bounds.max_name_chars))
 
