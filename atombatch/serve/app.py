@@ -50,7 +50,7 @@ from atombatch.engine import Batcher
 from atombatch.errors import CapacityError, RequestError, UnavailableError
 from atombatch.serve import schema
 from atombatch.serve.chat_template import check_template_kwargs
-from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES
+from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_RESPONSE_BYTES
 from atombatch.serve.metrics import ServerMetrics
 from atombatch.serve.protocol import (
     ChatChoice,
@@ -87,7 +87,6 @@ _ENCODER = msgspec.json.Encoder()
 _DONE = b"data: [DONE]\n\n"
 # The response-size estimate (`_Server.check_response_size`): bytes per generated token and per
 # logprob candidate in OpenAI's JSON (a candidate carries its text, logprob, rank and bytes).
-DEFAULT_MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 _TOKEN_BYTES = 16
 _LOGPROB_BYTES = 64
 

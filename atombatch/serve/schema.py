@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 import msgspec
 import msgspec.inspect as mi
 
+from atombatch.errors import ConfigError
+
 T = TypeVar("T")
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
@@ -56,6 +58,12 @@ class Bounds(msgspec.Struct, frozen=True):
     max_objects: int = 16_384    # JSON objects and arrays walked in Python -> 400 `too_many_objects`
     max_unknown: int = 64        # unknown field names kept (and reported) per body
     max_name_chars: int = 64     # an unknown name is reported at most this long, escaped
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be an int >= 1")
 
 
 DEFAULT_BOUNDS = Bounds()
