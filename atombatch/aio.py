@@ -205,12 +205,26 @@ class OutputStreams(abc.ABC):
     async def generate_choices(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                                params: SamplingParams | None = None) -> list[Completion]:
         """Submit and wait for every choice of the request: `params.n` completions in choice
-        order (`Completion.index`)."""
+        order (`Completion.index`). A request that failed ends with `finish_reason="error"` and
+        the failure in `error`, also when the engine failed before a choice produced anything."""
         done: dict[int, Completion] = {}
+        tokens: dict[int, list[int]] = {}
+        n = 1 if params is None else params.n
         async for out in self.stream(prompt, params):
+            tokens.setdefault(out.index, []).extend(out.new_token_ids)
             if out.completion is not None:
                 done[out.index] = out.completion
             if out.finished:
+                # A request failed as a whole (the step loop failed, or the engine refused it
+                # after the front had accepted it) ends without a completion per choice: each
+                # missing one is an error completion carrying that failure.
+                for index in range(n):
+                    if index not in done:
+                        done[index] = Completion(
+                            request_id=out.request_id, prompt_len=len(prompt),
+                            token_ids=tuple(tokens.get(index, ())), finish_reason="error",
+                            error=out.error or "the request ended without a result",
+                            timings=None, index=index)
                 return [done[index] for index in sorted(done)]
         raise AtomBatchError("stream ended without a final output")  # pragma: no cover
 

@@ -229,3 +229,57 @@ def test_a_response_that_cannot_start_aborts_its_request(monkeypatch: pytest.Mon
         assert not batcher.has_unfinished()
         stats = batcher.stats()
         assert stats.generated_tokens < 2 * 2 * 100  # aborted, not run to max_tokens
+
+
+def test_generate_after_a_step_loop_failure_reports_the_failure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 13: `AsyncBatcher.generate()` after the step loop failed raised `ValueError: not
+    enough values to unpack` and lost the real error."""
+    import asyncio
+
+    from support.engines import numpy_batcher
+
+    from atombatch import AsyncBatcher, SamplingParams
+
+    batcher = numpy_batcher()
+    real_step = batcher.step
+    calls = {"n": 0}
+
+    def failing_step() -> object:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device lost")
+        return real_step()
+
+    monkeypatch.setattr(batcher, "step", failing_step)
+
+    async def main() -> None:
+        async with AsyncBatcher(batcher, offload=False) as ab:
+            params = SamplingParams(max_tokens=20, ignore_eos=True, n=2, temperature=0.0)
+            first = await ab.generate_choices([5, 6, 7], params)
+            assert [c.finish_reason for c in first] == ["error", "error"]
+            assert all("device lost" in (c.error or "") for c in first)
+            again = await ab.generate([5, 6, 7], SamplingParams(max_tokens=3))
+            assert again.finish_reason == "length" and len(again.token_ids) == 3
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("forged", [
+    {"summary_hashes": 10**6}, {"summary_hashes": 0}, {"summary_hashes": "7"},
+    {"route_block": 10**9}, {"summary_count": -1}, {"summary_bits_len": 10**6}])
+def test_a_forged_replica_summary_is_ignored(forged: dict[str, object]) -> None:
+    """Item 12: a replica report with `summary_hashes=10**6` was accepted (the size check ran
+    only where summaries are built) and each routing decision then cost 2-3 s and 382 MiB."""
+    from atombatch.cluster.summary import MAX_SUMMARY_BITS, CacheSummary
+    from atombatch.serve.ray import summary_from_stats
+
+    honest = CacheSummary.build([bytes([i]) * 16 for i in range(10)], bits=4096)
+    stats: dict[str, object] = {"summary_bits": honest.bits, "summary_hashes": honest.hashes,
+                                "summary_count": honest.count, "route_block": 64}
+    assert summary_from_stats(stats) == honest
+    if "summary_bits_len" in forged:
+        stats["summary_bits"] = bytes(MAX_SUMMARY_BITS // 8 + 8)
+    else:
+        stats.update(forged)
+    assert summary_from_stats(stats) is None
