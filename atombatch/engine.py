@@ -30,6 +30,7 @@ from atombatch.groups import Group, Move, num_held
 from atombatch.logs import log
 from atombatch.outputs import Extras, OutputBuilder
 from atombatch.pd_intake import KVLink, KVSource, PDIntake
+from atombatch.policy import DEFAULT_POLICY
 from atombatch.prefix import HostCache
 from atombatch.runtime.base import Runtime
 from atombatch.sampling import (
@@ -123,7 +124,8 @@ class Batcher:
         runtime: any `Runtime` (NumpyRuntime, SimRuntime, RebelRuntime).
         prefix_cache: keep finished sequences' KV for prefix reuse (non-hybrid only).
         host_cache_bytes: host-memory bytes for evicted prefix blocks (needs prefix_cache).
-        policy: prefill/decode interleaving: "prefill-first", "decode-first", "interleave:N".
+        policy: prefill/decode interleaving: "stall-free:K" (the default, `DEFAULT_POLICY`),
+            "prefill-first", "decode-first", "interleave:N", "fill-first:N" (docs/scheduling.md).
         seed: derives the RNG of requests that give no seed of their own.
         clock: seconds; defaults to the runtime's `clock` (virtual time) or `time.perf_counter`.
         max_waiting: bound on requests without a lane; `submit` raises `CapacityError` past it
@@ -151,7 +153,7 @@ class Batcher:
     """
 
     def __init__(self, runtime: Runtime, *, prefix_cache: bool = False, host_cache_bytes: int = 0,
-                 policy: Policy | str = "prefill-first", seed: int = 0,
+                 policy: Policy | str = DEFAULT_POLICY, seed: int = 0,
                  clock: Callable[[], float] | None = None,
                  max_waiting: int | None = DEFAULT_MAX_WAITING,
                  pd_timeout: float = 300.0, pd_deadline: float | None = None,

@@ -364,8 +364,9 @@ class _Server:
         is queued): logprob entries repeat per choice, so `prompt_logprobs` x `n` on a long
         prompt asks for hundreds of megabytes from a few kilobytes."""
         n = params.n
-        generated = sum(self.artifact.max_seq_len - len(p) if max_tokens is None else
-                        max_tokens for p in prompts)
+        room = self.artifact.max_seq_len  # a longer max_tokens is refused at submit anyway
+        generated = sum(max(0, room - len(p)) if max_tokens is None else
+                        max(0, min(max_tokens, room - len(p))) for p in prompts)
         estimate = n * generated * _TOKEN_BYTES
         if params.logprobs is not None:
             estimate += n * generated * (params.logprobs + 1) * _LOGPROB_BYTES

@@ -36,6 +36,7 @@ from typing import Any
 from atombatch.config import PRESETS, ArtifactConfig, ModelSpec
 from atombatch.engine import Batcher
 from atombatch.errors import ConfigError
+from atombatch.policy import DEFAULT_POLICY
 from atombatch.scheduler import POLICY_KINDS, Policy
 from atombatch.serve import schema
 from atombatch.serve.chat_template import template_from_argument
@@ -43,7 +44,9 @@ from atombatch.serve.limits import DEFAULT_MAX_RESPONSE_BYTES, ServerLimits
 from atombatch.serve.tokens import Codec, HFCodec
 
 POLICY_HELP = {
-    "prefill-first": "a pending prefill chunk runs before the next decode step (default)",
+    "stall-free:K": "prefill-first, but a decode step at least every K prefill chunks while "
+                    "lanes decode (default stall-free:4)",
+    "prefill-first": "a pending prefill chunk runs before the next decode step",
     "decode-first": "prefill only when no lane decodes",
     "interleave:N": "at most one prefill chunk per N decode steps while lanes decode",
     "fill-first:N": "a lane's own prefill at once; chunks into the spare one per N decode steps",
@@ -99,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decoder-batch-sizes", type=_batch_sizes, default=(),
                    help="compiled decode batches, e.g. 1,2,4 (default: --batch-size only); each "
                         "decode step runs the smallest that holds the decoding lanes")
-    p.add_argument("--policy", default="prefill-first", type=_policy,
+    p.add_argument("--policy", default=DEFAULT_POLICY, type=_policy,
                    metavar="{" + ",".join(POLICY_HELP) + "}",
                    help="scheduling policy: " + "; ".join(f"{k}: {v}"
                                                           for k, v in POLICY_HELP.items()))

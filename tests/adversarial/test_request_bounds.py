@@ -28,6 +28,9 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # for at most one msgspec decode of a max-size body and one bounded walk; a machine running the
 # whole suite on two cores adds scheduling noise). 21fd0af: 20 s.
 VICTIM_GAP = 2.0
+# What one attack may add to the server's peak RSS: a max-size body (16 MiB) decoded into Python
+# objects before it is refused (documented in docs/security.md). 21fd0af: +1.9 GiB and more.
+RSS_BOUND = 320 * MiB
 # A template that prints the end-of-turn token after every message: what made a client-chosen
 # `eos_token` amplify (the tokenizer's own eos is short).
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {{ eos_token }} "
@@ -155,8 +158,9 @@ ATTACKS = {
 @pytest.mark.parametrize("attack", list(ATTACKS))
 def test_an_attack_is_answered_400_without_stalling_a_victim(server: tuple[str, int],
                                                              attack: str) -> None:
-    url, _ = server
+    url, pid = server
     path, body, status, param = ATTACKS[attack]
+    before = peak_rss_bytes(pid)
     with Victim(url) as victim:
         time.sleep(0.2)
         start = time.perf_counter()
@@ -170,6 +174,8 @@ def test_an_attack_is_answered_400_without_stalling_a_victim(server: tuple[str, 
     assert len(error["message"]) < 600  # the client's data is never echoed in full
     gap = victim.gap_during(start, end)
     assert gap < VICTIM_GAP, f"{attack}: the victim stream paused {gap:.2f} s"
+    grown = peak_rss_bytes(pid) - before
+    assert grown < RSS_BOUND, f"{attack}: the server's peak RSS grew {grown / MiB:.0f} MiB"
 
 
 def test_special_tokens_of_the_tokenizer_still_reach_the_template(server: tuple[str, int]) -> None:
