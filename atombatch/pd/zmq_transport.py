@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from atombatch.config import ArtifactConfig, ModelSpec
+from atombatch.config import ArtifactConfig
 from atombatch.errors import KVTransferError, RequestError
 from atombatch.pd.checks import validate_header
 from atombatch.pd.producer import Producer
@@ -304,32 +304,6 @@ class ZmqProducerServer:
         self._stop.set()
         if not self._serving:
             self._socket.close()
-
-
-def run_producer_process(spec_or_checkpoint: ModelSpec | str, artifact_kwargs: dict[str, Any],
-                         seed: int, endpoint: str, *, dtype: str = "float32",
-                         layer_delay: float = 0.0, fail_at_layer: int | None = None) -> None:
-    """A `multiprocessing` (spawn) target: build a NumpyRuntime producer and serve forever.
-
-    Args:
-        spec_or_checkpoint: a `ModelSpec` (random weights from `seed`) or a Hugging Face
-            checkpoint directory (`NumpyRuntime.from_pretrained`).
-        artifact_kwargs: `ArtifactConfig` fields besides `model` (the producer's own layout).
-        seed: the random weights' seed (ignored for a checkpoint).
-        endpoint: where to bind the ROUTER socket.
-    """
-    from atombatch.runtime.numpy_runtime import NumpyRuntime
-
-    if isinstance(spec_or_checkpoint, ModelSpec):
-        runtime = NumpyRuntime.random(ArtifactConfig(model=spec_or_checkpoint, **artifact_kwargs),
-                                      seed)
-    else:
-        spec = ModelSpec.from_pretrained(spec_or_checkpoint)
-        runtime = NumpyRuntime.from_pretrained(
-            spec_or_checkpoint, ArtifactConfig(model=spec, **artifact_kwargs))
-    server = ZmqProducerServer(Producer(runtime, dtype=dtype), endpoint,
-                               layer_delay=layer_delay, fail_at_layer=fail_at_layer)
-    server.serve_forever()
 
 
 class ZmqSource:
