@@ -8,9 +8,9 @@ from atombatch.errors import ConfigError
 
 POLICY_KINDS = ("prefill-first", "decode-first", "interleave", "fill-first", "stall-free")
 # The engine's default: prefill-first, but while lanes decode a decode step runs at least every
-# 4 prefill chunks, so one long prompt (or a batch of them) never freezes the streams
+# 8 prefill chunks, so one long prompt (or a batch of them) never freezes the streams
 # (docs/results.md measures it beside prefill-first).
-DEFAULT_POLICY = "stall-free:4"
+DEFAULT_POLICY = "stall-free:8"
 
 
 class Policy(msgspec.Struct, frozen=True):

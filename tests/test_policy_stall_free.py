@@ -78,7 +78,7 @@ def test_stall_free_bounds_the_victims_gap_at_prefill_first_throughput() -> None
     seconds to a few chunks, the burst's first tokens come within a few percent of
     prefill-first's, and all the work ends at the same time (no throughput given up)."""
     results = {}
-    for policy in ("prefill-first", "stall-free:4"):
+    for policy in ("prefill-first", "stall-free:8"):
         batcher, victims, burst, _ = _burst("qwen3-4b", policy)
         finals = _run(batcher)
         gap = max(max(finals[v].timings.inter_token) for v in victims)  # type: ignore[attr-defined]
@@ -86,6 +86,6 @@ def test_stall_free_bounds_the_victims_gap_at_prefill_first_throughput() -> None
         results[policy] = (gap, ttft, batcher.runtime.clock())
     (pf_gap, pf_ttft, pf_end), (sf_gap, sf_ttft, sf_end) = results.values()
     chunk = 0.1  # seconds: a 128-token chunk of qwen3-4b at this context is well under this
-    assert pf_gap > 1.0 and sf_gap < 5 * chunk, results
+    assert pf_gap > 1.0 and sf_gap < (8 + 1) * chunk, results  # K chunks and a decode step
     assert sf_ttft < 1.1 * pf_ttft, results
     assert sf_end <= 1.01 * pf_end, results

@@ -67,7 +67,7 @@ def test_policy_values_are_listed_and_checked(capsys: Any) -> None:
     batcher, _, _ = build_engine(args)
     assert batcher.policy.label == "fill-first:3"
     batcher, _, _ = build_engine(parser().parse_args(["--max-seq-len", "128"]))
-    assert batcher.policy.label == "stall-free:4"  # the default
+    assert batcher.policy.label == "stall-free:8"  # the default
 
 
 def test_address_in_use_is_one_line_and_no_banner(capsys: Any) -> None:

@@ -45,7 +45,7 @@ from atombatch.serve.tokens import Codec, HFCodec
 
 POLICY_HELP = {
     "stall-free:K": "prefill-first, but a decode step at least every K prefill chunks while "
-                    "lanes decode (default stall-free:4)",
+                    "lanes decode (default stall-free:8)",
     "prefill-first": "a pending prefill chunk runs before the next decode step",
     "decode-first": "prefill only when no lane decodes",
     "interleave:N": "at most one prefill chunk per N decode steps while lanes decode",
