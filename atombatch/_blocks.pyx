@@ -27,28 +27,19 @@ from array import array
 
 import numpy as np
 
-from atombatch._blocks_py import check_buckets
-from atombatch.errors import CapacityError, RequestError, StateError
-
-FREE = 0
-SPARE = 1
-STAGED = 2
-LANE = 3
-CACHED = 4
-STATE_NAMES = ("FREE", "SPARE", "STAGED", "LANE", "CACHED")
-
-LANE_IDLE = 0
-LANE_PREFILLING = 1
-LANE_DECODING = 2
-LANE_STATE_NAMES = ("IDLE", "PREFILLING", "DECODING")
-
-MAX_TABLE_BLOCK = 32767  # block tables are int16 on the device: a larger id cannot be addressed
-
-from atombatch._blocks_py import (  # shared with the twin: one definition of the step codes
+from atombatch.codes import (  # one definition of the states and step codes for both cores
+    CACHED,
+    FREE,
+    LANE,
+    LANE_DECODING,
+    LANE_IDLE,
     LANE_OWN_OUTPUT,
+    LANE_PREFILLING,
     LANE_SAMPLE,
+    LANE_STATE_NAMES,
     LANE_STOPCHECK,
     MAX_STOP_IDS,
+    MAX_TABLE_BLOCK,
     ROW_CHECK,
     ROW_LENGTH,
     ROW_NONFINITE,
@@ -57,7 +48,12 @@ from atombatch._blocks_py import (  # shared with the twin: one definition of th
     ROW_SKIPPED,
     ROW_STATUS_NAMES,
     ROW_STOP,
+    SPARE,
+    STAGED,
+    STATE_NAMES,
+    check_buckets,
 )
+from atombatch.errors import CapacityError, RequestError, StateError
 
 IMPLEMENTATION = "c"
 
@@ -85,12 +81,17 @@ cdef enum:
     C_LANE_STOPCHECK = 4
 
 
-# The compiled code branches on the C enum above; Python callers compare with the twin's constants.
-if (C_ROW_OK, C_ROW_SAMPLE, C_ROW_NONFINITE, C_ROW_STOP, C_ROW_LENGTH, C_ROW_CHECK,
-        C_ROW_SKIPPED, C_LANE_SAMPLE, C_LANE_OWN_OUTPUT, C_LANE_STOPCHECK) != (
-        ROW_OK, ROW_SAMPLE, ROW_NONFINITE, ROW_STOP, ROW_LENGTH, ROW_CHECK, ROW_SKIPPED,
-        LANE_SAMPLE, LANE_OWN_OUTPUT, LANE_STOPCHECK):  # pragma: no cover - a build mistake
-    raise ImportError("atombatch._blocks: step codes disagree with atombatch._blocks_py")
+# The compiled code branches on the C enum above (a compile-time mirror); Python callers compare
+# with atombatch.codes, so the two must agree: checked once, at import.
+if (C_FREE, C_SPARE, C_STAGED, C_LANE, C_CACHED, C_LANE_IDLE, C_LANE_PREFILLING,
+        C_LANE_DECODING, C_MAX_TABLE_BLOCK, C_ROW_OK, C_ROW_SAMPLE, C_ROW_NONFINITE, C_ROW_STOP,
+        C_ROW_LENGTH, C_ROW_CHECK, C_ROW_SKIPPED, C_LANE_SAMPLE, C_LANE_OWN_OUTPUT,
+        C_LANE_STOPCHECK) != (
+        FREE, SPARE, STAGED, LANE, CACHED, LANE_IDLE, LANE_PREFILLING, LANE_DECODING,
+        MAX_TABLE_BLOCK, ROW_OK, ROW_SAMPLE, ROW_NONFINITE, ROW_STOP, ROW_LENGTH, ROW_CHECK,
+        ROW_SKIPPED, LANE_SAMPLE, LANE_OWN_OUTPUT, LANE_STOPCHECK):  # pragma: no cover
+    raise ImportError("atombatch._blocks: its C enum disagrees with atombatch.codes (a build "
+                      "from mismatched sources)")
 
 cdef extern from *:
     """

@@ -32,37 +32,33 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from atombatch.errors import CapacityError, ConfigError, RequestError, StateError
-
-FREE = 0
-SPARE = 1
-STAGED = 2
-LANE = 3
-CACHED = 4
-STATE_NAMES = ("FREE", "SPARE", "STAGED", "LANE", "CACHED")
-
-LANE_IDLE = 0
-LANE_PREFILLING = 1
-LANE_DECODING = 2
-LANE_STATE_NAMES = ("IDLE", "PREFILLING", "DECODING")
-
-MAX_TABLE_BLOCK = 32767  # block tables are int16 on the device: a larger id cannot be addressed
-
-# What a decode step did to a row (`StepKernel.status`).
-ROW_OK = 0          # token appended; the lane decodes on
-ROW_SAMPLE = 1      # the lane's request samples: the caller writes the row's token
-ROW_NONFINITE = 2   # a NaN or infinite logit: the caller fails the request
-ROW_STOP = 3        # the token is one of the lane's stop ids: finish "stop"
-ROW_LENGTH = 4      # the output reached its limit: finish "length"
-ROW_CHECK = 5       # the caller checks the stop condition (more stop ids than the kernel holds)
-ROW_SKIPPED = 6     # the lane stopped decoding during the step (its request failed)
-ROW_STATUS_NAMES = ("OK", "SAMPLE", "NONFINITE", "STOP", "LENGTH", "CHECK", "SKIPPED")
-
-# What a lane's request wants from the kernel (`StepKernel.bind` flags).
-LANE_SAMPLE = 1       # sampled by the caller (temperature, penalties, ...), not greedy
-LANE_OWN_OUTPUT = 2   # the caller builds its outputs (text, logprobs, n > 1 choices)
-LANE_STOPCHECK = 4    # set by `bind` when the stop ids do not fit the kernel's per-lane array
-MAX_STOP_IDS = 16     # stop ids held per lane (EOS ids plus `stop_token_ids`)
+from atombatch.codes import (  # noqa: F401  (re-exported: the twin has the compiled core's names)
+    CACHED,
+    FREE,
+    LANE,
+    LANE_DECODING,
+    LANE_IDLE,
+    LANE_OWN_OUTPUT,
+    LANE_PREFILLING,
+    LANE_SAMPLE,
+    LANE_STATE_NAMES,
+    LANE_STOPCHECK,
+    MAX_STOP_IDS,
+    MAX_TABLE_BLOCK,
+    ROW_CHECK,
+    ROW_LENGTH,
+    ROW_NONFINITE,
+    ROW_OK,
+    ROW_SAMPLE,
+    ROW_SKIPPED,
+    ROW_STATUS_NAMES,
+    ROW_STOP,
+    SPARE,
+    STAGED,
+    STATE_NAMES,
+    check_buckets,
+)
+from atombatch.errors import CapacityError, RequestError, StateError
 
 IMPLEMENTATION = "py"
 
@@ -583,21 +579,6 @@ class SlidingSlots:
             raise StateError(f"num_tokens={num_tokens} must be >= 0")
         self._fill[lane] = min(fill + num_tokens, self._window)
         return int(self._fill[lane])
-
-
-def check_buckets(batch_size: int, buckets: Sequence[int] | None) -> tuple[int, ...]:
-    """The compiled decode batch sizes, validated: ascending, unique, 1..B, B among them."""
-    if buckets is None:
-        return (batch_size,)
-    sizes = tuple(buckets)
-    if not sizes or any(not isinstance(b, int) or isinstance(b, bool) for b in sizes):
-        raise ConfigError(f"decoder_batch_sizes={sizes!r} must be a non-empty tuple of ints")
-    if list(sizes) != sorted(set(sizes)):
-        raise ConfigError(f"decoder_batch_sizes={sizes!r} must be strictly ascending")
-    if sizes[0] < 1 or sizes[-1] != batch_size:
-        raise ConfigError(f"decoder_batch_sizes={sizes!r} must lie in 1..batch_size={batch_size} "
-                          "and include batch_size")
-    return sizes
 
 
 class DecodeInputs:

@@ -28,7 +28,7 @@ common_prefix = _impl.common_prefix  # leading tokens two int64 arrays share
 match_digests = _impl.match_digests  # the run of a chain's digests a dict holds
 IMPLEMENTATION: str = _impl.IMPLEMENTATION
 
-from atombatch._blocks_py import (  # noqa: E402  (constants are shared by both implementations)
+from atombatch.codes import (  # noqa: E402  (constants are shared by both implementations)
     CACHED,
     FREE,
     LANE,

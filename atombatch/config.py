@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from atombatch._blocks_py import check_buckets
+from atombatch.codes import check_buckets
 from atombatch.errors import ConfigError
 
 Family = Literal["llama", "qwen3", "gemma3"]
