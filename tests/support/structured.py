@@ -4,8 +4,6 @@ correct grammar mask can make their output match a schema)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec
@@ -45,10 +43,3 @@ def batcher(seed: int = 3, **options: Any) -> Batcher:
     """The tiny Llama on the NumPy runtime with the byte tokenizer (a core factory too)."""
     return Batcher(NumpyRuntime.random(ART, seed=seed), tokenizer=byte_tokenizer(), **options)
 
-
-def save_model_dir(path: Path, seed: int = 3) -> Path:
-    """A checkpoint directory `python -m atombatch.serve --model` reads: config.json,
-    safetensors of random weights and the byte tokenizer (tokenizer.json + its config)."""
-    from tests.hf_models import hf_config, save_checkpoint  # noqa: F401 (torch: tests only)
-
-    raise NotImplementedError
