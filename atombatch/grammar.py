@@ -127,12 +127,10 @@ def check_matcher(matcher: Any, structured: StructuredOutput, vocab_size: int) -
         raise RequestError(f"{param}: the {structured.kind} does not compile: "
                            f"{_first_lines(matcher.get_error())}", param=param)
     mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-    if matcher.is_error():
-        raise RequestError(f"{param}: the {structured.kind} cannot be matched: "
-                           f"{_first_lines(matcher.get_error())}", param=param)
-    if not np.unpackbits(mask, bitorder="little")[:vocab_size].any():
+    if matcher.is_error() or not np.unpackbits(mask, bitorder="little")[:vocab_size].any():
+        detail = f" ({_first_lines(matcher.get_error())})" if matcher.is_error() else ""
         raise RequestError(f"{param}: no token of the model's vocabulary can start text that "
-                           f"matches the {structured.kind}", param=param)
+                           f"matches the {structured.kind}{detail}", param=param)
 
 
 def _first_lines(text: str, lines: int = 3, chars: int = 400) -> str:
