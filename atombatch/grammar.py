@@ -286,14 +286,21 @@ def apply_masks(x: npt.NDArray[np.float32], rows: Sequence[int],
                 grammars: Sequence[RequestGrammar]) -> None:
     """Set the logits `x[rows[i]]` of tokens that `grammars[i]` does not allow to -inf (every
     row's mask filled in one pass; `x` is `[rows, vocab]` float32, changed in place)."""
+    apply_bitmask(x, rows, grammars[0].masks.fill(grammars))
+
+
+def apply_bitmask(x: npt.NDArray[np.float32], rows: Sequence[int],
+                  mask: npt.NDArray[np.int32]) -> None:
+    """Set `x[rows[i], t]` to -inf where bit t of `mask[i]` is clear (llguidance's layout: id t
+    is bit t % 32 of word t // 32)."""
     vocab = x.shape[1]
-    mask = grammars[0].masks.fill(grammars)
-    bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little",
-                         count=vocab).view(np.bool_)
+    # the packed mask is inverted (32 ids per word), never the unpacked one: one pass less
+    banned = np.unpackbits(np.invert(mask.view(np.uint8)), axis=1, bitorder="little",
+                           count=vocab).view(np.bool_)
     if len(rows) == x.shape[0]:
-        np.putmask(x, ~bits, _NEG_INF)
+        np.putmask(x, banned, _NEG_INF)
         return
     index = np.asarray(rows, dtype=np.intp)
     sub = x[index]
-    np.putmask(sub, ~bits, _NEG_INF)
+    np.putmask(sub, banned, _NEG_INF)
     x[index] = sub
