@@ -20,7 +20,7 @@ from driving import run_to_end
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from atombatch import ArtifactConfig, Batcher, RequestError, SamplingParams, StructuredOutput
+from atombatch import Batcher, RequestError, SamplingParams, StructuredOutput
 from atombatch.grammar import Grammars, apply_masks
 from atombatch.pd import InProcessSource, Producer
 from atombatch.runtime import NumpyRuntime

@@ -18,8 +18,9 @@ Statuses: 400 bad JSON, a body that does not match the schema (wrong type, missi
 field when strict), a value the engine rejects (over-long prompt, token id outside the vocab,
 temperature, top_p, max_tokens, ...), a feature this server cannot honour (tools) or a
 structured-output constraint that is too large or does not compile; 404 unknown model or path;
-413 body too large; 429 queue full (with `Retry-After`); 503 shutting down. Every error body is `{"error": {message, type, param, code}}`, and the reason of
-every 4xx is logged (logger `atombatch.serve`).
+413 body too large; 429 queue full (with `Retry-After`); 503 shutting down. Every error body is
+`{"error": {message, type, param, code}}`, and the reason of every 4xx is logged (logger
+`atombatch.serve`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from atombatch.engine import Batcher
 from atombatch.errors import CapacityError, RequestError, UnavailableError
 from atombatch.serve import schema
 from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES
-from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredRequests
 from atombatch.serve.metrics import ServerMetrics
 from atombatch.serve.protocol import (
     ChatChoice,
@@ -75,6 +75,7 @@ from atombatch.serve.protocol import (
     TopLogprob,
     Usage,
 )
+from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredRequests
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
 from atombatch.structs import RequestOutput, SamplingParams, TokenLogprobs
 
