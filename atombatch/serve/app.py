@@ -946,6 +946,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await ab.start()
+        server.structured.warm()
         server.accepting = True
         try:
             yield

@@ -22,9 +22,11 @@ the last `CHECK_CACHE` constraints, so a client that sends the same schema every
 from __future__ import annotations
 
 import collections
+import logging
+import threading
 from typing import Any
 
-from atombatch.errors import RequestError
+from atombatch.errors import ConfigError, RequestError
 from atombatch.grammar import Grammars
 from atombatch.structured import StructuredOutput
 
@@ -32,6 +34,8 @@ DEFAULT_MAX_STRUCTURED_CHARS = 64 * 1024   # characters of one schema / regex / 
 CHECK_CACHE = 64                           # constraints whose compile check is remembered
 # JSON whitespace when a client asks for vLLM's default (`disable_any_whitespace: false`)
 ANY_WHITESPACE = r"[\x20\x0A\x0D\x09]+"
+
+log = logging.getLogger("atombatch.serve")
 
 _VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _VLLM_IGNORED = ("backend", "disable_fallback", "disable_additional_properties")
@@ -57,6 +61,20 @@ class StructuredRequests:
         self._checked: collections.OrderedDict[StructuredOutput, None] = \
             collections.OrderedDict()
 
+    def warm(self) -> None:
+        """Build llguidance's tokenizer on a background thread (about a second for a 152k
+        vocabulary), so the first constrained request does not wait for it on the event loop."""
+        if self.grammars is not None:
+            threading.Thread(target=self._build_tokenizer, name="atombatch-llg-tokenizer",
+                             daemon=True).start()
+
+    def _build_tokenizer(self) -> None:
+        assert self.grammars is not None
+        try:
+            self.grammars.tokenizer  # noqa: B018 (built and kept on first access)
+        except ConfigError as exc:  # answered as a 400 by the first constrained request
+            log.warning("structured output is unavailable: %s", exc)
+
     def resolve(self, body: Any) -> StructuredOutput | None:
         """The checked constraint of a request body (a Completion- or ChatCompletionRequest).
 
@@ -73,7 +91,11 @@ class StructuredRequests:
         if structured in self._checked:
             self._checked.move_to_end(structured)
             return structured
-        self.grammars.matcher_now(structured)  # RequestError naming it when it does not compile
+        try:
+            self.grammars.matcher_now(structured)  # RequestError naming it if it does not compile
+        except ConfigError as exc:
+            raise RequestError(f"{structured.param}: structured output is unavailable on this "
+                               f"server: {exc}", param=structured.param) from None
         self._checked[structured] = None
         if len(self._checked) > CHECK_CACHE:
             self._checked.popitem(last=False)
