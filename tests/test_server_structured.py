@@ -159,3 +159,24 @@ def test_constraints_need_a_tokenizer() -> None:
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "guided_choice"
     assert "needs a tokenizer" in r.json()["error"]["message"]
+
+
+def test_the_cli_server_with_its_default_engine_core_process(tmp_path: Any) -> None:
+    """`python -m atombatch.serve --model DIR` (the engine in its own core process, the default)
+    on a Qwen3 checkpoint with tokenizer.json: the core builds the grammars from the tokenizer
+    it loads itself."""
+    from tests.support.served import served
+    directory = model.checkpoint_dir(tmp_path / "ckpt")
+    with served("--model", str(directory), "--max-seq-len", "256", "--batch-size", "2") as (url,
+                                                                                            _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        name = client.models.list().data[0].id
+        out = client.chat.completions.parse(model=name, messages=MESSAGES,
+                                            response_format=Person, max_tokens=80,
+                                            temperature=0.5, seed=2, n=2)
+        for choice in out.choices:
+            assert isinstance(choice.message.parsed, Person), choice.message.content
+        free = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=80,
+                                              temperature=0.5, seed=2)
+        with pytest.raises(pydantic.ValidationError):
+            Person.model_validate_json(free.choices[0].message.content or "")
