@@ -239,7 +239,8 @@ def test_buckets_prefix_cache_stop_strings_and_logprobs(tokenizer: Any) -> None:
             finite = [t.logprob for t in entry.top if np.isfinite(t.logprob)]
             assert np.exp(finite).sum() <= 1.0 + 1e-5
     stopped = b.generate([PROMPT * 8], msgspec.structs.replace(params, stop=("cd",)))[0]
-    assert "cd" not in (stopped.text or "") and stopped.finish_reason == "stop"
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == "cd"
+    assert "cd" not in (stopped.text or "")
 
 
 def test_bad_constraints_and_missing_tokenizer_are_request_errors() -> None:
