@@ -27,6 +27,7 @@ Theory of operation:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import threading
@@ -40,6 +41,7 @@ from atombatch.errors import ConfigError, RequestError
 from atombatch.structured import StructuredOutput
 
 _NEG_INF = np.float32(-np.inf)
+COMPILED_CACHE = 64                         # compiled constraints an engine keeps to copy
 
 
 def _llguidance() -> Any:
@@ -204,6 +206,10 @@ class Grammars:
         self._masker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="atombatch-mask")
         self._prefetched: tuple[concurrent.futures.Future[None], list[tuple[int, int]]] | None = None
         self.prefetch_hits = 0                  # fills that found their masks already computed
+        # the last COMPILED_CACHE constraints compiled, as untouched matchers to copy: a client
+        # that sends the same schema with every request compiles it once
+        self._compiled: collections.OrderedDict[StructuredOutput, Any] = collections.OrderedDict()
+        self._compiled_lock = threading.Lock()
 
     @property
     def tokenizer(self) -> Any:
@@ -221,6 +227,14 @@ class Grammars:
         Raises:
             RequestError: at once, for what is wrong before compiling (see `grammar_text`).
         """
+        with self._compiled_lock:
+            template = self._compiled.get(structured)
+            if template is not None:
+                self._compiled.move_to_end(structured)
+        if template is not None:
+            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            done.set_result(template.deep_copy())
+            return done
         text = grammar_text(structured)
         return self._pool.submit(self._build, text, structured)
 
@@ -228,6 +242,11 @@ class Grammars:
         llg = _llguidance()
         matcher = llg.LLMatcher(self.tokenizer, text, log_level=0)
         check_matcher(matcher, structured, self.vocab_size)
+        matcher.reset()  # check_matcher computed a mask; the copies start from the beginning
+        with self._compiled_lock:
+            self._compiled[structured] = matcher.deep_copy()
+            if len(self._compiled) > COMPILED_CACHE:
+                self._compiled.popitem(last=False)
         return matcher
 
     def matcher_now(self, structured: StructuredOutput) -> Any:

@@ -394,3 +394,23 @@ def test_masks_are_computed_during_the_device_call(monkeypatch: pytest.MonkeyPat
     assert [c.token_ids for c in after] == [c.token_ids for c in overlapped]
     for c in overlapped[:3]:
         jsonschema.validate(json.loads(c.text or ""), PERSON)
+
+
+def test_a_repeated_constraint_compiles_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    b = batcher()
+    structured = StructuredOutput.json_schema(PERSON)
+    params = SamplingParams(max_tokens=60, temperature=0.0, structured=structured)
+    first = b.generate([PROMPT], params)[0]
+    built: list[StructuredOutput] = []
+    build = Grammars._build
+
+    def counting(self: Grammars, text: str, spec: StructuredOutput) -> Any:
+        built.append(spec)
+        return build(self, text, spec)
+    monkeypatch.setattr(Grammars, "_build", counting)
+    again = b.generate([PROMPT, PROMPT], params)
+    assert built == []                          # copies of the compiled matcher
+    assert [c.token_ids for c in again] == [first.token_ids] * 2
+    b.generate([PROMPT], msgspec.structs.replace(
+        params, structured=StructuredOutput.json_schema({**PERSON, "required": ["ok"]})))
+    assert len(built) == 1                      # another schema compiles
