@@ -160,10 +160,12 @@ class RequestGrammar:
         n = len(output)
         matcher = self.matcher
         if n < self.consumed:  # never happens (outputs only grow): replay from the start
+            self.masks.settle()
             matcher.reset()
             self.consumed = 0
         if n == self.consumed:
             return None
+        self.masks.settle()  # never consume while the mask thread reads this matcher
         for position in range(self.consumed, n):
             token = int(output[position])
             if matcher.is_stopped():  # the grammar ended: EOS only (ignore_eos keeps going)
@@ -281,6 +283,11 @@ class Grammars:
         mask = self._buffer(len(grammars))
         self._compute(grammars, mask)
         return mask
+
+    def settle(self) -> None:
+        """Wait until a prefetched fill is done (it stays usable by `fill`)."""
+        if self._prefetched is not None:
+            self._prefetched[0].result()
 
     def _wait_prefetched(self) -> None:
         if self._prefetched is not None:
