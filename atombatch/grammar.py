@@ -143,7 +143,7 @@ def _first_lines(text: str, lines: int = 3, chars: int = 400) -> str:
 class RequestGrammar:
     """One choice's matcher and how much of its output it has consumed."""
 
-    __slots__ = ("consumed", "error", "masks", "matcher", "structured")
+    __slots__ = ("consumed", "error", "masks", "matcher", "start", "structured")
 
     def __init__(self, matcher: Any, structured: StructuredOutput, masks: Grammars) -> None:
         self.matcher = matcher
@@ -151,6 +151,14 @@ class RequestGrammar:
         self.masks = masks                      # the engine's mask buffers and executor
         self.consumed = 0                       # output tokens the matcher has seen
         self.error: str | None = None           # set once a token broke the grammar
+        # where the constrained text starts in the output: 0, or (with `structured.after`) just
+        # past the first occurrence of those ids; None while that preamble goes on
+        self.start: int | None = None if structured.after else 0
+
+    @property
+    def active(self) -> bool:
+        """The row is masked this step (its constraint has started and holds)."""
+        return self.start is not None and self.error is None
 
     def advance(self, output: Sequence[int]) -> str | None:
         """Consume the output tokens not seen yet; the error message if one breaks the grammar
@@ -163,10 +171,16 @@ class RequestGrammar:
             self.masks.settle()
             matcher.reset()
             self.consumed = 0
+            self.start = None if self.structured.after else 0
         if n == self.consumed:
             return None
+        if self.start is None:
+            self.start = _end_of(self.structured.after, output, self.consumed)
+            if self.start is None:  # still in the preamble: nothing to consume, no mask
+                self.consumed = n
+                return None
         self.masks.settle()  # never consume while the mask thread reads this matcher
-        for position in range(self.consumed, n):
+        for position in range(max(self.consumed, self.start), n):
             token = int(output[position])
             if matcher.is_stopped():  # the grammar ended: EOS only (ignore_eos keeps going)
                 continue
@@ -178,6 +192,16 @@ class RequestGrammar:
                 return self.error
         self.consumed = n
         return None
+
+
+def _end_of(ids: tuple[int, ...], output: Sequence[int], seen: int) -> int | None:
+    """The position just past the first occurrence of `ids` in `output` (looking only at
+    occurrences that end at or after position `seen`), or None."""
+    k = len(ids)
+    for end in range(max(seen + 1, k), len(output) + 1):
+        if tuple(output[end - k:end]) == ids:
+            return end
+    return None
 
 
 class Grammars:
@@ -264,7 +288,7 @@ class Grammars:
         mask thread, while the device runs the step; `fill` with the same grammars in the same
         state then only waits for it."""
         self._wait_prefetched()
-        live = [g for g in grammars if g.error is None and not g.matcher.is_error()]
+        live = [g for g in grammars if g.active]
         if not live:
             return
         mask = self._buffer(len(live))

@@ -8,6 +8,7 @@ are compared token for token, the mask is the only difference.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import Any
@@ -414,3 +415,23 @@ def test_a_repeated_constraint_compiles_once(monkeypatch: pytest.MonkeyPatch) ->
     b.generate([PROMPT], msgspec.structs.replace(
         params, structured=StructuredOutput.json_schema({**PERSON, "required": ["ok"]})))
     assert len(built) == 1                      # another schema compiles
+
+
+def test_after_leaves_a_preamble_free_then_constrains(tokenizer: Any) -> None:
+    """`after` (a reasoning block's end): the tokens up to its first occurrence are the model's
+    own, the rest matches the constraint."""
+    b = batcher()
+    free = b.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0,
+                                               ignore_eos=True))[0].token_ids
+    end = next(i for i in range(2, len(free)) if (free[i - 1], free[i]) not in
+               set(itertools.pairwise(free[:i])))  # a pair not seen before it
+    marker = (free[end - 1], free[end])
+    structured = StructuredOutput.regex(r"[0-9]{3}-[a-z]{2,4}", after=marker)
+    c = b.generate([PROMPT], SamplingParams(max_tokens=40, temperature=0.0,
+                                            structured=structured))[0]
+    assert c.token_ids[:end + 1] == free[:end + 1]
+    rest = text_of(tokenizer, c.token_ids[end + 1:])
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", rest), rest
+    assert c.finish_reason == "stop"
+    with pytest.raises(RequestError, match="after="):
+        StructuredOutput.regex("a", after=tuple(range(65)))
