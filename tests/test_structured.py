@@ -452,3 +452,13 @@ def test_a_matcher_in_llguidance_error_fails_its_row_alone(tokenizer: Any) -> No
     assert list(result.failed) == [1]
     assert "guided_choice constraint (choice) failed" in result.failed[1]
     assert result.tokens[0] == np.argmax(logits[0])
+
+
+def test_bench_structured_runs_small() -> None:
+    from atombatch.bench import structured as bench
+    records = bench.run([2, 4], vocab=3000, steps=12, threads=1)
+    assert [r.batch for r in records] == [2, 4]
+    for r in records:
+        assert r.constrained_sampled_ms > 0 and r.fill_ms > 0 and r.apply_ms > 0
+        assert 0 < r.allowed_fraction < 1
+    assert "constr." in bench.format_table(records)
