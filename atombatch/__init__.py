@@ -21,12 +21,13 @@ from atombatch.structs import (
     TokenLogprob,
     TokenLogprobs,
 )
+from atombatch.structured import StructuredOutput
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArtifactConfig", "AsyncBatcher", "AtomBatchError", "Batcher", "CapacityError", "Completion",
     "ConfigError", "EngineStats", "KVTransferError", "ModelSpec", "Policy", "RequestError", "RequestOutput",
-    "RequestTimings", "SamplingParams", "StateError", "StepResult", "TokenLogprob", "TokenLogprobs",
-    "plan",
+    "RequestTimings", "SamplingParams", "StateError", "StepResult", "StructuredOutput", "TokenLogprob",
+    "TokenLogprobs", "plan",
 ]

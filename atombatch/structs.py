@@ -10,6 +10,7 @@ import msgspec.structs
 import numpy as np
 
 from atombatch.errors import RequestError
+from atombatch.structured import StructuredOutput
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -53,6 +54,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
                                                #   it fits MAX_LOGPROBS): per prompt token, its
                                                #   logprob and the top k (raw logits)
     skip_special_tokens: bool = True           # leave special tokens out of the text
+    structured: StructuredOutput | None = None  # the output must match this JSON schema /
+                                               #   regex / choice / grammar (atombatch/structured.py)
 
     def __post_init__(self) -> None:
         _check_int(self, "n", 1, MAX_N)
@@ -87,6 +90,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             _set(self, "allowed_token_ids", allowed)
         if self.logit_bias is not None:
             _set(self, "logit_bias", _bias(self.logit_bias))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise RequestError(f"structured={self.structured!r} must be a StructuredOutput",
+                               param="structured")
 
     # -- derived ------------------------------------------------------------------------------------
     @property
@@ -100,7 +106,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         return (self.temperature < GREEDY_EPS and self.presence_penalty == 0.0 and
                 self.frequency_penalty == 0.0 and self.repetition_penalty == 1.0 and
                 not self.logit_bias and self.allowed_token_ids is None and not self.bad_words and
-                self.min_tokens == 0 and self.logprobs is None)
+                self.min_tokens == 0 and self.logprobs is None and self.structured is None)
 
 
 def _set(params: SamplingParams, name: str, value: object) -> None:

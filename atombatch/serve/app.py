@@ -16,10 +16,11 @@ means "default" for optional fields.
 
 Statuses: 400 bad JSON, a body that does not match the schema (wrong type, missing field, unknown
 field when strict), a value the engine rejects (over-long prompt, token id outside the vocab,
-temperature, top_p, max_tokens, ...) or a feature this server cannot honour (tools, structured
-output); 404 unknown model or path; 413 body too large; 429 queue full (with `Retry-After`); 503
-shutting down. Every error body is `{"error": {message, type, param, code}}`, and the reason of
-every 4xx is logged (logger `atombatch.serve`).
+temperature, top_p, max_tokens, ...), a feature this server cannot honour (tools) or a
+structured-output constraint that is too large or does not compile; 404 unknown model or path;
+413 body too large; 429 queue full (with `Retry-After`); 503 shutting down. Every error body is
+`{"error": {message, type, param, code}}`, and the reason of every 4xx is logged (logger
+`atombatch.serve`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ from atombatch.serve.protocol import (
     TopLogprob,
     Usage,
 )
+from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredRequests
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
 from atombatch.structs import RequestOutput, SamplingParams, TokenLogprobs
 
@@ -269,7 +271,8 @@ class _Server:
     def __init__(self, ab: AsyncBatcher | CoreClient, model_name: str, codec: Codec,
                  max_body_bytes: int, retry_after: int, strict_protocol: bool = False,
                  body_timeout: float = 30.0, bounds: schema.Bounds = schema.DEFAULT_BOUNDS,
-                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> None:
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+                 max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS) -> None:
         self.ab = ab
         self.bounds = bounds
         self.max_response_bytes = max_response_bytes
@@ -285,6 +288,9 @@ class _Server:
         self.body_timeout = body_timeout
         self.retry_after = retry_after
         self.artifact = ab.artifact
+        self.structured = StructuredRequests(
+            getattr(codec, "tokenizer", None), self.artifact.model.vocab_size,
+            self.artifact.model.eos_token_ids, max_structured_chars)
         self.metrics = ServerMetrics(ab.stats, self.artifact.batch_size)
         self.accepting = False
         self.created = int(time.time())
@@ -299,6 +305,10 @@ class _Server:
             raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
         except msgspec.DecodeError as exc:
             raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
+        try:  # a new constraint compiles off the event loop (`params` then finds it checked)
+            await self.structured.check_off_loop(value)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
         if ignored:
             request.state.ignored_fields = ignored
             request.state.ignored_count = dropped
@@ -408,6 +418,10 @@ class _Server:
                                    param="logit_bias", code="invalid_value")
                 bias[int(key)] = value
         try:
+            structured = self.structured.resolve(body)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+        try:
             return SamplingParams(
                 n=body.n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                 top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=stop,
@@ -420,7 +434,7 @@ class _Server:
                 allowed_token_ids=None if body.allowed_token_ids is None else
                 tuple(body.allowed_token_ids),
                 bad_words=tuple(body.bad_words), skip_special_tokens=body.skip_special_tokens,
-                logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
+                logprobs=logprobs, prompt_logprobs=body.prompt_logprobs, structured=structured)
         except RequestError as exc:
             message = str(exc)
             lead = re.match(r"[a-z_]+", message)  # SamplingParams messages start with the field
@@ -599,11 +613,6 @@ class _Server:
             if getattr(body, name) is not None:
                 raise ApiError(400, f"{name}: function calling is not supported", param=name,
                                code="unsupported_value")
-        fmt = body.response_format
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise ApiError(400, f"response_format type {fmt.get('type')!r}: structured output is "
-                           "not supported (only {\"type\": \"text\"})", param="response_format",
-                           code="unsupported_value")
         if body.chat_template is not None:
             raise ApiError(400, "chat_template: a per-request template is not accepted; the server "
                            f"renders with {getattr(self.codec, 'chat_template_name', 'its own')}",
@@ -963,7 +972,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                on_shutdown: Callable[[], None] | None = None,
                strict_protocol: bool = False, body_timeout: float = 30.0,
                bounds: schema.Bounds = schema.DEFAULT_BOUNDS,
-               max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> Starlette:
+               max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+               max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
     Args:
@@ -987,6 +997,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         bounds: what decoding one body may cost (nesting, objects walked, unknown names kept).
         max_response_bytes: a request whose response is estimated larger answers 400
             `response_too_large` before it is queued (logprobs x n, prompt logprobs).
+        max_structured_chars: characters of one structured-output constraint (a JSON schema,
+            regex, grammar or the choices) at most; a longer one answers 400.
 
     Returns:
         A Starlette app to run with uvicorn; `atombatch.serve.limits.uvicorn_config(app, ...)`
@@ -1011,11 +1023,12 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
     if isinstance(codec, HFCodec) and codec.max_chars is None:
         codec.bound(ab.artifact.max_seq_len)  # text that cannot fit is refused untokenized
     server = _Server(ab, model_name, codec, max_body_bytes, retry_after, strict_protocol,
-                     body_timeout, bounds, max_response_bytes)
+                     body_timeout, bounds, max_response_bytes, max_structured_chars)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await ab.start()
+        server.structured.warm()
         server.accepting = True
         try:
             yield

@@ -41,6 +41,7 @@ from atombatch.scheduler import POLICY_KINDS, Policy
 from atombatch.serve import schema
 from atombatch.serve.chat_template import template_from_argument
 from atombatch.serve.limits import DEFAULT_MAX_RESPONSE_BYTES, ServerLimits
+from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS
 from atombatch.serve.tokens import Codec, HFCodec
 
 POLICY_HELP = {
@@ -127,6 +128,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
                    help="larger request bodies answer 413, checked as they stream in "
                    f"(default {limits.max_body_bytes})")
+    p.add_argument("--max-structured-chars", type=int, default=DEFAULT_MAX_STRUCTURED_CHARS,
+                   help="characters of one structured-output constraint (JSON schema, regex, "
+                   f"grammar or choices) at most; longer answers 400 "
+                   f"(default {DEFAULT_MAX_STRUCTURED_CHARS})")
     p.add_argument("--body-timeout", type=float, default=limits.body_timeout,
                    help=f"seconds a request body may take (default {limits.body_timeout:g})")
     p.add_argument("--header-timeout", type=float, default=limits.header_timeout,
@@ -410,7 +415,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         return 2
     app = create_app(engine, name, codec, max_body_bytes=limits.max_body_bytes,
                      body_timeout=limits.body_timeout, strict_protocol=args.strict_protocol,
-                     bounds=bounds, max_response_bytes=args.max_response_bytes)
+                     bounds=bounds, max_response_bytes=args.max_response_bytes,
+                     max_structured_chars=args.max_structured_chars)
     host, port = sock.getsockname()[:2]
     template = (codec or IdCodec()).chat_template_name
     banner = (f"atombatch.serve: {art.label} ({args.runtime}, policy {policy}, "
