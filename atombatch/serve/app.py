@@ -47,6 +47,7 @@ from starlette.types import Receive, Scope, Send
 
 from atombatch.aio import AsyncBatcher, compact_outputs
 from atombatch.core import CoreClient
+from atombatch.detokenizer import bad_word_ids
 from atombatch.engine import Batcher
 from atombatch.errors import CapacityError, RequestError, UnavailableError
 from atombatch.serve import schema
@@ -368,6 +369,19 @@ class _Server:
         return await asyncio.get_running_loop().run_in_executor(
             self.text_worker, functools.partial(fn, *args))
 
+    def check_samplable(self, params: SamplingParams) -> None:
+        """Refuse `allowed_token_ids` that `bad_words` ban entirely (single-token words are
+        banned at every step): the sampler would find nothing to sample and fail mid-stream.
+        (`validation.py` refuses the same with stop ids under `min_tokens`.)"""
+        allowed, words = params.allowed_token_ids, params.bad_words
+        if allowed is None or not words or not isinstance(self.codec, HFCodec):
+            return
+        banned = {ids[0] for ids in bad_word_ids(self.codec.tokenizer, words) if len(ids) == 1}
+        if banned.issuperset(allowed):
+            raise ApiError(400, f"bad_words ban every one of allowed_token_ids "
+                           f"{sorted(set(allowed))[:8]}: no token could be sampled",
+                           param="bad_words", code="invalid_value")
+
     def check_response_size(self, prompts: list[list[int]], params: SamplingParams,
                             max_tokens: int | None) -> None:
         """Refuse a request whose response would pass `max_response_bytes` (estimated before it
@@ -633,6 +647,7 @@ class _Server:
         params = self.params(body, body.max_tokens)
         prompts = self.truncate(await self.off_loop(self.prompts, body.prompt, body.n), body)
         self.check_response_size(prompts, params, body.max_tokens)
+        self.check_samplable(params)
         gens = self.submit_all("cmpl", prompts, params, "prompt")
         with _owned(gens):
             created = int(time.time())
@@ -715,6 +730,7 @@ class _Server:
             raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
         prompts = self.truncate([prompt], body)
         self.check_response_size(prompts, params, max_tokens)
+        self.check_samplable(params)
         gens = self.submit_all("chatcmpl", prompts, params, "messages")
         with _owned(gens):
             created = int(time.time())

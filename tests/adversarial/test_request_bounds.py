@@ -148,6 +148,9 @@ ATTACKS = {
     "min_tokens with only eos allowed": (COMPLETIONS, _body(prompt="w1", max_tokens=4,
                                                             min_tokens=2, allowed_token_ids=[2]),
                                          400, "allowed_token_ids"),
+    "bad_words banning every allowed id": (COMPLETIONS, _body(prompt="w1", max_tokens=4,
+                                                              allowed_token_ids=[7],
+                                                              bad_words=["w2"]), 400, "bad_words"),
     # a text that cannot fit the context is refused before it is tokenized
     "8 MiB of text": (COMPLETIONS, _body(prompt="w5 " * 2_800_000), 400, "prompt"),
     "8 MiB chat message": (CHAT, _body(messages=[{"role": "user", "content": "w5 " * 2_800_000}]),
