@@ -1,0 +1,312 @@
+"""Prefix and host caching for Gemma3's hybrid layers: sliding-slot checkpoints.
+
+A hit on a hybrid model restores the global layers' blocks and every sliding layer's window, from
+a host checkpoint of a lane's slot at a chunk boundary (atombatch/checkpoints.py). The tokens must
+equal transformers' (a full forward per token, no cache) in multi-turn conversations whose shared
+prefix is many windows long, in eager, paged, bucketed and oversubscribed layouts, through the
+host cache after evictions, and through the emulated rebel; hits must be longer than the window.
+A workload of mixed hits, misses, aborts and preemptions on the ledger runtime checks the
+ownership and memory accounting of checkpoints after every step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fakerebel.compiler import compile_dir
+from hf_models import SLIDING_WINDOW, build_model, hf_logits, save_checkpoint
+from hypothesis import HealthCheck, Phase, event, given, settings
+from hypothesis import strategies as st
+from ledger import LedgerRuntime, ledger_spec, reference
+
+from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
+from atombatch.checkpoints import DROPPED, HELD
+from atombatch.runtime import NumpyRuntime, RebelRuntime
+
+pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
+
+NEW = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+MAX_SEQ = 256
+HOST = 1 << 22
+
+
+class Conversations:
+    """Two (or more) chats sharing a 48-token system prompt; turn k+1 is turn k's prompt, its
+    transformers output and new user text. References are transformers' greedy tokens."""
+
+    def __init__(self, model, count=2, turns=3, seed=3):
+        self.model = model
+        rng = np.random.default_rng(seed)
+        system = rng.integers(3, 512, size=48).tolist()
+        self.turns: list[list[tuple[list[int], list[int]]]] = []   # per chat: (prompt, output)
+        for _ in range(count):
+            chat, prompt = [], system + rng.integers(3, 512, size=13).tolist()
+            for _ in range(turns):
+                output = self.greedy(prompt)
+                chat.append((prompt, output))
+                prompt = prompt + output + rng.integers(3, 512, size=11).tolist()
+            self.turns.append(chat)
+
+    def greedy(self, prompt):
+        seq = list(prompt)
+        for _ in range(NEW):
+            seq.append(int(np.argmax(hf_logits(self.model, seq)[-1])))
+        return seq[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    path = save_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3"))
+    chats = Conversations(build_model("gemma3"))
+    return path, ModelSpec.from_pretrained(path), chats
+
+
+def numpy_runtime(path, spec, batch_size, block_size=MAX_SEQ, num_blocks=None, chunk=16,
+                  buckets=()):
+    bps = MAX_SEQ // block_size
+    art = ArtifactConfig(model=spec, batch_size=batch_size, max_seq_len=MAX_SEQ,
+                         block_size=block_size, num_blocks=num_blocks or batch_size * bps + 1,
+                         prefill_chunk_size=chunk, decoder_batch_sizes=buckets)
+    return NumpyRuntime.from_pretrained(path, artifact=art)
+
+
+def recording(batcher):
+    """The `tokens` of every prefix hit the engine reports (its `prefix.hit` events)."""
+    hits: list[int] = []
+    flush = batcher._flush_events
+
+    def keep():
+        hits.extend(f["tokens"] for name, f in batcher.scheduler.events if name == "prefix.hit")
+        flush()
+
+    batcher._flush_events = keep
+    return hits
+
+
+def run_chats(batcher, chats, q):
+    """Every chat's turns, the chats of a turn submitted together; asserts transformers' tokens
+    and that turn k+1 resumes at least at the last chunk boundary of turn k's cached sequence."""
+    hits = recording(batcher)
+    for turn in range(len(chats.turns[0])):
+        before = batcher.stats().prefix_hit_tokens
+        prompts = [chat[turn][0] for chat in chats.turns]
+        got = [list(c.token_ids) for c in batcher.generate(prompts, GREEDY)]
+        assert got == [chat[turn][1] for chat in chats.turns], turn
+        batcher.check_invariants()
+        if turn:
+            # the previous turn's sequence holds prompt + output - 1 positions of KV
+            floor = sum((len(chat[turn - 1][0]) + NEW - 1) // q * q for chat in chats.turns)
+            assert batcher.stats().prefix_hit_tokens - before >= floor
+    assert max(hits) > 4 * SLIDING_WINDOW
+    return hits
+
+
+LAYOUTS = {
+    "eager-B2-chunk16": dict(batch_size=2),
+    "eager-B4-chunk32-dbs1,2,4": dict(batch_size=4, chunk=32, buckets=(1, 2, 4)),
+    "paged-B2-bs16-chunk8": dict(batch_size=2, block_size=16, chunk=8),
+    "paged-B3-bs32-chunk16-dbs1,3": dict(batch_size=3, block_size=32, buckets=(1, 3)),
+    # 17 blocks of 16 for two lanes of 16: growth evicts cached blocks to the host, and preempts
+    "oversubscribed-B2-bs16-k17": dict(batch_size=2, block_size=16, num_blocks=17),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_multi_turn_chats_equal_transformers_with_long_hits(gemma, layout):
+    path, spec, chats = gemma
+    options = LAYOUTS[layout]
+    batcher = Batcher(numpy_runtime(path, spec, **options), prefix_cache=True,
+                      host_cache_bytes=HOST)
+    run_chats(batcher, chats, options.get("chunk", 16))
+    stats = batcher.stats()
+    assert stats.slot_restores >= 4 and stats.slot_saves >= 6
+    if "oversubscribed" in layout:
+        assert stats.evictions > 0 and stats.host_restores > 0
+
+
+def test_repeating_every_turn_hits_from_the_host_after_evictions(gemma):
+    """Each chat's turns alone, then all of them again in reverse: the blocks of the first pass
+    were evicted to the host by then, and come back with their checkpoints."""
+    path, spec, chats = gemma
+    batcher = Batcher(numpy_runtime(path, spec, 2, block_size=16, num_blocks=17),
+                      prefix_cache=True, host_cache_bytes=HOST)
+    sequence = [pair for chat in chats.turns for pair in chat]
+    for prompt, output in sequence + sequence[::-1]:
+        [done] = batcher.generate([prompt], GREEDY)
+        assert list(done.token_ids) == output
+        batcher.check_invariants()
+    stats = batcher.stats()
+    assert stats.evictions > 0 and stats.host_restores > 0 and stats.slot_restores >= 6
+    assert batcher.host_cache.hits > 0
+
+
+def test_a_shared_system_prompt_is_checkpointed_at_its_junction(gemma):
+    """Chats that start together miss; the next chat's lookup matches the system prompt's
+    blocks but finds no checkpoint there, so it saves one at the junction, where the chat after
+    it resumes."""
+    path, spec, chats = gemma
+    batcher = Batcher(numpy_runtime(path, spec, 2), prefix_cache=True, host_cache_bytes=HOST)
+    hits = recording(batcher)
+    first = [chat[0] for chat in chats.turns]
+    assert [list(c.token_ids) for c in batcher.generate([p for p, _ in first], GREEDY)] == \
+        [o for _, o in first]
+    assert hits == []
+    rng = np.random.default_rng(9)
+    system = chats.turns[0][0][0][:48]
+    later = [system + rng.integers(3, 512, size=n).tolist() for n in (7, 19)]
+    for prompt in later:
+        [done] = batcher.generate([prompt], GREEDY)
+        assert list(done.token_ids) == chats.greedy(prompt)
+    assert hits == [48]   # the first later chat saved the junction, the second resumed there
+
+
+def test_a_wrong_restored_slot_changes_the_tokens(gemma, monkeypatch):
+    """The check can fail: restoring zeros instead of the checkpoint (what resuming the global
+    layers alone amounts to) gives other tokens than transformers."""
+    path, spec, chats = gemma
+    rt = numpy_runtime(path, spec, 2)
+    batcher = Batcher(rt, prefix_cache=True, host_cache_bytes=HOST)
+    prompt, output = chats.turns[0][0]
+    assert list(batcher.generate([prompt], GREEDY)[0].token_ids) == output
+    monkeypatch.setattr(rt, "write_slot", lambda slot, data: NumpyRuntime.write_slot(
+        rt, slot, np.zeros_like(data)))
+    second, want = chats.turns[0][1]
+    got = list(batcher.generate([second], GREEDY)[0].token_ids)
+    assert batcher.stats().slot_restores == 1
+    assert got != want
+
+
+def test_no_checkpoint_budget_left_means_misses_not_wrong_tokens(gemma):
+    """A host budget of exactly one checkpoint: lanes hold it while they run, so most boundaries
+    go unsaved; the tokens stay right and what is held never exceeds the budget."""
+    path, spec, chats = gemma
+    rt = numpy_runtime(path, spec, 2)
+    batcher = Batcher(rt, prefix_cache=True, host_cache_bytes=rt.slot_bytes)
+    for chat in chats.turns:
+        for prompt, output in chat:
+            assert list(batcher.generate([prompt], GREEDY)[0].token_ids) == output
+            assert batcher.host_cache.used_bytes <= rt.slot_bytes
+    assert batcher.scheduler.kv.checkpoints.store.skipped > 0
+
+
+# -- the emulated device ---------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", [dict(kvcache_num_blocks=3),
+                                    dict(kvcache_block_size=32, kvcache_num_blocks=17)],
+                         ids=["eager", "flash"])
+def test_through_the_emulated_rebel_kv_methods(fake_rebel, tmp_path, gemma, layout):
+    path, _, chats = gemma
+    d = compile_dir(tmp_path / "c", path, batch_size=2, max_seq_len=MAX_SEQ,
+                    prefill_chunk_size=16, **layout)
+    rt = RebelRuntime.from_optimum(d)
+    batcher = Batcher(rt, prefix_cache=True, host_cache_bytes=HOST)
+    run_chats(batcher, chats, 16)
+    assert batcher.stats().slot_restores >= 4
+    assert fake_rebel.KV_CALLS["_fetch_kv_cache"] > 0
+    assert fake_rebel.KV_CALLS["_update_kv_cache"] > 0
+
+
+def test_rebel_slot_round_trip_is_exact(fake_rebel, tmp_path, gemma):
+    path, _, chats = gemma
+    d = compile_dir(tmp_path / "c", path, batch_size=2, max_seq_len=MAX_SEQ,
+                    prefill_chunk_size=16, kvcache_num_blocks=3)
+    rt = RebelRuntime.from_optimum(d)
+    Batcher(rt).generate([chats.turns[0][0][0]], GREEDY)   # lane 0's slot holds a window
+    saved = rt.read_slot(0)
+    assert saved.shape == rt.slot_shape and saved.nbytes == rt.slot_bytes and saved.any()
+    rt.write_slot(1, saved)
+    assert np.array_equal(rt.read_slot(1), saved)
+
+
+# -- ownership and memory under a random workload (ledger runtime) -----------------------------------
+def ledger_batcher(host_bytes, batch_size=2, num_blocks=7):
+    spec = ledger_spec(hybrid=True, window=5)
+    art = ArtifactConfig(model=spec, batch_size=batch_size, max_seq_len=64, block_size=8,
+                         num_blocks=num_blocks, prefill_chunk_size=4)
+    return Batcher(LedgerRuntime(art), prefix_cache=True, host_cache_bytes=host_bytes)
+
+
+def check_checkpoints(batcher, live: bool):
+    """Byte accounting, holders and states of every checkpoint."""
+    kv = batcher.scheduler.kv
+    store, host = kv.checkpoints.store, batcher.host_cache
+    blocks = sum(int(e.data.nbytes) for e in host._lru.values())
+    assert host.used_bytes == blocks + store.used_bytes <= host.capacity_bytes
+    # cached blocks, host copies, and evicted blocks whose host save has not run yet
+    entries = list(kv.prefix._by_block.values()) + list(host._lru.values()) + kv._saves
+    holders: dict[int, int] = {}
+    for entry in entries:
+        for checkpoint in entry.checkpoints or ():
+            if checkpoint.state != DROPPED:
+                holders[id(checkpoint)] = holders.get(id(checkpoint), 0) + 1
+    for checkpoint in store._by_digest.values():
+        assert checkpoint.state != DROPPED
+        assert checkpoint.entries == holders.get(id(checkpoint), 0)
+        assert checkpoint.entries + checkpoint.lanes > 0
+        if not live:
+            # saved, or its save op waits for the next plan (it runs before any device call)
+            assert checkpoint.lanes == 0
+            assert checkpoint.state == HELD or \
+                any(c is checkpoint for _, c in kv.checkpoints.saves)
+    if not live:
+        assert not kv.checkpoints.lanes and not kv.checkpoints.restores
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(data=st.data(), host_checkpoints=st.sampled_from([1, 3, 40]),
+       num_blocks=st.sampled_from([9, 17]))
+def test_random_hits_misses_aborts_and_preemptions(data, host_checkpoints, num_blocks):
+    window, vocab = 5, 97
+    batcher = ledger_batcher(host_checkpoints * 2 * 5 * 8 + 8 * 64, num_blocks=num_blocks)
+    stems = [data.draw(st.lists(st.integers(1, 96), min_size=1, max_size=30)) for _ in range(3)]
+    history: list[list[int]] = []
+    expected: dict[str, tuple[list[int], int]] = {}
+    finals = {}
+    aborts: dict[int, list[str]] = {}
+
+    def collect(outputs):
+        for out in outputs:
+            if out.finished:
+                finals[out.request_id] = out
+                if out.finish_reason == "length":  # a later turn may extend it
+                    history.append(expected[out.request_id][0] + list(out.completion.token_ids))
+
+    for step in range(data.draw(st.integers(20, 80))):
+        if data.draw(st.booleans()):
+            kind = data.draw(st.sampled_from(["stem", "extend", "fresh"]))
+            if kind == "extend" and history:
+                base = data.draw(st.sampled_from(history))
+            elif kind == "stem":
+                base = data.draw(st.sampled_from(stems))
+            else:
+                base = []
+            prompt = (base + data.draw(st.lists(st.integers(1, 96), min_size=1, max_size=12)))[:40]
+            limit = data.draw(st.integers(1, 14))
+            rid = batcher.submit(prompt, SamplingParams(temperature=0.0, max_tokens=limit,
+                                                        ignore_eos=True))
+            expected[rid] = (prompt, limit)
+            if data.draw(st.integers(0, 4)) == 0:
+                aborts.setdefault(step + data.draw(st.integers(0, 6)), []).append(rid)
+        for rid in aborts.pop(step, []):
+            batcher.abort(rid)
+        collect(batcher.step())
+        batcher.check_invariants()
+        check_checkpoints(batcher, live=True)
+    while batcher.has_unfinished():
+        collect(batcher.step())
+        batcher.check_invariants()
+    check_checkpoints(batcher, live=False)
+    for rid, (prompt, limit) in expected.items():
+        out = finals[rid]
+        tokens = list(out.completion.token_ids)
+        assert tokens == reference(prompt, limit, vocab, window)[:len(tokens)]
+        if out.finish_reason == "length":
+            assert len(tokens) == limit
+        else:
+            assert out.finish_reason == "abort"
+    stats = batcher.stats()
+    assert stats.finished.get("error", 0) == 0
+    for name in ("slot_restores", "preemptions", "host_restores", "evictions"):
+        event(f"{name} > 0: {getattr(stats, name) > 0}")
+    event(f"checkpoints dropped > 0: {batcher.scheduler.kv.checkpoints.store.dropped > 0}")
