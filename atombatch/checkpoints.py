@@ -25,8 +25,9 @@ prefix that ends there, and a hit writes it into the new lane's slot (`Runtime.w
   host copies of blocks; under pressure host blocks go first, then the least recently used
   checkpoints no lane holds (the blocks stay; hits are trimmed to the checkpoints left).
 - A hit is the longest global-layer match (device, then host) trimmed back to the largest
-  checkpointed boundary inside it. The matched entries carry the candidates, so a lookup hashes
-  nothing; the trimmed position is exact, never a re-prefill of the last `window` tokens (a
+  checkpointed boundary inside it, found by the digests of the request's chunk boundaries from
+  the last one down (the only hashing a hybrid lookup does: at most the tokens up to the match,
+  once). The trimmed position is exact, never a re-prefill of the last `window` tokens (a
   sliding layer there would attend to K/V the new slot does not have).
 - Save and restore are runtime ops on the step plan (`StepPlan.slot_saves`,
   `StepPlan.slot_restores`), run before its device call: saves first, then restores, so a lane
@@ -47,7 +48,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from atombatch.prefix import Entry, HostCache, Match, PrefixIndex, TokenChain
+import xxhash
+
+from atombatch.prefix import PARTIAL, ROOT_INPUT, Entry, HostCache, PrefixIndex, TokenChain
 
 if TYPE_CHECKING:
     from atombatch.request import Counters, Request
@@ -194,6 +197,35 @@ class CheckpointStore:
         return self._drop_idle()
 
 
+def block_boundaries(chain: TokenChain, block: int, limit: int, chunk: int
+                     ) -> list[tuple[int, bytes]]:
+    """(position, digest) of the chunk boundaries in (block start, min(block end, limit)], in
+    order: one running hash over the block's tokens, a copy finished at each boundary."""
+    hasher = chain._hasher
+    block_size = hasher.block_size
+    start = block * block_size
+    stop = min(start + block_size, limit)
+    first = (start // chunk + 1) * chunk
+    if first > stop:
+        return []
+    state = xxhash.xxh3_128(chain.parent(block) or ROOT_INPUT, seed=hasher.seed)
+    tokens = chain.tokens
+    out = []
+    fed = start
+    for position in range(first, stop + 1, chunk):
+        if position == start + block_size:
+            out.append((position, chain.digests[block]))
+            continue
+        state.update(tokens[fed:position].data)
+        hasher.tokens_hashed += position - fed
+        fed = position
+        done = state.copy()
+        done.update(PARTIAL)
+        hasher.digests_made += 1
+        out.append((position, done.digest()))
+    return out
+
+
 def boundary_digest(chain: TokenChain, position: int) -> bytes:
     """The chain digest of the first `position` tokens of `chain`: a full block's stored digest
     at a block boundary, else the partial digest of the block the boundary falls in."""
@@ -219,24 +251,17 @@ class SlotCheckpoints:
         self._due: dict[int, list[tuple[int, str]]] = {}        # decode step -> (lane, request)
 
     # -- a hit ------------------------------------------------------------------------------------
-    def trim(self, match: Match, resume: int) -> Checkpoint | None:
-        """The checkpoint at the largest boundary <= `resume` inside the matched entries (which
-        agree with the prompt up to `match.tokens` >= `resume`); None: no checkpoint."""
-        block_size = self.block_size
-        entries = match.entries
-        for j in range(min(len(entries), -(-resume // block_size)) - 1, -1, -1):
-            held = entries[j].checkpoints
-            if not held:
-                continue
-            best = None
-            for checkpoint in held:
-                if checkpoint.state != DROPPED and checkpoint.position <= resume and \
-                        (best is None or checkpoint.position > best.position):
-                    best = checkpoint
-            if held and any(c.state == DROPPED for c in held):
-                entries[j].checkpoints = [c for c in held if c.state != DROPPED] or None
-            if best is not None:
-                return best
+    def trim(self, chain: TokenChain, resume: int) -> Checkpoint | None:
+        """The checkpoint at the largest chunk boundary <= `resume` of the request's chain (whose
+        first `resume` tokens the matched blocks hold); None: no checkpoint. Found by digest, so
+        a checkpoint saved by any sequence with this prefix counts, whichever cached sibling the
+        match took; boundaries are tried from the last, one block's tokens hashed at a time."""
+        q, block_size, store = self.chunk, self.block_size, self.store
+        for j in range((resume - 1) // block_size, -1, -1):
+            for position, digest in reversed(block_boundaries(chain, j, resume, q)):
+                checkpoint = store.find(digest)
+                if checkpoint is not None:
+                    return checkpoint
         return None
 
     def begin(self, request: Request, lane: int, resume: int, matched: int, length: int,

@@ -405,7 +405,7 @@ class KVManager:
         resume = (min(match.tokens, len(tokens) - 1) // q) * q
         checkpoints = self.checkpoints
         if checkpoints is not None:  # hybrid: back to the boundary whose slot was checkpointed
-            hit = checkpoints.trim(match, resume) if resume else None
+            hit = checkpoints.trim(self.chain(request, resume), resume) if resume else None
             resume = hit.position if hit is not None else 0
             checkpoints.begin(request, lane, resume, match.tokens, len(tokens), hit)
         if resume == 0:

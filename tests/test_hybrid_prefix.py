@@ -63,9 +63,9 @@ def gemma(tmp_path_factory):
 
 
 def numpy_runtime(path, spec, batch_size, block_size=MAX_SEQ, num_blocks=None, chunk=16,
-                  buckets=()):
-    bps = MAX_SEQ // block_size
-    art = ArtifactConfig(model=spec, batch_size=batch_size, max_seq_len=MAX_SEQ,
+                  buckets=(), max_seq_len=MAX_SEQ):
+    bps = max_seq_len // block_size
+    art = ArtifactConfig(model=spec, batch_size=batch_size, max_seq_len=max_seq_len,
                          block_size=block_size, num_blocks=num_blocks or batch_size * bps + 1,
                          prefill_chunk_size=chunk, decoder_batch_sizes=buckets)
     return NumpyRuntime.from_pretrained(path, artifact=art)
@@ -84,9 +84,11 @@ def recording(batcher):
     return hits
 
 
-def run_chats(batcher, chats, q):
+def run_chats(batcher, chats, q, floor=True):
     """Every chat's turns, the chats of a turn submitted together; asserts transformers' tokens
-    and that turn k+1 resumes at least at the last chunk boundary of turn k's cached sequence."""
+    and (`floor`) that turn k+1 resumes at least at the last chunk boundary of turn k's cached
+    sequence. Without `floor` (a pool that evicts) the parent of a device block may be on the
+    host only, and a lookup does not continue from the host back to the device."""
     hits = recording(batcher)
     for turn in range(len(chats.turns[0])):
         before = batcher.stats().prefix_hit_tokens
@@ -94,11 +96,11 @@ def run_chats(batcher, chats, q):
         got = [list(c.token_ids) for c in batcher.generate(prompts, GREEDY)]
         assert got == [chat[turn][1] for chat in chats.turns], turn
         batcher.check_invariants()
-        if turn:
+        if turn and floor:
             # the previous turn's sequence holds prompt + output - 1 positions of KV
             floor = sum((len(chat[turn - 1][0]) + NEW - 1) // q * q for chat in chats.turns)
             assert batcher.stats().prefix_hit_tokens - before >= floor
-    assert max(hits) > 4 * SLIDING_WINDOW
+    assert max(hits) > 3 * SLIDING_WINDOW   # several windows long
     return hits
 
 
@@ -107,8 +109,10 @@ LAYOUTS = {
     "eager-B4-chunk32-dbs1,2,4": dict(batch_size=4, chunk=32, buckets=(1, 2, 4)),
     "paged-B2-bs16-chunk8": dict(batch_size=2, block_size=16, chunk=8),
     "paged-B3-bs32-chunk16-dbs1,3": dict(batch_size=3, block_size=32, buckets=(1, 3)),
-    # 17 blocks of 16 for two lanes of 16: growth evicts cached blocks to the host, and preempts
-    "oversubscribed-B2-bs16-k17": dict(batch_size=2, block_size=16, num_blocks=17),
+    # 9 blocks of 16 for two lanes of 8 (the turns need 5-7 each): growth evicts cached blocks
+    # to the host, and preempts
+    "oversubscribed-B2-ctx128-bs16-k9": dict(batch_size=2, block_size=16, num_blocks=9,
+                                             max_seq_len=128),
 }
 
 
@@ -118,9 +122,9 @@ def test_multi_turn_chats_equal_transformers_with_long_hits(gemma, layout):
     options = LAYOUTS[layout]
     batcher = Batcher(numpy_runtime(path, spec, **options), prefix_cache=True,
                       host_cache_bytes=HOST)
-    run_chats(batcher, chats, options.get("chunk", 16))
+    run_chats(batcher, chats, options.get("chunk", 16), floor="oversubscribed" not in layout)
     stats = batcher.stats()
-    assert stats.slot_restores >= 4 and stats.slot_saves >= 6
+    assert stats.slot_restores >= 4 and stats.slot_saves >= 4
     if "oversubscribed" in layout:
         assert stats.evictions > 0 and stats.host_restores > 0
 
@@ -129,7 +133,7 @@ def test_repeating_every_turn_hits_from_the_host_after_evictions(gemma):
     """Each chat's turns alone, then all of them again in reverse: the blocks of the first pass
     were evicted to the host by then, and come back with their checkpoints."""
     path, spec, chats = gemma
-    batcher = Batcher(numpy_runtime(path, spec, 2, block_size=16, num_blocks=17),
+    batcher = Batcher(numpy_runtime(path, spec, 2, block_size=16, num_blocks=9, max_seq_len=128),
                       prefix_cache=True, host_cache_bytes=HOST)
     sequence = [pair for chat in chats.turns for pair in chat]
     for prompt, output in sequence + sequence[::-1]:
@@ -142,20 +146,19 @@ def test_repeating_every_turn_hits_from_the_host_after_evictions(gemma):
 
 
 def test_a_shared_system_prompt_is_checkpointed_at_its_junction(gemma):
-    """Chats that start together miss; the next chat's lookup matches the system prompt's
-    blocks but finds no checkpoint there, so it saves one at the junction, where the chat after
-    it resumes."""
+    """Chats that start together miss; the next chat's lookup matches the 48-token system
+    prompt's blocks but finds no checkpoint at 48 (the first chats saved at 64 and 80), so it
+    saves one at that junction, where the chat after it resumes."""
     path, spec, chats = gemma
     batcher = Batcher(numpy_runtime(path, spec, 2), prefix_cache=True, host_cache_bytes=HOST)
     hits = recording(batcher)
-    first = [chat[0] for chat in chats.turns]
-    assert [list(c.token_ids) for c in batcher.generate([p for p, _ in first], GREEDY)] == \
-        [o for _, o in first]
-    assert hits == []
     rng = np.random.default_rng(9)
     system = chats.turns[0][0][0][:48]
-    later = [system + rng.integers(3, 512, size=n).tolist() for n in (7, 19)]
-    for prompt in later:
+    first = [system + rng.integers(3, 512, size=n).tolist() for n in (30, 35)]
+    assert [list(c.token_ids) for c in batcher.generate(first, GREEDY)] == \
+        [chats.greedy(p) for p in first]
+    assert hits == []
+    for prompt in [system + rng.integers(3, 512, size=n).tolist() for n in (19, 25)]:
         [done] = batcher.generate([prompt], GREEDY)
         assert list(done.token_ids) == chats.greedy(prompt)
     assert hits == [48]   # the first later chat saved the junction, the second resumed there
