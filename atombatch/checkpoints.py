@@ -44,7 +44,6 @@ leaves (preemption, abort) is dropped with it, so it never lands in a later tena
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +80,7 @@ class LaneCheckpoints:
     held: list[Checkpoint] = field(default_factory=list)
     planned: tuple[int, ...] = ()       # prefill boundaries to save at
     decode: Checkpoint | None = None    # the newest boundary crossed while decoding
+    due: int = -1                       # the decode step at which its next boundary is reached
 
 
 class CheckpointStore:
@@ -315,24 +315,26 @@ class SlotCheckpoints:
         if record is None:
             return
         q = self.chunk
-        step = self.counters.decode_steps + (seq_len // q + 1) * q - seq_len
-        self._due.setdefault(step, []).append((request.lane, request.request_id))
+        record.due = self.counters.decode_steps + (seq_len // q + 1) * q - seq_len
+        self._due.setdefault(record.due, []).append((request.lane, request.request_id))
 
     def after_decode(self, by_lane: list[Request | None], seq_len: Any,
                      chain_of: Any) -> None:
         """A decode step ran: lanes at a boundary now checkpoint it (replacing their previous
         decode checkpoint) and are due again one chunk later. O(1) when no lane is due."""
-        due = self._due.pop(self.counters.decode_steps, None)
+        step = self.counters.decode_steps
+        due = self._due.pop(step, None)
         if due is None:
             return
         q = self.chunk
         for lane, request_id in due:
             request = by_lane[lane]
             record = self.lanes.get(lane)
-            if request is None or record is None or record.request_id != request_id:
-                continue
+            if request is None or record is None or record.request_id != request_id or \
+                    record.due != step or request.state.value != "decoding":
+                continue  # released, or re-admitted since (its new entry is the one due)
             position = seq_len(lane)
-            if position % q:
+            if position <= 0 or position % q:
                 continue
             checkpoint = self._checkpoint(record, lane, chain_of(request, position), position)
             if checkpoint is not None:
@@ -341,8 +343,8 @@ class SlotCheckpoints:
                     record.held.remove(previous)
                     self.store.release_lane(previous)
             if position + q <= request_limit(request):
-                self._due.setdefault(self.counters.decode_steps + q, []).append(
-                    (lane, request_id))
+                record.due = step + q
+                self._due.setdefault(record.due, []).append((lane, request_id))
 
     # -- registration -----------------------------------------------------------------------------
     def publish(self, lane: int, chain: TokenChain, full_blocks: int) -> None:
@@ -389,9 +391,28 @@ class SlotCheckpoints:
             store.release_lane(checkpoint)
         record.held.clear()
 
-    def entries_gone(self, entries: Iterable[Entry]) -> None:
-        for entry in entries:
-            self.store.entry_gone(entry)
+    def check(self, by_lane: list[Request | None]) -> None:
+        """Checkpoint invariants (docs/rules.md); raises `StateError`."""
+        from atombatch.errors import StateError
+
+        for lane, record in self.lanes.items():
+            request = by_lane[lane]
+            if request is None or request.request_id != record.request_id:
+                raise StateError(f"lane={lane} holds checkpoints of {record.request_id}, "
+                                 "which does not run there")
+            for checkpoint in record.held:
+                if checkpoint.lanes < 1:
+                    raise StateError(f"lane={lane} holds a checkpoint at "
+                                     f"{checkpoint.position} that counts no lane holder")
+        for lane, _, request_id in self.restores:
+            request = by_lane[lane]
+            if request is None or request.request_id != request_id:
+                raise StateError(f"a slot restore for {request_id} targets lane={lane}, "
+                                 "which it does not hold")
+        host = self.store.host
+        if host.used_bytes > host.capacity_bytes:
+            raise StateError(f"host cache holds {host.used_bytes} bytes, over its "
+                             f"{host.capacity_bytes}")
 
     # -- ops ----------------------------------------------------------------------------------------
     @property

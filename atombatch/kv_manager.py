@@ -629,6 +629,8 @@ class KVManager:
         if self.prefix is not None and len(self.prefix) != pool.num_cached:
             raise StateError(f"prefix index holds {len(self.prefix)} blocks, pool "
                              f"{pool.num_cached} CACHED")
+        if self.checkpoints is not None:
+            self.checkpoints.check(by_lane)
         if not live and (lanes.num_busy or pool.num_lane or pool.num_staged or
                          pool.num_evictable != pool.num_cached):
             raise StateError("no request is live but lanes or blocks are still owned")
