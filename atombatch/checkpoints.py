@@ -258,7 +258,7 @@ class SlotCheckpoints:
         match took; boundaries are tried from the last, one block's tokens hashed at a time."""
         q, block_size, store = self.chunk, self.block_size, self.store
         for j in range((resume - 1) // block_size, -1, -1):
-            for position, digest in reversed(block_boundaries(chain, j, resume, q)):
+            for _, digest in reversed(block_boundaries(chain, j, resume, q)):
                 checkpoint = store.find(digest)
                 if checkpoint is not None:
                     return checkpoint
