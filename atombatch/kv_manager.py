@@ -408,6 +408,8 @@ class KVManager:
             hit = checkpoints.trim(self.chain(request, resume), resume) if resume else None
             resume = hit.position if hit is not None else 0
             checkpoints.begin(request, lane, resume, match.tokens, len(tokens), hit)
+            if resume and self.slots is not None:
+                self.slots.advance(lane, resume)  # the restored slot holds that window
         if resume == 0:
             self.counters.prefix_misses += 1
             return
