@@ -249,6 +249,7 @@ class SlotCheckpoints:
         self.saves: list[tuple[int, Checkpoint]] = []           # (lane, checkpoint)
         self.restores: list[tuple[int, Checkpoint, str]] = []   # (lane, checkpoint, request id)
         self._due: dict[int, list[tuple[int, str]]] = {}        # decode step -> (lane, request)
+        self.dropped_restores = 0   # restores dropped before they ran (their request left)
 
     # -- a hit ------------------------------------------------------------------------------------
     def trim(self, chain: TokenChain, resume: int) -> Checkpoint | None:
@@ -371,6 +372,7 @@ class SlotCheckpoints:
         rid = request.request_id
         if any(op[2] == rid for op in self.restores):
             self.restores = [op for op in self.restores if op[2] != rid]
+            self.dropped_restores += 1
             valid = 0
         store = self.store
         if valid and chain is not None:
@@ -431,6 +433,7 @@ class SlotCheckpoints:
         kept = [op for op in self.restores if op[2] != request_id]
         dropped = len(kept) != len(self.restores)
         self.restores = kept
+        self.dropped_restores += dropped
         return dropped
 
 

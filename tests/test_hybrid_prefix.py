@@ -313,3 +313,105 @@ def test_random_hits_misses_aborts_and_preemptions(data, host_checkpoints, num_b
     for name in ("slot_restores", "preemptions", "host_restores", "evictions"):
         event(f"{name} > 0: {getattr(stats, name) > 0}")
     event(f"checkpoints dropped > 0: {batcher.scheduler.kv.checkpoints.store.dropped > 0}")
+
+
+def test_n_choices_share_the_prompt_checkpoint(gemma):
+    """n > 1 with the prefix cache: choices 1.. wait for choice 0's first token and start from
+    its cached prompt, whose window a checkpoint restores; each choice samples what it samples
+    on its own (a run of each seed alone, without any cache)."""
+    path, spec, chats = gemma
+    prompt = chats.turns[0][1][0]   # 80 tokens: 5 windows
+    params = SamplingParams(n=3, temperature=0.9, top_k=40, max_tokens=NEW, seed=11,
+                            ignore_eos=True)
+    # 16-token blocks: choice 0's full prompt blocks are published while it decodes
+    batcher = Batcher(numpy_runtime(path, spec, 4, block_size=16), prefix_cache=True,
+                      host_cache_bytes=HOST)
+    shared = [list(c.token_ids) for c in batcher.generate([prompt], params)]
+    assert batcher.stats().slot_restores == 2   # choices 1 and 2, from choice 0's checkpoint
+    for index, tokens in enumerate(shared):
+        alone = Batcher(numpy_runtime(path, spec, 1)).generate(
+            [prompt], SamplingParams(temperature=0.9, top_k=40, max_tokens=NEW,
+                                     seed=11 + index, ignore_eos=True))
+        assert list(alone[0].token_ids) == tokens, index
+
+
+# -- the checkpoint store and its rules, one at a time ---------------------------------------------
+def test_memory_pressure_drops_host_blocks_then_idle_checkpoints_never_held_ones():
+    from atombatch.checkpoints import CheckpointStore
+    from atombatch.prefix import Entry, HostCache
+
+    host = HostCache(capacity_bytes=100, block_size=4)
+    store = CheckpointStore(host, nbytes=40)
+    block = Entry(digest=b"b" * 16, parent=b"", tokens=np.arange(4), full=True)
+    host.put(block, np.zeros(5, dtype=np.int64))          # 40 bytes of host block
+    held = store.create(b"h" * 16, 4)
+    store.hold_lane(held)                                 # a running lane's: never dropped
+    assert host.used_bytes == 80
+    idle = store.create(b"i" * 16, 8)                     # the host block makes room for it
+    assert len(host) == 0 and host.used_bytes == 80
+    entry = Entry(digest=b"e" * 16, parent=b"", tokens=np.arange(4), full=True)
+    store.hold_lane(idle)
+    store.attach(idle, entry)
+    store.release_lane(idle)                              # held by a cached block only: idle
+    third = store.create(b"t" * 16, 12)                   # drops the idle one, not the held one
+    assert third is not None and idle.state == DROPPED and held.state != DROPPED
+    assert store.find(idle.digest) is None and host.used_bytes == 80
+    store.hold_lane(third)
+    assert store.create(b"x" * 16, 16) is None and store.skipped == 1   # all held by lanes
+    store.entry_gone(entry)                               # a dropped checkpoint is skipped
+    store.release_lane(third)
+    assert third.state == DROPPED and host.used_bytes == 40   # no holder left: freed
+
+
+def test_a_checkpoint_travels_with_its_block_to_the_host_and_leaves_with_it():
+    from atombatch.checkpoints import CheckpointStore
+    from atombatch.prefix import Entry, HostCache
+
+    host = HostCache(capacity_bytes=200, block_size=4)
+    store = CheckpointStore(host, nbytes=50)
+    checkpoint = store.create(b"c" * 16, 4)
+    store.hold_lane(checkpoint)
+    device = Entry(digest=b"d" * 16, parent=b"", tokens=np.arange(4), full=True, block=3)
+    store.attach(checkpoint, device)
+    store.release_lane(checkpoint)
+    host.put(device, np.zeros(10, dtype=np.int64))        # evicted: the checkpoint goes along
+    (copy,) = host._lru.values()
+    assert copy.checkpoints == [checkpoint] and device.checkpoints is None
+    assert checkpoint.entries == 1 and checkpoint.state != DROPPED
+    host.drop_lru()                                       # the host copy is dropped: so is it
+    assert checkpoint.state == DROPPED and host.used_bytes == 0
+
+
+def test_a_pending_restore_leaves_with_its_request():
+    """A lane released while its restore has not run (preempted in the step that planned it)
+    drops the restore and registers nothing: its slot never held that window."""
+    batcher = ledger_batcher(1 << 16, num_blocks=17)
+    prompt = list(range(1, 30))
+    batcher.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    scheduler = batcher.scheduler
+    kv = scheduler.kv
+    rid = batcher.submit(prompt + [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4,
+                                                            ignore_eos=True))
+    scheduler._admit(0.0)                                 # attach: the hit plans a restore
+    request = scheduler.requests[rid]
+    assert [op[2] for op in kv.checkpoints.restores] == [rid] and request.prefill_pos > 0
+    (_, hit, _), = kv.checkpoints.restores
+    lanes = hit.lanes
+    scheduler.preempt(request)
+    assert kv.checkpoints.restores == [] and kv.checkpoints.dropped_restores == 1
+    assert rid not in [r.request_id for r in kv.checkpoints.lanes.values()]
+    assert hit.lanes == lanes - 1        # the lane let go of it, and registered nothing
+    scheduler.check_invariants()
+    got = list(run_all(batcher)[rid].completion.token_ids)   # re-admitted: restored for real
+    assert got == reference(prompt + [5, 6, 7], 4, 97, 5)
+    check_checkpoints(batcher, live=False)
+
+
+def run_all(batcher):
+    finals = {}
+    while batcher.has_unfinished():
+        for out in batcher.step():
+            if out.finished:
+                finals[out.request_id] = out
+        batcher.check_invariants()
+    return finals
