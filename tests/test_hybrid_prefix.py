@@ -415,3 +415,24 @@ def run_all(batcher):
                 finals[out.request_id] = out
         batcher.check_invariants()
     return finals
+
+
+def test_bfloat16_device_caches_give_the_tokens_of_no_cache(fake_rebel, tmp_path, gemma):
+    """A bfloat16 directory: a checkpoint moves the slot's bf16 bits and the resumed prefill runs
+    the same chunks, so every turn's tokens equal those of a run without any cache (on its own
+    emulated device) exactly."""
+    path, _, chats = gemma
+
+    def directory(name):
+        return compile_dir(tmp_path / name, path, batch_size=2, max_seq_len=MAX_SEQ,
+                           prefill_chunk_size=16, kvcache_num_blocks=3, dtype="bfloat16")
+
+    cached = Batcher(RebelRuntime.from_optimum(directory("cached")), prefix_cache=True,
+                     host_cache_bytes=HOST)
+    plain = Batcher(RebelRuntime.from_optimum(directory("plain")))
+    for chat in chats.turns:
+        for prompt, _ in chat:
+            want = plain.generate([prompt], GREEDY)[0].token_ids
+            assert cached.generate([prompt], GREEDY)[0].token_ids == want
+    assert cached.stats().slot_restores >= 4
+    assert cached.runtime.read_slot(0).dtype == cached.runtime._host_dtype
