@@ -93,6 +93,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     bucket_steps: dict[int, int]        # decode steps by compiled decode batch size that ran
     slot_saves: int = 0                 # sliding-slot checkpoints read to the host (hybrid)
     slot_restores: int = 0              # sliding-slot checkpoints written into a lane (hybrid)
+    checkpoint_bytes: int = 0           # host bytes the sliding-slot checkpoints hold now (hybrid)
 
 
 class StepResult:
@@ -820,6 +821,7 @@ class Batcher:
             host_restores=c.host_restores, evictions=c.evictions, prompt_forks=c.prompt_forks,
             fork_saved_tokens=c.fork_saved_tokens, slot_saves=c.slot_saves,
             slot_restores=c.slot_restores, finished=dict(c.finished),
+            checkpoint_bytes=s.kv.checkpoints.store.used_bytes if s.kv.checkpoints else 0,
             lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps))
 
     def check_invariants(self) -> None:

@@ -436,3 +436,25 @@ def test_bfloat16_device_caches_give_the_tokens_of_no_cache(fake_rebel, tmp_path
             assert cached.generate([prompt], GREEDY)[0].token_ids == want
     assert cached.stats().slot_restores >= 4
     assert cached.runtime.read_slot(0).dtype == cached.runtime._host_dtype
+
+
+def test_plan_reports_the_checkpoint_size_and_stats_the_bytes_held(gemma):
+    from atombatch import plan
+
+    gemma_1b = ArtifactConfig(model=ModelSpec.preset("gemma3-1b"), batch_size=4,
+                              max_seq_len=8192, block_size=8192, num_blocks=5)
+    result = plan.fit(gemma_1b)
+    assert result.checkpoint_bytes == plan.checkpoint_bytes(gemma_1b) == 22 * 2 * 512 * 256 * 2
+    assert "11,534,336 bytes per sliding-slot checkpoint" in plan.describe(result)
+    assert result.projected_bytes == result.other_bytes + result.kv_bytes   # not on the device
+    qwen = ArtifactConfig(model=ModelSpec.preset("qwen3-0.6b"), batch_size=4, max_seq_len=8192,
+                          block_size=8192, num_blocks=5)
+    assert plan.fit(qwen).checkpoint_bytes == 0 and "checkpoint" not in plan.describe(
+        plan.fit(qwen))
+    path, spec, chats = gemma
+    rt = numpy_runtime(path, spec, 2)
+    batcher = Batcher(rt, prefix_cache=True, host_cache_bytes=HOST)
+    batcher.generate([chats.turns[0][0][0]], GREEDY)
+    stats = batcher.stats()
+    assert stats.checkpoint_bytes == len(batcher.scheduler.kv.checkpoints.store) * rt.slot_bytes
+    assert stats.checkpoint_bytes > 0 and stats.slot_saves >= 1
