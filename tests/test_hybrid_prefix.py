@@ -255,13 +255,15 @@ def check_checkpoints(batcher, live: bool):
         assert not kv.checkpoints.lanes and not kv.checkpoints.restores
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(data=st.data(), host_checkpoints=st.sampled_from([1, 3, 40]),
-       num_blocks=st.sampled_from([9, 17]))
-def test_random_hits_misses_aborts_and_preemptions(data, host_checkpoints, num_blocks):
+       pool=st.sampled_from([(2, 9), (2, 17), (3, 9), (3, 12)]))
+def test_random_hits_misses_aborts_and_preemptions(data, host_checkpoints, pool):
     window, vocab = 5, 97
-    batcher = ledger_batcher(host_checkpoints * 2 * 5 * 8 + 8 * 64, num_blocks=num_blocks)
+    batch_size, num_blocks = pool   # 8 blocks per sequence: 9 and 12 oversubscribe (preempt)
+    batcher = ledger_batcher(host_checkpoints * 2 * 5 * 8 + 8 * 64, batch_size=batch_size,
+                             num_blocks=num_blocks)
     stems = [data.draw(st.lists(st.integers(1, 96), min_size=1, max_size=30)) for _ in range(3)]
     history: list[list[int]] = []
     expected: dict[str, tuple[list[int], int]] = {}
