@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 from driving import run_to_end
+from support.producers import run_producer_process
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.pd import (
@@ -22,7 +23,6 @@ from atombatch.pd import (
     LayerKV,
     Producer,
     ZmqSource,
-    run_producer_process,
 )
 from atombatch.runtime import NumpyRuntime
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import zmq
 from support.numerics import assert_f32_close, assert_same_argmax, reduction_length
+from support.producers import run_producer_process
 
 from atombatch.blocks import PrefillInputs
 from atombatch.config import FULL, SLIDING, ArtifactConfig, ModelSpec
@@ -38,7 +39,6 @@ from atombatch.pd import (
     encode_header,
     layer_frames,
     model_identity,
-    run_producer_process,
     validate_header,
     validate_layer,
 )

@@ -58,7 +58,6 @@ from atombatch.pd.zmq_transport import (
     DEFAULT_MAX_QUEUED_BYTES,
     ZmqProducerServer,
     ZmqSource,
-    run_producer_process,
 )
 
 __all__ = [
@@ -67,6 +66,6 @@ __all__ = [
     "KVRequest", "KVSource", "KVTransferError", "LayerKV", "LayerStream", "Mode", "Producer",
     "ZmqProducerServer", "ZmqSource", "check_header", "decode_header", "decode_layer",
     "encode_header", "expected_layer_tokens", "layer_frames", "max_layer_frame_bytes",
-    "max_request_frame_bytes", "model_identity", "run_producer_process", "validate_header",
+    "max_request_frame_bytes", "model_identity", "validate_header",
     "validate_layer",
 ]

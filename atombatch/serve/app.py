@@ -25,12 +25,14 @@ every 4xx is logged (logger `atombatch.serve`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import msgspec
@@ -47,7 +49,8 @@ from atombatch.core import CoreClient
 from atombatch.engine import Batcher
 from atombatch.errors import CapacityError, RequestError, UnavailableError
 from atombatch.serve import schema
-from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES
+from atombatch.serve.chat_template import check_template_kwargs
+from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_RESPONSE_BYTES
 from atombatch.serve.metrics import ServerMetrics
 from atombatch.serve.protocol import (
     ChatChoice,
@@ -82,6 +85,22 @@ log = logging.getLogger("atombatch.serve")
 
 _ENCODER = msgspec.json.Encoder()
 _DONE = b"data: [DONE]\n\n"
+# The response-size estimate (`_Server.check_response_size`): bytes per generated token and per
+# logprob candidate in OpenAI's JSON (a candidate carries its text, logprob, rank and bytes).
+_TOKEN_BYTES = 16
+_LOGPROB_BYTES = 64
+
+
+@contextlib.contextmanager
+def _owned(gens: list[_Generation]) -> Iterator[None]:
+    """Until a response owns them, queued generations are aborted by any failure (a response
+    that cannot start must not leave its requests generating for nobody)."""
+    try:
+        yield
+    except BaseException:
+        for gen in gens:
+            gen.abandon()
+        raise
 
 
 class ApiError(Exception):
@@ -249,8 +268,15 @@ class _Generation:
 class _Server:
     def __init__(self, ab: AsyncBatcher | CoreClient, model_name: str, codec: Codec,
                  max_body_bytes: int, retry_after: int, strict_protocol: bool = False,
-                 body_timeout: float = 30.0) -> None:
+                 body_timeout: float = 30.0, bounds: schema.Bounds = schema.DEFAULT_BOUNDS,
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> None:
         self.ab = ab
+        self.bounds = bounds
+        self.max_response_bytes = max_response_bytes
+        # Tokenizing and rendering chat templates: one worker thread, off the event loop that
+        # streams to every other client (the tokenizer releases the GIL on long texts); requests
+        # needing it queue for it, so many of them cost one core, not all.
+        self.text_worker = concurrent.futures.ThreadPoolExecutor(1, "atombatch-text")
         self.strict_protocol = strict_protocol
         self.warned_fields: set[str] = set()      # unknown field names already logged
         self.model_name = model_name
@@ -267,13 +293,15 @@ class _Server:
     async def decode(self, request: Request, kind: type[T]) -> T:
         body = await self.read_body(request)
         try:
-            value, ignored = schema.decode(body, kind, strict=self.strict_protocol)
+            value, ignored, dropped = schema.decode(body, kind, strict=self.strict_protocol,
+                                                    bounds=self.bounds)
         except schema.SchemaError as exc:
             raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
         except msgspec.DecodeError as exc:
             raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
         if ignored:
             request.state.ignored_fields = ignored
+            request.state.ignored_count = dropped
             for path in ignored:
                 name = _INDEX.sub("[]", path)
                 if name in self.warned_fields or len(self.warned_fields) > MAX_WARNED_FIELDS:
@@ -294,8 +322,9 @@ class _Server:
         if not ignored:
             return None
         listed = ", ".join(ignored[:MAX_LISTED_FIELDS])
-        if len(ignored) > MAX_LISTED_FIELDS:
-            listed += f", ... ({len(ignored) - MAX_LISTED_FIELDS} more)"
+        total = getattr(request.state, "ignored_count", len(ignored))
+        if total > MAX_LISTED_FIELDS:
+            listed += f", ... ({total - MAX_LISTED_FIELDS} more)"
         return {IGNORED_FIELDS_HEADER: listed}
 
     async def read_body(self, request: Request) -> bytes:
@@ -320,6 +349,38 @@ class _Server:
                            f"{self.body_timeout} s", code="body_timeout",
                            headers=_CLOSE) from None
         return bytes(body)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` (tokenizing, rendering) on the text worker, not on the event loop;
+        a token-id codec (no tokenizer) parses on the loop: its work stops at the context."""
+        if isinstance(self.codec, IdCodec):
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.text_worker, functools.partial(fn, *args))
+
+    def check_response_size(self, prompts: list[list[int]], params: SamplingParams,
+                            max_tokens: int | None) -> None:
+        """Refuse a request whose response would pass `max_response_bytes` (estimated before it
+        is queued): logprob entries repeat per choice, so `prompt_logprobs` x `n` on a long
+        prompt asks for hundreds of megabytes from a few kilobytes."""
+        n = params.n
+        room = self.artifact.max_seq_len  # a longer max_tokens is refused at submit anyway
+        generated = sum(max(0, room - len(p)) if max_tokens is None else
+                        max(0, min(max_tokens, room - len(p))) for p in prompts)
+        estimate = n * generated * _TOKEN_BYTES
+        if params.logprobs is not None:
+            estimate += n * generated * (params.logprobs + 1) * _LOGPROB_BYTES
+        if params.prompt_logprobs is not None:
+            k = max(params.prompt_logprobs, 0)
+            estimate += n * sum(len(p) for p in prompts) * (k + 1) * _LOGPROB_BYTES
+        if estimate > self.max_response_bytes:
+            raise ApiError(400, f"the response could take about {estimate} bytes (n={n}, "
+                           f"logprobs={params.logprobs}, prompt_logprobs="
+                           f"{params.prompt_logprobs}, {len(prompts)} prompt(s)), more than "
+                           f"max_response_bytes={self.max_response_bytes}: ask for fewer "
+                           "choices, logprobs or tokens", param="n" if n > 1 else
+                           "prompt_logprobs" if params.prompt_logprobs is not None else
+                           "max_tokens", code="response_too_large")
 
     def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
                ) -> SamplingParams:
@@ -561,14 +622,16 @@ class _Server:
         body = await self.decode(request, CompletionRequest)
         self.check_completion_features(body)
         params = self.params(body, body.max_tokens)
-        gens = self.submit_all("cmpl", self.truncate(self.prompts(body.prompt, body.n), body),
-                               params, "prompt")
-        created = int(time.time())
-        headers = self.headers(request)
-        if body.stream:
-            usage = _usage_mode(body.stream_options)
-            return _SSEResponse(self._stream_completion(gens, created, usage), gens, headers)
-        await self._collect(request, gens)
+        prompts = self.truncate(await self.off_loop(self.prompts, body.prompt, body.n), body)
+        self.check_response_size(prompts, params, body.max_tokens)
+        gens = self.submit_all("cmpl", prompts, params, "prompt")
+        with _owned(gens):
+            created = int(time.time())
+            headers = self.headers(request)
+            if body.stream:
+                usage = _usage_mode(body.stream_options)
+                return _SSEResponse(self._stream_completion(gens, created, usage), gens, headers)
+            await self._collect(request, gens)
         want_logprobs = params.logprobs is not None
         prompt_logprobs = [self.prompt_logprobs_json(gen.prompt_logprobs) for gen in gens]
         return _json(CompletionResponse(
@@ -622,6 +685,10 @@ class _Server:
         body = await self.decode(request, ChatCompletionRequest)
         self.check_chat_features(body)
         messages = [_message_dict(m) for m in body.messages]
+        try:
+            check_template_kwargs(body.chat_template_kwargs or {})
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
         template: dict[str, Any] = dict(body.chat_template_kwargs or {})
         template.update(add_generation_prompt=body.add_generation_prompt,
                         continue_final_message=body.continue_final_message)
@@ -629,20 +696,24 @@ class _Server:
             template["tools"] = body.tools
         if body.documents is not None:
             template["documents"] = body.documents
-        try:
-            prompt = self.codec.render_chat(messages, **template)
-        except RequestError as exc:
-            raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else \
             body.max_tokens  # None: up to the context end
         params = self.params(body, max_tokens)
-        gens = self.submit_all("chatcmpl", self.truncate([prompt], body), params, "messages")
-        created = int(time.time())
-        headers = self.headers(request)
-        if body.stream:
-            usage = _usage_mode(body.stream_options)
-            return _SSEResponse(self._stream_chat(gens, created, usage), gens, headers)
-        await self._collect(request, gens)
+        try:
+            prompt = await self.off_loop(functools.partial(self.codec.render_chat, messages,
+                                                           **template))
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+        prompts = self.truncate([prompt], body)
+        self.check_response_size(prompts, params, max_tokens)
+        gens = self.submit_all("chatcmpl", prompts, params, "messages")
+        with _owned(gens):
+            created = int(time.time())
+            headers = self.headers(request)
+            if body.stream:
+                usage = _usage_mode(body.stream_options)
+                return _SSEResponse(self._stream_chat(gens, created, usage), gens, headers)
+            await self._collect(request, gens)
         want_logprobs = params.logprobs is not None
         return _json(ChatResponse(
             id=gens[0].request_id, created=created, model=self.model_name,
@@ -890,7 +961,9 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                tokenizer: Codec | Any | None = None, *,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after: int = 1,
                on_shutdown: Callable[[], None] | None = None,
-               strict_protocol: bool = False, body_timeout: float = 30.0) -> Starlette:
+               strict_protocol: bool = False, body_timeout: float = 30.0,
+               bounds: schema.Bounds = schema.DEFAULT_BOUNDS,
+               max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
     Args:
@@ -911,6 +984,9 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         strict_protocol: reject request fields the server does not read (400
             `unknown_parameter`) instead of ignoring them (logged once per name, listed in the
             `X-Ignored-Fields` response header).
+        bounds: what decoding one body may cost (nesting, objects walked, unknown names kept).
+        max_response_bytes: a request whose response is estimated larger answers 400
+            `response_too_large` before it is queued (logprobs x n, prompt logprobs).
 
     Returns:
         A Starlette app to run with uvicorn; `atombatch.serve.limits.uvicorn_config(app, ...)`
@@ -932,8 +1008,10 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
     if isinstance(codec, HFCodec) and isinstance(ab, AsyncBatcher) and ab.batcher.tokenizer is None:
         # The engine detokenizes (stop strings, bad words, streamed text) with the same tokenizer.
         ab.batcher.tokenizer = codec.tokenizer
+    if isinstance(codec, HFCodec) and codec.max_chars is None:
+        codec.bound(ab.artifact.max_seq_len)  # text that cannot fit is refused untokenized
     server = _Server(ab, model_name, codec, max_body_bytes, retry_after, strict_protocol,
-                     body_timeout)
+                     body_timeout, bounds, max_response_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -944,6 +1022,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         finally:
             server.accepting = False
             await ab.close(drain=True)
+            server.text_worker.shutdown(wait=False, cancel_futures=True)
             if on_shutdown is not None:
                 on_shutdown()
 
