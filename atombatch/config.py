@@ -444,10 +444,15 @@ def check_serving(artifact: ArtifactConfig, *, prefix_cache: bool = False,
     if host_cache_bytes and not prefix_cache:
         raise ConfigError(f"host_cache_bytes={host_cache_bytes} needs prefix_cache=True: the host "
                           "cache holds evicted prefix-cache blocks")
-    if artifact.model.is_hybrid and (prefix_cache or host_cache_bytes):
-        raise ConfigError(f"prefix_cache={prefix_cache}, host_cache_bytes={host_cache_bytes}: "
-                          f"prefix and host caching are rejected for hybrid model "
-                          f"{artifact.model.name} (sliding slots cannot be cached)")
+    if artifact.model.is_hybrid and prefix_cache:
+        from atombatch.plan import checkpoint_bytes
+
+        need = checkpoint_bytes(artifact)
+        if host_cache_bytes < need:
+            raise ConfigError(f"host_cache_bytes={host_cache_bytes}: the prefix cache of hybrid "
+                              f"model {artifact.model.name} keeps sliding-slot checkpoints in "
+                              f"the host cache, which must hold at least one ({need} bytes; "
+                              "docs/prefix-cache.md)")
     if artifact.single_block and (prefix_cache or host_cache_bytes):
         raise ConfigError(f"prefix_cache={prefix_cache}, host_cache_bytes={host_cache_bytes}: "
                           f"single-block mode (num_blocks={artifact.num_blocks}) runs with caches "

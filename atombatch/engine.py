@@ -18,6 +18,8 @@ import numpy as np
 import numpy.typing as npt
 
 from atombatch import blocks as core
+from atombatch import plan as memory_plan
+from atombatch.checkpoints import run_slot_ops, slot_ops_supported
 from atombatch.config import ArtifactConfig, check_serving
 from atombatch.detokenizer import bad_word_ids
 from atombatch.errors import (
@@ -94,6 +96,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     finished: dict[str, int]            # requests by finish reason
     lane_histogram: tuple[int, ...]     # decode steps by number of decoding lanes (index = lanes)
     bucket_steps: dict[int, int]        # decode steps by compiled decode batch size that ran
+    slot_saves: int = 0                 # sliding-slot checkpoints read to the host (hybrid)
+    slot_restores: int = 0              # sliding-slot checkpoints written into a lane (hybrid)
+    checkpoint_bytes: int = 0           # host bytes the sliding-slot checkpoints hold now (hybrid)
 
 
 class StepResult:
@@ -126,8 +131,10 @@ class Batcher:
 
     Args:
         runtime: any `Runtime` (NumpyRuntime, SimRuntime, RebelRuntime).
-        prefix_cache: keep finished sequences' KV for prefix reuse (non-hybrid only).
-        host_cache_bytes: host-memory bytes for evicted prefix blocks (needs prefix_cache).
+        prefix_cache: keep finished sequences' KV for prefix reuse (hybrid models: with
+            sliding-slot checkpoints, docs/prefix-cache.md).
+        host_cache_bytes: host-memory bytes for evicted prefix blocks and, on hybrid models,
+            sliding-slot checkpoints (needs prefix_cache).
         policy: prefill/decode interleaving: "stall-free:K" (the default, `DEFAULT_POLICY`),
             "prefill-first", "decode-first", "interleave:N", "fill-first:N" (docs/scheduling.md).
         seed: derives the RNG of requests that give no seed of their own.
@@ -171,10 +178,16 @@ class Batcher:
         self.runtime = runtime
         self.artifact = artifact
         self.spec = artifact.model
+        checkpoint_bytes = 0
+        if self.spec.is_hybrid and prefix_cache:  # sliding-slot checkpoints (docs/prefix-cache.md)
+            slot_ops_supported(runtime)
+            checkpoint_bytes = int(getattr(runtime, "slot_bytes", 0) or
+                                   memory_plan.checkpoint_bytes(artifact))
         self.host_cache = HostCache(host_cache_bytes, artifact.block_size) \
             if host_cache_bytes else None
         self.scheduler = Scheduler(artifact, policy, eos_token_ids=self.spec.eos_token_ids,
-                                   prefix_cache=prefix_cache, host_cache=self.host_cache)
+                                   prefix_cache=prefix_cache, host_cache=self.host_cache,
+                                   checkpoint_bytes=checkpoint_bytes)
         self.clock: Callable[[], float] = clock or getattr(runtime, "clock", None) or \
             time.perf_counter
         if max_waiting is not None and (isinstance(max_waiting, bool) or
@@ -545,7 +558,7 @@ class Batcher:
         if plan is None:
             self._flush_events()
             return outputs
-        if plan.saves or plan.restores or plan.copies:
+        if plan.saves or plan.restores or plan.copies or plan.slot_saves or plan.slot_restores:
             self._run_block_ops(plan, outputs)
         if plan.kind == "prefill":
             self._run_prefill(plan, outputs)
@@ -630,8 +643,11 @@ class Batcher:
             try:
                 self.host_cache.put(entry, runtime.read_block(entry.block))
             except Exception as exc:
+                self.host_cache.refuse(entry)
                 log.warning("host_cache.save_failed", block=entry.block, error=str(exc))
         failed: dict[str, str] = {}
+        if plan.slot_saves or plan.slot_restores:  # hybrid: saves first (atombatch/checkpoints.py)
+            run_slot_ops(runtime, plan, self.scheduler.kv.checkpoints, failed)
         for block, data, request_id in plan.restores:
             try:
                 runtime.write_block(block, data)
@@ -921,7 +937,9 @@ class Batcher:
             rotations=c.rotations, preemptions=c.preemptions, prefix_hits=c.prefix_hits,
             prefix_misses=c.prefix_misses, prefix_hit_tokens=c.prefix_hit_tokens,
             host_restores=c.host_restores, evictions=c.evictions, prompt_forks=c.prompt_forks,
-            fork_saved_tokens=c.fork_saved_tokens, finished=dict(c.finished),
+            fork_saved_tokens=c.fork_saved_tokens, slot_saves=c.slot_saves,
+            slot_restores=c.slot_restores, finished=dict(c.finished),
+            checkpoint_bytes=s.kv.checkpoints.store.used_bytes if s.kv.checkpoints else 0,
             lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps))
 
     def check_invariants(self) -> None:

@@ -22,6 +22,10 @@ resume position (the longest cached prefix, rounded down to a prefill chunk boun
 the last prompt token) are shared read-only (pinned); the block the prefill resumes in is adopted
 when nobody else uses it, or copied (a `copy_block` op) when it is shared. Evicted blocks go to the
 host cache when there is one, and a lookup continues into it (a `write_block` op restores them).
+
+Hybrid models: a hit also needs every sliding layer's window, which lives in the lane's slot. It is
+restored from a host checkpoint of the slot saved at a chunk boundary (`atombatch.checkpoints`):
+the hit is trimmed back to the largest checkpointed boundary it covers.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from atombatch import blocks as core
+from atombatch.checkpoints import CheckpointStore, SlotCheckpoints
 from atombatch.config import ArtifactConfig
 from atombatch.errors import StateError
 from atombatch.prefix import ROOT, Entry, HostCache, Match, PrefixIndex, TokenChain
@@ -45,7 +50,7 @@ class KVManager:
 
     def __init__(self, artifact: ArtifactConfig, counters: Counters,
                  events: list[tuple[str, dict[str, Any]]], prefix_cache: bool = False,
-                 host_cache: HostCache | None = None) -> None:
+                 host_cache: HostCache | None = None, checkpoint_bytes: int = 0) -> None:
         self.artifact = artifact
         self.counters = counters                 # shared with the scheduler
         self.events = events                     # shared with the scheduler
@@ -64,6 +69,15 @@ class KVManager:
         self.staged_spare = -1                   # the spare block a staging request fills
         self.prefix = PrefixIndex(artifact.block_size) if prefix_cache else None
         self.host = host_cache
+        # hybrid models: sliding-slot checkpoints, in the host cache's budget
+        self.checkpoints: SlotCheckpoints | None = None
+        if self.hybrid and self.prefix is not None:
+            if host_cache is None or checkpoint_bytes <= 0:
+                raise StateError("a hybrid prefix cache needs a host cache and the checkpoint "
+                                 "size (check_serving refuses it otherwise)")
+            self.checkpoints = SlotCheckpoints(
+                artifact.prefill_chunk_size, artifact.block_size,
+                CheckpointStore(host_cache, checkpoint_bytes), self.prefix, counters)
         self._saves: list[Entry] = []
         self._restores: list[tuple[int, Any, str]] = []
         self._copies: list[tuple[int, int, str]] = []
@@ -113,7 +127,9 @@ class KVManager:
         if self.prefix is not None:
             entry = self.prefix.remove(block)
             if self.host is not None:
-                self._saves.append(entry)
+                self._saves.append(entry)  # its checkpoints go to the host with it
+            elif entry.checkpoints and self.checkpoints is not None:
+                self.checkpoints.store.entry_gone(entry)
         # one event for a run of evictions (growth evicts block by block): logging one per block
         # cost more than the evictions themselves at a full cache
         events = self.events
@@ -175,8 +191,10 @@ class KVManager:
         """The lane decodes from the request's last token: the lane table and the kernel learn
         its length, its output list, its output limit and its stop ids."""
         lane = request.lane
-        self.lanes.start_decode(lane, len(request.prompt) + len(request.output) - 1,
-                                request.output[-1])
+        seq_len = len(request.prompt) + len(request.output) - 1
+        self.lanes.start_decode(lane, seq_len, request.output[-1])
+        if self.checkpoints is not None:
+            self.checkpoints.start_decode(request, seq_len)
         # the kernel applies `check_stop` to these ids and this limit (see atombatch/request.py)
         self.kernel.bind(lane, request.request_id, request.output, request.token_times,
                          request.max_tokens, stop_ids(request.params, eos_token_ids),
@@ -237,6 +255,9 @@ class KVManager:
         self.kernel.unbind(lane)
         if self.prefix is not None:
             self.cache_blocks(request, held, valid)
+            if self.checkpoints is not None:
+                self.checkpoints.release(request, lane, self.chain(request, valid) if valid
+                                         else None, valid)
         else:
             for block in held:
                 self.pool.free(block)
@@ -294,7 +315,8 @@ class KVManager:
     # -- runtime ops ------------------------------------------------------------------------------
     @property
     def has_ops(self) -> bool:
-        return bool(self._saves or self._restores or self._copies or self._unpin)
+        return bool(self._saves or self._restores or self._copies or self._unpin or
+                    (self.checkpoints is not None and self.checkpoints.has_ops))
 
     def take_ops(self, plan: StepPlan) -> None:
         """Move the pending runtime ops onto the plan that runs next; the blocks pinned until
@@ -304,6 +326,8 @@ class KVManager:
         self._saves.clear()
         self._restores.clear()
         self._copies.clear()
+        if self.checkpoints is not None:
+            plan.slot_saves, plan.slot_restores = self.checkpoints.take_ops()
         for block in self._unpin:
             self.pool.release(block)
         self._unpin.clear()
@@ -314,8 +338,11 @@ class KVManager:
         cache index must still be written, and stays pinned until then). Returns whether any
         op was pending: then its blocks must not be cached."""
         rid = request_id
+        slot = self.checkpoints is not None and self.checkpoints.drop_restores(rid)
         pending = any(op[2] == rid for op in self._restores) or \
             any(op[2] == rid for op in self._copies)
+        if slot and not pending:
+            return True
         if not pending:
             return False
         assert self.prefix is not None
@@ -330,6 +357,18 @@ class KVManager:
         self._restores = kept
         self._copies = [op for op in self._copies if op[2] != rid]
         return True
+
+    # -- sliding-slot checkpoints (hybrid prefix cache) ------------------------------------------
+    def after_prefill_chunk(self, request: Request) -> None:
+        """A lane's chunk ended at `request.prefill_pos`: checkpoint its slot if planned there."""
+        checkpoints = self.checkpoints
+        if checkpoints is not None and request.lane >= 0:
+            checkpoints.after_chunk(request, self.chain(request, request.prefill_pos))
+
+    def after_decode(self, by_lane: list[Request | None]) -> None:
+        """A decode step ran: lanes that reached a chunk boundary checkpoint their slots."""
+        if self.checkpoints is not None:
+            self.checkpoints.after_decode(by_lane, self.lanes.seq_len, self.chain)
 
     # -- prefix cache -----------------------------------------------------------------------------
     def chain(self, request: Request, length: int) -> TokenChain:
@@ -364,6 +403,13 @@ class KVManager:
         match = self.lookup(request, len(tokens))
         q, bs, lane = self.artifact.prefill_chunk_size, self.artifact.block_size, request.lane
         resume = (min(match.tokens, len(tokens) - 1) // q) * q
+        checkpoints = self.checkpoints
+        if checkpoints is not None:  # hybrid: back to the boundary whose slot was checkpointed
+            hit = checkpoints.trim(self.chain(request, resume), resume) if resume else None
+            resume = hit.position if hit is not None else 0
+            checkpoints.begin(request, lane, resume, match.tokens, len(tokens), hit)
+            if resume and self.slots is not None:
+                self.slots.advance(lane, resume)  # the restored slot holds that window
         if resume == 0:
             self.counters.prefix_misses += 1
             return
@@ -390,7 +436,9 @@ class KVManager:
             elif not below:  # the prefill resumes inside it: this lane needs its own copy
                 self.pool.release(block)
                 if self.pool.refcount(block) == 0:
-                    self.prefix.remove(block)
+                    adopted = self.prefix.remove(block)
+                    if adopted.checkpoints and checkpoints is not None:
+                        checkpoints.store.entry_gone(adopted)  # the lane rewrites the block
                     self.pool.adopt(block, lane)
                 else:
                     copy = self.take_block(core.LANE, lane)
@@ -413,7 +461,7 @@ class KVManager:
         """Staging from a cached prefix: share the device blocks wholly before the resume
         position, restore host copies into fresh STAGED blocks, and fill the spare (the block the
         prefill resumes in) from the cached block by a device copy or a host restore."""
-        assert self.prefix is not None
+        assert self.prefix is not None and self.checkpoints is None  # hybrid never stages
         tokens = request.prefill_tokens
         match = self.lookup(request, len(tokens))
         q, bs = self.artifact.prefill_chunk_size, self.artifact.block_size
@@ -466,6 +514,8 @@ class KVManager:
         inserted = self.prefix.insert_digest(block, entry.digest, entry.parent, entry.tokens,
                                              entry.full)
         assert inserted is not None, "a host entry on the device was not replaced by lookup"
+        if entry.checkpoints and self.checkpoints is not None:
+            self.checkpoints.store.copy_to(entry, inserted)
         self.pool.acquire(block)
 
     def share_prompt(self, request: Request) -> int:
@@ -492,6 +542,8 @@ class KVManager:
             published += 1
         if published:
             self._event("prefix.published", request_id=request.request_id, blocks=published)
+            if self.checkpoints is not None:
+                self.checkpoints.publish(request.lane, chain, request.shared)
         return published
 
     def cache_blocks(self, request: Request, held: list[int], valid: int) -> None:
@@ -579,6 +631,8 @@ class KVManager:
         if self.prefix is not None and len(self.prefix) != pool.num_cached:
             raise StateError(f"prefix index holds {len(self.prefix)} blocks, pool "
                              f"{pool.num_cached} CACHED")
+        if self.checkpoints is not None:
+            self.checkpoints.check(by_lane)
         if not live and (lanes.num_busy or pool.num_lane or pool.num_staged or
                          pool.num_evictable != pool.num_cached):
             raise StateError("no request is live but lanes or blocks are still owned")

@@ -12,6 +12,10 @@ buffers) is either taken from an observation of a running artifact or estimated:
 - estimate: `projected = weight_bytes + kv + runtime_overhead_bytes`, with the overhead a stated,
   unmeasured allowance.
 
+A hybrid model with the prefix cache also keeps sliding-slot checkpoints (docs/prefix-cache.md) in
+host memory, inside `host_cache_bytes`: `checkpoint_bytes` is one checkpoint (one lane's sliding
+slot in every sliding layer); it is reported, never added to the device projection.
+
 With `tensor_parallel > 1` every figure is per device: attention heads, KV heads and the MLP are
 split across devices; KV heads are replicated when there are fewer of them than devices; embeddings
 and norms are counted on every device (conservative).
@@ -74,6 +78,8 @@ class FitResult(msgspec.Struct, frozen=True):
     observed_used_bytes: int | None = None     # measured device use (observed only)
     observed_label: str | None = None          # artifact the measurement was taken on
     observed_kv_bytes: int | None = None       # that artifact's exact KV bytes
+    checkpoint_bytes: int = 0                  # host bytes of one sliding-slot checkpoint
+                                               #   (hybrid prefix cache; 0 without sliding layers)
 
 
 def kv_heads_per_device(spec: ModelSpec, tensor_parallel: int = 1) -> int:
@@ -125,6 +131,15 @@ def kv_tensor_shapes(artifact: ArtifactConfig) -> list[tuple[str, tuple[int, ...
         for part in ("key", "value"):
             tensors.append((f"layers.{layer}.{part}", shape, artifact.kv_dtype))
     return tensors
+
+
+def checkpoint_bytes(artifact: ArtifactConfig) -> int:
+    """Host bytes of one sliding-slot checkpoint (one lane's slot in every sliding layer, K and V,
+    in `kv_dtype`, per device); 0 for a model without sliding layers."""
+    for group in kv_groups(artifact):
+        if group.kind == "sliding":
+            return group.total_bytes // artifact.batch_size
+    return 0
 
 
 def kv_cache_bytes(artifact: ArtifactConfig) -> int:
@@ -199,7 +214,8 @@ def fit(artifact: ArtifactConfig, device_bytes: int = ATOM_DEVICE_BYTES,
     weights = weight_bytes(artifact.model, artifact.tensor_parallel)
     common = dict(label=artifact.label, identity=artifact.identity, model=artifact.model.name,
                   tensor_parallel=artifact.tensor_parallel, kv_groups=groups, kv_bytes=kv,
-                  weight_bytes=weights, device_bytes=device_bytes)
+                  weight_bytes=weights, device_bytes=device_bytes,
+                  checkpoint_bytes=checkpoint_bytes(artifact))
 
     if observed_used_bytes is None:
         if observed_artifact is not None:
@@ -254,6 +270,9 @@ def describe(result: FitResult) -> str:
     lines.append(f"  projected{per_device}: {result.projected_bytes:,} of {result.device_bytes:,} "
                  f"bytes, headroom {result.headroom_bytes:,}")
     lines.append(f"  {result.basis}")
+    if result.checkpoint_bytes:
+        lines.append(f"  host (prefix cache): {result.checkpoint_bytes:,} bytes per sliding-slot "
+                     "checkpoint, inside host_cache_bytes")
     verdict = "fits" if result.fits else "DOES NOT FIT"
     lines.append(f"  verdict: {verdict}" + (" (conditional)" if result.conditional else ""))
     return "\n".join(lines)

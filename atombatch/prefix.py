@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -194,6 +195,9 @@ class Entry:
     full: bool                          # holds block_size tokens
     block: int = -1                     # device block, -1 when only on the host
     data: npt.NDArray[np.generic] | None = None  # host copy (host cache only)
+    # hybrid models: the sliding-slot checkpoints at boundaries inside this block
+    # (`atombatch.checkpoints.Checkpoint`); they leave the caches with the block
+    checkpoints: list[Any] | None = None
 
 
 @dataclass
@@ -460,26 +464,51 @@ class HostCache:
         self.hits = 0
         self.stores = 0
         self.drops = 0
+        # hybrid models (`atombatch.checkpoints`): sliding-slot checkpoints share this budget.
+        # `on_drop(entry)` lets an entry leaving the host go of its checkpoints; `reclaim(n)`
+        # frees checkpoint bytes when no host block is left to drop (True if it freed any)
+        self.on_drop: Callable[[Entry], None] | None = None
+        self.reclaim: Callable[[int], bool] | None = None
 
     def __len__(self) -> int:
         return len(self._lru)
 
     def put(self, entry: Entry, data: npt.NDArray[np.generic]) -> None:
-        """Keep a copy of an evicted block (dropping least recently used copies to fit)."""
+        """Keep a copy of an evicted block (dropping least recently used copies to fit); the
+        entry's sliding-slot checkpoints travel with it (or are let go with it)."""
         size = int(data.nbytes)
         if size > self.capacity_bytes or entry.digest in self._lru:
+            self.refuse(entry)
             return
         while self.used_bytes + size > self.capacity_bytes:
-            _, old = self._lru.popitem(last=False)
-            self._index.remove(old)
-            self.used_bytes -= int(old.data.nbytes)  # type: ignore[union-attr]
-            self.drops += 1
+            if not self.drop_lru() and not (self.reclaim is not None and self.reclaim(size)):
+                self.refuse(entry)
+                return
         copy = Entry(digest=entry.digest, parent=entry.parent, tokens=entry.tokens,
-                     full=entry.full, data=np.array(data, copy=True))
+                     full=entry.full, data=np.array(data, copy=True),
+                     checkpoints=entry.checkpoints)
+        entry.checkpoints = None  # moved to the host copy
         self._index.add(copy)
         self._lru[copy.digest] = copy
         self.used_bytes += size
         self.stores += 1
+
+    def refuse(self, entry: Entry) -> None:
+        """An evicted block that is not kept (too big, already here, or its save failed)."""
+        if self.on_drop is not None:
+            self.on_drop(entry)
+
+    def drop_lru(self) -> bool:
+        """Drop the least recently used host copy; False if there is none."""
+        if not self._lru:
+            return False
+        _, old = self._lru.popitem(last=False)
+        self._index.remove(old)
+        self.used_bytes -= int(old.data.nbytes)  # type: ignore[union-attr]
+        self.drops += 1
+        if self.on_drop is not None:
+            self.on_drop(old)
+        return True
 
     def extend(self, chain: TokenChain, length: int, match: Match) -> list[Entry]:
         """Continue a device match of the first `length` tokens of `chain` into host copies when

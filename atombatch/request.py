@@ -191,6 +191,10 @@ class StepPlan(msgspec.Struct):
     restores: tuple[tuple[int, Any, str], ...] = ()  # then: write host data into a block
                                                      #   (block, data, for request id)
     copies: tuple[tuple[int, int, str], ...] = ()    # then: copy_block(src, dst, for request id)
+    # hybrid prefix cache (`atombatch.checkpoints`): read lanes' sliding slots into checkpoints
+    # (lane, checkpoint), before the restores (lane, checkpoint, for request id)
+    slot_saves: tuple[tuple[int, Any], ...] = ()
+    slot_restores: tuple[tuple[int, Any, str], ...] = ()
 
 
 class StepRecord(msgspec.Struct, frozen=True):
@@ -220,6 +224,8 @@ class Counters(msgspec.Struct):
     evictions: int = 0
     prompt_forks: int = 0                   # n > 1 choices started from a copy of choice 0's KV
     fork_saved_tokens: int = 0              # prompt tokens those choices did not prefill
+    slot_saves: int = 0                     # sliding-slot checkpoints read to the host (hybrid)
+    slot_restores: int = 0                  # sliding-slot checkpoints written into a lane
     finished: dict[str, int] = msgspec.field(default_factory=dict)
     lane_histogram: list[int] = msgspec.field(default_factory=list)  # decode steps by busy lanes
     bucket_steps: dict[int, int] = msgspec.field(default_factory=dict)  # decode steps by rows run

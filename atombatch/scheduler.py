@@ -78,13 +78,14 @@ class Scheduler:
 
     def __init__(self, artifact: ArtifactConfig, policy: Policy | str = DEFAULT_POLICY,
                  eos_token_ids: Iterable[int] = (), prefix_cache: bool = False,
-                 host_cache: HostCache | None = None) -> None:
+                 host_cache: HostCache | None = None, checkpoint_bytes: int = 0) -> None:
         self.artifact = artifact
         self.policy = Policy.parse(policy)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.counters = Counters(lane_histogram=[0] * (artifact.batch_size + 1))
         self.events: list[tuple[str, dict[str, Any]]] = []  # drained by the engine for logging
-        self.kv = KVManager(artifact, self.counters, self.events, prefix_cache, host_cache)
+        self.kv = KVManager(artifact, self.counters, self.events, prefix_cache, host_cache,
+                            checkpoint_bytes)
         self.waiting: deque[Request] = deque()
         self.staging: Request | None = None          # the request using the spare, if any
         self.by_lane: list[Request | None] = [None] * artifact.batch_size
@@ -322,6 +323,13 @@ class Scheduler:
                         self._runnable(request) and \
                         (best is None or request.admit_order < best.admit_order):
                     best = request
+            if self.kv.hybrid and best is not None and best.prefill_pos == 0:
+                # a hybrid lane whose slot holds anything (a started prefill, a restored
+                # checkpoint) goes first: it must end its prefill before any decode step
+                for request in self.by_lane:
+                    if request is not None and request.state is S.PREFILLING and \
+                            request.prefill_pos > 0 and self._runnable(request):
+                        return request
         if best is not None:
             return best
         if self.staging is not None:
@@ -463,7 +471,7 @@ class Scheduler:
             return None
         plan = self._decode_plan  # one object, reused: a decode step allocates no plan
         plan.rows = kv.build_decode()
-        plan.saves = plan.restores = plan.copies = ()
+        plan.saves = plan.restores = plan.copies = plan.slot_saves = plan.slot_restores = ()
         self._decodes_since_prefill += 1
         self._prefills_since_decode = 0
         return plan
@@ -492,6 +500,7 @@ class Scheduler:
         request.prefill_pos = plan.chunk_start + plan.chunk_len
         if request.lane >= 0 and self.kv.slots is not None:
             self.kv.slots.advance(request.lane, plan.chunk_len)
+            self.kv.after_prefill_chunk(request)
         if not plan.last_chunk:
             return []
         if request.recomputing:
@@ -529,6 +538,8 @@ class Scheduler:
         counters.lane_histogram[plan.rows] += 1
         counters.bucket_steps[bucket] = counters.bucket_steps.get(bucket, 0) + 1
         counters.generated_tokens += kernel.completed
+        if self.kv.checkpoints is not None:
+            self.kv.after_decode(self.by_lane)
         if not attention:
             return []
         out = []

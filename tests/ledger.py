@@ -122,6 +122,12 @@ class LedgerRuntime:
     def copy_slot(self, src: int, dst: int) -> None:
         self.slots[dst] = self.slots[src]
 
+    def read_slot(self, slot: int) -> np.ndarray:
+        return self.slots[slot].copy()
+
+    def write_slot(self, slot: int, data: np.ndarray) -> None:
+        self.slots[slot] = data
+
     def read_block(self, block: int) -> np.ndarray:
         return self.kv[block].copy()
 

@@ -26,13 +26,22 @@ def test_prefix_affinity_raises_the_hit_rate_over_pow2() -> None:
     assert cells["prefix"].prefix_hit_tokens > cells["pow2"].prefix_hit_tokens
 
 
-def test_pd_pool_cells_and_hybrid_models_run_without_a_prefix_cache() -> None:
+def test_pd_pool_cells_and_hybrid_models_with_and_without_the_prefix_cache() -> None:
     pd = cluster.run_cell("qwen3-0.6b", 2, "prefix", SMALL, producers=2)
     assert pd.status == "ok", pd.error
     assert pd.completed == pd.requests and pd.atoms == 4
     assert pd.prefix_hit_tokens == 0   # imported KV is not a prefix hit: it crossed the link
+    # a hybrid model's hits restore sliding-slot checkpoints from its replicas' host caches
     gemma = cluster.run_cell("gemma3-1b", 2, "prefix", SMALL)
-    assert gemma.status == "ok" and not gemma.prefix_cache and gemma.prefix_hit_tokens == 0
+    assert gemma.status == "ok", gemma.error
+    assert gemma.prefix_cache and gemma.host_cache_bytes == cluster.HYBRID_HOST_CACHE_BYTES
+    assert gemma.prefix_hit_tokens > 0 and gemma.slot_restores > 0
+    cold = cluster.run_cell("gemma3-1b", 2, "prefix", SMALL, prefix_cache=False)
+    assert cold.status == "ok" and not cold.prefix_cache and cold.prefix_hit_tokens == 0
+    assert cold.prompt_tokens == gemma.prompt_tokens
+    assert gemma.ttft.p50 < cold.ttft.p50   # the same arrivals: hits shorten prefills
+    starved = cluster.run_cell("gemma3-1b", 1, "prefix", SMALL, host_cache_bytes=0)
+    assert starved.status == "rejected" and "sliding-slot checkpoints" in (starved.error or "")
     too_long = cluster.run_cell("qwen3-0.6b", 2, "pow2", cluster.Workload(system_len=9000))
     assert too_long.status == "rejected" and "max_seq_len" in (too_long.error or "")
 

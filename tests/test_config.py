@@ -101,15 +101,14 @@ def test_lanes_plus_one_accepted(model: str, batch_size: int, num_blocks: int) -
     assert not art.oversubscribed
 
 
-def test_hybrid_with_prefix_cache_rejected() -> None:
-    with pytest.raises(ConfigError, match=r"prefix and host caching are rejected for hybrid model "
-                                          r"gemma3-1b"):
-        check_serving(eager(gemma(), 4, 5), prefix_cache=True)
-
-
-def test_hybrid_with_host_cache_rejected() -> None:
-    with pytest.raises(ConfigError, match=r"rejected for hybrid model gemma3-1b"):
-        check_serving(eager(gemma(), 4, 5), prefix_cache=True, host_cache_bytes=1 << 20)
+def test_hybrid_prefix_cache_needs_room_for_a_checkpoint() -> None:
+    # one checkpoint: 22 sliding layers x K,V x 1 kv head x 512 x 256 x bf16
+    need = 22 * 2 * 512 * 256 * 2
+    for host in (0, need - 1):
+        with pytest.raises(ConfigError, match=rf"host_cache_bytes={host}: the prefix cache of "
+                                              rf"hybrid model gemma3-1b .* \({need} bytes"):
+            check_serving(eager(gemma(), 4, 5), prefix_cache=True, host_cache_bytes=host)
+    check_serving(eager(gemma(), 4, 5), prefix_cache=True, host_cache_bytes=need)
 
 
 def test_hybrid_caches_off_accepted() -> None:

@@ -160,10 +160,10 @@ def test_prefix_index_digest_chain_and_longest_partial():
     assert index.lookup(tokens).tokens == 4
 
 
-def test_caches_rejected_for_hybrid_and_single_block():
+def test_caches_need_a_host_budget_for_hybrid_and_are_rejected_for_single_block():
     hybrid = ArtifactConfig(model=ledger_spec(hybrid=True), batch_size=2, max_seq_len=64,
                             block_size=64, num_blocks=3, prefill_chunk_size=8)
-    with pytest.raises(ConfigError, match="rejected for hybrid"):
+    with pytest.raises(ConfigError, match="keeps sliding-slot checkpoints in the host cache"):
         Batcher(LedgerRuntime(hybrid), prefix_cache=True)
     single = ArtifactConfig(model=ledger_spec(), batch_size=1, max_seq_len=64, block_size=64,
                             num_blocks=1, prefill_chunk_size=8)

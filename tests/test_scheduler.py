@@ -269,8 +269,8 @@ def test_queue_bound_and_duplicate_ids():
         batcher.submit([3])
 
 
-def test_prefix_cache_with_hybrid_is_rejected():
-    with pytest.raises(ConfigError, match="rejected for hybrid"):
+def test_prefix_cache_with_hybrid_needs_a_host_budget():
+    with pytest.raises(ConfigError, match="keeps sliding-slot checkpoints in the host cache"):
         Batcher(LedgerRuntime(artifact(hybrid=True)), prefix_cache=True)
 
 

@@ -1,6 +1,7 @@
 """`python -m atombatch.bench cluster`: many ATOMs behind a router, on the simulator.
 
-Each decode replica is a real `Batcher` (prefix cache on where the model allows it) on its own
+Each decode replica is a real `Batcher` (prefix cache on, `--prefix-cache off|both` to compare;
+hybrid models keep sliding-slot checkpoints in a `--host-cache-gib` host cache) on its own
 `SimRuntime`, the device-time model `bench serve` uses; a router in front of them applies one of
 the policies of `atombatch.cluster` (the same classes the Ray Serve router runs). With
 `--producers M` every request is prefilled by one of M simulated PD producers, chosen by load
@@ -10,6 +11,8 @@ the policies of `atombatch.cluster` (the same classes the Ray Serve router runs)
     python -m atombatch.bench cluster --models koni-8b,qwen3-4b --replicas 1,2,4,8 \\
         --rates 0.5,1,2,4 --policies pow2,prefix --json cluster.json
     python -m atombatch.bench cluster --size --slo-ttft 2 --rates 4   # ATOMs for a load and SLO
+    python -m atombatch.bench cluster --models gemma3-1b --replicas 1 --policies prefix \
+        --prefix-cache both --turns 4                       # multi-turn TTFT with vs without cache
     python -m atombatch.bench cluster --ray --replicas 2 --conversations 24 --turns 3 \
         --system-len 512 --user-len 64 --output-len 16     # real Ray Serve: vs its default router
 
@@ -65,6 +68,9 @@ ARTIFACTS = {"koni-8b": "B4/k180/bs256/tp2"}
 CONTEXT = 9216
 CHUNK = 128
 POLICIES = ("pow2", "prefix")
+# A hybrid replica's host cache by default: its prefix cache keeps sliding-slot checkpoints there
+# (gemma3-1b: 11 MiB each, docs/prefix-cache.md), 2 GiB holds about 180 of them.
+HYBRID_HOST_CACHE_BYTES = 2 << 30
 
 
 class Workload(msgspec.Struct, frozen=True):
@@ -104,7 +110,9 @@ class ClusterCell(msgspec.Struct, frozen=True):
     atoms: int                           # replicas x tensor parallel + producers
     status: str                          # "ok" | "rejected" | "error"
     error: str | None = None
-    prefix_cache: bool = False           # off for hybrid models (DESIGN: hybrid rejects it)
+    prefix_cache: bool = False           # the replicas' prefix cache (hybrid: with checkpoints)
+    host_cache_bytes: int = 0            # each replica's host cache (blocks and checkpoints)
+    slot_restores: int = 0               # hybrid: sliding-slot checkpoints restored on hits
     requests: int = 0
     completed: int = 0
     failed: int = 0
@@ -203,10 +211,13 @@ def run_cell(model: str, replicas: int, policy_name: str, workload: Workload, *,
              chunk: int = CHUNK, costs: CostModel | None = None, slo_ttft: float = 2.0,
              slo_tpot: float = 0.2, max_imbalance: int = 4,
              pd_mode: str = "layer-stream", report_s: float | None = 0.5,
-             pending_s: float | None = None) -> ClusterCell:
+             pending_s: float | None = None, prefix_cache: bool = True,
+             host_cache_bytes: int | None = None) -> ClusterCell:
     """Simulate one cell (see the module docstring). `report_s`: how often replicas report a
     summary of their prefix cache to the router (None: never; the router knows only where it
-    sent what); `pending_s`: the router's window for its own sends (default the policy's)."""
+    sent what); `pending_s`: the router's window for its own sends (default the policy's).
+    `host_cache_bytes`: each replica's host cache; None: none, except `HYBRID_HOST_CACHE_BYTES`
+    for a hybrid model (its prefix cache keeps sliding-slot checkpoints there)."""
     wall = time.perf_counter()
     spec = ModelSpec.preset(model)
     artifact_spec = artifact_spec or ARTIFACTS.get(model, ARTIFACT)
@@ -227,7 +238,10 @@ def run_cell(model: str, replicas: int, policy_name: str, workload: Workload, *,
         return ClusterCell(status="rejected", error="the artifact does not fit one device",
                            **base)
     costs = costs or CostModel.default()
-    prefix_cache = not spec.is_hybrid
+    if host_cache_bytes is None:
+        host_cache_bytes = HYBRID_HOST_CACHE_BYTES if spec.is_hybrid and prefix_cache else 0
+    if not prefix_cache:
+        host_cache_bytes = 0
     policy = make_policy(policy_name, seed=workload.seed, max_imbalance=max_imbalance)
     if isinstance(policy, PrefixAffinityPolicy) and pending_s is not None:
         policy.pending_s = pending_s
@@ -240,8 +254,13 @@ def run_cell(model: str, replicas: int, policy_name: str, workload: Workload, *,
     fleet = []
     for i in range(replicas):
         sim = SimRuntime(artifact, costs, seed=0)
-        fleet.append(_Replica(f"r{i}", sim, Batcher(sim, prefix_cache=prefix_cache,
-                                                    pd_timeout=math.inf)))
+        try:
+            batcher = Batcher(sim, prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes,
+                              pd_timeout=math.inf)
+        except ConfigError as exc:
+            return ClusterCell(status="rejected", error=str(exc), prefix_cache=prefix_cache,
+                               host_cache_bytes=host_cache_bytes, **base)
+        fleet.append(_Replica(f"r{i}", sim, batcher))
     pools = [_Pool(f"p{i}", pd_mode) for i in range(producers)]
     params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
 
@@ -342,7 +361,8 @@ def run_cell(model: str, replicas: int, policy_name: str, workload: Workload, *,
             prompt_tokens += len(prompt)
     except Exception as exc:  # reported, the sweep goes on
         return ClusterCell(status="error", error=f"{type(exc).__name__}: {exc}",
-                           prefix_cache=prefix_cache, wall_s=time.perf_counter() - wall, **base)
+                           prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes,
+                           wall_s=time.perf_counter() - wall, **base)
 
     stats = [r.batcher.stats() for r in fleet]
     hit_tokens = sum(s.prefix_hit_tokens for s in stats)
@@ -352,7 +372,9 @@ def run_cell(model: str, replicas: int, policy_name: str, workload: Workload, *,
     meets = (failed == 0 and ttft is not None and ttft.p99 is not None and ttft.p99 <= slo_ttft
              and (tpot is None or (tpot.p99 is not None and tpot.p99 <= slo_tpot)))
     return ClusterCell(
-        status="ok", prefix_cache=prefix_cache, requests=requests, completed=len(ttfts),
+        status="ok", prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes,
+        slot_restores=sum(s.slot_restores for s in stats), requests=requests,
+        completed=len(ttfts),
         failed=failed, prompt_tokens=prompt_tokens, prefix_hit_tokens=hit_tokens,
         prefix_hit_rate=hit_tokens / prompt_tokens if prompt_tokens else 0.0, ttft=ttft,
         tpot=tpot, output_tok_s=tokens_out / makespan if makespan > 0 else 0.0,
@@ -363,15 +385,17 @@ def run_cell(model: str, replicas: int, policy_name: str, workload: Workload, *,
 
 def size(cells: Sequence[ClusterCell]) -> list[dict[str, Any]]:
     """For each model, rate, producers and policy: the fewest ATOMs whose cell met the SLO."""
-    groups: dict[tuple[str, float, int, str], list[ClusterCell]] = {}
+    groups: dict[tuple[str, float, int, str, bool], list[ClusterCell]] = {}
     for cell in cells:
-        groups.setdefault((cell.model, cell.rate, cell.producers, cell.policy), []).append(cell)
+        groups.setdefault((cell.model, cell.rate, cell.producers, cell.policy,
+                           cell.prefix_cache), []).append(cell)
     rows = []
-    for (model, rate, producers, policy), group in sorted(groups.items()):
+    for (model, rate, producers, policy, _), group in sorted(groups.items()):
         ok = [c for c in group if c.status == "ok" and c.meets_slo]
         best = min(ok, key=lambda c: c.atoms) if ok else None
         rows.append({"model": model, "rate": rate, "request_rate": group[0].request_rate,
                      "producers": producers, "policy": policy,
+                     "prefix_cache": group[0].prefix_cache,
                      "replicas": best.replicas if best else None,
                      "atoms": best.atoms if best else None,
                      "tried": sorted(c.replicas for c in group)})
@@ -382,19 +406,23 @@ def _f(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _cache(cell: ClusterCell) -> str:
+    return "on" if cell.prefix_cache else "off"
+
+
 def format_table(report: ClusterReport) -> str:
-    head = (f"{'model':<11} {'N':>3} {'M':>2} {'policy':<7} {'conv/s':>6} {'req/s':>6} "
-            f"{'hit%':>5} {'TTFT p50':>8} {'TTFT p99':>8} {'TPOT p99':>8} {'tok/s':>7} "
+    head = (f"{'model':<11} {'N':>3} {'M':>2} {'policy':<7} {'cache':>5} {'conv/s':>6} "
+            f"{'req/s':>6} {'hit%':>5} {'TTFT p50':>8} {'TTFT p99':>8} {'TPOT p99':>8} {'tok/s':>7} "
             f"{'fail':>4} {'SLO':>3}  spread")
     lines = [head, "-" * len(head)]
     for c in report.cells:
         if c.status != "ok":
             lines.append(f"{c.model:<11} {c.replicas:>3} {c.producers:>2} {c.policy:<7} "
-                         f"{c.rate:>6.2f}  {c.status}: {c.error}")
+                         f"{_cache(c):>5} {c.rate:>6.2f}  {c.status}: {c.error}")
             continue
         lines.append(
-            f"{c.model:<11} {c.replicas:>3} {c.producers:>2} {c.policy:<7} {c.rate:>6.2f} "
-            f"{c.request_rate:>6.2f} {100 * c.prefix_hit_rate:>5.1f} "
+            f"{c.model:<11} {c.replicas:>3} {c.producers:>2} {c.policy:<7} {_cache(c):>5} "
+            f"{c.rate:>6.2f} {c.request_rate:>6.2f} {100 * c.prefix_hit_rate:>5.1f} "
             f"{_f(c.ttft.p50 if c.ttft else None):>8} {_f(c.ttft.p99 if c.ttft else None):>8} "
             f"{_f(c.tpot.p99 if c.tpot else None, 3):>8} {c.output_tok_s:>7.1f} {c.failed:>4} "
             f"{'yes' if c.meets_slo else 'no':>3}  {'/'.join(map(str, c.per_replica))}")
@@ -442,6 +470,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-imbalance", type=int, default=4,
                    help="prefix policy: requests beyond the least loaded replica (default 4)")
     p.add_argument("--pd-mode", choices=("whole", "layer-stream"), default="layer-stream")
+    p.add_argument("--prefix-cache", choices=("on", "off", "both"), default="on",
+                   help="the replicas' prefix cache (both: every cell with and without it)")
+    p.add_argument("--host-cache-gib", type=float,
+                   help="each replica's host cache, GiB (default: none; 2 for hybrid models, "
+                   "whose prefix cache keeps sliding-slot checkpoints there)")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT p99 bound, s (default 2)")
     p.add_argument("--slo-tpot", type=float, default=0.2,
                    help="time per output token p99 bound, s (default 0.2)")
@@ -494,8 +527,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     costs = CostModel.default()
     cells = []
+    caches = {"on": (True,), "off": (False,), "both": (False, True)}[args.prefix_cache]
+    host = None if args.host_cache_gib is None else int(args.host_cache_gib * (1 << 30))
     total = len(args.models) * len(args.rates) * len(args.producers) * len(args.replicas) * \
-        len(args.policies)
+        len(args.policies) * len(caches)
     progress = CellProgress(total, enabled=not args.no_progress)
     for model in args.models:
         for rate in args.rates:
@@ -506,16 +541,21 @@ def main(argv: list[str] | None = None) -> int:
             for producers in args.producers:
                 for replicas in args.replicas:
                     for policy in args.policies:
-                        what = f"{model} rate {rate:g} N{replicas} M{producers} {policy}"
-                        progress.start(what)
-                        cell = run_cell(model, replicas, policy, workload,
-                                        producers=producers, artifact_spec=args.artifact,
-                                        costs=costs, slo_ttft=args.slo_ttft,
-                                        slo_tpot=args.slo_tpot,
-                                        max_imbalance=args.max_imbalance, pd_mode=args.pd_mode)
-                        progress.finish(what, cell.status if cell.status != "ok" else
-                                        "meets the SLO" if cell.meets_slo else "misses the SLO")
-                        cells.append(cell)
+                        for cache in caches:
+                            what = (f"{model} rate {rate:g} N{replicas} M{producers} {policy}"
+                                    f"{'' if cache else ' no-cache'}")
+                            progress.start(what)
+                            cell = run_cell(model, replicas, policy, workload,
+                                            producers=producers, artifact_spec=args.artifact,
+                                            costs=costs, slo_ttft=args.slo_ttft,
+                                            slo_tpot=args.slo_tpot,
+                                            max_imbalance=args.max_imbalance,
+                                            pd_mode=args.pd_mode, prefix_cache=cache,
+                                            host_cache_bytes=host)
+                            progress.finish(what, cell.status if cell.status != "ok" else
+                                            "meets the SLO" if cell.meets_slo else
+                                            "misses the SLO")
+                            cells.append(cell)
     progress.close()
     report = ClusterReport(
         command="python -m atombatch.bench cluster " + " ".join(argv or sys.argv[2:]),

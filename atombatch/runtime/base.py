@@ -55,7 +55,12 @@ class Runtime(Protocol):
 
         Optional companion (hybrid models): `copy_slot(src, dst)` copies a lane's sliding-window
         slot in every sliding layer; with it an n > 1 request's choices start from choice 0's
-        prompt KV on hybrid models too (see docs/sampling.md)."""
+        prompt KV on hybrid models too (see docs/sampling.md).
+
+        Optional companions (hybrid models, needed by their prefix cache): `read_slot(slot)`
+        returns one lane's sliding slot in every sliding layer as one host array, and
+        `write_slot(slot, data)` restores it; `slot_bytes` (if present) is that array's size.
+        A checkpoint is taken and restored through them (docs/prefix-cache.md)."""
         ...
 
     def read_block(self, block: int) -> npt.NDArray[np.generic]:

@@ -162,6 +162,14 @@ class NullRuntime:
             if not 0 <= slot < self.artifact.batch_size:
                 raise StateError(f"slot {slot} is outside 0..{self.artifact.batch_size - 1}")
 
+    def read_slot(self, slot: int) -> npt.NDArray[np.generic]:
+        """A sliding-slot checkpoint (hybrid prefix cache): nothing to read."""
+        self.copy_slot(slot, slot)
+        return np.zeros(1, dtype=np.float32)
+
+    def write_slot(self, slot: int, data: npt.NDArray[np.generic]) -> None:
+        self.copy_slot(slot, slot)
+
     def read_block(self, block: int) -> npt.NDArray[np.generic]:
         self._check_block(block)
         return np.zeros(1, dtype=np.float32)

@@ -489,6 +489,30 @@ class NumpyRuntime:
             src, dst = self._check_slot(src), self._check_slot(dst)
             self.sliding_kv[:, :, dst] = self.sliding_kv[:, :, src]
 
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        """Shape of `read_slot`'s result: [num_sliding, 2, kv_heads, window, head_dim]."""
+        return (self.sliding_kv.shape[0], 2, *self.sliding_kv.shape[3:])
+
+    @property
+    def slot_bytes(self) -> int:
+        """Host bytes of one `read_slot` result (a sliding-slot checkpoint)."""
+        return int(np.prod(self.slot_shape)) * self.sliding_kv.itemsize
+
+    def read_slot(self, slot: int) -> Array:
+        """A copy of one lane's sliding slot in every sliding layer, `slot_shape` (a
+        checkpoint for the hybrid prefix cache)."""
+        if not self._window:
+            raise StateError(f"{self.spec.name} has no sliding layers: there is no slot to read")
+        return self.sliding_kv[:, :, self._check_slot(slot)].copy()
+
+    def write_slot(self, slot: int, data: npt.NDArray[np.generic]) -> None:
+        """Restore a lane's sliding slot from `read_slot`'s result."""
+        data = np.asarray(data)
+        if not self._window or data.shape != self.slot_shape:
+            raise StateError(f"slot data has shape {data.shape}, slots are {self.slot_shape}")
+        self.sliding_kv[:, :, self._check_slot(slot)] = data
+
     def read_block(self, block: int) -> Array:
         """A copy of one block's K/V of every global layer, `block_shape`."""
         return self.kv[:, :, self._check_block(block)].copy()

@@ -355,6 +355,47 @@ class RebelRuntime:
                 fetch(host, src, 0, window, name)
                 update(host, dst, 0, window, name)
 
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        """Shape of `read_slot`'s result: [num_sliding, 2, kv_heads, window, head_dim]."""
+        spec = self.spec
+        return (len(spec.sliding_layers), 2, spec.num_kv_heads, spec.sliding_window,
+                spec.head_dim)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Host bytes of one `read_slot` result (a sliding-slot checkpoint)."""
+        return int(np.prod(self.slot_shape)) * self._host_dtype.itemsize
+
+    def read_slot(self, slot: int) -> npt.NDArray[Any]:
+        """One lane's sliding slot in every sliding layer, in the cache's dtype (a checkpoint
+        for the hybrid prefix cache): `_fetch_kv_cache` of the slot's `window` tokens per cache."""
+        fetch = self._kv("_fetch_kv_cache", "read_slot (hybrid prefix-cache checkpoints)")
+        slot = self._check_slot(slot)
+        window = self.spec.sliding_window
+        out = np.empty(self.slot_shape, dtype=self._host_dtype)
+        for s, layer in enumerate(self.spec.sliding_layers):
+            for value in (0, 1):
+                host = self._host(window)
+                fetch(host, slot, 0, window, self.cache_name(layer, bool(value)))
+                out[s, value] = host
+        return out
+
+    def write_slot(self, slot: int, data: npt.NDArray[np.generic]) -> None:
+        """Restore a lane's sliding slot from `read_slot`'s result (`_update_kv_cache`)."""
+        update = self._kv("_update_kv_cache", "write_slot (hybrid prefix-cache restores)")
+        slot = self._check_slot(slot)
+        data = np.asarray(data)
+        if data.shape != self.slot_shape or data.dtype != self._host_dtype:
+            raise StateError(f"slot data is {data.shape} {data.dtype}, slots are "
+                             f"{self.slot_shape} {self._host_dtype}")
+        window = self.spec.sliding_window
+        for s, layer in enumerate(self.spec.sliding_layers):
+            for value in (0, 1):
+                host = self._host(window)
+                host[...] = data[s, value]
+                update(host, slot, 0, window, self.cache_name(layer, bool(value)))
+
     def read_block(self, block: int) -> npt.NDArray[Any]:
         """One block's K/V of every global layer in the cache's dtype, `block_shape`."""
         fetch = self._kv("_fetch_kv_cache", "read_block (host-cache saves)")

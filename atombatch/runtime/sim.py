@@ -607,6 +607,16 @@ class SimRuntime:
         """A sliding-window slot copy (n > 1 forks on hybrid models): charged like a block."""
         self.copy_block(src, dst)
 
+    def read_slot(self, slot: int) -> npt.NDArray[np.generic]:
+        """A sliding-slot checkpoint (hybrid prefix cache): no data, charged like a block
+        copy's transfer of the slot's bytes."""
+        self._spend(plan.checkpoint_bytes(self.artifact) / self.costs.memory_bandwidth)
+        return np.zeros(1, dtype=np.float32)
+
+    def write_slot(self, slot: int, data: npt.NDArray[np.generic]) -> None:
+        """Restore a sliding-slot checkpoint: charged like `read_slot`."""
+        self._spend(plan.checkpoint_bytes(self.artifact) / self.costs.memory_bandwidth)
+
     def read_block(self, block: int) -> npt.NDArray[np.generic]:
         return np.zeros(1, dtype=np.float32)
 
