@@ -61,11 +61,20 @@ class OutputStreams(abc.ABC):
     (`submit`, `abort`) and feed `_deliver` with what the engine produced."""
 
     def __init__(self, max_unclaimed: int,
-                 max_unclaimed_bytes: int = DEFAULT_MAX_UNCLAIMED_BYTES) -> None:
+                 max_unclaimed_bytes: int = DEFAULT_MAX_UNCLAIMED_BYTES,
+                 stream_interval: int = 1) -> None:
         for name, value in (("max_unclaimed", max_unclaimed),
-                            ("max_unclaimed_bytes", max_unclaimed_bytes)):
+                            ("max_unclaimed_bytes", max_unclaimed_bytes),
+                            ("stream_interval", stream_interval - 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name}={value!r} must be an int >= 0")
+                shown = stream_interval if name == "stream_interval" else value
+                rule = ">= 1" if name == "stream_interval" else ">= 0"
+                raise ConfigError(f"{name}={shown!r} must be an int {rule}")
+        # Tokens a request's consumer is woken for at most once (its first output and any that
+        # ends a choice always go at once): SGLang's --stream-interval. 1 = every token.
+        self.stream_interval = stream_interval
+        self._held: dict[str, list[RequestOutput]] = {}  # outputs waiting for the interval
+        self._streaming: set[str] = set()  # requests whose first output went out
         self.max_unclaimed = max_unclaimed
         self.max_unclaimed_bytes = max_unclaimed_bytes
         self._unclaimed_bytes: dict[str, int] = {}
@@ -107,6 +116,8 @@ class OutputStreams(abc.ABC):
             raise RequestError(f"request_id={request_id!r} is already in flight")
         self._forget_unclaimed(request_id)
         self._claimed.discard(request_id)
+        self._held.pop(request_id, None)
+        self._streaming.discard(request_id)
         self._queues[request_id] = asyncio.Queue()
 
     def _forget_unclaimed(self, request_id: str) -> tuple[RequestOutput, ...] | None:
@@ -236,6 +247,8 @@ class OutputStreams(abc.ABC):
         queue = self._queues.get(out.request_id)
         if queue is None:
             return
+        if self.stream_interval > 1 and not self._hold(queue, out):
+            return
         queue.put_nowait(out)
         if out.finished:
             del self._queues[out.request_id]
@@ -243,6 +256,32 @@ class OutputStreams(abc.ABC):
                 self._claimed.discard(out.request_id)
             else:
                 self._keep_unclaimed(out.request_id, queue)
+
+    def _hold(self, queue: asyncio.Queue[RequestOutput], out: RequestOutput) -> bool:
+        """With `stream_interval` N > 1: keep a plain token output back until N tokens wait
+        (they then reach the queue together, so the consumer wakes once and writes once).
+        Returns True when `out` is to be queued now, after what was held."""
+        held = self._held.get(out.request_id)
+        if held is None:
+            if queue.empty() and out.finish_reason is None and not out.finished and \
+                    out.request_id in self._streaming:
+                self._held[out.request_id] = [out]
+                return False
+            if out.finished:
+                self._streaming.discard(out.request_id)
+            else:
+                self._streaming.add(out.request_id)  # its first output goes at once
+            return True
+        held.append(out)
+        if out.finish_reason is None and not out.finished and \
+                sum(len(o.new_token_ids) for o in held) < self.stream_interval:
+            return False
+        del self._held[out.request_id]
+        for early in held[:-1]:
+            queue.put_nowait(early)
+        if out.finished:
+            self._streaming.discard(out.request_id)
+        return True
 
     def _keep_unclaimed(self, request_id: str, queue: asyncio.Queue[RequestOutput]) -> None:
         """Compact a finished, unclaimed request's outputs into one and bound how many are kept."""
@@ -282,6 +321,9 @@ class AsyncBatcher(OutputStreams):
             late `outputs(id)`; the oldest are dropped past it.
         max_unclaimed_bytes: the same, bounded by their estimated size (`output_bytes`):
             prompt logprobs make one result weigh megabytes.
+        stream_interval: wake a request's consumer at most once per this many tokens (its first
+            output and any output that ends a choice go at once); 1 = every token. Fewer wakeups
+            and writes per token for more tokens per SSE event (SGLang's --stream-interval).
 
     Use as `async with AsyncBatcher(b) as ab:` or call `start()` / `close()`. `start()` after
     `close()` starts the loop again on the same Batcher (e.g. in a new event loop).
@@ -289,8 +331,9 @@ class AsyncBatcher(OutputStreams):
 
     def __init__(self, batcher: Batcher, *, offload: bool = True,
                  idle_poll: float = 0.002, max_unclaimed: int = DEFAULT_MAX_UNCLAIMED,
-                 max_unclaimed_bytes: int = DEFAULT_MAX_UNCLAIMED_BYTES) -> None:
-        super().__init__(max_unclaimed, max_unclaimed_bytes)
+                 max_unclaimed_bytes: int = DEFAULT_MAX_UNCLAIMED_BYTES,
+                 stream_interval: int = 1) -> None:
+        super().__init__(max_unclaimed, max_unclaimed_bytes, stream_interval)
         self.batcher = batcher
         self.offload = offload
         self.idle_poll = idle_poll

@@ -62,7 +62,7 @@ class CoreClient(OutputStreams):
     Args:
         factory: picklable callable returning the `Batcher` to run; called in the child.
         startup_timeout: seconds the core may take to build its engine (weights, compilation).
-        max_unclaimed, max_unclaimed_bytes: as `AsyncBatcher`'s.
+        max_unclaimed, max_unclaimed_bytes, stream_interval: as `AsyncBatcher`'s.
         on_core_exit: called (in the event loop, with the exit code) when the core exits
             without being asked to.
     """
@@ -70,8 +70,9 @@ class CoreClient(OutputStreams):
     def __init__(self, factory: Callable[[], Batcher], *, startup_timeout: float = 600.0,
                  max_unclaimed: int = DEFAULT_MAX_UNCLAIMED,
                  max_unclaimed_bytes: int = DEFAULT_MAX_UNCLAIMED_BYTES,
+                 stream_interval: int = 1,
                  on_core_exit: Callable[[int | None], None] | None = None) -> None:
-        super().__init__(max_unclaimed, max_unclaimed_bytes)
+        super().__init__(max_unclaimed, max_unclaimed_bytes, stream_interval)
         self.factory = factory
         self.startup_timeout = startup_timeout
         self.on_core_exit = on_core_exit
@@ -298,12 +299,17 @@ class CoreClient(OutputStreams):
             self._stats = step.stats
         if step.ids:
             queues = self._queues
-            for request_id, token in zip(step.ids, np.frombuffer(step.tokens, np.int64).tolist(),
-                                         strict=True):
-                queue = queues.get(request_id)
-                if queue is not None:
-                    queue.put_nowait(RequestOutput(request_id=request_id,
-                                                   new_token_ids=(token,), finished=False))
+            tokens = np.frombuffer(step.tokens, np.int64).tolist()
+            if self.stream_interval > 1:
+                for request_id, token in zip(step.ids, tokens, strict=True):
+                    self._deliver(RequestOutput(request_id=request_id, new_token_ids=(token,),
+                                                finished=False))
+            else:
+                for request_id, token in zip(step.ids, tokens, strict=True):
+                    queue = queues.get(request_id)
+                    if queue is not None:
+                        queue.put_nowait(RequestOutput(request_id=request_id,
+                                                       new_token_ids=(token,), finished=False))
         for out in step.outputs:
             if out.finished:
                 self._finish(out.request_id)

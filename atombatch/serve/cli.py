@@ -152,6 +152,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-response-bytes", type=int, default=response,
                    help="a request whose response is estimated larger (n x logprobs x tokens, "
                    f"prompt logprobs) answers 400 response_too_large (default {response})")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per SSE event at most once a stream has started: a stream's "
+                   "consumer is woken and written to once per this many tokens (its first token "
+                   "and its end go at once); larger trades smoothness for front CPU, as SGLang's "
+                   "--stream-interval (default 1: every token)")
     p.add_argument("--engine-core", choices=("process", "inline"), default="process",
                    help="process: the engine steps in its own process and this one serves HTTP, "
                    "tokenizes and streams (default; docs/architecture.md); inline: both share "
@@ -378,13 +383,17 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
 
             from atombatch.core import CoreClient
             codec = codec_from_args(args, _model_dir(args))
-            engine = CoreClient(functools.partial(core_batcher, args))
+            engine = CoreClient(functools.partial(core_batcher, args),
+                                stream_interval=args.stream_interval)
             ready = engine.start_process()
             name = args.served_model_name or ready.rules.artifact.model.name
             art, policy = ready.rules.artifact, ready.policy
         else:
+            from atombatch.aio import AsyncBatcher
+
             batcher, name, codec = build_engine(args)
-            engine, art, policy = batcher, batcher.artifact, batcher.policy.label
+            art, policy = batcher.artifact, batcher.policy.label
+            engine = AsyncBatcher(batcher, offload=True, stream_interval=args.stream_interval)
             if args.runtime == "numpy" and args.blas_threads > 0:
                 from threadpoolctl import threadpool_limits
                 threadpool_limits(limits=args.blas_threads, user_api="blas")
