@@ -443,17 +443,15 @@ def request_limit(request: Request) -> int:
 
 
 # -- the engine's side ---------------------------------------------------------------------------
-def slot_ops_supported(runtime: Any) -> None:
+def slot_ops_supported(runtime: Any, caps: Any) -> None:
     """A hybrid prefix cache needs the runtime's `read_slot` / `write_slot` (and, on the device,
-    the SDK's KV fetch and update). Raises `ConfigError` naming what is missing."""
+    the SDK's KV fetch and update), as `caps` (`runtime.base.Capabilities`) reports them.
+    Raises `ConfigError` naming what is missing."""
     from atombatch.errors import ConfigError
 
-    missing = [name for name in ("read_slot", "write_slot")
-               if not callable(getattr(runtime, name, None))]
-    kv_methods = getattr(runtime, "kv_methods", None)  # RebelRuntime: what the SDK has
-    if isinstance(kv_methods, dict):
-        missing += [name for name in ("_fetch_kv_cache", "_update_kv_cache")
-                    if not kv_methods.get(name, False)]
+    missing = [name for name in ("read_slot", "write_slot") if not getattr(caps, name)]
+    missing += [name for name in ("_fetch_kv_cache", "_update_kv_cache")
+                if not caps.has_kv(name)]
     if missing:
         raise ConfigError(f"{type(runtime).__name__} lacks {', '.join(missing)}: the prefix "
                           "cache of a hybrid model saves and restores sliding slots through "

@@ -36,7 +36,7 @@ from atombatch.outputs import Extras, OutputBuilder
 from atombatch.pd_intake import KVLink, KVSource, PDIntake
 from atombatch.policy import DEFAULT_POLICY
 from atombatch.prefix import HostCache
-from atombatch.runtime.base import Runtime
+from atombatch.runtime.base import Capabilities, Runtime
 from atombatch.sampling import (
     LOGPROBS_MODES,
     LogprobsMode,
@@ -178,18 +178,17 @@ class Batcher:
         self.runtime = runtime
         self.artifact = artifact
         self.spec = artifact.model
+        self.capabilities = caps = Capabilities(runtime)  # what it offers beyond `Runtime`
         checkpoint_bytes = 0
         if self.spec.is_hybrid and prefix_cache:  # sliding-slot checkpoints (docs/prefix-cache.md)
-            slot_ops_supported(runtime)
-            checkpoint_bytes = int(getattr(runtime, "slot_bytes", 0) or
-                                   memory_plan.checkpoint_bytes(artifact))
+            slot_ops_supported(runtime, caps)
+            checkpoint_bytes = caps.slot_bytes or memory_plan.checkpoint_bytes(artifact)
         self.host_cache = HostCache(host_cache_bytes, artifact.block_size) \
             if host_cache_bytes else None
         self.scheduler = Scheduler(artifact, policy, eos_token_ids=self.spec.eos_token_ids,
                                    prefix_cache=prefix_cache, host_cache=self.host_cache,
                                    checkpoint_bytes=checkpoint_bytes)
-        self.clock: Callable[[], float] = clock or getattr(runtime, "clock", None) or \
-            time.perf_counter
+        self.clock: Callable[[], float] = clock or caps.clock or time.perf_counter
         if max_waiting is not None and (isinstance(max_waiting, bool) or
                                         not isinstance(max_waiting, int) or max_waiting < 1):
             raise ConfigError(f"max_waiting={max_waiting!r} must be an int >= 1 (or None: unbounded)")
@@ -217,13 +216,9 @@ class Batcher:
         self._greedy = np.zeros(artifact.batch_size, dtype=np.int64)  # decode argmax, by row
         # n > 1 without a prefix cache: choices 1..n-1 start from a device copy of choice 0's
         # prompt KV (see `_release_held`); hybrid models also need the runtime's `copy_slot`
+        needed = ("_fetch_kv_cache", "_update_kv_cache") if self.spec.is_hybrid else ()
         self._forks = not prefix_cache and not self.artifact.single_block and \
-            (not self.spec.is_hybrid or callable(getattr(runtime, "copy_slot", None)))
-        kv_methods = getattr(runtime, "kv_methods", None)  # RebelRuntime: what the SDK has
-        if isinstance(kv_methods, dict):
-            needed = ("_fetch_kv_cache", "_update_kv_cache") if self.spec.is_hybrid else ()
-            self._forks = self._forks and all(kv_methods.get(name, False)
-                                              for name in ("_copy_kv_cache", *needed))
+            (not self.spec.is_hybrid or caps.copy_slot) and caps.has_kv("_copy_kv_cache", *needed)
 
     @property
     def pd_timeout(self) -> float:
@@ -271,8 +266,8 @@ class Batcher:
         """What `validate` checks against, as a value a front in another process can hold."""
         return RequestRules(
             self.artifact, has_tokenizer=self.tokenizer is not None,
-            every_position_logits=bool(getattr(self.runtime, "every_position_logits", False)),
-            every_position_hint=getattr(self.runtime, "every_position_hint", None))
+            every_position_logits=self.capabilities.every_position_logits,
+            every_position_hint=self.capabilities.every_position_hint)
 
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                params: SamplingParams | None = None, request_id: str | None = None,

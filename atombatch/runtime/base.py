@@ -77,3 +77,45 @@ class Runtime(Protocol):
         into the blocks of `block_row` (global layer), or a sliding layer's window tail into
         lane slot `slot` (oldest first)."""
         ...
+
+
+class Capabilities:
+    """What a runtime offers beyond `Runtime`, read once, in one place (the engine never probes
+    a runtime itself). Each is optional; a runtime declares one by having the attribute:
+
+    - `clock()`: the runtime's time in seconds (virtual for the simulator); else wall time.
+    - `copy_slot(src, dst)`: copy a lane's sliding slot (hybrid n > 1 forks).
+    - `read_slot(slot)` / `write_slot(slot, data)` / `slot_bytes`: a lane's sliding slot to and
+      from the host (hybrid prefix-cache checkpoints).
+    - `kv_methods`: which KV operations the device SDK has (`RebelRuntime`: `_copy_kv_cache`,
+      `_fetch_kv_cache`, `_update_kv_cache` -> bool); a runtime without it has every operation
+      its methods show.
+    - `every_position_logits` / `every_position_hint`: `prefill(inputs, every_position=True)`
+      returns every chunk position's logits (prompt logprobs), or why not.
+    """
+
+    __slots__ = ("clock", "copy_slot", "every_position_hint", "every_position_logits",
+                 "kv_methods", "read_slot", "slot_bytes", "write_slot")
+
+    def __init__(self, runtime: object) -> None:
+        def method(name: str) -> bool:
+            return callable(getattr(runtime, name, None))
+
+        clock = getattr(runtime, "clock", None)
+        self.clock = clock if callable(clock) else None
+        self.copy_slot = method("copy_slot")
+        self.read_slot = method("read_slot")
+        self.write_slot = method("write_slot")
+        slot_bytes = getattr(runtime, "slot_bytes", None)
+        self.slot_bytes = int(slot_bytes) if isinstance(slot_bytes, int) and slot_bytes > 0 \
+            else None
+        kv_methods = getattr(runtime, "kv_methods", None)
+        self.kv_methods: dict[str, bool] | None = dict(kv_methods) \
+            if isinstance(kv_methods, dict) else None
+        self.every_position_logits = bool(getattr(runtime, "every_position_logits", False))
+        hint = getattr(runtime, "every_position_hint", None)
+        self.every_position_hint = hint if isinstance(hint, str) else None
+
+    def has_kv(self, *names: str) -> bool:
+        """The device SDK has these KV operations (always True without `kv_methods`)."""
+        return self.kv_methods is None or all(self.kv_methods.get(n, False) for n in names)
