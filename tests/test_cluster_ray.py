@@ -371,5 +371,82 @@ def test_pd_producers_in_their_own_processes(cluster: str, app_names: list[str])
             scale_producers("pd", -1)
         with pytest.raises(ConfigError, match="no stored producer engine flags"):
             scale_producers("affinity", 1)             # not a PD application
+        # issue 17: a producer the cluster cannot place hung the call for good, and a retry then
+        # failed with ActorAlreadyExistsError; now it fails naming what it asked for, and a
+        # name a pending attempt left behind is replaced
+        assert scale_producers("pd", 2, replica_cpus=64, wait=False) == [staying]
+        for _ in range(2):
+            with pytest.raises(ConfigError, match="did not come up within placement_timeout"):
+                scale_producers("pd", 2, replica_cpus=64, placement_timeout=2.0)
+        assert sorted(ray.get(board("pd").producers.remote())) == [staying]
     finally:
         scale_producers("pd", 0, drain_s=0.0, settle_s=0.0)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_local_cluster_it_started(tmp_path: Any) -> None:
+    """Issue 17: after SIGTERM of `python -m atombatch.serve.ray`, Ray's DashboardAgent and
+    RuntimeEnvAgent stayed alive (PPID 1). Every process the command started must end with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from support.served import free_port
+
+    def descendants(pid: int) -> set[int]:
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as stat:
+                        fields = stat.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                children.setdefault(int(fields[1]), []).append(int(entry))
+        found, todo = set(), [pid]
+        while todo:
+            for child in children.get(todo.pop(), []):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+        return found
+
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "atombatch.serve.ray", "--num-cpus", "1", "--replicas", "1",
+         "--replica-cpus", "0.5", "--port", str(port), "--max-seq-len", "64",
+         "--log-level", "error"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            time.sleep(0.5)
+        started = descendants(process.pid)
+        assert started, "the command started no Ray processes"
+        process.send_signal(signal.SIGTERM)
+        process.wait(120)
+
+        def alive() -> set[int]:
+            running = set()
+            for pid in started:
+                try:
+                    with open(f"/proc/{pid}/stat") as stat:
+                        state = stat.read().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    continue
+                if state != "Z":
+                    running.add(pid)
+            return running
+        wait_for("every Ray process of the command gone", lambda: not alive(), timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        if process.stderr is not None:
+            process.stderr.close()

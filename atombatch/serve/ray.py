@@ -875,7 +875,8 @@ def producer_name(app_name: str, index: int) -> str:
 def scale_producers(app_name: str, count: int, engine_args: Sequence[str] = (), *,
                     replica_cpus: float = 1.0, atom_resource: str | None = None,
                     producer_options: dict[str, Any] | None = None, drain_s: float = 60.0,
-                    settle_s: float = 1.5, wait: bool = True) -> list[str]:
+                    settle_s: float = 1.5, wait: bool = True,
+                    placement_timeout: float = 120.0) -> list[str]:
     """Make the application's PD pool `count` producers while it runs; returns their names.
 
     New producers (`ProducerActor`, detached, named `{app_name}-producer-{i}` in Ray namespace
@@ -889,9 +890,15 @@ def scale_producers(app_name: str, count: int, engine_args: Sequence[str] = (), 
 
     Call it from any process connected to the Ray cluster (`ray.init(address=...)`).
 
+    With `wait`, a new producer that is not up within `placement_timeout` seconds (the cluster
+    lacks the CPUs or the ATOM resource it asks for, so Ray keeps it pending) is killed and the
+    call fails naming what it asked for; a name left by such an attempt (a named actor that is
+    not registered) is replaced, so a retry does not fail with `ActorAlreadyExistsError`.
+
     Raises:
-        ConfigError: `count` is negative, or producers are to be added and neither
-            `engine_args` nor the application's stored producer flags say what they run.
+        ConfigError: `count` is negative, producers are to be added and neither `engine_args`
+            nor the application's stored producer flags say what they run, or a new producer
+            could not be placed within `placement_timeout`.
     """
     if count < 0:
         raise ConfigError(f"count={count} producers must be >= 0")
@@ -923,16 +930,44 @@ def scale_producers(app_name: str, count: int, engine_args: Sequence[str] = (), 
         options: dict[str, Any] = {"num_cpus": replica_cpus}
         if atom_resource:
             options["resources"] = {atom_resource: 1}
+        with contextlib.suppress(ValueError):  # an unregistered actor by that name: stale
+            ray.kill(ray.get_actor(name, namespace=BOARD_NAMESPACE), no_restart=True)
+            _wait_name_free(name)
         actor = ray.remote(ProducerActor).options(name=name, namespace=BOARD_NAMESPACE,
                                                   lifetime="detached", **options)
         new.append(actor.remote(list(engine_args), app_name, name,
                                 **(producer_options or {})))
         names.add(name)
     if new and wait:
-        ray.get([a.ping.remote() for a in new])   # registered once its constructor returned
+        pings = [a.ping.remote() for a in new]   # registered once its constructor returned
+        ready, pending = ray.wait(pings, num_returns=len(pings), timeout=placement_timeout)
+        if pending:
+            for actor in new:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+            free = ray.available_resources()
+            raise ConfigError(
+                f"{len(pending)} of {len(new)} new PD producers did not come up within "
+                f"placement_timeout={placement_timeout} s: each asks for num_cpus="
+                f"{replica_cpus}{f' and {atom_resource}=1' if atom_resource else ''}; the "
+                f"cluster has {free.get('CPU', 0):g} CPUs"
+                f"{f' and {free.get(atom_resource, 0):g} {atom_resource}' if atom_resource else ''}"
+                " free (lower --replica-cpus, or add nodes)")
+        ray.get(ready)
     doomed = current[count:] if len(current) > count else []
     remove_producers(app_name, doomed, drain_s=drain_s, settle_s=settle_s)
     return sorted(ray.get(registry.producers.remote()))
+
+
+def _wait_name_free(name: str, timeout: float = 10.0) -> None:
+    """`ray.kill` returns before the GCS frees the actor's name: wait until it has."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=BOARD_NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.05)
 
 
 def remove_producers(app_name: str, names: Sequence[str], *, drain_s: float = 60.0,
@@ -1089,6 +1124,23 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=args.address)
     else:
         ray.init(num_cpus=args.num_cpus)
+    try:
+        return _run(args, engine, engine_args)
+    finally:
+        # A SIGTERM (see `_run`) unwinds to here like Ctrl-C: the local cluster this process
+        # started stops with it (its dashboard and runtime-env agents too, not left at PPID 1).
+        if not args.address:
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+
+
+def _run(args: argparse.Namespace, engine: argparse.Namespace, engine_args: list[str]) -> int:
+    import signal
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
     if args.scale_producers is not None:
         try:
             names = scale_producers(args.app_name, args.scale_producers, engine_args,
