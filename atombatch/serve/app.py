@@ -47,6 +47,7 @@ from atombatch.core import CoreClient
 from atombatch.engine import Batcher
 from atombatch.errors import CapacityError, RequestError, UnavailableError
 from atombatch.serve import schema
+from atombatch.serve.echo import Echo, echo_logprobs, joined
 from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES
 from atombatch.serve.metrics import ServerMetrics
 from atombatch.serve.protocol import (
@@ -154,6 +155,7 @@ class _Generation:
         self.generated = 0
         self.finish_reason: str | None = None  # the whole request (an error in any choice wins)
         self.error: str | None = None
+        self.prompt: list[int] = []           # the prompt's ids (echo)
         self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # when asked for
         self.started = False                 # run() began (it then does its own accounting)
         self.abandoned = False
@@ -321,16 +323,17 @@ class _Server:
                            headers=_CLOSE) from None
         return bytes(body)
 
-    def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
-               ) -> SamplingParams:
+    def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+               echo: Echo | None = None) -> SamplingParams:
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model {_clip(repr(body.model))} is not served here; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
+        prompt_logprobs = body.prompt_logprobs
         if isinstance(body, CompletionRequest):
-            if body.echo:
-                raise ApiError(400, "echo=True is not supported: only False is served",
-                               param="echo", code="unsupported_value")
             logprobs = body.logprobs
+            if echo is not None:
+                max_tokens = echo.max_tokens(body.max_tokens)
+                prompt_logprobs = echo.prompt_logprobs()
         else:
             if body.top_logprobs is not None and not body.logprobs:
                 raise ApiError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true",
@@ -359,7 +362,7 @@ class _Server:
                 allowed_token_ids=None if body.allowed_token_ids is None else
                 tuple(body.allowed_token_ids),
                 bad_words=tuple(body.bad_words), skip_special_tokens=body.skip_special_tokens,
-                logprobs=logprobs, prompt_logprobs=body.prompt_logprobs)
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except RequestError as exc:
             message = str(exc)
             lead = re.match(r"[a-z_]+", message)  # SamplingParams messages start with the field
@@ -397,9 +400,10 @@ class _Server:
                            code="invalid_value") from None
         self.metrics.prompt_tokens.inc(len(prompt))
         # Take the output iterator now, before any await: the request may finish at once.
-        return _Generation(self, request_id, len(prompt), self.ab.output_batches(request_id),
-                           accepted,
-                           params.n)
+        gen = _Generation(self, request_id, len(prompt), self.ab.output_batches(request_id),
+                          accepted, params.n)
+        gen.prompt = prompt
+        return gen
 
     # -- logprobs in OpenAI's shapes ------------------------------------------------------------
     def token_text(self, token: int) -> str:
@@ -423,12 +427,14 @@ class _Server:
                           for lp in logprobs],
             text_offset=offsets)
 
-    def prompt_logprobs_json(self, entries: tuple[TokenLogprobs | None, ...] | None
-                             ) -> PromptLogprobsJSON | None:
+    def prompt_logprobs_json(self, entries: tuple[TokenLogprobs | None, ...] | None,
+                             k: int | None = -1) -> PromptLogprobsJSON | None:
         """vLLM's prompt_logprobs: per prompt token None (the first) or {id: Logprob} holding the
-        prompt token and the top candidates; -inf clamped to -9999.0 as vLLM does."""
-        if entries is None:
+        prompt token and the top candidates (the first `k` of them; -1: all computed); -inf
+        clamped to -9999.0 as vLLM does. None when not asked for (`k` None)."""
+        if entries is None or k is None:
             return None
+        keep = None if k < 0 else k
         texts: dict[int, str] = {}
 
         def entry(token: int, logprob: float, rank: int) -> PromptLogprob:
@@ -443,7 +449,7 @@ class _Server:
                 out.append(None)
                 continue
             position = {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
-            for top in lp.top:
+            for top in lp.top[:keep]:
                 if str(top.token_id) not in position:
                     position[str(top.token_id)] = entry(top.token_id, top.logprob, top.rank)
             out.append(position)
@@ -560,30 +566,83 @@ class _Server:
     async def completions(self, request: Request) -> Response:
         body = await self.decode(request, CompletionRequest)
         self.check_completion_features(body)
-        params = self.params(body, body.max_tokens)
-        gens = self.submit_all("cmpl", self.truncate(self.prompts(body.prompt, body.n), body),
-                               params, "prompt")
+        try:
+            echo = Echo(body)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+        params = self.params(body, body.max_tokens, echo)
+        prompts = self.truncate(self.prompts(body.prompt, body.n), body)
+        try:
+            gens = self.submit_all("cmpl", prompts, params, "prompt")
+        except ApiError as exc:
+            raise self.echo_refusal(exc, echo) from None
+        echoed = self.echoed_prompts(body, prompts) if echo.enabled else None
         created = int(time.time())
         headers = self.headers(request)
         if body.stream:
             usage = _usage_mode(body.stream_options)
-            return _SSEResponse(self._stream_completion(gens, created, usage), gens, headers)
+            return _SSEResponse(self._stream_completion(gens, created, usage, echo, echoed),
+                                gens, headers)
         await self._collect(request, gens)
         want_logprobs = params.logprobs is not None
-        prompt_logprobs = [self.prompt_logprobs_json(gen.prompt_logprobs) for gen in gens]
-        return _json(CompletionResponse(
-            id=gens[0].request_id, created=created, model=self.model_name,
-            choices=[CompletionChoice(
-                index=g * params.n + i, text="".join(c.text), token_ids=c.token_ids,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                logprobs=self.completion_logprobs(c.logprobs) if want_logprobs else None,
-                prompt_logprobs=prompt_logprobs[g])
-                for g, gen in enumerate(gens) for i, c in enumerate(gen.choices)],
-            usage=_total_usage(gens)), headers=headers)
+        choices = []
+        for g, gen in enumerate(gens):
+            prompt_logprobs = self.prompt_logprobs_json(gen.prompt_logprobs,
+                                                        echo.user_prompt_logprobs)
+            for i, c in enumerate(gen.choices):
+                text, token_ids, finish = "".join(c.text), c.token_ids, c.finish_reason
+                logprobs = self.completion_logprobs(c.logprobs) if want_logprobs else None
+                if not echo.generate:
+                    text, token_ids, finish, logprobs = "", [], "length", None
+                if echoed is not None:
+                    text = echoed[g] + text
+                    if want_logprobs:
+                        logprobs = joined(self.echo_head(gen), logprobs)
+                choices.append(CompletionChoice(
+                    index=g * params.n + i, text=text, token_ids=token_ids, finish_reason=finish,
+                    stop_reason=c.stop_reason if echo.generate else None, logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs))
+        usage = _total_usage(gens) if echo.generate else _prompt_usage(gens)
+        return _json(CompletionResponse(id=gens[0].request_id, created=created,
+                                        model=self.model_name, choices=choices, usage=usage),
+                     headers=headers)
+
+    def echoed_prompts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """Each prompt's text as echoed: as sent when it was text (and not truncated), else
+        decoded from its ids."""
+        sent: list[str | None] = [None] * len(prompts)
+        if isinstance(body.prompt, str):
+            sent = [body.prompt]
+        elif body.prompt and all(isinstance(p, str) for p in body.prompt):
+            sent = list(body.prompt)  # type: ignore[arg-type]
+        if body.truncate_prompt_tokens is not None:
+            sent = [None] * len(prompts)
+        return [text if text is not None else self.codec.decode(ids)
+                for text, ids in zip(sent, prompts, strict=True)]
+
+    def echo_head(self, gen: _Generation) -> CompletionLogprobs:
+        try:
+            return echo_logprobs(gen.prompt, gen.prompt_logprobs, self.token_text)
+        except RequestError as exc:
+            raise ApiError(500, str(exc), type="server_error", code="engine_error") from None
+
+    @staticmethod
+    def echo_refusal(exc: ApiError, echo: Echo) -> ApiError:
+        """A refusal of the prompt logprobs only echo asked for, reworded to name `echo`."""
+        error = exc.body.error
+        if error.param != "prompt_logprobs":
+            return exc
+        reworded = echo.explain(RequestError(error.message, param=error.param))
+        if reworded.param == error.param:
+            return exc
+        return ApiError(exc.status, str(reworded), param="echo", code="unsupported_value",
+                        headers=exc.headers)
 
     async def _stream_completion(self, gens: list[_Generation], created: int,
-                                 usage: tuple[bool, bool]) -> AsyncIterator[bytes]:
-        """Choice `g * n + i` is choice i of prompt g (OpenAI's order for batched prompts)."""
+                                 usage: tuple[bool, bool], echo: Echo,
+                                 echoed: list[str] | None) -> AsyncIterator[bytes]:
+        """Choice `g * n + i` is choice i of prompt g (OpenAI's order for batched prompts). An
+        echoed prompt (text and logprobs) leads each choice's first chunk."""
         include_usage, continuous = usage
 
         def chunk(choices: list[CompletionChoice], u: Usage | None = None) -> bytes:
@@ -592,30 +651,45 @@ class _Server:
 
         n = len(gens[0].choices)
         offsets = [[0] * n for _ in gens]
+        started = [[False] * n for _ in gens]
         async with contextlib.aclosing(_merged(gens)) as events:
             async for g, (new, text, out) in events:
                 gen, i = gens[g], out.index
                 index = g * n + i
                 running = gen.usage() if continuous else None
                 logprobs = None
-                if out.logprobs is not None:
+                if not echo.generate:
+                    new, text = [], ""
+                elif out.logprobs is not None:
                     logprobs = self.completion_logprobs(list(out.logprobs), offsets[g][i])
                 offsets[g][i] += len(text)
+                if echoed is not None and not started[g][i] and out.finish_reason != "error":
+                    text = echoed[g] + text
+                    if echo.logprobs is not None:
+                        head = self.echo_head(gen)
+                        logprobs = joined(head, logprobs)
+                        offsets[g][i] += head.text_offset[-1] + len(head.tokens[-1]) \
+                            if head.tokens else 0
+                started[g][i] = True
                 if out.finish_reason == "error":
                     if new:
                         yield chunk([CompletionChoice(index=index, text=text, token_ids=new,
                                                       logprobs=logprobs)], running)
                     yield gen.error_event()
                     break
+                finish = out.finish_reason
+                if finish is not None and not echo.generate:
+                    finish = "length"
                 yield chunk([CompletionChoice(index=index, text=text, token_ids=new,
-                                              finish_reason=out.finish_reason,
+                                              finish_reason=finish,
                                               stop_reason=gen.choices[i].stop_reason
-                                              if out.finish_reason else None,
+                                              if out.finish_reason and echo.generate else None,
                                               logprobs=logprobs,
                                               prompt_logprobs=self.prompt_logprobs_json(
-                                                  out.prompt_logprobs))], running)
+                                                  out.prompt_logprobs,
+                                                  echo.user_prompt_logprobs))], running)
         if include_usage:
-            yield chunk([], _total_usage(gens))
+            yield chunk([], _total_usage(gens) if echo.generate else _prompt_usage(gens))
         yield _DONE
 
     async def chat(self, request: Request) -> Response:
@@ -802,6 +876,12 @@ def _total_usage(gens: list[_Generation]) -> Usage:
     completion = sum(g.generated for g in gens)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion)
+
+
+def _prompt_usage(gens: list[_Generation]) -> Usage:
+    """Usage of requests that generate nothing (echo with max_tokens=0)."""
+    prompt = sum(g.prompt_len for g in gens)
+    return Usage(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt)
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:

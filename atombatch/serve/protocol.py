@@ -64,8 +64,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
     # text (needs a tokenizer, or "<id>" pieces), token ids, or a batch: strings or id lists
     prompt: str | list[int | str | list[int]]
-    max_tokens: int = 16                 # OpenAI's default for completions
-    echo: bool = False                   # only False is served
+    max_tokens: int = 16                 # OpenAI's default for completions; 0 only with echo
+    echo: bool = False                   # the prompt's text (and with logprobs, its logprobs)
+                                         #   first; see atombatch/serve/echo.py
     logprobs: int | None = None          # top candidates per token (0..20), with the sampled one
     suffix: str | None = None            # only None or "" is served
     best_of: int | None = None           # only None or 1 is served
@@ -123,8 +124,8 @@ class CompletionLogprobs(msgspec.Struct):
     """OpenAI's legacy completions logprobs: parallel lists, one entry per token."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]   # None: the first prompt token when echoed (no context)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -47,6 +47,8 @@ class Codec(Protocol):
 
     def decoder(self) -> Decoder: ...
 
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
 
 class Decoder(Protocol):
     def step(self, token_ids: Sequence[int]) -> str: ...
@@ -96,6 +98,9 @@ class IdCodec:
 
     def decoder(self) -> _IdDecoder:
         return _IdDecoder()
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
 
 
 class _IdDecoder:
@@ -164,6 +169,9 @@ class HFCodec:
 
     def decoder(self) -> _HFDecoder:
         return _HFDecoder(self.tokenizer)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
 
 class _HFDecoder:
