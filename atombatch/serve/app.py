@@ -30,13 +30,14 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -46,7 +47,8 @@ from atombatch.aio import AsyncBatcher, compact_outputs
 from atombatch.core import CoreClient
 from atombatch.engine import Batcher
 from atombatch.errors import CapacityError, RequestError, UnavailableError
-from atombatch.serve import schema
+from atombatch.serve import schema, vllm_api
+from atombatch.serve.auth import BearerAuth
 from atombatch.serve.echo import Echo, echo_logprobs, joined
 from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES
 from atombatch.serve.metrics import ServerMetrics
@@ -823,6 +825,63 @@ class _Server:
                            f"{self.model_name!r}", param="model", code="model_not_found")
         return _json(self.model_card())
 
+    # -- vLLM's operational endpoints (atombatch/serve/vllm_api.py) -----------------------------
+    async def tokenize(self, request: Request) -> Response:
+        body = await self.decode(request, vllm_api.TokenizeRequest)
+        self.check_model(body.model)
+        limit = self.artifact.max_seq_len
+        try:
+            if body.messages is not None:
+                if body.prompt is not None:
+                    raise RequestError("give prompt or messages, not both", param="prompt")
+                template: dict[str, Any] = dict(body.chat_template_kwargs or {})
+                template.update(add_generation_prompt=body.add_generation_prompt,
+                                continue_final_message=body.continue_final_message)
+                if body.tools is not None:
+                    template["tools"] = body.tools
+                ids = self.codec.render_chat([_message_dict(m) for m in body.messages],
+                                             **template)
+                if body.add_special_tokens:
+                    raise RequestError("add_special_tokens=true with messages is not served: the "
+                                       "chat template adds the special tokens",
+                                       param="add_special_tokens")
+            elif body.prompt is not None:
+                special = True if body.add_special_tokens is None else body.add_special_tokens
+                ids = vllm_api.encode_prompt(self.codec, body.prompt, special)
+            else:
+                raise RequestError("give prompt (text) or messages", param="prompt")
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param or "prompt",
+                           code="invalid_value") from None
+        if len(ids) > limit:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens, more than the context "
+                           f"max_model_len={limit}", param="prompt", code="context_length_exceeded")
+        strs = vllm_api.token_strings(self.codec, ids) if body.return_token_strs else None
+        return _json(vllm_api.TokenizeResponse(count=len(ids), max_model_len=limit, tokens=ids,
+                                               token_strs=strs), headers=self.headers(request))
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self.decode(request, vllm_api.DetokenizeRequest)
+        self.check_model(body.model)
+        try:
+            vllm_api.check_ids(body.tokens, self.artifact.model.vocab_size)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+        return _json(vllm_api.DetokenizeResponse(prompt=self.codec.decode(body.tokens)),
+                     headers=self.headers(request))
+
+    async def version(self, request: Request) -> Response:
+        from atombatch import __version__
+        return _json({"version": __version__})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        return _json(vllm_api.tokenizer_info(self.codec, self.artifact.max_seq_len))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model {_clip(repr(model))} is not served here; this server "
+                           f"serves {self.model_name!r}", param="model", code="model_not_found")
+
     async def health(self, request: Request) -> Response:
         if not self.accepting or not self.ab.running:
             return _json({"status": "unavailable"}, status=503)
@@ -970,7 +1029,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                tokenizer: Codec | Any | None = None, *,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after: int = 1,
                on_shutdown: Callable[[], None] | None = None,
-               strict_protocol: bool = False, body_timeout: float = 30.0) -> Starlette:
+               strict_protocol: bool = False, body_timeout: float = 30.0,
+               api_keys: Sequence[str] = ()) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
     Args:
@@ -991,6 +1051,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         strict_protocol: reject request fields the server does not read (400
             `unknown_parameter`) instead of ignoring them (logged once per name, listed in the
             `X-Ignored-Fields` response header).
+        api_keys: when given, `/v1/*` needs `Authorization: Bearer <one of them>` (else 401;
+            atombatch/serve/auth.py).
 
     Returns:
         A Starlette app to run with uvicorn; `atombatch.serve.limits.uvicorn_config(app, ...)`
@@ -1032,10 +1094,15 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Route("/version", server.version, methods=["GET"]),
+        Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    middleware = [Middleware(BearerAuth, keys=list(api_keys))] if api_keys else []
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={ApiError: server.api_error,
                                         HTTPException: server.http_error})
     app.state.server = server

@@ -27,6 +27,8 @@ from typing import Any, TypeVar
 import msgspec
 import msgspec.inspect as mi
 
+from atombatch.serve import unhonoured
+
 T = TypeVar("T")
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
@@ -59,8 +61,17 @@ def decode(body: bytes, kind: type[T], *, strict: bool = False) -> tuple[T, list
         except msgspec.ValidationError as exc:
             raise _schema_error(str(exc)) from None
         raise
+    info = _type_info(kind)
+    if isinstance(raw, dict) and isinstance(info, mi.StructType):
+        refusal = unhonoured.refused(raw, {f.encode_name for f in info.fields})
+        if refusal is not None:  # changes the result and is not served: never silently dropped
+            name, what = refusal
+            raise SchemaError(f"{name}: {what} is not supported by this server, so "
+                              f"{name}={_clip(raw[name])} cannot be honoured "
+                              "(docs/server.md lists the fields served)",
+                              param=name, code="unsupported_value")
     unknown: list[str] = []
-    _walk(raw, _type_info(kind), "", unknown)  # type: ignore[arg-type]
+    _walk(raw, info, "", unknown)
     if strict and unknown:
         raise SchemaError(f"unknown field `{unknown[0]}` (the server runs with --strict-protocol)",
                           param=unknown[0], code="unknown_parameter")
@@ -120,6 +131,11 @@ def _member_for(value: Any, union: mi.UnionType) -> mi.Type:
         return union
     members = [m for m in union.types if isinstance(m, wanted)]
     return members[0] if len(members) == 1 else union
+
+
+def _clip(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
 def _schema_error(message: str) -> SchemaError:

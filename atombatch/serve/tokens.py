@@ -25,7 +25,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from atombatch.errors import ConfigError, RequestError
-from atombatch.serve.chat_template import ChatTemplate, load_chat_template, special_tokens_of
+from atombatch.serve.chat_template import (
+    ChatTemplate,
+    load_chat_template,
+    read_json,
+    special_tokens_of,
+)
 
 # A token id is written with at most this many digits (ids are int32 on the device). A longer
 # digit run is refused before it reaches `int()`, so a hostile prompt costs linear time only.
@@ -120,6 +125,7 @@ class HFCodec:
                  special: dict[str, str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.special = special or {}
+        self.config: dict[str, Any] = {}  # tokenizer_config.json, when loaded from a directory
         if isinstance(chat_template, str):
             chat_template = ChatTemplate({"default": chat_template}, "chat_template argument",
                                          self.special)
@@ -152,7 +158,9 @@ class HFCodec:
         except Exception as exc:
             raise ConfigError(f"cannot read {file}: {exc}") from None
         special = special_tokens_of(path)
-        return cls(tokenizer, load_chat_template(path, special), special)
+        codec = cls(tokenizer, load_chat_template(path, special), special)
+        codec.config = read_json(path / "tokenizer_config.json") or {}
+        return codec
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
