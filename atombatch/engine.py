@@ -6,6 +6,7 @@ failure into a per-request error while the other lanes go on.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import threading
 import time
@@ -26,6 +27,7 @@ from atombatch.errors import (
     StateError,
     TransientDeviceError,
 )
+from atombatch.grammar import Grammars, RequestGrammar
 from atombatch.groups import Group, Move, num_held
 from atombatch.logs import log
 from atombatch.outputs import Extras, OutputBuilder
@@ -52,6 +54,8 @@ __all__ = ["DEFAULT_MAX_WAITING", "Batcher", "EngineStats", "Extras", "Group", "
            "KVSource", "StepResult"]
 
 _WARN_EVENTS = frozenset({"request.failed"})
+_ALL_MASKED = ("every token is masked (structured output, allowed_token_ids, bad_words, "
+               "logit_bias and min_tokens exclude the whole vocabulary)")
 
 # Requests without a lane that a Batcher keeps by default; past it `submit` raises CapacityError.
 # Each waiting request holds its prompt (at most max_seq_len int64 ids) and a little bookkeeping.
@@ -185,6 +189,9 @@ class Batcher:
         self.detokenize = detokenize
         self.logprobs_mode: LogprobsMode = logprobs_mode
         self._samplers: dict[str, RequestSampler] = {}  # requests that are not plain greedy
+        self._grammars: Grammars | None = None     # structured output (built on first use)
+        # structured requests whose grammar compiles: (the compile, the choices waiting for it)
+        self._compiling: dict[str, tuple[concurrent.futures.Future[Any], list[Request]]] = {}
         self._groups: dict[str, Group] = {}        # n > 1 requests by the id submit() returned
         self._outputs = OutputBuilder(self._groups, self.spec.vocab_size)
         self._decoded = False                      # the last step completed a decode
@@ -280,6 +287,9 @@ class Batcher:
         self._next_id += 1
         if params.prompt_logprobs == -1:  # the whole vocabulary (it fits MAX_LOGPROBS)
             params = msgspec.structs.replace(params, prompt_logprobs=self.spec.vocab_size)
+        compile_job = None
+        if params.structured is not None:  # compiles on the grammar thread while it queues
+            compile_job = self.grammars().compile(params.structured)
         arrival = self.clock()
         if kv is not None:
             self._pd.expect(kv, tokens)  # let the source check the header on arrival
@@ -304,9 +314,70 @@ class Batcher:
                     if not (index and wait):
                         self.scheduler.add(request)
                 self._groups[request_id] = group
+            if compile_job is not None:
+                choices = group.members if n > 1 else [request]
+                for choice in choices:
+                    choice.compiling = True
+                self._compiling[request_id] = (compile_job, list(choices))
         log.debug("request.submitted", request_id=request_id, prompt_len=len(tokens),
                   max_tokens=request.max_tokens, n=n)
         return request_id
+
+    def grammars(self) -> Grammars:
+        """The structured-output compiler and masks (built with the first structured request).
+
+        Raises:
+            RequestError: the Batcher has no tokenizer.
+        """
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise RequestError("structured output needs a tokenizer: build the Batcher with "
+                                   "tokenizer=... (docs/sampling.md)", param="structured")
+            self._grammars = Grammars(self.tokenizer, self.spec.vocab_size,
+                                      self.spec.eos_token_ids)
+        return self._grammars
+
+    def _poll_compiles(self, outputs: list[RequestOutput]) -> None:
+        """Give the choices whose grammar compiled their matchers (they may now be admitted);
+        fail those whose grammar did not compile."""
+        done = [rid for rid, (job, _) in self._compiling.items() if job.done()]
+        for request_id in done:
+            job, choices = self._compiling.pop(request_id)
+            try:
+                matcher = job.result()
+            except Exception as exc:
+                message = str(exc) if isinstance(exc, RequestError) else \
+                    f"structured output failed to compile: {exc}"
+                for choice in choices:
+                    self._fail_waiting(choice, message, outputs)
+                continue
+            grammars = self.grammars()
+            for index, choice in enumerate(choices):
+                choice.compiling = False
+                sampler = self._samplers.get(choice.request_id)
+                if sampler is None or choice.state is RequestState.FINISHED:
+                    continue
+                structured = choice.params.structured
+                assert structured is not None
+                sampler.grammar = RequestGrammar(matcher if index == 0 else matcher.deep_copy(),
+                                                 structured, grammars)
+
+    def _fail_waiting(self, request: Request, message: str,
+                      outputs: list[RequestOutput]) -> None:
+        """Fail a request that has not run yet: queued in the scheduler, or an n > 1 choice held
+        for choice 0."""
+        if request.state is RequestState.FINISHED:
+            return
+        if request.request_id in self.scheduler.requests:
+            self._fail(request, message, outputs)
+            return
+        group = self._groups.get(request.request_id.rpartition("#")[0])
+        if group is not None and request in group.held:
+            group.held.remove(request)
+        request.set_state(RequestState.FINISHED)
+        request.finish_reason = "error"
+        request.error = message
+        outputs.append(self._final_output(request, ()))
 
     def _new_request(self, internal_id: str, public_id: str, index: int,
                      tokens: npt.NDArray[np.int64], params: SamplingParams,
@@ -425,6 +496,8 @@ class Batcher:
     def _step(self) -> list[RequestOutput]:
         self._decoded = False
         outputs, self._pending = self._pending, []
+        if self._compiling:
+            self._poll_compiles(outputs)
         if self._groups:  # choice 0 may have ended outside a step (an abort of its own id)
             self._release_held(outputs, fork=True)
         if self._kv:
@@ -685,9 +758,11 @@ class Batcher:
             return
         masked = set(result.masked_rows)
         for i, (row, _, request, _) in enumerate(special):
+            if i in result.failed:
+                self._fail(request, result.failed[i], outputs)
+                continue
             if i in masked:
-                self._fail(request, "every token is masked (allowed_token_ids, bad_words, "
-                           "logit_bias and min_tokens exclude the whole vocabulary)", outputs)
+                self._fail(request, _ALL_MASKED, outputs)
                 continue
             tokens[row] = int(result.tokens[i])
             self._outputs.keep_logprobs(request, result.logprobs[i])
@@ -698,9 +773,10 @@ class Batcher:
         if sampler is None:
             return int(np.argmax(row))
         result = sample_rows(row.reshape(1, -1), [sampler], [request.output], self.logprobs_mode)
+        if result.failed:
+            raise RequestError(result.failed[0])
         if result.masked_rows:
-            raise RequestError("every token is masked (allowed_token_ids, bad_words, logit_bias "
-                               "and min_tokens exclude the whole vocabulary)")
+            raise RequestError(_ALL_MASKED)
         self._outputs.keep_logprobs(request, result.logprobs[0])
         return int(result.tokens[0])
 

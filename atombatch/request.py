@@ -98,7 +98,7 @@ class PDImport:
 class Request:
     """The scheduler's mutable record of one request."""
 
-    __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "chain", "error",
+    __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "chain", "compiling", "error",
                  "finish_reason", "first_token_at", "lane", "lane_flags", "max_tokens", "output",
                  "params", "pd", "preemptions", "prefill_pos", "prompt", "request_id", "rng",
                  "shared", "state", "token_times")
@@ -134,6 +134,7 @@ class Request:
         self.shared = 0                  # leading row entries that are pinned CACHED blocks
         self.chain: TokenChain | None = None  # prefix cache: its tokens' block digests
         self.lane_flags = 0              # StepKernel flags: LANE_SAMPLE, LANE_OWN_OUTPUT
+        self.compiling = False           # its structured-output grammar is still compiling
 
     def resolve_limit(self, max_seq_len: int) -> None:
         """Fix `max_tokens` for a context of `max_seq_len` positions (once)."""
@@ -142,8 +143,9 @@ class Request:
 
     @property
     def ready(self) -> bool:
-        """Admissible: native, or a PD request whose header has been validated."""
-        return self.pd is None or self.pd.header_ok
+        """Admissible: its grammar (if any) compiled, and native or a PD request whose header
+        has been validated."""
+        return not self.compiling and (self.pd is None or self.pd.header_ok)
 
     @property
     def importing(self) -> bool:

@@ -2,6 +2,9 @@
 
 Order of operations (vLLM's v1 sampler, so options mean what vLLM users expect):
 
+0. structured output: a row with a grammar (`RequestSampler.grammar`) gets its token bitmask,
+   every constrained row's filled in one pass (atombatch/grammar.py); as in vLLM, this is done
+   to the logits before anything else, raw logprobs included;
 1. logprobs in "raw" mode: log-softmax of the model's own logits (the default, as in vLLM);
 2. `allowed_token_ids`: every other id is masked;
 3. `bad_words`: the last token of a bad word is masked when the tokens before it were just
@@ -33,6 +36,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from atombatch.grammar import RequestGrammar, apply_masks
 from atombatch.structs import GREEDY_EPS, SamplingParams, TokenLogprob, TokenLogprobs
 
 LogprobsMode = Literal["raw", "processed"]
@@ -44,7 +48,7 @@ class RequestSampler:
     """What the sampler keeps for one request between steps."""
 
     __slots__ = ("allowed", "bad_words", "bias_ids", "bias_values", "counted", "counts",
-                 "params", "penalized", "prompt", "prompt_seen", "rng", "stop_ids", "vocab")
+                 "grammar", "params", "penalized", "prompt", "prompt_seen", "rng", "stop_ids", "vocab")
 
     def __init__(self, params: SamplingParams, prompt: npt.NDArray[np.int64], vocab: int,
                  eos_token_ids: Sequence[int], rng: np.random.Generator,
@@ -72,6 +76,7 @@ class RequestSampler:
         self.counts: npt.NDArray[np.int32] | None = None  # generated tokens by id
         self.counted = 0                 # output tokens already added to `counts`
         self.prompt_seen: npt.NDArray[np.bool_] | None = None  # ids in the prompt
+        self.grammar: RequestGrammar | None = None  # structured output, once its matcher compiled
 
     def observe(self, output: Sequence[int]) -> None:
         """Count the output tokens generated since the last call (usually one)."""
@@ -93,6 +98,7 @@ class SampleResult(msgspec.Struct):
     tokens: npt.NDArray[np.int64]                      # one sampled id per row
     logprobs: list[TokenLogprobs | None]               # per row; None where not asked for
     masked_rows: list[int]                             # rows whose every token was masked
+    failed: dict[int, str] = {}                        # rows whose output broke their grammar
 
 
 def sample_rows(logits: npt.NDArray[np.floating], states: Sequence[RequestSampler],
@@ -103,6 +109,10 @@ def sample_rows(logits: npt.NDArray[np.floating], states: Sequence[RequestSample
     x = np.array(logits, dtype=np.float32, copy=True)
     for state, output in zip(states, outputs, strict=True):
         state.observe(output)
+    failed: dict[int, str] = {}
+    constrained = [i for i, s in enumerate(states) if s.grammar is not None]
+    if constrained:
+        failed = _constrain(x, constrained, states, outputs)
     want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     raw_lp = _log_softmax(x[want]) if want and mode == "raw" else None
 
@@ -156,7 +166,24 @@ def sample_rows(logits: npt.NDArray[np.floating], states: Sequence[RequestSample
             k = states[i].params.logprobs
             assert k is not None
             logprobs[i] = _gather(lp[j], int(tokens[i]), k)
-    return SampleResult(tokens=tokens, logprobs=logprobs, masked_rows=masked_rows)
+    return SampleResult(tokens=tokens, logprobs=logprobs, masked_rows=masked_rows, failed=failed)
+
+
+def _constrain(x: npt.NDArray[np.float32], rows: list[int], states: Sequence[RequestSampler],
+               outputs: Sequence[Sequence[int]]) -> dict[int, str]:
+    """Advance each constrained row's matcher over its new output tokens, then mask all of them
+    in one pass; returns the rows whose output broke the grammar (those are not masked)."""
+    failed: dict[int, str] = {}
+    for i in rows:
+        grammar = states[i].grammar
+        assert grammar is not None
+        error = grammar.advance(outputs[i])
+        if error is not None:
+            failed[i] = error
+    live = [i for i in rows if i not in failed] if failed else rows
+    if live:
+        apply_masks(x, live, [states[i].grammar for i in live])  # type: ignore[misc]
+    return failed
 
 
 def _banned(words: list[tuple[int, ...]], output: Sequence[int]) -> list[int]:

@@ -81,6 +81,10 @@ def validate_request(rules: RequestRules, prompt: Sequence[int] | npt.NDArray[np
                 raise RequestError(f"{name}={list(getattr(params, name))!r} needs a tokenizer: "
                                    "build the Batcher with tokenizer=... (docs/sampling.md)",
                                    param=name)
+    if params.structured is not None and not rules.has_tokenizer:
+        raise RequestError(f"{params.structured.param}: structured output needs a tokenizer: "
+                           "build the Batcher with tokenizer=... (docs/sampling.md)",
+                           param=params.structured.param)
     if params.prompt_logprobs is not None:
         check_prompt_logprobs(rules, params.prompt_logprobs, runtime_name)
     return tokens.astype(np.int64, copy=True)

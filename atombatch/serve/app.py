@@ -16,9 +16,9 @@ means "default" for optional fields.
 
 Statuses: 400 bad JSON, a body that does not match the schema (wrong type, missing field, unknown
 field when strict), a value the engine rejects (over-long prompt, token id outside the vocab,
-temperature, top_p, max_tokens, ...) or a feature this server cannot honour (tools, structured
-output); 404 unknown model or path; 413 body too large; 429 queue full (with `Retry-After`); 503
-shutting down. Every error body is `{"error": {message, type, param, code}}`, and the reason of
+temperature, top_p, max_tokens, ...), a feature this server cannot honour (tools) or a
+structured-output constraint that is too large or does not compile; 404 unknown model or path;
+413 body too large; 429 queue full (with `Retry-After`); 503 shutting down. Every error body is `{"error": {message, type, param, code}}`, and the reason of
 every 4xx is logged (logger `atombatch.serve`).
 """
 
@@ -51,6 +51,7 @@ from atombatch.serve import schema, vllm_api
 from atombatch.serve.auth import BearerAuth
 from atombatch.serve.echo import Echo, echo_logprobs, joined
 from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES
+from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredRequests
 from atombatch.serve.metrics import ServerMetrics
 from atombatch.serve.protocol import (
     ChatChoice,
@@ -253,7 +254,8 @@ class _Generation:
 class _Server:
     def __init__(self, ab: AsyncBatcher | CoreClient, model_name: str, codec: Codec,
                  max_body_bytes: int, retry_after: int, strict_protocol: bool = False,
-                 body_timeout: float = 30.0) -> None:
+                 body_timeout: float = 30.0,
+                 max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS) -> None:
         self.ab = ab
         self.strict_protocol = strict_protocol
         self.warned_fields: set[str] = set()      # unknown field names already logged
@@ -263,6 +265,9 @@ class _Server:
         self.body_timeout = body_timeout
         self.retry_after = retry_after
         self.artifact = ab.artifact
+        self.structured = StructuredRequests(
+            getattr(codec, "tokenizer", None), self.artifact.model.vocab_size,
+            self.artifact.model.eos_token_ids, max_structured_chars)
         self.metrics = ServerMetrics(ab.stats, self.artifact.batch_size)
         self.accepting = False
         self.created = int(time.time())
@@ -352,6 +357,10 @@ class _Server:
                                    param="logit_bias", code="invalid_value")
                 bias[int(key)] = value
         try:
+            structured = self.structured.resolve(body)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+        try:
             return SamplingParams(
                 n=body.n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                 top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=stop,
@@ -364,7 +373,7 @@ class _Server:
                 allowed_token_ids=None if body.allowed_token_ids is None else
                 tuple(body.allowed_token_ids),
                 bad_words=tuple(body.bad_words), skip_special_tokens=body.skip_special_tokens,
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
         except RequestError as exc:
             message = str(exc)
             lead = re.match(r"[a-z_]+", message)  # SamplingParams messages start with the field
@@ -546,11 +555,6 @@ class _Server:
             if getattr(body, name) is not None:
                 raise ApiError(400, f"{name}: function calling is not supported", param=name,
                                code="unsupported_value")
-        fmt = body.response_format
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise ApiError(400, f"response_format type {fmt.get('type')!r}: structured output is "
-                           "not supported (only {\"type\": \"text\"})", param="response_format",
-                           code="unsupported_value")
         if body.chat_template is not None:
             raise ApiError(400, "chat_template: a per-request template is not accepted; the server "
                            f"renders with {getattr(self.codec, 'chat_template_name', 'its own')}",
@@ -1030,6 +1034,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after: int = 1,
                on_shutdown: Callable[[], None] | None = None,
                strict_protocol: bool = False, body_timeout: float = 30.0,
+               max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS,
                api_keys: Sequence[str] = ()) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
@@ -1051,6 +1056,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         strict_protocol: reject request fields the server does not read (400
             `unknown_parameter`) instead of ignoring them (logged once per name, listed in the
             `X-Ignored-Fields` response header).
+        max_structured_chars: characters of one structured-output constraint (a JSON schema,
+            regex, grammar or the choices) at most; a longer one answers 400.
         api_keys: when given, `/v1/*` needs `Authorization: Bearer <one of them>` (else 401;
             atombatch/serve/auth.py).
 
@@ -1075,7 +1082,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         # The engine detokenizes (stop strings, bad words, streamed text) with the same tokenizer.
         ab.batcher.tokenizer = codec.tokenizer
     server = _Server(ab, model_name, codec, max_body_bytes, retry_after, strict_protocol,
-                     body_timeout)
+                     body_timeout, max_structured_chars)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -40,6 +40,7 @@ from atombatch.scheduler import POLICY_KINDS, Policy
 from atombatch.serve.chat_template import template_from_argument
 from atombatch.serve.limits import ServerLimits
 from atombatch.serve.reasoning import REASONING_PARSER_NAMES
+from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS
 from atombatch.serve.tools import TOOL_PARSER_NAMES
 from atombatch.serve.tokens import Codec, HFCodec
 
@@ -158,6 +159,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes,
                    help="larger request bodies answer 413, checked as they stream in "
                    f"(default {limits.max_body_bytes})")
+    p.add_argument("--max-structured-chars", type=int, default=DEFAULT_MAX_STRUCTURED_CHARS,
+                   help="characters of one structured-output constraint (JSON schema, regex, "
+                   f"grammar or choices) at most; longer answers 400 "
+                   f"(default {DEFAULT_MAX_STRUCTURED_CHARS})")
     p.add_argument("--body-timeout", type=float, default=limits.body_timeout,
                    help=f"seconds a request body may take (default {limits.body_timeout:g})")
     p.add_argument("--header-timeout", type=float, default=limits.header_timeout,
@@ -465,6 +470,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     try:
         app = create_app(engine, name, codec, max_body_bytes=limits.max_body_bytes,
                          body_timeout=limits.body_timeout, strict_protocol=args.strict_protocol,
+                         max_structured_chars=args.max_structured_chars,
                          api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser)
     except ConfigError as exc:

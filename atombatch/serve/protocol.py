@@ -4,8 +4,9 @@ Request bodies are decoded into these Structs by `atombatch.serve.schema`: a fie
 declare is dropped and reported (a response header and a warning in the log), or rejected with
 `--strict-protocol`; `null` for an optional field means its default. Fields that exist in the
 OpenAI API but that this server cannot honour are declared so they are *rejected with a reason*
-when set (`tools`, `response_format`, `suffix`, `prompt_logprobs`, ...) and accepted when null or
-at their default.
+when set (`tools`, `suffix`, ...) and accepted when null or at their default. Structured output
+(`response_format`, vLLM's `structured_outputs` and `guided_*`) is read by
+`atombatch.serve.structured`.
 
 Extensions beyond the OpenAI API (documented in docs/server.md):
 - request, with vLLM's names: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
@@ -57,6 +58,15 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     use_beam_search: bool = False        # extension: only False is served (no beam search)
     length_penalty: float = 1.0          # extension: beam search only; no effect without it
     user: str | None = None              # accepted and ignored
+    # Structured output (atombatch/serve/structured.py reads these; one of them at most).
+    response_format: dict[str, Any] | None = None  # OpenAI: text, json_object, json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM: json, regex, choice, grammar, ...
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored (llguidance serves all)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -97,14 +107,13 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False               # return the sampled tokens' logprobs
     top_logprobs: int | None = None      # and this many top candidates (0..20; needs logprobs)
-    # Tool calling and structured output cannot be honoured: set -> 400 naming the field (tools
-    # with tool_choice "none" are only shown to the template, as vLLM does).
+    # Tool calling cannot be honoured: set -> 400 naming the field (tools with tool_choice
+    # "none" are only shown to the template, as vLLM does).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None  # deprecated OpenAI form of tools
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None  # only {"type": "text"} is served
     # Chat template inputs (vLLM extensions), passed to the template as transformers does.
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -1,0 +1,259 @@
+"""Grammar masks for structured output (`SamplingParams.structured`), with llguidance.
+
+Theory of operation:
+
+- **Compile, off the hot path.** `Grammars.compile` turns a `StructuredOutput` into an
+  llguidance grammar (cheap, at submit: a schema that is not JSON is a `RequestError` there)
+  and builds its `LLMatcher` on a compile thread (llguidance drops the GIL while it builds the
+  lexer and parser). The request waits in the queue meanwhile (`Request.compiling`: the
+  scheduler admits it only once its matcher is ready); the engine polls the compile at the start
+  of every step. The tokenizer llguidance needs (`LLTokenizer`, about a second for a 152k
+  vocabulary) is built once, on that thread, by the first compile.
+- **One matcher per choice.** Every choice of a request holds its own `RequestGrammar` (a copy
+  of the compiled matcher for choices 1..n-1), which follows the choice's output tokens.
+- **Advance lazily.** `RequestGrammar.advance(output)` consumes the tokens of `output` it has
+  not seen yet. The sampler calls it for every constrained row before it masks, so whatever
+  put a token into the output (a prefill's first token, a decode step, a PD producer's first
+  token, a fork) is seen once and in order. A preempted request keeps its output (it is
+  recomputed, not re-sampled), so its matcher stays valid and nothing is rolled back; should an
+  output ever be shorter than what the matcher consumed, the matcher is reset and replays it.
+- **One mask pass per step.** `apply_masks` fills the bitmask rows of every constrained row of
+  a step in one `LLExecutor` call (its threads compute the rows in parallel, without the GIL),
+  unpacks the bits for those rows at once (`np.unpackbits`) and sets the disallowed logits to
+  -inf: no Python per vocabulary entry, and rows without a constraint are not touched.
+- **After the grammar ends** only EOS is allowed (llguidance's own mask), so a request ends with
+  "stop" as soon as its text is complete; with `ignore_eos` it keeps generating EOS.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from atombatch.errors import ConfigError, RequestError
+from atombatch.structured import StructuredOutput
+
+_NEG_INF = np.float32(-np.inf)
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:
+        raise ConfigError("structured output needs the 'llguidance' package "
+                          "(pip install llguidance)") from None
+    return llguidance
+
+
+def grammar_text(structured: StructuredOutput) -> str:
+    """The llguidance grammar of a constraint (its syntax is checked when it compiles).
+
+    JSON is compact by default (no whitespace between tokens, `,` and `:` as separators), so a
+    model cannot pad its output with whitespace forever; `whitespace_pattern` allows more.
+
+    Raises:
+        RequestError: a JSON schema that is not a JSON object or boolean, or a grammar that is
+            neither Lark nor GBNF.
+    """
+    llg = _llguidance()
+    matcher = llg.LLMatcher
+    param = structured.param
+    kind = structured.kind
+    if kind in ("json_schema", "json_object"):
+        options: dict[str, Any] = {"whitespace_flexible": False}
+        if structured.whitespace_pattern is not None:
+            options = {"whitespace_pattern": structured.whitespace_pattern}
+        if kind == "json_object":
+            schema: Any = {"type": "object"}
+        else:
+            try:
+                schema = json.loads(structured.value)
+            except ValueError as exc:
+                raise RequestError(f"{param}: the JSON schema is not valid JSON: {exc}",
+                                   param=param) from None
+            if schema is True:
+                schema = {}
+            if not isinstance(schema, dict):
+                raise RequestError(f"{param}: a JSON schema must be an object (or true), got "
+                                   f"{type(schema).__name__}", param=param)
+        try:
+            return str(matcher.grammar_from_json_schema(schema, overrides=options))
+        except (ValueError, TypeError) as exc:
+            raise RequestError(f"{param}: the JSON schema is invalid: {exc}",
+                               param=param) from None
+    if kind == "regex":
+        return str(matcher.grammar_from_regex(structured.value))
+    if kind == "choice":
+        lark = "start: " + " | ".join(json.dumps(c) for c in structured.choices)
+        return str(matcher.grammar_from_lark(lark))
+    text = structured.value
+    try:
+        return str(llg.grammar_from("grammar", text))
+    except ValueError as exc:
+        raise RequestError(f"{param}: the grammar is neither Lark nor GBNF: {exc}",
+                           param=param) from None
+
+
+def build_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
+    """llguidance's `LLTokenizer` for a `tokenizers.Tokenizer` (or a transformers fast
+    tokenizer), sized to the model's logits (`vocab_size` may exceed the tokenizer's ids).
+
+    Raises:
+        ConfigError: the tokenizer cannot be read by llguidance.
+    """
+    llg = _llguidance()
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if not hasattr(backend, "to_str"):
+        raise ConfigError(f"structured output needs a Hugging Face `tokenizers` tokenizer, got "
+                          f"{type(tokenizer).__name__}")
+    eos = [int(t) for t in eos_token_ids] or None
+    try:
+        return llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+    except Exception as exc:
+        raise ConfigError(f"llguidance cannot read the tokenizer: {exc}") from None
+
+
+def check_matcher(matcher: Any, structured: StructuredOutput, vocab_size: int) -> None:
+    """Raise the `RequestError` for a matcher that did not compile, or whose first token no
+    id of the vocabulary can be (the tokenizer cannot spell what the grammar asks for)."""
+    param = structured.param
+    if matcher.is_error():
+        raise RequestError(f"{param}: the {structured.kind} does not compile: "
+                           f"{_first_lines(matcher.get_error())}", param=param)
+    mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    if matcher.is_error() or not np.unpackbits(mask, bitorder="little")[:vocab_size].any():
+        detail = f" ({_first_lines(matcher.get_error())})" if matcher.is_error() else ""
+        raise RequestError(f"{param}: no token of the model's vocabulary can start text that "
+                           f"matches the {structured.kind}{detail}", param=param)
+
+
+def _first_lines(text: str, lines: int = 3, chars: int = 400) -> str:
+    out = " ".join(line.strip() for line in text.strip().splitlines()[:lines])
+    return out if len(out) <= chars else out[:chars] + "..."
+
+
+class RequestGrammar:
+    """One choice's matcher and how much of its output it has consumed."""
+
+    __slots__ = ("consumed", "masks", "matcher", "structured")
+
+    def __init__(self, matcher: Any, structured: StructuredOutput, masks: Grammars) -> None:
+        self.matcher = matcher
+        self.structured = structured
+        self.masks = masks                      # the engine's mask buffers and executor
+        self.consumed = 0                       # output tokens the matcher has seen
+
+    def advance(self, output: Sequence[int]) -> str | None:
+        """Consume the output tokens not seen yet; the error message if one breaks the grammar
+        (a PD producer's first token can: it was sampled without the grammar)."""
+        n = len(output)
+        matcher = self.matcher
+        if n < self.consumed:  # never happens (outputs only grow): replay from the start
+            matcher.reset()
+            self.consumed = 0
+        if n == self.consumed:
+            return None
+        for position in range(self.consumed, n):
+            token = int(output[position])
+            if matcher.is_stopped():  # the grammar ended: EOS only (ignore_eos keeps going)
+                continue
+            if not matcher.consume_token(token):
+                self.consumed = n
+                return (f"token {token} at output position {position} does not match the "
+                        f"{self.structured.param} constraint ({self.structured.kind}): "
+                        f"{_first_lines(matcher.get_error())}")
+        self.consumed = n
+        return None
+
+
+class Grammars:
+    """An engine's structured-output machinery: the compile thread, the tokenizer llguidance
+    reads, the mask executor and the bitmask buffer of one step.
+
+    Args:
+        tokenizer: the engine's `tokenizers.Tokenizer`.
+        vocab_size: the model's logits width.
+        eos_token_ids: what the grammar allows once it is complete.
+        threads: mask-filling threads (`LLExecutor`).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 threads: int = 1) -> None:
+        self.source = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.threads = threads
+        self._tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="atombatch-grammar")
+        self._executor: Any = None
+        self.words = (vocab_size + 31) // 32
+        self.bitmask = np.zeros((0, self.words), dtype=np.int32)  # grown to the rows a step needs
+
+    @property
+    def tokenizer(self) -> Any:
+        """The `LLTokenizer` (built on first use)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = build_tokenizer(self.source, self.vocab_size,
+                                                  self.eos_token_ids)
+            return self._tokenizer
+
+    def compile(self, structured: StructuredOutput) -> concurrent.futures.Future[Any]:
+        """Start compiling; the future's result is the ready `LLMatcher`, or it raises the
+        `RequestError` naming what is wrong.
+
+        Raises:
+            RequestError: at once, for what is wrong before compiling (see `grammar_text`).
+        """
+        text = grammar_text(structured)
+        return self._pool.submit(self._build, text, structured)
+
+    def _build(self, text: str, structured: StructuredOutput) -> Any:
+        llg = _llguidance()
+        matcher = llg.LLMatcher(self.tokenizer, text, log_level=0)
+        check_matcher(matcher, structured, self.vocab_size)
+        return matcher
+
+    def matcher_now(self, structured: StructuredOutput) -> Any:
+        """Compile on this thread (tests, and the front's 400 check)."""
+        return self._build(grammar_text(structured), structured)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def fill(self, grammars: Sequence[RequestGrammar]) -> npt.NDArray[np.int32]:
+        """The bitmask rows of `grammars` (row i: bit t set = token t allowed), in one call."""
+        rows = len(grammars)
+        if self.bitmask.shape[0] < rows:
+            self.bitmask = np.zeros((max(rows, 2 * self.bitmask.shape[0]), self.words),
+                                    dtype=np.int32)
+        mask = self.bitmask[:rows]
+        if self._executor is None:
+            self._executor = _llguidance().LLExecutor(self.threads)
+        self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
+                                               mask.ctypes.data, self.words * 4, rows)
+        return mask
+
+
+def apply_masks(x: npt.NDArray[np.float32], rows: Sequence[int],
+                grammars: Sequence[RequestGrammar]) -> None:
+    """Set the logits `x[rows[i]]` of tokens that `grammars[i]` does not allow to -inf (every
+    row's mask filled in one pass; `x` is `[rows, vocab]` float32, changed in place)."""
+    vocab = x.shape[1]
+    mask = grammars[0].masks.fill(grammars)
+    bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little",
+                         count=vocab).view(np.bool_)
+    if len(rows) == x.shape[0]:
+        np.putmask(x, ~bits, _NEG_INF)
+        return
+    index = np.asarray(rows, dtype=np.intp)
+    sub = x[index]
+    np.putmask(sub, ~bits, _NEG_INF)
+    x[index] = sub
