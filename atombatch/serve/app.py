@@ -16,10 +16,12 @@ means "default" for optional fields.
 
 Statuses: 400 bad JSON, a body that does not match the schema (wrong type, missing field, unknown
 field when strict), a value the engine rejects (over-long prompt, token id outside the vocab,
-temperature, top_p, max_tokens, ...), a feature this server cannot honour (tools) or a
-structured-output constraint that is too large or does not compile; 404 unknown model or path;
-413 body too large; 429 queue full (with `Retry-After`); 503 shutting down. Every error body is `{"error": {message, type, param, code}}`, and the reason of
-every 4xx is logged (logger `atombatch.serve`).
+temperature, top_p, max_tokens, ...), a field that changes the result and that this server
+cannot honour (atombatch/serve/unhonoured.py), tools or a structured-output constraint that is
+too large or does not compile; 401 a missing API key (`--api-key`); 404 unknown model or path;
+413 body too large; 429 queue full (with `Retry-After`); 503 shutting down. Every error body is
+`{"error": {message, type, param, code}}`, and the reason of every 4xx is logged (logger
+`atombatch.serve`).
 """
 
 from __future__ import annotations
@@ -46,12 +48,12 @@ from starlette.types import Receive, Scope, Send
 from atombatch.aio import AsyncBatcher, compact_outputs
 from atombatch.core import CoreClient
 from atombatch.engine import Batcher
-from atombatch.errors import CapacityError, RequestError, UnavailableError
+from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
 from atombatch.serve import schema, vllm_api
 from atombatch.serve.auth import BearerAuth
+from atombatch.serve.chat_output import ChatOutput, Piece, delta_of, message_of
 from atombatch.serve.echo import Echo, echo_logprobs, joined
 from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES
-from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredRequests
 from atombatch.serve.metrics import ServerMetrics
 from atombatch.serve.protocol import (
     ChatChoice,
@@ -62,7 +64,6 @@ from atombatch.serve.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatResponse,
-    ChatResponseMessage,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
@@ -78,7 +79,10 @@ from atombatch.serve.protocol import (
     TopLogprob,
     Usage,
 )
+from atombatch.serve.reasoning import REASONING_PARSER_NAMES
+from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredRequests
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
+from atombatch.serve.tools import TOOL_PARSER_NAMES, ToolCallError, ToolPlan
 from atombatch.structs import RequestOutput, SamplingParams, TokenLogprobs
 
 T = TypeVar("T")
@@ -255,8 +259,11 @@ class _Server:
     def __init__(self, ab: AsyncBatcher | CoreClient, model_name: str, codec: Codec,
                  max_body_bytes: int, retry_after: int, strict_protocol: bool = False,
                  body_timeout: float = 30.0,
-                 max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS) -> None:
+                 max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS,
+                 tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
         self.ab = ab
+        self.tool_parser = tool_parser            # --tool-call-parser (tool_choice auto)
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser
         self.strict_protocol = strict_protocol
         self.warned_fields: set[str] = set()      # unknown field names already logged
         self.model_name = model_name
@@ -539,18 +546,7 @@ class _Server:
         return gens
 
     def check_chat_features(self, body: ChatCompletionRequest) -> None:
-        """Reject what this server cannot honour (tool calls, structured output), naming it."""
-        tools_shown = body.tools is not None and body.tool_choice == "none"
-        if body.tools is not None and not tools_shown:
-            choice = "auto" if body.tool_choice is None else body.tool_choice
-            raise ApiError(400, f"tools with tool_choice={choice!r}: this server does not parse "
-                           "tool calls (send tool_choice \"none\" to only show the tools to the "
-                           "chat template, or leave tools out)", param="tools",
-                           code="unsupported_value")
-        if body.tool_choice is not None and body.tool_choice != "none" and body.tools is None:
-            raise ApiError(400, f"tool_choice={body.tool_choice!r} needs tools, and this server "
-                           "does not parse tool calls", param="tool_choice",
-                           code="unsupported_value")
+        """Reject what this server cannot honour, naming it."""
         for name in ("functions", "function_call"):
             if getattr(body, name) is not None:
                 raise ApiError(400, f"{name}: function calling is not supported", param=name,
@@ -698,15 +694,47 @@ class _Server:
             yield chunk([], _total_usage(gens) if echo.generate else _prompt_usage(gens))
         yield _DONE
 
+    def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
+        """What the request's tools ask for (400 naming the field when it cannot be served)."""
+        try:
+            return ToolPlan.from_request(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                         self.tool_parser)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param or "tools",
+                           code="unsupported_value" if exc.param == "tool_choice" and
+                           "parser" in str(exc) else "invalid_value") from None
+
+    def with_tool_constraint(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+        """`required` and named choices constrain the output to their JSON schema."""
+        constraint = plan.constraint()
+        if constraint is None:
+            return params
+        if params.structured is not None:
+            raise ApiError(400, f"tool_choice={plan.mode} constrains the output to tool calls, "
+                           f"and {params.structured.param} constrains it too: send one",
+                           param="tool_choice", code="invalid_value")
+        grammars = self.structured.grammars
+        if grammars is None:
+            raise ApiError(400, f"tool_choice={plan.mode} needs constrained decoding, which "
+                           "needs a tokenizer (this server serves token ids)",
+                           param="tool_choice", code="unsupported_value")
+        try:
+            grammars.matcher_now(constraint)
+        except RequestError as exc:
+            raise ApiError(400, f"tool_choice={plan.mode}: the tools' schema cannot be "
+                           f"enforced: {exc}", param="tools", code="invalid_value") from None
+        return msgspec.structs.replace(params, structured=constraint)
+
     async def chat(self, request: Request) -> Response:
         body = await self.decode(request, ChatCompletionRequest)
         self.check_chat_features(body)
+        plan = self.tool_plan(body)
         messages = [_message_dict(m) for m in body.messages]
         template: dict[str, Any] = dict(body.chat_template_kwargs or {})
         template.update(add_generation_prompt=body.add_generation_prompt,
                         continue_final_message=body.continue_final_message)
-        if body.tools is not None:
-            template["tools"] = body.tools
+        if plan.tools is not None:
+            template["tools"] = plan.tools
         if body.documents is not None:
             template["documents"] = body.documents
         try:
@@ -715,27 +743,36 @@ class _Server:
             raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else \
             body.max_tokens  # None: up to the context end
-        params = self.params(body, max_tokens)
+        params = self.with_tool_constraint(self.params(body, max_tokens), plan)
         gens = self.submit_all("chatcmpl", self.truncate([prompt], body), params, "messages")
         created = int(time.time())
         headers = self.headers(request)
         if body.stream:
             usage = _usage_mode(body.stream_options)
-            return _SSEResponse(self._stream_chat(gens, created, usage), gens, headers)
+            return _SSEResponse(self._stream_chat(gens, created, usage, plan), gens, headers)
         await self._collect(request, gens)
         want_logprobs = params.logprobs is not None
+        choices = []
+        for i, c in enumerate(gens[0].choices):
+            output = ChatOutput(plan, self.reasoning_parser)
+            try:
+                message = message_of(output, "".join(c.text))
+            except ToolCallError as exc:
+                raise ApiError(500, str(exc), type="server_error", code="tool_call_error") from None
+            finish = c.finish_reason
+            if output.made_calls and finish != "error":
+                finish = "tool_calls"
+            choices.append(ChatChoice(
+                index=i, message=message, token_ids=c.token_ids, finish_reason=finish,
+                stop_reason=c.stop_reason,
+                logprobs=self.chat_logprobs(c.logprobs) if want_logprobs else None))
         return _json(ChatResponse(
-            id=gens[0].request_id, created=created, model=self.model_name,
-            choices=[ChatChoice(index=i, message=ChatResponseMessage("assistant", "".join(c.text)),
-                                token_ids=c.token_ids, finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason,
-                                logprobs=self.chat_logprobs(c.logprobs) if want_logprobs else None)
-                     for i, c in enumerate(gens[0].choices)],
+            id=gens[0].request_id, created=created, model=self.model_name, choices=choices,
             usage=_total_usage(gens),
             prompt_logprobs=self.prompt_logprobs_json(gens[0].prompt_logprobs)), headers=headers)
 
     async def _stream_chat(self, gens: list[_Generation], created: int,
-                           usage: tuple[bool, bool]) -> AsyncIterator[bytes]:
+                           usage: tuple[bool, bool], plan: ToolPlan) -> AsyncIterator[bytes]:
         include_usage, continuous = usage
 
         def chunk(choices: list[ChatChunkChoice], u: Usage | None = None) -> bytes:
@@ -743,6 +780,7 @@ class _Server:
                                   choices=choices, usage=u))
 
         n = len(gens[0].choices)
+        outputs = [[ChatOutput(plan, self.reasoning_parser) for _ in range(n)] for _ in gens]
         for g, gen in enumerate(gens):
             for i in range(n):
                 yield chunk([ChatChunkChoice(index=g * n + i,
@@ -754,14 +792,33 @@ class _Server:
                 index = g * n + i
                 running = gen.usage() if continuous else None
                 logprobs = None if out.logprobs is None else self.chat_logprobs(list(out.logprobs))
+                output = outputs[g][i]
+                finish = out.finish_reason
+                if output.active:
+                    try:
+                        piece = output.feed(text)
+                        if finish is not None:
+                            last = output.finish()
+                            piece = Piece(reasoning=piece.reasoning + last.reasoning,
+                                          content=piece.content + last.content,
+                                          calls=piece.calls + last.calls)
+                    except ToolCallError as exc:
+                        gen.error = str(exc)
+                        yield gen.error_event()
+                        break
+                    delta = delta_of(piece)
+                    if finish is not None and finish != "error" and output.made_calls:
+                        finish = "tool_calls"
+                else:
+                    delta = ChatDelta(content=text)
                 if out.finish_reason == "error":
                     if new:
-                        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text),
+                        yield chunk([ChatChunkChoice(index=index, delta=delta,
                                                      token_ids=new, logprobs=logprobs)], running)
                     yield gen.error_event()
                     break
-                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text),
-                                             token_ids=new, finish_reason=out.finish_reason,
+                yield chunk([ChatChunkChoice(index=index, delta=delta,
+                                             token_ids=new, finish_reason=finish,
                                              stop_reason=gen.choices[i].stop_reason
                                              if out.finish_reason else None,
                                              logprobs=logprobs)], running)
@@ -1035,7 +1092,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                on_shutdown: Callable[[], None] | None = None,
                strict_protocol: bool = False, body_timeout: float = 30.0,
                max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS,
-               api_keys: Sequence[str] = ()) -> Starlette:
+               api_keys: Sequence[str] = (), tool_parser: str | None = None,
+               reasoning_parser: str | None = None) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
     Args:
@@ -1060,6 +1118,9 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
             regex, grammar or the choices) at most; a longer one answers 400.
         api_keys: when given, `/v1/*` needs `Authorization: Bearer <one of them>` (else 401;
             atombatch/serve/auth.py).
+        tool_parser: `hermes` or `llama3_json`: parse tool calls for `tool_choice` auto
+            (atombatch/serve/tools.py); None: auto answers 400.
+        reasoning_parser: `qwen3`: split `<think>...</think>` into `reasoning_content`.
 
     Returns:
         A Starlette app to run with uvicorn; `atombatch.serve.limits.uvicorn_config(app, ...)`
@@ -1081,8 +1142,14 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
     if isinstance(codec, HFCodec) and isinstance(ab, AsyncBatcher) and ab.batcher.tokenizer is None:
         # The engine detokenizes (stop strings, bad words, streamed text) with the same tokenizer.
         ab.batcher.tokenizer = codec.tokenizer
+    if tool_parser is not None and tool_parser not in TOOL_PARSER_NAMES:
+        raise ConfigError(f"tool-call parser {tool_parser!r} is not one of "
+                          f"{', '.join(TOOL_PARSER_NAMES)}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSER_NAMES:
+        raise ConfigError(f"reasoning parser {reasoning_parser!r} is not one of "
+                          f"{', '.join(REASONING_PARSER_NAMES)}")
     server = _Server(ab, model_name, codec, max_body_bytes, retry_after, strict_protocol,
-                     body_timeout, max_structured_chars)
+                     body_timeout, max_structured_chars, tool_parser, reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

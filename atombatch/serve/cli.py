@@ -41,8 +41,8 @@ from atombatch.serve.chat_template import template_from_argument
 from atombatch.serve.limits import ServerLimits
 from atombatch.serve.reasoning import REASONING_PARSER_NAMES
 from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS
-from atombatch.serve.tools import TOOL_PARSER_NAMES
 from atombatch.serve.tokens import Codec, HFCodec
+from atombatch.serve.tools import TOOL_PARSER_NAMES
 
 POLICY_HELP = {
     "prefill-first": "a pending prefill chunk runs before the next decode step (default)",

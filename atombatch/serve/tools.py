@@ -59,7 +59,7 @@ MAX_TOOL_CALL_CHARS = 1 << 18        # characters of one call's text
 MAX_HELD_WHITESPACE = 4096           # a longer whitespace run is sent as content at once
 MAX_KEY_CHARS = 256                  # a call object's key (name, arguments, ...)
 
-_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,%d}" % MAX_TOOL_NAME_CHARS)
+_NAME = re.compile(rf"[A-Za-z0-9_.\-]{{1,{MAX_TOOL_NAME_CHARS}}}")
 ToolMode = Literal["none", "auto", "required", "named"]
 
 
@@ -471,6 +471,8 @@ class HermesParser(ToolParser):
         self.tag = ""                       # characters that may begin START (text) or END (call)
         self.call: _CallObject | None = None
         self.calls: list[CallDelta] = []
+        self.before = ""                    # whitespace dropped before the current block
+        self.after_call = False             # whitespace right after a call is dropped
 
     def feed(self, text: str) -> Delta:
         for ch in text:
@@ -498,11 +500,16 @@ class HermesParser(ToolParser):
 
     def _char(self, ch: str) -> None:
         if self.call is None:
+            if self.after_call:
+                if ch.isspace():
+                    return
+                self.after_call = False
             if self.tag or ch == "<":
                 if self.START.startswith(self.tag + ch):
                     self.tag += ch
                     if self.tag == self.START:
                         self.tag = ""
+                        self.before = "".join(self.content.held)
                         self.content.drop()       # whitespace before a call is not content
                         self.call = _CallObject()
                     return
@@ -543,9 +550,11 @@ class HermesParser(ToolParser):
         self.call = None
         if call.started:
             self._arguments(call.take(), self.calls)
+            self.after_call = True
             return
         # no readable name: the block is content, as the model wrote it
-        self.content.text(self.START + "".join(call.raw) + (self.END if terminated else ""))
+        self.content.text(self.before + self.START + "".join(call.raw) +
+                          (self.END if terminated else ""))
 
 
 class JsonCallsParser(ToolParser):
