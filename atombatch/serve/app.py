@@ -604,9 +604,9 @@ class _Server:
                     index=g * params.n + i, text=text, token_ids=token_ids, finish_reason=finish,
                     stop_reason=c.stop_reason if echo.generate else None, logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs))
-        usage = _total_usage(gens) if echo.generate else _prompt_usage(gens)
+        total = _total_usage(gens) if echo.generate else _prompt_usage(gens)
         return _json(CompletionResponse(id=gens[0].request_id, created=created,
-                                        model=self.model_name, choices=choices, usage=usage),
+                                        model=self.model_name, choices=choices, usage=total),
                      headers=headers)
 
     def echoed_prompts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
@@ -793,7 +793,7 @@ class _Server:
                 running = gen.usage() if continuous else None
                 logprobs = None if out.logprobs is None else self.chat_logprobs(list(out.logprobs))
                 output = outputs[g][i]
-                finish = out.finish_reason
+                finish: str | None = out.finish_reason
                 if output.active:
                     try:
                         piece = output.feed(text)

@@ -61,7 +61,7 @@ def decode(body: bytes, kind: type[T], *, strict: bool = False) -> tuple[T, list
         except msgspec.ValidationError as exc:
             raise _schema_error(str(exc)) from None
         raise
-    info = _type_info(kind)
+    info = _type_info(kind)  # type: ignore[arg-type]
     if isinstance(raw, dict) and isinstance(info, mi.StructType):
         refusal = unhonoured.refused(raw, {f.encode_name for f in info.fields})
         if refusal is not None:  # changes the result and is not served: never silently dropped
