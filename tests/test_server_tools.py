@@ -360,3 +360,17 @@ def test_named_choice_calls_that_function(random_qwen: ServerThread) -> None:
         "messages": QUESTION, "tools": TOOLS, "tool_choice": "required",
         "response_format": {"type": "json_object"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+def test_readme_tool_call_request_is_served(hermes: ServerThread) -> None:
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    match = re.search(r"--tool-call-parser hermes.*?-d '(\{.*?\})'\n", readme, flags=re.S)
+    assert match, "the README shows no tool call"
+    r = httpx.post(f"{hermes.url}/v1/chat/completions", json=json.loads(match.group(1)),
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
