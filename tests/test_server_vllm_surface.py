@@ -184,3 +184,37 @@ def test_vllm_flag_spellings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         assert words in capsys.readouterr().err, argv
     assert parse("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                  "--reasoning-parser", "qwen3").tool_call_parser == "hermes"
+
+
+def test_the_command_line_in_vllm_spelling_scores_prompts_in_the_core_process() -> None:
+    """`python -m atombatch.serve` as `vllm serve` is spelled (engine core in its own process):
+    the key guards /v1, the names and shapes are the flags', and an lm-eval loglikelihood
+    request returns the prompt's logprobs, equal to a full recompute of the same weights."""
+    import numpy as np
+    from support.numerics import f32_logprob_atol
+    from support.served import served
+
+    from atombatch.serve.cli import DEFAULT_SPEC
+
+    with served("--max-model-len", "256", "--max-num-seqs", "2", "--served-model-name", "tiny",
+                "--api-key", KEY) as (url, _):
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        card = httpx.get(f"{url}/v1/models", headers=auth()).json()["data"][0]
+        assert card["id"] == "tiny" and card["max_model_len"] == 256
+        assert card["atombatch"]["batch_size"] == 2
+        assert card["atombatch"]["engine_core"]["mode"] == "process"
+        prompt = [7, 300, 12, 901, 44, 5]
+        r = httpx.post(f"{url}/v1/completions", headers=auth(), timeout=60, json={
+            "model": "tiny", "prompt": [prompt], "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0})
+        assert r.status_code == 200, r.text
+        logprobs = r.json()["choices"][0]["logprobs"]
+    art = ArtifactConfig(model=DEFAULT_SPEC, batch_size=2, max_seq_len=256, block_size=256,
+                         num_blocks=3, prefill_chunk_size=128)
+    logits = NumpyRuntime.random(art, seed=0).reference_logits(prompt).astype(np.float64)
+    ref = logits - logits.max(axis=1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(axis=1, keepdims=True))
+    assert logprobs["token_logprobs"][0] is None and len(logprobs["tokens"]) == len(prompt) + 1
+    for i in range(1, len(prompt)):
+        assert abs(logprobs["token_logprobs"][i] - ref[i - 1, prompt[i]]) < \
+            f32_logprob_atol(logits) + 2e-4
