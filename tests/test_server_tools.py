@@ -374,3 +374,29 @@ def test_readme_tool_call_request_is_served(hermes: ServerThread) -> None:
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_the_constraint_applies_after_the_reasoning(qwen: tuple[Path, Any]) -> None:
+    """The scripted model thinks, then calls; the mask lets it through only if the constraint
+    starts after `</think>` (the model's preferred token is masked otherwise)."""
+    path, hf = qwen
+    thinking = "\nI should call get_weather.\n"
+    call = '[{"name":"get_weather","parameters":{"city":"Seoul"}}]'
+    text = f"<think>{thinking}</think>\n\n{call}"
+    request: dict[str, Any] = dict(model=NAME, messages=QUESTION, tools=TOOLS,
+                                   tool_choice="required", max_tokens=60)
+    with scripted_server(path, hf, text, reasoning_parser="qwen3") as server:
+        sdk = client(server)
+        message = sdk.chat.completions.create(**request).choices[0].message
+        assert (message.model_extra or {})["reasoning_content"] == thinking
+        assert [(c.function.name, json.loads(c.function.arguments))
+                for c in message.tool_calls or []] == [("get_weather", {"city": "Seoul"})]
+        with sdk.chat.completions.stream(**request) as events:
+            final = events.get_final_completion()
+        [streamed] = final.choices[0].message.tool_calls or []
+        assert json.loads(streamed.function.arguments) == {"city": "Seoul"}
+    with scripted_server(path, hf, text) as server:  # no reasoning parser: the whole output
+        answer = client(server).chat.completions.create(**request)
+        message = answer.choices[0].message
+        assert "I should" not in (message.content or "")
+        assert all("I should" not in c.function.arguments for c in message.tool_calls or [])

@@ -11,9 +11,18 @@ The parser is incremental (`feed(text) -> (reasoning, content)`, then `finish()`
 only a possible tag prefix and the leading whitespace (at most `MAX_LEADING_WHITESPACE`
 characters); a non-streamed response runs it over the whole text. Its content goes on to the
 tool-call parser when the request has tools (atombatch/serve/tools.py).
+
+Constrained decoding applies after the reasoning: with this parser, a JSON or choice constraint
+(`response_format`, `structured_outputs`, `tool_choice` required or named) becomes a grammar
+that admits an optional `<think>...</think>` first (`constraint_after_reasoning`).
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any
+
+from atombatch.structured import StructuredOutput
 
 REASONING_PARSER_NAMES = ("qwen3",)
 MAX_LEADING_WHITESPACE = 4096
@@ -79,3 +88,38 @@ def make_reasoning_parser(name: str | None) -> Qwen3ReasoningParser | None:
     if name == "qwen3":
         return Qwen3ReasoningParser()
     raise ValueError(f"reasoning parser {name!r} is not one of {', '.join(REASONING_PARSER_NAMES)}")
+
+
+def constraint_after_reasoning(structured: StructuredOutput, tokenizer: Any
+                               ) -> StructuredOutput | None:
+    """A JSON or choice constraint that lets the model think first: `<think>`, any text up to
+    `</think>`, whitespace, then what `structured` asks for (an llguidance Lark grammar, so the
+    engine's one mask covers both parts). None for a regex or a grammar, which keep constraining
+    the whole output.
+
+    The tags are the tokenizer's own tokens when it has them as added tokens (Qwen3 does; the
+    grammar then names them `<think>`), else text."""
+    if structured.kind in ("json_schema", "json_object"):
+        schema: Any = {"type": "object"} if structured.kind == "json_object" else \
+            json.loads(structured.value)
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, dict):
+            return None
+        options: dict[str, Any] = {"whitespace_flexible": False}
+        if structured.whitespace_pattern is not None:
+            options = {"whitespace_pattern": structured.whitespace_pattern}
+        body = "%json " + json.dumps({**schema, "x-guidance": options})
+    elif structured.kind == "choice":
+        body = " | ".join(json.dumps(c) for c in structured.choices)
+    else:
+        return None
+    added = tokenizer is not None and all(
+        tokenizer.token_to_id(tag) is not None for tag in (Qwen3ReasoningParser.START,
+                                                           Qwen3ReasoningParser.END))
+    start, end = ("<think>", "</think>") if added else ('"<think>"', '"</think>"')
+    lark = (f"start: think? answer\n"
+            f"think: {start} thought {end} /[ \\t\\r\\n]*/\n"
+            f'thought[stop=""]: /(.|\\n)*/\n'
+            f"answer: {body}\n")
+    return StructuredOutput.grammar(lark, param=structured.param)
