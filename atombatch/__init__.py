@@ -28,6 +28,6 @@ __version__ = "0.1.0"
 __all__ = [
     "ArtifactConfig", "AsyncBatcher", "AtomBatchError", "Batcher", "CapacityError", "Completion",
     "ConfigError", "EngineStats", "KVTransferError", "ModelSpec", "Policy", "RequestError", "RequestOutput",
-    "RequestTimings", "SamplingParams", "StateError", "StepResult", "StructuredOutput", "TokenLogprob", "TokenLogprobs",
-    "plan",
+    "RequestTimings", "SamplingParams", "StateError", "StepResult", "StructuredOutput", "TokenLogprob",
+    "TokenLogprobs", "plan",
 ]

@@ -362,6 +362,30 @@ class Batcher:
                 sampler.grammar = RequestGrammar(matcher if index == 0 else matcher.deep_copy(),
                                                  structured, grammars)
 
+    def _prefetch_masks(self, plan: StepPlan, prefilled: Request | None = None) -> None:
+        """Start the grammar masks of the step's constrained rows (of a decode step, or the
+        prefill's first token) on the mask thread: they are computed while the device runs the
+        step, and sampling only waits for them."""
+        samplers = self._samplers
+        if not any(s.grammar is not None for s in samplers.values()):
+            return
+        requests: list[Request | None]
+        if prefilled is not None:
+            requests = [prefilled]
+        else:
+            by_lane = self.scheduler.by_lane
+            requests = [by_lane[lane] for lane in plan.inputs.row_lanes[:plan.rows].tolist()]
+        grammars = []
+        for request in requests:
+            sampler = samplers.get(request.request_id) if request is not None else None
+            if sampler is not None and sampler.grammar is not None:
+                assert request is not None
+                sampler.grammar.advance(request.output)
+                grammars.append(sampler.grammar)
+        if grammars:
+            assert self._grammars is not None
+            self._grammars.prefetch(grammars)
+
     def _fail_waiting(self, request: Request, message: str,
                       outputs: list[RequestOutput]) -> None:
         """Fail a request that has not run yet: queued in the scheduler, or an n > 1 choice held
@@ -618,6 +642,8 @@ class Batcher:
             return
         try:
             collector = self._outputs.prompt_collector(request)
+            if self._grammars is not None and plan.last_chunk and not request.recomputing:
+                self._prefetch_masks(plan, request)
             if collector is None:
                 logits = self._device_call(self.runtime.prefill, plan.inputs)
                 row = np.asarray(logits).reshape(-1)
@@ -703,6 +729,8 @@ class Batcher:
         back (sampled requests, failures, finishes, requests whose outputs carry extras)."""
         scheduler = self.scheduler
         kernel = self._kernel
+        if self._grammars is not None:
+            self._prefetch_masks(plan)
         try:
             raw = logits = self._device_call(self.runtime.decode, plan.inputs)
             if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or \

@@ -141,17 +141,20 @@ def _first_lines(text: str, lines: int = 3, chars: int = 400) -> str:
 class RequestGrammar:
     """One choice's matcher and how much of its output it has consumed."""
 
-    __slots__ = ("consumed", "masks", "matcher", "structured")
+    __slots__ = ("consumed", "error", "masks", "matcher", "structured")
 
     def __init__(self, matcher: Any, structured: StructuredOutput, masks: Grammars) -> None:
         self.matcher = matcher
         self.structured = structured
         self.masks = masks                      # the engine's mask buffers and executor
         self.consumed = 0                       # output tokens the matcher has seen
+        self.error: str | None = None           # set once a token broke the grammar
 
     def advance(self, output: Sequence[int]) -> str | None:
         """Consume the output tokens not seen yet; the error message if one breaks the grammar
         (a PD producer's first token can: it was sampled without the grammar)."""
+        if self.error is not None:
+            return self.error
         n = len(output)
         matcher = self.matcher
         if n < self.consumed:  # never happens (outputs only grow): replay from the start
@@ -165,9 +168,10 @@ class RequestGrammar:
                 continue
             if not matcher.consume_token(token):
                 self.consumed = n
-                return (f"token {token} at output position {position} does not match the "
-                        f"{self.structured.param} constraint ({self.structured.kind}): "
-                        f"{_first_lines(matcher.get_error())}")
+                self.error = (f"token {token} at output position {position} does not match the "
+                              f"{self.structured.param} constraint ({self.structured.kind}): "
+                              f"{_first_lines(matcher.get_error())}")
+                return self.error
         self.consumed = n
         return None
 
@@ -180,11 +184,11 @@ class Grammars:
         tokenizer: the engine's `tokenizers.Tokenizer`.
         vocab_size: the model's logits width.
         eos_token_ids: what the grammar allows once it is complete.
-        threads: mask-filling threads (`LLExecutor`).
+        threads: mask-filling threads (`LLExecutor`; None: 80% of the CPUs, up to 32).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
-                 threads: int = 1) -> None:
+                 threads: int | None = None) -> None:
         self.source = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -195,6 +199,11 @@ class Grammars:
         self._executor: Any = None
         self.words = (vocab_size + 31) // 32
         self.bitmask = np.zeros((0, self.words), dtype=np.int32)  # grown to the rows a step needs
+        # a fill started before the device call (`prefetch`): the job, and whose masks at which
+        # output length it computes
+        self._masker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="atombatch-mask")
+        self._prefetched: tuple[concurrent.futures.Future[None], list[tuple[int, int]]] | None = None
+        self.prefetch_hits = 0                  # fills that found their masks already computed
 
     @property
     def tokenizer(self) -> Any:
@@ -227,33 +236,71 @@ class Grammars:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._masker.shutdown(wait=True)
+
+    def prefetch(self, grammars: Sequence[RequestGrammar]) -> None:
+        """Start filling the masks of `grammars` (already advanced over their outputs) on the
+        mask thread, while the device runs the step; `fill` with the same grammars in the same
+        state then only waits for it."""
+        self._wait_prefetched()
+        live = [g for g in grammars if g.error is None and not g.matcher.is_error()]
+        if not live:
+            return
+        mask = self._buffer(len(live))
+        job = self._masker.submit(self._compute, live, mask)
+        self._prefetched = (job, [(id(g), g.consumed) for g in live])
 
     def fill(self, grammars: Sequence[RequestGrammar]) -> npt.NDArray[np.int32]:
-        """The bitmask rows of `grammars` (row i: bit t set = token t allowed), in one call."""
-        rows = len(grammars)
+        """The bitmask rows of `grammars` (row i: bit t set = token t allowed), in one call (or
+        the one `prefetch` started for exactly these grammars in this state)."""
+        prefetched = self._prefetched
+        if prefetched is not None:
+            self._wait_prefetched()
+            if prefetched[1] == [(id(g), g.consumed) for g in grammars]:
+                self.prefetch_hits += 1
+                return self.bitmask[:len(grammars)]
+        mask = self._buffer(len(grammars))
+        self._compute(grammars, mask)
+        return mask
+
+    def _wait_prefetched(self) -> None:
+        if self._prefetched is not None:
+            job, _ = self._prefetched
+            self._prefetched = None
+            job.result()
+
+    def _buffer(self, rows: int) -> npt.NDArray[np.int32]:
         if self.bitmask.shape[0] < rows:
             self.bitmask = np.zeros((max(rows, 2 * self.bitmask.shape[0]), self.words),
                                     dtype=np.int32)
-        mask = self.bitmask[:rows]
+        return self.bitmask[:rows]
+
+    def _compute(self, grammars: Sequence[RequestGrammar], mask: npt.NDArray[np.int32]) -> None:
         if self._executor is None:
             self._executor = _llguidance().LLExecutor(self.threads)
         self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
-                                               mask.ctypes.data, self.words * 4, rows)
-        return mask
+                                               mask.ctypes.data, self.words * 4, len(grammars))
 
 
 def apply_masks(x: npt.NDArray[np.float32], rows: Sequence[int],
                 grammars: Sequence[RequestGrammar]) -> None:
     """Set the logits `x[rows[i]]` of tokens that `grammars[i]` does not allow to -inf (every
     row's mask filled in one pass; `x` is `[rows, vocab]` float32, changed in place)."""
+    apply_bitmask(x, rows, grammars[0].masks.fill(grammars))
+
+
+def apply_bitmask(x: npt.NDArray[np.float32], rows: Sequence[int],
+                  mask: npt.NDArray[np.int32]) -> None:
+    """Set `x[rows[i], t]` to -inf where bit t of `mask[i]` is clear (llguidance's layout: id t
+    is bit t % 32 of word t // 32)."""
     vocab = x.shape[1]
-    mask = grammars[0].masks.fill(grammars)
-    bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little",
-                         count=vocab).view(np.bool_)
+    # the packed mask is inverted (32 ids per word), never the unpacked one: one pass less
+    banned = np.unpackbits(np.invert(mask.view(np.uint8)), axis=1, bitorder="little",
+                           count=vocab).view(np.bool_)
     if len(rows) == x.shape[0]:
-        np.putmask(x, ~bits, _NEG_INF)
+        np.putmask(x, banned, _NEG_INF)
         return
     index = np.asarray(rows, dtype=np.intp)
     sub = x[index]
-    np.putmask(sub, ~bits, _NEG_INF)
+    np.putmask(sub, banned, _NEG_INF)
     x[index] = sub

@@ -40,11 +40,9 @@ class Person(pydantic.BaseModel):
 
 @pytest.fixture(scope="module", params=["inline", "process"])
 def server(request: Any) -> Iterator[ServerThread]:
-    engine: Any
-    if request.param == "inline":
-        engine = model.batcher()
-    else:  # the engine core process: its own Batcher and tokenizer, built from the factory
-        engine = CoreClient(functools.partial(model.batcher))
+    # process: the engine core process builds its own Batcher and tokenizer from the factory
+    engine: Any = model.batcher() if request.param == "inline" else \
+        CoreClient(functools.partial(model.batcher))
     with ServerThread(create_app(engine, NAME, model.byte_tokenizer(),
                                  max_structured_chars=4096)) as s:
         yield s
@@ -152,9 +150,9 @@ def test_bad_constraints_are_400s_naming_the_field(server: ServerThread, body: d
 
 
 def test_constraints_need_a_tokenizer() -> None:
-    from tests.support.structured import ART
     from atombatch import Batcher
     from atombatch.runtime import NumpyRuntime
+    from tests.support.structured import ART
     with ServerThread(create_app(Batcher(NumpyRuntime.random(ART, seed=3)), NAME)) as s:
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "<5><6>", "max_tokens": 4,
                                                         "guided_choice": ["a"]}, timeout=30)

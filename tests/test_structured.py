@@ -20,7 +20,7 @@ from driving import run_to_end
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from atombatch import ArtifactConfig, Batcher, RequestError, SamplingParams, StructuredOutput
+from atombatch import Batcher, RequestError, SamplingParams, StructuredOutput
 from atombatch.grammar import Grammars, apply_masks
 from atombatch.pd import InProcessSource, Producer
 from atombatch.runtime import NumpyRuntime
@@ -375,3 +375,21 @@ def test_sample_rows_masks_only_constrained_rows(tokenizer: Any) -> None:
     assert result.tokens[0] == np.argmax(logits[0]) and result.tokens[2] == np.argmax(logits[2])
     allowed = _bitmask(grammars.matcher_now(structured), SPEC.vocab_size)
     assert result.tokens[1] == np.argmax(np.where(allowed, logits[1], -np.inf))
+
+
+def test_masks_are_computed_during_the_device_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps start their constrained rows' masks before the device call (the mask
+    thread), and sampling uses them; the tokens equal those of masks filled after the call."""
+    structured = StructuredOutput.json_schema(PERSON)
+    params = [SamplingParams(max_tokens=60, temperature=0.8, seed=s, structured=structured)
+              for s in range(3)] + [SamplingParams(max_tokens=20, temperature=0.0)]
+    prompts = [PROMPT, PROMPT[:3], PROMPT[1:], PROMPT]
+    b = batcher()
+    overlapped = b.generate(prompts, params)
+    grammars = b.grammars()
+    assert grammars.prefetch_hits >= max(len(c.token_ids) for c in overlapped[:3]) - 1
+    monkeypatch.setattr(Grammars, "prefetch", lambda self, grammars: None)
+    after = batcher().generate(prompts, params)
+    assert [c.token_ids for c in after] == [c.token_ids for c in overlapped]
+    for c in overlapped[:3]:
+        jsonschema.validate(json.loads(c.text or ""), PERSON)
