@@ -3,7 +3,8 @@
 Every output is parsed whole, one character at a time, and split in two at every character
 boundary: the deltas must add up to the same message each time (a stream says what the whole
 response says). The expected messages are written out by hand from the formats (Qwen3/Hermes
-`<tool_call>` blocks, Llama 3.1 JSON, the `required` array, a named call, Qwen3 `<think>`).
+`<tool_call>` blocks, Llama 3.1 JSON, the `required` array, a named call, Qwen3 `<think>`),
+and hypothesis writes calls with any JSON arguments and cuts them anywhere.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from atombatch.errors import RequestError
 from atombatch.serve import tools
@@ -226,3 +229,53 @@ def test_bad_tools_name_the_field_and_the_limit(tools_: Any, choice: Any, param:
     assert info.value.limit == limit
     if limit is not None:
         assert str(limit) in str(info.value)
+
+
+# -- properties: any JSON arguments, any split ----------------------------------------------------
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) |
+    st.floats(allow_nan=False, allow_infinity=False, width=32) |
+    st.text(alphabet=st.characters(codec="utf-8"), max_size=12),
+    lambda inner: st.lists(inner, max_size=4) |
+    st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12)
+ARGUMENTS = st.dictionaries(st.text(max_size=8), JSON, max_size=5)
+NAMES = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.\-]{0,20}", fullmatch=True)
+TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="<{["), max_size=20)
+
+
+def parse_in_pieces(parser: Any, text: str, cuts: list[int]) -> tuple[str, list[Any]]:
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    pieces, start = [], 0
+    for cut in bounds:
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    whole = assemble([parser.feed(p) for p in pieces] + [parser.finish()])
+    return whole.content, [(c.name, json.loads(c.arguments)) for c in whole.calls]
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls=st.lists(st.tuples(NAMES, ARGUMENTS), min_size=1, max_size=3), before=TEXT,
+       ensure_ascii=st.booleans(), cuts=st.lists(st.integers(0, 2000), max_size=6))
+def test_hermes_reads_back_any_arguments(calls: list[tuple[str, Any]], before: str,
+                                         ensure_ascii: bool, cuts: list[int]) -> None:
+    blocks = "\n".join("<tool_call>\n" + json.dumps({"name": n, "arguments": a},
+                                                    ensure_ascii=ensure_ascii) + "\n</tool_call>"
+                       for n, a in calls)
+    content, got = parse_in_pieces(HermesParser(), before + blocks, cuts)
+    assert got == calls
+    assert content == before.rstrip()  # whitespace before a call is not content
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls=st.lists(st.tuples(NAMES, ARGUMENTS), min_size=1, max_size=3),
+       cuts=st.lists(st.integers(0, 2000), max_size=6), tag=st.booleans())
+def test_llama3_json_and_required_read_back_any_arguments(calls: list[tuple[str, Any]],
+                                                          cuts: list[int], tag: bool) -> None:
+    objects = [json.dumps({"name": n, "parameters": a}) for n, a in calls]
+    text = ("<|python_tag|>" if tag else "") + "; ".join(objects)
+    assert parse_in_pieces(JsonCallsParser(), text, cuts) == ("", calls)
+    array = "[" + ",".join(json.dumps({"name": n, "parameters": a}, separators=(",", ":"))
+                           for n, a in calls) + "]"
+    assert parse_in_pieces(JsonCallsParser(array=True), array, cuts) == ("", calls)
