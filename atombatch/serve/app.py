@@ -83,7 +83,7 @@ from atombatch.serve.protocol import (
 from atombatch.serve.reasoning import REASONING_PARSER_NAMES, constraint_after_reasoning
 from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredRequests
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
-from atombatch.serve.tools import TOOL_PARSER_NAMES, ToolCallError, ToolPlan
+from atombatch.serve.tools import TOOL_PARSER_NAMES, NoToolParser, ToolCallError, ToolPlan
 from atombatch.structs import RequestOutput, SamplingParams, TokenLogprobs
 from atombatch.structured import StructuredOutput
 
@@ -706,8 +706,8 @@ class _Server:
                                          self.tool_parser)
         except RequestError as exc:
             raise ApiError(400, str(exc), param=exc.param or "tools",
-                           code="unsupported_value" if exc.param == "tool_choice" and
-                           "parser" in str(exc) else "invalid_value") from None
+                           code="unsupported_value" if isinstance(exc, NoToolParser) else
+                           "invalid_value") from None
 
     def with_tool_constraint(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
         """`required` and named choices constrain the output to their JSON schema."""

@@ -63,6 +63,10 @@ _NAME = re.compile(rf"[A-Za-z0-9_.\-]{{1,{MAX_TOOL_NAME_CHARS}}}")
 ToolMode = Literal["none", "auto", "required", "named"]
 
 
+class NoToolParser(RequestError):
+    """`tool_choice` auto on a server started without `--tool-call-parser`."""
+
+
 class ToolCallError(RequestError):
     """The model's tool-call text broke a parser bound (the request ends with an error)."""
 
@@ -118,7 +122,7 @@ class ToolPlan:
             raise RequestError(f"tool_choice={_clip(choice)} must be none, auto, required or a "
                                "named function", param="tool_choice")
         if mode == "auto" and parser is None:
-            raise RequestError("tool_choice auto needs a tool-call parser: start the server with "
+            raise NoToolParser("tool_choice auto needs a tool-call parser: start the server with "
                                "--tool-call-parser (hermes or llama3_json), or send tool_choice "
                                "none (tools only shown to the template), required or a named "
                                "function", param="tool_choice")
