@@ -400,3 +400,26 @@ def test_the_constraint_applies_after_the_reasoning(qwen: tuple[Path, Any]) -> N
         message = answer.choices[0].message
         assert "I should" not in (message.content or "")
         assert all("I should" not in c.function.arguments for c in message.tool_calls or [])
+
+
+def test_the_command_line_serves_tools_with_the_core_process(tmp_path: Path) -> None:
+    """`python -m atombatch.serve CKPT --tool-call-parser hermes --reasoning-parser qwen3`: a
+    transformers-written Qwen3 checkpoint with the tokenizer beside it, the engine in its own
+    process; a required choice comes back as valid calls."""
+    from hf_models import save_checkpoint as save_model
+    from support.served import served
+
+    save_model("qwen3", tmp_path)
+    save_tokenizer(tmp_path, QWEN3, "<|im_end|>",
+                   ["<tool_call>", "</tool_call>", "<think>", "</think>"])
+    with served(str(tmp_path), "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                "--max-model-len", "512", "--served-model-name", NAME) as (url, _), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as sdk:
+        answer = sdk.chat.completions.create(model=NAME, messages=QUESTION,  # type: ignore
+                                             tools=[WEATHER], tool_choice="required",
+                                             max_tokens=60, temperature=0)
+        calls = answer.choices[0].message.tool_calls or []
+        assert calls and all(valid_call(c.function.name, c.function.arguments) for c in calls)
+        assert answer.choices[0].finish_reason == "tool_calls"
+        card = httpx.get(f"{url}/v1/models").json()["data"][0]
+        assert card["atombatch"]["engine_core"]["mode"] == "process"
