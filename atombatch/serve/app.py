@@ -27,7 +27,6 @@ too large or does not compile; 401 a missing API key (`--api-key`); 404 unknown 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import re
@@ -52,7 +51,14 @@ from atombatch.engine import Batcher
 from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
 from atombatch.serve import schema, vllm_api
 from atombatch.serve.auth import BearerAuth
-from atombatch.serve.chat_output import ChatOutput, Piece, delta_of, message_of
+from atombatch.serve.chat_output import (
+    ChatConstraints,
+    ChatOutput,
+    Piece,
+    UnservableConstraint,
+    delta_of,
+    message_of,
+)
 from atombatch.serve.echo import Echo, echo_logprobs, joined
 from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES
 from atombatch.serve.metrics import ServerMetrics
@@ -80,12 +86,11 @@ from atombatch.serve.protocol import (
     TopLogprob,
     Usage,
 )
-from atombatch.serve.reasoning import REASONING_PARSER_NAMES, constraint_after_reasoning
+from atombatch.serve.reasoning import REASONING_PARSER_NAMES
 from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredRequests
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
 from atombatch.serve.tools import TOOL_PARSER_NAMES, NoToolParser, ToolCallError, ToolPlan
 from atombatch.structs import RequestOutput, SamplingParams, TokenLogprobs
-from atombatch.structured import StructuredOutput
 
 T = TypeVar("T")
 log = logging.getLogger("atombatch.serve")
@@ -266,9 +271,6 @@ class _Server:
         self.ab = ab
         self.tool_parser = tool_parser            # --tool-call-parser (tool_choice auto)
         self.reasoning_parser = reasoning_parser  # --reasoning-parser
-        # constraints built here (tools, after reasoning) whose compile check passed
-        self.checked_constraints: collections.OrderedDict[StructuredOutput, None] = \
-            collections.OrderedDict()
         self.strict_protocol = strict_protocol
         self.warned_fields: set[str] = set()      # unknown field names already logged
         self.model_name = model_name
@@ -280,6 +282,8 @@ class _Server:
         self.structured = StructuredRequests(
             getattr(codec, "tokenizer", None), self.artifact.model.vocab_size,
             self.artifact.model.eos_token_ids, max_structured_chars)
+        self.constraints = ChatConstraints(self.structured.grammars, reasoning_parser,
+                                           getattr(codec, "tokenizer", None))
         self.metrics = ServerMetrics(ab.stats, self.artifact.batch_size)
         self.accepting = False
         self.created = int(time.time())
@@ -709,52 +713,15 @@ class _Server:
                            code="unsupported_value" if isinstance(exc, NoToolParser) else
                            "invalid_value") from None
 
-    def with_tool_constraint(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
-        """`required` and named choices constrain the output to their JSON schema."""
-        constraint = plan.constraint()
-        if constraint is None:
-            return params
-        if params.structured is not None:
-            raise ApiError(400, f"tool_choice={plan.mode} constrains the output to tool calls, "
-                           f"and {params.structured.param} constrains it too: send one",
-                           param="tool_choice", code="invalid_value")
-        grammars = self.structured.grammars
-        if grammars is None:
-            raise ApiError(400, f"tool_choice={plan.mode} needs constrained decoding, which "
-                           "needs a tokenizer (this server serves token ids)",
-                           param="tool_choice", code="unsupported_value")
-        if constraint not in self.checked_constraints:
-            try:
-                grammars.matcher_now(constraint)
-            except RequestError as exc:
-                raise ApiError(400, f"tool_choice={plan.mode}: the tools' schema cannot be "
-                               f"enforced: {exc}", param="tools", code="invalid_value") from None
-            self.checked_constraints[constraint] = None
-            if len(self.checked_constraints) > MAX_CHECKED_CONSTRAINTS:
-                self.checked_constraints.popitem(last=False)
-        return msgspec.structs.replace(params, structured=constraint)
-
-    def after_reasoning(self, params: SamplingParams) -> SamplingParams:
-        """With a reasoning parser, a constraint lets the model think first (it applies after
-        `</think>`; atombatch/serve/reasoning.py)."""
-        if self.reasoning_parser is None or params.structured is None or \
-                self.structured.grammars is None:
-            return params
-        wrapped = constraint_after_reasoning(params.structured, getattr(self.codec, "tokenizer",
-                                                                        None))
-        if wrapped is None:
-            return params
-        if wrapped not in self.checked_constraints:
-            try:
-                self.structured.grammars.matcher_now(wrapped)
-            except RequestError as exc:
-                raise ApiError(400, f"{params.structured.param}: the constraint cannot follow "
-                               f"the reasoning: {exc}", param=params.structured.param,
-                               code="invalid_value") from None
-            self.checked_constraints[wrapped] = None
-            if len(self.checked_constraints) > MAX_CHECKED_CONSTRAINTS:
-                self.checked_constraints.popitem(last=False)
-        return msgspec.structs.replace(params, structured=wrapped)
+    def constrain(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+        """The constraint of a required or named tool choice, and the reasoning before any
+        constraint (atombatch/serve/chat_output.py)."""
+        try:
+            return self.constraints.apply(params, plan)
+        except UnservableConstraint as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="unsupported_value") from None
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
 
     async def chat(self, request: Request) -> Response:
         body = await self.decode(request, ChatCompletionRequest)
@@ -774,8 +741,7 @@ class _Server:
             raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else \
             body.max_tokens  # None: up to the context end
-        params = self.after_reasoning(self.with_tool_constraint(self.params(body, max_tokens),
-                                                                plan))
+        params = self.constrain(self.params(body, max_tokens), plan)
         gens = self.submit_all("chatcmpl", self.truncate([prompt], body), params, "messages")
         created = int(time.time())
         headers = self.headers(request)
@@ -1012,7 +978,6 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
 MAX_LISTED_FIELDS = 32       # names in X-Ignored-Fields (a client controls how many there are)
 MAX_WARNED_FIELDS = 1024     # distinct names logged once each; past it, no more are logged
-MAX_CHECKED_CONSTRAINTS = 64  # tool / reasoning constraints whose compile check is remembered
 _INDEX = re.compile(r"\[\d+\]")
 
 

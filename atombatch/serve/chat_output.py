@@ -9,8 +9,12 @@ same parsers over the whole text at once.
 
 from __future__ import annotations
 
+import collections
+from typing import Any
+
 import msgspec
 
+from atombatch.errors import RequestError
 from atombatch.serve.protocol import (
     ChatDelta,
     ChatResponseMessage,
@@ -19,8 +23,67 @@ from atombatch.serve.protocol import (
     ToolCall,
     ToolCallDelta,
 )
-from atombatch.serve.reasoning import make_reasoning_parser
+from atombatch.serve.reasoning import constraint_after_reasoning, make_reasoning_parser
 from atombatch.serve.tools import CallDelta, Delta, ToolParser, ToolPlan
+from atombatch.structs import SamplingParams
+from atombatch.structured import StructuredOutput
+
+MAX_CHECKED = 64        # constraints built here whose compile check is remembered
+
+
+class UnservableConstraint(RequestError):
+    """A constraint this server cannot run (no tokenizer to constrain text with)."""
+
+
+class ChatConstraints:
+    """The constraints a chat request gets besides its own `response_format`: a `required` or
+    named tool choice's JSON schema, and (with a reasoning parser) the room to think before any
+    constraint. Each is compile-checked once (the last `MAX_CHECKED` are remembered)."""
+
+    def __init__(self, grammars: Any | None, reasoning_parser: str | None,
+                 tokenizer: Any | None) -> None:
+        self.grammars = grammars          # atombatch.grammar.Grammars, None without a tokenizer
+        self.reasoning_parser = reasoning_parser
+        self.tokenizer = tokenizer
+        self.checked: collections.OrderedDict[StructuredOutput, None] = \
+            collections.OrderedDict()
+
+    def apply(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+        """Raises: UnservableConstraint, RequestError (both naming the field)."""
+        constraint = plan.constraint()
+        if constraint is not None:
+            if params.structured is not None:
+                raise RequestError(f"tool_choice={plan.mode} constrains the output to tool "
+                                   f"calls, and {params.structured.param} constrains it too: "
+                                   "send one", param="tool_choice")
+            if self.grammars is None:
+                raise UnservableConstraint(f"tool_choice={plan.mode} needs constrained "
+                                           "decoding, which needs a tokenizer (this server "
+                                           "serves token ids)", param="tool_choice")
+            self._check(constraint, f"tool_choice={plan.mode}: the tools' schema cannot be "
+                        "enforced", "tools")
+            params = msgspec.structs.replace(params, structured=constraint)
+        if self.reasoning_parser is None or params.structured is None or self.grammars is None:
+            return params
+        wrapped = constraint_after_reasoning(params.structured, self.tokenizer)
+        if wrapped is None:
+            return params
+        self._check(wrapped, f"{params.structured.param}: the constraint cannot follow the "
+                    "reasoning", params.structured.param)
+        return msgspec.structs.replace(params, structured=wrapped)
+
+    def _check(self, constraint: StructuredOutput, what: str, param: str) -> None:
+        if constraint in self.checked:
+            self.checked.move_to_end(constraint)
+            return
+        assert self.grammars is not None
+        try:
+            self.grammars.matcher_now(constraint)
+        except RequestError as exc:
+            raise RequestError(f"{what}: {exc}", param=param) from None
+        self.checked[constraint] = None
+        if len(self.checked) > MAX_CHECKED:
+            self.checked.popitem(last=False)
 
 
 class Piece(msgspec.Struct):
