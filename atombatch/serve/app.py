@@ -888,36 +888,13 @@ class _Server:
     async def tokenize(self, request: Request) -> Response:
         body = await self.decode(request, vllm_api.TokenizeRequest)
         self.check_model(body.model)
-        limit = self.artifact.max_seq_len
+        messages = None if body.messages is None else [_message_dict(m) for m in body.messages]
         try:
-            if body.messages is not None:
-                if body.prompt is not None:
-                    raise RequestError("give prompt or messages, not both", param="prompt")
-                template: dict[str, Any] = dict(body.chat_template_kwargs or {})
-                template.update(add_generation_prompt=body.add_generation_prompt,
-                                continue_final_message=body.continue_final_message)
-                if body.tools is not None:
-                    template["tools"] = body.tools
-                ids = self.codec.render_chat([_message_dict(m) for m in body.messages],
-                                             **template)
-                if body.add_special_tokens:
-                    raise RequestError("add_special_tokens=true with messages is not served: the "
-                                       "chat template adds the special tokens",
-                                       param="add_special_tokens")
-            elif body.prompt is not None:
-                special = True if body.add_special_tokens is None else body.add_special_tokens
-                ids = vllm_api.encode_prompt(self.codec, body.prompt, special)
-            else:
-                raise RequestError("give prompt (text) or messages", param="prompt")
+            answer = vllm_api.tokenize(self.codec, body, messages, self.artifact.max_seq_len)
         except RequestError as exc:
             raise ApiError(400, str(exc), param=exc.param or "prompt",
                            code="invalid_value") from None
-        if len(ids) > limit:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens, more than the context "
-                           f"max_model_len={limit}", param="prompt", code="context_length_exceeded")
-        strs = vllm_api.token_strings(self.codec, ids) if body.return_token_strs else None
-        return _json(vllm_api.TokenizeResponse(count=len(ids), max_model_len=limit, tokens=ids,
-                                               token_strs=strs), headers=self.headers(request))
+        return _json(answer, headers=self.headers(request))
 
     async def detokenize(self, request: Request) -> Response:
         body = await self.decode(request, vllm_api.DetokenizeRequest)

@@ -65,6 +65,39 @@ class DetokenizeResponse(msgspec.Struct):
     prompt: str
 
 
+def tokenize(codec: Codec, body: TokenizeRequest, messages: list[dict[str, Any]] | None,
+             max_model_len: int) -> TokenizeResponse:
+    """`POST /tokenize` (`messages`: the body's messages as the chat template sees them).
+
+    Raises:
+        RequestError: neither or both of prompt and messages, a template failure, or more
+            tokens than the context.
+    """
+    if messages is not None:
+        if body.prompt is not None:
+            raise RequestError("give prompt or messages, not both", param="prompt")
+        if body.add_special_tokens:
+            raise RequestError("add_special_tokens=true with messages is not served: the chat "
+                               "template adds the special tokens", param="add_special_tokens")
+        template: dict[str, Any] = dict(body.chat_template_kwargs or {})
+        template.update(add_generation_prompt=body.add_generation_prompt,
+                        continue_final_message=body.continue_final_message)
+        if body.tools is not None:
+            template["tools"] = body.tools
+        ids = codec.render_chat(messages, **template)
+    elif body.prompt is not None:
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = encode_prompt(codec, body.prompt, special)
+    else:
+        raise RequestError("give prompt (text) or messages", param="prompt")
+    if len(ids) > max_model_len:
+        raise RequestError(f"the prompt has {len(ids)} tokens, more than the context "
+                           f"max_model_len={max_model_len}", param="prompt", limit=max_model_len)
+    strs = token_strings(codec, ids) if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids,
+                            token_strs=strs)
+
+
 def encode_prompt(codec: Codec, text: str, add_special_tokens: bool) -> list[int]:
     """A prompt's ids; the tokenizer's own special tokens (its post-processor) when asked."""
     if isinstance(codec, HFCodec):
