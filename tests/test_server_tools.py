@@ -423,3 +423,31 @@ def test_the_command_line_serves_tools_with_the_core_process(tmp_path: Path) -> 
         assert answer.choices[0].finish_reason == "tool_calls"
         card = httpx.get(f"{url}/v1/models").json()["data"][0]
         assert card["atombatch"]["engine_core"]["mode"] == "process"
+
+
+def test_sdk_parse_with_pydantic_function_tools(random_qwen: ServerThread) -> None:
+    """`chat.completions.parse(tools=[openai.pydantic_function_tool(Model)])`: the SDK sends
+    strict function tools and validates the arguments into the pydantic model."""
+    from enum import StrEnum
+
+    import pydantic
+
+    class City(StrEnum):
+        seoul = "Seoul"
+        busan = "Busan"
+
+    class GetWeather(pydantic.BaseModel):
+        """Current weather in a city."""
+
+        city: City
+
+    sdk = client(random_qwen)
+    answer = sdk.chat.completions.parse(
+        model=NAME, messages=QUESTION, tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice="required", max_tokens=80, temperature=0)  # type: ignore[arg-type]
+    calls = answer.choices[0].message.tool_calls or []
+    assert calls  # a required choice may make several calls (parallel_tool_calls)
+    for call in calls:
+        assert call.function.name == "GetWeather"
+        assert isinstance(call.function.parsed_arguments, GetWeather)
+        assert call.function.parsed_arguments.city in (City.seoul, City.busan)

@@ -206,6 +206,24 @@ def test_tool_plans() -> None:
         WEATHER["function"]["parameters"]
 
 
+def test_required_schema_keeps_each_tools_definitions() -> None:
+    """`$defs` of a tool's parameters (pydantic writes them) move to the array schema's root,
+    renamed when two tools define one name differently; references follow."""
+    def tool(name: str, enum: list[str]) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}},
+            "$defs": {"Place": {"type": "string", "enum": enum}}}}}
+
+    plan = ToolPlan.from_request([tool("a", ["x"]), tool("b", ["y"]), tool("c", ["x"])],
+                                 "required", None, None)
+    schema = json.loads(plan.constraint().value)
+    assert schema["$defs"] == {"Place": {"type": "string", "enum": ["x"]},
+                               "b.Place": {"type": "string", "enum": ["y"]}}
+    refs = [v["properties"]["parameters"]["properties"]["where"]["$ref"]
+            for v in schema["items"]["anyOf"]]
+    assert refs == ["#/$defs/Place", "#/$defs/b.Place", "#/$defs/Place"]
+
+
 @pytest.mark.parametrize(("tools_", "choice", "param", "limit"), [
     ([WEATHER] * 2, "auto", "tools[1].function.name", None),
     ([{"type": "function", "function": {"name": "bad name!"}}], "auto",

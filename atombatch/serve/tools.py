@@ -134,14 +134,18 @@ class ToolPlan:
             return StructuredOutput.json_schema(self._parameters(self.name), param="tool_choice")
         if self.mode != "required":
             return None
+        defs: dict[str, Any] = {}
         variants = [{"type": "object",
                      "properties": {"name": {"type": "string", "enum": [name]},
-                                    "parameters": self._parameters(name)},
+                                    "parameters": _hoist_defs(self._parameters(name), name,
+                                                              defs)},
                      "required": ["name", "parameters"]}
                     for name in self.names]
         schema: dict[str, Any] = {"type": "array", "minItems": 1,
                                   "items": {"anyOf": variants} if len(variants) > 1
                                   else variants[0]}
+        if defs:
+            schema["$defs"] = defs
         if not self.parallel:
             schema["maxItems"] = 1
         return StructuredOutput.json_schema(schema, param="tool_choice")
@@ -166,6 +170,44 @@ class ToolPlan:
         if self.mode == "auto":
             return make_parser(self.parser)
         return None
+
+
+def _hoist_defs(parameters: Any, tool: str, defs: dict[str, Any]) -> Any:
+    """A tool's parameters schema moved under the array schema of a `required` choice: its
+    `$defs` / `definitions` go to the root (where its `#/$defs/...` references point), renamed
+    `<tool>.<name>` when another tool defines the same name differently."""
+    if not isinstance(parameters, dict):
+        return parameters
+    own = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+    if not own:
+        return parameters
+    body = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
+    renames: dict[str, str] = {}
+    for name, definition in own.items():
+        target = name if defs.get(name, definition) == definition else f"{tool}.{name}"
+        defs[target] = definition
+        if target != name:
+            renames[name] = target
+
+    def relink(value: Any) -> Any:
+        if isinstance(value, dict):
+            out = {k: relink(v) for k, v in value.items()}
+            ref = out.get("$ref")
+            if isinstance(ref, str):
+                for prefix in ("#/$defs/", "#/definitions/"):
+                    if ref.startswith(prefix):
+                        name = ref[len(prefix):]
+                        out["$ref"] = "#/$defs/" + renames.get(name, name)
+            return out
+        if isinstance(value, list):
+            return [relink(v) for v in value]
+        return value
+
+    body = relink(body)
+    for name in own:  # the definitions' own references, too
+        target = renames.get(name, name)
+        defs[target] = relink(defs[target])
+    return body
 
 
 def check_tools(tools: Sequence[Any]) -> list[dict[str, Any]]:
