@@ -451,3 +451,31 @@ def test_sdk_parse_with_pydantic_function_tools(random_qwen: ServerThread) -> No
         assert call.function.name == "GetWeather"
         assert isinstance(call.function.parsed_arguments, GetWeather)
         assert call.function.parsed_arguments.city in (City.seoul, City.busan)
+
+
+@pytest.mark.parametrize("tags_are_tokens", [True, False])
+def test_after_reasoning_grammar_admits_thinking_then_only_the_constraint(
+        tmp_path: Path, tags_are_tokens: bool) -> None:
+    """The grammar `constraint_after_reasoning` builds, run by llguidance's own matcher over
+    the tokenizer's ids: thinking then the JSON, or the JSON alone; nothing else."""
+    from atombatch.grammar import Grammars
+    from atombatch.serve.reasoning import constraint_after_reasoning
+    from atombatch.structured import StructuredOutput
+
+    extra = ["<think>", "</think>"] if tags_are_tokens else []
+    hf = save_tokenizer(tmp_path, QWEN3, "<|im_end|>", extra)
+    codec = HFCodec.from_dir(tmp_path)
+    assert codec is not None
+    schema = {"type": "object", "properties": {"city": {"enum": ["Seoul"]}},
+              "required": ["city"], "additionalProperties": False}
+    wrapped = constraint_after_reasoning(StructuredOutput.json_schema(schema), codec.tokenizer)
+    assert wrapped is not None and wrapped.kind == "grammar"
+    assert ("<think> thought </think>" in wrapped.value) == tags_are_tokens
+    matcher = Grammars(codec.tokenizer, 512, (hf.convert_tokens_to_ids("<|im_end|>"),)) \
+        .matcher_now(wrapped)
+    for text, ok in [('<think>\nSeoul, surely.\n</think>\n\n{"city":"Seoul"}', True),
+                     ('{"city":"Seoul"}', True), ('{"city":"Busan"}', False),
+                     ("<think>x</think> hello", False)]:
+        copy = matcher.deep_copy()
+        accepted = copy.consume_tokens(hf(text, add_special_tokens=False)["input_ids"])
+        assert (accepted and copy.is_accepting()) == ok, text

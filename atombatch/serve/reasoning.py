@@ -114,12 +114,15 @@ def constraint_after_reasoning(structured: StructuredOutput, tokenizer: Any
         body = " | ".join(json.dumps(c) for c in structured.choices)
     else:
         return None
-    added = tokenizer is not None and all(
-        tokenizer.token_to_id(tag) is not None for tag in (Qwen3ReasoningParser.START,
-                                                           Qwen3ReasoningParser.END))
-    start, end = ("<think>", "</think>") if added else ('"<think>"', '"</think>"')
-    lark = (f"start: think? answer\n"
-            f"think: {start} thought {end} /[ \\t\\r\\n]*/\n"
-            f'thought[stop=""]: /(.|\\n)*/\n'
-            f"answer: {body}\n")
+    added_tokens = set()
+    if tokenizer is not None and hasattr(tokenizer, "get_added_tokens_decoder"):
+        added_tokens = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+    added = {Qwen3ReasoningParser.START, Qwen3ReasoningParser.END} <= added_tokens
+    if added:  # the tags are tokens: the lazy thought ends where the </think> token comes
+        think = ('think: <think> thought </think> /[ \\t\\r\\n]*/\n'
+                 'thought[stop=""]: /(.|\\n)*/\n')
+    else:      # the tags are text: the thought stops at (and takes) the text </think>
+        think = ('think: "<think>" thought /[ \\t\\r\\n]*/\n'
+                 'thought[stop="</think>"]: /(.|\\n)*/\n')
+    lark = f"start: think? answer\n{think}answer: {body}\n"
     return StructuredOutput.grammar(lark, param=structured.param)
