@@ -297,3 +297,15 @@ def test_llama3_json_and_required_read_back_any_arguments(calls: list[tuple[str,
     array = "[" + ",".join(json.dumps({"name": n, "parameters": a}, separators=(",", ":"))
                            for n, a in calls) + "]"
     assert parse_in_pieces(JsonCallsParser(array=True), array, cuts) == ("", calls)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Seoul"}}</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    for parallel, names in ((None, ["get_weather", "get_time"]), (False, ["get_weather"])):
+        plan = ToolPlan.from_request([WEATHER, TIME], "auto", parallel, "hermes")
+        message = message_of(ChatOutput(plan, None), text)
+        assert [c.function.name for c in message.tool_calls or []] == names
+        output = ChatOutput(plan, None)
+        streamed = [c.index for ch in text for c in output.feed(ch).calls]
+        assert sorted(set(streamed)) == list(range(len(names)))

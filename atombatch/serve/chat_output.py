@@ -99,6 +99,8 @@ class ChatOutput:
         self.reasoning = make_reasoning_parser(reasoning_parser)
         self.tools: ToolParser | None = tools.parser_for_output() if tools is not None else None
         self.saw_reasoning = False
+        # parallel_tool_calls=false: the model's first call only (later ones are dropped)
+        self.keep = 1 if tools is not None and not tools.parallel else None
 
     @property
     def active(self) -> bool:
@@ -130,7 +132,9 @@ class ChatOutput:
         if final:
             last = self.tools.finish()
             delta = Delta(content=delta.content + last.content, calls=delta.calls + last.calls)
-        return Piece(reasoning=reasoning, content=delta.content, calls=delta.calls)
+        calls = delta.calls if self.keep is None else \
+            [c for c in delta.calls if c.index < self.keep]
+        return Piece(reasoning=reasoning, content=delta.content, calls=calls)
 
 
 def delta_of(piece: Piece) -> ChatDelta:
