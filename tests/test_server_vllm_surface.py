@@ -182,6 +182,7 @@ def test_vllm_flag_spellings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
             parse(*argv)
         assert info.value.code == 2
         assert words in capsys.readouterr().err, argv
+    assert parse("--enable-tokenizer-info-endpoint").enable_tokenizer_info_endpoint
     assert parse("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                  "--reasoning-parser", "qwen3").tool_call_parser == "hermes"
 

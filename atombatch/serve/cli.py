@@ -148,6 +148,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="vLLM's flag: tool_choice auto (needs --tool-call-parser; auto is on "
                    "whenever a parser is named)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="vLLM's flag: GET /tokenizer_info is always served here")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES,
                    help="split the model's <think>...</think> into message.reasoning_content "
                    "(qwen3)")
