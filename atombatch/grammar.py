@@ -27,6 +27,7 @@ Theory of operation:
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import threading
@@ -40,6 +41,7 @@ from atombatch.errors import ConfigError, RequestError
 from atombatch.structured import StructuredOutput
 
 _NEG_INF = np.float32(-np.inf)
+COMPILED_CACHE = 64                         # compiled constraints an engine keeps to copy
 
 
 def _llguidance() -> Any:
@@ -141,7 +143,7 @@ def _first_lines(text: str, lines: int = 3, chars: int = 400) -> str:
 class RequestGrammar:
     """One choice's matcher and how much of its output it has consumed."""
 
-    __slots__ = ("consumed", "error", "masks", "matcher", "structured")
+    __slots__ = ("consumed", "error", "masks", "matcher", "start", "structured")
 
     def __init__(self, matcher: Any, structured: StructuredOutput, masks: Grammars) -> None:
         self.matcher = matcher
@@ -149,6 +151,14 @@ class RequestGrammar:
         self.masks = masks                      # the engine's mask buffers and executor
         self.consumed = 0                       # output tokens the matcher has seen
         self.error: str | None = None           # set once a token broke the grammar
+        # where the constrained text starts in the output: 0, or (with `structured.after`) just
+        # past the first occurrence of those ids; None while that preamble goes on
+        self.start: int | None = None if structured.after else 0
+
+    @property
+    def active(self) -> bool:
+        """The row is masked this step (its constraint has started and holds)."""
+        return self.start is not None and self.error is None
 
     def advance(self, output: Sequence[int]) -> str | None:
         """Consume the output tokens not seen yet; the error message if one breaks the grammar
@@ -158,11 +168,19 @@ class RequestGrammar:
         n = len(output)
         matcher = self.matcher
         if n < self.consumed:  # never happens (outputs only grow): replay from the start
+            self.masks.settle()
             matcher.reset()
             self.consumed = 0
+            self.start = None if self.structured.after else 0
         if n == self.consumed:
             return None
-        for position in range(self.consumed, n):
+        if self.start is None:
+            self.start = _end_of(self.structured.after, output, self.consumed)
+            if self.start is None:  # still in the preamble: nothing to consume, no mask
+                self.consumed = n
+                return None
+        self.masks.settle()  # never consume while the mask thread reads this matcher
+        for position in range(max(self.consumed, self.start), n):
             token = int(output[position])
             if matcher.is_stopped():  # the grammar ended: EOS only (ignore_eos keeps going)
                 continue
@@ -174,6 +192,16 @@ class RequestGrammar:
                 return self.error
         self.consumed = n
         return None
+
+
+def _end_of(ids: tuple[int, ...], output: Sequence[int], seen: int) -> int | None:
+    """The position just past the first occurrence of `ids` in `output` (looking only at
+    occurrences that end at or after position `seen`), or None."""
+    k = len(ids)
+    for end in range(max(seen + 1, k), len(output) + 1):
+        if tuple(output[end - k:end]) == ids:
+            return end
+    return None
 
 
 class Grammars:
@@ -204,6 +232,10 @@ class Grammars:
         self._masker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="atombatch-mask")
         self._prefetched: tuple[concurrent.futures.Future[None], list[tuple[int, int]]] | None = None
         self.prefetch_hits = 0                  # fills that found their masks already computed
+        # the last COMPILED_CACHE constraints compiled, as untouched matchers to copy: a client
+        # that sends the same schema with every request compiles it once
+        self._compiled: collections.OrderedDict[StructuredOutput, Any] = collections.OrderedDict()
+        self._compiled_lock = threading.Lock()
 
     @property
     def tokenizer(self) -> Any:
@@ -221,6 +253,14 @@ class Grammars:
         Raises:
             RequestError: at once, for what is wrong before compiling (see `grammar_text`).
         """
+        with self._compiled_lock:
+            template = self._compiled.get(structured)
+            if template is not None:
+                self._compiled.move_to_end(structured)
+        if template is not None:
+            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            done.set_result(template.deep_copy())
+            return done
         text = grammar_text(structured)
         return self._pool.submit(self._build, text, structured)
 
@@ -228,6 +268,11 @@ class Grammars:
         llg = _llguidance()
         matcher = llg.LLMatcher(self.tokenizer, text, log_level=0)
         check_matcher(matcher, structured, self.vocab_size)
+        matcher.reset()  # check_matcher computed a mask; the copies start from the beginning
+        with self._compiled_lock:
+            self._compiled[structured] = matcher.deep_copy()
+            if len(self._compiled) > COMPILED_CACHE:
+                self._compiled.popitem(last=False)
         return matcher
 
     def matcher_now(self, structured: StructuredOutput) -> Any:
@@ -243,7 +288,7 @@ class Grammars:
         mask thread, while the device runs the step; `fill` with the same grammars in the same
         state then only waits for it."""
         self._wait_prefetched()
-        live = [g for g in grammars if g.error is None and not g.matcher.is_error()]
+        live = [g for g in grammars if g.active]
         if not live:
             return
         mask = self._buffer(len(live))
@@ -262,6 +307,11 @@ class Grammars:
         mask = self._buffer(len(grammars))
         self._compute(grammars, mask)
         return mask
+
+    def settle(self) -> None:
+        """Wait until a prefetched fill is done (it stays usable by `fill`)."""
+        if self._prefetched is not None:
+            self._prefetched[0].result()
 
     def _wait_prefetched(self) -> None:
         if self._prefetched is not None:

@@ -172,7 +172,8 @@ def sample_rows(logits: npt.NDArray[np.floating], states: Sequence[RequestSample
 def _constrain(x: npt.NDArray[np.float32], rows: list[int], states: Sequence[RequestSampler],
                outputs: Sequence[Sequence[int]]) -> dict[int, str]:
     """Advance each constrained row's matcher over its new output tokens, then mask all of them
-    in one pass; returns the rows whose output broke the grammar (those are not masked)."""
+    in one pass; returns the rows whose output broke the grammar (those are not masked, nor are
+    rows still in a preamble before their constraint starts)."""
     failed: dict[int, str] = {}
     for i in rows:
         grammar = states[i].grammar
@@ -180,7 +181,7 @@ def _constrain(x: npt.NDArray[np.float32], rows: list[int], states: Sequence[Req
         error = grammar.advance(outputs[i])
         if error is not None:
             failed[i] = error
-    live = [i for i in rows if i not in failed] if failed else rows
+    live = [i for i in rows if states[i].grammar.active]  # type: ignore[union-attr]
     if live:
         apply_masks(x, live, [states[i].grammar for i in live])  # type: ignore[misc]
     return failed

@@ -25,6 +25,7 @@ STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # lower bound (`--max-structured-chars`); this one holds for every embedder.
 MAX_STRUCTURED_CHARS = 1 << 20
 MAX_CHOICES = 1024                         # strings in a `choice` constraint at most
+MAX_AFTER_IDS = 64                         # ids in `after` (the end of a preamble) at most
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -37,7 +38,10 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
         StructuredOutput.grammar('start: "a"+')      # Lark (llguidance's dialect) or GBNF
 
     The whole generated text (up to EOS, a stop token, or `max_tokens`) must match; the request
-    stops with EOS once the constraint admits nothing more.
+    stops with EOS once the constraint admits nothing more. With `after` (e.g. the ids of a
+    reasoning parser's `</think>`), the text up to and including the first occurrence of those
+    ids is free and the constraint covers what follows (every constructor takes `after=`, or
+    `msgspec.structs.replace(spec, after=ids)`).
     """
 
     kind: StructuredKind                       # which of the five constraints
@@ -47,6 +51,10 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     whitespace_pattern: str | None = None      # JSON kinds: a regex for the whitespace allowed
                                                #   between tokens (None: llguidance's default)
     param: str = "structured"                  # the request field it came from, named in errors
+    after: tuple[int, ...] = ()                # token ids ending a preamble the constraint does
+                                               #   not cover (a reasoning block's `</think>`):
+                                               #   it applies to the output after their first
+                                               #   occurrence; () = from the first token
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -80,6 +88,11 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
             if not isinstance(self.whitespace_pattern, str):
                 raise RequestError("whitespace_pattern must be a string",
                                    param="whitespace_pattern")
+        if not isinstance(self.after, tuple) or len(self.after) > MAX_AFTER_IDS or \
+                not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                        for t in self.after):
+            raise RequestError(f"{self.param}: after={self.after!r} must be at most "
+                               f"{MAX_AFTER_IDS} token ids", param=self.param)
         if self.chars > MAX_STRUCTURED_CHARS:
             raise RequestError(f"{self.param}: {self.chars} characters of {self.kind}, at most "
                                f"{MAX_STRUCTURED_CHARS}", param=self.param,
@@ -94,8 +107,8 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     # -- constructors -----------------------------------------------------------------------------
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool | str, *,
-                    whitespace_pattern: str | None = None,
-                    param: str = "structured") -> StructuredOutput:
+                    whitespace_pattern: str | None = None, param: str = "structured",
+                    after: tuple[int, ...] = ()) -> StructuredOutput:
         """Output is one JSON value that validates against `schema` (a dict or its JSON text)."""
         if isinstance(schema, str):
             text = schema
@@ -106,28 +119,31 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
                 raise RequestError(f"{param}: the JSON schema cannot be encoded: {exc}",
                                    param=param) from None
         return cls(kind="json_schema", value=text, whitespace_pattern=whitespace_pattern,
-                   param=param)
+                   param=param, after=after)
 
     @classmethod
-    def json_object(cls, *, whitespace_pattern: str | None = None,
-                    param: str = "structured") -> StructuredOutput:
+    def json_object(cls, *, whitespace_pattern: str | None = None, param: str = "structured",
+                    after: tuple[int, ...] = ()) -> StructuredOutput:
         """Output is one JSON object (any keys and values)."""
-        return cls(kind="json_object", whitespace_pattern=whitespace_pattern, param=param)
+        return cls(kind="json_object", whitespace_pattern=whitespace_pattern, param=param,
+                   after=after)
 
     @classmethod
-    def regex(cls, pattern: str, *, param: str = "structured") -> StructuredOutput:
+    def regex(cls, pattern: str, *, param: str = "structured",
+              after: tuple[int, ...] = ()) -> StructuredOutput:
         """Output matches `pattern` as a whole (Rust regex syntax, as llguidance reads it)."""
-        return cls(kind="regex", value=pattern, param=param)
+        return cls(kind="regex", value=pattern, param=param, after=after)
 
     @classmethod
-    def choice(cls, choices: list[str] | tuple[str, ...], *,
-               param: str = "structured") -> StructuredOutput:
+    def choice(cls, choices: list[str] | tuple[str, ...], *, param: str = "structured",
+               after: tuple[int, ...] = ()) -> StructuredOutput:
         """Output is exactly one of `choices`."""
         if isinstance(choices, str) or not isinstance(choices, (list, tuple)):
             raise RequestError(f"{param}: choice must be a list of strings", param=param)
-        return cls(kind="choice", choices=tuple(choices), param=param)
+        return cls(kind="choice", choices=tuple(choices), param=param, after=after)
 
     @classmethod
-    def grammar(cls, text: str, *, param: str = "structured") -> StructuredOutput:
+    def grammar(cls, text: str, *, param: str = "structured",
+                after: tuple[int, ...] = ()) -> StructuredOutput:
         """Output is derived from the grammar's `start` rule (Lark, or GBNF with `root ::=`)."""
-        return cls(kind="grammar", value=text, param=param)
+        return cls(kind="grammar", value=text, param=param, after=after)

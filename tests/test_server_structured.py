@@ -8,6 +8,8 @@ The model is a random-weight Llama with a byte-level BPE made in the suite
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import functools
 import json
 import re
@@ -49,8 +51,9 @@ def server(request: Any) -> Iterator[ServerThread]:
 
 
 @pytest.fixture
-def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+def client(server: ServerThread) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -63,6 +66,33 @@ def test_sdk_parse_with_a_pydantic_model(client: openai.OpenAI, temperature: flo
         person = choice.message.parsed
         assert isinstance(person, Person), choice.message.content
         assert 0 <= person.age <= 150 and len(person.name) <= 8
+
+
+class Address(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=5)
+    zip: int = pydantic.Field(ge=0, le=99)
+
+
+class Kind(enum.Enum):
+    person = "person"
+    robot = "robot"
+
+
+class Record(pydantic.BaseModel):
+    """$defs and $ref, an enum, a list of objects and an optional field (anyOf with null)."""
+
+    kind: Kind
+    home: Address
+    others: list[Address] = pydantic.Field(max_length=2)
+    note: str | None = pydantic.Field(max_length=4)
+
+
+def test_sdk_parse_with_nested_models(client: openai.OpenAI) -> None:
+    out = client.chat.completions.parse(model=NAME, messages=MESSAGES, response_format=Record,
+                                        max_tokens=200, temperature=1.0, seed=1, n=2)
+    for choice in out.choices:
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Record), choice.message.content
 
 
 def test_unconstrained_output_is_not_json(client: openai.OpenAI) -> None:
@@ -159,3 +189,26 @@ def test_constraints_need_a_tokenizer() -> None:
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "guided_choice"
     assert "needs a tokenizer" in r.json()["error"]["message"]
+
+
+def test_the_cli_server_with_its_default_engine_core_process(tmp_path: Any) -> None:
+    """`python -m atombatch.serve --model DIR` (the engine in its own core process, the default)
+    on a Qwen3 checkpoint with tokenizer.json: the core builds the grammars from the tokenizer
+    it loads itself."""
+    from tests.support.served import served
+    directory = model.checkpoint_dir(tmp_path / "ckpt")
+    with contextlib.ExitStack() as stack:
+        url, _ = stack.enter_context(served("--model", str(directory), "--max-seq-len", "256",
+                                            "--batch-size", "2"))
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        stack.enter_context(client)
+        name = client.models.list().data[0].id
+        out = client.chat.completions.parse(model=name, messages=MESSAGES,
+                                            response_format=Person, max_tokens=80,
+                                            temperature=0.5, seed=2, n=2)
+        for choice in out.choices:
+            assert isinstance(choice.message.parsed, Person), choice.message.content
+        free = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=80,
+                                              temperature=0.5, seed=2)
+        with pytest.raises(pydantic.ValidationError):
+            Person.model_validate_json(free.choices[0].message.content or "")

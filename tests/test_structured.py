@@ -8,6 +8,7 @@ are compared token for token, the mask is the only difference.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import Any
@@ -239,7 +240,8 @@ def test_buckets_prefix_cache_stop_strings_and_logprobs(tokenizer: Any) -> None:
             finite = [t.logprob for t in entry.top if np.isfinite(t.logprob)]
             assert np.exp(finite).sum() <= 1.0 + 1e-5
     stopped = b.generate([PROMPT * 8], msgspec.structs.replace(params, stop=("cd",)))[0]
-    assert "cd" not in (stopped.text or "") and stopped.finish_reason == "stop"
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == "cd"
+    assert "cd" not in (stopped.text or "")
 
 
 def test_bad_constraints_and_missing_tokenizer_are_request_errors() -> None:
@@ -393,3 +395,43 @@ def test_masks_are_computed_during_the_device_call(monkeypatch: pytest.MonkeyPat
     assert [c.token_ids for c in after] == [c.token_ids for c in overlapped]
     for c in overlapped[:3]:
         jsonschema.validate(json.loads(c.text or ""), PERSON)
+
+
+def test_a_repeated_constraint_compiles_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    b = batcher()
+    structured = StructuredOutput.json_schema(PERSON)
+    params = SamplingParams(max_tokens=60, temperature=0.0, structured=structured)
+    first = b.generate([PROMPT], params)[0]
+    built: list[StructuredOutput] = []
+    build = Grammars._build
+
+    def counting(self: Grammars, text: str, spec: StructuredOutput) -> Any:
+        built.append(spec)
+        return build(self, text, spec)
+    monkeypatch.setattr(Grammars, "_build", counting)
+    again = b.generate([PROMPT, PROMPT], params)
+    assert built == []                          # copies of the compiled matcher
+    assert [c.token_ids for c in again] == [first.token_ids] * 2
+    b.generate([PROMPT], msgspec.structs.replace(
+        params, structured=StructuredOutput.json_schema({**PERSON, "required": ["ok"]})))
+    assert len(built) == 1                      # another schema compiles
+
+
+def test_after_leaves_a_preamble_free_then_constrains(tokenizer: Any) -> None:
+    """`after` (a reasoning block's end): the tokens up to its first occurrence are the model's
+    own, the rest matches the constraint."""
+    b = batcher()
+    free = b.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0,
+                                               ignore_eos=True))[0].token_ids
+    end = next(i for i in range(2, len(free)) if (free[i - 1], free[i]) not in
+               set(itertools.pairwise(free[:i])))  # a pair not seen before it
+    marker = (free[end - 1], free[end])
+    structured = StructuredOutput.regex(r"[0-9]{3}-[a-z]{2,4}", after=marker)
+    c = b.generate([PROMPT], SamplingParams(max_tokens=40, temperature=0.0,
+                                            structured=structured))[0]
+    assert c.token_ids[:end + 1] == free[:end + 1]
+    rest = text_of(tokenizer, c.token_ids[end + 1:])
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", rest), rest
+    assert c.finish_reason == "stop"
+    with pytest.raises(RequestError, match="after="):
+        StructuredOutput.regex("a", after=tuple(range(65)))

@@ -297,6 +297,10 @@ class _Server:
             raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
         except msgspec.DecodeError as exc:
             raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
+        try:  # a new constraint compiles off the event loop (`params` then finds it checked)
+            await self.structured.check_off_loop(value)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
         if ignored:
             request.state.ignored_fields = ignored
             for path in ignored:
@@ -1129,6 +1133,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await ab.start()
+        server.structured.warm()
         server.accepting = True
         try:
             yield

@@ -16,15 +16,19 @@ At most one of them may constrain a request. The front checks the constraint bef
 reaches the engine: its size (`max_chars`, 400 naming the field and the limit), its shape, and
 that it compiles against the model's tokenizer and can start with one of its tokens (a 400
 naming the field); the engine compiles it again on its own thread. Compiled checks are kept for
-the last `CHECK_CACHE` constraints, so a client that sends the same schema every time pays once.
+the last `CHECK_CACHE` constraints, so a client that sends the same schema every time pays once;
+a new one is compiled in a worker thread, off the server's event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import logging
+import threading
 from typing import Any
 
-from atombatch.errors import RequestError
+from atombatch.errors import ConfigError, RequestError
 from atombatch.grammar import Grammars
 from atombatch.structured import StructuredOutput
 
@@ -32,6 +36,8 @@ DEFAULT_MAX_STRUCTURED_CHARS = 64 * 1024   # characters of one schema / regex / 
 CHECK_CACHE = 64                           # constraints whose compile check is remembered
 # JSON whitespace when a client asks for vLLM's default (`disable_any_whitespace: false`)
 ANY_WHITESPACE = r"[\x20\x0A\x0D\x09]+"
+
+log = logging.getLogger("atombatch.serve")
 
 _VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _VLLM_IGNORED = ("backend", "disable_fallback", "disable_additional_properties")
@@ -56,6 +62,21 @@ class StructuredRequests:
         self.max_chars = max_chars
         self._checked: collections.OrderedDict[StructuredOutput, None] = \
             collections.OrderedDict()
+        self._lock = threading.Lock()           # `_checked`: the event loop and check threads
+
+    def warm(self) -> None:
+        """Build llguidance's tokenizer on a background thread (about a second for a 152k
+        vocabulary), so the first constrained request does not wait for it on the event loop."""
+        if self.grammars is not None:
+            threading.Thread(target=self._build_tokenizer, name="atombatch-llg-tokenizer",
+                             daemon=True).start()
+
+    def _build_tokenizer(self) -> None:
+        assert self.grammars is not None
+        try:
+            self.grammars.tokenizer  # noqa: B018 (built and kept on first access)
+        except ConfigError as exc:  # answered as a 400 by the first constrained request
+            log.warning("structured output is unavailable: %s", exc)
 
     def resolve(self, body: Any) -> StructuredOutput | None:
         """The checked constraint of a request body (a Completion- or ChatCompletionRequest).
@@ -70,14 +91,37 @@ class StructuredRequests:
             raise RequestError(f"{structured.param}: structured output needs a tokenizer and "
                                "this server serves token ids (start it with a checkpoint that "
                                "has tokenizer.json, or --tokenizer)", param=structured.param)
-        if structured in self._checked:
-            self._checked.move_to_end(structured)
+        if self._known(structured):
             return structured
-        self.grammars.matcher_now(structured)  # RequestError naming it when it does not compile
-        self._checked[structured] = None
-        if len(self._checked) > CHECK_CACHE:
-            self._checked.popitem(last=False)
+        try:
+            self.grammars.matcher_now(structured)  # RequestError naming it if it does not compile
+        except ConfigError as exc:
+            raise RequestError(f"{structured.param}: structured output is unavailable on this "
+                               f"server: {exc}", param=structured.param) from None
+        with self._lock:
+            self._checked[structured] = None
+            if len(self._checked) > CHECK_CACHE:
+                self._checked.popitem(last=False)
         return structured
+
+    async def check_off_loop(self, body: Any) -> None:
+        """`resolve` in a worker thread when the body's constraint was not checked yet (a
+        compile may take a while; the event loop keeps streaming meanwhile).
+
+        Raises:
+            RequestError: as `resolve`.
+        """
+        structured = read(body, self.max_chars)
+        if structured is None or self.grammars is None or self._known(structured):
+            return
+        await asyncio.to_thread(self.resolve, body)
+
+    def _known(self, structured: StructuredOutput) -> bool:
+        with self._lock:
+            if structured in self._checked:
+                self._checked.move_to_end(structured)
+                return True
+        return False
 
 
 def read(body: Any, max_chars: int) -> StructuredOutput | None:

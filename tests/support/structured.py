@@ -4,6 +4,8 @@ correct grammar mask can make their output match a schema)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec
@@ -24,19 +26,34 @@ _CORPUS = ['{"name": "Ada", "age": 36, "tags": ["x", "y"], "ok": true, "score": 
            '[{"id": 1}, {"id": 2}, null, false] user assistant system']
 
 
-def byte_tokenizer() -> Any:
-    """A byte-level BPE (`tokenizers.Tokenizer`): EOS is id 0, BOS id 1, every byte has an id."""
+def byte_tokenizer(specials: tuple[str, ...] = (EOS, BOS)) -> Any:
+    """A byte-level BPE (`tokenizers.Tokenizer`): the specials first (by default EOS id 0, BOS
+    id 1), then every byte, then merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=[EOS, BOS],
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(_CORPUS * 20, trainer)
-    assert tok.token_to_id(EOS) == 0 and tok.token_to_id(BOS) == 1
+    assert [tok.token_to_id(t) for t in specials] == list(range(len(specials)))
     return tok
+
+
+def checkpoint_dir(path: Path) -> Path:
+    """A Qwen3 checkpoint directory `python -m atombatch.serve --model` reads: the suite's tiny
+    random transformers model (tests/hf_models.py: vocab 512, BOS 1, EOS 2) and a byte-level
+    tokenizer whose ids 0..2 are its pad, BOS and EOS."""
+    from tests.hf_models import save_checkpoint
+
+    save_checkpoint("qwen3", path)
+    tok = byte_tokenizer(("<|pad|>", BOS, EOS))
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": BOS, "eos_token": EOS, "pad_token": "<|pad|>"}))
+    return path
 
 
 def batcher(seed: int = 3, **options: Any) -> Batcher:
