@@ -378,11 +378,12 @@ def test_readme_tool_call_request_is_served(hermes: ServerThread) -> None:
 
 def test_the_constraint_applies_after_the_reasoning(qwen: tuple[Path, Any]) -> None:
     """The scripted model thinks, then calls; the mask lets it through only if the constraint
-    starts after `</think>` (the model's preferred token is masked otherwise)."""
+    starts after `</think>` (the model's preferred token is masked otherwise). With the think
+    block closed in the prompt (`enable_thinking: false`), the constraint covers everything."""
     path, hf = qwen
     thinking = "\nI should call get_weather.\n"
     call = '[{"name":"get_weather","parameters":{"city":"Seoul"}}]'
-    text = f"<think>{thinking}</think>\n\n{call}"
+    text = f"<think>{thinking}</think>{call}"
     request: dict[str, Any] = dict(model=NAME, messages=QUESTION, tools=TOOLS,
                                    tool_choice="required", max_tokens=60)
     with scripted_server(path, hf, text, reasoning_parser="qwen3") as server:
@@ -395,17 +396,33 @@ def test_the_constraint_applies_after_the_reasoning(qwen: tuple[Path, Any]) -> N
             final = events.get_final_completion()
         [streamed] = final.choices[0].message.tool_calls or []
         assert json.loads(streamed.function.arguments) == {"city": "Seoul"}
+        closed = sdk.chat.completions.create(
+            **request, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert "I should" not in str(closed.choices[0].message)
     with scripted_server(path, hf, text) as server:  # no reasoning parser: the whole output
         answer = client(server).chat.completions.create(**request)
-        message = answer.choices[0].message
-        assert "I should" not in (message.content or "")
-        assert all("I should" not in c.function.arguments for c in message.tool_calls or [])
+        assert "I should" not in str(answer.choices[0].message)
+
+
+def test_reasoning_end_ids_look_at_the_prompt(qwen: tuple[Path, Any]) -> None:
+    from atombatch.serve.reasoning import reasoning_end_ids
+
+    path, hf = qwen
+    codec = HFCodec.from_dir(path)
+    assert codec is not None
+    end = tuple(hf("</think>", add_special_tokens=False)["input_ids"])
+    thinking = rendered(hf, QUESTION)
+    closed = rendered(hf, QUESTION, enable_thinking=False)
+    assert reasoning_end_ids(codec.tokenizer, thinking) == end
+    assert reasoning_end_ids(codec.tokenizer, closed) == ()
+    assert reasoning_end_ids(None, thinking) == ()
 
 
 def test_the_command_line_serves_tools_with_the_core_process(tmp_path: Path) -> None:
     """`python -m atombatch.serve CKPT --tool-call-parser hermes --reasoning-parser qwen3`: a
     transformers-written Qwen3 checkpoint with the tokenizer beside it, the engine in its own
-    process; a required choice comes back as valid calls."""
+    process; a required choice comes back as valid calls (thinking off: the random model would
+    never close a think block, and the constraint waits for its end)."""
     from hf_models import save_checkpoint as save_model
     from support.served import served
 
@@ -417,7 +434,9 @@ def test_the_command_line_serves_tools_with_the_core_process(tmp_path: Path) -> 
             openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as sdk:
         answer = sdk.chat.completions.create(model=NAME, messages=QUESTION,  # type: ignore
                                              tools=[WEATHER], tool_choice="required",
-                                             max_tokens=60, temperature=0)
+                                             max_tokens=60, temperature=0, extra_body={
+                                                 "chat_template_kwargs": {
+                                                     "enable_thinking": False}})
         calls = answer.choices[0].message.tool_calls or []
         assert calls and all(valid_call(c.function.name, c.function.arguments) for c in calls)
         assert answer.choices[0].finish_reason == "tool_calls"
@@ -451,31 +470,3 @@ def test_sdk_parse_with_pydantic_function_tools(random_qwen: ServerThread) -> No
         assert call.function.name == "GetWeather"
         assert isinstance(call.function.parsed_arguments, GetWeather)
         assert call.function.parsed_arguments.city in (City.seoul, City.busan)
-
-
-@pytest.mark.parametrize("tags_are_tokens", [True, False])
-def test_after_reasoning_grammar_admits_thinking_then_only_the_constraint(
-        tmp_path: Path, tags_are_tokens: bool) -> None:
-    """The grammar `constraint_after_reasoning` builds, run by llguidance's own matcher over
-    the tokenizer's ids: thinking then the JSON, or the JSON alone; nothing else."""
-    from atombatch.grammar import Grammars
-    from atombatch.serve.reasoning import constraint_after_reasoning
-    from atombatch.structured import StructuredOutput
-
-    extra = ["<think>", "</think>"] if tags_are_tokens else []
-    hf = save_tokenizer(tmp_path, QWEN3, "<|im_end|>", extra)
-    codec = HFCodec.from_dir(tmp_path)
-    assert codec is not None
-    schema = {"type": "object", "properties": {"city": {"enum": ["Seoul"]}},
-              "required": ["city"], "additionalProperties": False}
-    wrapped = constraint_after_reasoning(StructuredOutput.json_schema(schema), codec.tokenizer)
-    assert wrapped is not None and wrapped.kind == "grammar"
-    assert ("<think> thought </think>" in wrapped.value) == tags_are_tokens
-    matcher = Grammars(codec.tokenizer, 512, (hf.convert_tokens_to_ids("<|im_end|>"),)) \
-        .matcher_now(wrapped)
-    for text, ok in [('<think>\nSeoul, surely.\n</think>\n\n{"city":"Seoul"}', True),
-                     ('{"city":"Seoul"}', True), ('{"city":"Busan"}', False),
-                     ("<think>x</think> hello", False)]:
-        copy = matcher.deep_copy()
-        accepted = copy.consume_tokens(hf(text, add_special_tokens=False)["input_ids"])
-        assert (accepted and copy.is_accepting()) == ok, text

@@ -717,11 +717,15 @@ class _Server:
                            code="unsupported_value" if isinstance(exc, NoToolParser) else
                            "invalid_value") from None
 
-    def constrain(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    async def constrain(self, params: SamplingParams, plan: ToolPlan, prompt: list[int]
+                        ) -> SamplingParams:
         """The constraint of a required or named tool choice, and the reasoning before any
-        constraint (atombatch/serve/chat_output.py)."""
+        constraint (atombatch/serve/chat_output.py); a new tool schema is compile-checked in a
+        worker thread (the event loop keeps streaming)."""
         try:
-            return self.constraints.apply(params, plan)
+            if self.constraints.needs_check(plan):
+                return await asyncio.to_thread(self.constraints.apply, params, plan, prompt)
+            return self.constraints.apply(params, plan, prompt)
         except UnservableConstraint as exc:
             raise ApiError(400, str(exc), param=exc.param, code="unsupported_value") from None
         except RequestError as exc:
@@ -745,7 +749,7 @@ class _Server:
             raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else \
             body.max_tokens  # None: up to the context end
-        params = self.constrain(self.params(body, max_tokens), plan)
+        params = await self.constrain(self.params(body, max_tokens), plan, prompt)
         gens = self.submit_all("chatcmpl", self.truncate([prompt], body), params, "messages")
         created = int(time.time())
         headers = self.headers(request)

@@ -10,6 +10,8 @@ same parsers over the whole text at once.
 from __future__ import annotations
 
 import collections
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -23,7 +25,7 @@ from atombatch.serve.protocol import (
     ToolCall,
     ToolCallDelta,
 )
-from atombatch.serve.reasoning import constraint_after_reasoning, make_reasoning_parser
+from atombatch.serve.reasoning import make_reasoning_parser, reasoning_end_ids
 from atombatch.serve.tools import CallDelta, Delta, ToolParser, ToolPlan
 from atombatch.structs import SamplingParams
 from atombatch.structured import StructuredOutput
@@ -37,8 +39,9 @@ class UnservableConstraint(RequestError):
 
 class ChatConstraints:
     """The constraints a chat request gets besides its own `response_format`: a `required` or
-    named tool choice's JSON schema, and (with a reasoning parser) the room to think before any
-    constraint. Each is compile-checked once (the last `MAX_CHECKED` are remembered)."""
+    named tool choice's JSON schema (compile-checked once; the last `MAX_CHECKED` are
+    remembered), and with a reasoning parser the room to think before any constraint
+    (`StructuredOutput.after`: the constraint starts after `</think>`)."""
 
     def __init__(self, grammars: Any | None, reasoning_parser: str | None,
                  tokenizer: Any | None) -> None:
@@ -47,8 +50,18 @@ class ChatConstraints:
         self.tokenizer = tokenizer
         self.checked: collections.OrderedDict[StructuredOutput, None] = \
             collections.OrderedDict()
+        self.lock = threading.Lock()      # `checked`: checks run on worker threads
 
-    def apply(self, params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    def needs_check(self, plan: ToolPlan) -> bool:
+        """Whether `apply` may compile (then run it off the event loop)."""
+        constraint = plan.constraint() if plan.mode in ("required", "named") else None
+        if constraint is None:
+            return False
+        with self.lock:
+            return constraint not in self.checked
+
+    def apply(self, params: SamplingParams, plan: ToolPlan, prompt: Sequence[int]
+              ) -> SamplingParams:
         """Raises: UnservableConstraint, RequestError (both naming the field)."""
         constraint = plan.constraint()
         if constraint is not None:
@@ -63,27 +76,28 @@ class ChatConstraints:
             self._check(constraint, f"tool_choice={plan.mode}: the tools' schema cannot be "
                         "enforced", "tools")
             params = msgspec.structs.replace(params, structured=constraint)
-        if self.reasoning_parser is None or params.structured is None or self.grammars is None:
+        if self.reasoning_parser is None or params.structured is None:
             return params
-        wrapped = constraint_after_reasoning(params.structured, self.tokenizer)
-        if wrapped is None:
+        after = reasoning_end_ids(self.tokenizer, prompt)
+        if not after:
             return params
-        self._check(wrapped, f"{params.structured.param}: the constraint cannot follow the "
-                    "reasoning", params.structured.param)
-        return msgspec.structs.replace(params, structured=wrapped)
+        return msgspec.structs.replace(
+            params, structured=msgspec.structs.replace(params.structured, after=after))
 
     def _check(self, constraint: StructuredOutput, what: str, param: str) -> None:
-        if constraint in self.checked:
-            self.checked.move_to_end(constraint)
-            return
+        with self.lock:
+            if constraint in self.checked:
+                self.checked.move_to_end(constraint)
+                return
         assert self.grammars is not None
         try:
             self.grammars.matcher_now(constraint)
         except RequestError as exc:
             raise RequestError(f"{what}: {exc}", param=param) from None
-        self.checked[constraint] = None
-        if len(self.checked) > MAX_CHECKED:
-            self.checked.popitem(last=False)
+        with self.lock:
+            self.checked[constraint] = None
+            if len(self.checked) > MAX_CHECKED:
+                self.checked.popitem(last=False)
 
 
 class Piece(msgspec.Struct):

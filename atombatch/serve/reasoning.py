@@ -12,17 +12,16 @@ only a possible tag prefix and the leading whitespace (at most `MAX_LEADING_WHIT
 characters); a non-streamed response runs it over the whole text. Its content goes on to the
 tool-call parser when the request has tools (atombatch/serve/tools.py).
 
-Constrained decoding applies after the reasoning: with this parser, a JSON or choice constraint
-(`response_format`, `structured_outputs`, `tool_choice` required or named) becomes a grammar
-that admits an optional `<think>...</think>` first (`constraint_after_reasoning`).
+Constrained decoding applies after the reasoning, as in vLLM: with this parser, every constraint
+(`response_format`, `structured_outputs`, `tool_choice` required or named) waits for the ids of
+`</think>` (`StructuredOutput.after`, `reasoning_end_ids`), unless the prompt already closed the
+think block.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Sequence
 from typing import Any
-
-from atombatch.structured import StructuredOutput
 
 REASONING_PARSER_NAMES = ("qwen3",)
 MAX_LEADING_WHITESPACE = 4096
@@ -90,39 +89,30 @@ def make_reasoning_parser(name: str | None) -> Qwen3ReasoningParser | None:
     raise ValueError(f"reasoning parser {name!r} is not one of {', '.join(REASONING_PARSER_NAMES)}")
 
 
-def constraint_after_reasoning(structured: StructuredOutput, tokenizer: Any
-                               ) -> StructuredOutput | None:
-    """A JSON or choice constraint that lets the model think first: `<think>`, any text up to
-    `</think>`, whitespace, then what `structured` asks for (an llguidance Lark grammar, so the
-    engine's one mask covers both parts). None for a regex or a grammar, which keep constraining
-    the whole output.
 
-    The tags are the tokenizer's own tokens when it has them as added tokens (Qwen3 does; the
-    grammar then names them `<think>`), else text."""
-    if structured.kind in ("json_schema", "json_object"):
-        schema: Any = {"type": "object"} if structured.kind == "json_object" else \
-            json.loads(structured.value)
-        if schema is True:
-            schema = {}
-        if not isinstance(schema, dict):
-            return None
-        options: dict[str, Any] = {"whitespace_flexible": False}
-        if structured.whitespace_pattern is not None:
-            options = {"whitespace_pattern": structured.whitespace_pattern}
-        body = "%json " + json.dumps({**schema, "x-guidance": options})
-    elif structured.kind == "choice":
-        body = " | ".join(json.dumps(c) for c in structured.choices)
-    else:
-        return None
-    added_tokens = set()
-    if tokenizer is not None and hasattr(tokenizer, "get_added_tokens_decoder"):
-        added_tokens = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
-    added = {Qwen3ReasoningParser.START, Qwen3ReasoningParser.END} <= added_tokens
-    if added:  # the tags are tokens: the lazy thought ends where the </think> token comes
-        think = ('think: <think> thought </think> /[ \\t\\r\\n]*/\n'
-                 'thought[stop=""]: /(.|\\n)*/\n')
-    else:      # the tags are text: the thought stops at (and takes) the text </think>
-        think = ('think: "<think>" thought /[ \\t\\r\\n]*/\n'
-                 'thought[stop="</think>"]: /(.|\\n)*/\n')
-    lark = f"start: think? answer\n{think}answer: {body}\n"
-    return StructuredOutput.grammar(lark, param=structured.param)
+def reasoning_end_ids(tokenizer: Any, prompt: Sequence[int]) -> tuple[int, ...]:
+    """The ids a constraint waits for (`StructuredOutput.after`): those of `</think>`, so the
+    constraint covers the answer after the thinking. () when the prompt already closed the
+    think block (Qwen3's template with `enable_thinking: false` renders an empty one), or the
+    tokenizer is not there."""
+    if tokenizer is None:
+        return ()
+    start = tuple(tokenizer.encode(Qwen3ReasoningParser.START, add_special_tokens=False).ids)
+    end = tuple(tokenizer.encode(Qwen3ReasoningParser.END, add_special_tokens=False).ids)
+    if not end:
+        return ()
+    last_start, last_end = _last(prompt, start), _last(prompt, end)
+    if last_end >= 0 and last_end > last_start:
+        return ()
+    return end
+
+
+def _last(ids: Sequence[int], needle: tuple[int, ...]) -> int:
+    """The start of the last occurrence of `needle` in `ids`, or -1."""
+    n = len(needle)
+    if not n:
+        return -1
+    for i in range(len(ids) - n, -1, -1):
+        if tuple(ids[i:i + n]) == needle:
+            return i
+    return -1
