@@ -470,3 +470,42 @@ def test_sdk_parse_with_pydantic_function_tools(random_qwen: ServerThread) -> No
         assert call.function.name == "GetWeather"
         assert isinstance(call.function.parsed_arguments, GetWeather)
         assert call.function.parsed_arguments.city in (City.seoul, City.busan)
+
+
+def test_any_tools_and_tool_choice_answer_200_or_a_400_naming_a_field(
+        hermes: ServerThread) -> None:
+    """Hypothesis sends arbitrary JSON as `tools`, `tool_choice` and `parallel_tool_calls`:
+    never a 5xx, and every refusal names the field at fault."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=3) |
+        st.dictionaries(st.sampled_from(["type", "function", "name", "parameters",
+                                         "description", "strict", "x"]), inner, max_size=4),
+        max_leaves=10)
+    function = st.fixed_dictionaries(
+        {"name": st.sampled_from(["get_weather", "f", "bad name", ""]) | json_values},
+        optional={"parameters": st.sampled_from([WEATHER["function"]["parameters"], {},
+                                                 True]) | json_values,
+                  "description": json_values})
+    tool = st.fixed_dictionaries({"type": st.sampled_from(["function", "other"]),
+                                  "function": function}) | json_values
+    choice = st.sampled_from(["none", "auto", "required", "any",
+                              {"type": "function", "function": {"name": "get_weather"}},
+                              {"type": "function", "function": {"name": "nope"}}]) | json_values
+
+    @settings(max_examples=60, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(tools=st.lists(tool, max_size=3) | json_values, tool_choice=choice,
+           parallel=st.none() | st.booleans() | json_values)
+    def send(tools: Any, tool_choice: Any, parallel: Any) -> None:
+        body = {"messages": QUESTION, "max_tokens": 30, "tools": tools,
+                "tool_choice": tool_choice, "parallel_tool_calls": parallel}
+        r = httpx.post(f"{hermes.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code in (200, 400), r.text
+        if r.status_code == 400:
+            assert r.json()["error"]["param"], r.text
+
+    send()
