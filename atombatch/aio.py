@@ -6,7 +6,8 @@ inbox the loop drains between steps, so a step running in a worker thread never 
 Output contract: each request's outputs have exactly one consumer (`outputs(id)` a second time
 raises `StateError`). A request whose outputs nobody claimed by the time it finished is kept,
 compacted into one output per choice carrying its every token, piece of text and logprob, for at
-most `max_unclaimed` requests; past that the oldest unclaimed results are dropped (logged as
+most `max_unclaimed` requests and `max_unclaimed_bytes` bytes (estimated: ids, text, logprob
+entries); past either the oldest unclaimed results are dropped (logged as
 `request.unclaimed_dropped`) and `outputs(id)` for them raises `RequestError`.
 """
 
@@ -40,6 +41,17 @@ logger = logging.getLogger("atombatch")
 
 # Finished requests whose outputs nobody claimed yet, kept by default (oldest dropped first).
 DEFAULT_MAX_UNCLAIMED = 1024
+DEFAULT_MAX_UNCLAIMED_BYTES = 64 * 1024 * 1024
+_LOGPROB_BYTES = 64  # a TokenLogprobs candidate kept in memory (id, float, rank, object)
+
+
+def output_bytes(out: RequestOutput) -> int:
+    """About what a finished output holds in memory (its ids, text and logprob candidates)."""
+    size = 8 * len(out.new_token_ids) + len(out.text or "")
+    for entries in (out.logprobs, out.prompt_logprobs):
+        if entries:
+            size += sum(_LOGPROB_BYTES * (1 + len(lp.top)) for lp in entries if lp is not None)
+    return size
 
 
 class OutputStreams(abc.ABC):
@@ -48,11 +60,16 @@ class OutputStreams(abc.ABC):
     the bounded keep of finished results nobody claimed yet. Subclasses queue requests
     (`submit`, `abort`) and feed `_deliver` with what the engine produced."""
 
-    def __init__(self, max_unclaimed: int) -> None:
-        if isinstance(max_unclaimed, bool) or not isinstance(max_unclaimed, int) or \
-                max_unclaimed < 0:
-            raise ConfigError(f"max_unclaimed={max_unclaimed!r} must be an int >= 0")
+    def __init__(self, max_unclaimed: int,
+                 max_unclaimed_bytes: int = DEFAULT_MAX_UNCLAIMED_BYTES) -> None:
+        for name, value in (("max_unclaimed", max_unclaimed),
+                            ("max_unclaimed_bytes", max_unclaimed_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be an int >= 0")
         self.max_unclaimed = max_unclaimed
+        self.max_unclaimed_bytes = max_unclaimed_bytes
+        self._unclaimed_bytes: dict[str, int] = {}
+        self.unclaimed_bytes = 0
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         # finished before anyone called outputs(): one compacted output each, oldest first
         self._unclaimed: OrderedDict[str, tuple[RequestOutput, ...]] = OrderedDict()
@@ -88,9 +105,13 @@ class OutputStreams(abc.ABC):
         """Give a request about to be queued its output queue."""
         if request_id in self._queues:
             raise RequestError(f"request_id={request_id!r} is already in flight")
-        self._unclaimed.pop(request_id, None)
+        self._forget_unclaimed(request_id)
         self._claimed.discard(request_id)
         self._queues[request_id] = asyncio.Queue()
+
+    def _forget_unclaimed(self, request_id: str) -> tuple[RequestOutput, ...] | None:
+        self.unclaimed_bytes -= self._unclaimed_bytes.pop(request_id, 0)
+        return self._unclaimed.pop(request_id, None)
 
     def outputs(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Iterate a submitted request's outputs; leaving the iteration early aborts it.
@@ -102,7 +123,8 @@ class OutputStreams(abc.ABC):
         Raises:
             StateError: the outputs of this request are already being consumed (one consumer).
             RequestError: no request with this id was submitted, its outputs were taken, or it
-                finished unclaimed and was dropped under `max_unclaimed`.
+                finished unclaimed and was dropped under `max_unclaimed` or
+                `max_unclaimed_bytes`.
         """
         return self._iterate(request_id, self._claim(request_id))
 
@@ -113,11 +135,12 @@ class OutputStreams(abc.ABC):
                              "request's outputs have one consumer (docs/rules.md)")
         queue = self._queues.get(request_id)
         if queue is None:
-            finals = self._unclaimed.pop(request_id, None)
+            finals = self._forget_unclaimed(request_id)
             if finals is None:
                 raise RequestError(f"request_id={request_id!r} is unknown or its outputs were "
                                    f"taken (an unclaimed finished request is kept only while "
-                                   f"among the last max_unclaimed={self.max_unclaimed})")
+                                   f"among the last max_unclaimed={self.max_unclaimed} and "
+                                   f"within max_unclaimed_bytes={self.max_unclaimed_bytes})")
             queue = asyncio.Queue()
             for final in finals:
                 queue.put_nowait(final)
@@ -182,12 +205,26 @@ class OutputStreams(abc.ABC):
     async def generate_choices(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                                params: SamplingParams | None = None) -> list[Completion]:
         """Submit and wait for every choice of the request: `params.n` completions in choice
-        order (`Completion.index`)."""
+        order (`Completion.index`). A request that failed ends with `finish_reason="error"` and
+        the failure in `error`, also when the engine failed before a choice produced anything."""
         done: dict[int, Completion] = {}
+        tokens: dict[int, list[int]] = {}
+        n = 1 if params is None else params.n
         async for out in self.stream(prompt, params):
+            tokens.setdefault(out.index, []).extend(out.new_token_ids)
             if out.completion is not None:
                 done[out.index] = out.completion
             if out.finished:
+                # A request failed as a whole (the step loop failed, or the engine refused it
+                # after the front had accepted it) ends without a completion per choice: each
+                # missing one is an error completion carrying that failure.
+                for index in range(n):
+                    if index not in done:
+                        done[index] = Completion(
+                            request_id=out.request_id, prompt_len=len(prompt),
+                            token_ids=tuple(tokens.get(index, ())), finish_reason="error",
+                            error=out.error or "the request ended without a result",
+                            timings=None, index=index)
                 return [done[index] for index in sorted(done)]
         raise AtomBatchError("stream ended without a final output")  # pragma: no cover
 
@@ -217,13 +254,19 @@ class OutputStreams(abc.ABC):
         kept.sort(key=lambda out: out.finished)  # the request's last output stays last
         assert kept and kept[-1].finished
         self._unclaimed[request_id] = tuple(kept)
-        while len(self._unclaimed) > self.max_unclaimed:
+        size = sum(output_bytes(out) for out in kept)
+        self._unclaimed_bytes[request_id] = size
+        self.unclaimed_bytes += size
+        while len(self._unclaimed) > self.max_unclaimed or \
+                self.unclaimed_bytes > self.max_unclaimed_bytes:
             dropped, _ = self._unclaimed.popitem(last=False)
+            self.unclaimed_bytes -= self._unclaimed_bytes.pop(dropped)
             self.unclaimed_dropped += 1
             if self.unclaimed_dropped % 1000 == 1:  # a flood of them must not flood the log
                 logger.warning("request.unclaimed_dropped request_id=%s dropped=%d "
-                               "max_unclaimed=%d", dropped, self.unclaimed_dropped,
-                               self.max_unclaimed)
+                               "max_unclaimed=%d max_unclaimed_bytes=%d", dropped,
+                               self.unclaimed_dropped, self.max_unclaimed,
+                               self.max_unclaimed_bytes)
 
 
 class AsyncBatcher(OutputStreams):
@@ -237,14 +280,17 @@ class AsyncBatcher(OutputStreams):
             producer (the loop sleeps instead of spinning).
         max_unclaimed: finished requests whose outputs were never claimed that are kept for a
             late `outputs(id)`; the oldest are dropped past it.
+        max_unclaimed_bytes: the same, bounded by their estimated size (`output_bytes`):
+            prompt logprobs make one result weigh megabytes.
 
     Use as `async with AsyncBatcher(b) as ab:` or call `start()` / `close()`. `start()` after
     `close()` starts the loop again on the same Batcher (e.g. in a new event loop).
     """
 
     def __init__(self, batcher: Batcher, *, offload: bool = True,
-                 idle_poll: float = 0.002, max_unclaimed: int = DEFAULT_MAX_UNCLAIMED) -> None:
-        super().__init__(max_unclaimed)
+                 idle_poll: float = 0.002, max_unclaimed: int = DEFAULT_MAX_UNCLAIMED,
+                 max_unclaimed_bytes: int = DEFAULT_MAX_UNCLAIMED_BYTES) -> None:
+        super().__init__(max_unclaimed, max_unclaimed_bytes)
         self.batcher = batcher
         self.offload = offload
         self.idle_poll = idle_poll

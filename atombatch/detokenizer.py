@@ -20,6 +20,8 @@ import numpy.typing as npt
 from atombatch.structs import SamplingParams
 
 PROMPT_CONTEXT = 8  # prompt tokens that prime the decoder (spacing of the first generated word)
+# Above this many (character x stop string) automaton steps, new text is searched in C instead.
+_CHAR_STEPS = 4096
 
 
 class Detokenizer:
@@ -75,6 +77,8 @@ class Detokenizer:
         base = len(self._pending)
         self._pending += added
         counts = generated >= self.min_tokens  # before min_tokens a match does not count
+        if len(added) * len(self.stop) > _CHAR_STEPS:
+            return self._add_long(base, counts)
         states, stops, failures = self._states, self.stop, self._failure
         for offset, char in enumerate(added):
             for j, stop in enumerate(stops):
@@ -82,12 +86,41 @@ class Detokenizer:
                 states[j] = state
                 if state == len(stop) and counts:
                     end = base + offset + 1
-                    keep = end if self.include_stop else end - len(stop)
-                    text, self._pending = self._pending[:keep], ""
-                    self.stopped = stop
-                    return self._release(text)
-        # Hold back what could still become a stop string (a whole match ignored before
-        # min_tokens counts only by its longest proper border).
+                    return self._stop_at(j, end)
+        return self._hold_back()
+
+    def _add_long(self, base: int, counts: bool) -> str:
+        """`add` for a long piece of text (a long token, or many at once): each stop string is
+        searched with `str.find` (C) from where a match could end in the new text, and each
+        automaton is rebuilt from the text's last `len(stop)` characters (its state depends on no
+        more), so the cost is C per character plus O(sum of the stop lengths) in Python."""
+        text, stops = self._pending, self.stop
+        if counts:
+            ends = [(text.find(stop, max(0, base - len(stop) + 1)), j)
+                    for j, stop in enumerate(stops)]
+            hits = [(at + len(stops[j]), j) for at, j in ends if at >= 0]
+            if hits:
+                end, j = min(hits)
+                return self._stop_at(j, end)
+        for j, stop in enumerate(stops):
+            state, failure = 0, self._failure[j]
+            for char in text[-len(stop):]:
+                state = _advance(stop, failure, state, char)
+            self._states[j] = state
+        return self._hold_back()
+
+    def _stop_at(self, j: int, end: int) -> str:
+        """Stop string `j` matched ending at `end` of the pending text."""
+        stop = self.stop[j]
+        keep = end if self.include_stop else end - len(stop)
+        text, self._pending = self._pending[:keep], ""
+        self.stopped = stop
+        return self._release(text)
+
+    def _hold_back(self) -> str:
+        """Release the pending text but what could still become a stop string (a whole match
+        ignored before min_tokens counts only by its longest proper border)."""
+        stops, states, failures = self.stop, self._states, self._failure
         hold = max((state if state < len(stop) else failures[j][state - 1]
                     for j, (stop, state) in enumerate(zip(stops, states, strict=True))), default=0)
         cut = len(self._pending) - hold

@@ -32,6 +32,7 @@ from atombatch.groups import Group, Move, num_held
 from atombatch.logs import log
 from atombatch.outputs import Extras, OutputBuilder
 from atombatch.pd_intake import KVLink, KVSource, PDIntake
+from atombatch.policy import DEFAULT_POLICY
 from atombatch.prefix import HostCache
 from atombatch.runtime.base import Runtime
 from atombatch.sampling import (
@@ -127,7 +128,8 @@ class Batcher:
         runtime: any `Runtime` (NumpyRuntime, SimRuntime, RebelRuntime).
         prefix_cache: keep finished sequences' KV for prefix reuse (non-hybrid only).
         host_cache_bytes: host-memory bytes for evicted prefix blocks (needs prefix_cache).
-        policy: prefill/decode interleaving: "prefill-first", "decode-first", "interleave:N".
+        policy: prefill/decode interleaving: "stall-free:K" (the default, `DEFAULT_POLICY`),
+            "prefill-first", "decode-first", "interleave:N", "fill-first:N" (docs/scheduling.md).
         seed: derives the RNG of requests that give no seed of their own.
         clock: seconds; defaults to the runtime's `clock` (virtual time) or `time.perf_counter`.
         max_waiting: bound on requests without a lane; `submit` raises `CapacityError` past it
@@ -136,6 +138,8 @@ class Batcher:
         pd_timeout: seconds a PD request may wait for its producer's next message (header or
             layer) before it fails; the wait for the header includes the producer's own queue,
             so this must exceed the longest queueing a producer can have.
+        pd_deadline: seconds a PD request's whole import may take from submit (default: twice
+            `pd_timeout`); past it the request fails and frees its lane.
         tokenizer: a `tokenizers.Tokenizer`; with it outputs carry text, and `stop` strings
             and `bad_words` work (see docs/sampling.md).
         logprobs_mode: "raw" (log-softmax of the model's logits, vLLM's default) or
@@ -153,10 +157,11 @@ class Batcher:
     """
 
     def __init__(self, runtime: Runtime, *, prefix_cache: bool = False, host_cache_bytes: int = 0,
-                 policy: Policy | str = "prefill-first", seed: int = 0,
+                 policy: Policy | str = DEFAULT_POLICY, seed: int = 0,
                  clock: Callable[[], float] | None = None,
                  max_waiting: int | None = DEFAULT_MAX_WAITING,
-                 pd_timeout: float = 300.0, tokenizer: Any | None = None,
+                 pd_timeout: float = 300.0, pd_deadline: float | None = None,
+                 tokenizer: Any | None = None,
                  logprobs_mode: LogprobsMode = "raw", detokenize: bool = True) -> None:
         artifact: ArtifactConfig = runtime.artifact
         if logprobs_mode not in LOGPROBS_MODES:
@@ -182,7 +187,7 @@ class Batcher:
         self._next_id = 0
         self._pending: list[RequestOutput] = []
         self.idle = True  # the last step ran no device call (nothing runnable: e.g. PD waits)
-        self._pd = PDIntake(artifact, pd_timeout)  # the KV links of PD requests
+        self._pd = PDIntake(artifact, pd_timeout, pd_deadline)  # the KV links of PD requests
         self.tokenizer = tokenizer
         # False: only requests with stop strings are detokenized here (their text decides when
         # they stop); the others' outputs carry ids alone and a front decodes them
@@ -215,6 +220,15 @@ class Batcher:
     @pd_timeout.setter
     def pd_timeout(self, seconds: float) -> None:
         self._pd.timeout = seconds
+
+    @property
+    def pd_deadline(self) -> float:
+        """Seconds a PD request's whole import may take from submit (see `__init__`)."""
+        return self._pd.deadline
+
+    @pd_deadline.setter
+    def pd_deadline(self, seconds: float | None) -> None:
+        self._pd.deadline = seconds
 
     @property
     def _kv(self) -> dict[str, KVLink]:

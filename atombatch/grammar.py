@@ -160,6 +160,14 @@ class RequestGrammar:
         """The row is masked this step (its constraint has started and holds)."""
         return self.start is not None and self.error is None
 
+    def mask_error(self) -> str | None:
+        """Why the last mask could not be computed (llguidance's limits), or None."""
+        if not self.matcher.is_error():
+            return None
+        self.error = (f"the {self.structured.param} constraint ({self.structured.kind}) failed: "
+                      f"{_first_lines(self.matcher.get_error())}")
+        return self.error
+
     def advance(self, output: Sequence[int]) -> str | None:
         """Consume the output tokens not seen yet; the error message if one breaks the grammar
         (a PD producer's first token can: it was sampled without the grammar)."""

@@ -31,10 +31,11 @@ class KVSource(Protocol):
 class KVLink:
     """The engine's side of one PD request: its source and what arrived so far."""
 
-    __slots__ = ("arrived", "header", "last_progress", "seen", "source")
+    __slots__ = ("arrived", "header", "last_progress", "opened", "seen", "source")
 
     def __init__(self, source: KVSource, now: float) -> None:
         self.source = source
+        self.opened = now
         self.header: Any = None
         self.arrived: list[Any] = []     # validated layers not yet written
         self.seen: set[int] = set()      # layer indices received
@@ -47,13 +48,26 @@ class PDIntake:
     Args:
         artifact: what headers and layers are validated against.
         timeout: seconds a request may wait for its producer's next message (`pd_timeout`).
+        deadline: seconds the whole import may take from submit (`pd_deadline`; None: twice
+            `timeout`), so a producer that sends each message just in time holds a lane for a
+            bounded time, not (layers + 1) x `timeout`.
     """
 
-    def __init__(self, artifact: ArtifactConfig, timeout: float) -> None:
+    def __init__(self, artifact: ArtifactConfig, timeout: float,
+                 deadline: float | None = None) -> None:
         self.artifact = artifact
         self.spec = artifact.model
         self.timeout = timeout
+        self._deadline = deadline
         self.links: dict[str, KVLink] = {}
+
+    @property
+    def deadline(self) -> float:
+        return 2 * self.timeout if self._deadline is None else self._deadline
+
+    @deadline.setter
+    def deadline(self, seconds: float | None) -> None:
+        self._deadline = seconds
 
     @property
     def require_full_prefix(self) -> bool:
@@ -111,6 +125,11 @@ class PDIntake:
                     raise KVTransferError(
                         f"request {request_id}: no KV from the producer for "
                         f"{now - link.last_progress:.1f} s (pd_timeout={self.timeout} s)")
+                if not progress.complete and now - link.opened > self.deadline:
+                    raise KVTransferError(
+                        f"request {request_id}: the KV import did not complete within "
+                        f"pd_deadline={self.deadline} s ({len(link.seen)} of "
+                        f"{progress.num_layers or '?'} layers arrived)")
             except Exception as exc:
                 failed.append((request, f"KV import failed: {exc}"))
                 continue

@@ -49,7 +49,7 @@ def check_stop(request: Request, token: int, eos_token_ids: Container[int], *,
     `request.max_tokens` as its limit (`tests/test_stop_rule.py` compares the two).
     """
     params = request.params
-    if stop_string or token in params.stop_token_ids or \
+    if stop_string or token in request.stop_token_ids or \
             (not params.ignore_eos and token in eos_token_ids):
         return "stop"
     if len(request.output) >= request.max_tokens:
@@ -101,13 +101,16 @@ class Request:
     __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "chain", "compiling", "error",
                  "finish_reason", "first_token_at", "lane", "lane_flags", "max_tokens", "output",
                  "params", "pd", "preemptions", "prefill_pos", "prompt", "request_id", "rng",
-                 "shared", "state", "token_times")
+                 "shared", "state", "stop_token_ids", "token_times")
 
     def __init__(self, request_id: str, prompt: npt.NDArray[np.int64], params: SamplingParams,
                  arrival: float, rng: np.random.Generator, max_seq_len: int | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
+        # the stop rule tests every token against these (a client sends up to MAX_LIST_ITEMS)
+        self.stop_token_ids: Container[int] = frozenset(params.stop_token_ids) \
+            if len(params.stop_token_ids) > 8 else params.stop_token_ids
         # tokens it may generate, resolved once (`output_limit`) for the artifact's context:
         # every limit check reads this. Without `max_seq_len` the scheduler resolves it when the
         # request is added (`resolve_limit`); -1 until then

@@ -183,7 +183,12 @@ def _constrain(x: npt.NDArray[np.float32], rows: list[int], states: Sequence[Req
             failed[i] = error
     live = [i for i in rows if states[i].grammar.active]  # type: ignore[union-attr]
     if live:
-        apply_masks(x, live, [states[i].grammar for i in live])  # type: ignore[misc]
+        grammars = [states[i].grammar for i in live]
+        apply_masks(x, live, grammars)  # type: ignore[arg-type]
+        for i, grammar in zip(live, grammars, strict=True):
+            error = grammar.mask_error()  # type: ignore[union-attr]
+            if error is not None:  # e.g. a grammar past llguidance's per-step limits
+                failed[i] = error
     return failed
 
 

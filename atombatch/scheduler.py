@@ -49,7 +49,7 @@ from atombatch import blocks as core
 from atombatch.config import ArtifactConfig
 from atombatch.errors import CapacityError, StateError
 from atombatch.kv_manager import KVManager
-from atombatch.policy import POLICY_KINDS, Policy
+from atombatch.policy import DEFAULT_POLICY, POLICY_KINDS, Policy
 from atombatch.prefix import HostCache
 from atombatch.request import (
     TRANSITIONS,
@@ -76,7 +76,7 @@ class Scheduler:
     here (`pool`, `lanes`, `prefix`, ...) for embedders and tests that read them.
     """
 
-    def __init__(self, artifact: ArtifactConfig, policy: Policy | str = "prefill-first",
+    def __init__(self, artifact: ArtifactConfig, policy: Policy | str = DEFAULT_POLICY,
                  eos_token_ids: Iterable[int] = (), prefix_cache: bool = False,
                  host_cache: HostCache | None = None) -> None:
         self.artifact = artifact
@@ -92,6 +92,7 @@ class Scheduler:
         self.trace: list[StepRecord] | None = None   # set to [] to record a step trace
         self._admit_counter = 0
         self._decodes_since_prefill = 0
+        self._prefills_since_decode = 0
         self._step_time = 0.0
         self._decode_plan = StepPlan(kind="decode", inputs=self.kv.decode_inputs)
 
@@ -307,6 +308,8 @@ class Scheduler:
             return True
         if kind == "decode-first":
             return False
+        if kind == "stall-free":
+            return self._prefills_since_decode < self.policy.prefill_chunks
         return self._decodes_since_prefill >= self.policy.decode_steps
 
     def _next_prefill(self) -> Request | None:
@@ -377,6 +380,7 @@ class Scheduler:
             return None
         real = self.kv.build_prefill(request, tokens, start)
         self._decodes_since_prefill = 0
+        self._prefills_since_decode += 1
         return StepPlan(kind="prefill", inputs=self.kv.prefill_inputs,
                         request_id=request.request_id, chunk_start=start, chunk_len=real,
                         last_chunk=start + real >= len(tokens),
@@ -461,6 +465,7 @@ class Scheduler:
         plan.rows = kv.build_decode()
         plan.saves = plan.restores = plan.copies = ()
         self._decodes_since_prefill += 1
+        self._prefills_since_decode = 0
         return plan
 
     def decode_requests(self, plan: StepPlan) -> list[Request]:

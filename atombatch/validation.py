@@ -8,7 +8,7 @@ of the core.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 
 import msgspec
 import numpy as np
@@ -36,6 +36,9 @@ def validate_request(rules: RequestRules, prompt: Sequence[int] | npt.NDArray[np
     Raises:
         RequestError: naming the offending value and the rule.
     """
+    if isinstance(params, SamplingParams) and isinstance(prompt, Sized) and \
+            len(prompt) >= rules.artifact.max_seq_len:  # before a copy of a huge list
+        _check_length(len(prompt), params, rules.artifact.max_seq_len)
     try:
         tokens = np.asarray(prompt)
     except (ValueError, TypeError) as exc:  # ragged nesting, mixed types
@@ -54,27 +57,15 @@ def validate_request(rules: RequestRules, prompt: Sequence[int] | npt.NDArray[np
                            f"vocabulary 0..{vocab - 1}", param="prompt", limit=vocab)
     if not isinstance(params, SamplingParams):
         raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-    max_len = rules.artifact.max_seq_len
-    if params.max_tokens is None:
-        if tokens.size >= max_len:
-            raise RequestError(f"prompt of {tokens.size} tokens leaves no room to generate: "
-                               f"max_seq_len={max_len}", param="prompt", limit=max_len)
-    else:
-        total = tokens.size + params.max_tokens
-        if total > max_len:
-            raise RequestError(f"prompt of {tokens.size} tokens + max_tokens="
-                               f"{params.max_tokens} = {total} exceeds max_seq_len={max_len}",
-                               param="prompt", limit=max_len)
-    for stop in params.stop_token_ids:
-        if stop >= vocab:
-            raise RequestError(f"stop token id {stop} is outside the vocabulary 0..{vocab - 1}",
-                               param="stop_token_ids", limit=vocab)
-    for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
+    _check_length(tokens.size, params, rules.artifact.max_seq_len)
+    for name, ids in (("stop_token_ids", params.stop_token_ids),
+                      ("allowed_token_ids", params.allowed_token_ids or ()),
                       ("logit_bias", params.logit_bias or ())):
-        for token in ids:
-            if token >= vocab:
-                raise RequestError(f"{name} names token id {token}, outside the vocabulary "
-                                   f"0..{vocab - 1}", param=name, limit=vocab)
+        if ids and max(ids) >= vocab:
+            token = next(t for t in ids if t >= vocab)
+            raise RequestError(f"{name} names token id {token}, outside the vocabulary "
+                               f"0..{vocab - 1}", param=name, limit=vocab)
+    _check_something_samplable(rules, params)
     if not rules.has_tokenizer:
         for name in ("stop", "bad_words"):
             if getattr(params, name):
@@ -88,6 +79,34 @@ def validate_request(rules: RequestRules, prompt: Sequence[int] | npt.NDArray[np
     if params.prompt_logprobs is not None:
         check_prompt_logprobs(rules, params.prompt_logprobs, runtime_name)
     return tokens.astype(np.int64, copy=True)
+
+
+def _check_length(size: int, params: SamplingParams, max_len: int) -> None:
+    if params.max_tokens is None:
+        if size >= max_len:
+            raise RequestError(f"prompt of {size} tokens leaves no room to generate: "
+                               f"max_seq_len={max_len}", param="prompt", limit=max_len)
+    elif size + params.max_tokens > max_len:
+        raise RequestError(f"prompt of {size} tokens + max_tokens={params.max_tokens} = "
+                           f"{size + params.max_tokens} exceeds max_seq_len={max_len}",
+                           param="prompt", limit=max_len)
+
+
+def _check_something_samplable(rules: RequestRules, params: SamplingParams) -> None:
+    """Refuse at submit what would mask every token at a step (the sampler would fail the request
+    mid-stream): `allowed_token_ids` that are all stop ids while `min_tokens` masks those."""
+    allowed = params.allowed_token_ids
+    if allowed is None or params.min_tokens == 0:
+        return
+    stops = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        stops.update(rules.artifact.model.eos_token_ids)
+    if stops.issuperset(allowed):
+        shown = sorted(set(allowed))[:8]
+        raise RequestError(f"allowed_token_ids {shown}{'...' if len(set(allowed)) > 8 else ''} "
+                           f"are all stop ids (EOS or stop_token_ids), which min_tokens="
+                           f"{params.min_tokens} masks: no token could be sampled",
+                           param="allowed_token_ids")
 
 
 def check_prompt_logprobs(rules: RequestRules, k: int, runtime_name: str = "the runtime") -> None:

@@ -702,6 +702,42 @@ def test_stop_strings_against_a_naive_search(pieces: list[int], stops: list[str]
     assert streamed == text[:cut] == detok.text
 
 
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.integers(1, len(AB_PIECES) - 1), min_size=1, max_size=16),
+       cuts=st.lists(st.integers(1, 4), min_size=16, max_size=16),
+       stops=st.lists(st.text("ab", min_size=1, max_size=5), min_size=1, max_size=3),
+       include=st.booleans(), min_tokens=st.integers(0, 6))
+def test_long_pieces_stop_where_character_steps_stop(pieces: list[int], cuts: list[int],
+                                                     stops: list[str], include: bool,
+                                                     min_tokens: int) -> None:
+    """Issue 18 item 8: text searched in C (`str.find`, automata rebuilt from the tail: the path
+    of a long token) streams, holds back and stops exactly as the character automata do, for the
+    same tokens arriving in the same groups, min_tokens included."""
+    from unittest import mock
+
+    from tokenizers import Tokenizer, decoders, models
+
+    import atombatch.detokenizer as detok_module
+
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(AB_PIECES)}, unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include, min_tokens=min_tokens)
+
+    def run(char_steps: int) -> tuple[list[str], str | None, str]:
+        with mock.patch.object(detok_module, "_CHAR_STEPS", char_steps):
+            detok = Detokenizer(tok, [], params)
+            streamed, at, k = [], 0, 0
+            while at < len(pieces) and detok.stopped is None:
+                group = pieces[at:at + cuts[k]]
+                at, k = at + len(group), k + 1
+                streamed.append(detok.add(group, at))
+            if detok.stopped is None:
+                streamed.append(detok.flush())
+            return streamed, detok.stopped, detok.text
+
+    assert run(0) == run(10**9)
+
+
 def test_plain_greedy_steps_never_enter_the_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
     import atombatch.engine as engine_module
 

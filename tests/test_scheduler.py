@@ -237,7 +237,7 @@ def test_stop_tokens_and_eos(core):
     ([1, -1], SamplingParams(temperature=0.0), "token id -1 at prompt index 1"),
     ([1] * 60, SamplingParams(temperature=0.0, max_tokens=5),
      "60 tokens \\+ max_tokens=5 = 65 exceeds max_seq_len=64"),
-    ([1], SamplingParams(temperature=0.0, stop_token_ids=(500,)), "stop token id 500"),
+    ([1], SamplingParams(temperature=0.0, stop_token_ids=(500,)), "stop_token_ids names token id 500"),
     ([[1, 2]], SamplingParams(temperature=0.0), "flat sequence"),
 ])
 def test_invalid_requests_are_rejected_at_submit_and_nothing_is_queued(prompt, params, match):

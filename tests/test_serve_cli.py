@@ -56,16 +56,18 @@ def test_model_flags_say_what_is_wrong(capsys: Any, tmp_path: Path) -> None:
 
 def test_policy_values_are_listed_and_checked(capsys: Any) -> None:
     text = parser().format_help()
-    for value in ("prefill-first", "decode-first", "interleave:N", "fill-first:N"):
+    for value in ("stall-free:K", "prefill-first", "decode-first", "interleave:N", "fill-first:N"):
         assert value in text
     with pytest.raises(SystemExit) as info:
         parser().parse_args(["--policy", "fastest"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert "'fastest' is not a policy: use one of prefill-first, decode-first" in err
+    assert "'fastest' is not a policy: use one of stall-free:K, prefill-first, decode-first" in err
     args = parser().parse_args(["--policy", "fill-first:3", "--max-seq-len", "128"])
     batcher, _, _ = build_engine(args)
     assert batcher.policy.label == "fill-first:3"
+    batcher, _, _ = build_engine(parser().parse_args(["--max-seq-len", "128"]))
+    assert batcher.policy.label == "stall-free:4"  # the default
 
 
 def test_address_in_use_is_one_line_and_no_banner(capsys: Any) -> None:

@@ -12,7 +12,6 @@ import asyncio
 import json
 import random
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
+from support.served import ServerThread
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.runtime.numpy_runtime import NumpyRuntime
@@ -48,38 +47,6 @@ def expected(prompts: list[list[int]], max_tokens: int, artifact: ArtifactConfig
 
 def ids_of(text: str) -> list[int]:
     return [int(t) for t in re.findall(r"<(\d+)>", text)]
-
-
-class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", ws="none", lifespan="on",
-                                timeout_graceful_shutdown=30)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
-
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert self.thread.is_alive(), "uvicorn exited during startup"
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
-        self.sock.close()
-        assert not self.thread.is_alive(), "uvicorn did not shut down"
 
 
 def make_server(artifact: ArtifactConfig = ART, runtime: Any = None, **batcher_kw: Any

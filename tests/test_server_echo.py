@@ -22,7 +22,7 @@ import pytest
 from fakerebel.compiler import compile_dir
 from hf_models import build_model, hf_logits, save_checkpoint
 from support.numerics import f32_logprob_atol
-from test_server import ServerThread
+from support.served import ServerThread
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec
 from atombatch.runtime import NumpyRuntime, RebelRuntime

@@ -25,7 +25,7 @@ import pytest
 from atombatch.core.client import CoreClient
 from atombatch.serve.app import create_app
 from tests.support import structured as model
-from tests.test_server import ServerThread
+from tests.support.served import ServerThread
 
 pytestmark = pytest.mark.numerics
 

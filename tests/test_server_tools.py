@@ -24,8 +24,8 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from support.served import ServerThread
 from test_chat_template import LLAMA3, QWEN3
-from test_server import ServerThread
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec
 from atombatch.runtime.numpy_runtime import NumpyRuntime

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from support.served import ServerThread
 from test_chat_template import QWEN3, save_checkpoint
-from test_server import ServerThread
 
 from atombatch import ArtifactConfig, Batcher, ConfigError, ModelSpec, __version__
 from atombatch.runtime.numpy_runtime import NumpyRuntime

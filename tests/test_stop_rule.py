@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import atombatch._blocks_py as py_impl
-from atombatch.blocks import LANE, ROW_LENGTH, ROW_OK, ROW_STOP
+from atombatch.blocks import LANE, ROW_CHECK, ROW_LENGTH, ROW_OK, ROW_STOP
 from atombatch.request import Request, check_stop, output_limit, stop_ids
 from atombatch.structs import SamplingParams
 
@@ -26,7 +26,10 @@ def random_case(rnd: random.Random) -> tuple[Request, tuple[int, ...], int, int]
     prompt_len = rnd.randint(1, max_seq_len - 2)
     room = max_seq_len - prompt_len
     max_tokens = None if rnd.random() < 0.3 else rnd.randint(2, room)
-    stops = rnd.sample(range(VOCAB), rnd.randint(0, 4))
+    # few stop ids (a tuple), or many with repeats (a set in the Request; past the kernel's
+    # MAX_STOP_IDS the kernel hands the lane to check_stop: a client may send 2**18 of them)
+    count = rnd.randint(0, 4) if rnd.random() < 0.6 else rnd.randint(9, 40)
+    stops = rnd.choices(range(VOCAB), k=count)
     eos = tuple(rnd.sample(range(VOCAB), rnd.randint(0, 2)))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stops,
                             ignore_eos=rnd.random() < 0.5)
@@ -41,6 +44,7 @@ def random_case(rnd: random.Random) -> tuple[Request, tuple[int, ...], int, int]
 def test_the_kernel_decides_as_check_stop(impl: Any) -> None:
     rnd = random.Random(21)
     seen = set()
+    checked = 0
     for _ in range(600):
         request, eos, token, max_seq_len = random_case(rnd)
         pool, lanes = impl.BlockPool(3), impl.LaneTable(1, 1, max_seq_len)
@@ -58,8 +62,19 @@ def test_the_kernel_decides_as_check_stop(impl: Any) -> None:
         kernel.complete(1.0)
         assert list(request.output[-1:]) == [token]
         want = check_stop(request, token, frozenset(eos))
-        assert DECISION[int(kernel.status[0])] == want, (request.params, eos, token, out)
+        params = request.params  # the rule spelled out on the client's list (a set inside)
+        naive = "stop" if token in params.stop_token_ids or \
+            (not params.ignore_eos and token in eos) else \
+            "length" if len(request.output) >= request.max_tokens else None
+        assert want == naive
+        status = int(kernel.status[0])
+        if status == ROW_CHECK:  # more stop ids than the kernel holds: the scheduler decides
+            assert len(stop_ids(request.params, eos)) > kernel.max_stop_ids
+            checked += 1
+        else:
+            assert DECISION[status] == want, (request.params, eos, token, out)
         seen.add(want)
+    assert checked > 0
     assert seen == {None, "stop", "length"}
 
 

@@ -435,3 +435,30 @@ def test_after_leaves_a_preamble_free_then_constrains(tokenizer: Any) -> None:
     assert c.finish_reason == "stop"
     with pytest.raises(RequestError, match="after="):
         StructuredOutput.regex("a", after=tuple(range(65)))
+
+
+def test_a_matcher_in_llguidance_error_fails_its_row_alone(tokenizer: Any) -> None:
+    grammars = Grammars(tokenizer, SPEC.vocab_size, SPEC.eos_token_ids)
+    structured = StructuredOutput.choice(["yes"], param="guided_choice")
+    grammar = _request_grammar(grammars, structured)
+    assert not grammar.matcher.consume_token(tokenizer.token_to_id("z"))  # llguidance's error
+    params = SamplingParams(temperature=0.0, structured=structured)
+    states = [RequestSampler(p, np.asarray(PROMPT), SPEC.vocab_size, SPEC.eos_token_ids,
+                             np.random.default_rng(0))
+              for p in (SamplingParams(temperature=0.0, top_k=2), params)]
+    states[1].grammar = grammar
+    logits = np.random.default_rng(2).standard_normal((2, SPEC.vocab_size)).astype(np.float32)
+    result = sample_rows(logits, states, [(), ()])
+    assert list(result.failed) == [1]
+    assert "guided_choice constraint (choice) failed" in result.failed[1]
+    assert result.tokens[0] == np.argmax(logits[0])
+
+
+def test_bench_structured_runs_small() -> None:
+    from atombatch.bench import structured as bench
+    records = bench.run([2, 4], vocab=3000, steps=12, threads=1)
+    assert [r.batch for r in records] == [2, 4]
+    for r in records:
+        assert r.constrained_sampled_ms > 0 and r.fill_ms > 0 and r.apply_ms > 0
+        assert 0 < r.allowed_fraction < 1
+    assert "constr." in bench.format_table(records)

@@ -32,7 +32,7 @@ USAGE = ("usage: python -m atombatch.bench [SUBCOMMAND] [options]\n"
 # The short default serve: two models, two prompt lengths, B1 vs B4 on one device and on two.
 SHORT_SERVE = ["--models", "qwen3-4b,koni-8b", "--routes", "native", "--inputs", "2048,8192",
                "--outputs", "128", "--artifacts", "B1/k1,B4/k5,B1/k1/tp2,B4/k5/tp2",
-               "--policies", "prefill-first", "--no-progress"]
+               "--policies", "stall-free:4", "--no-progress"]
 
 
 def _short_default() -> int:

@@ -64,7 +64,7 @@ MODELS = ("qwen3-0.6b", "qwen3-4b", "koni-8b", "gemma3-1b")
 INPUTS = (128, 512, 2048, 8192)
 OUTPUTS = (32, 128)
 ARTIFACTS = ("B1/k1", "B1/k3", "B1/k5", "B4/k5", "B4/k5/dbs1,2,4")
-POLICIES = ("prefill-first", "decode-first", "interleave:4")
+POLICIES = ("stall-free:4", "prefill-first", "decode-first", "interleave:4")
 CONTEXT = 9216
 CHUNK = 128
 CONCURRENCY = 16
@@ -144,6 +144,7 @@ class Cell(msgspec.Struct, frozen=True):
     completion: Latency | None = None
     max_first_token_all: float | None = None  # over every request, timed out or not (origin style)
     max_completion_all: float | None = None
+    max_gap_s: float | None = None       # longest pause between two decoded tokens of a request
     makespan_s: float = 0.0              # first arrival to last finish
     output_tok_s: float = 0.0            # every generated token / makespan
     goodput_tok_s: float = 0.0           # tokens of on-time requests / makespan
@@ -459,6 +460,7 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
 
     records: list[RequestRecord] = []
     ttfts, e2es, first_all, last_all = [], [], [], []
+    max_gap = 0.0  # the longest pause between two tokens of an on-time request
     tokens_all = tokens_ok = 0
     timeouts = errors = 0
     last_finish = start
@@ -496,6 +498,9 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
             ttfts.append(ttft)
             e2es.append(e2e)
             tokens_ok += tokens
+            # from the second token on: a staged request's first token is out before it has a
+            # lane, so its first gap is the wait for one, not a stall of a decoding stream
+            max_gap = max(max_gap, max(timings.inter_token[1:], default=0.0))
         records.append(RequestRecord(arrival - start, ttft, e2e, tokens, failed, reason))
 
     stats = batcher.stats()
@@ -518,7 +523,8 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
         status="ok", hypothetical=fit.fits is False, requests=len(arrivals),
         completed=len(ttfts), timeouts=timeouts, errors=errors, ttft=_latency(ttfts),
         completion=_latency(e2es), max_first_token_all=max(first_all, default=None),
-        max_completion_all=max(last_all, default=None), makespan_s=makespan,
+        max_completion_all=max(last_all, default=None), max_gap_s=max_gap if ttfts else None,
+        makespan_s=makespan,
         output_tok_s=tokens_all / makespan if makespan > 0 else 0.0,
         goodput_tok_s=tokens_ok / makespan if makespan > 0 else 0.0,
         lane_histogram=histogram, mean_decoding_lanes=mean_lanes, prefill_device_s=prefill_s,
@@ -626,7 +632,7 @@ def format_table(report: ServeReport) -> str:
                  "figures exclude failed requests")
     header = (f"{'model':<11} {'route':<15} {'in/out':>9} {'artifact':<14} {'policy':<13} "
               f"{'ok/n':>5} {'t/o':>3} {'TTFT p50':>8} {'p99':>7} {'max':>7} {'done p50':>8} "
-              f"{'max':>7} {'tok/s':>7} {'all max':>7} {'prefill':>8} {'import':>7} "
+              f"{'max':>7} {'gap max':>7} {'tok/s':>7} {'all max':>7} {'prefill':>8} {'import':>7} "
               f"{'decode':>8}  lanes/step")
     lines += [header, "-" * len(header)]
     previous = None
@@ -652,12 +658,16 @@ def format_table(report: ServeReport) -> str:
         lines.append(
             f"{head} {cell.completed:>2}/{cell.requests:<2} {cell.timeouts:>3} "
             f"{_f(ttft.p50):>8} {_f(ttft.p99):>7} {_f(ttft.max):>7} {_f(done.p50):>8} "
-            f"{_f(done.max):>7} {cell.output_tok_s:>7.2f} {_f(cell.max_completion_all):>7} "
+            f"{_f(done.max):>7} {_f(cell.max_gap_s, 2):>7} {cell.output_tok_s:>7.2f} "
+            f"{_f(cell.max_completion_all):>7} "
             f"{_f(cell.prefill_device_s):>8} {_f(cell.import_device_s, 2):>7} "
             f"{_f(cell.decode_device_s):>8}  {_histogram(cell.lane_histogram)}"
             f"{mark}")
     lines.append("")
-    lines.append("t/o = requests over the timeout (failures); 'all max' = latest completion over "
+    lines.append("t/o = requests over the timeout (failures); 'gap max' = the longest pause "
+                 "between two decoded tokens of an on-time request (from its second token: a "
+                 "staged request's first gap is its wait for a lane); 'all max' = latest "
+                 "completion over "
                  "every request, timed out or not (how the origin figures were measured); "
                  "prefill/import/decode = the decoder's device seconds (import: PD KV writes; "
                  "the producer's prefill is not in them); lanes/step = decode steps by decoding "

@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from atombatch.aio import DEFAULT_MAX_UNCLAIMED, OutputStreams
+from atombatch.aio import DEFAULT_MAX_UNCLAIMED, DEFAULT_MAX_UNCLAIMED_BYTES, OutputStreams
 from atombatch.config import ArtifactConfig
 from atombatch.core.messages import (
     Abort,
@@ -62,15 +62,16 @@ class CoreClient(OutputStreams):
     Args:
         factory: picklable callable returning the `Batcher` to run; called in the child.
         startup_timeout: seconds the core may take to build its engine (weights, compilation).
-        max_unclaimed: as `AsyncBatcher`'s.
+        max_unclaimed, max_unclaimed_bytes: as `AsyncBatcher`'s.
         on_core_exit: called (in the event loop, with the exit code) when the core exits
             without being asked to.
     """
 
     def __init__(self, factory: Callable[[], Batcher], *, startup_timeout: float = 600.0,
                  max_unclaimed: int = DEFAULT_MAX_UNCLAIMED,
+                 max_unclaimed_bytes: int = DEFAULT_MAX_UNCLAIMED_BYTES,
                  on_core_exit: Callable[[int | None], None] | None = None) -> None:
-        super().__init__(max_unclaimed)
+        super().__init__(max_unclaimed, max_unclaimed_bytes)
         self.factory = factory
         self.startup_timeout = startup_timeout
         self.on_core_exit = on_core_exit

@@ -99,6 +99,9 @@ class ZmqProducerServer:
         endpoint: where to bind, e.g. "tcp://127.0.0.1:5557" or "ipc:///tmp/pd.sock".
         send_timeout: seconds a peer's reply may make no progress before the peer is dropped.
         max_requests_per_peer: requests one peer may have queued; more answer an error.
+        max_queued_requests: requests all peers together may have queued (each holds its
+            prompt until produced); more answer an error, so many peers cannot multiply the
+            per-peer cap.
         max_backlogged_peers: peers that may hold unsent replies at once.
         max_queued_bytes: bytes of layer messages ZeroMQ may queue towards one peer.
         layer_delay: seconds to sleep before each layer (tests: a slow producer).
@@ -107,7 +110,7 @@ class ZmqProducerServer:
 
     def __init__(self, producer: Producer, endpoint: str, *, context: Any = None,
                  send_timeout: float = 10.0, max_requests_per_peer: int = 16,
-                 max_backlogged_peers: int = 8,
+                 max_queued_requests: int = 64, max_backlogged_peers: int = 8,
                  max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
                  layer_delay: float = 0.0, fail_at_layer: int | None = None) -> None:
         import zmq
@@ -116,6 +119,8 @@ class ZmqProducerServer:
         self.endpoint = endpoint
         self.send_timeout = send_timeout
         self.max_requests_per_peer = max_requests_per_peer
+        self.max_queued_requests = max_queued_requests
+        self.queued_requests = 0  # over every peer
         self.max_backlogged_peers = max_backlogged_peers
         self.layer_delay = layer_delay
         self.fail_at_layer = fail_at_layer
@@ -159,6 +164,7 @@ class ZmqProducerServer:
         self._flush_all()
         peer = self._next_ready()
         if peer is not None:
+            self.queued_requests -= 1
             self._produce(peer, peer.requests.popleft())
         self._forget_idle()
 
@@ -191,6 +197,10 @@ class ZmqProducerServer:
                     raise KVTransferError(f"this peer already has {len(peer.requests)} requests "
                                           f"queued (max_requests_per_peer="
                                           f"{self.max_requests_per_peer})")
+                if self.queued_requests >= self.max_queued_requests:
+                    raise KVTransferError(f"the producer already has {self.queued_requests} "
+                                          f"requests queued (max_queued_requests="
+                                          f"{self.max_queued_requests}): retry later")
             except KVTransferError as exc:
                 if peer.outbox:  # not reading its replies: an error reply would only pile up
                     self.refused += 1
@@ -198,6 +208,7 @@ class ZmqProducerServer:
                     self._queue(peer, [ERROR, str(exc).encode()])
                 continue
             peer.requests.append(request)
+            self.queued_requests += 1
 
     def _next_ready(self) -> _Peer | None:
         for routing_id, peer in self._peers.items():
@@ -280,6 +291,7 @@ class ZmqProducerServer:
         now = time.monotonic()
         self._stalled = {r: t for r, t in self._stalled.items() if t > now}
         self._stalled[peer.routing_id] = now + self.send_timeout
+        self.queued_requests -= len(peer.requests)
         peer.requests.clear()
         peer.outbox.clear()
 

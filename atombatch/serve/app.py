@@ -27,12 +27,14 @@ too large or does not compile; 401 a missing API key (`--api-key`); 404 unknown 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -59,8 +61,9 @@ from atombatch.serve.chat_output import (
     delta_of,
     message_of,
 )
+from atombatch.serve.chat_template import check_template_kwargs
 from atombatch.serve.echo import Echo, echo_logprobs, joined
-from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES
+from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_RESPONSE_BYTES
 from atombatch.serve.metrics import ServerMetrics
 from atombatch.serve.protocol import (
     ChatChoice,
@@ -97,6 +100,22 @@ log = logging.getLogger("atombatch.serve")
 
 _ENCODER = msgspec.json.Encoder()
 _DONE = b"data: [DONE]\n\n"
+# The response-size estimate (`_Server.check_response_size`): bytes per generated token and per
+# logprob candidate in OpenAI's JSON (a candidate carries its text, logprob, rank and bytes).
+_TOKEN_BYTES = 16
+_LOGPROB_BYTES = 64
+
+
+@contextlib.contextmanager
+def _owned(gens: list[_Generation]) -> Iterator[None]:
+    """Until a response owns them, queued generations are aborted by any failure (a response
+    that cannot start must not leave its requests generating for nobody)."""
+    try:
+        yield
+    except BaseException:
+        for gen in gens:
+            gen.abandon()
+        raise
 
 
 class ApiError(Exception):
@@ -265,12 +284,19 @@ class _Generation:
 class _Server:
     def __init__(self, ab: AsyncBatcher | CoreClient, model_name: str, codec: Codec,
                  max_body_bytes: int, retry_after: int, strict_protocol: bool = False,
-                 body_timeout: float = 30.0,
+                 body_timeout: float = 30.0, bounds: schema.Bounds = schema.DEFAULT_BOUNDS,
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
                  max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS,
                  tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
         self.ab = ab
         self.tool_parser = tool_parser            # --tool-call-parser (tool_choice auto)
         self.reasoning_parser = reasoning_parser  # --reasoning-parser
+        self.bounds = bounds
+        self.max_response_bytes = max_response_bytes
+        # Tokenizing and rendering chat templates: one worker thread, off the event loop that
+        # streams to every other client (the tokenizer releases the GIL on long texts); requests
+        # needing it queue for it, so many of them cost one core, not all.
+        self.text_worker = concurrent.futures.ThreadPoolExecutor(1, "atombatch-text")
         self.strict_protocol = strict_protocol
         self.warned_fields: set[str] = set()      # unknown field names already logged
         self.model_name = model_name
@@ -292,7 +318,8 @@ class _Server:
     async def decode(self, request: Request, kind: type[T]) -> T:
         body = await self.read_body(request)
         try:
-            value, ignored = schema.decode(body, kind, strict=self.strict_protocol)
+            value, ignored, dropped = schema.decode(body, kind, strict=self.strict_protocol,
+                                                    bounds=self.bounds)
         except schema.SchemaError as exc:
             raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
         except msgspec.DecodeError as exc:
@@ -303,6 +330,7 @@ class _Server:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
         if ignored:
             request.state.ignored_fields = ignored
+            request.state.ignored_count = dropped
             for path in ignored:
                 name = _INDEX.sub("[]", path)
                 if name in self.warned_fields or len(self.warned_fields) > MAX_WARNED_FIELDS:
@@ -323,8 +351,9 @@ class _Server:
         if not ignored:
             return None
         listed = ", ".join(ignored[:MAX_LISTED_FIELDS])
-        if len(ignored) > MAX_LISTED_FIELDS:
-            listed += f", ... ({len(ignored) - MAX_LISTED_FIELDS} more)"
+        total = getattr(request.state, "ignored_count", len(ignored))
+        if total > MAX_LISTED_FIELDS:
+            listed += f", ... ({total - MAX_LISTED_FIELDS} more)"
         return {IGNORED_FIELDS_HEADER: listed}
 
     async def read_body(self, request: Request) -> bytes:
@@ -349,6 +378,38 @@ class _Server:
                            f"{self.body_timeout} s", code="body_timeout",
                            headers=_CLOSE) from None
         return bytes(body)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` (tokenizing, rendering) on the text worker, not on the event loop;
+        a token-id codec (no tokenizer) parses on the loop: its work stops at the context."""
+        if isinstance(self.codec, IdCodec):
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.text_worker, functools.partial(fn, *args))
+
+    def check_response_size(self, prompts: list[list[int]], params: SamplingParams,
+                            max_tokens: int | None) -> None:
+        """Refuse a request whose response would pass `max_response_bytes` (estimated before it
+        is queued): logprob entries repeat per choice, so `prompt_logprobs` x `n` on a long
+        prompt asks for hundreds of megabytes from a few kilobytes."""
+        n = params.n
+        room = self.artifact.max_seq_len  # a longer max_tokens is refused at submit anyway
+        generated = sum(max(0, room - len(p)) if max_tokens is None else
+                        max(0, min(max_tokens, room - len(p))) for p in prompts)
+        estimate = n * generated * _TOKEN_BYTES
+        if params.logprobs is not None:
+            estimate += n * generated * (params.logprobs + 1) * _LOGPROB_BYTES
+        if params.prompt_logprobs is not None:
+            k = max(params.prompt_logprobs, 0)
+            estimate += n * sum(len(p) for p in prompts) * (k + 1) * _LOGPROB_BYTES
+        if estimate > self.max_response_bytes:
+            raise ApiError(400, f"the response could take about {estimate} bytes (n={n}, "
+                           f"logprobs={params.logprobs}, prompt_logprobs="
+                           f"{params.prompt_logprobs}, {len(prompts)} prompt(s)), more than "
+                           f"max_response_bytes={self.max_response_bytes}: ask for fewer "
+                           "choices, logprobs or tokens", param="n" if n > 1 else
+                           "prompt_logprobs" if params.prompt_logprobs is not None else
+                           "max_tokens", code="response_too_large")
 
     def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                echo: Echo | None = None) -> SamplingParams:
@@ -586,19 +647,22 @@ class _Server:
         except RequestError as exc:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
         params = self.params(body, body.max_tokens, echo)
-        prompts = self.truncate(self.prompts(body.prompt, body.n), body)
+        prompts = self.truncate(await self.off_loop(self.prompts, body.prompt, body.n), body)
+        self.check_response_size(prompts, params, echo.max_tokens(body.max_tokens))
         try:
             gens = self.submit_all("cmpl", prompts, params, "prompt")
         except ApiError as exc:
             raise self.echo_refusal(exc, echo) from None
-        echoed = self.echoed_prompts(body, prompts) if echo.enabled else None
-        created = int(time.time())
-        headers = self.headers(request)
-        if body.stream:
-            usage = _usage_mode(body.stream_options)
-            return _SSEResponse(self._stream_completion(gens, created, usage, echo, echoed),
-                                gens, headers)
-        await self._collect(request, gens)
+        with _owned(gens):
+            echoed = await self.off_loop(self.echoed_prompts, body, prompts) \
+                if echo.enabled else None
+            created = int(time.time())
+            headers = self.headers(request)
+            if body.stream:
+                usage = _usage_mode(body.stream_options)
+                return _SSEResponse(self._stream_completion(gens, created, usage, echo, echoed),
+                                    gens, headers)
+            await self._collect(request, gens)
         want_logprobs = params.logprobs is not None
         choices = []
         for g, gen in enumerate(gens):
@@ -736,6 +800,10 @@ class _Server:
         self.check_chat_features(body)
         plan = self.tool_plan(body)
         messages = [_message_dict(m) for m in body.messages]
+        try:
+            check_template_kwargs(body.chat_template_kwargs or {})
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
         template: dict[str, Any] = dict(body.chat_template_kwargs or {})
         template.update(add_generation_prompt=body.add_generation_prompt,
                         continue_final_message=body.continue_final_message)
@@ -743,20 +811,25 @@ class _Server:
             template["tools"] = plan.tools
         if body.documents is not None:
             template["documents"] = body.documents
-        try:
-            prompt = self.codec.render_chat(messages, **template)
-        except RequestError as exc:
-            raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else \
             body.max_tokens  # None: up to the context end
-        params = await self.constrain(self.params(body, max_tokens), plan, prompt)
-        gens = self.submit_all("chatcmpl", self.truncate([prompt], body), params, "messages")
-        created = int(time.time())
-        headers = self.headers(request)
-        if body.stream:
-            usage = _usage_mode(body.stream_options)
-            return _SSEResponse(self._stream_chat(gens, created, usage, plan), gens, headers)
-        await self._collect(request, gens)
+        params = self.params(body, max_tokens)
+        try:
+            prompt = await self.off_loop(functools.partial(self.codec.render_chat, messages,
+                                                           **template))
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+        params = await self.constrain(params, plan, prompt)
+        prompts = self.truncate([prompt], body)
+        self.check_response_size(prompts, params, max_tokens)
+        gens = self.submit_all("chatcmpl", prompts, params, "messages")
+        with _owned(gens):
+            created = int(time.time())
+            headers = self.headers(request)
+            if body.stream:
+                usage = _usage_mode(body.stream_options)
+                return _SSEResponse(self._stream_chat(gens, created, usage, plan), gens, headers)
+            await self._collect(request, gens)
         want_logprobs = params.logprobs is not None
         choices = []
         for i, c in enumerate(gens[0].choices):
@@ -1074,6 +1147,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, retry_after: int = 1,
                on_shutdown: Callable[[], None] | None = None,
                strict_protocol: bool = False, body_timeout: float = 30.0,
+               bounds: schema.Bounds = schema.DEFAULT_BOUNDS,
+               max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
                max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS,
                api_keys: Sequence[str] = (), tool_parser: str | None = None,
                reasoning_parser: str | None = None) -> Starlette:
@@ -1097,6 +1172,9 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         strict_protocol: reject request fields the server does not read (400
             `unknown_parameter`) instead of ignoring them (logged once per name, listed in the
             `X-Ignored-Fields` response header).
+        bounds: what decoding one body may cost (nesting, objects walked, unknown names kept).
+        max_response_bytes: a request whose response is estimated larger answers 400
+            `response_too_large` before it is queued (logprobs x n, prompt logprobs).
         max_structured_chars: characters of one structured-output constraint (a JSON schema,
             regex, grammar or the choices) at most; a longer one answers 400.
         api_keys: when given, `/v1/*` needs `Authorization: Bearer <one of them>` (else 401;
@@ -1131,8 +1209,11 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSER_NAMES:
         raise ConfigError(f"reasoning parser {reasoning_parser!r} is not one of "
                           f"{', '.join(REASONING_PARSER_NAMES)}")
+    if isinstance(codec, HFCodec) and codec.max_chars is None:
+        codec.bound(ab.artifact.max_seq_len)  # text that cannot fit is refused untokenized
     server = _Server(ab, model_name, codec, max_body_bytes, retry_after, strict_protocol,
-                     body_timeout, max_structured_chars, tool_parser, reasoning_parser)
+                     body_timeout, bounds, max_response_bytes, max_structured_chars,
+                     tool_parser, reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -1144,6 +1225,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         finally:
             server.accepting = False
             await ab.close(drain=True)
+            server.text_worker.shutdown(wait=False, cancel_futures=True)
             if on_shutdown is not None:
                 on_shutdown()
 

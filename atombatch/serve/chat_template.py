@@ -35,6 +35,13 @@ from atombatch.errors import ConfigError, RequestError
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
+# What a request's chat_template_kwargs may not set: the renderer's own arguments and the
+# tokenizer's special tokens (a client-chosen `eos_token` printed after every message multiplies
+# the prompt; vLLM refuses these too).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "self", "messages", "conversation", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "chat_template", "tokenize", "max_chars", "kwargs",
+    *SPECIAL_TOKEN_NAMES, "additional_special_tokens"})
 _REASONING = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "ATOMBATCH_CONTINUE_FINAL_MESSAGE "
 
@@ -85,13 +92,15 @@ class ChatTemplate:
                tools: Sequence[Mapping[str, Any]] | None = None,
                documents: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = True, continue_final_message: bool = False,
-               **kwargs: Any) -> str:
+               max_chars: int | None = None, **kwargs: Any) -> str:
         """The prompt text for `messages` (what `apply_chat_template(..., tokenize=False)` gives).
 
         Raises:
-            RequestError: the template raised (`raise_exception`) or failed on these inputs, or
-                `continue_final_message` cannot be honoured.
+            RequestError: the template raised (`raise_exception`) or failed on these inputs, its
+                output passed `max_chars` (rendering stops there), or `continue_final_message`
+                cannot be honoured.
         """
+        check_template_kwargs(kwargs)
         if continue_final_message and add_generation_prompt:
             raise RequestError("continue_final_message and add_generation_prompt cannot both be "
                                "true: continuing the last message adds no new assistant header")
@@ -109,7 +118,9 @@ class ChatTemplate:
                    "documents": _plain(list(documents)) if documents is not None else None,
                    "add_generation_prompt": add_generation_prompt}
         try:
-            text: str = template.render(**context)
+            text = _rendered(template, context, max_chars)
+        except RequestError:
+            raise
         except _TemplateRaised as exc:
             raise RequestError(f"chat template: {exc.message}") from None
         except Exception as exc:  # any failure of an untrusted template fails this request only
@@ -122,6 +133,36 @@ class ChatTemplate:
                                    "final message's text, so it cannot be continued")
             text = text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
         return text
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any]) -> None:
+    """Refuse template keywords that would override the renderer's arguments or the tokenizer's
+    special tokens (`RESERVED_TEMPLATE_KWARGS`).
+
+    Raises:
+        RequestError: naming the keyword (param `chat_template_kwargs`).
+    """
+    taken = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if taken:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(taken)}: the server "
+                           "sets the template's messages, tools, documents, generation flags and "
+                           "the tokenizer's special tokens itself", param="chat_template_kwargs")
+
+
+def _rendered(template: Any, context: dict[str, Any], max_chars: int | None) -> str:
+    """The template's output, built piece by piece and stopped once it passes `max_chars`."""
+    if max_chars is None:
+        return str(template.render(**context))
+    pieces: list[str] = []
+    size = 0
+    for piece in template.generate(**context):
+        size += len(piece)
+        if size > max_chars:
+            raise RequestError(f"the chat template's output passed max_prompt_chars="
+                               f"{max_chars} characters (more than the context can hold)",
+                               param="messages", limit=max_chars)
+        pieces.append(piece)
+    return "".join(pieces)
 
 
 def load_chat_template(path: str | Path, special_tokens: Mapping[str, str] | None = None

@@ -36,16 +36,20 @@ from typing import Any
 from atombatch.config import PRESETS, ArtifactConfig, ModelSpec
 from atombatch.engine import Batcher
 from atombatch.errors import ConfigError
+from atombatch.policy import DEFAULT_POLICY
 from atombatch.scheduler import POLICY_KINDS, Policy
+from atombatch.serve import schema
 from atombatch.serve.chat_template import template_from_argument
-from atombatch.serve.limits import ServerLimits
+from atombatch.serve.limits import DEFAULT_MAX_RESPONSE_BYTES, ServerLimits
 from atombatch.serve.reasoning import REASONING_PARSER_NAMES
 from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS
 from atombatch.serve.tokens import Codec, HFCodec
 from atombatch.serve.tools import TOOL_PARSER_NAMES
 
 POLICY_HELP = {
-    "prefill-first": "a pending prefill chunk runs before the next decode step (default)",
+    "stall-free:K": "prefill-first, but a decode step at least every K prefill chunks while "
+                    "lanes decode (default stall-free:4)",
+    "prefill-first": "a pending prefill chunk runs before the next decode step",
     "decode-first": "prefill only when no lane decodes",
     "interleave:N": "at most one prefill chunk per N decode steps while lanes decode",
     "fill-first:N": "a lane's own prefill at once; chunks into the spare one per N decode steps",
@@ -121,7 +125,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decoder-batch-sizes", type=_batch_sizes, default=(),
                    help="compiled decode batches, e.g. 1,2,4 (default: --batch-size only); each "
                         "decode step runs the smallest that holds the decoding lanes")
-    p.add_argument("--policy", default="prefill-first", type=_policy,
+    p.add_argument("--policy", default=DEFAULT_POLICY, type=_policy,
                    metavar="{" + ",".join(POLICY_HELP) + "}",
                    help="scheduling policy: " + "; ".join(f"{k}: {v}"
                                                           for k, v in POLICY_HELP.items()))
@@ -175,6 +179,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int,
                    help="open connections; past it the longest-idle one is closed (default: "
                    "from the descriptor limit, `ulimit -n`)")
+    bounds, response = schema.Bounds(), DEFAULT_MAX_RESPONSE_BYTES
+    p.add_argument("--max-json-depth", type=int, default=bounds.max_depth,
+                   help="nesting of a request body; deeper answers 400 nesting_too_deep "
+                   f"(default {bounds.max_depth})")
+    p.add_argument("--max-json-objects", type=int, default=bounds.max_objects,
+                   help="JSON objects and arrays a body may hold outside token-id lists; more "
+                   f"answer 400 too_many_objects (default {bounds.max_objects})")
+    p.add_argument("--max-response-bytes", type=int, default=response,
+                   help="a request whose response is estimated larger (n x logprobs x tokens, "
+                   f"prompt logprobs) answers 400 response_too_large (default {response})")
     p.add_argument("--engine-core", choices=("process", "inline"), default="process",
                    help="process: the engine steps in its own process and this one serves HTTP, "
                    "tokenizes and streams (default; docs/architecture.md); inline: both share "
@@ -470,8 +484,12 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         _stop_engine(engine)
         return 2
     try:
+        bounds = schema.Bounds(max_depth=args.max_json_depth, max_objects=args.max_json_objects)
+        if args.max_response_bytes < 1:
+            raise ConfigError(f"--max-response-bytes {args.max_response_bytes} must be >= 1")
         app = create_app(engine, name, codec, max_body_bytes=limits.max_body_bytes,
                          body_timeout=limits.body_timeout, strict_protocol=args.strict_protocol,
+                         bounds=bounds, max_response_bytes=args.max_response_bytes,
                          max_structured_chars=args.max_structured_chars,
                          api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser)

@@ -41,6 +41,8 @@ except ImportError:  # httptools is optional: h11 then
 from atombatch.errors import ConfigError
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+# a larger estimated response (logprobs x n x tokens) answers 400 before the request is queued
+DEFAULT_MAX_RESPONSE_BYTES = 32 * 1024 * 1024
 _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\n"
             b"connection: close\r\ncontent-length: 29\r\n\r\ntoo many connections to serve")
 

@@ -73,7 +73,12 @@ from atombatch.cluster.routing import (
     ReplicaLoad,
     route_digests,
 )
-from atombatch.cluster.summary import DEFAULT_SUMMARY_BITS, CacheSummarizer, CacheSummary
+from atombatch.cluster.summary import (
+    DEFAULT_SUMMARY_BITS,
+    CacheSummarizer,
+    CacheSummary,
+    check_summary_size,
+)
 from atombatch.errors import AtomBatchError, ConfigError
 from atombatch.structs import SamplingParams
 
@@ -227,10 +232,37 @@ def summary_from_stats(stats: dict[str, Any]) -> CacheSummary | None:
     bits = stats.get("summary_bits")
     if not isinstance(bits, bytes) or not bits:
         return None
-    return CacheSummary(bits, hashes=int(stats.get("summary_hashes", 7)),
-                        count=int(stats.get("summary_count", 0)),
-                        route_block=int(stats.get("route_block", DEFAULT_ROUTE_BLOCK)),
+    hashes, count = stats.get("summary_hashes", 7), stats.get("summary_count", 0)
+    route_block = stats.get("route_block", DEFAULT_ROUTE_BLOCK)
+    try:
+        # a replica's report is bounded like a summary built here: a forged one (10**6 hashes:
+        # seconds and hundreds of MiB per routing decision) is ignored, not trusted
+        if not all(isinstance(v, int) and not isinstance(v, bool)
+                   for v in (hashes, count, route_block)):
+            raise ConfigError(f"summary fields must be ints: hashes={hashes!r}, "
+                              f"count={count!r}, route_block={route_block!r}")
+        check_summary_size(len(bits) * 8, hashes)
+        if not 1 <= route_block <= MAX_ROUTE_BLOCK or count < 0:
+            raise ConfigError(f"route_block={route_block} must be in 1..{MAX_ROUTE_BLOCK} and "
+                              f"count={count} >= 0")
+    except ConfigError as exc:
+        _warn_bad_summary(str(exc))
+        return None
+    return CacheSummary(bits, hashes=hashes, count=count, route_block=route_block,
                         truncated=bool(stats.get("summary_truncated", False)))
+
+
+MAX_ROUTE_BLOCK = 1 << 16
+_bad_summaries = 0
+
+
+def _warn_bad_summary(reason: str) -> None:
+    """Log the first and every 1000th refused summary (a flood must not flood the log)."""
+    global _bad_summaries
+    _bad_summaries += 1
+    if _bad_summaries % 1000 == 1:
+        logger.warning("router: ignoring a replica's cache summary (%s; %d so far)", reason[:200],
+                    _bad_summaries)
 
 
 def _digests_of(pending_request: PendingRequest | None) -> tuple[bytes, ...]:

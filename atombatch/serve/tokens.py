@@ -130,6 +130,8 @@ class HFCodec:
             chat_template = ChatTemplate({"default": chat_template}, "chat_template argument",
                                          self.special)
         self.chat_template = chat_template
+        self.max_chars: int | None = None   # set by `bound`: longer text cannot fit the context
+        self.chars_per_token = 0
 
     @property
     def chat_template_name(self) -> str:
@@ -162,14 +164,36 @@ class HFCodec:
         codec.config = read_json(path / "tokenizer_config.json") or {}
         return codec
 
+    def bound(self, max_seq_len: int) -> None:
+        """Refuse text that cannot fit `max_seq_len` tokens before tokenizing it: no token of this
+        vocabulary spells more than `chars_per_token` characters (the longest vocabulary entry,
+        x4 when a normalizer may drop characters), so a longer text has too many tokens."""
+        longest = max((len(k) for k in self.tokenizer.get_vocab(with_added_tokens=True)),
+                      default=1)
+        self.chars_per_token = longest * (4 if self.tokenizer.normalizer is not None else 1)
+        self.max_chars = max_seq_len * self.chars_per_token
+
     def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no special tokens added). A long text is tokenized with the GIL
+        released (`encode_batch`), so a server thread doing it does not stall the event loop.
+
+        Raises:
+            RequestError: the text is longer than `max_chars` (it cannot fit the context).
+        """
+        if self.max_chars is not None and len(text) > self.max_chars:
+            raise RequestError(f"text of {len(text)} characters cannot fit the context: at most "
+                               f"{self.chars_per_token} characters per token x max_seq_len = "
+                               f"max_prompt_chars={self.max_chars}", param="prompt",
+                               limit=self.max_chars)
+        if len(text) > _LONG_TEXT:
+            return list(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def render_chat(self, messages: Sequence[dict[str, Any]], **template: Any) -> list[int]:
         """Render with the chat template (see `ChatTemplate.render` for `template`) and encode
         without adding special tokens, as `apply_chat_template(tokenize=True)` does."""
         if self.chat_template is not None:
-            text = self.chat_template.render(messages, **template)
+            text = self.chat_template.render(messages, max_chars=self.max_chars, **template)
         else:
             text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + \
                 "assistant:"
@@ -180,6 +204,9 @@ class HFCodec:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+
+_LONG_TEXT = 4096  # characters: longer texts are tokenized with the GIL released
 
 
 class _HFDecoder:

@@ -131,6 +131,31 @@ async def test_unclaimed_outputs_are_compacted_and_bounded() -> None:
         assert outs[0].new_token_ids == outs[0].completion.token_ids
 
 
+async def test_unclaimed_results_are_bounded_by_bytes_too() -> None:
+    """Issue 18 item 7: unclaimed results were bounded by count only, and one with prompt
+    logprobs weighs megabytes (1.48 MiB each on 21fd0af's server)."""
+    from atombatch.aio import output_bytes
+
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=5,
+                            prompt_logprobs=5)
+    batcher = Batcher(NumpyRuntime.random(ART, seed=3), max_waiting=None)
+    prompt = list(range(3, 40))
+    async with AsyncBatcher(batcher, offload=False, max_unclaimed=1000,
+                            max_unclaimed_bytes=40_000) as ab:
+        ids = [ab.submit(prompt, params) for _ in range(12)]
+        while ab.in_flight:
+            await asyncio.sleep(0.01)
+        assert 0 < ab.unclaimed_bytes <= 40_000
+        kept = len(ids) - ab.unclaimed_dropped
+        assert 1 <= kept < len(ids)  # by bytes: the count bound (1000) never bit
+        with pytest.raises(RequestError, match="max_unclaimed_bytes=40000"):
+            ab.outputs(ids[0])
+        outs = [out async for out in ab.outputs(ids[-1])]
+        assert outs[-1].finished and outs[-1].prompt_logprobs is not None
+        assert sum(output_bytes(out) for out in outs) <= 40_000
+    assert ab.unclaimed_bytes == sum(ab._unclaimed_bytes.values())
+
+
 @pytest.mark.slow
 async def test_twenty_thousand_unclaimed_requests_cost_bounded_memory() -> None:
     """f4462de kept every unclaimed request's outputs: 20 000 of them cost +54.5 MiB."""

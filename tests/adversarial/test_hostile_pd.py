@@ -255,3 +255,72 @@ def test_requests_past_the_per_peer_cap_are_refused(payload: Any) -> None:
     assert len(ends) == 7 and ends.count(END + b" ") == 3, ends
     assert sum(b"max_requests_per_peer=3" in e for e in errors) == 3
     assert sum(b"not a valid KVRequest" in e for e in errors) == 1
+
+
+def test_requests_past_the_total_cap_are_refused(payload: Any) -> None:
+    """Issue 18 item 11: the cap was per peer only, so 150 peers x 16 requests raised the
+    producer to 784 MiB and an honest decoder's latency from 0.09 s to 51 s."""
+    server = ZmqProducerServer(Producer(NumpyRuntime.random(ART, seed=1)), "tcp://127.0.0.1:0",
+                               max_requests_per_peer=16, max_queued_requests=4)
+    peers = []
+    for _ in range(3):
+        peer = zmq.Context.instance().socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(server.last_endpoint)
+        peers.append(peer)
+    try:
+        request = msgspec.msgpack.encode(KVRequest(request_id="many", prompt=PROMPT))
+        for peer in peers:
+            for _ in range(3):
+                peer.send_multipart([REQUEST, request])
+        time.sleep(0.3)  # let the nine requests reach the producer's socket
+        ends: list[bytes] = []
+        deadline = time.monotonic() + 20
+        while len(ends) < 9 and time.monotonic() < deadline:
+            server.serve_one(0.01)
+            for peer in peers:
+                while peer.poll(0):
+                    kind, *rest = peer.recv_multipart()
+                    if kind in (END, ERROR):
+                        ends.append(kind + b" " + (rest[0] if kind == ERROR else b""))
+    finally:
+        for peer in peers:
+            peer.close()
+        server.close()
+    assert len(ends) == 9 and ends.count(END + b" ") == 4, ends
+    assert sum(b"max_queued_requests=4" in e for e in ends) == 5
+    assert server.queued_requests == 0
+
+
+def test_a_producer_sending_each_message_just_in_time_is_cut_at_the_deadline(
+        payload: Any) -> None:
+    """Issue 18 item 11: each message just under `pd_timeout` held the lane for (layers + 1) x
+    `pd_timeout` (no total deadline); now the import fails at `pd_deadline`."""
+    batcher = Batcher(NumpyRuntime.random(ART, seed=1), pd_timeout=0.6, pd_deadline=1.0)
+    fake = FakeProducer()
+    source = ZmqSource(fake.endpoint, "slow", PROMPT)
+    rid = batcher.submit(PROMPT, PARAMS, kv=source)
+    messages = [[HEADER, encode_header(payload.header)],
+                *[[LAYER, *layer_frames(layer)] for layer in payload.layers], [END]]
+
+    def trickle() -> None:
+        assert fake.socket.poll(5000)
+        peer, _, _ = fake.socket.recv_multipart()
+        for message in messages:
+            time.sleep(0.45)  # under pd_timeout each, 1.8 s in all
+            fake.socket.send_multipart([peer, *message])
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    sender.start()
+    start = time.monotonic()
+    try:
+        finals = run_to_end(batcher)
+        took = time.monotonic() - start
+    finally:
+        sender.join(10)
+        fake.close()
+    assert finals[rid].finish_reason == "error"
+    assert "pd_deadline=1.0" in (finals[rid].error or ""), finals[rid].error
+    assert took < 1.8
+    stats = batcher.stats()
+    assert stats.lane_blocks == stats.staged_blocks == 0  # the lane and its blocks came back

@@ -1,5 +1,6 @@
-"""`python -m atombatch.serve` in a child process, for tests that measure the server's own RSS or
-descriptors (a server thread inside the test process would share both with the test)."""
+"""Servers for tests: `python -m atombatch.serve` in a child process (`served`, for tests that
+measure the server's own RSS or descriptors, which a thread would share with the test) and an app
+served by uvicorn in a thread of the test process (`ServerThread`)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import resource
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
+import uvicorn
 
 
 def free_port() -> int:
@@ -56,3 +60,35 @@ def served(*flags: str, nofile: int | None = None) -> Iterator[tuple[str, int]]:
             process.wait(5)
         if process.stderr:
             process.stderr.close()
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", ws="none", lifespan="on",
+                                timeout_graceful_shutdown=30)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert self.thread.is_alive(), "uvicorn exited during startup"
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        self.sock.close()
+        assert not self.thread.is_alive(), "uvicorn did not shut down"
