@@ -971,7 +971,8 @@ class _Server:
         self.check_model(body.model)
         messages = None if body.messages is None else [_message_dict(m) for m in body.messages]
         try:
-            answer = vllm_api.tokenize(self.codec, body, messages, self.artifact.max_seq_len)
+            answer = await self.off_loop(vllm_api.tokenize, self.codec, body, messages,
+                                         self.artifact.max_seq_len)
         except RequestError as exc:
             raise ApiError(400, str(exc), param=exc.param or "prompt",
                            code="invalid_value") from None
