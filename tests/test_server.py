@@ -234,7 +234,8 @@ BAD = [
     ({"prompt": [5], "max_tokens": 4, "logit_bias": {"x": 1}}, 400, "logit_bias", "invalid_value"),
     ({"prompt": [5], "max_tokens": 4, "logit_bias": {"7": 101}}, 400, "logit_bias", "invalid_value"),
     ({"prompt": [5], "max_tokens": 4, "stop": ["x"]}, 400, "stop", "invalid_value"),
-    ({"prompt": [5], "max_tokens": 4, "echo": True}, 400, "echo", "unsupported_value"),
+    ({"prompt": [5], "max_tokens": 4, "echo": True, "best_of": 2}, 400, "best_of",
+     "unsupported_value"),
     ({"prompt": [5], "max_tokens": 4, "model": "gpt-9"}, 404, "model", "model_not_found"),
 ]
 

@@ -263,9 +263,9 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"tools": [TOOL]}, "tools"),
-    ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
-    ({"tools": [TOOL], "tool_choice": "required"}, "tools"),
+    ({"tools": [TOOL]}, "tool_choice"),          # auto needs --tool-call-parser
+    ({"tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),  # needs a tokenizer
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"functions": [TOOL["function"]]}, "functions"),
     ({"response_format": {"type": "json_object"}}, "response_format"),

@@ -16,8 +16,9 @@ means "default" for optional fields.
 
 Statuses: 400 bad JSON, a body that does not match the schema (wrong type, missing field, unknown
 field when strict), a value the engine rejects (over-long prompt, token id outside the vocab,
-temperature, top_p, max_tokens, ...), a feature this server cannot honour (tools) or a
-structured-output constraint that is too large or does not compile; 404 unknown model or path;
+temperature, top_p, max_tokens, ...), a field that changes the result and that this server
+cannot honour (atombatch/serve/unhonoured.py), tools or a structured-output constraint that is
+too large or does not compile; 401 a missing API key (`--api-key`); 404 unknown model or path;
 413 body too large; 429 queue full (with `Retry-After`); 503 shutting down. Every error body is
 `{"error": {message, type, param, code}}`, and the reason of every 4xx is logged (logger
 `atombatch.serve`).
@@ -33,13 +34,14 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -49,9 +51,19 @@ from atombatch.aio import AsyncBatcher, compact_outputs
 from atombatch.core import CoreClient
 from atombatch.detokenizer import bad_word_ids
 from atombatch.engine import Batcher
-from atombatch.errors import CapacityError, RequestError, UnavailableError
-from atombatch.serve import schema
+from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
+from atombatch.serve import schema, vllm_api
+from atombatch.serve.auth import BearerAuth
+from atombatch.serve.chat_output import (
+    ChatConstraints,
+    ChatOutput,
+    Piece,
+    UnservableConstraint,
+    delta_of,
+    message_of,
+)
 from atombatch.serve.chat_template import check_template_kwargs
+from atombatch.serve.echo import Echo, echo_logprobs, joined
 from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_RESPONSE_BYTES
 from atombatch.serve.metrics import ServerMetrics
 from atombatch.serve.protocol import (
@@ -63,7 +75,6 @@ from atombatch.serve.protocol import (
     ChatLogprobs,
     ChatMessage,
     ChatResponse,
-    ChatResponseMessage,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
@@ -79,8 +90,10 @@ from atombatch.serve.protocol import (
     TopLogprob,
     Usage,
 )
+from atombatch.serve.reasoning import REASONING_PARSER_NAMES
 from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredRequests
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
+from atombatch.serve.tools import TOOL_PARSER_NAMES, NoToolParser, ToolCallError, ToolPlan
 from atombatch.structs import RequestOutput, SamplingParams, TokenLogprobs
 
 T = TypeVar("T")
@@ -176,6 +189,7 @@ class _Generation:
         self.generated = 0
         self.finish_reason: str | None = None  # the whole request (an error in any choice wins)
         self.error: str | None = None
+        self.prompt: list[int] = []           # the prompt's ids (echo)
         self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # when asked for
         self.started = False                 # run() began (it then does its own accounting)
         self.abandoned = False
@@ -273,8 +287,11 @@ class _Server:
                  max_body_bytes: int, retry_after: int, strict_protocol: bool = False,
                  body_timeout: float = 30.0, bounds: schema.Bounds = schema.DEFAULT_BOUNDS,
                  max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
-                 max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS) -> None:
+                 max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS,
+                 tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
         self.ab = ab
+        self.tool_parser = tool_parser            # --tool-call-parser (tool_choice auto)
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser
         self.bounds = bounds
         self.max_response_bytes = max_response_bytes
         # Tokenizing and rendering chat templates: one worker thread, off the event loop that
@@ -292,6 +309,8 @@ class _Server:
         self.structured = StructuredRequests(
             getattr(codec, "tokenizer", None), self.artifact.model.vocab_size,
             self.artifact.model.eos_token_ids, max_structured_chars)
+        self.constraints = ChatConstraints(self.structured.grammars, reasoning_parser,
+                                           getattr(codec, "tokenizer", None))
         self.metrics = ServerMetrics(ab.stats, self.artifact.batch_size)
         self.accepting = False
         self.created = int(time.time())
@@ -406,16 +425,17 @@ class _Server:
                            "prompt_logprobs" if params.prompt_logprobs is not None else
                            "max_tokens", code="response_too_large")
 
-    def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
-               ) -> SamplingParams:
+    def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+               echo: Echo | None = None) -> SamplingParams:
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model {_clip(repr(body.model))} is not served here; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
+        prompt_logprobs = body.prompt_logprobs
         if isinstance(body, CompletionRequest):
-            if body.echo:
-                raise ApiError(400, "echo=True is not supported: only False is served",
-                               param="echo", code="unsupported_value")
             logprobs = body.logprobs
+            if echo is not None:
+                max_tokens = echo.max_tokens(body.max_tokens)
+                prompt_logprobs = echo.prompt_logprobs()
         else:
             if body.top_logprobs is not None and not body.logprobs:
                 raise ApiError(400, f"top_logprobs={body.top_logprobs} needs logprobs=true",
@@ -448,7 +468,7 @@ class _Server:
                 allowed_token_ids=None if body.allowed_token_ids is None else
                 tuple(body.allowed_token_ids),
                 bad_words=tuple(body.bad_words), skip_special_tokens=body.skip_special_tokens,
-                logprobs=logprobs, prompt_logprobs=body.prompt_logprobs, structured=structured)
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
         except RequestError as exc:
             message = str(exc)
             lead = re.match(r"[a-z_]+", message)  # SamplingParams messages start with the field
@@ -486,9 +506,10 @@ class _Server:
                            code="invalid_value") from None
         self.metrics.prompt_tokens.inc(len(prompt))
         # Take the output iterator now, before any await: the request may finish at once.
-        return _Generation(self, request_id, len(prompt), self.ab.output_batches(request_id),
-                           accepted,
-                           params.n)
+        gen = _Generation(self, request_id, len(prompt), self.ab.output_batches(request_id),
+                          accepted, params.n)
+        gen.prompt = prompt
+        return gen
 
     # -- logprobs in OpenAI's shapes ------------------------------------------------------------
     def token_text(self, token: int) -> str:
@@ -512,12 +533,14 @@ class _Server:
                           for lp in logprobs],
             text_offset=offsets)
 
-    def prompt_logprobs_json(self, entries: tuple[TokenLogprobs | None, ...] | None
-                             ) -> PromptLogprobsJSON | None:
+    def prompt_logprobs_json(self, entries: tuple[TokenLogprobs | None, ...] | None,
+                             k: int | None = -1) -> PromptLogprobsJSON | None:
         """vLLM's prompt_logprobs: per prompt token None (the first) or {id: Logprob} holding the
-        prompt token and the top candidates; -inf clamped to -9999.0 as vLLM does."""
-        if entries is None:
+        prompt token and the top candidates (the first `k` of them; -1: all computed); -inf
+        clamped to -9999.0 as vLLM does. None when not asked for (`k` None)."""
+        if entries is None or k is None:
             return None
+        keep = None if k < 0 else k
         texts: dict[int, str] = {}
 
         def entry(token: int, logprob: float, rank: int) -> PromptLogprob:
@@ -532,7 +555,7 @@ class _Server:
                 out.append(None)
                 continue
             position = {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
-            for top in lp.top:
+            for top in lp.top[:keep]:
                 if str(top.token_id) not in position:
                     position[str(top.token_id)] = entry(top.token_id, top.logprob, top.rank)
             out.append(position)
@@ -611,18 +634,7 @@ class _Server:
         return gens
 
     def check_chat_features(self, body: ChatCompletionRequest) -> None:
-        """Reject what this server cannot honour (tool calls, structured output), naming it."""
-        tools_shown = body.tools is not None and body.tool_choice == "none"
-        if body.tools is not None and not tools_shown:
-            choice = "auto" if body.tool_choice is None else body.tool_choice
-            raise ApiError(400, f"tools with tool_choice={choice!r}: this server does not parse "
-                           "tool calls (send tool_choice \"none\" to only show the tools to the "
-                           "chat template, or leave tools out)", param="tools",
-                           code="unsupported_value")
-        if body.tool_choice is not None and body.tool_choice != "none" and body.tools is None:
-            raise ApiError(400, f"tool_choice={body.tool_choice!r} needs tools, and this server "
-                           "does not parse tool calls", param="tool_choice",
-                           code="unsupported_value")
+        """Reject what this server cannot honour, naming it."""
         for name in ("functions", "function_call"):
             if getattr(body, name) is not None:
                 raise ApiError(400, f"{name}: function calling is not supported", param=name,
@@ -644,33 +656,87 @@ class _Server:
     async def completions(self, request: Request) -> Response:
         body = await self.decode(request, CompletionRequest)
         self.check_completion_features(body)
-        params = self.params(body, body.max_tokens)
+        try:
+            echo = Echo(body)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+        params = self.params(body, body.max_tokens, echo)
         prompts = self.truncate(await self.off_loop(self.prompts, body.prompt, body.n), body)
-        self.check_response_size(prompts, params, body.max_tokens)
+        self.check_response_size(prompts, params, echo.max_tokens(body.max_tokens))
         self.check_samplable(params)
-        gens = self.submit_all("cmpl", prompts, params, "prompt")
+        try:
+            gens = self.submit_all("cmpl", prompts, params, "prompt")
+        except ApiError as exc:
+            raise self.echo_refusal(exc, echo) from None
         with _owned(gens):
+            echoed = await self.off_loop(self.echoed_prompts, body, prompts) \
+                if echo.enabled else None
             created = int(time.time())
             headers = self.headers(request)
             if body.stream:
                 usage = _usage_mode(body.stream_options)
-                return _SSEResponse(self._stream_completion(gens, created, usage), gens, headers)
+                return _SSEResponse(self._stream_completion(gens, created, usage, echo, echoed),
+                                    gens, headers)
             await self._collect(request, gens)
         want_logprobs = params.logprobs is not None
-        prompt_logprobs = [self.prompt_logprobs_json(gen.prompt_logprobs) for gen in gens]
-        return _json(CompletionResponse(
-            id=gens[0].request_id, created=created, model=self.model_name,
-            choices=[CompletionChoice(
-                index=g * params.n + i, text="".join(c.text), token_ids=c.token_ids,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                logprobs=self.completion_logprobs(c.logprobs) if want_logprobs else None,
-                prompt_logprobs=prompt_logprobs[g])
-                for g, gen in enumerate(gens) for i, c in enumerate(gen.choices)],
-            usage=_total_usage(gens)), headers=headers)
+        choices = []
+        for g, gen in enumerate(gens):
+            prompt_logprobs = self.prompt_logprobs_json(gen.prompt_logprobs,
+                                                        echo.user_prompt_logprobs)
+            for i, c in enumerate(gen.choices):
+                text, token_ids, finish = "".join(c.text), c.token_ids, c.finish_reason
+                logprobs = self.completion_logprobs(c.logprobs) if want_logprobs else None
+                if not echo.generate:
+                    text, token_ids, finish, logprobs = "", [], "length", None
+                if echoed is not None:
+                    text = echoed[g] + text
+                    if want_logprobs:
+                        logprobs = joined(self.echo_head(gen), logprobs)
+                choices.append(CompletionChoice(
+                    index=g * params.n + i, text=text, token_ids=token_ids, finish_reason=finish,
+                    stop_reason=c.stop_reason if echo.generate else None, logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs))
+        total = _total_usage(gens) if echo.generate else _prompt_usage(gens)
+        return _json(CompletionResponse(id=gens[0].request_id, created=created,
+                                        model=self.model_name, choices=choices, usage=total),
+                     headers=headers)
+
+    def echoed_prompts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """Each prompt's text as echoed: as sent when it was text (and not truncated), else
+        decoded from its ids."""
+        sent: list[str | None] = [None] * len(prompts)
+        if isinstance(body.prompt, str):
+            sent = [body.prompt]
+        elif body.prompt and all(isinstance(p, str) for p in body.prompt):
+            sent = list(body.prompt)  # type: ignore[arg-type]
+        if body.truncate_prompt_tokens is not None:
+            sent = [None] * len(prompts)
+        return [text if text is not None else self.codec.decode(ids)
+                for text, ids in zip(sent, prompts, strict=True)]
+
+    def echo_head(self, gen: _Generation) -> CompletionLogprobs:
+        try:
+            return echo_logprobs(gen.prompt, gen.prompt_logprobs, self.token_text)
+        except RequestError as exc:
+            raise ApiError(500, str(exc), type="server_error", code="engine_error") from None
+
+    @staticmethod
+    def echo_refusal(exc: ApiError, echo: Echo) -> ApiError:
+        """A refusal of the prompt logprobs only echo asked for, reworded to name `echo`."""
+        error = exc.body.error
+        if error.param != "prompt_logprobs":
+            return exc
+        reworded = echo.explain(RequestError(error.message, param=error.param))
+        if reworded.param == error.param:
+            return exc
+        return ApiError(exc.status, str(reworded), param="echo", code="unsupported_value",
+                        headers=exc.headers)
 
     async def _stream_completion(self, gens: list[_Generation], created: int,
-                                 usage: tuple[bool, bool]) -> AsyncIterator[bytes]:
-        """Choice `g * n + i` is choice i of prompt g (OpenAI's order for batched prompts)."""
+                                 usage: tuple[bool, bool], echo: Echo,
+                                 echoed: list[str] | None) -> AsyncIterator[bytes]:
+        """Choice `g * n + i` is choice i of prompt g (OpenAI's order for batched prompts). An
+        echoed prompt (text and logprobs) leads each choice's first chunk."""
         include_usage, continuous = usage
 
         def chunk(choices: list[CompletionChoice], u: Usage | None = None) -> bytes:
@@ -679,35 +745,75 @@ class _Server:
 
         n = len(gens[0].choices)
         offsets = [[0] * n for _ in gens]
+        started = [[False] * n for _ in gens]
         async with contextlib.aclosing(_merged(gens)) as events:
             async for g, (new, text, out) in events:
                 gen, i = gens[g], out.index
                 index = g * n + i
                 running = gen.usage() if continuous else None
                 logprobs = None
-                if out.logprobs is not None:
+                if not echo.generate:
+                    new, text = [], ""
+                elif out.logprobs is not None:
                     logprobs = self.completion_logprobs(list(out.logprobs), offsets[g][i])
                 offsets[g][i] += len(text)
+                if echoed is not None and not started[g][i] and out.finish_reason != "error":
+                    text = echoed[g] + text
+                    if echo.logprobs is not None:
+                        head = self.echo_head(gen)
+                        logprobs = joined(head, logprobs)
+                        offsets[g][i] += head.text_offset[-1] + len(head.tokens[-1]) \
+                            if head.tokens else 0
+                started[g][i] = True
                 if out.finish_reason == "error":
                     if new:
                         yield chunk([CompletionChoice(index=index, text=text, token_ids=new,
                                                       logprobs=logprobs)], running)
                     yield gen.error_event()
                     break
+                finish = out.finish_reason
+                if finish is not None and not echo.generate:
+                    finish = "length"
                 yield chunk([CompletionChoice(index=index, text=text, token_ids=new,
-                                              finish_reason=out.finish_reason,
+                                              finish_reason=finish,
                                               stop_reason=gen.choices[i].stop_reason
-                                              if out.finish_reason else None,
+                                              if out.finish_reason and echo.generate else None,
                                               logprobs=logprobs,
                                               prompt_logprobs=self.prompt_logprobs_json(
-                                                  out.prompt_logprobs))], running)
+                                                  out.prompt_logprobs,
+                                                  echo.user_prompt_logprobs))], running)
         if include_usage:
-            yield chunk([], _total_usage(gens))
+            yield chunk([], _total_usage(gens) if echo.generate else _prompt_usage(gens))
         yield _DONE
+
+    def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
+        """What the request's tools ask for (400 naming the field when it cannot be served)."""
+        try:
+            return ToolPlan.from_request(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                         self.tool_parser)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param or "tools",
+                           code="unsupported_value" if isinstance(exc, NoToolParser) else
+                           "invalid_value") from None
+
+    async def constrain(self, params: SamplingParams, plan: ToolPlan, prompt: list[int]
+                        ) -> SamplingParams:
+        """The constraint of a required or named tool choice, and the reasoning before any
+        constraint (atombatch/serve/chat_output.py); a new tool schema is compile-checked in a
+        worker thread (the event loop keeps streaming)."""
+        try:
+            if self.constraints.needs_check(plan):
+                return await asyncio.to_thread(self.constraints.apply, params, plan, prompt)
+            return self.constraints.apply(params, plan, prompt)
+        except UnservableConstraint as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="unsupported_value") from None
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
 
     async def chat(self, request: Request) -> Response:
         body = await self.decode(request, ChatCompletionRequest)
         self.check_chat_features(body)
+        plan = self.tool_plan(body)
         messages = [_message_dict(m) for m in body.messages]
         try:
             check_template_kwargs(body.chat_template_kwargs or {})
@@ -716,8 +822,8 @@ class _Server:
         template: dict[str, Any] = dict(body.chat_template_kwargs or {})
         template.update(add_generation_prompt=body.add_generation_prompt,
                         continue_final_message=body.continue_final_message)
-        if body.tools is not None:
-            template["tools"] = body.tools
+        if plan.tools is not None:
+            template["tools"] = plan.tools
         if body.documents is not None:
             template["documents"] = body.documents
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else \
@@ -728,6 +834,7 @@ class _Server:
                                                            **template))
         except RequestError as exc:
             raise ApiError(400, str(exc), param="messages", code="invalid_value") from None
+        params = await self.constrain(params, plan, prompt)
         prompts = self.truncate([prompt], body)
         self.check_response_size(prompts, params, max_tokens)
         self.check_samplable(params)
@@ -737,21 +844,30 @@ class _Server:
             headers = self.headers(request)
             if body.stream:
                 usage = _usage_mode(body.stream_options)
-                return _SSEResponse(self._stream_chat(gens, created, usage), gens, headers)
+                return _SSEResponse(self._stream_chat(gens, created, usage, plan), gens, headers)
             await self._collect(request, gens)
         want_logprobs = params.logprobs is not None
+        choices = []
+        for i, c in enumerate(gens[0].choices):
+            output = ChatOutput(plan, self.reasoning_parser)
+            try:
+                message = message_of(output, "".join(c.text))
+            except ToolCallError as exc:
+                raise ApiError(500, str(exc), type="server_error", code="tool_call_error") from None
+            finish = c.finish_reason
+            if output.made_calls and finish != "error":
+                finish = "tool_calls"
+            choices.append(ChatChoice(
+                index=i, message=message, token_ids=c.token_ids, finish_reason=finish,
+                stop_reason=c.stop_reason,
+                logprobs=self.chat_logprobs(c.logprobs) if want_logprobs else None))
         return _json(ChatResponse(
-            id=gens[0].request_id, created=created, model=self.model_name,
-            choices=[ChatChoice(index=i, message=ChatResponseMessage("assistant", "".join(c.text)),
-                                token_ids=c.token_ids, finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason,
-                                logprobs=self.chat_logprobs(c.logprobs) if want_logprobs else None)
-                     for i, c in enumerate(gens[0].choices)],
+            id=gens[0].request_id, created=created, model=self.model_name, choices=choices,
             usage=_total_usage(gens),
             prompt_logprobs=self.prompt_logprobs_json(gens[0].prompt_logprobs)), headers=headers)
 
     async def _stream_chat(self, gens: list[_Generation], created: int,
-                           usage: tuple[bool, bool]) -> AsyncIterator[bytes]:
+                           usage: tuple[bool, bool], plan: ToolPlan) -> AsyncIterator[bytes]:
         include_usage, continuous = usage
 
         def chunk(choices: list[ChatChunkChoice], u: Usage | None = None) -> bytes:
@@ -759,6 +875,7 @@ class _Server:
                                   choices=choices, usage=u))
 
         n = len(gens[0].choices)
+        outputs = [[ChatOutput(plan, self.reasoning_parser) for _ in range(n)] for _ in gens]
         for g, gen in enumerate(gens):
             for i in range(n):
                 yield chunk([ChatChunkChoice(index=g * n + i,
@@ -770,14 +887,33 @@ class _Server:
                 index = g * n + i
                 running = gen.usage() if continuous else None
                 logprobs = None if out.logprobs is None else self.chat_logprobs(list(out.logprobs))
+                output = outputs[g][i]
+                finish: str | None = out.finish_reason
+                if output.active:
+                    try:
+                        piece = output.feed(text)
+                        if finish is not None:
+                            last = output.finish()
+                            piece = Piece(reasoning=piece.reasoning + last.reasoning,
+                                          content=piece.content + last.content,
+                                          calls=piece.calls + last.calls)
+                    except ToolCallError as exc:
+                        gen.error = str(exc)
+                        yield gen.error_event()
+                        break
+                    delta = delta_of(piece)
+                    if finish is not None and finish != "error" and output.made_calls:
+                        finish = "tool_calls"
+                else:
+                    delta = ChatDelta(content=text)
                 if out.finish_reason == "error":
                     if new:
-                        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text),
+                        yield chunk([ChatChunkChoice(index=index, delta=delta,
                                                      token_ids=new, logprobs=logprobs)], running)
                     yield gen.error_event()
                     break
-                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text),
-                                             token_ids=new, finish_reason=out.finish_reason,
+                yield chunk([ChatChunkChoice(index=index, delta=delta,
+                                             token_ids=new, finish_reason=finish,
                                              stop_reason=gen.choices[i].stop_reason
                                              if out.finish_reason else None,
                                              logprobs=logprobs)], running)
@@ -845,6 +981,41 @@ class _Server:
                            f"{self.model_name!r}", param="model", code="model_not_found")
         return _json(self.model_card())
 
+    # -- vLLM's operational endpoints (atombatch/serve/vllm_api.py) -----------------------------
+    async def tokenize(self, request: Request) -> Response:
+        body = await self.decode(request, vllm_api.TokenizeRequest)
+        self.check_model(body.model)
+        messages = None if body.messages is None else [_message_dict(m) for m in body.messages]
+        try:
+            answer = await self.off_loop(vllm_api.tokenize, self.codec, body, messages,
+                                         self.artifact.max_seq_len)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param or "prompt",
+                           code="invalid_value") from None
+        return _json(answer, headers=self.headers(request))
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self.decode(request, vllm_api.DetokenizeRequest)
+        self.check_model(body.model)
+        try:
+            vllm_api.check_ids(body.tokens, self.artifact.model.vocab_size)
+        except RequestError as exc:
+            raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+        return _json(vllm_api.DetokenizeResponse(prompt=self.codec.decode(body.tokens)),
+                     headers=self.headers(request))
+
+    async def version(self, request: Request) -> Response:
+        from atombatch import __version__
+        return _json({"version": __version__})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        return _json(vllm_api.tokenizer_info(self.codec, self.artifact.max_seq_len))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model {_clip(repr(model))} is not served here; this server "
+                           f"serves {self.model_name!r}", param="model", code="model_not_found")
+
     async def health(self, request: Request) -> Response:
         if not self.accepting or not self.ab.running:
             return _json({"status": "unavailable"}, status=503)
@@ -898,6 +1069,12 @@ def _total_usage(gens: list[_Generation]) -> Usage:
     completion = sum(g.generated for g in gens)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion)
+
+
+def _prompt_usage(gens: list[_Generation]) -> Usage:
+    """Usage of requests that generate nothing (echo with max_tokens=0)."""
+    prompt = sum(g.prompt_len for g in gens)
+    return Usage(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt)
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
@@ -989,7 +1166,9 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                strict_protocol: bool = False, body_timeout: float = 30.0,
                bounds: schema.Bounds = schema.DEFAULT_BOUNDS,
                max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
-               max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS) -> Starlette:
+               max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS,
+               api_keys: Sequence[str] = (), tool_parser: str | None = None,
+               reasoning_parser: str | None = None) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
     Args:
@@ -1015,6 +1194,11 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
             `response_too_large` before it is queued (logprobs x n, prompt logprobs).
         max_structured_chars: characters of one structured-output constraint (a JSON schema,
             regex, grammar or the choices) at most; a longer one answers 400.
+        api_keys: when given, `/v1/*` needs `Authorization: Bearer <one of them>` (else 401;
+            atombatch/serve/auth.py).
+        tool_parser: `hermes` or `llama3_json`: parse tool calls for `tool_choice` auto
+            (atombatch/serve/tools.py); None: auto answers 400.
+        reasoning_parser: `qwen3`: split `<think>...</think>` into `reasoning_content`.
 
     Returns:
         A Starlette app to run with uvicorn; `atombatch.serve.limits.uvicorn_config(app, ...)`
@@ -1036,10 +1220,17 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
     if isinstance(codec, HFCodec) and isinstance(ab, AsyncBatcher) and ab.batcher.tokenizer is None:
         # The engine detokenizes (stop strings, bad words, streamed text) with the same tokenizer.
         ab.batcher.tokenizer = codec.tokenizer
+    if tool_parser is not None and tool_parser not in TOOL_PARSER_NAMES:
+        raise ConfigError(f"tool-call parser {tool_parser!r} is not one of "
+                          f"{', '.join(TOOL_PARSER_NAMES)}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSER_NAMES:
+        raise ConfigError(f"reasoning parser {reasoning_parser!r} is not one of "
+                          f"{', '.join(REASONING_PARSER_NAMES)}")
     if isinstance(codec, HFCodec) and codec.max_chars is None:
         codec.bound(ab.artifact.max_seq_len)  # text that cannot fit is refused untokenized
     server = _Server(ab, model_name, codec, max_body_bytes, retry_after, strict_protocol,
-                     body_timeout, bounds, max_response_bytes, max_structured_chars)
+                     body_timeout, bounds, max_response_bytes, max_structured_chars,
+                     tool_parser, reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -1060,10 +1251,15 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Route("/version", server.version, methods=["GET"]),
+        Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    middleware = [Middleware(BearerAuth, keys=list(api_keys))] if api_keys else []
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={ApiError: server.api_error,
                                         HTTPException: server.http_error})
     app.state.server = server

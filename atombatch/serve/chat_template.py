@@ -355,6 +355,11 @@ def _read(file: Path) -> str:
         raise ConfigError(f"cannot read the chat template {file}: {exc}") from None
 
 
+def read_json(file: Path) -> dict[str, Any] | None:
+    """A JSON object file; None when absent or not an object (ConfigError when unreadable)."""
+    return _read_json(file)
+
+
 def _read_json(file: Path) -> dict[str, Any] | None:
     if not file.is_file():
         return None

@@ -41,8 +41,10 @@ from atombatch.scheduler import POLICY_KINDS, Policy
 from atombatch.serve import schema
 from atombatch.serve.chat_template import template_from_argument
 from atombatch.serve.limits import DEFAULT_MAX_RESPONSE_BYTES, ServerLimits
+from atombatch.serve.reasoning import REASONING_PARSER_NAMES
 from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS
 from atombatch.serve.tokens import Codec, HFCodec
+from atombatch.serve.tools import TOOL_PARSER_NAMES
 
 POLICY_HELP = {
     "stall-free:K": "prefill-first, but a decode step at least every K prefill chunks while "
@@ -64,9 +66,23 @@ DEFAULT_SPEC = ModelSpec(
 DEFAULT_CONTEXT_CAP = 1024
 
 
+class _Parser(argparse.ArgumentParser):
+    """Parses, then folds vLLM's spellings in (`resolve_vllm_aliases`; a conflict exits 2)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, rest = super().parse_known_args(args, namespace)
+        try:
+            resolve_vllm_aliases(parsed)
+        except ConfigError as exc:
+            self.error(str(exc))
+        return parsed, rest
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m atombatch.serve", description=__doc__,
+    p = _Parser(prog="python -m atombatch.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the same as --model (vLLM's `vllm serve MODEL`)")
     p.add_argument("--model", help="Hugging Face checkpoint dir (with --runtime rebel: a "
                    "directory compiled by optimum-rbln); default: the built-in random tiny spec "
                    "on the NumPy runtime")
@@ -89,11 +105,17 @@ def parser() -> argparse.ArgumentParser:
                    help="--runtime null: milliseconds per prefill chunk (default: --null-step-ms)")
     p.add_argument("--tokenizer", help="dir with tokenizer.json (default: the --model dir if it "
                    "has one; none: token-id text)")
-    p.add_argument("--served-model-name", help="id at /v1/models (default: the spec's name)")
-    p.add_argument("--device", default="0",
-                   help="RebelRuntime: ATOM device index, or a comma list for tensor parallel")
-    p.add_argument("--batch-size", type=int, default=4, help="decode lanes B (default 4)")
-    p.add_argument("--max-seq-len", type=int,
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="id at /v1/models (default: the spec's name); vLLM's flag, one name")
+    p.add_argument("--device", default=None,
+                   help="RebelRuntime: ATOM device index, or a comma list for tensor parallel "
+                   "(default 0, or 0..N-1 with --tensor-parallel-size N)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                   help="vLLM's flag: --runtime rebel on devices 0..N-1 (N must match the "
+                   "compiled tensor_parallel_size); the host runtimes take only 1")
+    p.add_argument("--batch-size", "--max-num-seqs", type=int, default=4,
+                   help="decode lanes B (default 4); --max-num-seqs is vLLM's name")
+    p.add_argument("--max-seq-len", "--max-model-len", type=int,
                    help="context (default: the model's max_position_embeddings, capped at "
                    f"{DEFAULT_CONTEXT_CAP} on the NumPy and sim runtimes, whose KV lives in "
                    "host memory; with --runtime rebel the compiled shapes decide)")
@@ -109,7 +131,7 @@ def parser() -> argparse.ArgumentParser:
                                                           for k, v in POLICY_HELP.items()))
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queue bound: requests without a lane past it answer 429 (default 256)")
-    p.add_argument("--prefix-cache", action="store_true",
+    p.add_argument("--prefix-cache", "--enable-prefix-caching", action="store_true",
                    help="keep finished sequences' KV for requests sharing a prefix")
     p.add_argument("--host-cache-bytes", type=int, default=0,
                    help="host memory for KV blocks evicted from the prefix cache (default 0)")
@@ -120,6 +142,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                    help="chat template to use instead of the tokenizer's (a file, or the jinja "
                    "text itself)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise; repeat "
+                   "for several keys; default: $VLLM_API_KEY when set, else no authentication)")
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES,
+                   help="parse the model's tool calls into message.tool_calls (hermes: Qwen3's "
+                   "<tool_call>{...}</tool_call>; llama3_json: Llama 3.1 / KONI JSON); without "
+                   "it, requests with tools and tool_choice other than none answer 400")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag: tool_choice auto (needs --tool-call-parser; auto is on "
+                   "whenever a parser is named)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="vLLM's flag: GET /tokenizer_info is always served here")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES,
+                   help="split the model's <think>...</think> into message.reasoning_content "
+                   "(qwen3)")
     p.add_argument("--strict-protocol", action="store_true",
                    help="reject request fields the server does not read (400 unknown_parameter) "
                    "instead of ignoring them (default: ignored, logged once, listed in the "
@@ -170,6 +207,47 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     return p
+
+
+def resolve_vllm_aliases(args: argparse.Namespace) -> argparse.Namespace:
+    """Fold vLLM's spellings into atombatch's options (in place; returns `args`).
+
+    Raises:
+        ConfigError: two spellings disagree, or a vLLM option has no meaning here.
+    """
+    tag = getattr(args, "model_tag", None)
+    args.model_tag = None  # folded once (parse_args may be followed by a second call)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            raise ConfigError(f"the positional model {tag!r} and --model {args.model!r} differ: "
+                              "give one")
+        args.model = tag
+    names = args.served_model_name
+    if isinstance(names, list):
+        if len(names) > 1:
+            raise ConfigError(f"--served-model-name {' '.join(names)}: this server serves one "
+                              "name")
+        args.served_model_name = names[0]
+    tp = args.tensor_parallel_size
+    if tp is not None:
+        if tp < 1:
+            raise ConfigError(f"--tensor-parallel-size {tp} must be >= 1")
+        if args.runtime != "rebel" and tp != 1:
+            raise ConfigError(f"--tensor-parallel-size {tp}: the {args.runtime} runtime runs on "
+                              "one host process (tensor parallel needs --runtime rebel)")
+        if args.device is None:
+            args.device = ",".join(str(d) for d in range(tp))
+        elif len(str(args.device).split(",")) != tp:
+            raise ConfigError(f"--tensor-parallel-size {tp} and --device {args.device} name "
+                              "different device counts")
+    if args.device is None:
+        args.device = "0"
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes or "
+                          "llama3_json)")
+    if args.api_key is None and os.environ.get("VLLM_API_KEY"):
+        args.api_key = [os.environ["VLLM_API_KEY"]]
+    return args
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
@@ -418,20 +496,26 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         bounds = schema.Bounds(max_depth=args.max_json_depth, max_objects=args.max_json_objects)
         if args.max_response_bytes < 1:
             raise ConfigError(f"--max-response-bytes {args.max_response_bytes} must be >= 1")
+        app = create_app(engine, name, codec, max_body_bytes=limits.max_body_bytes,
+                         body_timeout=limits.body_timeout, strict_protocol=args.strict_protocol,
+                         bounds=bounds, max_response_bytes=args.max_response_bytes,
+                         max_structured_chars=args.max_structured_chars,
+                         api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
+                         reasoning_parser=args.reasoning_parser)
     except ConfigError as exc:
         print(f"atombatch.serve: {exc}", file=sys.stderr)
         _stop_engine(engine)
         return 2
-    app = create_app(engine, name, codec, max_body_bytes=limits.max_body_bytes,
-                     body_timeout=limits.body_timeout, strict_protocol=args.strict_protocol,
-                     bounds=bounds, max_response_bytes=args.max_response_bytes,
-                     max_structured_chars=args.max_structured_chars)
     host, port = sock.getsockname()[:2]
     template = (codec or IdCodec()).chat_template_name
     banner = (f"atombatch.serve: {art.label} ({args.runtime}, policy {policy}, "
               f"tokenizer {'tokenizers' if codec else 'ids'}, chat template {template}, "
               f"engine core {args.engine_core}"
-              f"{', strict protocol' if args.strict_protocol else ''}) listening on "
+              f"{', strict protocol' if args.strict_protocol else ''}"
+              f"{', api key' if args.api_key else ''}"
+              f"{f', tool parser {args.tool_call_parser}' if args.tool_call_parser else ''}"
+              f"{f', reasoning parser {args.reasoning_parser}' if args.reasoning_parser else ''}"
+              ") listening on "
               f"http://{host if ':' not in host else f'[{host}]'}:{port}")
 
     class Server(uvicorn.Server):

@@ -74,8 +74,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
     # text (needs a tokenizer, or "<id>" pieces), token ids, or a batch: strings or id lists
     prompt: str | list[int | str | list[int]]
-    max_tokens: int = 16                 # OpenAI's default for completions
-    echo: bool = False                   # only False is served
+    max_tokens: int = 16                 # OpenAI's default for completions; 0 only with echo
+    echo: bool = False                   # the prompt's text (and with logprobs, its logprobs)
+                                         #   first; see atombatch/serve/echo.py
     logprobs: int | None = None          # top candidates per token (0..20), with the sampled one
     suffix: str | None = None            # only None or "" is served
     best_of: int | None = None           # only None or 1 is served
@@ -106,8 +107,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False               # return the sampled tokens' logprobs
     top_logprobs: int | None = None      # and this many top candidates (0..20; needs logprobs)
-    # Tool calling cannot be honoured: set -> 400 naming the field (tools with tool_choice
-    # "none" are only shown to the template, as vLLM does).
+    # Tool calling (atombatch/serve/tools.py): tools shown to the chat template; tool_choice
+    # none / auto (needs --tool-call-parser) / required / a named function.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -132,8 +133,8 @@ class CompletionLogprobs(msgspec.Struct):
     """OpenAI's legacy completions logprobs: parallel lists, one entry per token."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]   # None: the first prompt token when echoed (no context)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -170,9 +171,34 @@ class CompletionResponse(msgspec.Struct):
     object: str = "text_completion"
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str                       # JSON text, as the model wrote it
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None              # with the call's first delta
+    arguments: str | None = None         # the next piece of the arguments' text
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    index: int                           # the call's position among the message's calls
+    id: str | None = None                # with the call's first delta
+    type: str | None = None              # "function", with the call's first delta
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM: with --reasoning-parser
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class TopLogprob(msgspec.Struct):
@@ -212,7 +238,9 @@ class ChatChunk(msgspec.Struct):
 
 class ChatResponseMessage(msgspec.Struct):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None  # parsed calls (tools with a parser or a choice)
+    reasoning_content: str | None = None  # vLLM: the thinking, with --reasoning-parser
 
 
 class ChatChoice(msgspec.Struct):

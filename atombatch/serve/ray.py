@@ -421,7 +421,10 @@ class AtomReplica:
         else:
             ab = AsyncBatcher(batcher, offload=True)
         self.app = create_app(ab, name, codec, strict_protocol=args.strict_protocol,
-                              max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout)
+                              max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                              max_structured_chars=args.max_structured_chars,
+                              api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
+                              reasoning_parser=args.reasoning_parser)  # headers are forwarded
         self.driver = _AppDriver(self.app)
         await self.driver.start()
         self._board = board(serve.get_replica_context().app_name)

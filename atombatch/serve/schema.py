@@ -28,6 +28,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from atombatch.errors import ConfigError
+from atombatch.serve import unhonoured
 
 T = TypeVar("T")
 
@@ -94,8 +95,17 @@ def decode(body: bytes, kind: type[T], *, strict: bool = False,
         except RecursionError:
             raise _too_deep(bounds) from None
         raise
+    info = _type_info(kind)  # type: ignore[arg-type]
+    if isinstance(raw, dict) and isinstance(info, mi.StructType):
+        refusal = unhonoured.refused(raw, {f.encode_name for f in info.fields})
+        if refusal is not None:  # changes the result and is not served: never silently dropped
+            name, what = refusal
+            raise SchemaError(f"{name}: {what} is not supported by this server, so "
+                              f"{name}={_clip(raw[name])} cannot be honoured "
+                              "(docs/server.md lists the fields served)",
+                              param=name, code="unsupported_value")
     walk = _Walk(bounds)
-    walk.value(raw, _type_info(kind), None, 0)  # type: ignore[arg-type]
+    walk.value(raw, info, None, 0)
     if strict and walk.unknown:
         raise SchemaError(f"unknown field `{walk.unknown[0]}` (the server runs with "
                           "--strict-protocol)", param=walk.unknown[0], code="unknown_parameter")
@@ -250,6 +260,15 @@ def _member_for(value: Any, union: mi.UnionType) -> mi.Type:
         return union
     members = [m for m in union.types if isinstance(m, wanted)]
     return members[0] if len(members) == 1 else union
+
+
+def _clip(value: Any, limit: int = 60) -> str:
+    """A client's value quoted in an error: a scalar clipped, a list or object only named (its
+    repr could be as large and as deep as the body)."""
+    if isinstance(value, list | dict):
+        return f"<a JSON {'array' if isinstance(value, list) else 'object'}>"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
 def _schema_error(message: str) -> SchemaError:

@@ -25,7 +25,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from atombatch.errors import ConfigError, RequestError
-from atombatch.serve.chat_template import ChatTemplate, load_chat_template, special_tokens_of
+from atombatch.serve.chat_template import (
+    ChatTemplate,
+    load_chat_template,
+    read_json,
+    special_tokens_of,
+)
 
 # A token id is written with at most this many digits (ids are int32 on the device). A longer
 # digit run is refused before it reaches `int()`, so a hostile prompt costs linear time only.
@@ -46,6 +51,8 @@ class Codec(Protocol):
     def render_chat(self, messages: Sequence[dict[str, Any]], **template: Any) -> list[int]: ...
 
     def decoder(self) -> Decoder: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
 
 class Decoder(Protocol):
@@ -97,6 +104,9 @@ class IdCodec:
     def decoder(self) -> _IdDecoder:
         return _IdDecoder()
 
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
+
 
 class _IdDecoder:
     def step(self, token_ids: Sequence[int]) -> str:
@@ -115,6 +125,7 @@ class HFCodec:
                  special: dict[str, str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.special = special or {}
+        self.config: dict[str, Any] = {}  # tokenizer_config.json, when loaded from a directory
         if isinstance(chat_template, str):
             chat_template = ChatTemplate({"default": chat_template}, "chat_template argument",
                                          self.special)
@@ -149,7 +160,9 @@ class HFCodec:
         except Exception as exc:
             raise ConfigError(f"cannot read {file}: {exc}") from None
         special = special_tokens_of(path)
-        return cls(tokenizer, load_chat_template(path, special), special)
+        codec = cls(tokenizer, load_chat_template(path, special), special)
+        codec.config = read_json(path / "tokenizer_config.json") or {}
+        return codec
 
     def bound(self, max_seq_len: int) -> None:
         """Refuse text that cannot fit `max_seq_len` tokens before tokenizing it: no token of this
@@ -188,6 +201,9 @@ class HFCodec:
 
     def decoder(self) -> _HFDecoder:
         return _HFDecoder(self.tokenizer)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
 
 _LONG_TEXT = 4096  # characters: longer texts are tokenized with the GIL released

@@ -1,0 +1,182 @@
+"""One chat choice's generated text as an assistant message: reasoning, content and tool calls.
+
+The text goes through the reasoning parser (`--reasoning-parser`, atombatch/serve/reasoning.py)
+and then its content through the tool-call parser the request asks for (atombatch/serve/tools.py).
+Both are incremental, so a stream's deltas (`ChatDelta` with `content`, `reasoning_content` and
+OpenAI's `tool_calls` deltas) add up to the non-streamed message, which is built by running the
+same parsers over the whole text at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from atombatch.errors import RequestError
+from atombatch.serve.protocol import (
+    ChatDelta,
+    ChatResponseMessage,
+    FunctionCall,
+    FunctionCallDelta,
+    ToolCall,
+    ToolCallDelta,
+)
+from atombatch.serve.reasoning import make_reasoning_parser, reasoning_end_ids
+from atombatch.serve.tools import CallDelta, Delta, ToolParser, ToolPlan
+from atombatch.structs import SamplingParams
+from atombatch.structured import StructuredOutput
+
+MAX_CHECKED = 64        # constraints built here whose compile check is remembered
+
+
+class UnservableConstraint(RequestError):
+    """A constraint this server cannot run (no tokenizer to constrain text with)."""
+
+
+class ChatConstraints:
+    """The constraints a chat request gets besides its own `response_format`: a `required` or
+    named tool choice's JSON schema (compile-checked once; the last `MAX_CHECKED` are
+    remembered), and with a reasoning parser the room to think before any constraint
+    (`StructuredOutput.after`: the constraint starts after `</think>`)."""
+
+    def __init__(self, grammars: Any | None, reasoning_parser: str | None,
+                 tokenizer: Any | None) -> None:
+        self.grammars = grammars          # atombatch.grammar.Grammars, None without a tokenizer
+        self.reasoning_parser = reasoning_parser
+        self.tokenizer = tokenizer
+        self.checked: collections.OrderedDict[StructuredOutput, None] = \
+            collections.OrderedDict()
+        self.lock = threading.Lock()      # `checked`: checks run on worker threads
+
+    def needs_check(self, plan: ToolPlan) -> bool:
+        """Whether `apply` may compile (then run it off the event loop)."""
+        constraint = plan.constraint() if plan.mode in ("required", "named") else None
+        if constraint is None:
+            return False
+        with self.lock:
+            return constraint not in self.checked
+
+    def apply(self, params: SamplingParams, plan: ToolPlan, prompt: Sequence[int]
+              ) -> SamplingParams:
+        """Raises: UnservableConstraint, RequestError (both naming the field)."""
+        constraint = plan.constraint()
+        if constraint is not None:
+            if params.structured is not None:
+                raise RequestError(f"tool_choice={plan.mode} constrains the output to tool "
+                                   f"calls, and {params.structured.param} constrains it too: "
+                                   "send one", param="tool_choice")
+            if self.grammars is None:
+                raise UnservableConstraint(f"tool_choice={plan.mode} needs constrained "
+                                           "decoding, which needs a tokenizer (this server "
+                                           "serves token ids)", param="tool_choice")
+            self._check(constraint, f"tool_choice={plan.mode}: the tools' schema cannot be "
+                        "enforced", "tools")
+            params = msgspec.structs.replace(params, structured=constraint)
+        if self.reasoning_parser is None or params.structured is None:
+            return params
+        after = reasoning_end_ids(self.tokenizer, prompt)
+        if not after:
+            return params
+        return msgspec.structs.replace(
+            params, structured=msgspec.structs.replace(params.structured, after=after))
+
+    def _check(self, constraint: StructuredOutput, what: str, param: str) -> None:
+        with self.lock:
+            if constraint in self.checked:
+                self.checked.move_to_end(constraint)
+                return
+        assert self.grammars is not None
+        try:
+            self.grammars.matcher_now(constraint)
+        except RequestError as exc:
+            raise RequestError(f"{what}: {exc}", param=param) from None
+        with self.lock:
+            self.checked[constraint] = None
+            if len(self.checked) > MAX_CHECKED:
+                self.checked.popitem(last=False)
+
+
+class Piece(msgspec.Struct):
+    reasoning: str = ""
+    content: str = ""
+    calls: list[CallDelta] = []
+
+
+class ChatOutput:
+    """The parsers of one choice (None of them: the text is the content, unchanged)."""
+
+    def __init__(self, tools: ToolPlan | None, reasoning_parser: str | None) -> None:
+        self.reasoning = make_reasoning_parser(reasoning_parser)
+        self.tools: ToolParser | None = tools.parser_for_output() if tools is not None else None
+        self.saw_reasoning = False
+        # parallel_tool_calls=false: the model's first call only (later ones are dropped)
+        self.keep = 1 if tools is not None and not tools.parallel else None
+
+    @property
+    def active(self) -> bool:
+        return self.reasoning is not None or self.tools is not None
+
+    @property
+    def made_calls(self) -> bool:
+        return self.tools is not None and self.tools.count > 0
+
+    def feed(self, text: str) -> Piece:
+        """Raises: ToolCallError (a parser bound)."""
+        return self._piece(*self._split(text), final=False)
+
+    def finish(self) -> Piece:
+        reasoning, content = self.reasoning.finish() if self.reasoning is not None else ("", "")
+        return self._piece(reasoning, content, final=True)
+
+    def _split(self, text: str) -> tuple[str, str]:
+        if self.reasoning is None:
+            return "", text
+        return self.reasoning.feed(text)
+
+    def _piece(self, reasoning: str, content: str, final: bool) -> Piece:
+        if self.reasoning is not None and self.reasoning.saw_reasoning:
+            self.saw_reasoning = True
+        if self.tools is None:
+            return Piece(reasoning=reasoning, content=content)
+        delta: Delta = self.tools.feed(content) if content else Delta()
+        if final:
+            last = self.tools.finish()
+            delta = Delta(content=delta.content + last.content, calls=delta.calls + last.calls)
+        calls = delta.calls if self.keep is None else \
+            [c for c in delta.calls if c.index < self.keep]
+        return Piece(reasoning=reasoning, content=delta.content, calls=calls)
+
+
+def delta_of(piece: Piece) -> ChatDelta:
+    """A streamed piece as OpenAI's chat delta (empty fields left out)."""
+    calls = None
+    if piece.calls:
+        calls = [ToolCallDelta(index=c.index, id=c.id, type="function" if c.id else None,
+                               function=FunctionCallDelta(name=c.name, arguments=c.arguments))
+                 for c in piece.calls]
+    return ChatDelta(content=piece.content or None, reasoning_content=piece.reasoning or None,
+                     tool_calls=calls)
+
+
+def message_of(output: ChatOutput, text: str) -> ChatResponseMessage:
+    """The whole message of a finished choice whose text is `text`."""
+    if not output.active:
+        return ChatResponseMessage("assistant", text)
+    first, last = output.feed(text), output.finish()
+    reasoning = first.reasoning + last.reasoning
+    content = first.content + last.content
+    calls: list[ToolCall] = []
+    for call in first.calls + last.calls:
+        if call.id is not None:
+            calls.append(ToolCall(id=call.id, function=FunctionCall(name=call.name or "",
+                                                                    arguments=call.arguments)))
+        else:
+            calls[call.index].function.arguments += call.arguments
+    return ChatResponseMessage(
+        "assistant", content if content or not (calls or output.saw_reasoning) else None,
+        tool_calls=calls or None,
+        reasoning_content=reasoning if output.saw_reasoning else None)
