@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from atombatch.codes import check_buckets
 from atombatch.config import ArtifactConfig, ModelSpec
 from atombatch.errors import ConfigError
 
@@ -64,8 +65,8 @@ class OptimumArtifact(msgspec.Struct, frozen=True):
     """What atombatch needs from one compiled optimum-rbln directory."""
 
     path: str                                  # the model directory
-    artifact: ArtifactConfig                   # lanes, context, blocks, chunk, TP, KV dtype
-    decoder_batch_sizes: tuple[int, ...]       # ascending; contains artifact.batch_size
+    artifact: ArtifactConfig                   # lanes, context, blocks, chunk, TP, KV dtype,
+                                               # compiled decode batch sizes
     attn_impl: str                             # "eager" | "flash_attn"
     cache_impl: str                            # "static" | "hybrid"
     logits_to_keep: int                        # 1: prefill returns [1, 1, V]; 0: [1, Q, V]
@@ -78,6 +79,11 @@ class OptimumArtifact(msgspec.Struct, frozen=True):
     decoders: tuple[CompiledGraph, ...]        # ascending by batch
     kv_caches: tuple[GraphInput, ...]          # past_key_values_{i}, device-resident
     output_hidden_states: bool = False
+
+    @property
+    def decoder_batch_sizes(self) -> tuple[int, ...]:
+        """The compiled decode batch sizes, ascending (kept once, on the artifact)."""
+        return self.artifact.decoder_batch_sizes
 
     def decoder(self, rows: int) -> CompiledGraph:
         for graph in self.decoders:
@@ -199,30 +205,7 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
         raise ConfigError(f"{config_path} must hold a JSON object")
     spec = _model_spec(path, model)
 
-    # -- options atombatch refuses rather than mis-drive --------------------------------------------
-    cls_name = _get(raw, "cls_name", str, "")
-    if cls_name and not cls_name.endswith("ForCausalLMConfig"):
-        raise ConfigError(f"{CONFIG_FILE}: cls_name={cls_name!r} is not a causal LM "
-                          "(…ForCausalLMConfig); atombatch drives decoder-only causal LMs")
-    if _get(raw, "use_inputs_embeds", bool, False):
-        raise ConfigError(f"{CONFIG_FILE}: use_inputs_embeds=true is not supported: atombatch "
-                          "feeds input_ids; recompile without it")
-    if _get(raw, "lora_config", dict, None):
-        raise ConfigError(f"{CONFIG_FILE}: lora_config is set: LoRA graphs (lora_int_ids) are "
-                          "not supported; recompile without LoRA")
-    quant = _get(raw, "quantization", dict, {})
-    if quant.get("kv_caches") == "fp8":
-        raise ConfigError(f"{CONFIG_FILE}: quantization.kv_caches='fp8' is not supported: "
-                          "atombatch moves KV as bfloat16/float16/float32")
-    if _get(raw, "_requires_batch_sort", bool, False):
-        raise ConfigError(f"{CONFIG_FILE}: _requires_batch_sort=true: this graph needs decode "
-                          "rows sorted by length, but atombatch packs rows in lane order")
-    phases = _get(raw, "phases", list, ["prefill", "decode"])
-    if "decode" not in phases:
-        raise ConfigError(f"{CONFIG_FILE}: phases={phases} has no 'decode': the directory has "
-                          "no decode graph")
-    if "image_prefill" in phases:
-        raise ConfigError(f"{CONFIG_FILE}: phases={phases}: image_prefill is not supported")
+    _refuse_unsupported(raw)
 
     # -- shapes ------------------------------------------------------------------------------------
     batch_size = _positive(raw, "batch_size", 1)
@@ -306,28 +289,15 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"{CONFIG_FILE}: dtype={dtype!r} is not float32, bfloat16 or float16")
 
+    # optimum-rbln records the sizes in any order; the one rule for them is `check_buckets`
     buckets_raw = _get(raw, "decoder_batch_sizes", list, [batch_size])
-    if not buckets_raw or not all(isinstance(b, int) and not isinstance(b, bool)
-                                  for b in buckets_raw):
-        raise ConfigError(f"{CONFIG_FILE}: decoder_batch_sizes={buckets_raw} must be a non-empty "
-                          "list of integers")
-    buckets = tuple(sorted(set(buckets_raw)))
-    if len(buckets) != len(buckets_raw) or buckets[0] < 1 or buckets[-1] != batch_size:
-        raise ConfigError(f"{CONFIG_FILE}: decoder_batch_sizes={buckets_raw} must be distinct "
-                          f"sizes in 1..batch_size={batch_size} and contain batch_size")
+    ints = all(isinstance(b, int) and not isinstance(b, bool) for b in buckets_raw)
+    try:
+        buckets = check_buckets(batch_size, sorted(buckets_raw) if ints else buckets_raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{CONFIG_FILE}: {exc}") from None
 
-    # -- tensor parallel -------------------------------------------------------------------------------
-    recorded_tp = [raw.get("tensor_parallel_size"), raw.get("num_devices")]
-    recorded_tp += [cfg.get("num_devices") for cfg in cfgs_raw if isinstance(cfg, dict)]
-    for value in recorded_tp:
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
-            raise ConfigError(f"{CONFIG_FILE}: num_devices={value!r} must be a positive integer")
-    tp_values = {v for v in recorded_tp if v is not None}
-    if len(tp_values) > 1:
-        raise ConfigError(f"{CONFIG_FILE}: num_devices / tensor_parallel_size disagree across "
-                          f"the file: {sorted(tp_values)}")
-    tp = tp_values.pop() if tp_values else 1
+    tp = _tensor_parallel(raw, cfgs_raw)
 
     try:
         artifact = _artifact(spec, batch_size=batch_size, max_seq_len=max_seq_len,
@@ -340,16 +310,7 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
                           f"prefill_chunk_size={chunk}): {exc} (docs/device.md)") from None
 
     # -- graphs: names, files, input lists -----------------------------------------------------------
-    recorded: dict[str, tuple[GraphInput, ...]] = {}
-    for cfg in cfgs_raw:
-        if not isinstance(cfg, dict) or not isinstance(cfg.get("compiled_model_name"), str):
-            raise ConfigError(f"{CONFIG_FILE}: _compile_cfgs entry {cfg!r} has no "
-                              "compiled_model_name")
-        name = cfg["compiled_model_name"]
-        if name in recorded:
-            raise ConfigError(f"{CONFIG_FILE}: _compile_cfgs names {name!r} twice")
-        recorded[name] = (_parse_input_info(name, cfg["input_info"])
-                          if cfg.get("input_info") is not None else ())
+    recorded = _recorded_inputs(cfgs_raw)
     wanted = [PREFILL] + [f"decoder_batch_{b}" for b in buckets]
     if recorded and set(recorded) != set(wanted):
         raise ConfigError(f"{CONFIG_FILE}: _compile_cfgs names {sorted(recorded)} contradict "
@@ -374,12 +335,69 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
         graphs.append(CompiledGraph(name=name, file=str(file), batch=batch, query_length=query,
                                     inputs=inputs, recorded=bool(info)))
     return OptimumArtifact(
-        path=str(path), artifact=artifact, decoder_batch_sizes=buckets, attn_impl=attn_impl,
+        path=str(path), artifact=artifact, attn_impl=attn_impl,
         cache_impl=cache_impl, logits_to_keep=logits_to_keep, use_attention_mask=use_mask,
         use_position_ids=use_pos, dtype=dtype, npu=npu,
         optimum_rbln_version=_get(raw, "optimum_rbln_version", str, None),
         prefill=graphs[0], decoders=tuple(graphs[1:]), kv_caches=kv,
         output_hidden_states=_get(raw, "output_hidden_states", bool, False))
+
+
+def _refuse_unsupported(raw: dict[str, Any]) -> None:
+    """Compile options atombatch refuses rather than mis-drive (each names the option)."""
+    cls_name = _get(raw, "cls_name", str, "")
+    if cls_name and not cls_name.endswith("ForCausalLMConfig"):
+        raise ConfigError(f"{CONFIG_FILE}: cls_name={cls_name!r} is not a causal LM "
+                          "(…ForCausalLMConfig); atombatch drives decoder-only causal LMs")
+    if _get(raw, "use_inputs_embeds", bool, False):
+        raise ConfigError(f"{CONFIG_FILE}: use_inputs_embeds=true is not supported: atombatch "
+                          "feeds input_ids; recompile without it")
+    if _get(raw, "lora_config", dict, None):
+        raise ConfigError(f"{CONFIG_FILE}: lora_config is set: LoRA graphs (lora_int_ids) are "
+                          "not supported; recompile without LoRA")
+    quant = _get(raw, "quantization", dict, {})
+    if quant.get("kv_caches") == "fp8":
+        raise ConfigError(f"{CONFIG_FILE}: quantization.kv_caches='fp8' is not supported: "
+                          "atombatch moves KV as bfloat16/float16/float32")
+    if _get(raw, "_requires_batch_sort", bool, False):
+        raise ConfigError(f"{CONFIG_FILE}: _requires_batch_sort=true: this graph needs decode "
+                          "rows sorted by length, but atombatch packs rows in lane order")
+    phases = _get(raw, "phases", list, ["prefill", "decode"])
+    if "decode" not in phases:
+        raise ConfigError(f"{CONFIG_FILE}: phases={phases} has no 'decode': the directory has "
+                          "no decode graph")
+    if "image_prefill" in phases:
+        raise ConfigError(f"{CONFIG_FILE}: phases={phases}: image_prefill is not supported")
+
+
+def _tensor_parallel(raw: dict[str, Any], cfgs_raw: list[Any]) -> int:
+    """The tensor parallel size, the same wherever the file records it (1 when it does not)."""
+    recorded_tp = [raw.get("tensor_parallel_size"), raw.get("num_devices")]
+    recorded_tp += [cfg.get("num_devices") for cfg in cfgs_raw if isinstance(cfg, dict)]
+    for value in recorded_tp:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise ConfigError(f"{CONFIG_FILE}: num_devices={value!r} must be a positive integer")
+    tp_values = {v for v in recorded_tp if v is not None}
+    if len(tp_values) > 1:
+        raise ConfigError(f"{CONFIG_FILE}: num_devices / tensor_parallel_size disagree across "
+                          f"the file: {sorted(tp_values)}")
+    return tp_values.pop() if tp_values else 1
+
+
+def _recorded_inputs(cfgs_raw: list[Any]) -> dict[str, tuple[GraphInput, ...]]:
+    """Each compiled graph's recorded input list (`_compile_cfgs`), by graph name."""
+    recorded: dict[str, tuple[GraphInput, ...]] = {}
+    for cfg in cfgs_raw:
+        if not isinstance(cfg, dict) or not isinstance(cfg.get("compiled_model_name"), str):
+            raise ConfigError(f"{CONFIG_FILE}: _compile_cfgs entry {cfg!r} has no "
+                              "compiled_model_name")
+        name = cfg["compiled_model_name"]
+        if name in recorded:
+            raise ConfigError(f"{CONFIG_FILE}: _compile_cfgs names {name!r} twice")
+        recorded[name] = (_parse_input_info(name, cfg["input_info"])
+                          if cfg.get("input_info") is not None else ())
+    return recorded
 
 
 def _check_recorded(graph: str, info: tuple[GraphInput, ...], derived: tuple[GraphInput, ...],
@@ -440,6 +458,4 @@ def _model_spec(path: Path, model: ModelSpec | None) -> ModelSpec:
 
 
 def _artifact(spec: ModelSpec, *, buckets: tuple[int, ...], **fields: Any) -> ArtifactConfig:
-    if "decoder_batch_sizes" in ArtifactConfig.__struct_fields__:   # decode buckets are known
-        fields["decoder_batch_sizes"] = buckets
-    return ArtifactConfig(model=spec, **fields)
+    return ArtifactConfig(model=spec, decoder_batch_sizes=buckets, **fields)
