@@ -292,3 +292,29 @@ def test_a_forged_replica_summary_is_ignored(forged: dict[str, object]) -> None:
     else:
         stats.update(forged)
     assert summary_from_stats(stats) is None
+
+
+def test_a_long_token_against_many_stop_strings_does_not_stall_the_steps(
+        tmp_path: Path) -> None:
+    """Item 8: a 100 000-character token checked against 64 stop strings cost 925 ms per step
+    (the stop automata advanced in Python character by character), and the stop check runs
+    where the steps run. A victim's longest pause while such a request generates is bounded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "</s>", "x" * 100_000] + [f"w{i}" for i in range(200)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with served("--tokenizer", str(tmp_path)) as (url, _):
+        hostile = _body(prompt="w1 w2", max_tokens=12, ignore_eos=True, allowed_token_ids=[2],
+                        stop=[f"y{i:03d}" for i in range(64)])
+        with Victim(url) as victim:
+            time.sleep(0.2)
+            start = time.perf_counter()
+            response = _post(url, COMPLETIONS, hostile)
+            end = time.perf_counter()
+        assert response.status_code == 200, response.text[:300]
+        assert response.json()["choices"][0]["text"].replace(" ", "") == "x" * 1_200_000
+        gap = victim.gap_during(start, end)
+        assert gap < 0.6, f"the victim stream paused {gap:.2f} s"
