@@ -60,6 +60,11 @@ _WARN_EVENTS = frozenset({"request.failed"})
 _ALL_MASKED = ("every token is masked (structured output, allowed_token_ids, bad_words, "
                "logit_bias and min_tokens exclude the whole vocabulary)")
 
+
+class _ConstraintFailed(RequestError):
+    """The request's own constraints left its first token nothing to sample."""
+
+
 # Requests without a lane that a Batcher keeps by default; past it `submit` raises CapacityError.
 # Each waiting request holds its prompt (at most max_seq_len int64 ids) and a little bookkeeping.
 DEFAULT_MAX_WAITING = 4096
@@ -682,7 +687,8 @@ class Batcher:
                 token = self._sample_one(request, row)
                 self._keep_first_row(request, row)
         except Exception as exc:  # the runtime failed this request; the others go on
-            self._fail(request, f"prefill failed: {exc}", outputs)
+            self._fail(request, f"prefill failed: {exc}", outputs,
+                       kind="request" if isinstance(exc, _ConstraintFailed) else None)
             return
         for done in scheduler.complete_prefill(plan, token, self.clock()):
             outputs.append(self._output(done))
@@ -811,11 +817,11 @@ class Batcher:
             return
         masked = set(result.masked_rows)
         for i, (row, _, request, _) in enumerate(special):
-            if i in result.failed:
-                self._fail(request, result.failed[i], outputs)
+            if i in result.failed:  # its grammar's matcher failed: the constraint's doing
+                self._fail(request, result.failed[i], outputs, kind="request")
                 continue
             if i in masked:
-                self._fail(request, _ALL_MASKED, outputs)
+                self._fail(request, _ALL_MASKED, outputs, kind="request")
                 continue
             tokens[row] = int(result.tokens[i])
             self._outputs.keep_logprobs(request, result.logprobs[i])
@@ -827,9 +833,9 @@ class Batcher:
             return int(np.argmax(row))
         result = sample_rows(row.reshape(1, -1), [sampler], [request.output], self.logprobs_mode)
         if result.failed:
-            raise RequestError(result.failed[0])
+            raise _ConstraintFailed(result.failed[0])
         if result.masked_rows:
-            raise RequestError(_ALL_MASKED)
+            raise _ConstraintFailed(_ALL_MASKED)
         self._outputs.keep_logprobs(request, result.logprobs[0])
         return int(result.tokens[0])
 
@@ -844,7 +850,11 @@ class Batcher:
             log.warning("device.retry", call=getattr(call, "__name__", "call"), error=str(exc))
             return call(inputs)
 
-    def _fail(self, request: Request, message: str, outputs: list[RequestOutput]) -> None:
+    def _fail(self, request: Request, message: str, outputs: list[RequestOutput],
+              kind: str | None = None) -> None:
+        """End `request` with `message` ("error"); `kind="request"` when its own constraints
+        caused it (`RequestOutput.error_kind`: a front answers 400, not 500)."""
+        request.error_kind = kind
         self.scheduler.fail(request, message)
         outputs.append(self._final_output(request, ()))
 

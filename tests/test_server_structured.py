@@ -179,6 +179,19 @@ def test_bad_constraints_are_400s_naming_the_field(server: ServerThread, body: d
     assert health.status_code == 200
 
 
+def test_a_constraint_that_leaves_nothing_to_sample_is_a_400_not_a_500(
+        server: ServerThread) -> None:
+    """Issue 18: a request whose own constraints mask every token mid-generation (here the
+    choice is complete, so only EOS is allowed, and min_tokens masks EOS) ended as a 500
+    `engine_error`, the server's fault; it is the request's: a 400 (streamed: an error event)."""
+    body = {"model": NAME, "prompt": "hi", "max_tokens": 8, "min_tokens": 6,
+            "structured_outputs": {"choice": ["yes"]}}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "masked" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+
+
 def test_constraints_need_a_tokenizer() -> None:
     from atombatch import Batcher
     from atombatch.runtime import NumpyRuntime

@@ -189,6 +189,7 @@ class _Generation:
         self.generated = 0
         self.finish_reason: str | None = None  # the whole request (an error in any choice wins)
         self.error: str | None = None
+        self.error_kind: str | None = None    # "request": its own constraints failed it
         self.prompt: list[int] = []           # the prompt's ids (echo)
         self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # when asked for
         self.started = False                 # run() began (it then does its own accounting)
@@ -254,6 +255,7 @@ class _Generation:
                             choice.stop_reason = out.completion.stop_reason
                         if out.finish_reason == "error" and self.error is None:
                             self.error = out.error
+                            self.error_kind = out.error_kind
                     if out.finished:
                         self.finish_reason = "error" if self.error is not None else \
                             out.finish_reason or "error"
@@ -951,6 +953,8 @@ class _Server:
         work.result()
         failed = next((g for g in gens if g.finish_reason == "error"), None)
         if failed is not None:
+            if failed.error_kind == "request":  # its constraints left nothing to sample
+                raise ApiError(400, failed.error or "request failed", code="invalid_value")
             raise ApiError(500, failed.error or "request failed", type="server_error",
                            code="engine_error")
 
