@@ -16,6 +16,24 @@ def impl(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
     yield importlib.import_module(name)
 
 
+@pytest.fixture(params=["c", "py"])
+def core(request, monkeypatch):
+    """Run the scheduler on the compiled core (id `c`) and on its pure-Python twin (`py`)."""
+    from atombatch import scheduler as scheduler_module
+
+    if request.param == "c":
+        from atombatch import _blocks as impl
+    else:
+        from atombatch import _blocks_py as impl
+    monkeypatch.setattr(scheduler_module.core, "BlockPool", impl.BlockPool)
+    monkeypatch.setattr(scheduler_module.core, "LaneTable", impl.LaneTable)
+    monkeypatch.setattr(scheduler_module.core, "SlidingSlots", impl.SlidingSlots)
+    monkeypatch.setattr(scheduler_module.core, "DecodeInputs", impl.DecodeInputs)
+    monkeypatch.setattr(scheduler_module.core, "PrefillInputs", impl.PrefillInputs)
+    monkeypatch.setattr(scheduler_module.core, "StepKernel", impl.StepKernel)
+    return request.param
+
+
 @pytest.fixture
 def fake_rebel(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     """The emulated rebel-sdk (`tests/fakerebel/rebel`) as `import rebel`, with no device state."""

@@ -16,41 +16,22 @@ import numpy as np
 import pytest
 from driving import run_to_end
 from fakerebel.compiler import compile_dir
-from hf_models import FAMILIES, build_model, hf_logits, save_checkpoint
+from hf_models import FAMILIES
+from support.device_cases import (  # noqa: F401
+    _CASES,
+    GREEDY,
+    LAYOUTS,
+    NEW_TOKENS,
+    B,
+    make_case,
+)
 
-from atombatch import ArtifactConfig, Batcher, ConfigError, SamplingParams, StateError
+from atombatch import ArtifactConfig, Batcher, ConfigError, StateError
 from atombatch.blocks import PrefillInputs
 from atombatch.pd import InProcessSource, Producer
 from atombatch.runtime import NumpyRuntime, RebelRuntime, Runtime
 
 pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
-
-NEW_TOKENS = 8
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-B = 4
-
-
-_CASES: dict[str, tuple] = {}
-
-
-def make_case(family, tmp_path_factory):
-    """A tiny checkpoint of `family`, prompts (two share a 40-token prefix), and transformers'
-    greedy continuations; built once per family."""
-    if family not in _CASES:
-        path = save_checkpoint(family, tmp_path_factory.mktemp(family))
-        model = build_model(family)
-        rng = np.random.default_rng(5)
-        system = rng.integers(3, 512, size=40).tolist()
-        prompts = [rng.integers(3, 512, size=n).tolist() for n in (5, 17, 33)]
-        prompts += [system + rng.integers(3, 512, size=n).tolist() for n in (3, 9)]
-        references = []
-        for prompt in prompts:
-            seq = list(prompt)
-            for _ in range(NEW_TOKENS):
-                seq.append(int(np.argmax(hf_logits(model, seq)[-1])))
-            references.append(tuple(seq[len(prompt):]))
-        _CASES[family] = (family, path, prompts, references)
-    return _CASES[family]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -71,12 +52,6 @@ def qwen3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
     return make_case("gemma3", tmp_path_factory)
-
-
-LAYOUTS = {
-    "eager": dict(kvcache_num_blocks=B + 1),                        # the B+1 rule
-    "flash": dict(kvcache_block_size=32, kvcache_num_blocks=B * 4 + 1),
-}
 
 
 def compiled(tmp_path, path, layout, **options):

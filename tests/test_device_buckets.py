@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from fakerebel.compiler import compile_dir
-from test_device import GREEDY, LAYOUTS, make_case
+from support.device_cases import GREEDY, LAYOUTS, make_case
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec
 from atombatch.runtime import RebelRuntime

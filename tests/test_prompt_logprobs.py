@@ -246,7 +246,7 @@ def test_collector_bounds_its_scratch_and_overwrites_a_recomputed_chunk(monkeypa
 # -- HTTP ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[Any, Any]]:
-    from test_server import ART, NAME, WEIGHT_SEED, ServerThread
+    from support.serving import ART, NAME, WEIGHT_SEED, ServerThread
 
     from atombatch.serve import create_app
 

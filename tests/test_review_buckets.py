@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import test_pd as pd
+import support.pd_models as pd
 from driving import run_to_end
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ledger import LedgerRuntime
-from test_scheduler import (  # noqa: F401  (`core`: a fixture)
+from support.scheduling import (
     artifact,
     check_workload,
-    core,
     draw_workload,
     drive,
     expected,

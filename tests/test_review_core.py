@@ -260,7 +260,7 @@ def test_gemma3_matches_transformers_at_window_and_context_edges(gemma3_case, la
 @pytest.fixture(scope="module")
 def http_server():
     import httpx
-    from test_server import ART, NAME, WEIGHT_SEED, ServerThread
+    from support.serving import ART, NAME, WEIGHT_SEED, ServerThread
 
     from atombatch.runtime.numpy_runtime import NumpyRuntime
     from atombatch.serve import create_app

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from driving import run_to_end
-from test_pd import SEED, SPECS, artifact, producer_for, prompts
+from support.pd_models import SEED, SPECS, artifact, producer_for, prompts
 
 from atombatch import AsyncBatcher, Batcher, SamplingParams
 from atombatch.pd import InProcessSource
@@ -73,8 +73,8 @@ def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop() -> None:
     """The token that reaches max_tokens also completes a stop string: the text ends before the
     stop string, so the request stopped on it (finish_reason "stop", stop_reason the string), as
     vLLM reports it; "length" with a cut text and no stop_reason contradicts itself."""
-    from test_sampling import artifact as sampling_artifact
-    from test_sampling import piece_tokenizer
+    from support.sampling_models import artifact as sampling_artifact
+    from support.sampling_models import piece_tokenizer
 
     tok = piece_tokenizer()
     art = sampling_artifact()
@@ -100,7 +100,7 @@ def test_a_request_id_of_a_held_choice_is_refused_at_submit() -> None:
     """With a prefix cache, choices 1.. of an n > 1 request wait (held) for choice 0's prefill
     under the internal ids `<id>#<index>`. A caller's own request with such an id was accepted and
     the step that released the held choices raised StateError: the whole engine stopped."""
-    from test_sampling import artifact as sampling_artifact
+    from support.sampling_models import artifact as sampling_artifact
 
     from atombatch import RequestError
 
@@ -123,7 +123,7 @@ def test_max_waiting_counts_the_choices_held_for_choice_zero() -> None:
     """With a prefix cache an n > 1 request queues choice 0 and holds the others outside the
     scheduler; the queue bound must count them (docs/sampling.md: "max_waiting counts each
     choice"), or n=64 requests multiply it by 64."""
-    from test_sampling import artifact as sampling_artifact
+    from support.sampling_models import artifact as sampling_artifact
 
     from atombatch import CapacityError
 
@@ -181,7 +181,7 @@ def test_step_waits_for_an_abort_from_another_thread_instead_of_raising() -> Non
     consumer's loop."""
     import threading
 
-    from test_sampling import artifact as sampling_artifact
+    from support.sampling_models import artifact as sampling_artifact
 
     batcher = Batcher(NumpyRuntime.random(sampling_artifact(), seed=1))
     source = _SlowClosingSource()
@@ -280,7 +280,7 @@ def test_aborting_choice_zero_alone_releases_the_held_choices() -> None:
     """Choices 1.. of an n > 1 request wait for choice 0's prefill; choice 0 aborted by its own
     id (`<id>#0`, the id the engine's logs show) while prefilling left them held forever: the
     engine reported unfinished work and stepped idly without end."""
-    from test_sampling import artifact as sampling_artifact
+    from support.sampling_models import artifact as sampling_artifact
 
     art = sampling_artifact()
     prompt = list(range(1, 41))  # three prefill chunks
@@ -307,7 +307,7 @@ def test_aborting_choice_zero_alone_releases_the_held_choices() -> None:
 def test_async_generate_refuses_n_choices_instead_of_returning_one_at_random() -> None:
     """`AsyncBatcher.generate` returned the completion of whichever choice ended last; with
     n > 1 it now says so, and `stream()` gives every choice."""
-    from test_sampling import artifact as sampling_artifact
+    from support.sampling_models import artifact as sampling_artifact
 
     from atombatch import RequestError
 
@@ -330,8 +330,8 @@ def test_bad_words_with_a_kv_source_are_refused_not_ignored_for_the_first_token(
     """A producer has no tokenizer, so it cannot ban `bad_words` from the first token it samples:
     a PD request with bad words got a banned first token a colocated run never gives. The engine
     refuses such a source (like n > 1 and logprobs); a PD replica prefills the request itself."""
-    from test_sampling import PIECES, piece_tokenizer
-    from test_sampling import artifact as sampling_artifact
+    from support.sampling_models import PIECES, piece_tokenizer
+    from support.sampling_models import artifact as sampling_artifact
 
     from atombatch import RequestError
     from atombatch.pd import Producer
@@ -356,7 +356,7 @@ def test_bad_words_with_a_kv_source_are_refused_not_ignored_for_the_first_token(
 def test_one_held_choice_aborted_by_its_id_ends_alone() -> None:
     """`abort("<id>#<index>")` ended a choice already in the scheduler, but returned False for a
     choice still held for choice 0's prefill: the same id, a different answer by timing."""
-    from test_sampling import artifact as sampling_artifact
+    from support.sampling_models import artifact as sampling_artifact
 
     art = sampling_artifact()
     prompt = list(range(1, 41))
@@ -385,7 +385,7 @@ def test_temperatures_and_penalties_past_float32_keep_masks_and_filters() -> Non
     divided by inf is NaN: tokens outside allowed_token_ids and top_k were drawn) and
     repetition_penalty=1e-300 became 0 (a seen token's logit +inf: the request failed as if
     every token were masked)."""
-    from test_sampling import artifact as sampling_artifact
+    from support.sampling_models import artifact as sampling_artifact
 
     art = sampling_artifact()
     prompt = [1, 2, 3]

@@ -281,7 +281,7 @@ def test_pd_import_staged_into_the_spare_takes_a_lane_bound_to_the_kernel() -> N
     """Both lanes decode when a PD request arrives: it imports into the spare (STAGED, its first
     token from the producer), takes the first lane that finishes, and decodes there through the
     kernel: the same tokens as a native run."""
-    import test_pd as pd
+    import support.pd_models as pd
 
     from atombatch.pd import InProcessSource
 

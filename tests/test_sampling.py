@@ -13,6 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.numerics import f32_logprob_atol
+from support.sampling_models import (
+    EOS,
+    PIECES,
+    VOCAB,
+    artifact,
+    piece_tokenizer,
+    spec,
+)
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -21,27 +29,12 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from atombatch import ArtifactConfig, Batcher, ModelSpec, RequestError, SamplingParams
+from atombatch import ArtifactConfig, Batcher, RequestError, SamplingParams
 from atombatch.detokenizer import Detokenizer
 from atombatch.runtime import NumpyRuntime
 from atombatch.sampling import RequestSampler, sample, sample_rows
 
 pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
-
-VOCAB = 97
-EOS = 7
-
-
-def spec(eos: tuple[int, ...] = (EOS,)) -> ModelSpec:
-    return ModelSpec(name="tiny", family="qwen3", vocab_size=VOCAB, hidden_size=32, num_heads=2,
-                     intermediate_size=64, num_layers=2, num_kv_heads=1, head_dim=16,
-                     eos_token_ids=eos)
-
-
-def artifact(batch_size: int = 4, block_size: int = 16, chunk: int = 16) -> ArtifactConfig:
-    return ArtifactConfig(model=spec(), batch_size=batch_size, max_seq_len=64,
-                          block_size=block_size, num_blocks=batch_size * (64 // block_size) + 8,
-                          prefill_chunk_size=chunk)
 
 
 class Recording:
@@ -435,22 +428,6 @@ def test_engine_rejects_ids_outside_the_vocabulary_and_unsupported_options() -> 
         with pytest.raises(RequestError, match=match):
             batcher.submit([1, 2], params)
     assert not batcher.has_unfinished()
-
-
-# -- stop strings -------------------------------------------------------------------------------------
-PIECES = ["<unk>", "<eos>"] + [f"p{i}" for i in range(VOCAB - 2)]
-
-
-def piece_tokenizer() -> Any:
-    """A tokenizer whose token t (t >= 2) decodes to a 2-3 character piece, glued together."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {p: i for i, p in enumerate(PIECES)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<eos>"])
-    return tok
 
 
 def test_detokenizer_holds_back_a_stop_string_split_across_tokens() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -22,71 +21,29 @@ import numpy as np
 import openai
 import pytest
 from support.served import ServerThread
+from support.serving import (
+    ART,
+    NAME,
+    SPEC,
+    WEIGHT_SEED,
+    assert_blocks_released,
+    expected,
+    ids_of,
+    make_server,
+    metrics,
+    wait_idle,
+)
 
-from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
+from atombatch import ArtifactConfig, Batcher
 from atombatch.runtime.numpy_runtime import NumpyRuntime
 from atombatch.serve import create_app
 from atombatch.serve.tokens import HFCodec
-
-SPEC = ModelSpec(name="serve-test", family="llama", vocab_size=256, hidden_size=64,
-                 intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                 bos_token_id=1, eos_token_ids=(2,), dtype="float32")
-# Partitioned blocks (4 per sequence), 4 lanes, lanes x blocks + 1 spare; chunked prefill.
-ART = ArtifactConfig(model=SPEC, batch_size=4, max_seq_len=128, block_size=32, num_blocks=17,
-                     prefill_chunk_size=32, kv_dtype="float32")
-WEIGHT_SEED = 7
-NAME = "serve-test"
-
-
-def expected(prompts: list[list[int]], max_tokens: int, artifact: ArtifactConfig = ART
-             ) -> list[list[int]]:
-    batcher = Batcher(NumpyRuntime.random(artifact, seed=WEIGHT_SEED))
-    done = batcher.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    return [list(c.token_ids) for c in done]
-
-
-def ids_of(text: str) -> list[int]:
-    return [int(t) for t in re.findall(r"<(\d+)>", text)]
-
-
-def make_server(artifact: ArtifactConfig = ART, runtime: Any = None, **batcher_kw: Any
-                ) -> ServerThread:
-    runtime = runtime or NumpyRuntime.random(artifact, seed=WEIGHT_SEED)
-    return ServerThread(create_app(Batcher(runtime, **batcher_kw), NAME))
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
     with make_server(max_waiting=64) as s:
         yield s
-
-
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics").text
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
-def wait_idle(url: str, timeout: float = 30.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(url)
-        if (m["atombatch_occupied_lanes"] == 0 and m["atombatch_queue_length"] == 0
-                and m["atombatch_requests_in_flight"] == 0):
-            return m
-        assert time.monotonic() < deadline, f"server not idle: {m}"
-        time.sleep(0.05)
-
-
-def assert_blocks_released(m: dict[str, float]) -> None:
-    blocks = {s: m[f'atombatch_blocks{{state="{s}"}}'] for s in
-              ("free", "spare", "staged", "lane", "cached")}
-    assert blocks["staged"] == 0 and blocks["lane"] == 0, blocks
-    assert blocks["free"] + blocks["spare"] + blocks["cached"] == ART.num_blocks, blocks
 
 
 async def read_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],

@@ -165,8 +165,8 @@ def test_echo_without_logprobs_and_refusals(llama: Any) -> None:
 
 
 def test_text_prompt_is_echoed_as_sent(tmp_path: Path) -> None:
-    from test_chat_template import QWEN3
-    from test_chat_template import save_checkpoint as save_tokenizer
+    from support.templates import QWEN3
+    from support.templates import save_checkpoint as save_tokenizer
 
     from atombatch.serve.tokens import HFCodec
 

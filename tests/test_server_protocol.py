@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from test_server import (
+from support.serving import (
     ART,
     NAME,
     SPEC,

@@ -12,7 +12,7 @@ import numpy as np
 import openai
 import pytest
 from support.numerics import f32_atol, f32_logprob_atol, reduction_length
-from test_server import ART, NAME, SPEC, WEIGHT_SEED, ServerThread, expected
+from support.serving import ART, NAME, SPEC, WEIGHT_SEED, ServerThread, expected
 
 from atombatch import Batcher
 from atombatch.runtime.numpy_runtime import NumpyRuntime

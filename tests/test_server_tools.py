@@ -25,7 +25,7 @@ import numpy as np
 import openai
 import pytest
 from support.served import ServerThread
-from test_chat_template import LLAMA3, QWEN3
+from support.templates import LLAMA3, QWEN3
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec
 from atombatch.runtime.numpy_runtime import NumpyRuntime

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from support.served import ServerThread
-from test_chat_template import QWEN3, save_checkpoint
+from support.templates import QWEN3, save_checkpoint
 
 from atombatch import ArtifactConfig, Batcher, ConfigError, ModelSpec, __version__
 from atombatch.runtime.numpy_runtime import NumpyRuntime

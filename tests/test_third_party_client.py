@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from test_chat_template import QWEN3, save_checkpoint
-from test_server import ServerThread, metrics, wait_idle
+from support.serving import ServerThread, metrics, wait_idle
+from support.templates import QWEN3, save_checkpoint
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.runtime.numpy_runtime import NumpyRuntime
