@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -15,10 +14,11 @@ import msgspec
 from ray import serve
 
 from atombatch.cluster.routing import DEFAULT_MAX_BLOCKS, DEFAULT_ROUTE_BLOCK, route_digests
+from atombatch.logs import logger
 from atombatch.serve.ray.board import board
 from atombatch.serve.ray.wire import ForwardedRequest, ResponseStart
 
-logger = logging.getLogger("atombatch.serve.ray")
+log = logger("atombatch.serve.ray")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -146,7 +146,8 @@ class AtomIngress:
                     await _send_error(send, 502, "the replica sent no response", "replica_failed")
                 return
             except Exception as exc:  # the replica died or was unreachable
-                logger.warning("ray.replica_failed %r", exc)
+                log.warning("ray.replica_failed", error=repr(exc), attempt=attempt,
+                            started=started, request_id=request.request_id)
                 if started:
                     # mid-stream: end the stream with an error event the clients understand
                     message = _error_body(f"the replica serving this request failed: "

@@ -3,7 +3,6 @@ under a bound on imbalance, from the lane, queue and cache-summary figures repli
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -17,8 +16,9 @@ from atombatch.cluster.routing import (
 )
 from atombatch.cluster.summary import CacheSummary, check_summary_size
 from atombatch.errors import ConfigError
+from atombatch.logs import logger
 
-logger = logging.getLogger("atombatch.serve.ray")
+log = logger("atombatch.serve.ray")
 
 
 class AtomRequestRouter(RequestRouter):
@@ -140,8 +140,7 @@ def _warn_bad_summary(reason: str) -> None:
     global _bad_summaries
     _bad_summaries += 1
     if _bad_summaries % 1000 == 1:
-        logger.warning("router: ignoring a replica's cache summary (%s; %d so far)", reason[:200],
-                    _bad_summaries)
+        log.warning("router.summary_ignored", reason=reason[:200], ignored=_bad_summaries)
 
 
 def _digests_of(pending_request: PendingRequest | None) -> tuple[bytes, ...]:
