@@ -55,7 +55,6 @@ def prompt_for_routing(body: bytes, codec: Any) -> list[int]:
     return []
 
 
-
 class AtomIngress:
     """HTTP in front of the replicas: digests the prompt, forwards, streams the answer back."""
 

@@ -16,6 +16,7 @@ from atombatch.errors import ConfigError
 from atombatch.serve.ray.board import BOARD_NAMESPACE, board
 
 
+# -- the producer actor ----------------------------------------------------------------------------
 class _CountingProducer:
     """A `Producer` that counts the requests it is producing and can be held before each layer
     (`ProducerActor.pause`: maintenance, and tests that must kill a producer mid-request)."""
@@ -110,7 +111,7 @@ class ProducerActor:
         return os.getpid()
 
 
-
+# -- the pool of a running application -------------------------------------------------------------
 def producer_name(app_name: str, index: int) -> str:
     return f"{app_name}-producer-{index}"
 

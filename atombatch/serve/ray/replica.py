@@ -24,6 +24,7 @@ from atombatch.serve.ray.wire import ForwardedRequest, ResponseStart
 from atombatch.structs import SamplingParams
 
 
+# -- devices ---------------------------------------------------------------------------------------
 def assigned_devices(resource: str | None, count: int) -> list[int] | None:
     """The device indices this replica may use, or None when it asked for no device resource.
 
