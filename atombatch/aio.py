@@ -16,7 +16,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Self
@@ -35,9 +34,8 @@ from atombatch.errors import (
     StateError,
     UnavailableError,
 )
+from atombatch.logs import log
 from atombatch.structs import Completion, RequestOutput, SamplingParams
-
-logger = logging.getLogger("atombatch")
 
 # Finished requests whose outputs nobody claimed yet, kept by default (oldest dropped first).
 DEFAULT_MAX_UNCLAIMED = 1024
@@ -302,10 +300,9 @@ class OutputStreams(abc.ABC):
             self.unclaimed_bytes -= self._unclaimed_bytes.pop(dropped)
             self.unclaimed_dropped += 1
             if self.unclaimed_dropped % 1000 == 1:  # a flood of them must not flood the log
-                logger.warning("request.unclaimed_dropped request_id=%s dropped=%d "
-                               "max_unclaimed=%d max_unclaimed_bytes=%d", dropped,
-                               self.unclaimed_dropped, self.max_unclaimed,
-                               self.max_unclaimed_bytes)
+                log.warning("request.unclaimed_dropped", request_id=dropped,
+                            dropped=self.unclaimed_dropped, max_unclaimed=self.max_unclaimed,
+                            max_unclaimed_bytes=self.max_unclaimed_bytes)
 
 
 class AsyncBatcher(OutputStreams):
@@ -465,7 +462,7 @@ class AsyncBatcher(OutputStreams):
                     outputs = batcher.step()
                     await asyncio.sleep(0)  # let clients submit and consume between steps
             except Exception as exc:  # a bug, not a request failure: fail everything in flight
-                logger.exception("atombatch step loop failed")
+                log.exception("engine.step_loop_failed")
                 for out in fail_all(batcher, list(self._queues), exc):
                     self._deliver(out)
                 continue

@@ -74,9 +74,12 @@ def test_unknown_fields_are_ignored_logged_once_and_listed(server: ServerThread,
         assert chat.headers["x-ignored-fields"] == "messages[0].mood, messages[1].mood"
         assert ids_of("".join(e["choices"][0]["delta"].get("content") or ""
                               for e in sse(chat))) == expected([IDS + [5]], 3)[0]
-    warned = [r.getMessage() for r in caplog.records if "unknown request field" in r.getMessage()]
-    assert len(warned) == 3, warned  # colour, stream_options.shiny, messages[].mood: once each
-    assert any("'colour'" in w for w in warned) and any("messages[].mood" in w for w in warned)
+    events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "atombatch.serve"]
+    warned = [e for e in events if e["event"] == "request.unknown_field_ignored"]
+    # colour, stream_options.shiny, messages[].mood: once each
+    assert [(e["path"], e["field"]) for e in warned] == [
+        ("/v1/completions", "colour"), ("/v1/completions", "stream_options.shiny"),
+        ("/v1/chat/completions", "messages[].mood")], warned
     clean = post(server, "/v1/completions", {"prompt": IDS, "max_tokens": 2})
     assert "x-ignored-fields" not in clean.headers
 
@@ -158,11 +161,14 @@ def test_every_4xx_reason_is_logged(server: ServerThread, caplog: Any) -> None:
         post(server, "/v1/completions", {"prompt": IDS, "max_tokens": 4, "temperature": -1})
         post(server, "/v1/completions", {"prompt": IDS, "max_tokens": 4, "model": "other"})
         httpx.get(f"{server.url}/v1/nowhere")
-    lines = [r.getMessage() for r in caplog.records if r.name == "atombatch.serve"]
-    assert any("400 invalid_value (temperature)" in line and "temperature=-1" in line
-               for line in lines), lines
-    assert any("404 model_not_found (model)" in line and "'other'" in line for line in lines)
-    assert any("/v1/nowhere -> 404" in line for line in lines)
+    events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "atombatch.serve"]
+    rejected = [e for e in events if e["event"] == "request.rejected"]
+    assert any((e["status"], e["code"], e["param"]) == (400, "invalid_value", "temperature")
+               and "temperature=-1" in e["message"] for e in rejected), rejected
+    assert any((e["status"], e["code"], e["param"]) == (404, "model_not_found", "model")
+               and "'other'" in e["message"] for e in rejected)
+    assert any((e["method"], e["path"], e["status"]) == ("GET", "/v1/nowhere", 404)
+               for e in rejected)
 
 
 # -- usage -----------------------------------------------------------------------------------------

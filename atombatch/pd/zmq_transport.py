@@ -20,7 +20,6 @@ Bounds (docs/security.md lists them with their defaults):
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from collections import OrderedDict, deque
@@ -31,6 +30,7 @@ import msgspec
 
 from atombatch.config import ArtifactConfig
 from atombatch.errors import KVTransferError, RequestError
+from atombatch.logs import logger
 from atombatch.pd.checks import validate_header
 from atombatch.pd.producer import Producer
 from atombatch.pd.source import LayerStream
@@ -61,7 +61,7 @@ from atombatch.pd.wire import (
 )
 from atombatch.structs import SamplingParams
 
-logger = logging.getLogger("atombatch.pd")
+log = logger("atombatch.pd")
 
 # Bytes of layer messages a socket may queue for one peer (turned into a high-water mark). An
 # 8B model at a 9 216-token context has 75 MB layer messages: three of them fit.
@@ -239,7 +239,7 @@ class ZmqProducerServer:
                 sent += 1
             self._queue(peer, [END, encoder.encode(sent)])
         except Exception as exc:
-            logger.warning("pd.producer_failed", extra={"error": repr(exc)})
+            log.warning("pd.producer_failed", error=repr(exc))
             text = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
             self._queue(peer, [ERROR, text.encode()])
 
@@ -284,8 +284,8 @@ class ZmqProducerServer:
             backlogged.remove(slowest)
 
     def _drop(self, peer: _Peer, why: str) -> None:
-        logger.warning("pd.peer_dropped", extra={"why": why, "requests": len(peer.requests),
-                                                 "messages": len(peer.outbox)})
+        log.warning("pd.peer_dropped", why=why, requests=len(peer.requests),
+                    messages=len(peer.outbox))
         self.dropped_peers += 1
         self._peers.pop(peer.routing_id, None)
         now = time.monotonic()

@@ -30,7 +30,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import logging
 import re
 import time
 import uuid
@@ -52,6 +51,7 @@ from atombatch.core import CoreClient
 from atombatch.detokenizer import bad_word_ids
 from atombatch.engine import Batcher
 from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
+from atombatch.logs import logger
 from atombatch.serve import schema, vllm_api
 from atombatch.serve.auth import BearerAuth
 from atombatch.serve.chat_output import (
@@ -97,7 +97,7 @@ from atombatch.serve.tools import TOOL_PARSER_NAMES, NoToolParser, ToolCallError
 from atombatch.structs import RequestOutput, SamplingParams, TokenLogprobs
 
 T = TypeVar("T")
-log = logging.getLogger("atombatch.serve")
+log = logger("atombatch.serve")
 
 _ENCODER = msgspec.json.Encoder()
 _DONE = b"data: [DONE]\n\n"
@@ -340,12 +340,13 @@ class _Server:
                     continue
                 self.warned_fields.add(name)
                 if len(self.warned_fields) > MAX_WARNED_FIELDS:
-                    log.warning("more than %d distinct unknown request fields: no longer "
-                                "logging new ones", MAX_WARNED_FIELDS)
+                    log.warning("request.unknown_fields_unlogged", limit=MAX_WARNED_FIELDS,
+                                note="more distinct unknown request fields than the limit: "
+                                     "new ones are no longer logged")
                     break
-                log.warning("%s: ignoring the unknown request field %r (further uses are "
-                            "ignored silently; --strict-protocol rejects them)",
-                            request.url.path, name)
+                log.warning("request.unknown_field_ignored", path=request.url.path, field=name,
+                            note="further uses are ignored silently; --strict-protocol "
+                                 "rejects them")
         return value
 
     def headers(self, request: Request) -> dict[str, str] | None:
@@ -1036,9 +1037,9 @@ class _Server:
             self.metrics.rejected.labels(str(exc.status)).inc()
         if 400 <= exc.status < 500:
             error = exc.body.error
-            level = logging.INFO if exc.status in (429, 499) else logging.WARNING
-            log.log(level, "%s %s -> %d %s%s: %s", request.method, request.url.path, exc.status,
-                    error.code, f" ({error.param})" if error.param else "", error.message)
+            emit = log.info if exc.status in (429, 499) else log.warning
+            emit("request.rejected", method=request.method, path=request.url.path,
+                 status=exc.status, code=error.code, param=error.param, message=error.message)
         headers = {**(self.headers(request) or {}), **(exc.headers or {})}
         return _json(exc.body, status=exc.status, headers=headers or None)
 
@@ -1047,8 +1048,8 @@ class _Server:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = f"{request.method} {request.url.path}: {exc.detail}"
         if 400 <= exc.status_code < 500:
-            log.warning("%s %s -> %d %s: %s", request.method, request.url.path, exc.status_code,
-                        code, exc.detail)
+            log.warning("request.rejected", method=request.method, path=request.url.path,
+                        status=exc.status_code, code=code, param=None, message=exc.detail)
         body = ErrorResponse(ErrorBody(message=message, type="invalid_request_error", code=code))
         return _json(body, status=exc.status_code, headers=dict(exc.headers or {}))
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import threading
 from typing import Any
 
 from atombatch.errors import ConfigError, RequestError
 from atombatch.grammar import Grammars
+from atombatch.logs import logger
 from atombatch.structured import StructuredOutput
 
 DEFAULT_MAX_STRUCTURED_CHARS = 64 * 1024   # characters of one schema / regex / grammar / choices
@@ -37,7 +37,7 @@ CHECK_CACHE = 64                           # constraints whose compile check is 
 # JSON whitespace when a client asks for vLLM's default (`disable_any_whitespace: false`)
 ANY_WHITESPACE = r"[\x20\x0A\x0D\x09]+"
 
-log = logging.getLogger("atombatch.serve")
+log = logger("atombatch.serve")
 
 _VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _VLLM_IGNORED = ("backend", "disable_fallback", "disable_additional_properties")
@@ -76,7 +76,7 @@ class StructuredRequests:
         try:
             self.grammars.tokenizer  # noqa: B018 (built and kept on first access)
         except ConfigError as exc:  # answered as a 400 by the first constrained request
-            log.warning("structured output is unavailable: %s", exc)
+            log.warning("structured.unavailable", error=str(exc))
 
     def resolve(self, body: Any) -> StructuredOutput | None:
         """The checked constraint of a request body (a Completion- or ChatCompletionRequest).
