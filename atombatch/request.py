@@ -46,7 +46,7 @@ def check_stop(request: Request, token: int, eos_token_ids: Container[int], *,
     output reaching the resolved limit (`request.max_tokens`) gives "length"; otherwise None. A
     stop string so wins over the limit on the same token (as in vLLM). The decode-step kernel
     (`StepKernel.complete`) applies the same rule in C to the ids `stop_ids` gives it, with
-    `request.max_tokens` as its limit (`tests/test_stop_rule.py` compares the two).
+    `request.max_tokens` as its limit (`tests/blocks/test_stop_rule.py` compares the two).
     """
     params = request.params
     if stop_string or token in request.stop_token_ids or \

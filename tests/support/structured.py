@@ -46,7 +46,7 @@ def checkpoint_dir(path: Path) -> Path:
     """A Qwen3 checkpoint directory `python -m atombatch.serve --model` reads: the suite's tiny
     random transformers model (tests/hf_models.py: vocab 512, BOS 1, EOS 2) and a byte-level
     tokenizer whose ids 0..2 are its pad, BOS and EOS."""
-    from tests.hf_models import save_checkpoint
+    from hf_models import save_checkpoint
 
     save_checkpoint("qwen3", path)
     tok = byte_tokenizer(("<|pad|>", BOS, EOS))

@@ -2,7 +2,7 @@
 
 The tokenizer is a byte-level BPE made here with Qwen3's tool and think tags as added (not
 special) tokens, as Qwen3 ships them, and the chat template is the Qwen3-style one of
-tests/test_chat_template.py (it renders `tools`, assistant `tool_calls` and `tool` results).
+tests/serve/test_chat_template.py (it renders `tools`, assistant `tool_calls` and `tool` results).
 
 Two models stand behind the server:
 - a scripted one (`ScriptedRuntime`): after any prompt it writes a given text, then EOS. What
@@ -365,7 +365,7 @@ def test_named_choice_calls_that_function(random_qwen: ServerThread) -> None:
 def test_readme_tool_call_request_is_served(hermes: ServerThread) -> None:
     import re
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     match = re.search(r"--tool-call-parser hermes.*?-d '(\{.*?\})'\n", readme, flags=re.S)
     assert match, "the README shows no tool call"
     r = httpx.post(f"{hermes.url}/v1/chat/completions", json=json.loads(match.group(1)),

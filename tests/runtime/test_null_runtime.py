@@ -8,12 +8,12 @@ import time
 
 import numpy as np
 import pytest
+from driving import run_to_end
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
 from atombatch.errors import ConfigError, StateError
 from atombatch.runtime import NullRuntime, Runtime
 from atombatch.serve.cli import DEFAULT_SPEC
-from tests.driving import run_to_end
 
 
 def artifact(batch_size: int = 4, decoder_batch_sizes: tuple[int, ...] = ()) -> ArtifactConfig:

@@ -36,7 +36,7 @@ from atombatch.request import RequestState
 from atombatch.runtime import NumpyRuntime
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 
@@ -699,8 +699,8 @@ def test_a_long_step_arrays_soak_allocates_nothing_per_step() -> None:
 
 SUBPROCESS = """
 import json, sys
-sys.path.insert(0, {tests!r})
-from test_review_kernel import mixed_workload
+sys.path[:0] = [{tests!r}, {here!r}]
+from test_kernel_attacks import mixed_workload
 print(json.dumps(mixed_workload()))
 """
 
@@ -732,7 +732,8 @@ def test_twin_and_compiled_engines_produce_the_same_outputs() -> None:
         env = {k: v for k, v in os.environ.items() if k != "ATOMBATCH_NO_EXTENSIONS"}
         if no_ext:
             env["ATOMBATCH_NO_EXTENSIONS"] = no_ext
-        code = SUBPROCESS.format(tests=os.path.join(REPO, "tests"))
+        code = SUBPROCESS.format(tests=os.path.join(REPO, "tests"),
+                                 here=os.path.dirname(os.path.abspath(__file__)))
         out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                              capture_output=True, text=True, cwd=REPO).stdout
         runs.append(json.loads(out.strip().splitlines()[-1]))

@@ -1,7 +1,7 @@
 """RebelRuntime without the SDK: a lazy import whose failure says how to install it.
 
 Everything RebelRuntime does on a device is tested through the emulated `rebel` in
-tests/test_device.py.
+tests/runtime/test_device.py.
 """
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ def test_readme_text_chat_request_is_served(tmp_path: Path) -> None:
     """The README's text chat request, sent as written to a checkpoint with a tokenizer."""
     import re
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     body = json.loads(re.search(r"/v1/chat/completions .*?-d '(\{.*?\})'", readme,
                                 flags=re.S).group(1))
     save_checkpoint(tmp_path, QWEN3, None, "<|im_end|>")

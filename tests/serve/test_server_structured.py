@@ -21,11 +21,11 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from support import structured as model
+from support.served import ServerThread
 
 from atombatch.core.client import CoreClient
 from atombatch.serve.app import create_app
-from tests.support import structured as model
-from tests.support.served import ServerThread
 
 pytestmark = pytest.mark.numerics
 
@@ -193,9 +193,10 @@ def test_a_constraint_that_leaves_nothing_to_sample_is_a_400_not_a_500(
 
 
 def test_constraints_need_a_tokenizer() -> None:
+    from support.structured import ART
+
     from atombatch import Batcher
     from atombatch.runtime import NumpyRuntime
-    from tests.support.structured import ART
     with ServerThread(create_app(Batcher(NumpyRuntime.random(ART, seed=3)), NAME)) as s:
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "<5><6>", "max_tokens": 4,
                                                         "guided_choice": ["a"]}, timeout=30)
@@ -208,7 +209,7 @@ def test_the_cli_server_with_its_default_engine_core_process(tmp_path: Any) -> N
     """`python -m atombatch.serve --model DIR` (the engine in its own core process, the default)
     on a Qwen3 checkpoint with tokenizer.json: the core builds the grammars from the tokenizer
     it loads itself."""
-    from tests.support.served import served
+    from support.served import served
     directory = model.checkpoint_dir(tmp_path / "ckpt")
     with contextlib.ExitStack() as stack:
         url, _ = stack.enter_context(served("--model", str(directory), "--max-seq-len", "256",

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.twins import LANE_ARRAYS, Twin, assert_same_arrays, twin
 
 import atombatch._blocks_py as py_impl
 from atombatch.errors import StateError
-from tests.test_blocks_properties import LANE_ARRAYS, Twin, assert_same_arrays, twin
 
 LANE, DECODING = py_impl.LANE, py_impl.LANE_DECODING
 KERNEL_ARRAYS = ("tokens", "status", "plain", "attention", "_num_out", "_max_out", "_flags")

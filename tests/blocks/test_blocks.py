@@ -12,6 +12,8 @@ import pytest
 
 from atombatch.errors import AtomBatchError, CapacityError, ConfigError, RequestError, StateError
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 FREE, SPARE, STAGED, LANE, CACHED = range(5)
 IDLE, PREFILLING, DECODING = range(3)
 
@@ -764,7 +766,7 @@ def test_environment_switch_picks_the_implementation(no_extensions: str | None,
     code = ("import atombatch.blocks as b; "
             "print(b.IMPLEMENTATION, b.BlockPool.__module__, b.NO_EXTENSIONS)")
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
-                         text=True, cwd=os.path.dirname(os.path.dirname(__file__))).stdout.split()
+                         text=True, cwd=REPO_ROOT).stdout.split()
     module = "atombatch._blocks_py" if expected == "py" else "atombatch._blocks"
     assert out == [expected, module, str(no_extensions is not None)]
 

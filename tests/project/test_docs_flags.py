@@ -12,7 +12,7 @@ import pytest
 
 from atombatch.serve.cli import parser as serve_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyperf  # the bench extra, part of the test extra
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pyperf_suite_runs_the_shared_cases_and_compares(tmp_path):

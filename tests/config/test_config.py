@@ -21,7 +21,7 @@ from atombatch.config import (
 )
 from atombatch.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CTX = 9216
 
 

@@ -15,7 +15,7 @@ from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.bench import serve
 from atombatch.runtime.sim import ORIGIN_KONI_B1, CostModel, SimRuntime
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

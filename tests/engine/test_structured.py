@@ -20,13 +20,13 @@ import pytest
 from driving import run_to_end
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.structured import ART, SPEC, batcher, byte_tokenizer
 
 from atombatch import Batcher, RequestError, SamplingParams, StructuredOutput
 from atombatch.grammar import Grammars, apply_masks
 from atombatch.pd import InProcessSource, Producer
 from atombatch.runtime import NumpyRuntime
 from atombatch.sampling import RequestSampler, sample_rows
-from tests.support.structured import ART, SPEC, batcher, byte_tokenizer
 
 pytestmark = pytest.mark.numerics   # greedy tokens of real math (run again under a second BLAS)
 
