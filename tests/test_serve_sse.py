@@ -152,3 +152,30 @@ def test_sse_response_sends_body_through_the_raw_send() -> None:
     assert [m["type"] for m in wrapped] == ["http.response.start"]
     assert [(m["body"], m["more_body"]) for m in raw] == [(b"a", True), (b"b", True),
                                                           (b"", False)]
+
+
+def test_token_metrics_expose_as_prometheus_clients_own() -> None:
+    import re
+
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from atombatch.serve.metrics import _LATENCY_BUCKETS, _GapHistogram, _TokenCounter
+
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    histogram = Histogram("atombatch_gap_seconds", "doc", buckets=_LATENCY_BUCKETS,
+                          registry=theirs)
+    counter = Counter("atombatch_tokens", "doc", registry=theirs)
+    gaps, tokens = _GapHistogram("atombatch_gap_seconds", "doc", _LATENCY_BUCKETS), \
+        _TokenCounter("atombatch_tokens", "doc")
+    ours.register(gaps)
+    ours.register(tokens)
+    for value in (0.0, 0.0005, 0.001, 0.0010001, 0.005, 0.02, 3.0, 600.0, 1e4):
+        histogram.observe(value)
+        gaps.observe(value)
+    counter.inc(7)
+    tokens.inc(7)
+
+    def text(registry: CollectorRegistry) -> bytes:
+        return re.sub(rb"_created \S+", b"_created T", generate_latest(registry))
+
+    assert text(ours) == text(theirs)
