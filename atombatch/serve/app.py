@@ -219,7 +219,8 @@ class _Generation:
         try:
             while self.finish_reason is None:
                 items = await box.take()
-                if all(type(item) is int for item in items):  # plain tokens only
+                if (len(items) == 1 and type(items[0]) is int) or \
+                        all(type(item) is int for item in items):  # plain tokens only
                     new: list[int] = items  # type: ignore[assignment]
                     now = time.perf_counter()
                     if self.generated:
