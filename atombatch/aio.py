@@ -193,7 +193,7 @@ class OutputStreams(abc.ABC):
         try:
             while not finished:
                 item = await queue.get()
-                out = item if type(item) is not int else plain_output(request_id, item)
+                out = plain_output(request_id, item) if isinstance(item, int) else item
                 finished = out.finished
                 yield out
         finally:
@@ -297,7 +297,7 @@ class OutputStreams(abc.ABC):
         by_choice: dict[int, list[RequestOutput]] = {}
         while not queue.empty():
             item = queue.get_nowait()
-            out = item if type(item) is not int else plain_output(request_id, item)
+            out = plain_output(request_id, item) if isinstance(item, int) else item
             by_choice.setdefault(out.index, []).append(out)
         kept = [compact_outputs(outs) for outs in by_choice.values()]
         kept.sort(key=lambda out: out.finished)  # the request's last output stays last

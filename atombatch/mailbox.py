@@ -32,7 +32,7 @@ def plain_output(request_id: str, token: int) -> RequestOutput:
 
 def as_outputs(request_id: str, items: Iterable[Item]) -> list[RequestOutput]:
     """`items` with every plain token as its `RequestOutput`."""
-    return [item if type(item) is not int else plain_output(request_id, item)
+    return [plain_output(request_id, item) if isinstance(item, int) else item
             for item in items]
 
 

@@ -763,11 +763,11 @@ class _Server:
                 gen, i = gens[g], out.index
                 index = g * n + i
                 if out is _PLAIN and plain is not None and (echoed is None or started[g][i]):
-                    template = plain.get(index, False)
-                    if template is False:
-                        template = plain[index] = PlainChunk.cut(
+                    if index not in plain:
+                        plain[index] = PlainChunk.cut(
                             lambda t, ids, index=index: chunk([CompletionChoice(
                                 index=index, text=t, token_ids=ids)]))
+                    template = plain[index]
                     if template is not None:
                         offsets[g][i] += len(text)
                         started[g][i] = True
@@ -911,11 +911,11 @@ class _Server:
                 index = g * n + i
                 output = outputs[g][i]
                 if out is _PLAIN and plain is not None and not output.active:
-                    template = plain.get(index, False)
-                    if template is False:
-                        template = plain[index] = PlainChunk.cut(
+                    if index not in plain:
+                        plain[index] = PlainChunk.cut(
                             lambda t, ids, index=index: chunk([ChatChunkChoice(
                                 index=index, delta=ChatDelta(content=t), token_ids=ids)]))
+                    template = plain[index]
                     if template is not None:
                         yield template(text, new)
                         continue
