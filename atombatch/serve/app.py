@@ -5,8 +5,9 @@ engine's own `validate`) before anything is queued, so a bad request costs the e
 never disturbs another request. A valid one is submitted to the `AsyncBatcher` and its outputs are
 sent as they come: one SSE chunk per generated token when streaming, one JSON body otherwise.
 
-A client that goes away aborts its request at once: Starlette cancels a streaming body when
-the server reports `http.disconnect` (and the body is closed in a `finally` in any case); a
+A client that goes away aborts its request at once: the SSE response (atombatch/serve/sse.py)
+cancels a streaming body when the server reports `http.disconnect` (and the body is closed and
+its requests abandoned in a `finally` in any case); a
 non-streaming request races its collection against a disconnect watcher. The abort frees the
 request's lane and blocks before the next engine step.
 
