@@ -35,6 +35,7 @@ from atombatch.errors import (
     UnavailableError,
 )
 from atombatch.logs import log
+from atombatch.mailbox import Mailbox, as_outputs, plain_output
 from atombatch.structs import Completion, RequestOutput, SamplingParams
 
 # Finished requests whose outputs nobody claimed yet, kept by default (oldest dropped first).
@@ -77,7 +78,7 @@ class OutputStreams(abc.ABC):
         self.max_unclaimed_bytes = max_unclaimed_bytes
         self._unclaimed_bytes: dict[str, int] = {}
         self.unclaimed_bytes = 0
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._queues: dict[str, Mailbox] = {}
         # finished before anyone called outputs(): one compacted output each, oldest first
         self._unclaimed: OrderedDict[str, tuple[RequestOutput, ...]] = OrderedDict()
         self.unclaimed_dropped = 0
@@ -116,7 +117,7 @@ class OutputStreams(abc.ABC):
         self._claimed.discard(request_id)
         self._held.pop(request_id, None)
         self._streaming.discard(request_id)
-        self._queues[request_id] = asyncio.Queue()
+        self._queues[request_id] = Mailbox()
 
     def _forget_unclaimed(self, request_id: str) -> tuple[RequestOutput, ...] | None:
         self.unclaimed_bytes -= self._unclaimed_bytes.pop(request_id, 0)
@@ -137,8 +138,16 @@ class OutputStreams(abc.ABC):
         """
         return self._iterate(request_id, self._claim(request_id))
 
-    def _claim(self, request_id: str) -> asyncio.Queue[RequestOutput]:
-        """The queue `outputs` / `output_batches` read (the errors are theirs)."""
+    def output_box(self, request_id: str) -> Mailbox:
+        """The request's `Mailbox` itself, for a consumer that reads plain tokens as ints
+        (the server's streaming path; `outputs` and `output_batches` build a `RequestOutput`
+        of each). The same one-consumer rule and errors as `outputs`; the caller aborts the
+        request if it stops reading before the finished output."""
+        return self._claim(request_id)
+
+    def _claim(self, request_id: str) -> Mailbox:
+        """The mailbox `outputs` / `output_batches` / `output_box` read (the errors are
+        theirs)."""
         if request_id in self._claimed:
             raise StateError(f"outputs({request_id!r}) is already being consumed: each "
                              "request's outputs have one consumer (docs/rules.md)")
@@ -150,7 +159,7 @@ class OutputStreams(abc.ABC):
                                    f"taken (an unclaimed finished request is kept only while "
                                    f"among the last max_unclaimed={self.max_unclaimed} and "
                                    f"within max_unclaimed_bytes={self.max_unclaimed_bytes})")
-            queue = asyncio.Queue()
+            queue = Mailbox()
             for final in finals:
                 queue.put_nowait(final)
         else:
@@ -163,26 +172,26 @@ class OutputStreams(abc.ABC):
         The same one-consumer rule and errors as `outputs`."""
         return self._batches(request_id, self._claim(request_id))
 
-    async def _batches(self, request_id: str, queue: asyncio.Queue[RequestOutput]
+    async def _batches(self, request_id: str, queue: Mailbox
                        ) -> AsyncGenerator[list[RequestOutput], None]:
         finished = False
         try:
             while not finished:
-                batch = [await queue.get()]
-                while not batch[-1].finished and not queue.empty():
-                    batch.append(queue.get_nowait())
+                # nothing follows a request's finished output: everything waiting is one batch
+                batch = as_outputs(request_id, await queue.take())
                 finished = batch[-1].finished
                 yield batch
         finally:
             if not finished:
                 self.abort(request_id)
 
-    async def _iterate(self, request_id: str, queue: asyncio.Queue[RequestOutput]
+    async def _iterate(self, request_id: str, queue: Mailbox
                        ) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while not finished:
-                out = await queue.get()
+                item = await queue.get()
+                out = plain_output(request_id, item) if isinstance(item, int) else item
                 finished = out.finished
                 yield out
         finally:
@@ -255,7 +264,7 @@ class OutputStreams(abc.ABC):
             else:
                 self._keep_unclaimed(out.request_id, queue)
 
-    def _hold(self, queue: asyncio.Queue[RequestOutput], out: RequestOutput) -> bool:
+    def _hold(self, queue: Mailbox, out: RequestOutput) -> bool:
         """With `stream_interval` N > 1: keep a plain token output back until N tokens wait
         (they then reach the queue together, so the consumer wakes once and writes once).
         Returns True when `out` is to be queued now, after what was held."""
@@ -281,11 +290,12 @@ class OutputStreams(abc.ABC):
             self._streaming.discard(out.request_id)
         return True
 
-    def _keep_unclaimed(self, request_id: str, queue: asyncio.Queue[RequestOutput]) -> None:
+    def _keep_unclaimed(self, request_id: str, queue: Mailbox) -> None:
         """Compact a finished, unclaimed request's outputs into one and bound how many are kept."""
         by_choice: dict[int, list[RequestOutput]] = {}
         while not queue.empty():
-            out = queue.get_nowait()
+            item = queue.get_nowait()
+            out = plain_output(request_id, item) if isinstance(item, int) else item
             by_choice.setdefault(out.index, []).append(out)
         kept = [compact_outputs(outs) for outs in by_choice.values()]
         kept.sort(key=lambda out: out.finished)  # the request's last output stays last

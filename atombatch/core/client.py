@@ -304,12 +304,12 @@ class CoreClient(OutputStreams):
                 for request_id, token in zip(step.ids, tokens, strict=True):
                     self._deliver(RequestOutput(request_id=request_id, new_token_ids=(token,),
                                                 finished=False))
-            else:
+            else:  # a plain token travels as a bare int (atombatch/mailbox.py): no struct
+                get = queues.get
                 for request_id, token in zip(step.ids, tokens, strict=True):
-                    queue = queues.get(request_id)
-                    if queue is not None:
-                        queue.put_nowait(RequestOutput(request_id=request_id,
-                                                       new_token_ids=(token,), finished=False))
+                    box = get(request_id)
+                    if box is not None:
+                        box.put_nowait(token)
         for out in step.outputs:
             if out.finished:
                 self._finish(out.request_id)

@@ -5,8 +5,9 @@ engine's own `validate`) before anything is queued, so a bad request costs the e
 never disturbs another request. A valid one is submitted to the `AsyncBatcher` and its outputs are
 sent as they come: one SSE chunk per generated token when streaming, one JSON body otherwise.
 
-A client that goes away aborts its request at once: Starlette cancels a streaming body when
-the server reports `http.disconnect` (and the body is closed in a `finally` in any case); a
+A client that goes away aborts its request at once: the SSE response (atombatch/serve/sse.py)
+cancels a streaming body when the server reports `http.disconnect` (and the body is closed and
+its requests abandoned in a `finally` in any case); a
 non-streaming request races its collection against a disconnect watcher. The abort frees the
 request's lane and blocks before the next engine step.
 
@@ -42,9 +43,8 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from atombatch.aio import AsyncBatcher, compact_outputs
 from atombatch.core import CoreClient
@@ -52,6 +52,7 @@ from atombatch.detokenizer import bad_word_ids
 from atombatch.engine import Batcher
 from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
 from atombatch.logs import logger
+from atombatch.mailbox import Mailbox, as_outputs
 from atombatch.serve import schema, vllm_api
 from atombatch.serve.auth import BearerAuth
 from atombatch.serve.chat_output import (
@@ -91,6 +92,7 @@ from atombatch.serve.protocol import (
     Usage,
 )
 from atombatch.serve.reasoning import REASONING_PARSER_NAMES
+from atombatch.serve.sse import App, PlainChunk, SSEResponse
 from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredRequests
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
 from atombatch.serve.tools import TOOL_PARSER_NAMES, NoToolParser, ToolCallError, ToolPlan
@@ -140,25 +142,16 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + _ENCODER.encode(obj) + b"\n\n"
 
 
-class _SSEResponse(StreamingResponse):
-    """A `StreamingResponse` that always closes its body and its request (a disconnect aborts)."""
+def _SSEResponse(content: AsyncIterator[bytes], generations: list[_Generation],
+                 headers: dict[str, str] | None = None) -> SSEResponse:
+    """The lean SSE response (atombatch/serve/sse.py): closes its body and its requests (a
+    disconnect aborts)."""
+    return SSEResponse(content, generations, {**_SSE_HEADERS, **(headers or {})})
 
-    def __init__(self, content: AsyncIterator[bytes], generations: list[_Generation],
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={**_SSE_HEADERS, **(headers or {})})
-        self.generations = generations
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
-            for generation in self.generations:
-                generation.abandon()
+# What a wakeup of plain tokens stands for in `_Generation.run`'s output slot: choice 0, not
+# finished, no text, logprobs or prompt logprobs (the streams check `out is _PLAIN`).
+_PLAIN = RequestOutput(request_id="", new_token_ids=(), finished=False)
 
 
 class _Choice:
@@ -179,7 +172,7 @@ class _Generation:
     """One accepted request: its engine id, its output iterator and its timing for the metrics."""
 
     def __init__(self, server: _Server, request_id: str, prompt_len: int,
-                 outputs: AsyncIterator[list[RequestOutput]], accepted: float, n: int = 1) -> None:
+                 outputs: Mailbox, accepted: float, n: int = 1) -> None:
         self.server = server
         self.request_id = request_id
         self.prompt_len = prompt_len
@@ -214,17 +207,38 @@ class _Generation:
             self.server.ab.abort(self.request_id)
             self.server.metrics.finished.labels("abort").inc()
 
-    async def run(self) -> AsyncGenerator[tuple[list[int], str, RequestOutput], None]:
-        """Yield (new ids, new text, output) per wakeup and choice: what arrived since the last
-        one, merged (so a stream that fell behind catches up in one SSE event and one write);
-        abort unless it finished. Metrics move once per wakeup, not per token."""
+    async def run(self, index: int = 0
+                  ) -> AsyncGenerator[tuple[int, tuple[list[int], str, RequestOutput]], None]:
+        """Yield (index, (new ids, new text, output)) per wakeup and choice: what arrived since
+        the last one, merged (so a stream that fell behind catches up in one SSE event and one
+        write); abort unless it finished. Metrics move once per wakeup, not per token. A wakeup
+        of plain tokens only (ints in the mailbox) yields `_PLAIN` as its output."""
         metrics = self.server.metrics
         self.started = True
         metrics.in_flight.inc()
         last = self.accepted
+        box = self.outputs
         try:
-            async for batch in self.outputs:
-                for out in _by_choice(batch):
+            while self.finish_reason is None:
+                items = await box.take()
+                if (len(items) == 1 and type(items[0]) is int) or \
+                        all(type(item) is int for item in items):  # plain tokens only
+                    new: list[int] = items  # type: ignore[assignment]
+                    now = time.perf_counter()
+                    if self.generated:
+                        metrics.inter_token.observe(now - last)
+                    else:
+                        metrics.ttft.observe(now - self.accepted)
+                    last = now
+                    choice = self.choices[0]
+                    choice.token_ids.extend(new)
+                    self.generated += len(new)
+                    metrics.generation_tokens.inc(len(new))
+                    text = choice.decoder.step(new)
+                    choice.text.append(text)
+                    yield index, (new, text, _PLAIN)
+                    continue
+                for out in _by_choice(as_outputs(self.request_id, items)):
                     choice = self.choices[out.index] if out.index < len(self.choices) else \
                         self.choices[0]
                     new = list(out.new_token_ids)
@@ -259,16 +273,12 @@ class _Generation:
                     if out.finished:
                         self.finish_reason = "error" if self.error is not None else \
                             out.finish_reason or "error"
-                    yield new, text, out
+                    yield index, (new, text, out)
         finally:
             metrics.in_flight.dec()
             if self.finish_reason is None:
                 self.abandoned = True
                 self.server.ab.abort(self.request_id)
-                aclose = getattr(self.outputs, "aclose", None)
-                if aclose is not None:
-                    with contextlib.suppress(Exception):
-                        await aclose()
                 metrics.finished.labels("disconnect").inc()
             else:
                 metrics.finished.labels(self.finish_reason).inc()
@@ -509,7 +519,7 @@ class _Server:
                            code="invalid_value") from None
         self.metrics.prompt_tokens.inc(len(prompt))
         # Take the output iterator now, before any await: the request may finish at once.
-        gen = _Generation(self, request_id, len(prompt), self.ab.output_batches(request_id),
+        gen = _Generation(self, request_id, len(prompt), self.ab.output_box(request_id),
                           accepted, params.n)
         gen.prompt = prompt
         return gen
@@ -749,10 +759,24 @@ class _Server:
         n = len(gens[0].choices)
         offsets = [[0] * n for _ in gens]
         started = [[False] * n for _ in gens]
+        # the plain chunk of each choice, pre-encoded (not with continuous usage or echo only)
+        plain: dict[int, PlainChunk | None] | None = \
+            None if continuous or not echo.generate else {}
         async with contextlib.aclosing(_merged(gens)) as events:
             async for g, (new, text, out) in events:
                 gen, i = gens[g], out.index
                 index = g * n + i
+                if out is _PLAIN and plain is not None and (echoed is None or started[g][i]):
+                    if index not in plain:
+                        plain[index] = PlainChunk.cut(
+                            lambda t, ids, index=index: chunk([CompletionChoice(
+                                index=index, text=t, token_ids=ids)]))
+                    template = plain[index]
+                    if template is not None:
+                        offsets[g][i] += len(text)
+                        started[g][i] = True
+                        yield template(text, new)
+                        continue
                 running = gen.usage() if continuous else None
                 logprobs = None
                 if not echo.generate:
@@ -884,13 +908,23 @@ class _Server:
                 yield chunk([ChatChunkChoice(index=g * n + i,
                                              delta=ChatDelta(role="assistant", content=""),
                                              token_ids=[])], gen.usage() if continuous else None)
+        plain: dict[int, PlainChunk | None] | None = None if continuous else {}
         async with contextlib.aclosing(_merged(gens)) as events:
             async for g, (new, text, out) in events:
                 gen, i = gens[g], out.index
                 index = g * n + i
+                output = outputs[g][i]
+                if out is _PLAIN and plain is not None and not output.active:
+                    if index not in plain:
+                        plain[index] = PlainChunk.cut(
+                            lambda t, ids, index=index: chunk([ChatChunkChoice(
+                                index=index, delta=ChatDelta(content=t), token_ids=ids)]))
+                    template = plain[index]
+                    if template is not None:
+                        yield template(text, new)
+                        continue
                 running = gen.usage() if continuous else None
                 logprobs = None if out.logprobs is None else self.chat_logprobs(list(out.logprobs))
-                output = outputs[g][i]
                 finish: str | None = out.finish_reason
                 if output.active:
                     try:
@@ -1112,23 +1146,26 @@ def _by_choice(batch: list[RequestOutput]) -> list[RequestOutput]:
     return merged
 
 
-async def _merged(gens: list[_Generation]
-                  ) -> AsyncGenerator[tuple[int, tuple[list[int], str, RequestOutput]], None]:
+def _merged(gens: list[_Generation]
+            ) -> AsyncGenerator[tuple[int, tuple[list[int], str, RequestOutput]], None]:
     """The outputs of several generations as (choice index, output) in arrival order; leaving
-    early closes (and so aborts) every generation still running."""
+    early closes (and so aborts) every generation still running. One generation is its own
+    `run()` (no generator between)."""
     if len(gens) == 1:
-        async with contextlib.aclosing(gens[0].run()) as outputs:
-            async for item in outputs:
-                yield 0, item
-        return
+        return gens[0].run(0)
+    return _interleaved(gens)
+
+
+async def _interleaved(gens: list[_Generation]
+                       ) -> AsyncGenerator[tuple[int, tuple[list[int], str, RequestOutput]], None]:
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
 
     async def pump(index: int, gen: _Generation) -> None:
         try:
-            async with contextlib.aclosing(gen.run()) as outputs:
+            async with contextlib.aclosing(gen.run(index)) as outputs:
                 async for item in outputs:
-                    queue.put_nowait((index, item))
+                    queue.put_nowait(item)
         except Exception as exc:
             queue.put_nowait((index, exc))
         else:
@@ -1264,7 +1301,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
     ]
     middleware = [Middleware(BearerAuth, keys=list(api_keys))] if api_keys else []
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
+    app = App(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={ApiError: server.api_error,
                                         HTTPException: server.http_error})
     app.state.server = server

@@ -1,7 +1,10 @@
 """Prometheus metrics of one server, in a registry of its own (two apps in a process never mix).
 
 Engine gauges and counters are read from `Batcher.stats()` when `/metrics` is scraped; latency
-histograms and finish reasons are observed by the HTTP layer as tokens reach the client.
+histograms and finish reasons are observed by the HTTP layer as tokens reach the client. The two
+moved once per streamed event (generated tokens, the inter-token gap) are counted in plain Python
+numbers (`_TokenCounter`, `_GapHistogram`: no lock per call, which is all prometheus_client's own
+objects cost there) and exposed in the same shape when scraped.
 
 | metric | type | labels |
 |---|---|---|
@@ -24,11 +27,19 @@ histograms and finish reasons are observed by the HTTP layer as tokens reach the
 
 from __future__ import annotations
 
+import bisect
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from atombatch.engine import EngineStats
 
@@ -72,6 +83,49 @@ class _EngineCollector(Collector):
         yield finished
 
 
+class _TokenCounter(Collector):
+    """A counter without labels, as prometheus_client's `Counter` exposes it (`_total`,
+    `_created`), incremented from the event loop's thread only."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self.name, self.documentation = name, documentation
+        self.value = 0
+        self.created = time.time()
+
+    def inc(self, amount: int = 1) -> None:
+        self.value += amount
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self.name, self.documentation, value=self.value,
+                                  created=self.created)
+
+
+class _GapHistogram(Collector):
+    """A histogram without labels, as prometheus_client's `Histogram` exposes it, observed from
+    the event loop's thread only."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = buckets
+        self.counts = [0] * (len(buckets) + 1)   # the last: above every bound (+Inf)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, amount)] += 1  # le: amount <= bound
+        self.sum += amount
+
+    def collect(self) -> Iterator[Metric]:
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        family = HistogramMetricFamily(self.name, self.documentation, buckets=buckets,
+                                       sum_value=self.sum)
+        family.add_sample(f"{self.name}_created", {}, self.created)
+        yield family
+
+
 class ServerMetrics:
     """The metric objects of one app, registered in `self.registry`."""
 
@@ -87,14 +141,16 @@ class ServerMetrics:
                                 ["status"], registry=registry)
         self.prompt_tokens = Counter("atombatch_prompt_tokens", "Prompt tokens accepted.",
                                      registry=registry)
-        self.generation_tokens = Counter("atombatch_generation_tokens",
-                                         "Generated tokens sent to clients.", registry=registry)
+        self.generation_tokens = _TokenCounter("atombatch_generation_tokens",
+                                               "Generated tokens sent to clients.")
+        registry.register(self.generation_tokens)
         self.ttft = Histogram("atombatch_time_to_first_token_seconds",
                               "Request accepted -> first generated token handed to the client.",
                               buckets=_LATENCY_BUCKETS, registry=registry)
-        self.inter_token = Histogram("atombatch_inter_token_latency_seconds",
-                                     "Gap between consecutive generated tokens of a request.",
-                                     buckets=_LATENCY_BUCKETS, registry=registry)
+        self.inter_token = _GapHistogram("atombatch_inter_token_latency_seconds",
+                                         "Gap between consecutive generated tokens of a request.",
+                                         _LATENCY_BUCKETS)
+        registry.register(self.inter_token)
         self.e2e = Histogram("atombatch_e2e_request_latency_seconds",
                              "Request accepted -> finished.", buckets=_LATENCY_BUCKETS,
                              registry=registry)

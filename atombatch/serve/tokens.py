@@ -110,7 +110,9 @@ class IdCodec:
 
 class _IdDecoder:
     def step(self, token_ids: Sequence[int]) -> str:
-        return "".join(f"<{t}>" for t in token_ids)
+        if len(token_ids) == 1:  # the streamed case: one token per event
+            return f"<{token_ids[0]}>"
+        return "".join([f"<{t}>" for t in token_ids])
 
     def flush(self) -> str:
         return ""

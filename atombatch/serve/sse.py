@@ -1,0 +1,115 @@
+"""The server's streaming write path: a lean SSE response and pre-encoded plain chunks.
+
+`SSEResponse` is an ASGI response for `text/event-stream` bodies that does per event only what
+the stream needs: it sends the response start through the app's middleware (which must know the
+response started) and every body event straight to the HTTP server's own `send` (captured by
+`App` in the scope), without Starlette's per-event wrappers or an anyio task group. A watcher task
+reads `receive`; on `http.disconnect` it cancels the streaming task, and the response closes its
+body and calls `abandon()` on each generation (the request is aborted) whatever ended it.
+
+`PlainChunk` holds one choice's chunk encoded around its two variable parts (the text and the
+ids): `chunk(text, ids)` returns exactly the bytes msgspec gives for the whole Struct (the
+template is cut from such an encoding), for the common chunk that carries nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any, Protocol
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+RAW_SEND = "atombatch.raw_send"   # scope key: the HTTP server's own send (set by `App`)
+
+_ENCODE = msgspec.json.Encoder().encode
+_TEXT_MARK = "@@atombatch-plain-text@@"
+_IDS_MARK = 7_654_321_987_654_321
+
+
+class App(Starlette):
+    """Starlette, keeping the server's `send` in the scope for `SSEResponse`'s body events."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[RAW_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
+class _Abandonable(Protocol):
+    def abandon(self) -> None: ...
+
+
+class SSEResponse(Response):
+    """Stream `content` (SSE event bytes) as `text/event-stream` (see the module docstring)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], generations: Iterable[_Abandonable],
+                 headers: Mapping[str, str] | None = None) -> None:
+        self.body_iterator = content
+        self.generations = list(generations)
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        raw = scope.get(RAW_SEND, send)
+        try:
+            try:
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                async for chunk in self.body_iterator:
+                    await raw({"type": "http.response.body", "body": chunk, "more_body": True})
+                await raw({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                watcher.cancel()
+                for generation in self.generations:
+                    generation.abandon()
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):
+                        await aclose()
+        except asyncio.CancelledError:
+            if not gone or task.uncancel() > 0:
+                raise
+
+
+class PlainChunk:
+    """One choice's plain chunk as bytes around its text and ids (see the module docstring)."""
+
+    __slots__ = ("head", "mid", "tail")
+
+    def __init__(self, head: bytes, mid: bytes, tail: bytes) -> None:
+        self.head, self.mid, self.tail = head, mid, tail
+
+    @classmethod
+    def cut(cls, encode: Any) -> PlainChunk | None:
+        """The template of `encode(text, ids)` (the whole event's bytes); None if the markers
+        cannot be found exactly once (the caller then encodes every chunk)."""
+        sample = encode(_TEXT_MARK, [_IDS_MARK])
+        head, *rest = sample.split(_ENCODE(_TEXT_MARK))
+        if len(rest) != 1:
+            return None
+        mid, *tail = rest[0].split(_ENCODE([_IDS_MARK]))
+        if len(tail) != 1 or _ENCODE(_TEXT_MARK) in head:
+            return None
+        return cls(head, mid, tail[0])
+
+    def __call__(self, text: str, ids: list[int]) -> bytes:
+        return b"".join((self.head, _ENCODE(text), self.mid, _ENCODE(ids), self.tail))
