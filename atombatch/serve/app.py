@@ -998,11 +998,12 @@ class _Server:
         body = await self.decode(request, vllm_api.DetokenizeRequest)
         self.check_model(body.model)
         try:
-            vllm_api.check_ids(body.tokens, self.artifact.model.vocab_size)
+            vllm_api.check_ids(body.tokens, self.artifact.model.vocab_size,
+                               self.artifact.max_seq_len)
         except RequestError as exc:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
-        return _json(vllm_api.DetokenizeResponse(prompt=self.codec.decode(body.tokens)),
-                     headers=self.headers(request))
+        text = await self.off_loop(self.codec.decode, body.tokens)
+        return _json(vllm_api.DetokenizeResponse(prompt=text), headers=self.headers(request))
 
     async def version(self, request: Request) -> Response:
         from atombatch import __version__

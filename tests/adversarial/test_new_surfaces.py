@@ -1,0 +1,67 @@
+"""The surfaces of issue 19 (structured output, tools, echo, /tokenize and /detokenize) attacked as
+a hostile client would, over loopback, with a victim stream timed alongside (issue 18's rule:
+every size a client controls is bounded before it is parsed, allocated, rendered, tokenized or
+iterated; no request stalls other streams beyond `VICTIM_GAP`; never a 500).
+
+What failed on eb41a07 (each is small to send):
+- `/detokenize` of 8 M ids: 200 after 2.9 s with every other stream stopped 2.7 s (a Python loop
+  over the ids and the decode on the event loop; no bound on the list).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from support.rss import MiB, peak_rss_bytes
+from support.served import served
+from test_request_bounds import NAME, RSS_BOUND, VICTIM_GAP, Victim
+
+CONTEXT = 512
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+    """A Qwen3 checkpoint with a byte-level tokenizer (what structured output needs), tools and
+    a reasoning parser, the engine in its own process (the CLI's default)."""
+    from support.structured import checkpoint_dir
+
+    directory = checkpoint_dir(Path(tmp_path_factory.mktemp("ckpt")))
+    with served(str(directory), "--served-model-name", NAME, "--max-model-len", str(CONTEXT),
+                "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                "--max-waiting", "64") as s:
+        yield s
+
+
+def _timed(url: str, pid: int, path: str, content: bytes) -> tuple[httpx.Response, float, float]:
+    """POST `content` while a victim streams: (response, the victim's longest pause, the
+    server's peak RSS growth)."""
+    before = peak_rss_bytes(pid)
+    with Victim(url) as victim:
+        time.sleep(0.2)
+        start = time.perf_counter()
+        response = httpx.post(url + path, content=content,
+                              headers={"content-type": "application/json"}, timeout=300)
+        end = time.perf_counter()
+    assert victim.error is None, victim.error
+    return response, victim.gap_during(start, end), peak_rss_bytes(pid) - before
+
+
+def test_detokenize_of_millions_of_ids_is_refused_without_stalling(
+        server: tuple[str, int]) -> None:
+    url, pid = server
+    for tail in (b"", b",99999"):  # in range, and one bad id at the very end
+        body = b'{"tokens":[' + b",".join([b"7"] * 8_000_000) + tail + b"]}"
+        r, gap, grown = _timed(url, pid, "/detokenize", body)
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert error["param"] == "tokens" and str(CONTEXT) in error["message"], error
+        assert gap < VICTIM_GAP, f"the victim stream paused {gap:.2f} s"
+        assert grown < RSS_BOUND, f"the server's peak RSS grew {grown / MiB:.0f} MiB"
+    ok = httpx.post(url + "/detokenize", json={"tokens": [40, 41, 42]}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["prompt"], ok.text
+    bad = httpx.post(url + "/detokenize", json={"tokens": [40, 10**12, -1]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]", bad.text
