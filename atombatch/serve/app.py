@@ -329,6 +329,8 @@ class _Server:
             await self.structured.check_off_loop(value)
         except RequestError as exc:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+        except CapacityError as exc:
+            raise self.busy(exc) from None
         if ignored:
             request.state.ignored_fields = ignored
             request.state.ignored_count = dropped
@@ -494,8 +496,7 @@ class _Server:
         try:
             self.ab.submit(prompt, params, request_id=request_id)
         except CapacityError as exc:
-            raise ApiError(exc.http_status, str(exc), type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(self.retry_after)}) from None
+            raise self.busy(exc) from None
         except UnavailableError as exc:
             core_died = isinstance(self.ab, CoreClient) and self.ab.dead
             raise ApiError(exc.http_status, str(exc), type="server_error",
@@ -510,6 +511,11 @@ class _Server:
                           accepted, params.n)
         gen.prompt = prompt
         return gen
+
+    def busy(self, exc: CapacityError) -> ApiError:
+        """A 429 with `Retry-After` (a full queue: of requests, or of constraints to compile)."""
+        return ApiError(exc.http_status, str(exc), type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(self.retry_after)})
 
     # -- logprobs in OpenAI's shapes ------------------------------------------------------------
     def token_text(self, token: int) -> str:
@@ -803,8 +809,11 @@ class _Server:
         worker thread (the event loop keeps streaming)."""
         try:
             if self.constraints.needs_check(plan):
-                return await asyncio.to_thread(self.constraints.apply, params, plan, prompt)
+                return await self.structured.run_check(self.constraints.apply, params, plan,
+                                                       prompt)
             return self.constraints.apply(params, plan, prompt)
+        except CapacityError as exc:
+            raise self.busy(exc) from None
         except UnservableConstraint as exc:
             raise ApiError(400, str(exc), param=exc.param, code="unsupported_value") from None
         except RequestError as exc:
@@ -1244,6 +1253,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
             server.accepting = False
             await ab.close(drain=True)
             server.text_worker.shutdown(wait=False, cancel_futures=True)
+            server.structured.close()
             if on_shutdown is not None:
                 on_shutdown()
 

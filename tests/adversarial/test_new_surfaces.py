@@ -6,10 +6,16 @@ iterated; no request stalls other streams beyond `VICTIM_GAP`; never a 500).
 What failed on eb41a07 (each is small to send):
 - `/detokenize` of 8 M ids: 200 after 2.9 s with every other stream stopped 2.7 s (a Python loop
   over the ids and the decode on the event loop; no bound on the list).
+- 12 concurrent 16-character regexes (`(a{1000}){1000}`, each a little different): 64 s to answer
+  them all, the front's peak RSS +2.2 GiB (each compile check spent 3 s and 250 MiB of
+  llguidance's default lexer budget, on up to six threads of the default executor, and kept a
+  copy of every matcher), the engine core +1.4 GiB after 40 of them (64 compiled matchers kept),
+  and a new honest constraint waited behind them all.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,3 +71,43 @@ def test_detokenize_of_millions_of_ids_is_refused_without_stalling(
     assert ok.status_code == 200 and ok.json()["prompt"], ok.text
     bad = httpx.post(url + "/detokenize", json={"tokens": [40, 10**12, -1]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]", bad.text
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_distinct_pathological_regexes_cost_bounded_time_and_memory(
+        server: tuple[str, int]) -> None:
+    url, pid = server
+    core = max(_children(pid), key=lambda c: peak_rss_bytes(c))  # the engine core process
+    before, core_before = peak_rss_bytes(pid), peak_rss_bytes(core)
+
+    def attack(i: int) -> int:
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 4,
+                "structured_outputs": {"regex": "(a{1000}){1000}" + "b" * i}}
+        return httpx.post(url + "/v1/completions", json=body, timeout=300).status_code
+
+    with Victim(url) as victim, concurrent.futures.ThreadPoolExecutor(12) as pool:
+        time.sleep(0.2)
+        start = time.perf_counter()
+        storm = [pool.submit(attack, i) for i in range(12)]
+        time.sleep(0.5)  # an honest, new constraint sent while the storm is being checked
+        honest = httpx.post(url + "/v1/completions", json={
+            "model": NAME, "prompt": "hi", "max_tokens": 4,
+            "structured_outputs": {"choice": ["yes", "no", "maybe"]}}, timeout=300)
+        honest_done = time.perf_counter()
+        statuses = [f.result() for f in storm]
+        end = time.perf_counter()
+    assert victim.error is None, victim.error
+    assert honest.status_code == 200, honest.text
+    assert honest.json()["choices"][0]["text"] in ("yes", "no", "maybe")
+    assert honest_done - start < 20, f"the honest constraint waited {honest_done - start:.1f} s"
+    assert end - start < 30, f"the storm took {end - start:.1f} s ({statuses})"
+    assert all(s in (400, 429, 500) for s in statuses), statuses
+    gap = victim.gap_during(start, end)
+    assert gap < VICTIM_GAP, f"the victim stream paused {gap:.2f} s"
+    grown = peak_rss_bytes(pid) - before
+    assert grown < RSS_BOUND, f"the server's peak RSS grew {grown / MiB:.0f} MiB"
+    core_grown = peak_rss_bytes(core) - core_before
+    assert core_grown < 3 * RSS_BOUND, f"the core's peak RSS grew {core_grown / MiB:.0f} MiB"
