@@ -387,6 +387,11 @@ class _Server:
         a token-id codec (no tokenizer) parses on the loop: its work stops at the context."""
         if isinstance(self.codec, IdCodec):
             return fn(*args)
+        return await self.in_worker(fn, *args)
+
+    async def in_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the text worker (building a response body that may hold up to
+        `max_response_bytes` of logprob entries)."""
         return await asyncio.get_running_loop().run_in_executor(
             self.text_worker, functools.partial(fn, *args))
 
@@ -684,11 +689,25 @@ class _Server:
                 return _SSEResponse(self._stream_completion(gens, created, usage, echo, echoed),
                                     gens, headers)
             await self._collect(request, gens)
+        # the logprob entries (up to max_response_bytes of them) are formatted and encoded on
+        # the text worker: on the event loop they stopped every other stream for seconds
+        choices = await self.in_worker(self.completion_choices, gens, params, echo, echoed)
+        total = _total_usage(gens) if echo.generate else _prompt_usage(gens)
+        body = await self.in_worker(_ENCODER.encode, CompletionResponse(
+            id=gens[0].request_id, created=created, model=self.model_name, choices=choices,
+            usage=total))
+        return Response(body, headers=headers, media_type="application/json")
+
+    def completion_choices(self, gens: list[_Generation], params: SamplingParams, echo: Echo,
+                           echoed: list[str] | None) -> list[CompletionChoice]:
+        """The choices of a finished non-streamed completion (choice `g * n + i` is choice i
+        of prompt g); an echoed prompt's logprobs are built once per prompt, not per choice."""
         want_logprobs = params.logprobs is not None
         choices = []
         for g, gen in enumerate(gens):
             prompt_logprobs = self.prompt_logprobs_json(gen.prompt_logprobs,
                                                         echo.user_prompt_logprobs)
+            head = self.echo_head(gen) if echoed is not None and want_logprobs else None
             for i, c in enumerate(gen.choices):
                 text, token_ids, finish = "".join(c.text), c.token_ids, c.finish_reason
                 logprobs = self.completion_logprobs(c.logprobs) if want_logprobs else None
@@ -696,16 +715,13 @@ class _Server:
                     text, token_ids, finish, logprobs = "", [], "length", None
                 if echoed is not None:
                     text = echoed[g] + text
-                    if want_logprobs:
-                        logprobs = joined(self.echo_head(gen), logprobs)
+                    if head is not None:
+                        logprobs = joined(head, logprobs)
                 choices.append(CompletionChoice(
                     index=g * params.n + i, text=text, token_ids=token_ids, finish_reason=finish,
                     stop_reason=c.stop_reason if echo.generate else None, logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs))
-        total = _total_usage(gens) if echo.generate else _prompt_usage(gens)
-        return _json(CompletionResponse(id=gens[0].request_id, created=created,
-                                        model=self.model_name, choices=choices, usage=total),
-                     headers=headers)
+        return choices
 
     def echoed_prompts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """Each prompt's text as echoed: as sent when it was text (and not truncated), else
@@ -766,7 +782,7 @@ class _Server:
                 if echoed is not None and not started[g][i] and out.finish_reason != "error":
                     text = echoed[g] + text
                     if echo.logprobs is not None:
-                        head = self.echo_head(gen)
+                        head = await self.in_worker(self.echo_head, gen)
                         logprobs = joined(head, logprobs)
                         offsets[g][i] += head.text_offset[-1] + len(head.tokens[-1]) \
                             if head.tokens else 0
@@ -780,14 +796,16 @@ class _Server:
                 finish = out.finish_reason
                 if finish is not None and not echo.generate:
                     finish = "length"
+                prompt_logprobs = None
+                if out.prompt_logprobs is not None and echo.user_prompt_logprobs is not None:
+                    prompt_logprobs = await self.in_worker(
+                        self.prompt_logprobs_json, out.prompt_logprobs, echo.user_prompt_logprobs)
                 yield chunk([CompletionChoice(index=index, text=text, token_ids=new,
                                               finish_reason=finish,
                                               stop_reason=gen.choices[i].stop_reason
                                               if out.finish_reason and echo.generate else None,
                                               logprobs=logprobs,
-                                              prompt_logprobs=self.prompt_logprobs_json(
-                                                  out.prompt_logprobs,
-                                                  echo.user_prompt_logprobs))], running)
+                                              prompt_logprobs=prompt_logprobs)], running)
         if include_usage:
             yield chunk([], _total_usage(gens) if echo.generate else _prompt_usage(gens))
         yield _DONE
@@ -855,6 +873,13 @@ class _Server:
                 usage = _usage_mode(body.stream_options)
                 return _SSEResponse(self._stream_chat(gens, created, usage, plan), gens, headers)
             await self._collect(request, gens)
+        # parsed, formatted and encoded on the text worker (see completions)
+        body = await self.in_worker(self.chat_body, gens, params, plan, created)
+        return Response(body, headers=headers, media_type="application/json")
+
+    def chat_body(self, gens: list[_Generation], params: SamplingParams, plan: ToolPlan,
+                  created: int) -> bytes:
+        """The JSON of a finished non-streamed chat completion."""
         want_logprobs = params.logprobs is not None
         choices = []
         for i, c in enumerate(gens[0].choices):
@@ -870,10 +895,10 @@ class _Server:
                 index=i, message=message, token_ids=c.token_ids, finish_reason=finish,
                 stop_reason=c.stop_reason,
                 logprobs=self.chat_logprobs(c.logprobs) if want_logprobs else None))
-        return _json(ChatResponse(
+        return _ENCODER.encode(ChatResponse(
             id=gens[0].request_id, created=created, model=self.model_name, choices=choices,
             usage=_total_usage(gens),
-            prompt_logprobs=self.prompt_logprobs_json(gens[0].prompt_logprobs)), headers=headers)
+            prompt_logprobs=self.prompt_logprobs_json(gens[0].prompt_logprobs)))
 
     async def _stream_chat(self, gens: list[_Generation], created: int,
                            usage: tuple[bool, bool], plan: ToolPlan) -> AsyncIterator[bytes]:

@@ -11,6 +11,9 @@ What failed on eb41a07 (each is small to send):
   llguidance's default lexer budget, on up to six threads of the default executor, and kept a
   copy of every matcher), the engine core +1.4 GiB after 40 of them (64 compiled matchers kept),
   and a new honest constraint waited behind them all.
+- `echo` with `logprobs=20` (or `prompt_logprobs=20`) on a batch of long prompts, inside the
+  response budget: every other stream stopped 2.3-2.8 s while the prompt logprobs were formatted
+  on the event loop (the echo head once per choice).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from support.served import served
 from test_request_bounds import NAME, RSS_BOUND, VICTIM_GAP, Victim
 
 CONTEXT = 512
+# three times the default budget: formatting a response's logprobs must not stall other streams
+# however many of them the operator allows
+RESPONSE_BYTES = 96 * MiB
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +44,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]
     directory = checkpoint_dir(Path(tmp_path_factory.mktemp("ckpt")))
     with served(str(directory), "--served-model-name", NAME, "--max-model-len", str(CONTEXT),
                 "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-                "--max-waiting", "64") as s:
+                "--max-waiting", "200", "--max-response-bytes", str(RESPONSE_BYTES)) as s:
         yield s
 
 
@@ -111,3 +117,31 @@ def test_distinct_pathological_regexes_cost_bounded_time_and_memory(
     assert grown < RSS_BOUND, f"the server's peak RSS grew {grown / MiB:.0f} MiB"
     core_grown = peak_rss_bytes(core) - core_before
     assert core_grown < 3 * RSS_BOUND, f"the core's peak RSS grew {core_grown / MiB:.0f} MiB"
+
+
+ECHOES = {
+    "echo logprobs=20": {"echo": True, "logprobs": 20, "max_tokens": 0},
+    "prompt_logprobs=20": {"prompt_logprobs": 20, "max_tokens": 1},
+    "echo logprobs=20 streamed": {"echo": True, "logprobs": 20, "max_tokens": 0, "stream": True},
+}
+
+
+@pytest.mark.parametrize("kind", list(ECHOES))
+def test_prompt_logprobs_of_a_batch_are_formatted_without_stalling(
+        server: tuple[str, int], kind: str) -> None:
+    import json
+
+    url, pid = server
+    prompt = list(range(3, 3 + 500))
+    n = 3
+    batch = RESPONSE_BYTES // (n * 500 * 21 * 64) - 1  # just inside the response budget
+    body = {"model": NAME, "prompt": [prompt] * batch, "n": n, **ECHOES[kind]}
+    r, gap, grown = _timed(url, pid, "/v1/completions", json.dumps(body).encode())
+    assert r.status_code == 200, r.text[:300]
+    assert gap < VICTIM_GAP, f"{kind}: the victim stream paused {gap:.2f} s"
+    if not body.get("stream"):
+        choices = r.json()["choices"]
+        assert len(choices) == batch * n
+        lp = choices[-1]["logprobs"] or {}
+        entries = lp.get("top_logprobs") or choices[-1]["prompt_logprobs"]
+        assert len(entries) >= 500 and entries[0] is None and len(entries[1]) >= 2
