@@ -29,7 +29,7 @@ from atombatch.errors import (
     StateError,
     TransientDeviceError,
 )
-from atombatch.grammar import Grammars, RequestGrammar
+from atombatch.grammar import ConstraintFailed, Grammars, RequestGrammar
 from atombatch.groups import Group, Move, num_held
 from atombatch.logs import log
 from atombatch.outputs import Extras, OutputBuilder
@@ -619,6 +619,9 @@ class Batcher:
                 if self.spec.is_hybrid:
                     self.runtime.copy_slot(first.lane, child.lane)  # type: ignore[attr-defined]
                 token = self._sample_one(child, row)
+            except ConstraintFailed as exc:
+                self._fail(child, str(exc), outputs, exc.param)
+                continue
             except Exception as exc:  # this choice fails; choice 0 and the others go on
                 self._fail(child, f"starting from choice 0's prompt KV failed: {exc}", outputs)
                 continue
@@ -681,6 +684,9 @@ class Batcher:
                                        f"{plan.request_id} at position {plan.chunk_start}")
                 token = self._sample_one(request, row)
                 self._keep_first_row(request, row)
+        except ConstraintFailed as exc:  # its first token broke its constraint
+            self._fail(request, str(exc), outputs, exc.param)
+            return
         except Exception as exc:  # the runtime failed this request; the others go on
             self._fail(request, f"prefill failed: {exc}", outputs)
             return
@@ -812,7 +818,7 @@ class Batcher:
         masked = set(result.masked_rows)
         for i, (row, _, request, _) in enumerate(special):
             if i in result.failed:
-                self._fail(request, result.failed[i], outputs)
+                self._fail(request, result.failed[i], outputs, _constraint_param(request))
                 continue
             if i in masked:
                 self._fail(request, _ALL_MASKED, outputs)
@@ -827,7 +833,7 @@ class Batcher:
             return int(np.argmax(row))
         result = sample_rows(row.reshape(1, -1), [sampler], [request.output], self.logprobs_mode)
         if result.failed:
-            raise RequestError(result.failed[0])
+            raise ConstraintFailed(result.failed[0], param=_constraint_param(request))
         if result.masked_rows:
             raise RequestError(_ALL_MASKED)
         self._outputs.keep_logprobs(request, result.logprobs[0])
@@ -844,8 +850,11 @@ class Batcher:
             log.warning("device.retry", call=getattr(call, "__name__", "call"), error=str(exc))
             return call(inputs)
 
-    def _fail(self, request: Request, message: str, outputs: list[RequestOutput]) -> None:
+    def _fail(self, request: Request, message: str, outputs: list[RequestOutput],
+              param: str | None = None) -> None:
+        """Fail one request; `param` names the request field that caused it (a constraint)."""
         self.scheduler.fail(request, message)
+        request.error_param = param
         outputs.append(self._final_output(request, ()))
 
     def _output(self, request: Request) -> RequestOutput:
@@ -945,3 +954,9 @@ class Batcher:
         """Start recording a `StepRecord` per device call; returns the list that fills up."""
         self.scheduler.trace = []
         return self.scheduler.trace
+
+
+def _constraint_param(request: Request) -> str:
+    """The request field of the constraint its output broke (named in the client's error)."""
+    structured = request.params.structured
+    return structured.param if structured is not None else "structured"

@@ -41,6 +41,13 @@ from atombatch.errors import ConfigError, RequestError
 from atombatch.structured import StructuredOutput
 
 _NEG_INF = np.float32(-np.inf)
+
+
+class ConstraintFailed(RequestError):
+    """A request's output can no longer follow its constraint (a token broke it, or the
+    constraint ran past llguidance's limits mid-generation): the client's constraint failed
+    the request, not the engine."""
+
 # compiled constraints an engine keeps to copy: each holds the lexer its first mask built (up to
 # ~32 MiB at INITIAL_LEXER_FUEL for a pathological regex; 64 of them held 1.4 GiB and more)
 COMPILED_CACHE = 16

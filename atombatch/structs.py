@@ -263,3 +263,5 @@ class RequestOutput(msgspec.Struct, frozen=True):
     logprobs: tuple[TokenLogprobs, ...] | None = None  # for `new_token_ids`, when asked for
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # per prompt token (the
                                           #   first is None): once, on the request's first output
+    error_param: str | None = None        # with an error: the request field that caused it (a
+                                          #   structured-output constraint past its limits)

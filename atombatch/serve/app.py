@@ -189,6 +189,7 @@ class _Generation:
         self.generated = 0
         self.finish_reason: str | None = None  # the whole request (an error in any choice wins)
         self.error: str | None = None
+        self.error_param: str | None = None  # the request field that caused the error, if any
         self.prompt: list[int] = []           # the prompt's ids (echo)
         self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # when asked for
         self.started = False                 # run() began (it then does its own accounting)
@@ -254,6 +255,7 @@ class _Generation:
                             choice.stop_reason = out.completion.stop_reason
                         if out.finish_reason == "error" and self.error is None:
                             self.error = out.error
+                            self.error_param = out.error_param
                     if out.finished:
                         self.finish_reason = "error" if self.error is not None else \
                             out.finish_reason or "error"
@@ -278,6 +280,11 @@ class _Generation:
                      total_tokens=self.prompt_len + n)
 
     def error_event(self) -> bytes:
+        if self.error_param is not None:  # the client's constraint failed it, not the engine
+            return _sse(ErrorResponse(ErrorBody(message=self.error or "request failed",
+                                                type="invalid_request_error",
+                                                param=self.error_param,
+                                                code="constraint_failed")))
         return _sse(ErrorResponse(ErrorBody(message=self.error or "request failed",
                                             type="server_error", code=self.finish_reason)))
 
@@ -693,10 +700,10 @@ class _Server:
         # the text worker: on the event loop they stopped every other stream for seconds
         choices = await self.in_worker(self.completion_choices, gens, params, echo, echoed)
         total = _total_usage(gens) if echo.generate else _prompt_usage(gens)
-        body = await self.in_worker(_ENCODER.encode, CompletionResponse(
+        payload = await self.in_worker(_ENCODER.encode, CompletionResponse(
             id=gens[0].request_id, created=created, model=self.model_name, choices=choices,
             usage=total))
-        return Response(body, headers=headers, media_type="application/json")
+        return Response(payload, headers=headers, media_type="application/json")
 
     def completion_choices(self, gens: list[_Generation], params: SamplingParams, echo: Echo,
                            echoed: list[str] | None) -> list[CompletionChoice]:
@@ -874,8 +881,8 @@ class _Server:
                 return _SSEResponse(self._stream_chat(gens, created, usage, plan), gens, headers)
             await self._collect(request, gens)
         # parsed, formatted and encoded on the text worker (see completions)
-        body = await self.in_worker(self.chat_body, gens, params, plan, created)
-        return Response(body, headers=headers, media_type="application/json")
+        payload = await self.in_worker(self.chat_body, gens, params, plan, created)
+        return Response(payload, headers=headers, media_type="application/json")
 
     def chat_body(self, gens: list[_Generation], params: SamplingParams, plan: ToolPlan,
                   created: int) -> bytes:
@@ -984,6 +991,11 @@ class _Server:
             raise ApiError(499, "client closed the request", code="client_closed")
         work.result()
         failed = next((g for g in gens if g.finish_reason == "error"), None)
+        if failed is not None and failed.error_param is not None:
+            # the request's own constraint failed it (llguidance's limits reached while it
+            # generated): the client's input, answered as one, not as a server fault
+            raise ApiError(400, failed.error or "request failed", param=failed.error_param,
+                           code="constraint_failed")
         if failed is not None:
             raise ApiError(500, failed.error or "request failed", type="server_error",
                            code="engine_error")

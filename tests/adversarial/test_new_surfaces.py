@@ -10,7 +10,8 @@ What failed on eb41a07 (each is small to send):
   them all, the front's peak RSS +2.2 GiB (each compile check spent 3 s and 250 MiB of
   llguidance's default lexer budget, on up to six threads of the default executor, and kept a
   copy of every matcher), the engine core +1.4 GiB after 40 of them (64 compiled matchers kept),
-  and a new honest constraint waited behind them all.
+  and a new honest constraint waited behind them all. Each was answered 500 "engine_error":
+  the regex passes the compile check and runs out of llguidance's budget at its first token.
 - `echo` with `logprobs=20` (or `prompt_logprobs=20`) on a batch of long prompts, inside the
   response budget: every other stream stopped 2.3-2.8 s while the prompt logprobs were formatted
   on the event loop (the echo head once per choice).
@@ -110,7 +111,7 @@ def test_distinct_pathological_regexes_cost_bounded_time_and_memory(
     assert honest.json()["choices"][0]["text"] in ("yes", "no", "maybe")
     assert honest_done - start < 20, f"the honest constraint waited {honest_done - start:.1f} s"
     assert end - start < 30, f"the storm took {end - start:.1f} s ({statuses})"
-    assert all(s in (400, 429, 500) for s in statuses), statuses
+    assert all(s in (400, 429) for s in statuses), statuses  # never a 500
     gap = victim.gap_during(start, end)
     assert gap < VICTIM_GAP, f"the victim stream paused {gap:.2f} s"
     grown = peak_rss_bytes(pid) - before
@@ -145,3 +146,29 @@ def test_prompt_logprobs_of_a_batch_are_formatted_without_stalling(
         lp = choices[-1]["logprobs"] or {}
         entries = lp.get("top_logprobs") or choices[-1]["prompt_logprobs"]
         assert len(entries) >= 500 and entries[0] is None and len(entries[1]) >= 2
+
+
+def test_a_constraint_that_fails_mid_generation_is_the_clients_error(
+        server: tuple[str, int]) -> None:
+    """The first mask of `(a{1000}){1000}` fits llguidance's budget, its first token does not:
+    the request fails while it generates. That is the client's constraint, not a server fault:
+    a 400 naming the field (a stream: an error event naming it), never a 500."""
+    import json
+
+    url, _ = server
+    body = {"model": NAME, "prompt": "hi", "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "string", "pattern": "^(a{1000}){1000}$"}}}}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "response_format" and error["code"] == "constraint_failed", error
+    streamed = {"model": NAME, "prompt": "hi", "max_tokens": 4, "stream": True,
+                "structured_outputs": {"regex": "(a{1000}){1000}"}}
+    with httpx.stream("POST", url + "/v1/completions", json=streamed, timeout=120) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    errors = [e["error"] for e in events if "error" in e]
+    assert errors and errors[0]["param"] == "structured_outputs", events[-3:]
+    assert errors[0]["type"] == "invalid_request_error"
