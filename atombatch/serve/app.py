@@ -416,10 +416,12 @@ class _Server:
                            param="bad_words", code="invalid_value")
 
     def check_response_size(self, prompts: list[list[int]], params: SamplingParams,
-                            max_tokens: int | None) -> None:
+                            max_tokens: int | None, echoed: list[str] | None = None) -> None:
         """Refuse a request whose response would pass `max_response_bytes` (estimated before it
         is queued): logprob entries repeat per choice, so `prompt_logprobs` x `n` on a long
-        prompt asks for hundreds of megabytes from a few kilobytes."""
+        prompt asks for hundreds of megabytes from a few kilobytes. With `echoed` (the prompts'
+        texts, once they are known) each choice's copy of its prompt's text counts too (twice
+        with logprobs: the text and its tokens' strings)."""
         n = params.n
         room = self.artifact.max_seq_len  # a longer max_tokens is refused at submit anyway
         generated = sum(max(0, room - len(p)) if max_tokens is None else
@@ -430,12 +432,16 @@ class _Server:
         if params.prompt_logprobs is not None:
             k = max(params.prompt_logprobs, 0)
             estimate += n * sum(len(p) for p in prompts) * (k + 1) * _LOGPROB_BYTES
+        if echoed is not None:
+            estimate += n * sum(len(text) for text in echoed) * \
+                (2 if params.logprobs is not None else 1)
         if estimate > self.max_response_bytes:
             raise ApiError(400, f"the response could take about {estimate} bytes (n={n}, "
                            f"logprobs={params.logprobs}, prompt_logprobs="
                            f"{params.prompt_logprobs}, {len(prompts)} prompt(s)), more than "
                            f"max_response_bytes={self.max_response_bytes}: ask for fewer "
                            "choices, logprobs or tokens", param="n" if n > 1 else
+                           "echo" if echoed is not None else
                            "prompt_logprobs" if params.prompt_logprobs is not None else
                            "max_tokens", code="response_too_large")
 
@@ -689,6 +695,9 @@ class _Server:
         with _owned(gens):
             echoed = await self.off_loop(self.echoed_prompts, body, prompts) \
                 if echo.enabled else None
+            if echoed is not None:  # n copies of a prompt of long tokens (aborted if too big)
+                self.check_response_size(prompts, params, echo.max_tokens(body.max_tokens),
+                                         echoed)
             created = int(time.time())
             headers = self.headers(request)
             if body.stream:

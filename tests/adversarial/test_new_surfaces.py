@@ -172,3 +172,40 @@ def test_a_constraint_that_fails_mid_generation_is_the_clients_error(
     errors = [e["error"] for e in events if "error" in e]
     assert errors and errors[0]["param"] == "structured_outputs", events[-3:]
     assert errors[0]["type"] == "invalid_request_error"
+
+
+@pytest.fixture(scope="module")
+def long_tokens(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+    """A tokenizer whose words are 2 000 characters long: a prompt of ids decodes to 4 000 times
+    its size in the request."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = Path(tmp_path_factory.mktemp("long"))
+    words = ["<unk>", "</s>"] + [f"w{i}" for i in range(50)] + \
+        [chr(ord("a") + i) * 2000 for i in range(20)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with served("--tokenizer", str(path), "--max-waiting", "64") as s:
+        yield s
+
+
+def test_an_echoed_prompt_counts_in_the_response_budget(long_tokens: tuple[str, int]) -> None:
+    """eb41a07: `echo` copies the prompt's text into every choice and the response estimate left
+    it out: 500 ids of a 2 000-character word with n=40 answered 40 MB (the budget is 32 MiB)."""
+    url, pid = long_tokens
+    ids = [60] * 500
+    before = peak_rss_bytes(pid)
+    r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": ids, "echo": True,
+                                                   "max_tokens": 1, "n": 40}, timeout=300)
+    assert r.status_code == 400, f"{r.status_code}: {len(r.content) / MiB:.0f} MiB"
+    error = r.json()["error"]
+    assert error["code"] == "response_too_large" and error["param"] == "n", error
+    assert peak_rss_bytes(pid) - before < RSS_BOUND
+    ok = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": ids[:5], "echo": True,
+                                                    "max_tokens": 1, "n": 2}, timeout=300)
+    assert ok.status_code == 200, ok.text[:300]
+    assert all(c["text"].startswith(" ".join(["i" * 2000] * 5)) for c in ok.json()["choices"])
