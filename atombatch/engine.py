@@ -29,7 +29,7 @@ from atombatch.errors import (
     StateError,
     TransientDeviceError,
 )
-from atombatch.grammar import Grammars, RequestGrammar
+from atombatch.grammar import ConstraintFailed, Grammars, RequestGrammar
 from atombatch.groups import Group, Move, num_held
 from atombatch.logs import log
 from atombatch.outputs import Extras, OutputBuilder
@@ -59,10 +59,6 @@ __all__ = ["DEFAULT_MAX_WAITING", "Batcher", "EngineStats", "Extras", "Group", "
 _WARN_EVENTS = frozenset({"request.failed"})
 _ALL_MASKED = ("every token is masked (structured output, allowed_token_ids, bad_words, "
                "logit_bias and min_tokens exclude the whole vocabulary)")
-
-
-class _ConstraintFailed(RequestError):
-    """The request's own constraints left its first token nothing to sample."""
 
 
 # Requests without a lane that a Batcher keeps by default; past it `submit` raises CapacityError.
@@ -624,6 +620,9 @@ class Batcher:
                 if self.spec.is_hybrid:
                     self.runtime.copy_slot(first.lane, child.lane)  # type: ignore[attr-defined]
                 token = self._sample_one(child, row)
+            except ConstraintFailed as exc:
+                self._fail(child, str(exc), outputs, exc.param)
+                continue
             except Exception as exc:  # this choice fails; choice 0 and the others go on
                 self._fail(child, f"starting from choice 0's prompt KV failed: {exc}", outputs)
                 continue
@@ -686,9 +685,11 @@ class Batcher:
                                        f"{plan.request_id} at position {plan.chunk_start}")
                 token = self._sample_one(request, row)
                 self._keep_first_row(request, row)
+        except ConstraintFailed as exc:  # its first token broke its constraint
+            self._fail(request, str(exc), outputs, exc.param)
+            return
         except Exception as exc:  # the runtime failed this request; the others go on
-            self._fail(request, f"prefill failed: {exc}", outputs,
-                       kind="request" if isinstance(exc, _ConstraintFailed) else None)
+            self._fail(request, f"prefill failed: {exc}", outputs)
             return
         for done in scheduler.complete_prefill(plan, token, self.clock()):
             outputs.append(self._output(done))
@@ -817,11 +818,11 @@ class Batcher:
             return
         masked = set(result.masked_rows)
         for i, (row, _, request, _) in enumerate(special):
-            if i in result.failed:  # its grammar's matcher failed: the constraint's doing
-                self._fail(request, result.failed[i], outputs, kind="request")
+            if i in result.failed:
+                self._fail(request, result.failed[i], outputs, _constraint_param(request))
                 continue
-            if i in masked:
-                self._fail(request, _ALL_MASKED, outputs, kind="request")
+            if i in masked:  # its own masks left nothing: the client's doing
+                self._fail(request, _ALL_MASKED, outputs, _masking_param(request))
                 continue
             tokens[row] = int(result.tokens[i])
             self._outputs.keep_logprobs(request, result.logprobs[i])
@@ -833,9 +834,9 @@ class Batcher:
             return int(np.argmax(row))
         result = sample_rows(row.reshape(1, -1), [sampler], [request.output], self.logprobs_mode)
         if result.failed:
-            raise _ConstraintFailed(result.failed[0])
+            raise ConstraintFailed(result.failed[0], param=_constraint_param(request))
         if result.masked_rows:
-            raise _ConstraintFailed(_ALL_MASKED)
+            raise ConstraintFailed(_ALL_MASKED, param=_masking_param(request))
         self._outputs.keep_logprobs(request, result.logprobs[0])
         return int(result.tokens[0])
 
@@ -851,11 +852,10 @@ class Batcher:
             return call(inputs)
 
     def _fail(self, request: Request, message: str, outputs: list[RequestOutput],
-              kind: str | None = None) -> None:
-        """End `request` with `message` ("error"); `kind="request"` when its own constraints
-        caused it (`RequestOutput.error_kind`: a front answers 400, not 500)."""
-        request.error_kind = kind
+              param: str | None = None) -> None:
+        """Fail one request; `param` names the request field that caused it (a constraint)."""
         self.scheduler.fail(request, message)
+        request.error_param = param
         outputs.append(self._final_output(request, ()))
 
     def _output(self, request: Request) -> RequestOutput:
@@ -955,3 +955,20 @@ class Batcher:
         """Start recording a `StepRecord` per device call; returns the list that fills up."""
         self.scheduler.trace = []
         return self.scheduler.trace
+
+
+def _masking_param(request: Request) -> str:
+    """The request field whose mask left nothing to sample (named in the client's error)."""
+    params = request.params
+    if params.structured is not None:
+        return params.structured.param
+    if params.allowed_token_ids is not None:
+        return "allowed_token_ids"
+    return "bad_words" if params.bad_words else "logit_bias" if params.logit_bias else \
+        "min_tokens"
+
+
+def _constraint_param(request: Request) -> str:
+    """The request field of the constraint its output broke (named in the client's error)."""
+    structured = request.params.structured
+    return structured.param if structured is not None else "structured"

@@ -41,7 +41,22 @@ from atombatch.errors import ConfigError, RequestError
 from atombatch.structured import StructuredOutput
 
 _NEG_INF = np.float32(-np.inf)
-COMPILED_CACHE = 64                         # compiled constraints an engine keeps to copy
+
+
+class ConstraintFailed(RequestError):
+    """A request's output can no longer follow its constraint (a token broke it, or the
+    constraint ran past llguidance's limits mid-generation): the client's constraint failed
+    the request, not the engine."""
+
+# compiled constraints an engine keeps to copy: each holds the lexer its first mask built (up to
+# ~32 MiB at INITIAL_LEXER_FUEL for a pathological regex; 64 of them held 1.4 GiB and more)
+COMPILED_CACHE = 16
+# llguidance's budget for building a constraint's lexer and its first mask (its default is
+# 1 000 000): a 15-character regex such as `(a{1000}){1000}` spent 3 s and 250 MiB of it before
+# failing; at this budget it fails in 0.3 s and 25 MiB, while real schemas (128 tools of a
+# `required` choice, formats, patterns) need well under it. Per-step work keeps llguidance's own
+# bounds (`step_lexer_fuel`, `step_max_items`, `max_items_in_row`).
+INITIAL_LEXER_FUEL = 200_000
 
 
 def _llguidance() -> Any:
@@ -272,11 +287,14 @@ class Grammars:
         text = grammar_text(structured)
         return self._pool.submit(self._build, text, structured)
 
-    def _build(self, text: str, structured: StructuredOutput) -> Any:
+    def _build(self, text: str, structured: StructuredOutput, keep: bool = True) -> Any:
         llg = _llguidance()
-        matcher = llg.LLMatcher(self.tokenizer, text, log_level=0)
+        matcher = llg.LLMatcher(self.tokenizer, text, log_level=0,
+                                limits=llg.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL))
         check_matcher(matcher, structured, self.vocab_size)
         matcher.reset()  # check_matcher computed a mask; the copies start from the beginning
+        if not keep:
+            return matcher
         with self._compiled_lock:
             self._compiled[structured] = matcher.deep_copy()
             if len(self._compiled) > COMPILED_CACHE:
@@ -284,8 +302,9 @@ class Grammars:
         return matcher
 
     def matcher_now(self, structured: StructuredOutput) -> Any:
-        """Compile on this thread (tests, and the front's 400 check)."""
-        return self._build(grammar_text(structured), structured)
+        """Compile on this thread (tests, and the front's 400 check); the matcher is not kept
+        for later requests to copy (the front checks, it never masks)."""
+        return self._build(grammar_text(structured), structured, keep=False)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -130,7 +130,7 @@ class OutputBuilder:
             completion = self.completion(request, None, now)
             return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=True,
                                  finish_reason=request.finish_reason, error=request.error,
-                                 error_kind=request.error_kind, completion=completion)
+                                 completion=completion, error_param=request.error_param)
         if extras.detok is not None:
             text = (text or "") + extras.detok.flush()
         prompt_logprobs = self._prompt_logprobs_out(request, extras) \
@@ -148,9 +148,9 @@ class OutputBuilder:
                 del self.groups[extras.public_id]
         return RequestOutput(request_id=extras.public_id, new_token_ids=new, finished=finished,
                              finish_reason=request.finish_reason, error=request.error,
-                             error_kind=request.error_kind, completion=completion,
-                             index=extras.index, text=text, logprobs=logprobs,
-                             prompt_logprobs=prompt_logprobs)
+                             completion=completion, index=extras.index, text=text,
+                             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                             error_param=request.error_param)
 
     def completion(self, request: Request, extras: Extras | None, now: float) -> Completion:
         timings = None

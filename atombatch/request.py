@@ -99,9 +99,10 @@ class Request:
     """The scheduler's mutable record of one request."""
 
     __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "chain", "compiling", "error",
-                 "error_kind", "finish_reason", "first_token_at", "lane", "lane_flags",
-                 "max_tokens", "output", "params", "pd", "preemptions", "prefill_pos", "prompt",
-                 "request_id", "rng", "shared", "state", "stop_token_ids", "token_times")
+                 "error_param",
+                 "finish_reason", "first_token_at", "lane", "lane_flags", "max_tokens", "output",
+                 "params", "pd", "preemptions", "prefill_pos", "prompt", "request_id", "rng",
+                 "shared", "state", "stop_token_ids", "token_times")
 
     def __init__(self, request_id: str, prompt: npt.NDArray[np.int64], params: SamplingParams,
                  arrival: float, rng: np.random.Generator, max_seq_len: int | None = None) -> None:
@@ -133,7 +134,8 @@ class Request:
         self.preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
-        self.error_kind: str | None = None  # "request": its own constraints failed it (a 400)
+        self.error_param: str | None = None  # the request field whose value failed it (its
+                                             #   structured-output constraint), else None
         self.pd: PDImport | None = None  # set for a request whose KV a producer sends
         self.shared = 0                  # leading row entries that are pinned CACHED blocks
         self.chain: TokenChain | None = None  # prefix cache: its tokens' block digests

@@ -256,9 +256,6 @@ class RequestOutput(msgspec.Struct, frozen=True):
     finished: bool                        # True exactly once per request, on its last output
     finish_reason: FinishReason | None = None  # set when this choice ended
     error: str | None = None              # set when finish_reason == "error"
-    # with an error: "request" when the request's own constraints (allowed ids, bad words, a
-    # grammar) left nothing to sample, a client's mistake (HTTP 400); None: the engine or device
-    error_kind: str | None = None
     completion: Completion | None = None  # this choice's whole result, on its last output only
     index: int = 0                        # which choice (0..n-1)
     text: str | None = None               # new text (engines with a tokenizer; stop strings held
@@ -266,3 +263,7 @@ class RequestOutput(msgspec.Struct, frozen=True):
     logprobs: tuple[TokenLogprobs, ...] | None = None  # for `new_token_ids`, when asked for
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # per prompt token (the
                                           #   first is None): once, on the request's first output
+    error_param: str | None = None        # with an error: the request field that caused it (its
+                                          #   constraint or masks left nothing to sample, or a
+                                          #   structured-output constraint past its limits): the
+                                          #   client's error (HTTP 400), not the engine's

@@ -182,7 +182,7 @@ class _Generation:
         self.generated = 0
         self.finish_reason: str | None = None  # the whole request (an error in any choice wins)
         self.error: str | None = None
-        self.error_kind: str | None = None    # "request": its own constraints failed it
+        self.error_param: str | None = None  # the request field that caused the error, if any
         self.prompt: list[int] = []           # the prompt's ids (echo)
         self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # when asked for
         self.started = False                 # run() began (it then does its own accounting)
@@ -269,7 +269,7 @@ class _Generation:
                             choice.stop_reason = out.completion.stop_reason
                         if out.finish_reason == "error" and self.error is None:
                             self.error = out.error
-                            self.error_kind = out.error_kind
+                            self.error_param = out.error_param
                     if out.finished:
                         self.finish_reason = "error" if self.error is not None else \
                             out.finish_reason or "error"
@@ -290,6 +290,11 @@ class _Generation:
                      total_tokens=self.prompt_len + n)
 
     def error_event(self) -> bytes:
+        if self.error_param is not None:  # the client's constraint failed it, not the engine
+            return _sse(ErrorResponse(ErrorBody(message=self.error or "request failed",
+                                                type="invalid_request_error",
+                                                param=self.error_param,
+                                                code="constraint_failed")))
         return _sse(ErrorResponse(ErrorBody(message=self.error or "request failed",
                                             type="server_error", code=self.finish_reason)))
 
@@ -341,6 +346,8 @@ class _Server:
             await self.structured.check_off_loop(value)
         except RequestError as exc:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+        except CapacityError as exc:
+            raise self.busy(exc) from None
         if ignored:
             request.state.ignored_fields = ignored
             request.state.ignored_count = dropped
@@ -398,6 +405,11 @@ class _Server:
         a token-id codec (no tokenizer) parses on the loop: its work stops at the context."""
         if isinstance(self.codec, IdCodec):
             return fn(*args)
+        return await self.in_worker(fn, *args)
+
+    async def in_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the text worker (building a response body that may hold up to
+        `max_response_bytes` of logprob entries)."""
         return await asyncio.get_running_loop().run_in_executor(
             self.text_worker, functools.partial(fn, *args))
 
@@ -415,10 +427,12 @@ class _Server:
                            param="bad_words", code="invalid_value")
 
     def check_response_size(self, prompts: list[list[int]], params: SamplingParams,
-                            max_tokens: int | None) -> None:
+                            max_tokens: int | None, echoed: list[str] | None = None) -> None:
         """Refuse a request whose response would pass `max_response_bytes` (estimated before it
         is queued): logprob entries repeat per choice, so `prompt_logprobs` x `n` on a long
-        prompt asks for hundreds of megabytes from a few kilobytes."""
+        prompt asks for hundreds of megabytes from a few kilobytes. With `echoed` (the prompts'
+        texts, once they are known) each choice's copy of its prompt's text counts too (twice
+        with logprobs: the text and its tokens' strings)."""
         n = params.n
         room = self.artifact.max_seq_len  # a longer max_tokens is refused at submit anyway
         generated = sum(max(0, room - len(p)) if max_tokens is None else
@@ -429,12 +443,16 @@ class _Server:
         if params.prompt_logprobs is not None:
             k = max(params.prompt_logprobs, 0)
             estimate += n * sum(len(p) for p in prompts) * (k + 1) * _LOGPROB_BYTES
+        if echoed is not None:
+            estimate += n * sum(len(text) for text in echoed) * \
+                (2 if params.logprobs is not None else 1)
         if estimate > self.max_response_bytes:
             raise ApiError(400, f"the response could take about {estimate} bytes (n={n}, "
                            f"logprobs={params.logprobs}, prompt_logprobs="
                            f"{params.prompt_logprobs}, {len(prompts)} prompt(s)), more than "
                            f"max_response_bytes={self.max_response_bytes}: ask for fewer "
                            "choices, logprobs or tokens", param="n" if n > 1 else
+                           "echo" if echoed is not None else
                            "prompt_logprobs" if params.prompt_logprobs is not None else
                            "max_tokens", code="response_too_large")
 
@@ -507,8 +525,7 @@ class _Server:
         try:
             self.ab.submit(prompt, params, request_id=request_id)
         except CapacityError as exc:
-            raise ApiError(exc.http_status, str(exc), type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(self.retry_after)}) from None
+            raise self.busy(exc) from None
         except UnavailableError as exc:
             core_died = isinstance(self.ab, CoreClient) and self.ab.dead
             raise ApiError(exc.http_status, str(exc), type="server_error",
@@ -523,6 +540,11 @@ class _Server:
                           accepted, params.n)
         gen.prompt = prompt
         return gen
+
+    def busy(self, exc: CapacityError) -> ApiError:
+        """A 429 with `Retry-After` (a full queue: of requests, or of constraints to compile)."""
+        return ApiError(exc.http_status, str(exc), type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(self.retry_after)})
 
     # -- logprobs in OpenAI's shapes ------------------------------------------------------------
     def token_text(self, token: int) -> str:
@@ -684,6 +706,9 @@ class _Server:
         with _owned(gens):
             echoed = await self.off_loop(self.echoed_prompts, body, prompts) \
                 if echo.enabled else None
+            if echoed is not None:  # n copies of a prompt of long tokens (aborted if too big)
+                self.check_response_size(prompts, params, echo.max_tokens(body.max_tokens),
+                                         echoed)
             created = int(time.time())
             headers = self.headers(request)
             if body.stream:
@@ -691,11 +716,25 @@ class _Server:
                 return _SSEResponse(self._stream_completion(gens, created, usage, echo, echoed),
                                     gens, headers)
             await self._collect(request, gens)
+        # the logprob entries (up to max_response_bytes of them) are formatted and encoded on
+        # the text worker: on the event loop they stopped every other stream for seconds
+        choices = await self.in_worker(self.completion_choices, gens, params, echo, echoed)
+        total = _total_usage(gens) if echo.generate else _prompt_usage(gens)
+        payload = await self.in_worker(_ENCODER.encode, CompletionResponse(
+            id=gens[0].request_id, created=created, model=self.model_name, choices=choices,
+            usage=total))
+        return Response(payload, headers=headers, media_type="application/json")
+
+    def completion_choices(self, gens: list[_Generation], params: SamplingParams, echo: Echo,
+                           echoed: list[str] | None) -> list[CompletionChoice]:
+        """The choices of a finished non-streamed completion (choice `g * n + i` is choice i
+        of prompt g); an echoed prompt's logprobs are built once per prompt, not per choice."""
         want_logprobs = params.logprobs is not None
         choices = []
         for g, gen in enumerate(gens):
             prompt_logprobs = self.prompt_logprobs_json(gen.prompt_logprobs,
                                                         echo.user_prompt_logprobs)
+            head = self.echo_head(gen) if echoed is not None and want_logprobs else None
             for i, c in enumerate(gen.choices):
                 text, token_ids, finish = "".join(c.text), c.token_ids, c.finish_reason
                 logprobs = self.completion_logprobs(c.logprobs) if want_logprobs else None
@@ -703,16 +742,13 @@ class _Server:
                     text, token_ids, finish, logprobs = "", [], "length", None
                 if echoed is not None:
                     text = echoed[g] + text
-                    if want_logprobs:
-                        logprobs = joined(self.echo_head(gen), logprobs)
+                    if head is not None:
+                        logprobs = joined(head, logprobs)
                 choices.append(CompletionChoice(
                     index=g * params.n + i, text=text, token_ids=token_ids, finish_reason=finish,
                     stop_reason=c.stop_reason if echo.generate else None, logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs))
-        total = _total_usage(gens) if echo.generate else _prompt_usage(gens)
-        return _json(CompletionResponse(id=gens[0].request_id, created=created,
-                                        model=self.model_name, choices=choices, usage=total),
-                     headers=headers)
+        return choices
 
     def echoed_prompts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """Each prompt's text as echoed: as sent when it was text (and not truncated), else
@@ -787,7 +823,7 @@ class _Server:
                 if echoed is not None and not started[g][i] and out.finish_reason != "error":
                     text = echoed[g] + text
                     if echo.logprobs is not None:
-                        head = self.echo_head(gen)
+                        head = await self.in_worker(self.echo_head, gen)
                         logprobs = joined(head, logprobs)
                         offsets[g][i] += head.text_offset[-1] + len(head.tokens[-1]) \
                             if head.tokens else 0
@@ -801,14 +837,16 @@ class _Server:
                 finish = out.finish_reason
                 if finish is not None and not echo.generate:
                     finish = "length"
+                prompt_logprobs = None
+                if out.prompt_logprobs is not None and echo.user_prompt_logprobs is not None:
+                    prompt_logprobs = await self.in_worker(
+                        self.prompt_logprobs_json, out.prompt_logprobs, echo.user_prompt_logprobs)
                 yield chunk([CompletionChoice(index=index, text=text, token_ids=new,
                                               finish_reason=finish,
                                               stop_reason=gen.choices[i].stop_reason
                                               if out.finish_reason and echo.generate else None,
                                               logprobs=logprobs,
-                                              prompt_logprobs=self.prompt_logprobs_json(
-                                                  out.prompt_logprobs,
-                                                  echo.user_prompt_logprobs))], running)
+                                              prompt_logprobs=prompt_logprobs)], running)
         if include_usage:
             yield chunk([], _total_usage(gens) if echo.generate else _prompt_usage(gens))
         yield _DONE
@@ -830,8 +868,11 @@ class _Server:
         worker thread (the event loop keeps streaming)."""
         try:
             if self.constraints.needs_check(plan):
-                return await asyncio.to_thread(self.constraints.apply, params, plan, prompt)
+                return await self.structured.run_check(self.constraints.apply, params, plan,
+                                                       prompt)
             return self.constraints.apply(params, plan, prompt)
+        except CapacityError as exc:
+            raise self.busy(exc) from None
         except UnservableConstraint as exc:
             raise ApiError(400, str(exc), param=exc.param, code="unsupported_value") from None
         except RequestError as exc:
@@ -873,6 +914,13 @@ class _Server:
                 usage = _usage_mode(body.stream_options)
                 return _SSEResponse(self._stream_chat(gens, created, usage, plan), gens, headers)
             await self._collect(request, gens)
+        # parsed, formatted and encoded on the text worker (see completions)
+        payload = await self.in_worker(self.chat_body, gens, params, plan, created)
+        return Response(payload, headers=headers, media_type="application/json")
+
+    def chat_body(self, gens: list[_Generation], params: SamplingParams, plan: ToolPlan,
+                  created: int) -> bytes:
+        """The JSON of a finished non-streamed chat completion."""
         want_logprobs = params.logprobs is not None
         choices = []
         for i, c in enumerate(gens[0].choices):
@@ -888,10 +936,10 @@ class _Server:
                 index=i, message=message, token_ids=c.token_ids, finish_reason=finish,
                 stop_reason=c.stop_reason,
                 logprobs=self.chat_logprobs(c.logprobs) if want_logprobs else None))
-        return _json(ChatResponse(
+        return _ENCODER.encode(ChatResponse(
             id=gens[0].request_id, created=created, model=self.model_name, choices=choices,
             usage=_total_usage(gens),
-            prompt_logprobs=self.prompt_logprobs_json(gens[0].prompt_logprobs)), headers=headers)
+            prompt_logprobs=self.prompt_logprobs_json(gens[0].prompt_logprobs)))
 
     async def _stream_chat(self, gens: list[_Generation], created: int,
                            usage: tuple[bool, bool], plan: ToolPlan) -> AsyncIterator[bytes]:
@@ -987,9 +1035,12 @@ class _Server:
             raise ApiError(499, "client closed the request", code="client_closed")
         work.result()
         failed = next((g for g in gens if g.finish_reason == "error"), None)
+        if failed is not None and failed.error_param is not None:
+            # the request's own constraint failed it (llguidance's limits reached while it
+            # generated): the client's input, answered as one, not as a server fault
+            raise ApiError(400, failed.error or "request failed", param=failed.error_param,
+                           code="constraint_failed")
         if failed is not None:
-            if failed.error_kind == "request":  # its constraints left nothing to sample
-                raise ApiError(400, failed.error or "request failed", code="invalid_value")
             raise ApiError(500, failed.error or "request failed", type="server_error",
                            code="engine_error")
 
@@ -1037,11 +1088,12 @@ class _Server:
         body = await self.decode(request, vllm_api.DetokenizeRequest)
         self.check_model(body.model)
         try:
-            vllm_api.check_ids(body.tokens, self.artifact.model.vocab_size)
+            vllm_api.check_ids(body.tokens, self.artifact.model.vocab_size,
+                               self.artifact.max_seq_len)
         except RequestError as exc:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
-        return _json(vllm_api.DetokenizeResponse(prompt=self.codec.decode(body.tokens)),
-                     headers=self.headers(request))
+        text = await self.off_loop(self.codec.decode, body.tokens)
+        return _json(vllm_api.DetokenizeResponse(prompt=text), headers=self.headers(request))
 
     async def version(self, request: Request) -> Response:
         from atombatch import __version__
@@ -1285,6 +1337,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
             server.accepting = False
             await ab.close(drain=True)
             server.text_worker.shutdown(wait=False, cancel_futures=True)
+            server.structured.close()
             if on_shutdown is not None:
                 on_shutdown()
 

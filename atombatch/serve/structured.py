@@ -17,23 +17,29 @@ reaches the engine: its size (`max_chars`, 400 naming the field and the limit), 
 that it compiles against the model's tokenizer and can start with one of its tokens (a 400
 naming the field); the engine compiles it again on its own thread. Compiled checks are kept for
 the last `CHECK_CACHE` constraints, so a client that sends the same schema every time pays once;
-a new one is compiled in a worker thread, off the server's event loop.
+a new one is compiled on the server's one check thread, off its event loop, with llguidance's
+budget (`grammar.INITIAL_LEXER_FUEL`) bounding each compile. At most `MAX_PENDING_CHECKS` new
+constraints wait for that thread; past it a request is answered 429 (a client sending a stream of
+distinct schemas cannot queue unbounded CPU and memory, nor delay others' checks without bound).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from atombatch.errors import ConfigError, RequestError
+from atombatch.errors import CapacityError, ConfigError, RequestError
 from atombatch.grammar import Grammars
 from atombatch.logs import logger
 from atombatch.structured import StructuredOutput
 
 DEFAULT_MAX_STRUCTURED_CHARS = 64 * 1024   # characters of one schema / regex / grammar / choices
 CHECK_CACHE = 64                           # constraints whose compile check is remembered
+MAX_PENDING_CHECKS = 16                    # new constraints waiting for the check thread
 # JSON whitespace when a client asks for vLLM's default (`disable_any_whitespace: false`)
 ANY_WHITESPACE = r"[\x20\x0A\x0D\x09]+"
 
@@ -43,6 +49,7 @@ _VLLM_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _VLLM_IGNORED = ("backend", "disable_fallback", "disable_additional_properties")
 _VLLM_OPTIONS = ("whitespace_pattern", "disable_any_whitespace")
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+T = TypeVar("T")
 
 
 class StructuredRequests:
@@ -63,6 +70,11 @@ class StructuredRequests:
         self._checked: collections.OrderedDict[StructuredOutput, None] = \
             collections.OrderedDict()
         self._lock = threading.Lock()           # `_checked`: the event loop and check threads
+        # compile checks: one thread (each compile is bounded by llguidance's budget), and a
+        # bound on how many wait for it
+        self._checker = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="atombatch-structured-check")
+        self.pending = 0                        # checks queued or running (event loop only)
 
     def warm(self) -> None:
         """Build llguidance's tokenizer on a background thread (about a second for a 152k
@@ -114,7 +126,26 @@ class StructuredRequests:
         structured = read(body, self.max_chars)
         if structured is None or self.grammars is None or self._known(structured):
             return
-        await asyncio.to_thread(self.resolve, body)
+        await self.run_check(self.resolve, body)
+
+    async def run_check(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` (a compile check) on the check thread.
+
+        Raises:
+            CapacityError: `MAX_PENDING_CHECKS` checks already wait (answered 429).
+        """
+        if self.pending >= MAX_PENDING_CHECKS:
+            raise CapacityError(f"{self.pending} new structured-output constraints are being "
+                                f"compiled, at most MAX_PENDING_CHECKS={MAX_PENDING_CHECKS}: "
+                                "retry later (a constraint already seen is not compiled again)")
+        self.pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._checker, fn, *args)
+        finally:
+            self.pending -= 1
+
+    def close(self) -> None:
+        self._checker.shutdown(wait=False, cancel_futures=True)
 
     def _known(self, structured: StructuredOutput) -> bool:
         with self._lock:

@@ -7,8 +7,9 @@ tokenizer, load generators that count tokens on the server) work unchanged:
   `tools`, `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`) answers
   `{"count", "max_model_len", "tokens", "token_strs"}`; `add_special_tokens` defaults to true for a
   prompt and false for messages (vLLM's defaults), `return_token_strs` adds the tokens' strings;
-- `POST /detokenize` `{"tokens": [...]}` answers `{"prompt": text}`; an id outside the vocabulary
-  is a 400 naming `tokens[i]`;
+- `POST /detokenize` `{"tokens": [...]}` answers `{"prompt": text}`; more ids than the context
+  (`max_model_len`: no longer list was ever a model's input or output) is a 400 naming `tokens`,
+  checked before the list is iterated; an id outside the vocabulary is a 400 naming `tokens[i]`;
 - `GET /version` answers `{"version": atombatch's version}`;
 - `GET /tokenizer_info` answers the tokenizer's configuration (`tokenizer_config.json` without
   its file paths) with `tokenizer_class` and the chat template in use, as vLLM's
@@ -117,7 +118,12 @@ def token_strings(codec: Codec, ids: list[int]) -> list[str]:
     return [f"<{t}>" for t in ids]
 
 
-def check_ids(ids: list[int], vocab_size: int, param: str = "tokens") -> None:
+def check_ids(ids: list[int], vocab_size: int, max_model_len: int, param: str = "tokens") -> None:
+    """Refuse a list longer than the context (before it is iterated) or an id outside the
+    vocabulary."""
+    if len(ids) > max_model_len:
+        raise RequestError(f"{param} holds {len(ids)} ids, more than the context "
+                           f"max_model_len={max_model_len}", param=param, limit=max_model_len)
     for i, token in enumerate(ids):
         if not 0 <= token < vocab_size:
             raise RequestError(f"{param}[{i}]={token} is not a token id of this model "
