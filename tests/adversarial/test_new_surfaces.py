@@ -28,7 +28,7 @@ import httpx
 import pytest
 from support.rss import MiB, peak_rss_bytes
 from support.served import served
-from test_request_bounds import NAME, RSS_BOUND, VICTIM_GAP, Victim
+from support.victim import NAME, RSS_BOUND, VICTIM_GAP, Victim
 
 CONTEXT = 512
 # three times the default budget: formatting a response's logprobs must not stall other streams

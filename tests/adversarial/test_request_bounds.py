@@ -10,9 +10,7 @@ two events is bounded (`VICTIM_GAP`, documented in docs/security.md).
 
 from __future__ import annotations
 
-import itertools
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,16 +19,14 @@ import httpx
 import pytest
 from support.rss import MiB, peak_rss_bytes
 from support.served import served
+from support.victim import (
+    NAME,
+    RSS_BOUND,
+    VICTIM_GAP,
+    Victim,
+)
 
-NAME = "atombatch-tiny"
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-# Longest pause of a victim stream while an attack is parsed (the server's front holds the GIL
-# for at most one msgspec decode of a max-size body and one bounded walk; a machine running the
-# whole suite on two cores adds scheduling noise). 21fd0af: 20 s.
-VICTIM_GAP = 2.0
-# What one attack may add to the server's peak RSS: a max-size body (16 MiB) decoded into Python
-# objects before it is refused (documented in docs/security.md). 21fd0af: +1.9 GiB and more.
-RSS_BOUND = 320 * MiB
 # A template that prints the end-of-turn token after every message: what made a client-chosen
 # `eos_token` amplify (the tokenizer's own eos is short).
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {{ eos_token }} "
@@ -54,44 +50,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]
     with served("--tokenizer", str(directory), "--chat-template", TEMPLATE,
                 "--max-waiting", "64") as s:
         yield s
-
-
-class Victim:
-    """A streamed completion that runs while attacks are sent; records its event times."""
-
-    def __init__(self, url: str, tokens: int = 400) -> None:
-        self.url, self.tokens = url, tokens
-        self.times: list[float] = []
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.started = threading.Event()
-        self.error: BaseException | None = None
-
-    def _run(self) -> None:
-        body = {"model": NAME, "prompt": "w1 w2", "max_tokens": self.tokens, "ignore_eos": True,
-                "stream": True}
-        try:
-            with httpx.stream("POST", self.url + COMPLETIONS, json=body, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        self.times.append(time.perf_counter())
-                        self.started.set()
-        except BaseException as exc:  # reported by the test
-            self.error = exc
-            self.started.set()
-
-    def __enter__(self) -> Victim:
-        self.thread.start()
-        assert self.started.wait(60)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.thread.join(120)
-
-    def gap_during(self, start: float, end: float) -> float:
-        """The longest time between two events that overlaps [start, end]."""
-        times = self.times
-        pairs = [(a, b) for a, b in itertools.pairwise(times) if b >= start and a <= end]
-        return max((b - a for a, b in pairs), default=0.0)
 
 
 def _post(url: str, path: str, body: bytes) -> httpx.Response:
