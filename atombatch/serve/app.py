@@ -927,8 +927,8 @@ class _Server:
             output = ChatOutput(plan, self.reasoning_parser)
             try:
                 message = message_of(output, "".join(c.text))
-            except ToolCallError as exc:
-                raise ApiError(500, str(exc), type="server_error", code="tool_call_error") from None
+            except ToolCallError as exc:  # the calls the request asked for passed a bound
+                raise ApiError(400, str(exc), param="tools", code="tool_call_limit") from None
             finish = c.finish_reason
             if output.made_calls and finish != "error":
                 finish = "tool_calls"
