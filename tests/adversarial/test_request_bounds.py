@@ -276,3 +276,31 @@ def test_a_long_token_against_many_stop_strings_does_not_stall_the_steps(
         assert response.json()["choices"][0]["text"].replace(" ", "") == "x" * 1_200_000
         gap = victim.gap_during(start, end)
         assert gap < 0.6, f"the victim stream paused {gap:.2f} s"
+
+
+def test_many_stop_ids_cost_the_stop_rule_no_more_than_one() -> None:
+    """Item 8: 262 144 `stop_token_ids` made a neighbour's inter-token latency x5.6: past the
+    kernel's 16 stop ids the lane falls back to `check_stop`, which scanned the tuple every step.
+    The rule's cost must not grow with the list (a scan of 2**18 ids is ~10 000 x one lookup; the
+    bound below leaves a 200 x margin for a noisy machine)."""
+    import timeit
+
+    import numpy as np
+
+    from atombatch.request import Request, check_stop
+    from atombatch.structs import SamplingParams
+
+    def request(stops: list[int]) -> Request:
+        params = SamplingParams(max_tokens=100, stop_token_ids=stops, ignore_eos=True)
+        r = Request("r", np.arange(1, 5, dtype=np.int64), params, 0.0,
+                    np.random.default_rng(0), 256)
+        r.output.extend([5, 6])
+        return r
+
+    few, many = request([3]), request(list(range(7, 7 + 2**18)))
+    token = 5  # in neither list: a scan reads every id
+
+    def cost(r: Request) -> float:
+        return min(timeit.repeat(lambda: check_stop(r, token, ()), number=200, repeat=5))
+
+    assert cost(many) < 50 * cost(few)
