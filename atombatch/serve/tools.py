@@ -36,6 +36,7 @@ a call without a readable name is returned as content text, unchanged.
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import uuid
@@ -261,17 +262,19 @@ class Delta(msgspec.Struct):
     calls: list[CallDelta] = []
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """An incremental parser of one choice's output text."""
 
     def __init__(self) -> None:
         self.count = 0                  # calls started
 
+    @abc.abstractmethod
     def feed(self, text: str) -> Delta:
-        raise NotImplementedError
+        """The content and call pieces `text` (the next output text) completes."""
 
+    @abc.abstractmethod
     def finish(self) -> Delta:
-        raise NotImplementedError
+        """What was held back, once the output ended."""
 
     def _start(self, name: str, out: list[CallDelta]) -> None:
         if self.count >= MAX_TOOL_CALLS:
