@@ -72,8 +72,8 @@ class Mailbox:
         """The oldest item (IndexError when empty)."""
         return self._items.popleft()
 
-    async def take(self) -> list[Item]:
-        """Every waiting item, oldest first; waits until there is one."""
+    async def _wait(self) -> None:
+        """Until an item is there."""
         while not self._items:
             waiter = asyncio.get_running_loop().create_future()
             self._waiter = waiter
@@ -82,18 +82,17 @@ class Mailbox:
             finally:
                 if self._waiter is waiter:
                     self._waiter = None
+
+    async def take(self) -> list[Item]:
+        """Every waiting item, oldest first; waits until there is one."""
+        if not self._items:
+            await self._wait()
         items = list(self._items)
         self._items.clear()
         return items
 
     async def get(self) -> Item:
         """The oldest item; waits until there is one."""
-        while not self._items:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiter = waiter
-            try:
-                await waiter
-            finally:
-                if self._waiter is waiter:
-                    self._waiter = None
+        if not self._items:
+            await self._wait()
         return self._items.popleft()

@@ -283,6 +283,13 @@ class ToolParser(abc.ABC):
         out.append(CallDelta(index=self.count, id=f"call_{uuid.uuid4().hex[:24]}", name=name))
         self.count += 1
 
+    def _delta(self) -> Delta:
+        """The content released and the call pieces made since the last delta (parsers that
+        keep `content` and `calls`)."""
+        delta = Delta(content=self.content.take(), calls=self.calls)  # type: ignore[attr-defined]
+        self.calls: list[CallDelta] = []
+        return delta
+
     def _arguments(self, text: str, out: list[CallDelta]) -> None:
         if not text:
             return
@@ -542,11 +549,6 @@ class HermesParser(ToolParser):
         self.content.drop()
         return self._delta()
 
-    def _delta(self) -> Delta:
-        delta = Delta(content=self.content.take(), calls=self.calls)
-        self.calls = []
-        return delta
-
     def _char(self, ch: str) -> None:
         if self.call is None:
             if self.after_call:
@@ -637,11 +639,6 @@ class JsonCallsParser(ToolParser):
             self.content.flush()
         self.content.drop()
         return self._delta()
-
-    def _delta(self) -> Delta:
-        delta = Delta(content=self.content.take(), calls=self.calls)
-        self.calls = []
-        return delta
 
     def _char(self, ch: str) -> None:
         state = self.state
