@@ -1,4 +1,14 @@
-"""`python -m atombatch.serve.ray`: start an application (or resize a running one's PD pool)."""
+"""`python -m atombatch.serve.ray`: start an application (or resize a running one's PD pool).
+
+    python -m atombatch.serve.ray --replicas 2                 # local Ray, NumPy runtime
+    python -m atombatch.serve.ray --replicas 8 --atom-resource ATOM --runtime rebel \\
+        --model /models/koni-8b-rbln --device 0,1 --address auto   # an existing Ray cluster
+
+An ingress computes the prompt's prefix digests and a router sends each request to the decode
+replica (one `AsyncBatcher` per device) that holds the longest prefix, within a bound on lane
+imbalance; `--producers M` adds M PD producer actors the replicas prefill on. How it works:
+docs/cluster.md ("What runs where", "The router", "PD pools").
+"""
 
 from __future__ import annotations
 
@@ -20,10 +30,8 @@ from atombatch.serve.ray.producers import scale_producers
 
 
 def _parser() -> argparse.ArgumentParser:
-    import atombatch.serve.ray as package  # its docstring is the theory of operation
-
     p = argparse.ArgumentParser(
-        prog="python -m atombatch.serve.ray", description=package.__doc__,
+        prog="python -m atombatch.serve.ray", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Every other flag is passed to each replica's engine: see "
                "`python -m atombatch.serve --help`.")
