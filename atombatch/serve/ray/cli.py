@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import sys
 import time
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from atombatch import logs
 from atombatch.cluster.routing import DEFAULT_ROUTE_BLOCK
 from atombatch.errors import ConfigError
 from atombatch.serve.ray.app import build_app
@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args, engine_args = _parser().parse_known_args(argv)
     engine = engine_parser().parse_args(engine_args)
-    logging.basicConfig(level=engine.log_level.upper(), format="%(message)s")
+    # resolved here (a terminal: console), and handed to every replica and producer, whose own
+    # standard error is a file Ray forwards to this one
+    engine.log_format = logs.setup(engine.log_level, engine.log_format)
+    engine_args = [*engine_args, "--log-format", engine.log_format]
     if args.address:
         ray.init(address=args.address)
     else:
