@@ -31,6 +31,15 @@ def test_plot_without_matplotlib_fails_before_any_cell_runs(monkeypatch: Any, ca
     assert "[1/" not in captured.err and not (tmp_path / "p.png").exists()
 
 
+def test_plot_and_plot_grid_from_the_command_line(capsys: Any, tmp_path: Path) -> None:
+    summary, grid = tmp_path / "summary.png", tmp_path / "grid.png"
+    assert serve.main([*SMALL, "--no-progress", "--plot", str(summary), "--plot-grid",
+                       str(grid)]) == 0
+    assert f"plot: {summary}" in capsys.readouterr().err
+    assert summary.read_bytes()[:4] == grid.read_bytes()[:4] == b"\x89PNG"
+    assert summary.read_bytes() != grid.read_bytes()
+
+
 def test_progress_is_one_line_per_cell_without_a_terminal(capsys: Any) -> None:
     assert serve.main(SMALL) == 0
     err = capsys.readouterr().err.splitlines()
@@ -97,11 +106,45 @@ def test_plot_timeout_line_only_when_in_range(report: Any) -> None:
     assert all("off scale" in p.title for p in near if p.timeout_line is None)
 
 
-def test_plot_writes_one_png_per_policy(report: Any, tmp_path: Path) -> None:
-    paths = serve.write_plot(report, tmp_path / "serve.png")
+@pytest.mark.parametrize("grid", [False, True], ids=["summary", "grid"])
+def test_plot_writes_one_png_per_policy(report: Any, tmp_path: Path, grid: bool) -> None:
+    paths = serve.write_plot(report, tmp_path / "serve.png", grid=grid)
     assert paths == [tmp_path / "serve.png", tmp_path / "serve-decode-first.png"]
     for path in paths:
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        head = path.read_bytes()[:24]
+        assert head[:8] == b"\x89PNG\r\n\x1a\n"
+        width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+        if not grid:  # the default: one screen, whatever the size of the matrix
+            assert (width, height) == (1500, 860)
+
+
+def test_plot_summary_is_six_headline_panels(report: Any) -> None:
+    panels = plot.summary(report)
+    assert len(panels) == 6
+    top, bottom = panels[:3], panels[3:]
+    # the headline workload (longest prompt and output, native route) across every model
+    for panel, metric in zip(top, ("TTFT p99", "completion max", "output tok/s"), strict=True):
+        assert panel.title == f"in 2048 / out 16 native c4: {metric}"
+        assert panel.kind == "bars" and panel.groups == ["qwen3-0.6b", "koni-8b"]
+    by = {(p.group, p.artifact): p for p in top[0].points}
+    cell = next(c for c in report.cells if (c.model, c.route, c.input_len, c.artifact, c.policy)
+                == ("qwen3-0.6b", "native", 2048, "B4/k5", "prefill-first"))
+    assert by[("qwen3-0.6b", "B4/k5")].value == cell.ttft.p99
+    assert by[("koni-8b", "B4/k5")].value is None and by[("koni-8b", "B4/k5")].mark == "no fit"
+    assert by[("koni-8b", "B4/k1")].mark == "rejected"
+    tok_s = {(p.group, p.artifact): p.value for p in top[2].points}
+    assert tok_s[("qwen3-0.6b", "B4/k5")] == cell.output_tok_s
+    # the first model across prompt lengths, and across routes
+    assert [p.title for p in bottom] == ["qwen3-0.6b native out 16: TTFT p99",
+                                         "qwen3-0.6b native out 16: output tok/s",
+                                         "qwen3-0.6b in 2048 / out 16 by route: TTFT p99"]
+    assert bottom[0].kind == "lines" and bottom[0].groups == ["in 128", "in 2048"]
+    assert bottom[2].groups == ["native", "pd-whole"]
+    routes = {(p.group, p.artifact): p.value for p in bottom[2].points}
+    pd = next(c for c in report.cells if (c.model, c.route, c.input_len, c.artifact, c.policy)
+              == ("qwen3-0.6b", "pd-whole", 2048, "B1/k1", "prefill-first"))
+    assert routes[("pd-whole", "B1/k1")] == pd.ttft.p99
+    assert len(plot.summary(report, "decode-first")) == 6
 
 
 def test_matrix_reasons_are_whole_sentences(report: Any) -> None:
