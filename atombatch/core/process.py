@@ -13,6 +13,7 @@ exited (checked every loop) or its socket peer vanished, aborting every request 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -44,6 +45,7 @@ STATS_INTERVAL = 0.05     # seconds between the engine stats a Step carries
 IDLE_WAIT_MS = 100        # how long an idle core waits for a message before checking its parent
 PD_POLL_MS = 2            # while every unfinished request waits on a KV producer
 _NO_TOKENS = np.zeros(0, np.int64)   # a Step without plain tokens (allocated once)
+SOCKET_DIR_PREFIX = "atombatch-core-"  # the temporary directory of a client's IPC sockets
 
 
 def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address: str,
@@ -70,11 +72,20 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
         # The front bounds the queue (lanes + max_waiting choices in flight): a burst of submits
         # that arrives between two steps must not be refused here for lanes not yet assigned.
         batcher.max_waiting = None
-        CoreLoop(batcher, inbox, outbox, parent_pid).run()
+        loop = CoreLoop(batcher, inbox, outbox, parent_pid)
+        loop.run()
+        if loop.front_gone:  # a killed front removed nothing: its socket directory goes with us
+            _remove_socket_dir(inbox_address)
     finally:
         inbox.close(linger=0)
         outbox.close()
         ctx.term()
+
+
+def _remove_socket_dir(address: str) -> None:
+    directory = os.path.dirname(address.removeprefix("ipc://"))
+    if os.path.basename(directory).startswith(SOCKET_DIR_PREFIX):  # only what a client made
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class CoreLoop:
@@ -88,6 +99,7 @@ class CoreLoop:
         self.live: set[str] = set()           # ids the front submitted that have not finished
         self.errors: list[RequestOutput] = []  # submits the engine refused, sent with the next Step
         self.stopping: Shutdown | None = None
+        self.front_gone = False                # run() returned because the front died
         self.stats_at = 0.0
 
     def run(self) -> None:
@@ -99,6 +111,7 @@ class CoreLoop:
             self.take(wait)
             if os.getppid() != self.parent_pid:  # the front died: nobody reads our outputs
                 log.warning("core.front_gone", aborted=len(self.live))
+                self.front_gone = True
                 for request_id in list(self.live):
                     batcher.abort(request_id)
                 return
