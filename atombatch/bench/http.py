@@ -36,6 +36,7 @@ import msgspec
 import numpy as np
 
 from atombatch.bench import provenance
+from atombatch.bench.progress import CellProgress
 
 Outcome = Literal["ok", "timeout", "error"]
 
@@ -99,6 +100,9 @@ def parser() -> argparse.ArgumentParser:
                    help="prompt ids are drawn from [0, vocab) (default: from /v1/models)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     p.add_argument("--json", help="write the report (msgspec JSON) to this path")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (default: a bar on a terminal, else one line "
+                        "per finished request with elapsed and remaining time)")
     return p
 
 
@@ -198,6 +202,8 @@ async def run(args: argparse.Namespace) -> Report:
         sampler = asyncio.create_task(_sample_metrics(client, url, stop, samples))
         next_index = 0
         records: list[RequestRecord] = []
+        progress = CellProgress(n_requests, enabled=not getattr(args, "no_progress", False),
+                                unit="request")
         t0 = time.perf_counter()
 
         async def worker() -> None:
@@ -205,10 +211,14 @@ async def run(args: argparse.Namespace) -> Report:
             while next_index < n_requests:
                 i = next_index
                 next_index += 1
-                records.append(await _one(client, url, i, {**body, "prompt": prompts[i]},
-                                          args.timeout, t0))
+                record = await _one(client, url, i, {**body, "prompt": prompts[i]},
+                                    args.timeout, t0)
+                records.append(record)
+                progress.finish(f"request {i}", record.outcome,
+                                seconds=time.perf_counter() - t0 - record.started)
 
         await asyncio.gather(*(worker() for _ in range(min(args.concurrency, n_requests))))
+        progress.close()
         stop.set()
         await sampler
     records.sort(key=lambda r: r.index)

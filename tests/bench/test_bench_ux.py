@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from atombatch.bench import fit, micro, plot, serve
+from atombatch.bench import fit, http, micro, plot, serve
 from atombatch.bench.progress import CellProgress
 
 SMALL = ["--models", "qwen3-0.6b", "--routes", "native,pd-whole", "--inputs", "128,512",
@@ -187,6 +187,48 @@ def test_fit_single_and_table_agree(capsys: Any) -> None:
     # --estimate gives the table's other basis word
     assert fit.main(["--model", "koni-8b", "--num-blocks", "1", "--estimate"]) == 1
     assert re.search(r"^  basis +estimate$", capsys.readouterr().out, re.M)
+
+
+def test_bench_http_reports_each_finished_request(capsys: Any) -> None:
+    from support.served import ServerThread
+
+    from atombatch import ArtifactConfig, Batcher, ModelSpec
+    from atombatch.runtime import NumpyRuntime
+    from atombatch.serve import create_app
+
+    spec = ModelSpec(name="tiny", family="llama", vocab_size=128, hidden_size=32, num_heads=2,
+                     intermediate_size=64, num_layers=1, num_kv_heads=1, head_dim=16)
+    art = ArtifactConfig(model=spec, batch_size=2, max_seq_len=64, block_size=64, num_blocks=3,
+                         prefill_chunk_size=32)
+    with ServerThread(create_app(Batcher(NumpyRuntime.random(art, seed=0)), "tiny")) as s:
+        assert http.main(["--url", s.url, "-c", "2", "--requests", "3", "--input-len", "8",
+                          "--output-len", "4"]) == 0
+        out, err = capsys.readouterr()
+        assert "ok 3/3" in out
+        lines = err.splitlines()
+        pattern = re.compile(r"^\[(\d)/3\] request [0-2]: ok in \d+\.\d s \| elapsed \d\d:\d\d, "
+                             r"left ~\d\d:\d\d$")
+        assert [int(m.group(1)) for m in map(pattern.match, lines[:3]) if m] == [1, 2, 3], err
+        assert lines[3].startswith("3 requests in ")
+        assert http.main(["--url", s.url, "-c", "2", "--requests", "2", "--input-len", "8",
+                          "--output-len", "4", "--no-progress"]) == 0
+        assert capsys.readouterr().err == ""
+
+
+def test_every_subcommand_help_says_what_it_measures(capsys: Any) -> None:
+    import importlib
+
+    from atombatch.bench.__main__ import DESCRIPTIONS
+
+    for name in DESCRIPTIONS:
+        with pytest.raises(SystemExit) as exit_:
+            importlib.import_module(f"atombatch.bench.{name}").main(["--help"])
+        assert exit_.value.code == 0
+        text = capsys.readouterr().out
+        assert text.startswith(f"usage: python -m atombatch.bench {name} "), text[:80]
+        description = text.split("\n\n")[1]  # between the usage and the options
+        assert not description.startswith(("options:", "positional")), name
+        assert len(description.split()) >= 6, (name, description)
 
 
 def test_bench_http_without_httpx_fails_at_once(monkeypatch: Any, capsys: Any) -> None:
