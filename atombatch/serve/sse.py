@@ -62,7 +62,7 @@ class DirectWriter:
     def bind(self, send: Any) -> bool:
         """Bind to the connection behind the HTTP server's own `send`; False if it is not one
         this writer understands (the events then all take the task path)."""
-        cycle = getattr(send, "__self__", None)
+        cycle: Any = getattr(send, "__self__", None)
         if type(cycle).__module__ != _HTTPTOOLS_CYCLE or \
                 not all(hasattr(cycle, name) for name in (
                     "transport", "flow", "disconnected", "response_started",
