@@ -11,7 +11,11 @@ step's plain rows (three small array copies). Building the `Step` (a request id 
 encoding it and handing it to ZeroMQ happen on a sender thread (`_Sender`) while the loop is
 already in the next step's device call, which releases the interpreter lock as a device wait
 does: so the cost of telling the front about step N overlaps step N + 1 on the device instead of
-adding to every step (docs/overlap.md). Messages leave in the order the loop queued them.
+adding to every step (docs/overlap.md). The loop holds a step's message back until that device
+call begins (`Batcher.on_device_call`): handed over at once, the sender would take the
+interpreter lock at the loop's first release of it before the device call (a socket poll, a
+NumPy kernel) and the loop would wait for it there. Before the loop waits for messages, and
+when it stops, it hands over what it holds. Messages leave in the order the loop made them.
 
 It exits when the front asks (`Shutdown`), and also when the front is gone: its parent process
 exited (checked every loop) or its socket peer vanished, aborting every request it held first.
@@ -160,18 +164,36 @@ class CoreLoop:
         self.batcher = batcher
         self.inbox = inbox
         self.outbox = outbox
+        self.held: list[Any] = []             # messages for the sender, until a device call
+        batcher.on_device_call = self.hand_over
         self.parent_pid = parent_pid
         self.live: set[str] = set()           # ids the front submitted that have not finished
         self.errors: list[RequestOutput] = []  # submits the engine refused, sent with the next Step
         self.stopping: Shutdown | None = None
         self.stats_at = 0.0
 
+    def hand_over(self) -> None:
+        """Give the sender the messages held so far (at a device call, or before waiting)."""
+        if self.held:
+            put = self.outbox.put
+            for message in self.held:
+                put(message)
+            self.held.clear()
+
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.hand_over()
+
+    def _run(self) -> None:
         batcher = self.batcher
         stale = False        # the front's stats predate the last step
         while True:
             busy = batcher.has_unfinished()
             wait = 0 if busy and not batcher.idle else PD_POLL_MS if busy else IDLE_WAIT_MS
+            if wait:
+                self.hand_over()
             self.take(wait)
             if os.getppid() != self.parent_pid:  # the front died: nobody reads our outputs
                 log.warning("core.front_gone", aborted=len(self.live))
@@ -180,7 +202,7 @@ class CoreLoop:
                 return
             if self.stopping is not None and not batcher.has_unfinished():
                 self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
-                self.outbox.put(Stopped())
+                self.send(Stopped())
                 return
             if not batcher.has_unfinished():
                 if self.errors or stale:  # gone idle: the front sees the final counts
@@ -198,8 +220,8 @@ class CoreLoop:
             plain = result.plain
             if plain.any():  # copies: the step's arrays are views the next step overwrites
                 rows = np.flatnonzero(plain)
-                self.outbox.put(self.plain_rows(result.request_ids, result.lanes[rows],
-                                                result.tokens[rows], result.outputs))
+                self.held.append(self.plain_rows(result.request_ids, result.lanes[rows],
+                                                 result.tokens[rows], result.outputs))
             elif result.outputs or self.errors:
                 self.send(self.step_message([], result.outputs, _NO_TOKENS))
 
@@ -234,8 +256,8 @@ class CoreLoop:
             return self.batcher.stats()
         return None
 
-    def send(self, message: Step) -> None:
-        self.outbox.put(message)
+    def send(self, message: Any) -> None:
+        self.held.append(message)
 
     def take(self, wait_ms: int) -> None:
         """Apply every message the front sent; wait up to `wait_ms` for the first."""
