@@ -20,7 +20,7 @@ import numpy.typing as npt
 from atombatch import blocks as core
 from atombatch import plan as memory_plan
 from atombatch.checkpoints import run_slot_ops, slot_ops_supported
-from atombatch.config import ArtifactConfig, check_serving
+from atombatch.config import ArtifactConfig
 from atombatch.detokenizer import bad_word_ids
 from atombatch.errors import (
     CapacityError,
@@ -175,7 +175,8 @@ class Batcher:
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not one of "
                               f"{', '.join(LOGPROBS_MODES)}")
-        check_serving(artifact, prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes)
+        memory_plan.check_serving(artifact, prefix_cache=prefix_cache,
+                                  host_cache_bytes=host_cache_bytes)
         self.runtime = runtime
         self.artifact = artifact
         self.spec = artifact.model

@@ -38,6 +38,7 @@ import msgspec
 import numpy as np
 
 from atombatch.bench import provenance
+from atombatch.bench.progress import CellProgress
 from atombatch.bench.sse_client import Stream, closed_loop
 
 Outcome = Literal["ok", "timeout", "error"]
@@ -104,6 +105,9 @@ def parser() -> argparse.ArgumentParser:
                    help="prompt ids are drawn from [0, vocab) (default: from /v1/models)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     p.add_argument("--json", help="write the report (msgspec JSON) to this path")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (default: a bar on a terminal, else one line "
+                        "per finished request with elapsed and remaining time)")
     return p
 
 
@@ -169,12 +173,21 @@ def run(args: argparse.Namespace) -> Report:
     samples: list[tuple[float, float]] = []
     sampler = threading.Thread(target=_sample_metrics, args=(url, stop, samples), daemon=True)
     sampler.start()
+    progress = CellProgress(n_requests, enabled=not getattr(args, "no_progress", False),
+                            unit="request")
+
+    def ended(index: int, stream: Stream) -> None:
+        outcome = "ok" if stream.finished and stream.error is None else \
+            "timeout" if stream.timed_out else "error"
+        progress.finish(f"request {index}", outcome, seconds=stream.ended - stream.sent)
+
     cpu0 = time.process_time()
     t0 = time.perf_counter()
     try:
         streams = closed_loop(host, port, "/v1/completions", bodies, args.concurrency,
-                              args.timeout, tokens_each=args.output_len)
+                              args.timeout, tokens_each=args.output_len, on_end=ended)
     finally:
+        progress.close()
         stop.set()
         sampler.join(5)
     client_cpu = time.process_time() - cpu0

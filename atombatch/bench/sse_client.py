@@ -16,6 +16,7 @@ from __future__ import annotations
 import select
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 DATA = b"data: "
@@ -103,7 +104,8 @@ class Stream:
 
 def closed_loop(host: str, port: int, path: str, bodies: list[bytes], concurrency: int,
                 timeout: float, tokens_each: int | None = None, max_nap: float = 0.25,
-                unknown_nap: float = 0.002) -> list[Stream]:
+                unknown_nap: float = 0.002,
+                on_end: Callable[[int, Stream], None] | None = None) -> list[Stream]:
     """Send `bodies` with `concurrency` in flight (a new one as soon as one ends), each on its
     own connection, and read every stream to `[DONE]`. A stream that has not ended `timeout`
     seconds after its send is cut (`timed_out`). Returns one `Stream` per body, in order.
@@ -115,7 +117,8 @@ def closed_loop(host: str, port: int, path: str, bodies: list[bytes], concurrenc
     such time (at most `max_nap`; `unknown_nap` while some stream's rate is not known yet), and
     the end times stay exact to a small share of each stream's duration. Streams still waiting
     for their first token are watched on their own epoll without napping, so first-token times
-    are exact. Without `tokens_each` every stream is read as soon as it has data.
+    are exact. Without `tokens_each` every stream is read as soon as it has data. `on_end(index,
+    stream)` is called as each stream ends (progress reports).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     streams = [Stream() for _ in bodies]
@@ -138,6 +141,8 @@ def closed_loop(host: str, port: int, path: str, bodies: list[bytes], concurrenc
                 stream.error = f"connect/send: {exc}"
                 stream.ended = time.perf_counter()
                 sock.close()
+                if on_end is not None:
+                    on_end(index, stream)
                 return
             sock.setblocking(False)
             fresh.register(sock.fileno(), select.EPOLLIN)
@@ -145,9 +150,11 @@ def closed_loop(host: str, port: int, path: str, bodies: list[bytes], concurrenc
             live[sock.fileno()] = (sock, index)
 
         def end(fd: int) -> None:
-            sock, _ = live.pop(fd)
+            sock, index = live.pop(fd)
             watching.pop(fd).unregister(fd)
             sock.close()
+            if on_end is not None:
+                on_end(index, streams[index])
 
         def read(fd: int, now: float) -> None:
             sock, index = live[fd]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -57,6 +58,7 @@ STATS_INTERVAL = 0.05     # seconds between the engine stats a Step carries
 IDLE_WAIT_MS = 100        # how long an idle core waits for a message before checking its parent
 PD_POLL_MS = 2            # while every unfinished request waits on a KV producer
 _NO_TOKENS = np.zeros(0, np.int64)   # a Step without plain tokens (allocated once)
+SOCKET_DIR_PREFIX = "atombatch-core-"  # the temporary directory of a client's IPC sockets
 
 
 def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address: str,
@@ -85,13 +87,22 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
         batcher.max_waiting = None
         sender = _Sender(outbox)
         try:
-            CoreLoop(batcher, inbox, sender, parent_pid).run()
+            loop = CoreLoop(batcher, inbox, sender, parent_pid)
+            loop.run()
         finally:
             sender.close()
+        if loop.front_gone:  # a killed front removed nothing: its socket directory goes with us
+            _remove_socket_dir(inbox_address)
     finally:
         inbox.close(linger=0)
         outbox.close()
         ctx.term()
+
+
+def _remove_socket_dir(address: str) -> None:
+    directory = os.path.dirname(address.removeprefix("ipc://"))
+    if os.path.basename(directory).startswith(SOCKET_DIR_PREFIX):  # only what a client made
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class _Sender:
@@ -170,6 +181,7 @@ class CoreLoop:
         self.live: set[str] = set()           # ids the front submitted that have not finished
         self.errors: list[RequestOutput] = []  # submits the engine refused, sent with the next Step
         self.stopping: Shutdown | None = None
+        self.front_gone = False                # run() returned because the front died
         self.stats_at = 0.0
 
     def hand_over(self) -> None:
@@ -197,6 +209,7 @@ class CoreLoop:
             self.take(wait)
             if os.getppid() != self.parent_pid:  # the front died: nobody reads our outputs
                 log.warning("core.front_gone", aborted=len(self.live))
+                self.front_gone = True
                 for request_id in list(self.live):
                     batcher.abort(request_id)
                 return
