@@ -18,6 +18,7 @@ from hf_models import SLIDING_WINDOW, build_model, hf_logits, save_checkpoint
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 from ledger import LedgerRuntime, ledger_spec, reference
+from support.numerics import greedy_reference
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.checkpoints import DROPPED, HELD
@@ -49,10 +50,9 @@ class Conversations:
             self.turns.append(chat)
 
     def greedy(self, prompt):
-        seq = list(prompt)
-        for _ in range(NEW):
-            seq.append(int(np.argmax(hf_logits(self.model, seq)[-1])))
-        return seq[len(prompt):]
+        """transformers' greedy tokens, with where a near tie could go either way on another
+        float32 evaluation (support/numerics.py GreedyTokens)."""
+        return greedy_reference(self.model, prompt, NEW, lambda m, s: hf_logits(m, s)[-1])
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hf_models import FAMILIES, build_model, hf_logits, save_checkpoint
+from support.numerics import greedy_reference
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.runtime import NumpyRuntime
@@ -31,12 +32,10 @@ def family_case(request, tmp_path_factory):
     model = build_model(family)
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, 512, size=n).tolist() for n in PROMPT_LENS]
-    references = []
-    for prompt in prompts:  # transformers, full forward per token, no KV cache
-        seq = list(prompt)
-        for _ in range(NEW_TOKENS):
-            seq.append(int(np.argmax(hf_logits(model, seq)[-1])))
-        references.append(seq[len(prompt):])
+    # transformers, full forward per token, no KV cache; each reference knows where a near tie
+    # would let another float32 evaluation pick otherwise (support/numerics.py GreedyTokens)
+    references = [greedy_reference(model, prompt, NEW_TOKENS, lambda m, s: hf_logits(m, s)[-1])
+                  for prompt in prompts]
     return family, path, ModelSpec.from_pretrained(path), prompts, references
 
 

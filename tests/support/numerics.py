@@ -73,3 +73,69 @@ def f32_logprob_atol(logits: npt.ArrayLike) -> float:
     x = np.asarray(logits, dtype=np.float64)
     vocab = x.shape[-1]
     return 2.0 * (vocab + 4 + 2 * float(np.max(np.abs(x)))) * U32
+
+
+class GreedyTokens(list):  # type: ignore[type-arg]
+    """A reference's greedy tokens that knows where rounding could have chosen otherwise.
+
+    `decided` is the number of leading tokens whose reference logits had their best two further
+    apart than twice the float32 bound (`f32_atol`): another evaluation of the same math (another
+    BLAS kernel, another chunking) picks the same token there. At the first closer pair either
+    token is right and everything after it may differ. Equality with a token list therefore
+    compares the decided prefix only, and the whole list (its length included) when every token
+    was decided, which is the usual case: with random weights a near tie is rare, and this keeps
+    a test's verdict the same on every machine. Slices keep what they cover of `decided`.
+    """
+
+    def __init__(self, tokens: Any = (), decided: int | None = None) -> None:
+        super().__init__(tokens)
+        self.decided = len(self) if decided is None else min(decided, len(self))
+
+    def _matches(self, other: Any) -> bool:
+        other = list(other)
+        if self.decided == len(self):
+            return other == list(self)
+        return other[:self.decided] == list(self)[:self.decided]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, (list, tuple)):
+            return NotImplemented
+        return self._matches(other)
+
+    def __ne__(self, other: object) -> bool:
+        result = self.__eq__(other)
+        return result if result is NotImplemented else not result
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            part = list.__getitem__(self, index)
+            if step != 1:
+                return list(part)
+            return GreedyTokens(part, max(0, min(self.decided, stop) - start))
+        return list.__getitem__(self, index)
+
+
+def hf_margin_atol(config: Any, logits: npt.ArrayLike, context: int) -> float:
+    """`f32_atol` for one position's logits of a transformers model with `config` (its hidden,
+    intermediate and attention sizes, over `context` tokens, through every layer)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    reduction = max(config.hidden_size, config.intermediate_size, heads * head_dim, context)
+    return f32_atol(logits, reduction=reduction, depth=config.num_hidden_layers + 2)
+
+
+def greedy_reference(model: Any, prompt: Any, new_tokens: int, logits_of: Any) -> GreedyTokens:
+    """transformers' greedy continuation by full recompute (`logits_of(model, seq)` gives the
+    last position's logits), with where each choice was decided (`GreedyTokens`)."""
+    config = getattr(model.config, "text_config", None) or model.config
+    seq, decided = list(prompt), None
+    for step in range(new_tokens):
+        logits = np.asarray(logits_of(model, seq), dtype=np.float64)
+        top2 = np.sort(logits)[-2:]
+        if decided is None and top2[1] - top2[0] <= 2 * hf_margin_atol(config, logits, len(seq)):
+            decided = step
+        seq.append(int(np.argmax(logits)))
+    return GreedyTokens(seq[len(prompt):], decided)
