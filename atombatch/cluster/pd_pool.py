@@ -64,6 +64,12 @@ class _PooledSource:
     def done(self) -> bool:
         return bool(self._inner.done())
 
+    def expect(self, artifact: Any, prompt: Any, require_full: bool) -> None:
+        """Pass the engine's header check on to the transport (see `ZmqSource.expect`)."""
+        expect = getattr(self._inner, "expect", None)
+        if expect is not None:
+            expect(artifact, prompt, require_full)
+
     def close(self) -> None:
         try:
             self._inner.close()
@@ -173,24 +179,48 @@ class ProducerPool:
         """Re-test every producer: a dead one is removed (and never re-added under the same
         endpoint), a suspect one that answers is used again; returns the dead ones. Call it
         periodically from a thread of its own (it may block in `alive`)."""
-        dead: list[ProducerState] = []
+        verdicts = []
         for producer in self.snapshot():
             ok = False
             try:
                 ok = bool(alive(producer))
             except Exception:
                 ok = False
-            with self._lock:
-                current = self._producers.get(producer.name)
-                if current is None or current.endpoint != producer.endpoint:
+            verdicts.append((producer.name, producer.endpoint, ok))
+        return self.apply(verdicts)
+
+    def apply(self, verdicts: Sequence[tuple[str, str, bool]]) -> list[ProducerState]:
+        """Take liveness verdicts found elsewhere (name, endpoint tested, alive), as `check`
+        does with its own: returns the producers removed as dead. A verdict on an endpoint the
+        name no longer has is ignored."""
+        dead: list[ProducerState] = []
+        with self._lock:
+            for name, endpoint, ok in verdicts:
+                current = self._producers.get(name)
+                if current is None or current.endpoint != endpoint:
                     continue
                 if not ok:
-                    del self._producers[producer.name]
-                    self._dead.add((producer.name, producer.endpoint))
-                    dead.append(producer)
+                    del self._producers[name]
+                    self._dead.add((name, endpoint))
+                    dead.append(msgspec.structs.replace(current))
                 else:
                     current.suspect = False
         return dead
+
+    def revive(self, alive: Callable[[ProducerState], bool]) -> list[str]:
+        """Re-test only the suspect producers and use again those that answer; one that does
+        not stays suspect (never removed: for static producers that may come back). Returns the
+        names revived."""
+        suspects = [p for p in self.snapshot() if p.suspect and not p.retired]
+        answered = []
+        for producer in suspects:
+            try:
+                if alive(producer):
+                    answered.append((producer.name, producer.endpoint, True))
+            except Exception:
+                continue
+        self.apply(answered)
+        return [name for name, _, _ in answered]
 
     # -- from the sources -------------------------------------------------------------------------
     def _closed(self, producer: ProducerState) -> None:

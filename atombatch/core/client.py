@@ -46,6 +46,7 @@ from atombatch.core.messages import (
     core_decoder,
     front_encoder,
 )
+from atombatch.core.pd import PDFront, PDOptions, pd_eligible
 from atombatch.core.process import run_core
 from atombatch.engine import Batcher, EngineStats, KVSource
 from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
@@ -56,7 +57,7 @@ from atombatch.validation import validate_request
 log = logger("atombatch.core")
 
 
-class CoreClient(OutputStreams):
+class CoreClient(PDFront, OutputStreams):
     """Serve requests from an engine core in a child process (see the module docstring).
 
     Args:
@@ -65,14 +66,18 @@ class CoreClient(OutputStreams):
         max_unclaimed, max_unclaimed_bytes, stream_interval: as `AsyncBatcher`'s.
         on_core_exit: called (in the event loop, with the exit code) when the core exits
             without being asked to.
+        pd: PD through the core (atombatch/core/pd.py): the core holds the producer pool and
+            every eligible request takes its KV from a producer.
     """
 
     def __init__(self, factory: Callable[[], Batcher], *, startup_timeout: float = 600.0,
                  max_unclaimed: int = DEFAULT_MAX_UNCLAIMED,
                  max_unclaimed_bytes: int = DEFAULT_MAX_UNCLAIMED_BYTES,
                  stream_interval: int = 1,
-                 on_core_exit: Callable[[int | None], None] | None = None) -> None:
+                 on_core_exit: Callable[[int | None], None] | None = None,
+                 pd: PDOptions | None = None) -> None:
         super().__init__(max_unclaimed, max_unclaimed_bytes, stream_interval)
+        self.pd_options = pd
         self.factory = factory
         self.startup_timeout = startup_timeout
         self.on_core_exit = on_core_exit
@@ -114,7 +119,8 @@ class CoreClient(OutputStreams):
         self._from_core.bind(from_core)
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(target=run_core, name="atombatch-core",
-                                      args=(self.factory, to_core, from_core, os.getpid()))
+                                      args=(self.factory, to_core, from_core, os.getpid(),
+                                            self.pd_options))
         self._process.start()
         waited = 0.0
         while not self._from_core.poll(100):
@@ -241,15 +247,16 @@ class CoreClient(OutputStreams):
         Raises:
             UnavailableError: not started, closing, or the core exited.
             RequestError: the request is invalid, or `kv` is given (a PD source lives in the
-                process that decodes: give the core's factory the producer instead).
+                process that decodes: give the client `pd=PDOptions(...)` instead).
             CapacityError: lanes + `max_waiting` choices are already in flight.
         """
         if not self.running:
             reason = "exited" if self._dead else "is not running"
             raise UnavailableError(f"the engine core {reason}")
         if kv is not None:
-            raise RequestError("a KV source cannot cross into the engine core process: run PD "
-                               "with an in-process AsyncBatcher (docs/pd.md)")
+            raise RequestError("a KV source cannot cross into the engine core process: give "
+                               "CoreClient pd=PDOptions(producers) and the core opens sources "
+                               "itself (docs/pd.md)")
         params = params or SamplingParams()
         ready = self._rules_ready()
         tokens = validate_request(ready.rules, prompt, params, "the engine core")
@@ -265,7 +272,8 @@ class CoreClient(OutputStreams):
         self._open(request_id)
         self._choices[request_id] = params.n
         self._in_flight_choices += params.n
-        self._to_core.send(front_encoder.encode(Submit(request_id, tokens.tobytes(), params)))
+        pd = self.pd_options is not None and pd_eligible(params)
+        self._to_core.send(front_encoder.encode(Submit(request_id, tokens.tobytes(), params, pd)))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -293,10 +301,14 @@ class CoreClient(OutputStreams):
             elif isinstance(message, Stopped):
                 self._stopped_flag.set()
                 return
+            else:  # PD and routing answers (atombatch/core/pd.py)
+                loop.call_soon_threadsafe(self._on_message, message)
 
     def _on_step(self, step: Step) -> None:
         if step.stats is not None:
             self._stats = step.stats
+            if step.pd is not None:
+                self.pd_stats = step.pd
         if step.ids:
             queues = self._queues
             tokens = np.frombuffer(step.tokens, np.int64).tolist()

@@ -25,14 +25,19 @@ from atombatch.aio import fail_all
 from atombatch.core.messages import (
     Abort,
     Failed,
+    Producers,
+    ProducerVerdicts,
     Ready,
     Shutdown,
     Step,
     Stopped,
     Submit,
+    SummaryRequest,
     core_encoder,
     front_decoder,
 )
+from atombatch.core.pd import CorePD, PDOptions
+from atombatch.core.routing import CoreSummaries
 from atombatch.engine import Batcher
 from atombatch.errors import ConfigError
 from atombatch.logs import logger
@@ -47,8 +52,9 @@ _NO_TOKENS = np.zeros(0, np.int64)   # a Step without plain tokens (allocated on
 
 
 def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address: str,
-             parent_pid: int) -> None:
-    """The core process's main function (see the module docstring)."""
+             parent_pid: int, pd: PDOptions | None = None) -> None:
+    """The core process's main function (see the module docstring); with `pd`, the core holds
+    the PD producer pool (atombatch/core/pd.py)."""
     # Ctrl-C reaches the whole process group: the front decides (drain, then Shutdown).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
@@ -57,6 +63,7 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
     outbox.setsockopt(zmq.LINGER, 5000)
     inbox.connect(inbox_address)
     outbox.connect(outbox_address)
+    core_pd: CorePD | None = None
     try:
         try:
             batcher = factory()
@@ -70,8 +77,11 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
         # The front bounds the queue (lanes + max_waiting choices in flight): a burst of submits
         # that arrives between two steps must not be refused here for lanes not yet assigned.
         batcher.max_waiting = None
-        CoreLoop(batcher, inbox, outbox, parent_pid).run()
+        core_pd = CorePD(pd, batcher.artifact) if pd is not None else None
+        CoreLoop(batcher, inbox, outbox, parent_pid, pd=core_pd).run()
     finally:
+        if core_pd is not None:
+            core_pd.close()
         inbox.close(linger=0)
         outbox.close()
         ctx.term()
@@ -80,8 +90,11 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
 class CoreLoop:
     """Step a `Batcher` while taking the front's messages between steps."""
 
-    def __init__(self, batcher: Batcher, inbox: Any, outbox: Any, parent_pid: int) -> None:
+    def __init__(self, batcher: Batcher, inbox: Any, outbox: Any, parent_pid: int,
+                 pd: CorePD | None = None) -> None:
         self.batcher = batcher
+        self.pd = pd                          # the producer pool (PD on), else None
+        self.summaries = CoreSummaries()
         self.inbox = inbox
         self.outbox = outbox
         self.parent_pid = parent_pid
@@ -144,8 +157,9 @@ class CoreLoop:
                 not self.batcher.has_unfinished():  # going idle: the final counts
             stats = self.batcher.stats()
             self.stats_at = now
+        pd = self.pd.stats() if self.pd is not None and stats is not None else None
         return Step(ids=ids, tokens=tokens.astype(np.int64, copy=False).tobytes(),
-                    outputs=outputs, stats=stats)
+                    outputs=outputs, stats=stats, pd=pd)
 
     def send(self, message: Step) -> None:
         # copied: a zero-copy frame costs a round trip through pyzmq's GC thread
@@ -171,12 +185,24 @@ class CoreLoop:
                 if not message.drain:
                     for request_id in list(self.live):
                         self.batcher.abort(request_id)
+            elif isinstance(message, Producers | ProducerVerdicts):
+                if self.pd is not None:  # answered with the pool's new state
+                    self.pd.apply(message)
+                    self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
+            elif isinstance(message, SummaryRequest):
+                self.outbox.send(core_encoder.encode(self.summaries.answer(self.batcher,
+                                                                           message)))
 
     def submit(self, message: Submit) -> None:
         tokens = np.frombuffer(message.prompt, dtype=np.int64)
+        kv = None
         try:
-            self.batcher.submit(tokens, message.params, request_id=message.request_id)
+            if self.pd is not None:  # validated before any producer is asked
+                kv = self.pd.source(self.batcher, message, tokens)
+            self.batcher.submit(tokens, message.params, request_id=message.request_id, kv=kv)
         except Exception as exc:  # one bad request must not stop the loop
+            if kv is not None:
+                kv.close()
             self.errors.append(RequestOutput(request_id=message.request_id, new_token_ids=(),
                                              finished=True, finish_reason="error",
                                              error=str(exc)))
