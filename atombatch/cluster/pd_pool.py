@@ -207,20 +207,31 @@ class ProducerPool:
                     current.suspect = False
         return dead
 
-    def revive(self, alive: Callable[[ProducerState], bool]) -> list[str]:
-        """Re-test only the suspect producers and use again those that answer; one that does
-        not stays suspect (never removed: for static producers that may come back). Returns the
-        names revived."""
-        suspects = [p for p in self.snapshot() if p.suspect and not p.retired]
-        answered = []
-        for producer in suspects:
-            try:
-                if alive(producer):
-                    answered.append((producer.name, producer.endpoint, True))
-            except Exception:
+    def probe(self, alive: Callable[[ProducerState], bool]) -> tuple[list[str], list[str]]:
+        """Test every producer not retired: one that answers is used again, one that does not
+        becomes suspect (never removed: static producers may come back). Returns the names
+        revived and the names lost. May block in `alive`: call it from a thread of its own."""
+        found = []
+        for producer in self.snapshot():
+            if producer.retired:
                 continue
-        self.apply(answered)
-        return [name for name, _, _ in answered]
+            try:
+                ok = bool(alive(producer))
+            except Exception:
+                ok = False
+            found.append((producer, ok))
+        revived, lost = [], []
+        with self._lock:
+            for producer, ok in found:
+                current = self._producers.get(producer.name)
+                if current is None or current.endpoint != producer.endpoint:
+                    continue
+                if ok and current.suspect:
+                    revived.append(current.name)
+                elif not ok and not current.suspect:
+                    lost.append(current.name)
+                current.suspect = not ok
+        return revived, lost
 
     # -- from the sources -------------------------------------------------------------------------
     def _closed(self, producer: ProducerState) -> None:

@@ -18,8 +18,10 @@ messages crosses the process boundary:
   no Ray). Each one is answered with a stats `Step`, whose `PDStats` (the pool's snapshot) the
   front keeps in `CoreClient.pd_stats`; every other stats `Step` carries it too.
 - A source that fails on the transport fails its request alone (`finish_reason="error"`) and marks
-  its producer suspect: no new request goes there until a verdict (or, for static producers, a
-  probe: a ZeroMQ handshake with its endpoint, `PDOptions.probe_s`) finds it alive again.
+  its producer suspect: no new request goes there until a verdict finds it alive again. Static
+  producers have no front to ping them: the core probes them itself (`PDOptions.probe_s`: a
+  ZeroMQ handshake with each endpoint, from a thread of its own), so one that died while idle
+  turns suspect and one that came back is used again.
 - A front that dies has its requests aborted in the core (`CoreLoop`), which closes their sources.
 """
 
@@ -64,9 +66,10 @@ class PDOptions(msgspec.Struct, frozen=True):
     Args:
         producers: name -> ZeroMQ endpoint of a `ZmqProducerServer`, known at start.
         mode: "layer-stream" (layers written as they arrive) or "whole".
-        probe_s: > 0: every `probe_s` seconds the core tries a ZeroMQ handshake with each suspect
-            producer and uses again those that answer (static producers, no front to ping
-            them); 0: only the front's verdicts revive a producer.
+        probe_s: > 0: every `probe_s` seconds the core tries a ZeroMQ handshake with each
+            producer: one that does not answer becomes suspect (no new requests), one that
+            answers is used again (static producers, no front to ping them); 0: only the
+            front's verdicts judge producers.
     """
 
     producers: dict[str, str] = {}
@@ -191,13 +194,15 @@ class CorePD:
         period = self.options.probe_s
         while not self._stop.wait(period):
             try:
-                revived = self.pool.revive(
+                revived, lost = self.pool.probe(
                     lambda p: handshake(p.endpoint, timeout=min(1.0, period)))
             except Exception:  # the probe must never take the core down
                 log.exception("pd.probe_failed")
                 continue
             for name in revived:
                 log.info("pd.producer_revived", producer=name)
+            for name in lost:
+                log.warning("pd.producer_unreachable", producer=name)
 
 
 # -- the front's side (mixed into CoreClient) ------------------------------------------------------
