@@ -2,12 +2,14 @@
 
 Front to core: `Submit` (a validated request), `Abort` (ids), `Shutdown`. Core to front: `Ready`
 (or `Failed`) once at startup, then one `Step` per engine step that produced anything, and
-`Stopped` last. With PD (atombatch/core/pd.py) the front also sends `Producers` (the producer
-registry) and `ProducerVerdicts` (liveness), and the core's stats carry `PDStats`; a front that
-routes (the Ray replicas) asks for `SummaryRequest` and gets one `Summary` back. A `Step` carries the step's plain decode tokens (requests that are simply decoding
+`Stopped` last. A `Step` carries the step's plain decode tokens (requests that are simply decoding
 on) as two parallel values, `ids` and the int64 bytes of `tokens`, and every other output (first
 tokens, finishes, errors, logprobs, n > 1 choices, text of stop-string requests) as a
 `RequestOutput`.
+
+With PD (atombatch/core/pd.py) the front also sends `Producers` (the producer registry) and
+`ProducerVerdicts` (liveness), and the core's stats carry `PDStats`; a front that routes (the Ray
+replicas) sends `SummaryRequest` and gets one `Summary` back (atombatch/core/routing.py).
 """
 
 from __future__ import annotations
