@@ -223,6 +223,8 @@ def test_replica_killed_mid_stream(cluster: str, app_names: list[str]) -> None:
     victim = streams[0][1]
     assert {s[1] for s in streams} != {victim}, "the router put every stream on one replica"
     next(line for line in streams[0][2] if line.startswith("data: {"))   # it is streaming
+    core_pid = reports("kill")[victim]["engine_core"]    # the victim's engine core process
+    os.kill(core_pid, 0)
     actor = ray.get_actor(f"SERVE_REPLICA::kill#AtomReplica#{victim}", namespace="serve")
     ray.kill(actor, no_restart=True)
     for response, replica, lines in streams:
@@ -236,6 +238,18 @@ def test_replica_killed_mid_stream(cluster: str, app_names: list[str]) -> None:
             tokens = sum(len(e.split('"token_ids":[')[1].split("]")[0].split(","))
                          for e in events if '"token_ids":[' in e and '"token_ids":[]' not in e)
             assert tokens == 900                                  # the others ran to the end
+    # the replica's engine core saw its front die and ended (aborting what it held)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{core_pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break                                 # exited, not yet reaped
+        except OSError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the dead replica's engine core {core_pid} outlived it by 20 s")
     # the router stops using the dead replica: later requests all land elsewhere and succeed
     for g in range(4):
         answer = http.post(f"{base}/v1/completions", json={"prompt": [g + 3] * 64 + [5, 6, 7],
@@ -295,6 +309,9 @@ def test_pd_producers_in_their_own_processes(cluster: str, app_names: list[str])
             p["opened"] for p in pool_of("pd").values()) == [1, 1])           # by load: one each
         (stats,) = reports("pd").values()
         assert stats["imports"] > 0 and stats["prefill_chunks"] == 0
+        # the engine, and the pool whose snapshot this is, run in the replica's core process
+        assert isinstance(stats["engine_core"], int) and stats["engine_core"] != stats["pid"]
+        assert stats["native_fallbacks"] == 0
 
         # a producer killed while a request's layers are due: both producers hold every request
         # after its header, the one holding it is killed, so no layer of it was ever sent; a
