@@ -27,7 +27,9 @@ messages crosses the process boundary:
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
+from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -240,13 +242,23 @@ class PDFront:
         suspect one found alive is used again."""
         return self._send_to_core(ProducerVerdicts(verdicts))
 
-    def request_summary(self, route_block: int, max_blocks: int, bits: int) -> bool:
+    def request_summary(self, route_block: int, max_blocks: int, bits: int,
+                        waiter: concurrent.futures.Future[Any] | None = None) -> bool:
         """Ask the core for a summary of its prefix cache (`atombatch.cluster.summary`); it
-        arrives in `summary` (one `Summary` per request)."""
-        return self._send_to_core(SummaryRequest(route_block, max_blocks, bits))
+        arrives in `summary` (one `Summary` per request) and, if given, in `waiter` (a
+        thread-safe future, so a caller on any thread or loop can wait for it)."""
+        sent = self._send_to_core(SummaryRequest(route_block, max_blocks, bits))
+        if sent:  # one entry per request, in order (the core answers in order)
+            self.__dict__.setdefault("_summary_waiters", deque()).append(waiter)
+        return sent
 
     def _on_message(self, message: Any) -> None:
         """A core message other than Step and Stopped (in the event loop)."""
         if isinstance(message, Summary):
             self.summary = message.summary
             self.summaries += 1
+            waiters = self.__dict__.get("_summary_waiters")
+            if waiters:  # the core answers in order: the oldest request is answered
+                waiter = waiters.popleft()
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(message.summary)

@@ -5,6 +5,7 @@ which prompts the cache holds."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 
 from support.engines import numpy_batcher
@@ -46,6 +47,13 @@ async def test_the_core_summarizes_its_prefix_cache_as_an_in_process_engine_woul
         # a request the summarizer refuses is answered with no summary, and the core goes on
         assert await summary_of(client, 32, 100) is None
         assert await summary_of(client, 32, 4096) == want
+        # a waiter (a thread-safe future) gets its own request's answer, in order
+        first, second = concurrent.futures.Future(), concurrent.futures.Future()
+        client.request_summary(32, 8, 100, first)
+        client.request_summary(32, 8, 4096)
+        client.request_summary(32, 8, 4096, second)
+        assert await asyncio.wait_for(asyncio.wrap_future(second), 5) == want
+        assert first.result(0) is None
 
 
 async def test_a_core_without_a_prefix_cache_sends_no_summary() -> None:

@@ -13,6 +13,7 @@ summary the router reads is computed in the core on request (atombatch/core/rout
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import os
@@ -36,6 +37,9 @@ from atombatch.structs import SamplingParams
 
 if TYPE_CHECKING:
     from atombatch.core import CoreClient
+
+
+SUMMARY_WAIT_S = 0.25     # how long a routing report waits for the engine core's cache summary
 
 
 # -- devices ---------------------------------------------------------------------------------------
@@ -297,21 +301,28 @@ class AtomReplica:
     def _engine(self) -> Any:
         return self.core if self.core is not None else self.batcher
 
-    def record_routing_stats(self) -> dict[str, Any]:
+    async def record_routing_stats(self) -> dict[str, Any]:
         engine = self._engine()
-        s = engine.stats()
         summary = None
         if self.core is not None:
-            # the summary the core last sent; the next one is asked for now (bounded: a fixed
-            # size Bloom filter) and read by the next call
-            summary = self.core.summary
-            self._loop.call_soon_threadsafe(self.core.request_summary, *self._summary_args)
+            # asked of the core (a fixed-size Bloom filter comes back); if it is slow to answer,
+            # the last one it sent
             prefix_on = self._prefix_cache
+            if prefix_on:
+                waiter: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                self._loop.call_soon_threadsafe(self.core.request_summary,
+                                                *self._summary_args, waiter)
+                try:
+                    summary = await asyncio.wait_for(asyncio.wrap_future(waiter),
+                                                     SUMMARY_WAIT_S)
+                except (TimeoutError, concurrent.futures.CancelledError):
+                    summary = self.core.summary
         else:
             scheduler = self.batcher.scheduler
             prefix_on = scheduler.prefix is not None
             if prefix_on:
                 summary = self.summarizer.summary(scheduler.prefix, scheduler.host)
+        s = engine.stats()
         stats: dict[str, Any] = {
             "lanes": engine.artifact.batch_size, "occupied": s.occupied_lanes,
             "queue": s.queue_length, "prefix_cache": prefix_on,
