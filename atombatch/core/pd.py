@@ -143,6 +143,7 @@ class CorePD:
         self.pool = ProducerPool(list(options.producers.items()), mode=options.mode,
                                  source_factory=self._source)
         self.native_fallbacks = 0
+        self.report_due = False     # the probe changed the pool: the front should hear of it
         self._stop = threading.Event()
         self._prober: threading.Thread | None = None
         if options.probe_s > 0:
@@ -205,6 +206,8 @@ class CorePD:
                 log.info("pd.producer_revived", producer=name)
             for name in lost:
                 log.warning("pd.producer_unreachable", producer=name)
+            if revived or lost:
+                self.report_due = True
 
 
 # -- the front's side (mixed into CoreClient) ------------------------------------------------------

@@ -167,6 +167,9 @@ class CoreLoop:
 
     def take(self, wait_ms: int) -> None:
         """Apply every message the front sent; wait up to `wait_ms` for the first."""
+        if self.pd is not None and self.pd.report_due:  # the pool changed on its own (probe)
+            self.pd.report_due = False
+            self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
         if not self.inbox.poll(wait_ms):
             return
         while True:

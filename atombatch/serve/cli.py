@@ -542,6 +542,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         print(f"atombatch.serve: {exc}", file=sys.stderr)
         _stop_engine(engine)
         return 2
+    if args.engine_core == "process" and engine.pd_options is not None:
+        from atombatch.serve.pd_metrics import add_pd_metrics
+        add_pd_metrics(app, lambda: engine.pd_stats)
     host, port = sock.getsockname()[:2]
     template = (codec or IdCodec()).chat_template_name
     banner = (f"atombatch.serve: {art.label} ({args.runtime}, policy {policy}, "

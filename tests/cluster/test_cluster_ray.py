@@ -312,6 +312,9 @@ def test_pd_producers_in_their_own_processes(cluster: str, app_names: list[str])
         # the engine, and the pool whose snapshot this is, run in the replica's core process
         assert isinstance(stats["engine_core"], int) and stats["engine_core"] != stats["pid"]
         assert stats["native_fallbacks"] == 0
+        metrics = httpx.get(f"{base}/metrics", timeout=30).text   # the pool on /metrics
+        assert f'atombatch_pd_producers{{replica="{stats["replica"]}",state="live"}} 2.0' in \
+            metrics, metrics
 
         # a producer killed while a request's layers are due: both producers hold every request
         # after its header, the one holding it is killed, so no layer of it was ever sent; a
@@ -406,6 +409,30 @@ def test_pd_producers_in_their_own_processes(cluster: str, app_names: list[str])
         assert sorted(ray.get(board("pd").producers.remote())) == [staying]
     finally:
         scale_producers("pd", 0, drain_s=0.0, settle_s=0.0)
+
+
+def test_pd_with_the_engine_inline_in_the_replica(cluster: str, app_names: list[str]) -> None:
+    """`--engine-core inline`: the engine and the pool in the replica's own process."""
+    from atombatch.serve.ray import scale_producers
+
+    app_names.append("inline")
+    serve.run(build_app([*ENGINE, "--engine-core", "inline"], replicas=1, replica_cpus=0.25,
+                        producers=1, app_name="inline", pd_check_s=0.2, report_s=0.2),
+              name="inline", route_prefix="/inline")
+    try:
+        wait_for("the producer in the pool", lambda: list(pool_of("inline")) ==
+                 ["inline-producer-0"])
+        prompt = [21] * 40 + [9, 8]
+        answer = httpx.post(f"{cluster}/inline/v1/completions", timeout=120,
+                            json={"prompt": prompt, "max_tokens": 5, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["token_ids"] == expected([prompt], 5)[0]
+        wait_for("the open reported", lambda: pool_of("inline")["inline-producer-0"]["opened"])
+        (stats,) = reports("inline").values()
+        assert "engine_core" not in stats and stats["imports"] > 0
+        assert stats["prefill_chunks"] == 0
+    finally:
+        scale_producers("inline", 0, drain_s=0.0, settle_s=0.0)
 
 
 @pytest.mark.slow

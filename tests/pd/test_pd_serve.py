@@ -37,9 +37,11 @@ def alone(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def counters(url: str) -> dict[str, float]:
+    """The engine's and the PD pool's samples, by name (and label values)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name.startswith("atombatch_engine_")}
+    return {s.name + "".join(f"[{v}]" for v in s.labels.values()): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith(("atombatch_engine_", "atombatch_pd_"))}
 
 
 def test_serve_with_a_static_pd_producer_over_http(tmp_path: Path) -> None:
@@ -72,16 +74,25 @@ def test_serve_with_a_static_pd_producer_over_http(tmp_path: Path) -> None:
             seen = counters(url)
             assert seen["atombatch_engine_imports_total"] >= 2     # both prompts from the producer
             assert seen["atombatch_engine_prefill_chunks_total"] == 0
+            assert seen["atombatch_pd_producers[live]"] == 1
+            assert seen["atombatch_pd_opened_total[producer-0]"] == 2
+            assert seen["atombatch_pd_in_flight[producer-0]"] == 0
 
             # the producer dies while idle: the core's probe stops using it, the next request
             # is prefilled by the core itself, with the same tokens
             os.kill(producer.pid, signal.SIGKILL)
             producer.join(10)
-            time.sleep(1.5)
+            deadline = time.monotonic() + 10
+            while counters(url)["atombatch_pd_producers[suspect]"] != 1:
+                assert time.monotonic() < deadline, "the core did not find the producer gone"
+                time.sleep(0.1)
             answer = http.post(f"{url}/v1/completions", json={**body, "prompt": prompts[2]})
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["token_ids"] == want[2]
-            assert counters(url)["atombatch_engine_prefill_chunks_total"] > 0
+            seen = counters(url)
+            assert seen["atombatch_engine_prefill_chunks_total"] > 0
+            assert seen["atombatch_pd_native_fallbacks_total"] == 1
+            assert seen["atombatch_pd_opened_total[producer-0]"] == 2
             assert http.get(f"{url}/health").status_code == 200
             http.close()
     finally:

@@ -201,6 +201,15 @@ class AtomReplica:
                               max_structured_chars=args.max_structured_chars,
                               api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
                               reasoning_parser=args.reasoning_parser)  # headers are forwarded
+        if pd:  # the pool on /metrics
+            from atombatch.core.messages import PDStats
+            from atombatch.serve.pd_metrics import add_pd_metrics
+
+            core, pool = self.core, self.pool
+            if core is not None:
+                add_pd_metrics(self.app, lambda: core.pd_stats)
+            elif pool is not None:
+                add_pd_metrics(self.app, lambda: PDStats(pool.snapshot(), ab.native_fallbacks))
         self.driver = _AppDriver(self.app)
         await self.driver.start()
         self._board = board(serve.get_replica_context().app_name)
