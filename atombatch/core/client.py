@@ -321,7 +321,7 @@ class CoreClient(PDFront, OutputStreams):
                 for request_id, token in zip(step.ids, tokens, strict=True):
                     box = get(request_id)
                     if box is not None:
-                        box.put_nowait(token)
+                        box.put_plain(token)
         for out in step.outputs:
             if out.finished:
                 self._finish(out.request_id)

@@ -6,6 +6,13 @@
 step, send what it produced as one `Step`. It never parses HTTP, renders templates or formats
 logprobs; everything it receives was validated by the front against the rules it reported.
 
+The loop's own thread does only what the next step needs: the engine step, and picking the
+step's plain rows (three small array copies). Building the `Step` (a request id per plain token),
+encoding it and handing it to ZeroMQ happen on a sender thread (`_Sender`) while the loop is
+already in the next step's device call, which releases the interpreter lock as a device wait
+does: so the cost of telling the front about step N overlaps step N + 1 on the device instead of
+adding to every step (docs/overlap.md). Messages leave in the order the loop queued them.
+
 It exits when the front asks (`Shutdown`), and also when the front is gone: its parent process
 exited (checked every loop) or its socket peer vanished, aborting every request it held first.
 """
@@ -13,7 +20,9 @@ exited (checked every loop) or its socket peer vanished, aborting every request 
 from __future__ import annotations
 
 import os
+import queue
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -78,7 +87,11 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
         # that arrives between two steps must not be refused here for lanes not yet assigned.
         batcher.max_waiting = None
         core_pd = CorePD(pd, batcher.artifact) if pd is not None else None
-        CoreLoop(batcher, inbox, outbox, parent_pid, pd=core_pd).run()
+        sender = _Sender(outbox)
+        try:
+            CoreLoop(batcher, inbox, sender, parent_pid, pd=core_pd).run()
+        finally:
+            sender.close()
     finally:
         if core_pd is not None:
             core_pd.close()
@@ -87,8 +100,72 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
         ctx.term()
 
 
+class _Sender:
+    """A thread that builds, encodes and sends the loop's messages, in the order queued.
+
+    `put` takes a finished message or a `_PlainRows` to build a `Step` from; `close` sends what
+    is queued, then stops the thread. A send that fails (the front is gone) is logged once; the
+    loop finds out from its parent check.
+    """
+
+    def __init__(self, outbox: Any) -> None:
+        self.outbox = outbox
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._failed = False
+        self._thread = threading.Thread(target=self._run, name="atombatch-core-sender",
+                                        daemon=True)
+        self._thread.start()
+
+    def put(self, message: Any) -> None:
+        self._queue.put(message)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        encode, send = core_encoder.encode, self.outbox.send
+        while True:
+            message = self._queue.get()
+            if message is None:
+                return
+            if isinstance(message, _PlainRows):
+                message = message.step()
+            try:
+                # copied: a zero-copy frame costs a round trip through pyzmq's GC thread
+                send(encode(message))
+            except zmq.ZMQError as exc:
+                if not self._failed:
+                    self._failed = True
+                    log.warning("core.send_failed", error=str(exc))
+
+
+class _PlainRows:
+    """A `Step` still to be built: the step's plain rows as the loop picked them."""
+
+    __slots__ = ("lane_ids", "lanes", "outputs", "pd", "stats", "tokens")
+
+    def __init__(self, lane_ids: list[Any], lanes: np.ndarray, tokens: np.ndarray,
+                 outputs: list[RequestOutput], stats: Any, pd: Any = None) -> None:
+        self.pd = pd
+        self.lane_ids = lane_ids
+        self.lanes = lanes
+        self.tokens = tokens
+        self.outputs = outputs
+        self.stats = stats
+
+    def step(self) -> Step:
+        lane_ids = self.lane_ids
+        return Step(ids=[lane_ids[lane] for lane in self.lanes.tolist()],
+                    tokens=self.tokens.astype(np.int64, copy=False).tobytes(),
+                    outputs=self.outputs, stats=self.stats, pd=self.pd)
+
+
 class CoreLoop:
-    """Step a `Batcher` while taking the front's messages between steps."""
+    """Step a `Batcher` while taking the front's messages between steps.
+
+    `outbox` is anything with `put(message)`: the `_Sender` in the core process.
+    """
 
     def __init__(self, batcher: Batcher, inbox: Any, outbox: Any, parent_pid: int,
                  pd: CorePD | None = None) -> None:
@@ -117,7 +194,7 @@ class CoreLoop:
                 return
             if self.stopping is not None and not batcher.has_unfinished():
                 self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
-                self.outbox.send(core_encoder.encode(Stopped()))
+                self.outbox.put(Stopped())
                 return
             if not batcher.has_unfinished():
                 if self.errors or stale:  # gone idle: the front sees the final counts
@@ -133,37 +210,52 @@ class CoreLoop:
                 self.send(self.step_message([], outputs, _NO_TOKENS))
                 continue
             plain = result.plain
-            if plain.any():
+            if plain.any():  # copies: the step's arrays are views the next step overwrites
                 rows = np.flatnonzero(plain)
-                lane_ids = result.request_ids
-                ids = [lane_ids[lane] for lane in result.lanes[rows].tolist()]
-                tokens = result.tokens[rows]
-            else:
-                ids, tokens = [], _NO_TOKENS
-            if ids or result.outputs or self.errors:
-                self.send(self.step_message(ids, result.outputs, tokens))
+                self.outbox.put(self.plain_rows(result.request_ids, result.lanes[rows],
+                                                result.tokens[rows], result.outputs))
+            elif result.outputs or self.errors:
+                self.send(self.step_message([], result.outputs, _NO_TOKENS))
+
+    def plain_rows(self, lane_ids: list[Any], lanes: np.ndarray, tokens: np.ndarray,
+                   outputs: list[RequestOutput]) -> _PlainRows:
+        """What `step_message` says, with the ids still to be looked up (by the sender)."""
+        outputs = self._outputs(outputs)
+        stats = self._stats(False)
+        return _PlainRows(lane_ids, lanes, tokens, outputs, stats, self._pd_stats(stats))
 
     def step_message(self, ids: list[Any], outputs: list[RequestOutput],
                      tokens: np.ndarray, force_stats: bool = False) -> Step:
+        outputs = self._outputs(outputs)
+        stats = self._stats(force_stats)
+        return Step(ids=ids, tokens=tokens.astype(np.int64, copy=False).tobytes(),
+                    outputs=outputs, stats=stats, pd=self._pd_stats(stats))
+
+    def _pd_stats(self, stats: Any) -> Any:
+        """The producer pool's snapshot, with every engine stats (PD only)."""
+        return self.pd.stats() if self.pd is not None and stats is not None else None
+
+    def _outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The step's outputs after the refused submits; finished ids leave `live`."""
         if self.errors:
             outputs = self.errors + outputs
             self.errors = []
         for out in outputs:
             if out.finished:
                 self.live.discard(out.request_id)
-        now = time.monotonic()
-        stats = None
-        if force_stats or now - self.stats_at >= STATS_INTERVAL or \
-                not self.batcher.has_unfinished():  # going idle: the final counts
-            stats = self.batcher.stats()
-            self.stats_at = now
-        pd = self.pd.stats() if self.pd is not None and stats is not None else None
-        return Step(ids=ids, tokens=tokens.astype(np.int64, copy=False).tobytes(),
-                    outputs=outputs, stats=stats, pd=pd)
+        return outputs
 
-    def send(self, message: Step) -> None:
-        # copied: a zero-copy frame costs a round trip through pyzmq's GC thread
-        self.outbox.send(core_encoder.encode(message))
+    def _stats(self, force: bool) -> Any:
+        """The engine's stats when due (every STATS_INTERVAL, and when going idle), else None."""
+        now = time.monotonic()
+        if force or now - self.stats_at >= STATS_INTERVAL or \
+                not self.batcher.has_unfinished():  # going idle: the final counts
+            self.stats_at = now
+            return self.batcher.stats()
+        return None
+
+    def send(self, message: Any) -> None:
+        self.outbox.put(message)
 
     def take(self, wait_ms: int) -> None:
         """Apply every message the front sent; wait up to `wait_ms` for the first."""
@@ -193,8 +285,7 @@ class CoreLoop:
                     self.pd.apply(message)
                     self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
             elif isinstance(message, SummaryRequest):
-                self.outbox.send(core_encoder.encode(self.summaries.answer(self.batcher,
-                                                                           message)))
+                self.outbox.put(self.summaries.answer(self.batcher, message))
 
     def submit(self, message: Submit) -> None:
         tokens = np.frombuffer(message.prompt, dtype=np.int64)

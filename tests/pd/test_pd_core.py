@@ -26,7 +26,7 @@ from atombatch import Batcher, RequestError, SamplingParams
 from atombatch.core import CoreClient
 from atombatch.core.messages import Submit, front_encoder
 from atombatch.core.pd import CorePD, PDOptions, handshake, pd_eligible, static_producers
-from atombatch.core.process import CoreLoop
+from atombatch.core.process import CoreLoop, _Sender
 from atombatch.errors import ConfigError
 from atombatch.runtime import NumpyRuntime
 
@@ -203,7 +203,8 @@ def test_a_front_that_dies_has_its_sources_closed_in_the_core(
     outbox.connect(outbox_address)
     batcher = pd_decoder("llama")
     core_pd = CorePD(PDOptions(producers=producers.endpoints), batcher.artifact)
-    loop = CoreLoop(batcher, inbox, outbox, os.getppid(), pd=core_pd)
+    sender = _Sender(outbox)
+    loop = CoreLoop(batcher, inbox, sender, os.getppid(), pd=core_pd)
     try:
         for i, prompt in enumerate(prompts(2, seed=5)):
             tokens = np.asarray(prompt, dtype=np.int64)
@@ -223,6 +224,7 @@ def test_a_front_that_dies_has_its_sources_closed_in_the_core(
             r.finish_reason == "abort" for r in batcher.step())
     finally:
         core_pd.close()
+        sender.close()
         for sock in (to_core, from_core, inbox, outbox):
             sock.close(linger=0)
         ctx.term()
