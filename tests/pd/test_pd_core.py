@@ -34,26 +34,28 @@ pytestmark = pytest.mark.numerics
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True)
-DECODER = artifact(SPECS["llama"], 4, 5)
 
 
-def alone(prompt: list[int], params: SamplingParams) -> list[int]:
-    """The request run by itself in-process, prefilled natively."""
-    [done] = Batcher(NumpyRuntime.random(DECODER, SEED)).generate([prompt], params)
+def alone(prompt: list[int], params: SamplingParams, family: str = "llama") -> list[int]:
+    """The request run by itself in-process, prefilled natively (the decoder's layout)."""
+    decoder = artifact(SPECS[family], 4, 5)
+    [done] = Batcher(NumpyRuntime.random(decoder, SEED)).generate([prompt], params)
     return list(done.token_ids)
 
 
 class ProducerProcesses:
     """Llama producers in their own processes, by name (spawned together: start-ups overlap)."""
 
-    def __init__(self, tmp: Path, **kwargs_by_name: dict[str, Any]) -> None:
+    def __init__(self, tmp: Path, family: str = "llama", **kwargs_by_name: dict[str, Any]
+                 ) -> None:
         ctx = multiprocessing.get_context("spawn")
+        self.family = family
         self.endpoints: dict[str, str] = {}
         self.processes: dict[str, Any] = {}
         for name, kwargs in kwargs_by_name.items():
             endpoint = f"ipc://{tmp}/{name}.sock"
             process = ctx.Process(target=run_producer_process,
-                                  args=(SPECS["llama"], PRODUCER_LAYOUT, SEED, endpoint),
+                                  args=(SPECS[family], PRODUCER_LAYOUT, SEED, endpoint),
                                   kwargs=kwargs, daemon=True)
             process.start()
             self.endpoints[name] = endpoint
@@ -110,14 +112,17 @@ def pool(client: CoreClient, registry: dict[str, str] | None = None) -> dict[str
     return {p.name: p for p in client.producers}
 
 
-@pytest.mark.parametrize("producers", [{"p0": {}, "p1": {}}], indirect=True)
+@pytest.mark.parametrize("producers", [{"p0": {}, "p1": {}},
+                                       {"family": "gemma3", "p0": {}, "p1": {}}],
+                         indirect=True, ids=["llama", "gemma3-hybrid"])
 async def test_pd_through_the_core_gives_each_requests_native_tokens(
         producers: ProducerProcesses) -> None:
+    family = producers.family
     work = prompts(5, seed=3)
     params = [GREEDY, SEEDED, GREEDY, GREEDY, GREEDY]
-    want = [alone(p, s) for p, s in zip(work, params, strict=True)]
+    want = [alone(p, s, family) for p, s in zip(work, params, strict=True)]
     options = PDOptions(producers=producers.endpoints)
-    async with CoreClient(functools.partial(pd_decoder, "llama"), pd=options) as client:
+    async with CoreClient(functools.partial(pd_decoder, family), pd=options) as client:
         got = await asyncio.gather(*(tokens_of(client, p, s)
                                      for p, s in zip(work, params, strict=True)))
         assert [g[0] for g in got] == want                    # seeded included (docs/pd.md)
@@ -137,7 +142,7 @@ async def test_pd_through_the_core_gives_each_requests_native_tokens(
                         SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1)):
             assert not pd_eligible(special)
             done = await client.generate(work[0], special)
-            assert list(done.token_ids) == alone(work[0], special)
+            assert list(done.token_ids) == alone(work[0], special, family)
         pair = SamplingParams(temperature=0.0, max_tokens=4, n=2, ignore_eos=True)
         assert not pd_eligible(pair)
         choices = await client.generate_choices(work[0], pair)
