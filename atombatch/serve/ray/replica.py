@@ -30,7 +30,7 @@ from atombatch.aio import AsyncBatcher
 from atombatch.cluster.routing import DEFAULT_MAX_BLOCKS, DEFAULT_ROUTE_BLOCK
 from atombatch.cluster.summary import DEFAULT_SUMMARY_BITS, CacheSummarizer
 from atombatch.core.pd import pd_eligible
-from atombatch.errors import AtomBatchError
+from atombatch.errors import AtomBatchError, ConfigError
 from atombatch.serve.ray.board import DEFAULT_APP, board
 from atombatch.serve.ray.wire import ForwardedRequest, ResponseStart
 from atombatch.structs import SamplingParams
@@ -180,6 +180,9 @@ class AtomReplica:
         if args.engine_core == "process":
             name, codec, ab = await self._start_core(args, pd, pd_app, pd_check_s)
         else:  # the engine (and the PD pool) in this process
+            if args.pd_producer:
+                raise ConfigError("--pd-producer needs --engine-core process (the engine core "
+                                  "connects to the producers; docs/pd.md)")
             if args.runtime == "numpy" and args.blas_threads > 0:
                 threadpool_limits(limits=args.blas_threads, user_api="blas")
             batcher, name, codec = build_engine(args)
@@ -201,15 +204,14 @@ class AtomReplica:
                               max_structured_chars=args.max_structured_chars,
                               api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
                               reasoning_parser=args.reasoning_parser)  # headers are forwarded
-        if pd:  # the pool on /metrics
+        core, pool = self.core, self.pool
+        if core is not None and core.pd_options is not None:  # the pool on /metrics
+            from atombatch.serve.pd_metrics import add_pd_metrics
+            add_pd_metrics(self.app, lambda: core.pd_stats)
+        elif pool is not None:
             from atombatch.core.messages import PDStats
             from atombatch.serve.pd_metrics import add_pd_metrics
-
-            core, pool = self.core, self.pool
-            if core is not None:
-                add_pd_metrics(self.app, lambda: core.pd_stats)
-            elif pool is not None:
-                add_pd_metrics(self.app, lambda: PDStats(pool.snapshot(), ab.native_fallbacks))
+            add_pd_metrics(self.app, lambda: PDStats(pool.snapshot(), ab.native_fallbacks))
         self.driver = _AppDriver(self.app)
         await self.driver.start()
         self._board = board(serve.get_replica_context().app_name)
@@ -221,12 +223,16 @@ class AtomReplica:
         replica following the registry and pinging the producers for it."""
         from atombatch.core import CoreClient
         from atombatch.core.pd import PDOptions
-        from atombatch.serve.cli import _model_dir, codec_from_args, core_batcher
+        from atombatch.serve.cli import _model_dir, codec_from_args, core_batcher, pd_options
 
+        if pd and args.pd_producer:
+            raise ConfigError("--pd-producer names static producers; a PD application's "
+                              "replicas follow its registered producers (--producers, "
+                              "docs/cluster.md): give one or the other")
         codec = codec_from_args(args, _model_dir(args))
         client = CoreClient(functools.partial(core_batcher, args),
                             stream_interval=args.stream_interval,
-                            pd=PDOptions(mode=args.pd_mode) if pd else None)
+                            pd=PDOptions(mode=args.pd_mode) if pd else pd_options(args))
         ready = await asyncio.to_thread(client.start_process)
         self.core = client
         if pd:
