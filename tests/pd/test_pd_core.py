@@ -194,6 +194,25 @@ async def test_a_killed_producer_fails_only_its_requests(producers: ProducerProc
 
 
 @pytest.mark.parametrize("producers", [{"p0": {"layer_delay": 30.0}}], indirect=True)
+async def test_aborting_a_request_that_waits_on_its_producer(
+        producers: ProducerProcesses) -> None:
+    registry = dict(producers.endpoints)
+    async with CoreClient(functools.partial(pd_decoder, "llama"),
+                          pd=PDOptions(producers=registry)) as client:
+        request_id = client.submit(prompts(1, seed=2)[0], GREEDY)
+        await wait_until("the request on the producer", lambda: getattr(
+            pool(client, registry).get("p0"), "in_flight", 0) == 1)
+        client.abort(request_id)
+        outs = [out async for out in client.outputs(request_id)]
+        assert outs[-1].finish_reason == "abort" and not any(o.new_token_ids for o in outs)
+        await wait_until("its source closed", lambda: pool(client, registry)["p0"].in_flight == 0)
+        stats = client.stats()
+        assert stats.finished == {"abort": 1} and stats.staged_blocks == 0 and \
+            stats.lane_blocks == 0
+        assert client.running and not pool(client)["p0"].suspect   # an abort is no failure
+
+
+@pytest.mark.parametrize("producers", [{"p0": {"layer_delay": 30.0}}], indirect=True)
 def test_a_front_that_dies_has_its_sources_closed_in_the_core(
         producers: ProducerProcesses, tmp_path: Path) -> None:
     """The core loop of `run_core`, driven over real sockets: once its front is gone it aborts
