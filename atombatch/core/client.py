@@ -44,7 +44,6 @@ from atombatch.core.messages import (
     Stopped,
     Submit,
     core_decoder,
-    front_encoder,
 )
 from atombatch.core.pd import PDFront, PDOptions, pd_eligible
 from atombatch.core.process import run_core
@@ -164,7 +163,7 @@ class CoreClient(PDFront, OutputStreams):
         self._closing = True
         if not self._dead:
             with contextlib.suppress(zmq.ZMQError):
-                self._to_core.send(front_encoder.encode(Shutdown(drain=drain)))
+                self._send_to_core(Shutdown(drain=drain))
             # the receiver delivers the last outputs, then sees Stopped
             while self._receiver is not None and self._receiver.is_alive() and \
                     not self._stopped_flag.is_set():
@@ -273,14 +272,14 @@ class CoreClient(PDFront, OutputStreams):
         self._choices[request_id] = params.n
         self._in_flight_choices += params.n
         pd = self.pd_options is not None and pd_eligible(params)
-        self._to_core.send(front_encoder.encode(Submit(request_id, tokens.tobytes(), params, pd)))
+        self._send_to_core(Submit(request_id, tokens.tobytes(), params, pd))  # never blocks
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Abort a request (a no-op once it finished); the core frees its lane before its next
         step."""
         if request_id in self._queues and not self._dead and self._to_core is not None:
-            self._to_core.send(front_encoder.encode(Abort([request_id])))
+            self._send_to_core(Abort([request_id]))
 
     # -- outputs ------------------------------------------------------------------------------------
     def _receive(self) -> None:

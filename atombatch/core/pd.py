@@ -220,13 +220,28 @@ class PDFront:
     summary: CacheSummary | None = None      # the core's last prefix-cache summary
     summaries: int = 0                       # Summary answers received
     _to_core: Any = None
+    _process: Any = None
     _dead: bool = False
 
     def _send_to_core(self, message: Any) -> bool:
-        if self._dead or self._to_core is None:
+        """Send a message to the core without ever waiting on a dead one (a PUSH socket whose
+        peer is gone blocks a plain send for good, and with it the event loop that would have
+        learnt of the exit). Returns False when the core is gone: a request it carried is then
+        failed with the others when the exit is noticed."""
+        import zmq
+
+        sock = self._to_core
+        if self._dead or sock is None:
             return False
-        self._to_core.send(front_encoder.encode(message))
-        return True
+        frame = front_encoder.encode(message)
+        while True:
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                return True
+            except zmq.Again:  # no peer, or its queue is full: wait while the core lives
+                if self._process is None or not self._process.is_alive():
+                    return False
+                sock.poll(100, zmq.POLLOUT)
 
     @property
     def producers(self) -> list[ProducerState]:
