@@ -266,19 +266,18 @@ def test_replica_killed_mid_stream(cluster: str, app_names: list[str]) -> None:
     (other,) = {answer.headers["x-atombatch-replica"]}
     other_core = reports("kill")[other]["engine_core"]
     os.kill(other_core, signal.SIGKILL)
-    killed_at = time.monotonic()
     deadline = time.monotonic() + 90
     statuses = set()
     while time.monotonic() < deadline:
         answer = http.post(f"{base}/v1/completions", json={"prompt": [3] * 64 + [5, 6, 7],
                                                             "max_tokens": 3, "temperature": 0})
         statuses.add(answer.status_code)
-        print(f"{time.monotonic() - killed_at:.1f} {answer.status_code} "
-              f"{answer.headers.get('x-atombatch-replica')}")
         if answer.status_code == 200 and answer.headers["x-atombatch-replica"] not in \
                 (victim, other):
             break
-        assert answer.status_code in (200, 500, 502, 503), answer.text
+        # 500: the request the core's exit failed; 503: the front, its core gone (until the
+        # health check replaces the replica, within seconds)
+        assert answer.status_code in (200, 500, 503), answer.text
         time.sleep(0.5)
     else:
         pytest.fail(f"no replacement replica served within 90 s (statuses {statuses})")
