@@ -20,7 +20,7 @@ import numpy.typing as npt
 from atombatch import blocks as core
 from atombatch import plan as memory_plan
 from atombatch.checkpoints import run_slot_ops, slot_ops_supported
-from atombatch.config import ArtifactConfig, check_serving
+from atombatch.config import ArtifactConfig
 from atombatch.detokenizer import bad_word_ids
 from atombatch.errors import (
     CapacityError,
@@ -175,7 +175,8 @@ class Batcher:
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not one of "
                               f"{', '.join(LOGPROBS_MODES)}")
-        check_serving(artifact, prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes)
+        memory_plan.check_serving(artifact, prefix_cache=prefix_cache,
+                                  host_cache_bytes=host_cache_bytes)
         self.runtime = runtime
         self.artifact = artifact
         self.spec = artifact.model
@@ -194,6 +195,9 @@ class Batcher:
                                         not isinstance(max_waiting, int) or max_waiting < 1):
             raise ConfigError(f"max_waiting={max_waiting!r} must be an int >= 1 (or None: unbounded)")
         self.max_waiting = max_waiting
+        # Called right before every device call: the engine core hands the previous step's
+        # outputs to its sender thread there, so that work runs while the device does.
+        self.on_device_call: Callable[[], None] | None = None
         self._step_lock = threading.Lock()      # the engine's state: step, submit, abort
         self._consumer = threading.Lock()       # held by the one thread inside step()
         self._seed_seq = np.random.SeedSequence(seed)
@@ -845,6 +849,9 @@ class Batcher:
         transient (`TransientDeviceError`: nothing was written that the repeat would not
         overwrite). Any other failure, or a second one, propagates and fails the step's
         requests: they shared one device call."""
+        hook = self.on_device_call
+        if hook is not None:
+            hook()
         try:
             return call(inputs)
         except TransientDeviceError as exc:

@@ -59,14 +59,11 @@ import numpy as np
 
 from atombatch.bench import provenance
 from atombatch.bench.progress import CellProgress
+from atombatch.bench.sse_client import Stream, http_request
 
 Path_ = Literal["engine", "server"]
 Load = tuple[float, float, float]
 
-_DATA = b"data: "
-_DONE = b"data: [DONE]"
-_TOKEN_IDS = b'"token_ids":['
-_ERROR = b'{"error"'
 
 
 # -- records ---------------------------------------------------------------------------------------
@@ -204,63 +201,6 @@ def _load() -> Load:
 
 
 # -- the client ------------------------------------------------------------------------------------
-class _Stream:
-    """One streamed completion's bytes: counts SSE events and `token_ids` entries by scanning."""
-
-    __slots__ = ("ended", "error", "events", "finished", "first", "status", "tail", "tokens")
-
-    def __init__(self) -> None:
-        self.status = 0
-        self.events = 0                      # data events carrying tokens
-        self.tokens = 0
-        self.finished = False                # [DONE] seen
-        self.error: str | None = None
-        self.ended = 0.0                     # perf_counter at [DONE], error or close
-        self.first = 0.0                     # perf_counter of the read with its first token
-        self.tail = b""
-
-    def feed(self, data: bytes, now: float) -> bool:
-        """Take the next bytes; True once the stream is over."""
-        buf = self.tail + data if self.tail else data
-        if not self.status:
-            if len(buf) < 12:
-                self.tail = buf
-                return False
-            self.status = int(buf[9:12]) if buf.startswith(b"HTTP/1.") else -1
-            if self.status != 200:
-                self.error = f"HTTP {self.status}: " + buf[:300].decode(errors="replace")
-        end = buf.rfind(b"\n\n")  # complete SSE events end before it; chunk framing sits between
-        if end < 0:
-            self.tail = buf
-            return False
-        self.tail = buf[end + 2:]
-        events = buf.count(_DATA, 0, end)
-        at = buf.find(_TOKEN_IDS, 0, end)
-        while at >= 0:
-            start = at + len(_TOKEN_IDS)
-            close = buf.find(b"]", start, end)
-            if close > start:
-                self.tokens += buf.count(b",", start, close) + 1
-            at = buf.find(_TOKEN_IDS, close, end)
-        if self.tokens and not self.first:
-            self.first = now
-        error = buf.find(_ERROR, 0, end)
-        if error >= 0 and self.error is None:
-            self.error = "error event: " + buf[error:error + 300].decode(errors="replace")
-        if buf.endswith(_DONE, 0, end):
-            self.finished = True
-            events -= 1
-        self.events += events
-        if self.finished:
-            self.ended = now
-        return self.finished
-
-    def closed(self, now: float) -> None:
-        if not self.finished and self.error is None:
-            self.error = "connection closed before [DONE]"
-        self.ended = now
-
-
 def steady_ratio(spans: list[tuple[float, float, int]], step_s: float) -> float | None:
     """The median over requests of its decode rate as a share of one token per device step.
 
@@ -275,12 +215,6 @@ def steady_ratio(spans: list[tuple[float, float, int]], step_s: float) -> float 
     return float(statistics.median(rates)) if rates else None
 
 
-def _request(host: str, port: int, body: bytes) -> bytes:
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-            b"Accept: text/event-stream\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-            % (host.encode(), port, len(body))) + body
-
-
 def request_bodies(model: str, prompts: list[list[int]], max_tokens: int) -> list[bytes]:
     return [msgspec.json.encode({"model": model, "prompt": p, "max_tokens": max_tokens,
                                  "temperature": 0.0, "stream": True, "ignore_eos": True})
@@ -288,7 +222,7 @@ def request_bodies(model: str, prompts: list[list[int]], max_tokens: int) -> lis
 
 
 def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_tokens: int,
-                 step_s: float, max_nap: float = 0.25) -> tuple[list[_Stream], float]:
+                 step_s: float, max_nap: float = 0.25) -> tuple[list[Stream], float]:
     """Send every body at once over its own connection and read every stream to [DONE].
 
     The connections are opened before the clock starts; the requests then go out back to back.
@@ -309,9 +243,9 @@ def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_
             socks.append(sock)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.connect((host, port))
-        requests = [_request(host, port, body) for body in bodies]
-        streams = [_Stream() for _ in bodies]
-        by_fd: dict[int, tuple[socket.socket, _Stream]] = {}
+        requests = [http_request(host, port, "/v1/completions", body) for body in bodies]
+        streams = [Stream() for _ in bodies]
+        by_fd: dict[int, tuple[socket.socket, Stream]] = {}
         most = 0  # tokens of the most advanced stream
         unstarted = len(streams)  # streams without their first token
         with select.epoll() as poller:

@@ -20,12 +20,14 @@ If the core process exits unexpectedly, every request in flight ends with
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import multiprocessing
 import os
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,7 +48,7 @@ from atombatch.core.messages import (
     core_decoder,
 )
 from atombatch.core.pd import PDFront, PDOptions, pd_eligible
-from atombatch.core.process import run_core
+from atombatch.core.process import SOCKET_DIR_PREFIX, run_core
 from atombatch.engine import Batcher, EngineStats, KVSource
 from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
 from atombatch.logs import logger
@@ -54,6 +56,33 @@ from atombatch.structs import RequestOutput, SamplingParams
 from atombatch.validation import validate_request
 
 log = logger("atombatch.core")
+
+
+class _Leftovers:
+    """What a started client owns outside the process: the core and the directory of its IPC
+    sockets. `release` ends both; it runs on `close`, on a failed start, when the front sees the
+    core die (the directory only), when the client is garbage-collected, and at interpreter exit
+    (before multiprocessing's own exit handler would wait for the core forever)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory: str | None = directory
+        self.process: Any = None
+
+    def remove_directory(self) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+
+    def release(self) -> None:
+        atexit.unregister(self.release)
+        process, self.process = self.process, None
+        if process is not None and process.is_alive():
+            process.terminate()
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        self.remove_directory()
 
 
 class CoreClient(PDFront, OutputStreams):
@@ -87,6 +116,7 @@ class CoreClient(PDFront, OutputStreams):
         self._to_core: Any = None
         self._from_core: Any = None
         self._dir: str | None = None
+        self._leftovers: _Leftovers | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._receiver: threading.Thread | None = None
         self._stop_receiving = threading.Event()
@@ -107,8 +137,17 @@ class CoreClient(PDFront, OutputStreams):
         """
         if self.ready is not None:
             return self.ready
-        self._dir = tempfile.mkdtemp(prefix="atombatch-core-")
-        to_core, from_core = (f"ipc://{os.path.join(self._dir, name)}" for name in ("in", "out"))
+        self._dir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
+        self._leftovers = _Leftovers(self._dir)
+        weakref.finalize(self, self._leftovers.release)
+        try:
+            return self._start_process(self._dir, self._leftovers)
+        except BaseException:  # a failed spawn, a timeout, Ctrl-C while the engine builds
+            self._kill()
+            raise
+
+    def _start_process(self, directory: str, leftovers: _Leftovers) -> Ready:
+        to_core, from_core = (f"ipc://{os.path.join(directory, name)}" for name in ("in", "out"))
         self._ctx = zmq.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
         self._to_core.setsockopt(zmq.LINGER, 0)
@@ -121,6 +160,10 @@ class CoreClient(PDFront, OutputStreams):
                                       args=(self.factory, to_core, from_core, os.getpid(),
                                             self.pd_options))
         self._process.start()
+        leftovers.process = self._process
+        # registered after start(), so it runs before multiprocessing's exit handler, which
+        # would wait for a core that waits for its front
+        atexit.register(leftovers.release)
         waited = 0.0
         while not self._from_core.poll(100):
             waited += 0.1
@@ -191,9 +234,9 @@ class CoreClient(PDFront, OutputStreams):
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        if self._leftovers is not None:
+            self._leftovers.release()
+        self._dir = None
 
     # -- what a front asks of the engine (the same on AsyncBatcher) -------------------------------
     def _rules_ready(self) -> Ready:
@@ -332,6 +375,8 @@ class CoreClient(PDFront, OutputStreams):
 
     def _core_exited(self, code: int | None) -> None:
         self._dead = True
+        if self._leftovers is not None:  # nobody will connect to these sockets again
+            self._leftovers.remove_directory()
         log.error("core.exited", exit_code=code, in_flight=len(self._queues))
         for request_id in list(self._queues):
             self._finish(request_id)

@@ -11,7 +11,11 @@ step's plain rows (three small array copies). Building the `Step` (a request id 
 encoding it and handing it to ZeroMQ happen on a sender thread (`_Sender`) while the loop is
 already in the next step's device call, which releases the interpreter lock as a device wait
 does: so the cost of telling the front about step N overlaps step N + 1 on the device instead of
-adding to every step (docs/overlap.md). Messages leave in the order the loop queued them.
+adding to every step (docs/overlap.md). The loop holds a step's message back until that device
+call begins (`Batcher.on_device_call`): handed over at once, the sender would take the
+interpreter lock at the loop's first release of it before the device call (a socket poll, a
+NumPy kernel) and the loop would wait for it there. Before the loop waits for messages, and
+when it stops, it hands over what it holds. Messages leave in the order the loop made them.
 
 It exits when the front asks (`Shutdown`), and also when the front is gone: its parent process
 exited (checked every loop) or its socket peer vanished, aborting every request it held first.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -58,6 +63,7 @@ STATS_INTERVAL = 0.05     # seconds between the engine stats a Step carries
 IDLE_WAIT_MS = 100        # how long an idle core waits for a message before checking its parent
 PD_POLL_MS = 2            # while every unfinished request waits on a KV producer
 _NO_TOKENS = np.zeros(0, np.int64)   # a Step without plain tokens (allocated once)
+SOCKET_DIR_PREFIX = "atombatch-core-"  # the temporary directory of a client's IPC sockets
 
 
 def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address: str,
@@ -89,15 +95,24 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
         core_pd = CorePD(pd, batcher.artifact) if pd is not None else None
         sender = _Sender(outbox)
         try:
-            CoreLoop(batcher, inbox, sender, parent_pid, pd=core_pd).run()
+            loop = CoreLoop(batcher, inbox, sender, parent_pid, pd=core_pd)
+            loop.run()
         finally:
             sender.close()
+        if loop.front_gone:  # a killed front removed nothing: its socket directory goes with us
+            _remove_socket_dir(inbox_address)
     finally:
         if core_pd is not None:
             core_pd.close()
         inbox.close(linger=0)
         outbox.close()
         ctx.term()
+
+
+def _remove_socket_dir(address: str) -> None:
+    directory = os.path.dirname(address.removeprefix("ipc://"))
+    if os.path.basename(directory).startswith(SOCKET_DIR_PREFIX):  # only what a client made
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class _Sender:
@@ -174,27 +189,47 @@ class CoreLoop:
         self.summaries = CoreSummaries()
         self.inbox = inbox
         self.outbox = outbox
+        self.held: list[Any] = []             # messages for the sender, until a device call
+        batcher.on_device_call = self.hand_over
         self.parent_pid = parent_pid
         self.live: set[str] = set()           # ids the front submitted that have not finished
         self.errors: list[RequestOutput] = []  # submits the engine refused, sent with the next Step
         self.stopping: Shutdown | None = None
+        self.front_gone = False                # run() returned because the front died
         self.stats_at = 0.0
 
+    def hand_over(self) -> None:
+        """Give the sender the messages held so far (at a device call, or before waiting)."""
+        if self.held:
+            put = self.outbox.put
+            for message in self.held:
+                put(message)
+            self.held.clear()
+
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.hand_over()
+
+    def _run(self) -> None:
         batcher = self.batcher
         stale = False        # the front's stats predate the last step
         while True:
             busy = batcher.has_unfinished()
             wait = 0 if busy and not batcher.idle else PD_POLL_MS if busy else IDLE_WAIT_MS
+            if wait:
+                self.hand_over()
             self.take(wait)
             if os.getppid() != self.parent_pid:  # the front died: nobody reads our outputs
                 log.warning("core.front_gone", aborted=len(self.live))
+                self.front_gone = True
                 for request_id in list(self.live):
                     batcher.abort(request_id)
                 return
             if self.stopping is not None and not batcher.has_unfinished():
                 self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
-                self.outbox.put(Stopped())
+                self.send(Stopped())
                 return
             if not batcher.has_unfinished():
                 if self.errors or stale:  # gone idle: the front sees the final counts
@@ -212,8 +247,8 @@ class CoreLoop:
             plain = result.plain
             if plain.any():  # copies: the step's arrays are views the next step overwrites
                 rows = np.flatnonzero(plain)
-                self.outbox.put(self.plain_rows(result.request_ids, result.lanes[rows],
-                                                result.tokens[rows], result.outputs))
+                self.held.append(self.plain_rows(result.request_ids, result.lanes[rows],
+                                                 result.tokens[rows], result.outputs))
             elif result.outputs or self.errors:
                 self.send(self.step_message([], result.outputs, _NO_TOKENS))
 
@@ -255,7 +290,7 @@ class CoreLoop:
         return None
 
     def send(self, message: Any) -> None:
-        self.outbox.put(message)
+        self.held.append(message)
 
     def take(self, wait_ms: int) -> None:
         """Apply every message the front sent; wait up to `wait_ms` for the first."""
@@ -285,7 +320,7 @@ class CoreLoop:
                     self.pd.apply(message)
                     self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
             elif isinstance(message, SummaryRequest):
-                self.outbox.put(self.summaries.answer(self.batcher, message))
+                self.send(self.summaries.answer(self.batcher, message))
 
     def submit(self, message: Submit) -> None:
         tokens = np.frombuffer(message.prompt, dtype=np.int64)

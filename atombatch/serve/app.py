@@ -532,17 +532,15 @@ class _Server:
                 bad_words=tuple(body.bad_words), skip_special_tokens=body.skip_special_tokens,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
         except RequestError as exc:
-            message = str(exc)
-            lead = re.match(r"[a-z_]+", message)  # SamplingParams messages start with the field
-            param = lead.group(0) if lead else None
+            message, param = str(exc), exc.param   # the field SamplingParams checked
             if param == "logprobs" and not isinstance(body, CompletionRequest):
                 param = "top_logprobs"
                 message = message.replace("logprobs=", "top_logprobs=", 1)
             raise ApiError(400, message, param=param, code="invalid_value") from None
 
-    def encode(self, text: str, param: str) -> list[int]:
+    def encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
         try:
-            return self.codec.encode(text)
+            return vllm_api.encode_prompt(self.codec, text, add_special_tokens)
         except RequestError as exc:
             raise ApiError(400, str(exc), param=param, code="invalid_value") from None
 
@@ -657,14 +655,18 @@ class _Server:
                            "length)", param="truncate_prompt_tokens", code="invalid_value")
         return [prompt[-k:] for prompt in prompts]
 
-    def prompts(self, prompt: str | list[Any], n: int = 1) -> list[list[int]]:
-        """A completions `prompt` as token-id lists: one, or a batch (strings or id lists)."""
+    def prompts(self, prompt: str | list[Any], n: int = 1,
+                add_special_tokens: bool = True) -> list[list[int]]:
+        """A completions `prompt` as token-id lists: one, or a batch (strings or id lists).
+        Text gets the tokenizer's special tokens unless `add_special_tokens` is false (vLLM's
+        default and field); token ids are taken as they are."""
         if isinstance(prompt, str):
-            return [self.encode(prompt, "prompt")]
+            return [self.encode(prompt, "prompt", add_special_tokens)]
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         if all(isinstance(p, str) for p in prompt):
-            batch = [self.encode(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+            batch = [self.encode(p, f"prompt[{i}]", add_special_tokens)
+                     for i, p in enumerate(prompt)]
         elif all(isinstance(p, list) for p in prompt):
             batch = [list(p) for p in prompt]
         else:
@@ -727,7 +729,8 @@ class _Server:
         except RequestError as exc:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
         params = self.params(body, body.max_tokens, echo)
-        prompts = self.truncate(await self.off_loop(self.prompts, body.prompt, body.n), body)
+        prompts = self.truncate(await self.off_loop(self.prompts, body.prompt, body.n,
+                                                    body.add_special_tokens), body)
         self.check_response_size(prompts, params, echo.max_tokens(body.max_tokens))
         self.check_samplable(params)
         try:

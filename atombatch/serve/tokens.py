@@ -175,8 +175,9 @@ class HFCodec:
         self.chars_per_token = longest * (4 if self.tokenizer.normalizer is not None else 1)
         self.max_chars = max_seq_len * self.chars_per_token
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no special tokens added). A long text is tokenized with the GIL
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, the tokenizer's post-processor adds
+        its special tokens (a Llama tokenizer's BOS). A long text is tokenized with the GIL
         released (`encode_batch`), so a server thread doing it does not stall the event loop.
 
         Raises:
@@ -188,8 +189,9 @@ class HFCodec:
                                f"max_prompt_chars={self.max_chars}", param="prompt",
                                limit=self.max_chars)
         if len(text) > _LONG_TEXT:
-            return list(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            return list(self.tokenizer.encode_batch(
+                [text], add_special_tokens=add_special_tokens)[0].ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def render_chat(self, messages: Sequence[dict[str, Any]], **template: Any) -> list[int]:
         """Render with the chat template (see `ChatTemplate.render` for `template`) and encode

@@ -13,7 +13,8 @@ import msgspec
 import pytest
 
 from atombatch.bench import overlap
-from atombatch.bench.overlap import Report, _Stream
+from atombatch.bench.overlap import Report
+from atombatch.bench.sse_client import Stream
 
 B, MAX_TOKENS = 4, 16
 
@@ -116,7 +117,7 @@ SSE = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding
 
 @pytest.mark.parametrize("piece", [1, 7, 64, len(SSE)])
 def test_stream_counts_events_and_tokens_however_the_bytes_are_split(piece: int) -> None:
-    stream = _Stream()
+    stream = Stream()
     at = 0
     while not stream.feed(SSE[at:at + piece], float(at)):
         at += piece
@@ -128,11 +129,11 @@ def test_stream_counts_events_and_tokens_however_the_bytes_are_split(piece: int)
 
 
 def test_stream_reports_an_error_status_and_an_error_event() -> None:
-    refused = _Stream()
+    refused = Stream()
     refused.feed(b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 2\r\n\r\n{}", 0.0)
     refused.closed(1.0)
     assert refused.error is not None and refused.error.startswith("HTTP 429")
-    failed = _Stream()
+    failed = Stream()
     failed.feed(SSE[:SSE.index(b"10c")] + b"5f\r\ndata: {\"error\":{\"message\":\"boom\"}}\n\n", 0)
     failed.closed(1.0)
     assert failed.error is not None and "boom" in failed.error and not failed.finished
