@@ -452,8 +452,10 @@ def test_pd_with_the_engine_inline_in_the_replica(cluster: str, app_names: list[
                             json={"prompt": prompt, "max_tokens": 5, "temperature": 0})
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["token_ids"] == expected([prompt], 5)[0]
-        wait_for("the open reported", lambda: pool_of("inline")["inline-producer-0"]["opened"])
-        (stats,) = reports("inline").values()
+        # reports lag the request (one every 0.2 s): the one after it ended
+        (stats,) = wait_for("the request's end reported", lambda: [
+            s for s in reports("inline").values() if s["finished"].get("length")])
+        assert pool_of("inline")["inline-producer-0"]["opened"] == 1
         assert "engine_core" not in stats and stats["imports"] > 0
         assert stats["prefill_chunks"] == 0
     finally:
