@@ -64,6 +64,12 @@ class _PooledSource:
     def done(self) -> bool:
         return bool(self._inner.done())
 
+    def expect(self, artifact: Any, prompt: Any, require_full: bool) -> None:
+        """Pass the engine's header check on to the transport (see `ZmqSource.expect`)."""
+        expect = getattr(self._inner, "expect", None)
+        if expect is not None:
+            expect(artifact, prompt, require_full)
+
     def close(self) -> None:
         try:
             self._inner.close()
@@ -173,24 +179,59 @@ class ProducerPool:
         """Re-test every producer: a dead one is removed (and never re-added under the same
         endpoint), a suspect one that answers is used again; returns the dead ones. Call it
         periodically from a thread of its own (it may block in `alive`)."""
-        dead: list[ProducerState] = []
+        verdicts = []
         for producer in self.snapshot():
             ok = False
             try:
                 ok = bool(alive(producer))
             except Exception:
                 ok = False
-            with self._lock:
-                current = self._producers.get(producer.name)
-                if current is None or current.endpoint != producer.endpoint:
+            verdicts.append((producer.name, producer.endpoint, ok))
+        return self.apply(verdicts)
+
+    def apply(self, verdicts: Sequence[tuple[str, str, bool]]) -> list[ProducerState]:
+        """Take liveness verdicts found elsewhere (name, endpoint tested, alive), as `check`
+        does with its own: returns the producers removed as dead. A verdict on an endpoint the
+        name no longer has is ignored."""
+        dead: list[ProducerState] = []
+        with self._lock:
+            for name, endpoint, ok in verdicts:
+                current = self._producers.get(name)
+                if current is None or current.endpoint != endpoint:
                     continue
                 if not ok:
-                    del self._producers[producer.name]
-                    self._dead.add((producer.name, producer.endpoint))
-                    dead.append(producer)
+                    del self._producers[name]
+                    self._dead.add((name, endpoint))
+                    dead.append(msgspec.structs.replace(current))
                 else:
                     current.suspect = False
         return dead
+
+    def probe(self, alive: Callable[[ProducerState], bool]) -> tuple[list[str], list[str]]:
+        """Test every producer not retired: one that answers is used again, one that does not
+        becomes suspect (never removed: static producers may come back). Returns the names
+        revived and the names lost. May block in `alive`: call it from a thread of its own."""
+        found = []
+        for producer in self.snapshot():
+            if producer.retired:
+                continue
+            try:
+                ok = bool(alive(producer))
+            except Exception:
+                ok = False
+            found.append((producer, ok))
+        revived, lost = [], []
+        with self._lock:
+            for producer, ok in found:
+                current = self._producers.get(producer.name)
+                if current is None or current.endpoint != producer.endpoint:
+                    continue
+                if ok and current.suspect:
+                    revived.append(current.name)
+                elif not ok and not current.suspect:
+                    lost.append(current.name)
+                current.suspect = not ok
+        return revived, lost
 
     # -- from the sources -------------------------------------------------------------------------
     def _closed(self, producer: ProducerState) -> None:

@@ -46,8 +46,8 @@ from atombatch.core.messages import (
     Stopped,
     Submit,
     core_decoder,
-    front_encoder,
 )
+from atombatch.core.pd import PDFront, PDOptions, pd_eligible
 from atombatch.core.process import SOCKET_DIR_PREFIX, run_core
 from atombatch.engine import Batcher, EngineStats, KVSource
 from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
@@ -85,7 +85,7 @@ class _Leftovers:
         self.remove_directory()
 
 
-class CoreClient(OutputStreams):
+class CoreClient(PDFront, OutputStreams):
     """Serve requests from an engine core in a child process (see the module docstring).
 
     Args:
@@ -94,14 +94,18 @@ class CoreClient(OutputStreams):
         max_unclaimed, max_unclaimed_bytes, stream_interval: as `AsyncBatcher`'s.
         on_core_exit: called (in the event loop, with the exit code) when the core exits
             without being asked to.
+        pd: PD through the core (atombatch/core/pd.py): the core holds the producer pool and
+            every eligible request takes its KV from a producer.
     """
 
     def __init__(self, factory: Callable[[], Batcher], *, startup_timeout: float = 600.0,
                  max_unclaimed: int = DEFAULT_MAX_UNCLAIMED,
                  max_unclaimed_bytes: int = DEFAULT_MAX_UNCLAIMED_BYTES,
                  stream_interval: int = 1,
-                 on_core_exit: Callable[[int | None], None] | None = None) -> None:
+                 on_core_exit: Callable[[int | None], None] | None = None,
+                 pd: PDOptions | None = None) -> None:
         super().__init__(max_unclaimed, max_unclaimed_bytes, stream_interval)
+        self.pd_options = pd
         self.factory = factory
         self.startup_timeout = startup_timeout
         self.on_core_exit = on_core_exit
@@ -153,7 +157,8 @@ class CoreClient(OutputStreams):
         self._from_core.bind(from_core)
         spawn = multiprocessing.get_context("spawn")
         self._process = spawn.Process(target=run_core, name="atombatch-core",
-                                      args=(self.factory, to_core, from_core, os.getpid()))
+                                      args=(self.factory, to_core, from_core, os.getpid(),
+                                            self.pd_options))
         self._process.start()
         leftovers.process = self._process
         # registered after start(), so it runs before multiprocessing's exit handler, which
@@ -201,7 +206,7 @@ class CoreClient(OutputStreams):
         self._closing = True
         if not self._dead:
             with contextlib.suppress(zmq.ZMQError):
-                self._to_core.send(front_encoder.encode(Shutdown(drain=drain)))
+                self._send_to_core(Shutdown(drain=drain))
             # the receiver delivers the last outputs, then sees Stopped
             while self._receiver is not None and self._receiver.is_alive() and \
                     not self._stopped_flag.is_set():
@@ -284,15 +289,16 @@ class CoreClient(OutputStreams):
         Raises:
             UnavailableError: not started, closing, or the core exited.
             RequestError: the request is invalid, or `kv` is given (a PD source lives in the
-                process that decodes: give the core's factory the producer instead).
+                process that decodes: give the client `pd=PDOptions(...)` instead).
             CapacityError: lanes + `max_waiting` choices are already in flight.
         """
         if not self.running:
             reason = "exited" if self._dead else "is not running"
             raise UnavailableError(f"the engine core {reason}")
         if kv is not None:
-            raise RequestError("a KV source cannot cross into the engine core process: run PD "
-                               "with an in-process AsyncBatcher (docs/pd.md)")
+            raise RequestError("a KV source cannot cross into the engine core process: give "
+                               "CoreClient pd=PDOptions(producers) and the core opens sources "
+                               "itself (docs/pd.md)")
         params = params or SamplingParams()
         ready = self._rules_ready()
         tokens = validate_request(ready.rules, prompt, params, "the engine core")
@@ -308,14 +314,15 @@ class CoreClient(OutputStreams):
         self._open(request_id)
         self._choices[request_id] = params.n
         self._in_flight_choices += params.n
-        self._to_core.send(front_encoder.encode(Submit(request_id, tokens.tobytes(), params)))
+        pd = self.pd_options is not None and pd_eligible(params)
+        self._send_to_core(Submit(request_id, tokens.tobytes(), params, pd))  # never blocks
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Abort a request (a no-op once it finished); the core frees its lane before its next
         step."""
         if request_id in self._queues and not self._dead and self._to_core is not None:
-            self._to_core.send(front_encoder.encode(Abort([request_id])))
+            self._send_to_core(Abort([request_id]))
 
     # -- outputs ------------------------------------------------------------------------------------
     def _receive(self) -> None:
@@ -336,10 +343,14 @@ class CoreClient(OutputStreams):
             elif isinstance(message, Stopped):
                 self._stopped_flag.set()
                 return
+            else:  # PD and routing answers (atombatch/core/pd.py)
+                loop.call_soon_threadsafe(self._on_message, message)
 
     def _on_step(self, step: Step) -> None:
         if step.stats is not None:
             self._stats = step.stats
+            if step.pd is not None:
+                self.pd_stats = step.pd
         if step.ids:
             queues = self._queues
             tokens = np.frombuffer(step.tokens, np.int64).tolist()

@@ -6,12 +6,18 @@ Front to core: `Submit` (a validated request), `Abort` (ids), `Shutdown`. Core t
 on) as two parallel values, `ids` and the int64 bytes of `tokens`, and every other output (first
 tokens, finishes, errors, logprobs, n > 1 choices, text of stop-string requests) as a
 `RequestOutput`.
+
+With PD (atombatch/core/pd.py) the front also sends `Producers` (the producer registry) and
+`ProducerVerdicts` (liveness), and the core's stats carry `PDStats`; a front that routes (the Ray
+replicas) sends `SummaryRequest` and gets one `Summary` back (atombatch/core/routing.py).
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from atombatch.cluster.pd_pool import ProducerState
+from atombatch.cluster.summary import CacheSummary
 from atombatch.engine import EngineStats
 from atombatch.structs import RequestOutput, SamplingParams
 from atombatch.validation import RequestRules
@@ -21,6 +27,8 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     request_id: str
     prompt: bytes                  # int64 token ids, native byte order (validated by the front)
     params: SamplingParams
+    pd: bool = False               # take the prompt's KV from a PD producer (the front checked
+                                   #   `pd_eligible`); the core prefills itself with none up
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -49,14 +57,45 @@ class Step(msgspec.Struct, frozen=True, tag=True):
     tokens: bytes                  # int64, one per id
     outputs: list[RequestOutput]
     stats: EngineStats | None = None   # sent at most every STATS_INTERVAL seconds
+    pd: PDStats | None = None          # the core's producer pool, with every `stats` (PD only)
 
 
 class Stopped(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-FrontMessage = Submit | Abort | Shutdown
-CoreMessage = Ready | Failed | Step | Stopped
+# -- PD and routing (atombatch/core/pd.py, atombatch/core/routing.py) --------------------------------
+class Producers(msgspec.Struct, frozen=True, tag=True):
+    registry: dict[str, str]       # name -> ZeroMQ endpoint: the pool becomes exactly these
+
+
+class Verdict(msgspec.Struct, frozen=True):
+    name: str
+    endpoint: str                  # the endpoint the front tested (a rejoined name is not hit)
+    alive: bool                    # False: removed from the pool for good (at this endpoint)
+
+
+class ProducerVerdicts(msgspec.Struct, frozen=True, tag=True):
+    verdicts: list[Verdict]        # the front's liveness test of the pool's producers
+
+
+class PDStats(msgspec.Struct, frozen=True):
+    producers: list[ProducerState]  # the pool as the core sees it
+    native_fallbacks: int           # PD requests the core prefilled itself: no producer was up
+
+
+class SummaryRequest(msgspec.Struct, frozen=True, tag=True):
+    route_block: int               # as `CacheSummarizer`'s arguments (checked there)
+    max_blocks: int
+    bits: int
+
+
+class Summary(msgspec.Struct, frozen=True, tag=True):
+    summary: CacheSummary | None   # None: the engine has no prefix cache (or the request was bad)
+
+
+FrontMessage = Submit | Abort | Shutdown | Producers | ProducerVerdicts | SummaryRequest
+CoreMessage = Ready | Failed | Step | Stopped | Summary
 
 front_encoder = msgspec.msgpack.Encoder()
 front_decoder = msgspec.msgpack.Decoder(FrontMessage)

@@ -39,14 +39,19 @@ from atombatch.aio import fail_all
 from atombatch.core.messages import (
     Abort,
     Failed,
+    Producers,
+    ProducerVerdicts,
     Ready,
     Shutdown,
     Step,
     Stopped,
     Submit,
+    SummaryRequest,
     core_encoder,
     front_decoder,
 )
+from atombatch.core.pd import CorePD, PDOptions
+from atombatch.core.routing import CoreSummaries
 from atombatch.engine import Batcher
 from atombatch.errors import ConfigError
 from atombatch.logs import logger
@@ -62,8 +67,9 @@ SOCKET_DIR_PREFIX = "atombatch-core-"  # the temporary directory of a client's I
 
 
 def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address: str,
-             parent_pid: int) -> None:
-    """The core process's main function (see the module docstring)."""
+             parent_pid: int, pd: PDOptions | None = None) -> None:
+    """The core process's main function (see the module docstring); with `pd`, the core holds
+    the PD producer pool (atombatch/core/pd.py)."""
     # Ctrl-C reaches the whole process group: the front decides (drain, then Shutdown).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
@@ -72,6 +78,7 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
     outbox.setsockopt(zmq.LINGER, 5000)
     inbox.connect(inbox_address)
     outbox.connect(outbox_address)
+    core_pd: CorePD | None = None
     try:
         try:
             batcher = factory()
@@ -85,15 +92,18 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
         # The front bounds the queue (lanes + max_waiting choices in flight): a burst of submits
         # that arrives between two steps must not be refused here for lanes not yet assigned.
         batcher.max_waiting = None
+        core_pd = CorePD(pd, batcher.artifact) if pd is not None else None
         sender = _Sender(outbox)
         try:
-            loop = CoreLoop(batcher, inbox, sender, parent_pid)
+            loop = CoreLoop(batcher, inbox, sender, parent_pid, pd=core_pd)
             loop.run()
         finally:
             sender.close()
         if loop.front_gone:  # a killed front removed nothing: its socket directory goes with us
             _remove_socket_dir(inbox_address)
     finally:
+        if core_pd is not None:
+            core_pd.close()
         inbox.close(linger=0)
         outbox.close()
         ctx.term()
@@ -148,10 +158,11 @@ class _Sender:
 class _PlainRows:
     """A `Step` still to be built: the step's plain rows as the loop picked them."""
 
-    __slots__ = ("lane_ids", "lanes", "outputs", "stats", "tokens")
+    __slots__ = ("lane_ids", "lanes", "outputs", "pd", "stats", "tokens")
 
     def __init__(self, lane_ids: list[Any], lanes: np.ndarray, tokens: np.ndarray,
-                 outputs: list[RequestOutput], stats: Any) -> None:
+                 outputs: list[RequestOutput], stats: Any, pd: Any = None) -> None:
+        self.pd = pd
         self.lane_ids = lane_ids
         self.lanes = lanes
         self.tokens = tokens
@@ -162,7 +173,7 @@ class _PlainRows:
         lane_ids = self.lane_ids
         return Step(ids=[lane_ids[lane] for lane in self.lanes.tolist()],
                     tokens=self.tokens.astype(np.int64, copy=False).tobytes(),
-                    outputs=self.outputs, stats=self.stats)
+                    outputs=self.outputs, stats=self.stats, pd=self.pd)
 
 
 class CoreLoop:
@@ -171,8 +182,11 @@ class CoreLoop:
     `outbox` is anything with `put(message)`: the `_Sender` in the core process.
     """
 
-    def __init__(self, batcher: Batcher, inbox: Any, outbox: Any, parent_pid: int) -> None:
+    def __init__(self, batcher: Batcher, inbox: Any, outbox: Any, parent_pid: int,
+                 pd: CorePD | None = None) -> None:
         self.batcher = batcher
+        self.pd = pd                          # the producer pool (PD on), else None
+        self.summaries = CoreSummaries()
         self.inbox = inbox
         self.outbox = outbox
         self.held: list[Any] = []             # messages for the sender, until a device call
@@ -242,13 +256,19 @@ class CoreLoop:
                    outputs: list[RequestOutput]) -> _PlainRows:
         """What `step_message` says, with the ids still to be looked up (by the sender)."""
         outputs = self._outputs(outputs)
-        return _PlainRows(lane_ids, lanes, tokens, outputs, self._stats(False))
+        stats = self._stats(False)
+        return _PlainRows(lane_ids, lanes, tokens, outputs, stats, self._pd_stats(stats))
 
     def step_message(self, ids: list[Any], outputs: list[RequestOutput],
                      tokens: np.ndarray, force_stats: bool = False) -> Step:
         outputs = self._outputs(outputs)
+        stats = self._stats(force_stats)
         return Step(ids=ids, tokens=tokens.astype(np.int64, copy=False).tobytes(),
-                    outputs=outputs, stats=self._stats(force_stats))
+                    outputs=outputs, stats=stats, pd=self._pd_stats(stats))
+
+    def _pd_stats(self, stats: Any) -> Any:
+        """The producer pool's snapshot, with every engine stats (PD only)."""
+        return self.pd.stats() if self.pd is not None and stats is not None else None
 
     def _outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The step's outputs after the refused submits; finished ids leave `live`."""
@@ -274,6 +294,9 @@ class CoreLoop:
 
     def take(self, wait_ms: int) -> None:
         """Apply every message the front sent; wait up to `wait_ms` for the first."""
+        if self.pd is not None and self.pd.report_due:  # the pool changed on its own (probe)
+            self.pd.report_due = False
+            self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
         if not self.inbox.poll(wait_ms):
             return
         while True:
@@ -292,12 +315,23 @@ class CoreLoop:
                 if not message.drain:
                     for request_id in list(self.live):
                         self.batcher.abort(request_id)
+            elif isinstance(message, Producers | ProducerVerdicts):
+                if self.pd is not None:  # answered with the pool's new state
+                    self.pd.apply(message)
+                    self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
+            elif isinstance(message, SummaryRequest):
+                self.send(self.summaries.answer(self.batcher, message))
 
     def submit(self, message: Submit) -> None:
         tokens = np.frombuffer(message.prompt, dtype=np.int64)
+        kv = None
         try:
-            self.batcher.submit(tokens, message.params, request_id=message.request_id)
+            if self.pd is not None:  # validated before any producer is asked
+                kv = self.pd.source(self.batcher, message, tokens)
+            self.batcher.submit(tokens, message.params, request_id=message.request_id, kv=kv)
         except Exception as exc:  # one bad request must not stop the loop
+            if kv is not None:
+                kv.close()
             self.errors.append(RequestOutput(request_id=message.request_id, new_token_ids=(),
                                              finished=True, finish_reason="error",
                                              error=str(exc)))

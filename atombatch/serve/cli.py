@@ -198,6 +198,20 @@ def parser() -> argparse.ArgumentParser:
                    help="process: the engine steps in its own process and this one serves HTTP, "
                    "tokenizes and streams (default; docs/architecture.md); inline: both share "
                    "one interpreter (an AsyncBatcher)")
+    p.add_argument("--pd-producer", action="append", metavar="ENDPOINT",
+                   help="prefill/decode disaggregation: take prompts' KV from the "
+                   "ZmqProducerServer at this ZeroMQ endpoint (tcp://HOST:PORT or ipc:///PATH; "
+                   "repeat for several, chosen by load); the engine core connects to them "
+                   "(needs --engine-core process; docs/pd.md)")
+    p.add_argument("--pd-mode", choices=("layer-stream", "whole"), default="layer-stream",
+                   help="--pd-producer: write layers as they arrive, or all at once")
+    p.add_argument("--pd-timeout", type=float, default=300.0,
+                   help="--pd-producer: seconds a request may wait for its producer's next "
+                   "message before it fails (default 300)")
+    p.add_argument("--pd-probe-s", type=float, default=1.0,
+                   help="--pd-producer: seconds between the core's handshakes with each "
+                   "producer (one that does not answer gets no requests until it does; "
+                   "default 1)")
     p.add_argument("--http", choices=("auto", "httptools", "h11"), default="auto",
                    help="HTTP parser: httptools (C, the cheapest per streamed event; auto picks "
                    "it when installed) or h11 (pure Python); both keep the connection guards of "
@@ -345,7 +359,8 @@ def _null_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
 def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,
              spec: ModelSpec) -> tuple[Batcher, str, Codec | None]:
     batcher = Batcher(runtime, policy=args.policy, seed=args.seed, max_waiting=args.max_waiting,
-                      prefix_cache=args.prefix_cache, host_cache_bytes=args.host_cache_bytes)
+                      prefix_cache=args.prefix_cache, host_cache_bytes=args.host_cache_bytes,
+                      pd_timeout=getattr(args, "pd_timeout", 300.0))
     return batcher, args.served_model_name or spec.name, codec_from_args(args, model_dir)
 
 
@@ -369,6 +384,24 @@ def core_batcher(args: argparse.Namespace) -> Batcher:
         batcher.tokenizer = codec.tokenizer
         batcher.detokenize = False
     return batcher
+
+
+def pd_options(args: argparse.Namespace) -> Any:
+    """The engine core's PD options from `--pd-producer` (None without it).
+
+    Raises:
+        ConfigError: an endpoint is malformed or named twice, or a PD flag is out of range.
+    """
+    if not getattr(args, "pd_producer", None):
+        return None
+    from atombatch.core.pd import PDOptions, static_producers
+
+    if args.pd_timeout <= 0:
+        raise ConfigError(f"--pd-timeout {args.pd_timeout} must be > 0")
+    if args.pd_probe_s <= 0:
+        raise ConfigError(f"--pd-probe-s {args.pd_probe_s} must be > 0")
+    return PDOptions(producers=static_producers(args.pd_producer), mode=args.pd_mode,
+                     probe_s=args.pd_probe_s)
 
 
 def codec_from_args(args: argparse.Namespace, model_dir: Path | None) -> Codec | None:
@@ -463,13 +496,16 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
             from atombatch.core import CoreClient
             codec = codec_from_args(args, _model_dir(args))
             engine = CoreClient(functools.partial(core_batcher, args),
-                                stream_interval=args.stream_interval)
+                                stream_interval=args.stream_interval, pd=pd_options(args))
             ready = engine.start_process()
             name = args.served_model_name or ready.rules.artifact.model.name
             art, policy = ready.rules.artifact, ready.policy
         else:
             from atombatch.aio import AsyncBatcher
 
+            if args.pd_producer:
+                raise ConfigError("--pd-producer needs --engine-core process (the engine core "
+                                  "connects to the producers; docs/pd.md)")
             batcher, name, codec = build_engine(args)
             art, policy = batcher.artifact, batcher.policy.label
             engine = AsyncBatcher(batcher, offload=True, stream_interval=args.stream_interval)
@@ -507,11 +543,15 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         print(f"atombatch.serve: {exc}", file=sys.stderr)
         _stop_engine(engine)
         return 2
+    if args.engine_core == "process" and engine.pd_options is not None:
+        from atombatch.serve.pd_metrics import add_pd_metrics
+        add_pd_metrics(app, lambda: engine.pd_stats)
     host, port = sock.getsockname()[:2]
     template = (codec or IdCodec()).chat_template_name
     banner = (f"atombatch.serve: {art.label} ({args.runtime}, policy {policy}, "
               f"tokenizer {'tokenizers' if codec else 'ids'}, chat template {template}, "
               f"engine core {args.engine_core}"
+              f"{f', PD producers {len(args.pd_producer)}' if args.pd_producer else ''}"
               f"{', strict protocol' if args.strict_protocol else ''}"
               f"{', api key' if args.api_key else ''}"
               f"{f', tool parser {args.tool_call_parser}' if args.tool_call_parser else ''}"

@@ -13,8 +13,8 @@ objects cost there) and exposed in the same shape when scraped.
 | atombatch_decoding_lanes | gauge | lanes decoding |
 | atombatch_queue_length | gauge | requests without a lane (waiting + staged) |
 | atombatch_blocks | gauge | state = free, spare, staged, lane, cached |
-| atombatch_engine_<counter>_total | counter | (steps, prefill_chunks, staged_chunks, |
-|  |  | decode_steps, generated_tokens, rotations, preemptions) |
+| atombatch_engine_<counter>_total | counter | (steps, prefill_chunks, staged_chunks, imports |
+|  |  | (PD), decode_steps, generated_tokens, rotations, preemptions) |
 | atombatch_engine_requests_finished_total | counter | reason (engine view, all requests) |
 | atombatch_requests_in_flight | gauge | HTTP requests between accept and last byte |
 | atombatch_requests_finished_total | counter | reason = stop, length, abort, error, disconnect |
@@ -45,8 +45,8 @@ from atombatch.engine import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                     20.0, 40.0, 60.0, 120.0, 180.0, 300.0, 600.0)
-_ENGINE_COUNTERS = ("steps", "prefill_chunks", "staged_chunks", "decode_steps", "generated_tokens",
-                    "rotations", "preemptions")
+_ENGINE_COUNTERS = ("steps", "prefill_chunks", "staged_chunks", "imports", "decode_steps",
+                    "generated_tokens", "rotations", "preemptions")
 
 
 class _EngineCollector(Collector):

@@ -139,3 +139,27 @@ def test_producers_join_and_leave_while_requests_run() -> None:
     assert pool.available == ["b"]
     pool.sync({"b": "tcp://b", "c": "tcp://c2"})
     assert sorted(pool.available) == ["b", "c"]
+
+
+def test_verdicts_found_elsewhere_and_probes_of_static_producers() -> None:
+    """`apply`: what an engine core does with its front's verdicts; `probe`: what it does with
+    static producers (never removed, suspect while unreachable)."""
+    pool = ProducerPool([("p0", "tcp://a"), ("p1", "tcp://b")], source_factory=FakeSource)
+    running = pool.open("r0", [1], None)                       # on p0
+    # a verdict on an endpoint the name no longer has is ignored
+    assert pool.apply([("p0", "tcp://old", False)]) == []
+    dead = pool.apply([("p0", "tcp://a", False), ("p1", "tcp://b", True)])
+    assert [(d.name, d.in_flight) for d in dead] == [("p0", 1)]
+    assert pool.available == ["p1"]
+    running.close()                                            # the dead producer's request ends
+    pool.sync({"p0": "tcp://a", "p1": "tcp://b"})
+    assert pool.available == ["p1"]                            # dead at that endpoint for good
+
+    static = ProducerPool([("s0", "tcp://a"), ("s1", "tcp://b")], source_factory=FakeSource)
+    assert static.probe(lambda p: p.name == "s1") == ([], ["s0"])
+    assert static.available == ["s1"] and len(static.snapshot()) == 2   # suspect, not removed
+    assert static.probe(lambda p: p.name == "s1") == ([], [])          # still down: no change
+    assert static.probe(lambda p: (_ for _ in ()).throw(OSError("probe failed"))) == \
+        ([], ["s1"])                                           # a failing probe: unreachable
+    assert static.probe(lambda p: True) == (["s0", "s1"], [])  # both back
+    assert sorted(static.available) == ["s0", "s1"]

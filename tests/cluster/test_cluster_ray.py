@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import socket
 import threading
 import time
@@ -156,7 +157,10 @@ def test_two_replicas_stream_with_prefix_affinity_and_merged_metrics(cluster: st
     chat = client.chat.completions.create(model="atombatch-tiny", temperature=0, max_tokens=4,
                                           messages=[{"role": "user", "content": "<5><6><7>"}],
                                           stream=True)
-    assert sum(len(c.choices[0].delta.content or "") > 0 for c in chat if c.choices) == 4
+    # token-id text: one "<id>" per token (an event may carry several tokens when the front
+    # reads a step late: the engine core streams what it has)
+    text = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+    assert text.count("<") == 4 and text.startswith("<") and text.endswith(">"), text
     client.close()
 
     metrics = httpx.get(f"{base}/metrics", timeout=30).text
@@ -223,6 +227,8 @@ def test_replica_killed_mid_stream(cluster: str, app_names: list[str]) -> None:
     victim = streams[0][1]
     assert {s[1] for s in streams} != {victim}, "the router put every stream on one replica"
     next(line for line in streams[0][2] if line.startswith("data: {"))   # it is streaming
+    core_pid = reports("kill")[victim]["engine_core"]    # the victim's engine core process
+    os.kill(core_pid, 0)
     actor = ray.get_actor(f"SERVE_REPLICA::kill#AtomReplica#{victim}", namespace="serve")
     ray.kill(actor, no_restart=True)
     for response, replica, lines in streams:
@@ -236,12 +242,45 @@ def test_replica_killed_mid_stream(cluster: str, app_names: list[str]) -> None:
             tokens = sum(len(e.split('"token_ids":[')[1].split("]")[0].split(","))
                          for e in events if '"token_ids":[' in e and '"token_ids":[]' not in e)
             assert tokens == 900                                  # the others ran to the end
+    # the replica's engine core saw its front die and ended (aborting what it held)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{core_pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break                                 # exited, not yet reaped
+        except OSError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the dead replica's engine core {core_pid} outlived it by 20 s")
     # the router stops using the dead replica: later requests all land elsewhere and succeed
     for g in range(4):
         answer = http.post(f"{base}/v1/completions", json={"prompt": [g + 3] * 64 + [5, 6, 7],
                                                             "max_tokens": 3, "temperature": 0})
         assert answer.status_code == 200, answer.text
         assert answer.headers["x-atombatch-replica"] != victim
+
+    # a replica whose engine core dies answers 503 and fails its health check; Serve replaces
+    # it, and requests succeed again on a fresh replica (and core)
+    (other,) = {answer.headers["x-atombatch-replica"]}
+    other_core = reports("kill")[other]["engine_core"]
+    os.kill(other_core, signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    statuses = set()
+    while time.monotonic() < deadline:
+        answer = http.post(f"{base}/v1/completions", json={"prompt": [3] * 64 + [5, 6, 7],
+                                                            "max_tokens": 3, "temperature": 0})
+        statuses.add(answer.status_code)
+        if answer.status_code == 200 and answer.headers["x-atombatch-replica"] not in \
+                (victim, other):
+            break
+        # 500: the request the core's exit failed; 503: the front, its core gone (until the
+        # health check replaces the replica, within seconds)
+        assert answer.status_code in (200, 500, 503), answer.text
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"no replacement replica served within 90 s (statuses {statuses})")
     http.close()
 
 
@@ -295,6 +334,12 @@ def test_pd_producers_in_their_own_processes(cluster: str, app_names: list[str])
             p["opened"] for p in pool_of("pd").values()) == [1, 1])           # by load: one each
         (stats,) = reports("pd").values()
         assert stats["imports"] > 0 and stats["prefill_chunks"] == 0
+        # the engine, and the pool whose snapshot this is, run in the replica's core process
+        assert isinstance(stats["engine_core"], int) and stats["engine_core"] != stats["pid"]
+        assert stats["native_fallbacks"] == 0
+        metrics = httpx.get(f"{base}/metrics", timeout=30).text   # the pool on /metrics
+        assert f'atombatch_pd_producers{{replica="{stats["replica"]}",state="live"}} 2.0' in \
+            metrics, metrics
 
         # a producer killed while a request's layers are due: both producers hold every request
         # after its header, the one holding it is killed, so no layer of it was ever sent; a
@@ -389,6 +434,32 @@ def test_pd_producers_in_their_own_processes(cluster: str, app_names: list[str])
         assert sorted(ray.get(board("pd").producers.remote())) == [staying]
     finally:
         scale_producers("pd", 0, drain_s=0.0, settle_s=0.0)
+
+
+def test_pd_with_the_engine_inline_in_the_replica(cluster: str, app_names: list[str]) -> None:
+    """`--engine-core inline`: the engine and the pool in the replica's own process."""
+    from atombatch.serve.ray import scale_producers
+
+    app_names.append("inline")
+    serve.run(build_app([*ENGINE, "--engine-core", "inline"], replicas=1, replica_cpus=0.25,
+                        producers=1, app_name="inline", pd_check_s=0.2, report_s=0.2),
+              name="inline", route_prefix="/inline")
+    try:
+        wait_for("the producer in the pool", lambda: list(pool_of("inline")) ==
+                 ["inline-producer-0"])
+        prompt = [21] * 40 + [9, 8]
+        answer = httpx.post(f"{cluster}/inline/v1/completions", timeout=120,
+                            json={"prompt": prompt, "max_tokens": 5, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["token_ids"] == expected([prompt], 5)[0]
+        # reports lag the request (one every 0.2 s): the one after it ended
+        (stats,) = wait_for("the request's end reported", lambda: [
+            s for s in reports("inline").values() if s["finished"].get("length")])
+        assert pool_of("inline")["inline-producer-0"]["opened"] == 1
+        assert "engine_core" not in stats and stats["imports"] > 0
+        assert stats["prefill_chunks"] == 0
+    finally:
+        scale_producers("inline", 0, drain_s=0.0, settle_s=0.0)
 
 
 @pytest.mark.slow

@@ -65,3 +65,15 @@ def decoder_layouts(spec):
     else:
         layouts["B1/k1 single-block"] = artifact(spec, 1, 1)
     return layouts
+
+
+PRODUCER_LAYOUT = dict(batch_size=2, max_seq_len=96, block_size=32, num_blocks=7,
+                       prefill_chunk_size=32)   # producer_for's layout, for producer processes
+
+
+def pd_decoder(family: str = "llama", batch_size: int = 4, num_blocks: int = 5,
+               **options: object) -> Batcher:
+    """A decoder an engine core can build (module-level: it pickles): the family's tiny spec
+    with the weights every producer of these tests has."""
+    return Batcher(NumpyRuntime.random(artifact(SPECS[family], batch_size, num_blocks), SEED),
+                   **options)  # type: ignore[arg-type]
