@@ -59,7 +59,7 @@ import numpy as np
 
 from atombatch.bench import provenance
 from atombatch.bench.progress import CellProgress
-from atombatch.bench.sse_client import Stream, http_request
+from atombatch.bench.sse_client import Stream, http_request, receive
 
 Path_ = Literal["engine", "server"]
 Load = tuple[float, float, float]
@@ -263,17 +263,11 @@ def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_
                     break
                 for fd, _ in ready:
                     sock, stream = by_fd[fd]
-                    try:
-                        data = sock.recv(1 << 20)
-                    except BlockingIOError:
-                        continue
-                    except OSError as exc:
-                        stream.error = f"recv: {exc}"
-                        data = b""
                     had_first = stream.first
-                    if not data:
-                        stream.closed(now)
-                    elif not stream.feed(data, now):
+                    over = receive(sock, stream, now)
+                    if over is None:
+                        continue
+                    if not over:
                         if stream.tokens > most:
                             most = stream.tokens
                         if stream.first and not had_first:

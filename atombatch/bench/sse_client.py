@@ -102,6 +102,22 @@ class Stream:
         self.ended = now
 
 
+def receive(sock: socket.socket, stream: Stream, now: float) -> bool | None:
+    """Read what `sock` has into `stream`: True once the stream is over (its end, an error or
+    the peer's close), False while it goes on, None when there was nothing to read."""
+    try:
+        data = sock.recv(1 << 20)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        stream.error = f"recv: {exc}"
+        data = b""
+    if not data:
+        stream.closed(now)
+        return True
+    return stream.feed(data, now)
+
+
 def closed_loop(host: str, port: int, path: str, bodies: list[bytes], concurrency: int,
                 timeout: float, tokens_each: int | None = None, max_nap: float = 0.25,
                 unknown_nap: float = 0.002,
@@ -159,16 +175,10 @@ def closed_loop(host: str, port: int, path: str, bodies: list[bytes], concurrenc
         def read(fd: int, now: float) -> None:
             sock, index = live[fd]
             stream = streams[index]
-            try:
-                data = sock.recv(1 << 20)
-            except BlockingIOError:
+            over = receive(sock, stream, now)
+            if over is None:
                 return
-            except OSError as exc:
-                stream.error = f"recv: {exc}"
-                data = b""
-            if not data:
-                stream.closed(now)
-            elif not stream.feed(data, now):
+            if not over:
                 if tokens_each is not None and stream.first and watching[fd] is fresh:
                     fresh.unregister(fd)    # running now: read in batches
                     running.register(fd, select.EPOLLIN)
