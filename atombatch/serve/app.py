@@ -326,11 +326,17 @@ class _Generation:
                                                 type="invalid_request_error",
                                                 param=self.error_param,
                                                 code="constraint_failed")))
+        code = "engine_unavailable" if self.server.core_died else self.finish_reason
         return _sse(ErrorResponse(ErrorBody(message=self.error or "request failed",
-                                            type="server_error", code=self.finish_reason)))
+                                            type="server_error", code=code)))
 
 
 class _Server:
+    @property
+    def core_died(self) -> bool:
+        """The engine core process exited without being asked to."""
+        return isinstance(self.ab, CoreClient) and self.ab.dead
+
     def __init__(self, ab: AsyncBatcher | CoreClient, model_name: str, codec: Codec,
                  max_body_bytes: int, retry_after: int, strict_protocol: bool = False,
                  body_timeout: float = 30.0, bounds: schema.Bounds = schema.DEFAULT_BOUNDS,
@@ -556,9 +562,9 @@ class _Server:
         except CapacityError as exc:
             raise self.busy(exc) from None
         except UnavailableError as exc:
-            core_died = isinstance(self.ab, CoreClient) and self.ab.dead
             raise ApiError(exc.http_status, str(exc), type="server_error",
-                           code="engine_unavailable" if core_died else "shutting_down") from None
+                           code="engine_unavailable" if self.core_died else "shutting_down"
+                           ) from None
         except RequestError as exc:
             message = str(exc)
             raise ApiError(exc.http_status, message, param=_param(exc, prompt_param),
@@ -1086,6 +1092,9 @@ class _Server:
             # generated): the client's input, answered as one, not as a server fault
             raise ApiError(400, failed.error or "request failed", param=failed.error_param,
                            code="constraint_failed")
+        if failed is not None and self.core_died:  # the engine is gone, not this request
+            raise ApiError(503, failed.error or "the engine core exited", type="server_error",
+                           code="engine_unavailable")
         if failed is not None:
             raise ApiError(500, failed.error or "request failed", type="server_error",
                            code="engine_error")

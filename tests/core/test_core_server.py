@@ -81,6 +81,7 @@ def test_queue_bound_disconnect_and_a_dying_core() -> None:
                 os.kill(core_pid, signal.SIGKILL)
                 rest = "\n".join(lines)
             assert "engine core exited" in rest
+            assert '"code":"engine_unavailable"' in rest   # the engine is gone, not the request
         # the front answers 503 while it stops, then exits non-zero
         deadline = time.monotonic() + 20
         while True:
