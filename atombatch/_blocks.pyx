@@ -1405,6 +1405,8 @@ cdef extern from *:
 from libc.stdint cimport uint8_t
 
 
+@cython.boundscheck(False)
+@cython.wraparound(False)
 def chain_digests(const int64_t[::1] tokens, Py_ssize_t start, Py_ssize_t stop,
                   Py_ssize_t block_size, bytes parent, uint64_t seed,
                   uint8_t[:, ::1] out not None, Py_ssize_t row):
@@ -1671,7 +1673,7 @@ cdef class PrefixTable:
         self._check_block(block)
         if self._ntok_v[block]:
             raise StateError(f"block={block} is already in the prefix table")
-        cdef Py_ssize_t n = tokens.shape[0], j
+        cdef Py_ssize_t n = tokens.shape[0]
         if not 0 < n <= self._block_size:
             raise ValueError(f"a block holds 1..{self._block_size} tokens, not {n}")
         cdef uint64_t d0, d1, p0, p1
@@ -1679,8 +1681,7 @@ cdef class PrefixTable:
         _key_of(parent, &p0, &p1, True)
         if self._dval_v[self._slot(self._dkeys_v, self._dval_v, d0, d1)] >= 0:
             return -1
-        for j in range(n):
-            self._tokens_v[block, j] = tokens[j]
+        memcpy(&self._tokens_v[block, 0], &tokens[0], n * 8)
         self._ntok_v[block] = <int32_t>n
         self._link(block, d0, d1, p0, p1)
         cdef Py_ssize_t others = 0

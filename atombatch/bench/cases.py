@@ -79,8 +79,10 @@ PREFIX_SCALE_OPS = (
                               #   scan of siblings pays most for)
     "prefix_hash_lookup",     # hashing an 8 192-token prompt in 16-token blocks + its lookup,
                               #   every block cached (a fresh request's whole prefix-cache cost)
-    "prefix_hash_lookup_vllm",  # baseline: vLLM v1's recipe re-implemented (sha256 of the pickled
-                              #   (parent, token tuple, None) per block, one dict probe per block)
+    "prefix_hash_lookup_vllm",  # baseline: vLLM v1's own block hasher (sha256 of the pickled
+                              #   (parent, token tuple, None) per block, as BlockHash) and
+                              #   BlockPool.get_cached_block per block, loaded from
+                              #   $ATOMBATCH_VLLM_SRC (bench/vllm_baseline.py), else the recipe
     "prefix_insert_32k",      # caching a finished 32 768-token request (Batcher.abort)
     "prefix_admit_hit",       # the step that admits an 8 192-token request whose prompt is cached
                               #   in 16-token blocks (shares 448 blocks, prefills its last chunk)
@@ -534,8 +536,8 @@ ADMIT_PROMPT = 128                 # the admitted request's prompt (a miss)
 def prefix_scale_shapes() -> list[tuple[str, str, int, int]]:
     """(op, shape, lanes, num_blocks) of every scale case."""
     out = [("prefix_miss", f"cached{n // 1000}k", 1, n) for n in SCALE_CACHED_BLOCKS]
-    out += [(op, "bs16", 1, PREFIX_TOKENS // SCALE_BLOCK_SIZE)
-            for op in ("prefix_hash_lookup", "prefix_hash_lookup_vllm")]
+    out += [("prefix_hash_lookup", "bs16", 1, PREFIX_TOKENS // SCALE_BLOCK_SIZE),
+            ("prefix_hash_lookup_vllm", vllm_shape(), 1, PREFIX_TOKENS // SCALE_BLOCK_SIZE)]
     out += [("prefix_insert_32k", shape, 1, INSERT_TOKENS // bs + 64 + 1)
             for shape, bs in (("bs16", 16), ("bs128", 128))]
     out += [("prefix_insert_32k", "eager", 1, 2)]
@@ -591,18 +593,18 @@ def prefix_miss_time_func(num_blocks: int) -> TimeFunc:
 
 
 def vllm_block_hashes(tokens: list[int], block_size: int, none_hash: bytes) -> list[bytes]:
-    """vLLM v1's block hashes (`kv_cache_utils.hash_block_tokens` with its default sha256):
-    sha256 of the pickled (parent hash, tuple of the block's token ids, extra keys) per full
-    block, re-implemented here as the baseline."""
-    import pickle
+    """vLLM v1's block hashes re-implemented (`atombatch.bench.vllm_baseline.recipe_hashes`)."""
+    from atombatch.bench.vllm_baseline import recipe_hashes
 
-    out, parent = [], none_hash
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hashlib.sha256(pickle.dumps(
-            (parent, tuple(tokens[start:start + block_size]), None),
-            protocol=pickle.HIGHEST_PROTOCOL)).digest()
-        out.append(parent)
-    return out
+    return recipe_hashes(tokens, block_size, none_hash)
+
+
+def vllm_shape() -> str:
+    """The baseline's shape name: vLLM's own code when `ATOMBATCH_VLLM_SRC` is set (see
+    `atombatch.bench.vllm_baseline`), else the re-implemented recipe."""
+    from atombatch.bench.vllm_baseline import ENV
+
+    return "bs16-vllm" if os.environ.get(ENV) else "bs16-recipe"
 
 
 def prefix_hash_lookup_time_func(op: str) -> TimeFunc:
@@ -625,19 +627,18 @@ def prefix_hash_lookup_time_func(op: str) -> TimeFunc:
                 match(chain(prompt), PREFIX_TOKENS)
         return timed(hash_lookup)
 
-    tokens = prompt.tolist()  # vLLM keeps a request's token ids as a list
-    none_hash = os.urandom(32)
-    table = {digest: j for j, digest in
-             enumerate(vllm_block_hashes(tokens, SCALE_BLOCK_SIZE, none_hash))}
+    from atombatch.bench.vllm_baseline import load
 
-    def hash_lookup_vllm(n: int) -> None:
+    tokens = prompt.tolist()  # vLLM keeps a request's token ids as a list
+    baseline = load(SCALE_BLOCK_SIZE)
+    cached = baseline.cache(tokens)
+    if baseline.lookup(baseline.hash_request(tokens), cached) != PREFIX_TOKENS // SCALE_BLOCK_SIZE:
+        raise RuntimeError("the vLLM baseline expected a full hit")
+
+    def hash_lookup_vllm(n: int, hash_request=baseline.hash_request,
+                         lookup=baseline.lookup) -> None:
         for _ in range(n):
-            hit = []
-            for digest in vllm_block_hashes(tokens, SCALE_BLOCK_SIZE, none_hash):
-                block = table.get(digest)
-                if block is None:
-                    break
-                hit.append(block)
+            lookup(hash_request(tokens), cached)
     return timed(hash_lookup_vllm)
 
 
