@@ -125,6 +125,12 @@ cdef extern from *:
     int _all_finite_f32 "atombatch_all_finite_f32"(const float *x, long long n) noexcept nogil
 
 
+cdef inline bint _int32_vector(object blocks):
+    """A C-contiguous 1-D int32 numpy array (read through a typed memoryview)."""
+    return isinstance(blocks, np.ndarray) and blocks.dtype == np.int32 and blocks.ndim == 1 \
+        and blocks.flags.c_contiguous
+
+
 cdef inline Py_ssize_t _ceil_div(Py_ssize_t a, Py_ssize_t b) noexcept:
     # Python's -(-a // b): without the cdivision directive `//` floors like Python does.
     return -((-a) // b)
@@ -383,7 +389,20 @@ cdef class BlockPool:
     def acquire_blocks(self, blocks):
         """`acquire` each block in order (a prefix hit pins its shared chain); every block is
         checked before any is pinned."""
-        cdef Py_ssize_t block
+        cdef Py_ssize_t block, j
+        cdef const int32_t[::1] view
+        if _int32_vector(blocks):  # an int32 array (a prefix match): no Python int per block
+            view = blocks
+            for j in range(view.shape[0]):
+                self._expect(view[j], C_CACHED, "acquire")
+            for j in range(view.shape[0]):
+                block = view[j]
+                if self._refcnt_v[block] == 0:
+                    self._unlink(<int32_t>block)
+                    self._num_evictable -= 1
+                self._refcnt_v[block] += 1
+            self._debug_check()
+            return
         for block in blocks:
             self._expect(block, C_CACHED, "acquire")
         for block in blocks:
@@ -628,19 +647,33 @@ cdef class LaneTable:
     def push_blocks(self, Py_ssize_t lane, blocks):
         """`push_block` each block in order; all are checked before the row changes."""
         self._check_busy(lane)
-        cdef Py_ssize_t block
-        for block in blocks:
-            if not 0 <= block <= C_MAX_TABLE_BLOCK:
-                raise StateError(f"block={block} is outside the int16 block-table range "
-                                 f"0..{MAX_TABLE_BLOCK}")
+        cdef Py_ssize_t block, j
+        cdef const int32_t[::1] view
+        cdef bint vector = _int32_vector(blocks)  # an int32 array: no Python int per block
+        if vector:
+            view = blocks
+            for j in range(view.shape[0]):
+                if not 0 <= view[j] <= C_MAX_TABLE_BLOCK:
+                    raise StateError(f"block={view[j]} is outside the int16 block-table range "
+                                     f"0..{MAX_TABLE_BLOCK}")
+        else:
+            for block in blocks:
+                if not 0 <= block <= C_MAX_TABLE_BLOCK:
+                    raise StateError(f"block={block} is outside the int16 block-table range "
+                                     f"0..{MAX_TABLE_BLOCK}")
         cdef int32_t n = self._num_held_v[lane]
         cdef Py_ssize_t count = len(blocks)
         if n + count > self._bps:
             raise CapacityError(f"lane={lane} holds {n} blocks: {count} more exceed the "
                                 f"row's {self._bps} entries")
-        for block in blocks:
-            self._rows_v[lane, n] = <int32_t>block
-            n += 1
+        if vector:
+            for j in range(count):
+                self._rows_v[lane, n] = view[j]
+                n += 1
+        else:
+            for block in blocks:
+                self._rows_v[lane, n] = <int32_t>block
+                n += 1
         self._num_held_v[lane] = n
 
     def pop_block(self, Py_ssize_t lane):
@@ -1646,21 +1679,25 @@ cdef class PrefixTable:
     @cython.boundscheck(False)
     @cython.wraparound(False)
     def match(self, const uint8_t[:, ::1] digests, Py_ssize_t start, Py_ssize_t stop,
-              list out not None):
-        """Append the block of `digests[j]` to `out` for j = start, start + 1, ... while j < stop
-        and the digest is cached; returns the first j that was not appended."""
+              int32_t[::1] out not None):
+        """Write the block of `digests[j]` to `out[j - start]` for j = start, start + 1, ... while
+        j < stop and the digest is cached; returns the first j that was not written."""
         if digests.shape[1] != 16:
             raise ValueError(f"digest rows have 16 bytes, not {digests.shape[1]}")
+        if start < 0:
+            start = 0
         if stop > digests.shape[0]:
             stop = digests.shape[0]
-        cdef Py_ssize_t j = start if start > 0 else 0
+        if stop - start > out.shape[0]:
+            raise ValueError(f"{stop - start} blocks do not fit an output of {out.shape[0]}")
+        cdef Py_ssize_t j = start
         cdef int32_t block
         while j < stop:
             block = self._dval_v[self._slot(self._dkeys_v, self._dval_v, _load64(&digests[j, 0]),
                                             _load64(&digests[j, 8]))]
             if block < 0:
                 break
-            out.append(block)
+            out[j - start] = block
             j += 1
         return j
 

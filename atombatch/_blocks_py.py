@@ -1143,17 +1143,20 @@ class PrefixTable:
         return common_prefix(self._tokens[block, :self._ntok[block]], tokens)
 
     def match(self, digests: npt.NDArray[np.uint8], start: int, stop: int,
-              out: list[int]) -> int:
-        """Append the block of `digests[j]` to `out` for j = start, start + 1, ... while j < stop
-        and the digest is cached; returns the first j that was not appended."""
+              out: npt.NDArray[np.int32]) -> int:
+        """Write the block of `digests[j]` to `out[j - start]` for j = start, start + 1, ... while
+        j < stop and the digest is cached; returns the first j that was not written."""
         if digests.shape[1] != 16:
             raise ValueError(f"digest rows have 16 bytes, not {digests.shape[1]}")
-        j, stop = max(start, 0), min(stop, digests.shape[0])
+        start, stop = max(start, 0), min(stop, digests.shape[0])
+        if stop - start > len(out):
+            raise ValueError(f"{stop - start} blocks do not fit an output of {len(out)}")
+        j = start
         while j < stop:
             block = self._by_digest.get(digests[j].tobytes())
             if block is None:
                 break
-            out.append(block)
+            out[j - start] = block
             j += 1
         return j
 

@@ -305,9 +305,9 @@ class KVManager:
         if request.state is S.STAGING:
             row: list[int] | npt.NDArray[np.int32] = request.blocks
             return self.prefill_inputs.build(tokens, start, row, len(row), 0)
-        lane = request.lane
-        row = self.lanes.blocks(lane)
-        return self.prefill_inputs.build(tokens, start, row, len(row), lane)
+        lane = request.lane  # the lane's int32 row as it is (no list of its blocks)
+        return self.prefill_inputs.build(tokens, start, self.lanes.rows()[lane],
+                                         self.lanes.num_held(lane), lane)
 
     def row_of(self, request: Request) -> tuple[tuple[int, ...], int]:
         """The blocks (positions 0..) and sliding slot an import writes for the request."""
@@ -419,8 +419,8 @@ class KVManager:
             self.counters.prefix_misses += 1
             return
         used = -(-resume // bs)
-        blocks = match.blocks[:used]
-        pinned = [b for b in blocks if b >= 0]
+        blocks = match.blocks[:used]  # int32: pinned and shared without a Python int each
+        pinned = blocks[blocks >= 0] if match.has_host else blocks
         self.pool.acquire_blocks(pinned)  # nothing below may evict what this lane will use
         restored = 0
         # all on the device (no host restore): the blocks wholly before the resume position are
@@ -431,7 +431,7 @@ class KVManager:
             request.shared += run
         for j in range(run, used):
             below = (j + 1) * bs <= resume  # wholly before the resume position: read-only
-            block = blocks[j]
+            block = int(blocks[j])
             if block < 0:  # only on the host: restore into a fresh block
                 entry = match.entry(j)
                 block = self.take_block(core.LANE, lane)
@@ -481,15 +481,15 @@ class KVManager:
         below = resume // bs
         used = -(-resume // bs)
         blocks = match.blocks[:used]
-        pinned = [b for b in blocks if b >= 0]
+        pinned = blocks[blocks >= 0] if match.has_host else blocks
         self.pool.acquire_blocks(pinned)  # pinned first: nothing below may evict them
         restored = 0
         run = below if len(pinned) == used else 0  # all on the device: shared as is
         if run:
-            request.blocks.extend(pinned[:run])
+            request.blocks.extend(pinned[:run].tolist())
             request.shared += run
         for j in range(run, below):
-            block = blocks[j]
+            block = int(blocks[j])
             if block < 0:  # a host copy: restored, cached and shared like a device entry
                 entry = match.entry(j)
                 block = self.take_block(core.STAGED, -2)
@@ -499,9 +499,10 @@ class KVManager:
             request.blocks.append(block)
             request.shared += 1
         if resume % bs:  # the prefill resumes inside a cached block: fill the spare from it
-            if blocks[below] >= 0:
-                self._copies.append((blocks[below], spare, request.request_id))
-                self._unpin.append(blocks[below])
+            source = int(blocks[below])
+            if source >= 0:
+                self._copies.append((source, spare, request.request_id))
+                self._unpin.append(source)
             else:
                 self._restores.append((spare, match.entry(below).data, request.request_id))
                 restored += 1

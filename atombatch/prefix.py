@@ -250,17 +250,22 @@ class Match:
 
     __slots__ = ("_host", "_index", "blocks", "tokens")
 
-    def __init__(self, blocks: list[int] | None = None, tokens: int = 0,
+    def __init__(self, blocks: npt.NDArray[np.int32] | None = None, tokens: int = 0,
                  index: PrefixIndex | None = None) -> None:
-        self.blocks: list[int] = [] if blocks is None else blocks  # device block of each
-                                        #   matched block; -1 where it is a host copy
+        # the device block of each matched block, int32 (-1 where it is a host copy)
+        self.blocks = np.zeros(0, dtype=np.int32) if blocks is None else blocks
         self.tokens = tokens            # prompt tokens covered by the chain
         self._host: dict[int, Entry] = {}   # position in `blocks` -> host entry
         self._index = index             # the device index the blocks are in
 
+    @property
+    def has_host(self) -> bool:
+        """Whether some matched block is only a host copy."""
+        return bool(self._host)
+
     def entry(self, j: int) -> Entry:
         """The cached entry of matched block j (a device entry is made on demand)."""
-        block = self.blocks[j]
+        block = int(self.blocks[j])
         if block < 0:
             return self._host[j]
         entry = self._index.entry(block) if self._index is not None else None
@@ -278,11 +283,9 @@ class Match:
 
     def continue_on_host(self, full: int, entries: list[Entry], tokens: int) -> None:
         """Keep the first `full` matched blocks and continue with host `entries`."""
-        del self.blocks[full:]
-        self._host = {}
-        for entry in entries:
-            self._host[len(self.blocks)] = entry
-            self.blocks.append(-1)
+        self.blocks = np.concatenate([self.blocks[:full],
+                                      np.full(len(entries), -1, dtype=np.int32)])
+        self._host = {full + k: entry for k, entry in enumerate(entries)}
         self.tokens = tokens
 
     def on_device(self, j: int, block: int) -> None:
@@ -502,10 +505,12 @@ class PrefixIndex:
         stop, the child of the last matched block sharing the most of the next tokens."""
         if chain.length < length:
             raise ValueError(f"length={length} is past the chain's {chain.length} tokens")
-        table, bs, blocks = self._table, self.block_size, []
-        matched = table.match(chain._digest_rows, 0, min(length // bs, chain.num_digests), blocks)
+        table, bs = self._table, self.block_size
+        full = min(length // bs, chain.num_digests)
+        blocks = np.empty(full + 1, dtype=np.int32)  # room for a partly matched last block
+        matched = table.match(chain._digest_rows, 0, full, blocks)
         position = matched * bs
-        match = Match(blocks, position, self)
+        match = Match(blocks[:matched], position, self)
         if position >= length:
             return match
         parent = chain.digest(matched - 1) if matched else ROOT
@@ -514,17 +519,15 @@ class PrefixIndex:
         if trie is not None:
             best, shared, visited = trie.longest(rest)
             self.nodes_visited += visited
-            if best is not None and shared:
-                blocks.append(best.block)
-                match.tokens = position + shared
-            return match
-        lone = table.first_child(parent)
-        if lone >= 0:
-            self.nodes_visited += 1
-            shared = table.common_prefix(lone, rest)
-            if shared:
-                blocks.append(lone)
-                match.tokens = position + shared
+            block = best.block if best is not None else -1
+        else:
+            block = table.first_child(parent)
+            shared = table.common_prefix(block, rest) if block >= 0 else 0
+            self.nodes_visited += block >= 0
+        if block >= 0 and shared:
+            blocks[matched] = block
+            match.blocks = blocks[:matched + 1]
+            match.tokens = position + shared
         return match
 
     def _make(self, block: int) -> Entry:

@@ -343,8 +343,10 @@ def test_the_compiled_prefix_table_equals_the_twin(ops):
             both(lambda t: (t.digest(b), t.parent(b), t.num_tokens(b), t.tokens(b).tolist(),
                             t.common_prefix(b, tokens[b:b + 3])))
         rows = np.array([list(n) for n in names], dtype=np.uint8)
-        both(lambda t: (t.match(rows, 0, 6, out := []), out))
-        both(lambda t: (t.match(rows, 2, 9, out := []), out))
+        for start, stop in ((0, 6), (2, 9), (5, 3)):
+            both(lambda t: (t.match(rows, start, stop, out := np.full(6, -1, np.int32)),
+                            out.tolist()))
+        both(lambda t: t.match(rows, 0, 6, np.zeros(2, np.int32)))  # too small: refused
 
 
 @settings(max_examples=200, deadline=None,
@@ -398,3 +400,34 @@ def test_grow_lane_takes_what_one_block_at_a_time_takes(impl):
     lanes_many.release(1)
     with pytest.raises(StateError, match="idle"):
         k_many.grow_lane(1, 4)
+
+
+def test_acquire_blocks_and_push_blocks_take_int32_arrays_as_lists(impl):
+    """A prefix match hands its blocks over as an int32 array: the same transitions, the same
+    refusals (nothing changed), as a list of ints."""
+    from atombatch.errors import CapacityError, StateError
+
+    listed, arrayed = impl.BlockPool(8), impl.BlockPool(8)
+    for pool in (listed, arrayed):
+        for _ in range(6):
+            pool.cache(pool.allocate(impl.LANE, 0))
+    listed.acquire_blocks([4, 1, 4, 2])
+    arrayed.acquire_blocks(np.array([9, 4, 1, 4, 2], dtype=np.int32)[1:])  # a view
+    assert listed.lru_blocks() == arrayed.lru_blocks() and listed.counts() == arrayed.counts()
+    assert [arrayed.refcount(b) for b in range(6)] == [listed.refcount(b) for b in range(6)]
+    with pytest.raises(StateError, match="cannot acquire block=6"):
+        arrayed.acquire_blocks(np.array([0, 6], dtype=np.int32))
+    assert arrayed.refcount(0) == 0 and listed.lru_blocks() == arrayed.lru_blocks()
+    arrayed.acquire_blocks(np.array([5, 3], dtype=np.int32)[::-1].copy())
+    assert arrayed.refcount(3) == 1 and arrayed.refcount(5) == 1
+
+    table = impl.LaneTable(2, 4, 16)
+    lane = table.assign()
+    table.push_blocks(lane, np.array([3, 5], dtype=np.int32))
+    table.push_blocks(lane, np.zeros(0, dtype=np.int32))
+    assert list(table.blocks(lane)) == [3, 5]
+    with pytest.raises(CapacityError, match="exceed the row's 4 entries"):
+        table.push_blocks(lane, np.array([6, 7, 8], dtype=np.int32))
+    with pytest.raises(StateError, match="int16 block-table range"):
+        table.push_blocks(lane, np.array([6, -1], dtype=np.int32))
+    assert list(table.blocks(lane)) == [3, 5]
