@@ -269,7 +269,7 @@ class BlockPool:
             self._num_evictable -= 1
         self._refcnt[block] += 1
 
-    def acquire_blocks(self, blocks: Sequence[int]) -> None:
+    def acquire_blocks(self, blocks: Sequence[int] | npt.NDArray[np.int32]) -> None:
         """`acquire` each block in order (a prefix hit pins its shared chain); every block is
         checked before any is pinned."""
         for block in blocks:
@@ -473,7 +473,7 @@ class LaneTable:
         self._rows[lane, n] = block
         self._num_held[lane] = n + 1
 
-    def push_blocks(self, lane: int, blocks: Sequence[int]) -> None:
+    def push_blocks(self, lane: int, blocks: Sequence[int] | npt.NDArray[np.int32]) -> None:
         """`push_block` each block in order; all are checked before the row changes."""
         self._check_busy(lane)
         for block in blocks:

@@ -86,8 +86,14 @@ PREFIX_SCALE_OPS = (
     "prefix_insert_32k",      # caching a finished 32 768-token request (Batcher.abort)
     "prefix_admit_hit",       # the step that admits an 8 192-token request whose prompt is cached
                               #   in 16-token blocks (shares 448 blocks, prefills its last chunk)
-    "prefix_admit",           # the step that admits a 128-token request at a full 30k-block
-                              #   cache (its lookup misses; its blocks are evicted from the LRU)
+    "prefix_admit_hit_schedule",  # that step's Scheduler.schedule() alone: lookup, pinning and
+                              #   sharing the hit, growth, the chunk's prefill inputs
+    "prefix_admit_hit_vllm",  # baseline (with $ATOMBATCH_VLLM_SRC): the block-pool work of vLLM
+                              #   v1 admitting the same cached prompt, on its own BlockPool
+                              #   (find_longest_cache_hit's probes, touch, get_new_blocks,
+                              #   cache_full_blocks); hashes precomputed, as vLLM's are
+    "prefix_admit",           # the step that admits a 128-token request at a full cache of
+                              #   1k/10k/30k blocks (its lookup misses; its blocks are evicted)
     "prefix_admit_nocache",   # the same admitting step with the prefix cache off
     "prefix_steady",          # a steady decode step of the same Batcher (every lane decoding)
 )
@@ -529,6 +535,7 @@ SCALE_CHAIN_BLOCKS = 8             # cached chains of 128-token prompts: one roo
 INSERT_TOKENS = 32_768             # the finished request of `prefix_insert_32k`
 ADMIT_LANES = (4, 16)
 ADMIT_MAX_SEQ_LEN = 2048
+ADMIT_CACHED = 30_000              # the cache the nocache case's pool is sized for
 ADMIT_NUM_BLOCKS = 30_720          # a full cache of 16-token blocks
 ADMIT_PROMPT = 128                 # the admitted request's prompt (a miss)
 
@@ -541,10 +548,22 @@ def prefix_scale_shapes() -> list[tuple[str, str, int, int]]:
     out += [("prefix_insert_32k", shape, 1, INSERT_TOKENS // bs + 64 + 1)
             for shape, bs in (("bs16", 16), ("bs128", 128))]
     out += [("prefix_insert_32k", "eager", 1, 2)]
-    out += [("prefix_admit_hit", "bs16", 1, PREFIX_MAX_SEQ_LEN // SCALE_BLOCK_SIZE + 1)]
-    out += [(op, "cached30k", b, ADMIT_NUM_BLOCKS) for b in ADMIT_LANES
-            for op in ("prefix_admit", "prefix_admit_nocache", "prefix_steady")]
+    out += [(op, "bs16", 1, PREFIX_MAX_SEQ_LEN // SCALE_BLOCK_SIZE + 1)
+            for op in ("prefix_admit_hit", "prefix_admit_hit_schedule")]
+    if vllm_shape() == "bs16-vllm":
+        out += [("prefix_admit_hit_vllm", "bs16-vllm", 1, PREFIX_TOKENS // SCALE_BLOCK_SIZE + 1)]
+    for b in ADMIT_LANES:
+        for cached in SCALE_CACHED_BLOCKS:
+            out += [(op, f"cached{cached // 1000}k", b, admit_num_blocks(b, cached))
+                    for op in ("prefix_admit", "prefix_steady")]
+        out += [("prefix_admit_nocache", "nocache", b, admit_num_blocks(b, ADMIT_CACHED))]
     return out
+
+
+def admit_num_blocks(lanes: int, cached: int) -> int:
+    """The pool of the admission cases: `cached` blocks in the prefix cache, plus room for every
+    lane's longest sequence and some."""
+    return cached + lanes * (ADMIT_MAX_SEQ_LEN // SCALE_BLOCK_SIZE) + 200
 
 
 def _prefix_scale_case(impl: ModuleType, op: str, shape: str, lanes: int,
@@ -555,9 +574,11 @@ def _prefix_scale_case(impl: ModuleType, op: str, shape: str, lanes: int,
         return lambda: prefix_hash_lookup_time_func(op)
     if op == "prefix_insert_32k":
         return lambda: prefix_insert_32k_time_func(impl, shape)
-    if op == "prefix_admit_hit":
-        return lambda: prefix_admit_hit_time_func(impl)
-    return lambda: prefix_admit_time_func(impl, op, lanes)
+    if op in ("prefix_admit_hit", "prefix_admit_hit_schedule"):
+        return lambda: prefix_admit_hit_time_func(impl, op == "prefix_admit_hit_schedule")
+    if op == "prefix_admit_hit_vllm":
+        return prefix_admit_hit_vllm_time_func
+    return lambda: prefix_admit_time_func(impl, op, lanes, num_blocks)
 
 
 def cached_index(num_blocks: int, chain_blocks: int = SCALE_CHAIN_BLOCKS,
@@ -677,11 +698,12 @@ def prefix_insert_32k_time_func(impl: ModuleType, shape: str) -> TimeFunc:
     return insert
 
 
-def prefix_admit_hit_time_func(impl: ModuleType) -> TimeFunc:
+def prefix_admit_hit_time_func(impl: ModuleType, schedule_only: bool = False) -> TimeFunc:
     """A B=1 Batcher (16-token blocks, chunks of 1 024) whose cache holds an 8 192-token prompt;
     each timed iteration is the step that admits that prompt again (lookup, 448 shared blocks
-    pinned, the blocks of its last chunk taken, that chunk prefilled). Submitting (hashing) and
-    finishing are untimed."""
+    pinned, the blocks of its last chunk taken, that chunk prefilled), or with `schedule_only`
+    that step's `Scheduler.schedule()` alone (the rest of the step is the device call, sampling
+    and outputs). Submitting (hashing) and finishing are untimed."""
     from atombatch.config import ArtifactConfig
     from atombatch.structs import SamplingParams
 
@@ -701,14 +723,28 @@ def prefix_admit_hit_time_func(impl: ModuleType) -> TimeFunc:
         batcher.step()
 
     finish(batcher.submit(prompt, params))
+    schedule, in_schedule = scheduler.schedule, [0.0]
+
+    def timed_schedule(*args: Any, **kwargs: Any) -> Any:
+        started = start_clocks()
+        plan = schedule(*args, **kwargs)
+        in_schedule[0] += stop_clocks(started)
+        return plan
 
     def admit(loops: int) -> float:
         elapsed, hits = 0.0, batcher.stats().prefix_hits
         for _ in range(loops):
             request_id = batcher.submit(prompt, params)
-            started = start_clocks()
-            batcher.step()
-            elapsed += stop_clocks(started)
+            if schedule_only:
+                in_schedule[0] = 0.0
+                scheduler.schedule = timed_schedule   # the admitting step's schedule() only
+                batcher.step()
+                del scheduler.schedule
+                elapsed += in_schedule[0]
+            else:
+                started = start_clocks()
+                batcher.step()
+                elapsed += stop_clocks(started)
             finish(request_id)
         if batcher.stats().prefix_hits != hits + loops:
             raise RuntimeError("the admit-hit case expected every admission to hit")
@@ -716,14 +752,24 @@ def prefix_admit_hit_time_func(impl: ModuleType) -> TimeFunc:
     return admit
 
 
-def full_cache_batcher(impl: ModuleType, lanes: int, prefix_cache: bool = True) -> Any:
+def prefix_admit_hit_vllm_time_func() -> TimeFunc:
+    """vLLM's block-pool work admitting the cached 8 192-token prompt (`prefix_admit_hit_vllm`),
+    from `atombatch.bench.vllm_baseline`; needs `$ATOMBATCH_VLLM_SRC`."""
+    from atombatch.bench.vllm_baseline import admit_time_func
+
+    prompt = np.random.default_rng(0).integers(1, ENGINE_VOCAB, size=PREFIX_TOKENS).tolist()
+    return admit_time_func(prompt, SCALE_BLOCK_SIZE, start_clocks, stop_clocks)
+
+
+def full_cache_batcher(impl: ModuleType, lanes: int, prefix_cache: bool = True,
+                       num_blocks: int = ADMIT_NUM_BLOCKS) -> Any:
     """A Batcher on a null device (16-token blocks, 2 048-token context) whose prefix cache
-    holds all but a few of its 30 720 blocks, from finished 2 000-token requests."""
+    holds all but a few of its `num_blocks` blocks, from finished 2 000-token requests."""
     from atombatch.config import ArtifactConfig
     from atombatch.structs import SamplingParams
 
     art = ArtifactConfig(model=_null_spec(), batch_size=lanes, max_seq_len=ADMIT_MAX_SEQ_LEN,
-                         block_size=SCALE_BLOCK_SIZE, num_blocks=ADMIT_NUM_BLOCKS,
+                         block_size=SCALE_BLOCK_SIZE, num_blocks=num_blocks,
                          prefill_chunk_size=512)
     batcher = batcher_on(impl, art, prefix_cache=prefix_cache)
     if not prefix_cache:
@@ -731,7 +777,7 @@ def full_cache_batcher(impl: ModuleType, lanes: int, prefix_cache: bool = True) 
     scheduler, rng = batcher.scheduler, np.random.default_rng(0)
     once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     room = lanes * art.blocks_per_seq + 200   # what the lanes below will hold, and some
-    while len(scheduler.prefix) < ADMIT_NUM_BLOCKS - room:
+    while len(scheduler.prefix) < num_blocks - room:
         for _ in range(lanes):
             batcher.submit(rng.integers(1, ENGINE_VOCAB, size=2000).tolist(), once)
         while scheduler.has_work():
@@ -739,14 +785,16 @@ def full_cache_batcher(impl: ModuleType, lanes: int, prefix_cache: bool = True) 
     return batcher
 
 
-def prefix_admit_time_func(impl: ModuleType, op: str, lanes: int) -> TimeFunc:
+def prefix_admit_time_func(impl: ModuleType, op: str, lanes: int,
+                           num_blocks: int = ADMIT_NUM_BLOCKS) -> TimeFunc:
     """Every lane decoding at a full cache. `prefix_admit`: one lane's request is aborted, a new
     128-token request is submitted (its prompt hashed; untimed), and the step that admits it is
     timed (lookup, eviction of the blocks it takes, its prefill chunk, the other lanes' decode);
     `prefix_admit_nocache` is that step without a prefix cache; `prefix_steady` a decode step."""
     from atombatch.structs import SamplingParams
 
-    batcher = full_cache_batcher(impl, lanes, prefix_cache=op != "prefix_admit_nocache")
+    batcher = full_cache_batcher(impl, lanes, prefix_cache=op != "prefix_admit_nocache",
+                                 num_blocks=num_blocks)
     scheduler, rng = batcher.scheduler, np.random.default_rng(1)
     max_tokens = ADMIT_MAX_SEQ_LEN - ADMIT_PROMPT - 8
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -194,7 +194,58 @@ def load(block_size: int) -> VllmPrefix:
     if source:
         try:
             return _vllm(Path(source), block_size)
-        except Exception as exc:  # noqa: BLE001 - any failure falls back, and says why
+        except Exception as exc:
             print(f"atombatch.bench: vLLM's code in {source} did not load ({exc!r}); "
                   "using the re-implemented recipe", file=sys.stderr)
     return _recipe(block_size)
+
+
+def admit_time_func(tokens: list[int], block_size: int, start_clocks: Callable[[], Any],
+                    stop_clocks: Callable[[Any], float]) -> Callable[[int], float]:
+    """The block-pool work of vLLM v1 admitting a prompt whose every full block is cached, on
+    vLLM's own `BlockPool` (from `$ATOMBATCH_VLLM_SRC`): `get_computed_blocks` (phase 1 of
+    `FullAttentionManager.find_longest_cache_hit`: one `get_cached_block` per block up to the
+    last prompt token), `allocate_slots` (`touch` of the hit, `get_new_blocks` for the rest,
+    `cache_full_blocks` of the newly full one). The hashes are computed when the request is
+    made, as vLLM does, and untimed; so is finishing (`free_blocks`). The scheduler's own work
+    around these calls (queues, `SchedulerOutput`, the block-id lists it sends) is not counted:
+    a lower bound of vLLM's admission."""
+    source = os.environ.get(ENV)
+    if not source:
+        raise RuntimeError(f"prefix_admit_hit_vllm needs ${ENV} (a directory holding vLLM's "
+                           "source; see atombatch/bench/vllm_baseline.py)")
+    root = Path(source)
+    with _stand_ins(root):
+        hashing = _load("vllm.utils.hashing", root / "vllm/utils/hashing.py")
+        _load("vllm.utils.math_utils", root / "vllm/utils/math_utils.py")
+        utils = _load("vllm.v1.core.kv_cache_utils", root / "vllm/v1/core/kv_cache_utils.py")
+        pool_module = _load("vllm.v1.core.block_pool", root / "vllm/v1/core/block_pool.py")
+    utils.init_none_hash(hashing.sha256)
+    request = _Request(tokens)
+    request.block_hashes = utils.get_request_block_hasher(block_size, hashing.sha256)(request)
+    hashes, full = request.block_hashes, len(tokens) // block_size
+    pool = pool_module.BlockPool(full + 2, True, block_size)
+    blocks = pool.get_new_blocks(full)
+    pool.cache_full_blocks(request, blocks, 0, full, block_size, 0)
+    pool.free_blocks(reversed(blocks))
+    limit = (len(tokens) - 1) // block_size  # vLLM recomputes at least the last prompt token
+
+    def admit(loops: int) -> float:
+        elapsed = 0.0
+        for _ in range(loops):
+            started = start_clocks()
+            computed = []
+            for block_hash in hashes[:limit]:
+                cached = pool.get_cached_block(block_hash, [0])
+                if not cached:
+                    break
+                computed.append(cached[0])
+            pool.touch(computed)
+            held = computed + pool.get_new_blocks(full - len(computed) + (len(tokens) % block_size > 0))
+            pool.cache_full_blocks(request, held, len(computed), full, block_size, 0)
+            elapsed += stop_clocks(started)
+            if len(computed) != limit:
+                raise RuntimeError("the vLLM admission baseline expected a full hit")
+            pool.free_blocks(reversed(held))
+        return elapsed
+    return admit
