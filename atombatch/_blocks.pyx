@@ -444,6 +444,25 @@ cdef class BlockPool:
         self._debug_check()
         return block
 
+    def evict_many(self, Py_ssize_t count):
+        """`evict` `count` times (the LRU blocks, in order, to the free list's tail); refused,
+        changing nothing, when fewer are unpinned."""
+        if not 0 <= count <= self._num_evictable:
+            raise CapacityError(f"Cannot evict {count} blocks: {self._num_evictable} of the "
+                                f"{self._count[C_CACHED]} cached blocks are unpinned")
+        cdef list out = []
+        cdef int32_t block
+        cdef Py_ssize_t j
+        for j in range(count):
+            block = self._next_v[self._lru_head]
+            self._unlink(block)
+            self._num_evictable -= 1
+            self._move(block, C_FREE, -1)
+            self._push_back(self._free_tail, block)
+            out.append(block)
+        self._debug_check()
+        return out
+
     def drop(self, Py_ssize_t block):
         """Remove one specific unpinned CACHED block -> FREE (invalidation)."""
         self._expect(block, C_CACHED, "drop")
@@ -1347,7 +1366,7 @@ cdef extern from *:
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdlib cimport free as c_free
-from libc.stdlib cimport malloc
+from libc.stdlib cimport calloc, malloc
 from libc.string cimport memcpy
 
 
@@ -1744,11 +1763,18 @@ cdef class PrefixTable:
         if first < 0 or stop > digests.shape[0] or stop * bs > tokens.shape[0] or \
                 stop > len(blocks):
             raise ValueError(f"blocks {first}..{stop - 1} are not all in the chain")
-        for j in range(first, stop):
-            block = blocks[j]
-            self._check_block(block)
-            if self._ntok_v[block]:
-                raise StateError(f"block={block} is already in the prefix table")
+        cdef uint8_t* seen = <uint8_t*>calloc(self._n, 1)  # a block twice in the run
+        if seen == NULL:
+            raise MemoryError()
+        try:
+            for j in range(first, stop):
+                block = blocks[j]
+                self._check_block(block)
+                if self._ntok_v[block] or seen[block]:
+                    raise StateError(f"block={block} is already in the prefix table")
+                seen[block] = 1
+        finally:
+            c_free(seen)
         cdef uint64_t p0, p1, d0, d1
         _key_of(parent, &p0, &p1, True)
         cdef list duplicates = [], branched = []

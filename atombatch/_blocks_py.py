@@ -309,6 +309,14 @@ class BlockPool:
         self._push_back(self._free_tail, block)
         return block
 
+    def evict_many(self, count: int) -> list[int]:
+        """`evict` `count` times (the LRU blocks, in order, to the free list's tail); refused,
+        changing nothing, when fewer are unpinned."""
+        if not 0 <= count <= self._num_evictable:
+            raise CapacityError(f"Cannot evict {count} blocks: {self._num_evictable} of the "
+                                f"{self._counts[CACHED]} cached blocks are unpinned")
+        return [self.evict() for _ in range(count)]
+
     def drop(self, block: int) -> None:
         """Remove one specific unpinned CACHED block -> FREE (invalidation)."""
         self._expect(block, CACHED, "drop")
@@ -1199,10 +1207,12 @@ class PrefixTable:
             raise ValueError(f"digest rows have 16 bytes, not {digests.shape[1]}")
         if first < 0 or stop > digests.shape[0] or stop * bs > len(tokens) or stop > len(blocks):
             raise ValueError(f"blocks {first}..{stop - 1} are not all in the chain")
+        seen: set[int] = set()  # a block twice in the run
         for j in range(first, stop):
             self._check_block(blocks[j])
-            if self._ntok[blocks[j]]:
+            if self._ntok[blocks[j]] or blocks[j] in seen:
                 raise StateError(f"block={blocks[j]} is already in the prefix table")
+            seen.add(blocks[j])
         parent = _key(parent, True)
         duplicates: list[int] = []
         branched: list[int] = []

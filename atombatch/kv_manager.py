@@ -141,17 +141,37 @@ class KVManager:
             self._event("block.evicted", blocks=[block])
         return block
 
+    def evict_blocks(self, count: int) -> list[int]:
+        """`evict` `count` times, in one pool call and one index pass (growth taking several
+        blocks from a full cache): the same blocks, saves and event as one at a time."""
+        blocks = self.pool.evict_many(count)
+        self.counters.evictions += len(blocks)
+        if self.prefix is not None:
+            if self.host is not None:
+                self._saves.extend([self.prefix.remove(block) for block in blocks])
+            else:
+                for entry in self.prefix.discard_blocks(blocks):  # no entry is made for them
+                    if entry.checkpoints and self.checkpoints is not None:
+                        self.checkpoints.store.entry_gone(entry)
+        events = self.events
+        if events and events[-1][0] == "block.evicted":
+            events[-1][1]["blocks"].extend(blocks)
+        else:
+            self._event("block.evicted", blocks=blocks)
+        return blocks
+
     # -- growth -----------------------------------------------------------------------------------
     def grow_lane(self, request: Request, num_positions: int) -> bool:
         """Grow a lane's row to cover positions 0..num_positions-1; False if the pool ran dry
         first (the blocks taken so far stay with the lane)."""
         lane = request.lane
         short = self.kernel.grow_lane(lane, num_positions)  # from the free list, in one call
-        while short:  # the rest evicts, block by block
-            if self.available() == 0:
+        while short:  # the free list is dry: evict what is missing, then take it the same way
+            evictable = self.pool.num_evictable
+            if evictable == 0:
                 return False
-            self.lanes.push_block(lane, self.take_block(core.LANE, lane))
-            short -= 1
+            self.evict_blocks(min(short, evictable))
+            short = self.kernel.grow_lane(lane, num_positions)
         return True
 
     def grow_staged(self, request: Request, num_positions: int) -> bool:

@@ -634,6 +634,20 @@ class PrefixIndex:
         self._unlink(block, entry.parent, entry)
         return entry
 
+    def discard_blocks(self, blocks: Sequence[int]) -> list[Entry]:
+        """`discard` each block; the entries that had been made."""
+        entries, tries, table, made = self._entries, self._tries, self._table, []
+        for block in blocks:
+            entry = entries.pop(block, None)
+            if entry is not None:
+                made.append(entry)
+            if tries:  # a trie is kept only for parents with two or more children
+                self._unlink(block, entry.parent if entry is not None else table.parent(block),
+                             entry)
+            else:
+                table.remove(block)
+        return made
+
     def discard(self, block: int) -> Entry | None:
         """`remove` without making an entry: the block's entry if one was made, else None."""
         entry = self._entries.pop(block, None)

@@ -98,6 +98,7 @@ PREFIX_SCALE_OPS = (
     "prefix_steady",          # a steady decode step of the same Batcher (every lane decoding)
 )
 PREFIX_OPS = PREFIX_8K_OPS + PREFIX_SCALE_OPS
+VLLM_SOURCE_OPS = ("prefix_admit_hit_vllm",)  # measured only with $ATOMBATCH_VLLM_SRC
 OPS = BLOCK_OPS + ENGINE_OPS + PREFIX_OPS
 
 
@@ -543,8 +544,9 @@ ADMIT_PROMPT = 128                 # the admitted request's prompt (a miss)
 def prefix_scale_shapes() -> list[tuple[str, str, int, int]]:
     """(op, shape, lanes, num_blocks) of every scale case."""
     out = [("prefix_miss", f"cached{n // 1000}k", 1, n) for n in SCALE_CACHED_BLOCKS]
-    out += [("prefix_hash_lookup", "bs16", 1, PREFIX_TOKENS // SCALE_BLOCK_SIZE),
-            ("prefix_hash_lookup_vllm", vllm_shape(), 1, PREFIX_TOKENS // SCALE_BLOCK_SIZE)]
+    out += [("prefix_hash_lookup", "bs16", 1, PREFIX_TOKENS // SCALE_BLOCK_SIZE)]
+    out += [("prefix_hash_lookup_vllm", shape, 1, PREFIX_TOKENS // SCALE_BLOCK_SIZE)
+            for shape in dict.fromkeys((vllm_shape(), "bs16-recipe"))]
     out += [("prefix_insert_32k", shape, 1, INSERT_TOKENS // bs + 64 + 1)
             for shape, bs in (("bs16", 16), ("bs128", 128))]
     out += [("prefix_insert_32k", "eager", 1, 2)]
@@ -571,7 +573,7 @@ def _prefix_scale_case(impl: ModuleType, op: str, shape: str, lanes: int,
     if op == "prefix_miss":
         return lambda: prefix_miss_time_func(num_blocks)
     if op in ("prefix_hash_lookup", "prefix_hash_lookup_vllm"):
-        return lambda: prefix_hash_lookup_time_func(op)
+        return lambda: prefix_hash_lookup_time_func(op, recipe_only=shape == "bs16-recipe")
     if op == "prefix_insert_32k":
         return lambda: prefix_insert_32k_time_func(impl, shape)
     if op in ("prefix_admit_hit", "prefix_admit_hit_schedule"):
@@ -587,7 +589,7 @@ def cached_index(num_blocks: int, chain_blocks: int = SCALE_CHAIN_BLOCKS,
     tokens (distinct first blocks)."""
     from atombatch.prefix import PrefixIndex
 
-    index = PrefixIndex(block_size, seed=1)
+    index = PrefixIndex(block_size, seed=1, num_blocks=num_blocks)
     rng = np.random.default_rng(seed)
     block = 0
     while block < num_blocks:
@@ -628,7 +630,7 @@ def vllm_shape() -> str:
     return "bs16-vllm" if os.environ.get(ENV) else "bs16-recipe"
 
 
-def prefix_hash_lookup_time_func(op: str) -> TimeFunc:
+def prefix_hash_lookup_time_func(op: str, recipe_only: bool = False) -> TimeFunc:
     """A fresh 8 192-token prompt's whole prefix-cache cost in 16-token blocks: its digests, then
     its longest cached prefix, every block cached. The baseline does the same the vLLM v1 way:
     its block hashes, then one dict probe per block until the first miss."""
@@ -636,7 +638,8 @@ def prefix_hash_lookup_time_func(op: str) -> TimeFunc:
     if op == "prefix_hash_lookup":
         from atombatch.prefix import PrefixIndex
 
-        index = PrefixIndex(SCALE_BLOCK_SIZE, seed=1)
+        index = PrefixIndex(SCALE_BLOCK_SIZE, seed=1,
+                            num_blocks=PREFIX_TOKENS // SCALE_BLOCK_SIZE)
         cached = index.chain(prompt)
         for j in range(PREFIX_TOKENS // SCALE_BLOCK_SIZE):
             index.insert_digest(j, cached.digests[j], cached.parent(j),
@@ -648,10 +651,10 @@ def prefix_hash_lookup_time_func(op: str) -> TimeFunc:
                 match(chain(prompt), PREFIX_TOKENS)
         return timed(hash_lookup)
 
-    from atombatch.bench.vllm_baseline import load
+    from atombatch.bench.vllm_baseline import load, recipe
 
     tokens = prompt.tolist()  # vLLM keeps a request's token ids as a list
-    baseline = load(SCALE_BLOCK_SIZE)
+    baseline = recipe(SCALE_BLOCK_SIZE) if recipe_only else load(SCALE_BLOCK_SIZE)
     cached = baseline.cache(tokens)
     if baseline.lookup(baseline.hash_request(tokens), cached) != PREFIX_TOKENS // SCALE_BLOCK_SIZE:
         raise RuntimeError("the vLLM baseline expected a full hit")

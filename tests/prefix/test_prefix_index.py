@@ -341,6 +341,8 @@ def test_the_compiled_prefix_table_equals_the_twin(ops):
             both("insert", block, digest, parent, tokens[:5])
             both("insert", 12, digest, parent, tokens[:2])
             both("find", b"")
+            twice = np.array([list(names[name]), list(names[(name + 1) % 6])], dtype=np.uint8)
+            both("insert_run", [block, block], twice, 0, 2, parent, tokens)  # a block twice
         assert both("__len__") == ("ok", len(both("blocks")[1]))
         for key in [b"", *names]:
             both("siblings", key)
@@ -440,3 +442,20 @@ def test_acquire_blocks_and_push_blocks_take_int32_arrays_as_lists(impl):
     with pytest.raises(StateError, match="int16 block-table range"):
         table.push_blocks(lane, np.array([6, -1], dtype=np.int32))
     assert list(table.blocks(lane)) == [3, 5]
+
+
+def test_evict_many_evicts_what_evict_does_one_at_a_time(impl):
+    from atombatch.errors import CapacityError
+
+    one, many = impl.BlockPool(10), impl.BlockPool(10)
+    for pool in (one, many):
+        blocks = [pool.allocate(impl.LANE, 0) for _ in range(8)]
+        for block in blocks[::-1]:
+            pool.cache(block)
+        pool.acquire(blocks[3])
+    with pytest.raises(CapacityError, match="Cannot evict 8 blocks: 7 of the 8"):
+        many.evict_many(8)
+    assert many.lru_blocks() == one.lru_blocks()  # refused: nothing changed
+    assert many.evict_many(5) == [one.evict() for _ in range(5)]
+    assert many.free_blocks() == one.free_blocks() and many.counts() == one.counts()
+    assert many.evict_many(0) == [] and many.num_evictable == 2
