@@ -1562,8 +1562,8 @@ cdef class PrefixTable:
         self._pkeys_v, self._pval_v = self._pkeys, self._pval
 
     # -- open addressing ---------------------------------------------------------------------------
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
     cdef inline Py_ssize_t _slot(self, uint64_t[:, ::1] keys, int32_t[::1] vals, uint64_t k0,
                                  uint64_t k1) noexcept:
         """The slot holding (k0, k1), or the empty slot where it would go."""
@@ -1572,8 +1572,8 @@ cdef class PrefixTable:
             i = (i + 1) & self._mask
         return i
 
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
     cdef inline void _erase(self, uint64_t[:, ::1] keys, int32_t[::1] vals, Py_ssize_t i) noexcept:
         """Empty slot i, shifting back the entries after it that probed past it."""
         cdef Py_ssize_t j = i, home
@@ -1596,8 +1596,8 @@ cdef class PrefixTable:
             raise StateError(f"block={block} is outside the table 0..{self._n - 1}")
         return 0
 
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
     cdef void _link(self, Py_ssize_t block, uint64_t d0, uint64_t d1, uint64_t p0,
                     uint64_t p1) noexcept:
         """Index a validated, new block under its digest and its parent."""
@@ -1685,8 +1685,8 @@ cdef class PrefixTable:
         self._check_held(block)
         return self._tokens[block, :self._ntok_v[block]].copy()
 
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
     def common_prefix(self, Py_ssize_t block, const int64_t[::1] tokens):
         """How many leading tokens the block and `tokens` share."""
         self._check_held(block)
@@ -1695,8 +1695,8 @@ cdef class PrefixTable:
             i += 1
         return i
 
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
     def match(self, const uint8_t[:, ::1] digests, Py_ssize_t start, Py_ssize_t stop,
               int32_t[::1] out not None):
         """Write the block of `digests[j]` to `out[j - start]` for j = start, start + 1, ... while
@@ -1719,6 +1719,40 @@ cdef class PrefixTable:
             out[j - start] = block
             j += 1
         return j
+
+    def check(self):
+        """Raise `StateError` if the digest and parent tables disagree with the blocks held."""
+        cdef Py_ssize_t block, i, held = 0, children = 0
+        cdef int32_t child, steps
+        for block in range(self._n):
+            if self._ntok_v[block] == 0:
+                continue
+            held += 1
+            i = self._slot(self._dkeys_v, self._dval_v, self._digest_v[block, 0],
+                           self._digest_v[block, 1])
+            if self._dval_v[i] != block:
+                raise StateError(f"block={block} is not found under its digest")
+        for i in range(self._mask + 1):
+            if self._pval_v[i] < 0:
+                continue
+            child, steps = self._pval_v[i], 0
+            if self._prev_v[child] != -1:
+                raise StateError(f"the first child block={child} has a previous sibling")
+            while child >= 0:
+                if self._ntok_v[child] == 0 or self._parent_v[child, 0] != self._pkeys_v[i, 0] \
+                        or self._parent_v[child, 1] != self._pkeys_v[i, 1]:
+                    raise StateError(f"block={child} is listed under a parent it does not have")
+                if self._next_v[child] >= 0 and self._prev_v[self._next_v[child]] != child:
+                    raise StateError(f"the sibling list breaks after block={child}")
+                children += 1
+                steps += 1
+                if steps > self._n:
+                    raise StateError("a sibling list loops")
+                child = self._next_v[child]
+        if held != self._count or children != self._count or \
+                int((self._dval >= 0).sum()) != self._count:
+            raise StateError(f"{self._count} blocks counted, {held} held, {children} listed "
+                             "under parents")
 
     # -- changes -----------------------------------------------------------------------------------
     def insert(self, Py_ssize_t block, bytes digest not None, bytes parent not None,
@@ -1747,8 +1781,8 @@ cdef class PrefixTable:
             sibling = self._next_v[sibling]
         return others
 
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
     def insert_run(self, blocks, const uint8_t[:, ::1] digests, Py_ssize_t first,
                    Py_ssize_t stop, bytes parent not None, const int64_t[::1] tokens):
         """Cache `blocks[j]` as full block j of a chain, for j = first..stop-1: its digest
@@ -1793,8 +1827,8 @@ cdef class PrefixTable:
             p0, p1 = d0, d1
         return duplicates, branched
 
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
     def remove(self, Py_ssize_t block):
         """The block leaves the table; returns how many children its parent still has (0, 1, or
         2 for two or more)."""

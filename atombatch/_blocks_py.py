@@ -1168,6 +1168,22 @@ class PrefixTable:
             j += 1
         return j
 
+    def check(self) -> None:
+        """Raise `StateError` if the digest and parent tables disagree with the blocks held."""
+        held = [b for b in range(self._n) if self._ntok[b]]
+        for block in held:
+            if self._by_digest.get(self._digest[block]) != block:
+                raise StateError(f"block={block} is not found under its digest")
+        children = 0
+        for parent, kids in self._children.items():
+            for child in kids:
+                if self._ntok[child] == 0 or self._parent[child] != parent:
+                    raise StateError(f"block={child} is listed under a parent it does not have")
+            children += len(kids)
+        if len(held) != len(self._by_digest) or children != len(self._by_digest):
+            raise StateError(f"{len(self._by_digest)} blocks counted, {len(held)} held, "
+                             f"{children} listed under parents")
+
     def _link(self, block: int, digest: bytes, parent: bytes) -> None:
         self._by_digest[digest] = block
         self._digest[block] = digest

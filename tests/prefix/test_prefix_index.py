@@ -60,6 +60,7 @@ def check_index(index: PrefixIndex) -> None:
     """A trie exactly for the parents with two or more cached children, holding those children;
     the table's sibling lists hold every cached block under its parent."""
     table = index._table
+    table.check()
     parents: dict[bytes, list[int]] = {}
     for block in index.blocks():
         parents.setdefault(table.parent(block), []).append(block)
@@ -344,6 +345,7 @@ def test_the_compiled_prefix_table_equals_the_twin(ops):
             twice = np.array([list(names[name]), list(names[(name + 1) % 6])], dtype=np.uint8)
             both("insert_run", [block, block], twice, 0, 2, parent, tokens)  # a block twice
         assert both("__len__") == ("ok", len(both("blocks")[1]))
+        assert both("check") == ("ok", None)
         for key in [b"", *names]:
             both("siblings", key)
             both("first_child", key)
