@@ -299,7 +299,8 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One compiled artifact: decode batch B, context, KV block size and block count, chunk size.
 
     Construction checks the shape rules of docs/rules.md and raises `ConfigError` naming the rule.
-    The cache options (prefix, host) are checked against the artifact by `check_serving`.
+    The cache options (prefix, host) are checked against the artifact by
+    `atombatch.plan.check_serving`.
     """
 
     model: ModelSpec
@@ -363,22 +364,6 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             f"batch_size=1 and num_blocks={bps}; partitioned oversubscription needs "
             f"block_size < max_seq_len and num_blocks >= {bps + 1}; docs/rules.md)")
 
-    @classmethod
-    def from_rbln_config(cls, path: str | os.PathLike[str],
-                         model: ModelSpec | None = None) -> ArtifactConfig:
-        """The artifact of a compiled optimum-rbln directory (or its `rbln_config.json`).
-
-        Lanes, context, block size, block count, chunk, tensor parallel and KV dtype come from
-        `rbln_config.json`; the model from `model` or the directory's `config.json`. Every field
-        is checked (see `atombatch.rbln_config.load` and docs/device.md).
-
-        Raises:
-            ConfigError: a missing, contradicting or unsupported field, named in the message.
-        """
-        from atombatch.rbln_config import load
-
-        return load(path, model).artifact
-
     # -- derived --------------------------------------------------------------------------------
     @property
     def blocks_per_seq(self) -> int:
@@ -434,26 +419,3 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         name = (f"{self.model.name}-b{self.batch_size}-ctx{self.max_seq_len}-bs{self.block_size}"
                 f"-k{self.num_blocks}{tp}-{self.identity}")
         return Path(root) / name
-
-
-def check_serving(artifact: ArtifactConfig, *, prefix_cache: bool = False,
-                  host_cache_bytes: int = 0) -> None:
-    """Check the Batcher's cache options against the artifact (docs/rules.md). Raises `ConfigError`."""
-    if host_cache_bytes < 0:
-        raise ConfigError(f"host_cache_bytes={host_cache_bytes} must be >= 0")
-    if host_cache_bytes and not prefix_cache:
-        raise ConfigError(f"host_cache_bytes={host_cache_bytes} needs prefix_cache=True: the host "
-                          "cache holds evicted prefix-cache blocks")
-    if artifact.model.is_hybrid and prefix_cache:
-        from atombatch.plan import checkpoint_bytes
-
-        need = checkpoint_bytes(artifact)
-        if host_cache_bytes < need:
-            raise ConfigError(f"host_cache_bytes={host_cache_bytes}: the prefix cache of hybrid "
-                              f"model {artifact.model.name} keeps sliding-slot checkpoints in "
-                              f"the host cache, which must hold at least one ({need} bytes; "
-                              "docs/prefix-cache.md)")
-    if artifact.single_block and (prefix_cache or host_cache_bytes):
-        raise ConfigError(f"prefix_cache={prefix_cache}, host_cache_bytes={host_cache_bytes}: "
-                          f"single-block mode (num_blocks={artifact.num_blocks}) runs with caches "
-                          "off only: its one block goes back to the lane pool at every finish")

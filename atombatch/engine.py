@@ -20,7 +20,7 @@ import numpy.typing as npt
 from atombatch import blocks as core
 from atombatch import plan as memory_plan
 from atombatch.checkpoints import run_slot_ops, slot_ops_supported
-from atombatch.config import ArtifactConfig, check_serving
+from atombatch.config import ArtifactConfig
 from atombatch.detokenizer import bad_word_ids
 from atombatch.errors import (
     CapacityError,
@@ -57,6 +57,9 @@ __all__ = ["DEFAULT_MAX_WAITING", "Batcher", "EngineStats", "Extras", "Group", "
            "KVSource", "StepResult"]
 
 _WARN_EVENTS = frozenset({"request.failed"})
+# A request's lane events are debug: rendered, each costs the device loop ~37 us (issue 21: the
+# core's own Python per step stays small); its finish (with its timings) stays info.
+_DEBUG_EVENTS = frozenset({"lane.assigned", "request.admitted", "lane.released"})
 _ALL_MASKED = ("every token is masked (structured output, allowed_token_ids, bad_words, "
                "logit_bias and min_tokens exclude the whole vocabulary)")
 
@@ -175,7 +178,8 @@ class Batcher:
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not one of "
                               f"{', '.join(LOGPROBS_MODES)}")
-        check_serving(artifact, prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes)
+        memory_plan.check_serving(artifact, prefix_cache=prefix_cache,
+                                  host_cache_bytes=host_cache_bytes)
         self.runtime = runtime
         self.artifact = artifact
         self.spec = artifact.model
@@ -194,6 +198,9 @@ class Batcher:
                                         not isinstance(max_waiting, int) or max_waiting < 1):
             raise ConfigError(f"max_waiting={max_waiting!r} must be an int >= 1 (or None: unbounded)")
         self.max_waiting = max_waiting
+        # Called right before every device call: the engine core hands the previous step's
+        # outputs to its sender thread there, so that work runs while the device does.
+        self.on_device_call: Callable[[], None] | None = None
         self._step_lock = threading.Lock()      # the engine's state: step, submit, abort
         self._consumer = threading.Lock()       # held by the one thread inside step()
         self._seed_seq = np.random.SeedSequence(seed)
@@ -845,6 +852,9 @@ class Batcher:
         transient (`TransientDeviceError`: nothing was written that the repeat would not
         overwrite). Any other failure, or a second one, propagates and fails the step's
         requests: they shared one device call."""
+        hook = self.on_device_call
+        if hook is not None:
+            hook()
         try:
             return call(inputs)
         except TransientDeviceError as exc:
@@ -889,6 +899,8 @@ class Batcher:
         for name, fields in events:
             if name in _WARN_EVENTS:
                 log.warning(name, **fields)
+            elif name in _DEBUG_EVENTS:
+                log.debug(name, **fields)
             else:
                 log.info(name, **fields)
         events.clear()

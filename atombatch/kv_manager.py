@@ -75,7 +75,7 @@ class KVManager:
         if self.hybrid and self.prefix is not None:
             if host_cache is None or checkpoint_bytes <= 0:
                 raise StateError("a hybrid prefix cache needs a host cache and the checkpoint "
-                                 "size (check_serving refuses it otherwise)")
+                                 "size (plan.check_serving refuses it otherwise)")
             self.checkpoints = SlotCheckpoints(
                 artifact.prefill_chunk_size, artifact.block_size,
                 CheckpointStore(host_cache, checkpoint_bytes), self.prefix, counters)

@@ -12,13 +12,19 @@ wakes once per step however many items wait (`take`).
 
 It is single-consumer (the `OutputStreams` one-consumer rule) and not thread-safe (as
 `asyncio.Queue` is not).
+
+A consumer parked in `take` may set a `sink`: a function that handles one plain token itself
+(the server writes the token's event to its connection there and then: `_Generation.fast_lane`
+in atombatch/serve/app.py) and returns False when it cannot (the item is then queued as usual).
+`put_plain` offers a plain token to the sink only while the consumer waits and nothing is queued,
+so the sink never overtakes an item, and the consumer is not woken for what the sink took.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from atombatch.structs import RequestOutput
 
@@ -39,11 +45,20 @@ def as_outputs(request_id: str, items: Iterable[Item]) -> list[RequestOutput]:
 class Mailbox:
     """A request's waiting outputs (see the module docstring)."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_items", "_waiter", "sink")
 
     def __init__(self) -> None:
         self._items: deque[Item] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self.sink: Callable[[int], bool] | None = None
+
+    def put_plain(self, token: int) -> None:
+        """A plain token of choice 0: to the sink if the consumer waits with nothing queued and
+        the sink takes it, else queued."""
+        sink = self.sink
+        if sink is not None and self._waiter is not None and not self._items and sink(token):
+            return
+        self.put_nowait(token)
 
     def put_nowait(self, item: Item) -> None:
         self._items.append(item)

@@ -14,7 +14,8 @@ buffers) is either taken from an observation of a running artifact or estimated:
 
 A hybrid model with the prefix cache also keeps sliding-slot checkpoints (docs/prefix-cache.md) in
 host memory, inside `host_cache_bytes`: `checkpoint_bytes` is one checkpoint (one lane's sliding
-slot in every sliding layer); it is reported, never added to the device projection.
+slot in every sliding layer); it is reported, never added to the device projection, and
+`check_serving` refuses a host cache too small to hold one.
 
 With `tensor_parallel > 1` every figure is per device: attention heads, KV heads and the MLP are
 split across devices; KV heads are replicated when there are fewer of them than devices; embeddings
@@ -140,6 +141,27 @@ def checkpoint_bytes(artifact: ArtifactConfig) -> int:
         if group.kind == "sliding":
             return group.total_bytes // artifact.batch_size
     return 0
+
+
+def check_serving(artifact: ArtifactConfig, *, prefix_cache: bool = False,
+                  host_cache_bytes: int = 0) -> None:
+    """Check the Batcher's cache options against the artifact (docs/rules.md). Raises `ConfigError`."""
+    if host_cache_bytes < 0:
+        raise ConfigError(f"host_cache_bytes={host_cache_bytes} must be >= 0")
+    if host_cache_bytes and not prefix_cache:
+        raise ConfigError(f"host_cache_bytes={host_cache_bytes} needs prefix_cache=True: the host "
+                          "cache holds evicted prefix-cache blocks")
+    if artifact.model.is_hybrid and prefix_cache:
+        need = checkpoint_bytes(artifact)
+        if host_cache_bytes < need:
+            raise ConfigError(f"host_cache_bytes={host_cache_bytes}: the prefix cache of hybrid "
+                              f"model {artifact.model.name} keeps sliding-slot checkpoints in "
+                              f"the host cache, which must hold at least one ({need} bytes; "
+                              "docs/prefix-cache.md)")
+    if artifact.single_block and (prefix_cache or host_cache_bytes):
+        raise ConfigError(f"prefix_cache={prefix_cache}, host_cache_bytes={host_cache_bytes}: "
+                          f"single-block mode (num_blocks={artifact.num_blocks}) runs with caches "
+                          "off only: its one block goes back to the lane pool at every finish")
 
 
 def kv_cache_bytes(artifact: ArtifactConfig) -> int:

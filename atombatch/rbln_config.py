@@ -8,10 +8,11 @@ triples, `npu`, `num_devices`). A graph's `input_info` lists the host inputs in 
 followed by the device-resident KV caches (`past_key_values_{2l}` K, `{2l+1}` V), which the host
 never passes.
 
-`load(model_dir)` reads all of it, derives the `ArtifactConfig`, reads each graph's input list from
-the file (or derives it exactly as optimum-rbln's `get_input_info` does when the file does not record
-it), checks every field against the others, the model's `config.json` and atombatch's admission
-rules, and raises `ConfigError` naming the field. The input table is in `docs/device.md`.
+`load(model_dir)` reads all of it, derives the `ArtifactConfig` (`load_artifact(model_dir)` when
+only that is wanted), reads each graph's input list from the file (or derives it exactly as
+optimum-rbln's `get_input_info` does when the file does not record it), checks every field against
+the others, the model's `config.json` and atombatch's admission rules, and raises `ConfigError`
+naming the field. The input table is in `docs/device.md`.
 """
 
 from __future__ import annotations
@@ -341,6 +342,19 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
         optimum_rbln_version=_get(raw, "optimum_rbln_version", str, None),
         prefill=graphs[0], decoders=tuple(graphs[1:]), kv_caches=kv,
         output_hidden_states=_get(raw, "output_hidden_states", bool, False))
+
+
+def load_artifact(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> ArtifactConfig:
+    """The artifact of a compiled optimum-rbln directory (or its `rbln_config.json`).
+
+    Lanes, context, block size, block count, chunk, tensor parallel, KV dtype and the compiled
+    decode batch sizes come from `rbln_config.json`; the model from `model` or the directory's
+    `config.json`. Every field is checked as `load` checks it (docs/device.md).
+
+    Raises:
+        ConfigError: a missing, contradicting or unsupported field, named in the message.
+    """
+    return load(model_dir, model).artifact
 
 
 def _refuse_unsupported(raw: dict[str, Any]) -> None:

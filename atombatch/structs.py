@@ -73,7 +73,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         _check_float(self, "repetition_penalty", 0.0, None, low_open=True)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise RequestError(f"{name}={getattr(self, name)!r} must be a bool")
+                raise RequestError(f"{name}={getattr(self, name)!r} must be a bool", param=name)
         if self.logprobs is not None:
             _check_int(self, "logprobs", 0, MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
@@ -86,7 +86,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             allowed = _ids(self.allowed_token_ids, "allowed_token_ids")
             if not allowed:
                 raise RequestError("allowed_token_ids=() must name at least one token id "
-                                   "(None turns it off)")
+                                   "(None turns it off)", param="allowed_token_ids")
             _set(self, "allowed_token_ids", allowed)
         if self.logit_bias is not None:
             _set(self, "logit_bias", _bias(self.logit_bias))
@@ -121,14 +121,14 @@ def _check_int(params: SamplingParams, name: str, low: int, high: int | None,
                high_name: str | None = None) -> None:
     value = getattr(params, name)
     if not _is_int(value):
-        raise RequestError(f"{name}={value!r} must be an integer")
+        raise RequestError(f"{name}={value!r} must be an integer", param=name)
     value = int(value)
     _set(params, name, value)
     if value < low:
-        raise RequestError(f"{name}={value} must be >= {low}")
+        raise RequestError(f"{name}={value} must be >= {low}", param=name)
     if high is not None and value > high:
         bound = f"{high_name}={high}" if high_name else str(high)
-        raise RequestError(f"{name}={value} must be <= {bound}")
+        raise RequestError(f"{name}={value} must be <= {bound}", param=name)
 
 
 def _check_float(params: SamplingParams, name: str, low: float, high: float | None, *,
@@ -136,30 +136,30 @@ def _check_float(params: SamplingParams, name: str, low: float, high: float | No
     value = getattr(params, name)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
                                                                       np.floating)):
-        raise RequestError(f"{name}={value!r} must be a number")
+        raise RequestError(f"{name}={value!r} must be a number", param=name)
     value = float(value)
     _set(params, name, value)
     rule = (f"in ({low}, {high}]" if low_open else f"in [{low}, {high}]") if high is not None \
         else (f"> {low}" if low_open else f">= {low}")
     if not math.isfinite(value) or (value <= low if low_open else value < low) or \
             (high is not None and value > high):
-        raise RequestError(f"{name}={value} must be a finite number {rule}")
+        raise RequestError(f"{name}={value} must be a finite number {rule}", param=name)
 
 
 def _strings(value: object, name: str) -> tuple[str, ...]:
     if isinstance(value, str):
         value = (value,)
     if not isinstance(value, (list, tuple)):
-        raise RequestError(f"{name}={value!r} must be a string or a list of strings")
+        raise RequestError(f"{name}={value!r} must be a string or a list of strings", param=name)
     if len(value) > MAX_STOP_STRINGS:
         raise RequestError(f"{name} has {len(value)} strings, at most {MAX_STOP_STRINGS} are "
-                           "allowed")
+                           "allowed", param=name)
     for item in value:
         if not isinstance(item, str) or not item:
-            raise RequestError(f"{name} entry {item!r} must be a non-empty string")
+            raise RequestError(f"{name} entry {item!r} must be a non-empty string", param=name)
         if len(item) > MAX_STOP_CHARS:
             raise RequestError(f"{name} entry of {len(item)} characters exceeds "
-                               f"{MAX_STOP_CHARS}")
+                               f"{MAX_STOP_CHARS}", param=name)
     return tuple(value)
 
 
@@ -167,30 +167,36 @@ def _ids(value: object, name: str) -> tuple[int, ...]:
     if isinstance(value, np.ndarray):
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
-        raise RequestError(f"{name}={value!r} must be a list of token ids")
+        raise RequestError(f"{name}={value!r} must be a list of token ids", param=name)
     if len(value) > MAX_LIST_ITEMS:
-        raise RequestError(f"{name} has {len(value)} ids, at most {MAX_LIST_ITEMS} are allowed")
+        raise RequestError(f"{name} has {len(value)} ids, at most {MAX_LIST_ITEMS} are allowed",
+                           param=name)
     for item in value:
         if not _is_int(item) or item < 0:
-            raise RequestError(f"{name} entry {item!r} must be a token id (an integer >= 0)")
+            raise RequestError(f"{name} entry {item!r} must be a token id (an integer >= 0)",
+                               param=name)
     return tuple(int(item) for item in value)
 
 
 def _bias(value: object) -> dict[int, float]:
     if not isinstance(value, dict):
-        raise RequestError(f"logit_bias={value!r} must map token ids to numbers")
+        raise RequestError(f"logit_bias={value!r} must map token ids to numbers",
+                           param="logit_bias")
     if len(value) > MAX_LIST_ITEMS:
-        raise RequestError(f"logit_bias has {len(value)} entries, at most {MAX_LIST_ITEMS}")
+        raise RequestError(f"logit_bias has {len(value)} entries, at most {MAX_LIST_ITEMS}",
+                           param="logit_bias")
     out: dict[int, float] = {}
     for key, bias in value.items():
         token = key
         if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
             token = int(key)  # JSON object keys are strings
         if not _is_int(token) or token < 0:
-            raise RequestError(f"logit_bias key {key!r} must be a token id (an integer >= 0)")
+            raise RequestError(f"logit_bias key {key!r} must be a token id (an integer >= 0)",
+                               param="logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
                 not -100.0 <= float(bias) <= 100.0:
-            raise RequestError(f"logit_bias[{key}]={bias!r} must be a number in [-100, 100]")
+            raise RequestError(f"logit_bias[{key}]={bias!r} must be a number in [-100, 100]",
+                               param="logit_bias")
         out[int(token)] = float(bias)
     return out
 

@@ -9,6 +9,17 @@ from types import ModuleType
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _json_events() -> Iterator[None]:
+    """Events in JSON for every test (tests decode them), also under `pytest -s` on a terminal,
+    whose default would be console; a test that picks a format gets JSON back afterwards."""
+    from atombatch import logs
+
+    logs.configure("json")
+    yield
+    logs.configure("json")
+
+
 @pytest.fixture(params=["c", "py"])
 def impl(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
     """The compiled `atombatch._blocks` (id `c`) or the pure-Python twin `_blocks_py` (id `py`)."""

@@ -59,14 +59,11 @@ import numpy as np
 
 from atombatch.bench import provenance
 from atombatch.bench.progress import CellProgress
+from atombatch.bench.sse_client import Stream, http_request
 
 Path_ = Literal["engine", "server"]
 Load = tuple[float, float, float]
 
-_DATA = b"data: "
-_DONE = b"data: [DONE]"
-_TOKEN_IDS = b'"token_ids":['
-_ERROR = b'{"error"'
 
 
 # -- records ---------------------------------------------------------------------------------------
@@ -88,6 +85,7 @@ class Round(msgspec.Struct, frozen=True):
     errors: tuple[str, ...] = ()        # what went wrong (first few)
     device_s: float | None = None       # engine path: wall seconds inside the runtime's calls
     decode_steps: int | None = None     # engine path: decode calls
+    steady: float | None = None         # median over requests of its decode rate / 1 per step
 
 
 class Figures(msgspec.Struct, frozen=True):
@@ -98,6 +96,7 @@ class Figures(msgspec.Struct, frozen=True):
     front_us_per_token: float
     core_us_per_token: float
     client_us_per_token: float
+    steady: float | None = None              # see `steady_ratio`
     host_ms_per_step: float | None = None    # engine path: wall time outside the runtime / step
     device_ms_per_step: float | None = None  # engine path: wall time inside it (sleep overshoot)
 
@@ -202,64 +201,18 @@ def _load() -> Load:
 
 
 # -- the client ------------------------------------------------------------------------------------
-class _Stream:
-    """One streamed completion's bytes: counts SSE events and `token_ids` entries by scanning."""
+def steady_ratio(spans: list[tuple[float, float, int]], step_s: float) -> float | None:
+    """The median over requests of its decode rate as a share of one token per device step.
 
-    __slots__ = ("ended", "error", "events", "finished", "status", "tail", "tokens")
-
-    def __init__(self) -> None:
-        self.status = 0
-        self.events = 0                      # data events carrying tokens
-        self.tokens = 0
-        self.finished = False                # [DONE] seen
-        self.error: str | None = None
-        self.ended = 0.0                     # perf_counter at [DONE], error or close
-        self.tail = b""
-
-    def feed(self, data: bytes, now: float) -> bool:
-        """Take the next bytes; True once the stream is over."""
-        buf = self.tail + data if self.tail else data
-        if not self.status:
-            if len(buf) < 12:
-                self.tail = buf
-                return False
-            self.status = int(buf[9:12]) if buf.startswith(b"HTTP/1.") else -1
-            if self.status != 200:
-                self.error = f"HTTP {self.status}: " + buf[:300].decode(errors="replace")
-        end = buf.rfind(b"\n\n")  # complete SSE events end before it; chunk framing sits between
-        if end < 0:
-            self.tail = buf
-            return False
-        self.tail = buf[end + 2:]
-        events = buf.count(_DATA, 0, end)
-        at = buf.find(_TOKEN_IDS, 0, end)
-        while at >= 0:
-            start = at + len(_TOKEN_IDS)
-            close = buf.find(b"]", start, end)
-            if close > start:
-                self.tokens += buf.count(b",", start, close) + 1
-            at = buf.find(_TOKEN_IDS, close, end)
-        error = buf.find(_ERROR, 0, end)
-        if error >= 0 and self.error is None:
-            self.error = "error event: " + buf[error:error + 300].decode(errors="replace")
-        if buf.endswith(_DONE, 0, end):
-            self.finished = True
-            events -= 1
-        self.events += events
-        if self.finished:
-            self.ended = now
-        return self.finished
-
-    def closed(self, now: float) -> None:
-        if not self.finished and self.error is None:
-            self.error = "connection closed before [DONE]"
-        self.ended = now
-
-
-def _request(host: str, port: int, body: bytes) -> bytes:
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-            b"Accept: text/event-stream\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-            % (host.encode(), port, len(body))) + body
+    `spans` are (first-token time, end time, tokens) per request. A request decodes one token
+    per step from its first token to its last, so `(tokens - 1) x step / (end - first)` is 1.0
+    when no step of its stream waited for the host, whatever the admission order: the round's
+    ratio also pays for the B prefills' ramp (a request admitted late ends late), which the
+    scheduling policy decides (docs/scheduling.md); this one is the steady decode rate.
+    """
+    rates = [(tokens - 1) * step_s / (end - first) for first, end, tokens in spans
+             if tokens > 1 and end > first > 0]
+    return float(statistics.median(rates)) if rates else None
 
 
 def request_bodies(model: str, prompts: list[list[int]], max_tokens: int) -> list[bytes]:
@@ -269,7 +222,7 @@ def request_bodies(model: str, prompts: list[list[int]], max_tokens: int) -> lis
 
 
 def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_tokens: int,
-                 step_s: float, max_nap: float = 0.25) -> tuple[list[_Stream], float]:
+                 step_s: float, max_nap: float = 0.25) -> tuple[list[Stream], float]:
     """Send every body at once over its own connection and read every stream to [DONE].
 
     The connections are opened before the clock starts; the requests then go out back to back.
@@ -278,7 +231,9 @@ def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_
     for the most advanced open stream, none ends within `left x step_s`. The loop naps half of
     that (at most `max_nap`), so one read takes the events of several steps (a read costs far
     more CPU than scanning its bytes) while the end times stay exact: near the end it polls
-    without napping. Returns the streams and first send -> last end (seconds).
+    without napping. Until every stream has its first token it naps at most half a step, so
+    each stream's first-token time is exact to that (`steady_ratio`). Returns the streams and
+    first send -> last end (seconds).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     socks: list[socket.socket] = []
@@ -288,10 +243,11 @@ def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_
             socks.append(sock)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.connect((host, port))
-        requests = [_request(host, port, body) for body in bodies]
-        streams = [_Stream() for _ in bodies]
-        by_fd: dict[int, tuple[socket.socket, _Stream]] = {}
+        requests = [http_request(host, port, "/v1/completions", body) for body in bodies]
+        streams = [Stream() for _ in bodies]
+        by_fd: dict[int, tuple[socket.socket, Stream]] = {}
         most = 0  # tokens of the most advanced stream
+        unstarted = len(streams)  # streams without their first token
         with select.epoll() as poller:
             started = time.perf_counter()
             for sock, request, stream in zip(socks, requests, streams, strict=True):
@@ -314,15 +270,22 @@ def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_
                     except OSError as exc:
                         stream.error = f"recv: {exc}"
                         data = b""
+                    had_first = stream.first
                     if not data:
                         stream.closed(now)
                     elif not stream.feed(data, now):
                         if stream.tokens > most:
                             most = stream.tokens
+                        if stream.first and not had_first:
+                            unstarted -= 1
                         continue
+                    if stream.first and not had_first:
+                        unstarted -= 1
                     poller.unregister(fd)
                     del by_fd[fd]
                 nap = min(max_nap, (max_tokens - most - 1) * step_s / 2)
+                if unstarted > 0:
+                    nap = min(nap, step_s / 2)
                 if by_fd and nap > 0.001:
                     time.sleep(nap)
         for _, stream in by_fd.values():
@@ -425,8 +388,9 @@ def _figures(rounds: list[Round]) -> Figures:
                 for r in timed]) if timed else None
     device = med([1e3 * r.device_s / r.decode_steps  # type: ignore[operator]
                   for r in timed]) if timed else None
+    steady = [r.steady for r in rounds if r.steady is not None]
     return Figures(tok_per_s=med([r.tok_per_s for r in rounds]),
-                   ratio=med([r.ratio for r in rounds]),
+                   ratio=med([r.ratio for r in rounds]), steady=med(steady) if steady else None,
                    front_us_per_token=per_token(lambda r: r.front_cpu_s),
                    core_us_per_token=per_token(lambda r: r.core_cpu_s),
                    client_us_per_token=per_token(lambda r: r.client_cpu_s),
@@ -441,9 +405,11 @@ def bound_ratio(batch_size: int, step_ms: float, prefill_ms: float, prompt_len: 
 
 
 def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: list[list[int]],
-                 max_tokens: int, max_seq_len: int, chunk: int) -> Round:
+                 max_tokens: int, max_seq_len: int, chunk: int,
+                 policy: str | None = None) -> Round:
     """One round on an in-process Batcher over a NullRuntime (no HTTP): `step_arrays()`."""
     from atombatch import ArtifactConfig, Batcher, SamplingParams
+    from atombatch.policy import DEFAULT_POLICY
     from atombatch.runtime.null import NullRuntime
     from atombatch.serve.cli import DEFAULT_SPEC
 
@@ -451,29 +417,36 @@ def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: li
                          block_size=max_seq_len, num_blocks=batch_size + 1,
                          prefill_chunk_size=chunk)
     runtime = NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms)
-    batcher = Batcher(runtime, max_waiting=None)
+    batcher = Batcher(runtime, max_waiting=None, policy=policy or DEFAULT_POLICY)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     load_before = _load()
     cpu0, started = time.process_time(), time.perf_counter()
     for prompt in prompts:
         batcher.submit(prompt, params)
     tokens = events = finished = 0
+    first: dict[str, float] = {}
+    spans: list[tuple[float, float, int]] = []
     while batcher.has_unfinished():
         result = batcher.step_arrays()
+        now = time.perf_counter()
         plain = int(np.count_nonzero(result.plain))
         tokens += plain
         events += plain
         for out in result.outputs:
             tokens += len(out.new_token_ids)
             events += 1
-            finished += int(out.finished and out.finish_reason == "length")
+            first.setdefault(out.request_id, now)
+            if out.finished and out.finish_reason == "length":
+                finished += 1
+                spans.append((first[out.request_id], now, max_tokens))
     duration, cpu = time.perf_counter() - started, time.process_time() - cpu0
     tok_s = tokens / duration
     return Round(requests=len(prompts), ok=finished, tokens=tokens, events=events,
                  duration_s=duration, tok_per_s=tok_s, ratio=tok_s / (batch_size * 1e3 / step_ms),
                  front_cpu_s=0.0, core_cpu_s=cpu, client_cpu_s=0.0, load_before=load_before,
                  load_after=_load(), device_s=runtime.calls.decode_s + runtime.calls.prefill_s,
-                 decode_steps=runtime.calls.decode_calls)
+                 decode_steps=runtime.calls.decode_calls,
+                 steady=steady_ratio(spans, step_ms / 1e3))
 
 
 def server_round(server: Server, bodies: list[bytes], max_tokens: int, batch_size: int,
@@ -497,7 +470,9 @@ def server_round(server: Server, bodies: list[bytes], max_tokens: int, batch_siz
                  tokens=tokens, events=sum(s.events for s in streams), duration_s=duration,
                  tok_per_s=tok_s, ratio=tok_s / (batch_size * 1e3 / step_ms), front_cpu_s=front,
                  core_cpu_s=core, client_cpu_s=client, load_before=load_before,
-                 load_after=_load(), errors=errors)
+                 load_after=_load(), errors=errors,
+                 steady=steady_ratio([(s.first, s.ended, s.tokens) for s in streams
+                                      if s.finished and s.error is None], step_ms / 1e3))
 
 
 @contextlib.contextmanager
@@ -529,6 +504,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-server", action="store_true", help="skip the HTTP server cases")
     p.add_argument("--timeout", type=float,
                    help="seconds per round (default: 10 x the ideal round time + 60)")
+    p.add_argument("--policy", help="scheduling policy of the engine and the server (default: "
+                   "the engine's, stall-free:8; docs/scheduling.md)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     p.add_argument("--json", help="write the report (msgspec JSON) to this path")
     p.add_argument("--no-progress", action="store_true", help="no per-case progress on stderr")
@@ -575,9 +552,11 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
             if not args.no_engine:
                 what = f"B{batch} step {step:g} ms engine"
                 progress.start(what)
-                engine_round(batch, step, args.prefill_ms, prompts, 4, max_seq_len, chunk)
+                engine_round(batch, step, args.prefill_ms, prompts, 4, max_seq_len, chunk,
+                             args.policy)
                 rounds = [engine_round(batch, step, args.prefill_ms, prompts, args.max_tokens,
-                                       max_seq_len, chunk) for _ in range(args.repeats)]
+                                       max_seq_len, chunk, args.policy)
+                          for _ in range(args.repeats)]
                 finish(what, Case(path="engine", batch_size=batch, step_ms=step,
                                   prefill_ms=args.prefill_ms, tokenizer=False, engine_core=None,
                                   ideal_tok_s=ideal, bound_ratio=bound, rounds=rounds,
@@ -597,6 +576,8 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
                             "--log-level", "warning"]
                     if mode == "wordlevel":
                         argv += ["--tokenizer", str(tok_dir)]
+                    if args.policy:
+                        argv += ["--policy", args.policy]
                     if core:
                         argv += ["--engine-core", core]
                     split: Literal["thread", "process"] = \
@@ -638,6 +619,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
               "prefill_ms": args.prefill_ms, "max_tokens": args.max_tokens,
               "prompt_len": args.prompt_len, "repeats": args.repeats,
               "tokenizers": list(args.tokenizers), "engine_cores": cores, "seed": args.seed,
+              "policy": args.policy or "stall-free:8 (default)",
               "model": spec.name, "vocab_size": spec.vocab_size, "max_seq_len": max_seq_len,
               "prefill_chunk_size": chunk, "concurrency": "B", "temperature": 0.0,
               "ignore_eos": True, "cpu_clock": "schedstat" if
@@ -651,14 +633,16 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
 def format_table(report: Report) -> str:
     """One row per B x step x tokenizer: the engine alone beside each server column."""
     cores = report.params["engine_cores"]
-    head = f"{'B':>4} {'step':>5} {'ideal':>7} {'bound':>5} | {'engine':>6} {'cpu':>5} " \
-        f"{'host':>5} {'sleep':>5} | {'tok':<4}"
+    head = f"{'B':>4} {'step':>5} {'ideal':>7} {'bound':>5} | {'engine':>6} {'steady':>6} " \
+        f"{'cpu':>5} {'host':>5} {'sleep':>5} | {'tok':<4}"
     for core in cores:
         label = core or "server"
-        head += f" | {label + ' ratio':>13} {'tok/s':>7} {'front':>6} {'core':>6} {'client':>6}"
+        head += f" | {label + ' ratio':>13} {'steady':>6} {'tok/s':>7} {'front':>6} " \
+            f"{'core':>6} {'client':>6}"
     lines = ["bench overlap: delivered / ideal throughput on the null device "
              f"(prefill {report.params['prefill_ms']:g} ms, {report.params['prompt_len']} in / "
-             f"{report.params['max_tokens']} out, c = B, medians of {report.params['repeats']}); "
+             f"{report.params['max_tokens']} out, c = B, medians of {report.params['repeats']}, "
+             f"policy {report.params.get('policy', 'stall-free:8 (default)')}); "
              "CPU in us per delivered token", head, "-" * len(head)]
     engines = {(c.batch_size, c.step_ms): c for c in report.cases if c.path == "engine"}
     servers = {(c.batch_size, c.step_ms, c.tokenizer, c.engine_core): c
@@ -673,20 +657,21 @@ def format_table(report: Report) -> str:
             row = f"{batch:>4} {step:>5g} {some.ideal_tok_s:>7.0f} {some.bound_ratio:>5.3f} | "
             em = engine.median if engine is not None else None
             if em is not None and i == 0:
-                row += f"{em.ratio:>6.3f} {em.core_us_per_token:>5.1f} " \
+                row += f"{em.ratio:>6.3f} {_ratio(em.steady)} {em.core_us_per_token:>5.1f} " \
                     f"{_ms(em.host_ms_per_step)} {_ms(em.device_ms_per_step)} | "
             else:
-                row += f"{'':>6} {'':>5} {'':>5} {'':>5} | "
+                row += f"{'':>6} {'':>6} {'':>5} {'':>5} {'':>5} | "
             row += f"{'wl' if tokenizer else 'ids':<4}"
             for core in cores:
                 case = servers.get((batch, step, tokenizer, core))
                 if case is None or case.median is None:
-                    row += f" | {'-':>13} {'':>7} {'':>6} {'':>6} {'':>6}"
+                    row += f" | {'-':>13} {'':>6} {'':>7} {'':>6} {'':>6} {'':>6}"
                     continue
                 m = case.median
                 failed = sum(r.requests - r.ok for r in case.rounds) + _failed(case)
                 ratio = f"{m.ratio:.3f}" + ("!" if failed else "")
-                row += f" | {ratio:>13} {m.tok_per_s:>7.0f} {m.front_us_per_token:>6.1f} " \
+                row += f" | {ratio:>13} {_ratio(m.steady)} {m.tok_per_s:>7.0f} " \
+                    f"{m.front_us_per_token:>6.1f} " \
                     f"{m.core_us_per_token:>6.1f} {m.client_us_per_token:>6.1f}"
             lines.append(row)
     failures = [e for c in report.cases for r in c.rounds for e in r.errors] + \
@@ -695,7 +680,9 @@ def format_table(report: Report) -> str:
     lb, la = report.load_before, report.load_after
     lines += ["",
               "ideal = B / step (tok/s); bound = the best ratio a round allows (B prefills, "
-              "max_tokens - 1 steps)",
+              "max_tokens - 1 steps); steady = median over requests of (tokens - 1) x step / "
+              "(last - first token time): 1.0 when no decode step waited for the host (the round "
+              "ratio also pays the admission ramp the policy sets)",
               "engine = in-process Batcher.step_arrays(): cpu = its process CPU (us/token), "
               "host = ms per step outside the device call, sleep = ms per step inside it",
               "tok = ids (no tokenizer) or wl (WordLevel tokenizer: detokenized text); front = "
@@ -714,6 +701,10 @@ def format_table(report: Report) -> str:
 def _failed(case: Case) -> bool:
     """The case did not run all its rounds (a restart that recovered is not a failure)."""
     return case.error is not None and not case.error.startswith("recovered by a restart")
+
+
+def _ratio(value: float | None) -> str:
+    return f"{'-':>6}" if value is None else f"{value:>6.3f}"
 
 
 def _ms(value: float | None) -> str:

@@ -23,10 +23,13 @@ class CellProgress:
         total: cells in the run.
         enabled: False prints nothing (`--no-progress`).
         stream: where to write (default stderr); a bar only when it is a terminal.
+        unit: what is counted ("cell", "request").
     """
 
-    def __init__(self, total: int, *, enabled: bool = True, stream: TextIO | None = None) -> None:
+    def __init__(self, total: int, *, enabled: bool = True, stream: TextIO | None = None,
+                 unit: str = "cell") -> None:
         self.total = total
+        self.unit = unit
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
         self.done = 0
@@ -34,7 +37,7 @@ class CellProgress:
         self.cell_started = self.started
         self._bar: Any = None
         if enabled and _is_terminal(self.stream):
-            self._bar = tqdm(total=total, file=self.stream, unit="cell", dynamic_ncols=True,
+            self._bar = tqdm(total=total, file=self.stream, unit=unit, dynamic_ncols=True,
                              leave=True)
 
     def start(self, what: str) -> None:
@@ -43,8 +46,9 @@ class CellProgress:
         if self._bar is not None:
             self._bar.set_description_str(what, refresh=True)
 
-    def finish(self, what: str, outcome: str) -> None:
-        """A cell ended with `outcome` ("ok", "rejected", ...)."""
+    def finish(self, what: str, outcome: str, seconds: float | None = None) -> None:
+        """A cell ended with `outcome` ("ok", "rejected", ...) after `seconds` (default: since
+        its `start`; cells that overlap, such as concurrent requests, pass their own)."""
         self.done += 1
         if not self.enabled:
             return
@@ -56,16 +60,17 @@ class CellProgress:
         elapsed = now - self.started
         left = elapsed / self.done * (self.total - self.done)
         width = len(str(self.total))
+        took = now - self.cell_started if seconds is None else seconds
         print(f"[{self.done:>{width}}/{self.total}] {what}: {outcome} in "
-              f"{now - self.cell_started:.1f} s | elapsed {tqdm.format_interval(elapsed)}, "
+              f"{took:.1f} s | elapsed {tqdm.format_interval(elapsed)}, "
               f"left ~{tqdm.format_interval(left)}", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
         elif self.enabled and self.done:
-            print(f"{self.done} cells in {tqdm.format_interval(time.perf_counter() - self.started)}",
-                  file=self.stream, flush=True)
+            took = tqdm.format_interval(time.perf_counter() - self.started)
+            print(f"{self.done} {self.unit}s in {took}", file=self.stream, flush=True)
 
 
 def _is_terminal(stream: TextIO) -> bool:

@@ -20,12 +20,14 @@ If the core process exits unexpectedly, every request in flight ends with
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import multiprocessing
 import os
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,7 +48,7 @@ from atombatch.core.messages import (
     core_decoder,
     front_encoder,
 )
-from atombatch.core.process import run_core
+from atombatch.core.process import SOCKET_DIR_PREFIX, run_core
 from atombatch.engine import Batcher, EngineStats, KVSource
 from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
 from atombatch.logs import logger
@@ -54,6 +56,33 @@ from atombatch.structs import RequestOutput, SamplingParams
 from atombatch.validation import validate_request
 
 log = logger("atombatch.core")
+
+
+class _Leftovers:
+    """What a started client owns outside the process: the core and the directory of its IPC
+    sockets. `release` ends both; it runs on `close`, on a failed start, when the front sees the
+    core die (the directory only), when the client is garbage-collected, and at interpreter exit
+    (before multiprocessing's own exit handler would wait for the core forever)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory: str | None = directory
+        self.process: Any = None
+
+    def remove_directory(self) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+
+    def release(self) -> None:
+        atexit.unregister(self.release)
+        process, self.process = self.process, None
+        if process is not None and process.is_alive():
+            process.terminate()
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        self.remove_directory()
 
 
 class CoreClient(OutputStreams):
@@ -83,6 +112,7 @@ class CoreClient(OutputStreams):
         self._to_core: Any = None
         self._from_core: Any = None
         self._dir: str | None = None
+        self._leftovers: _Leftovers | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._receiver: threading.Thread | None = None
         self._stop_receiving = threading.Event()
@@ -103,8 +133,17 @@ class CoreClient(OutputStreams):
         """
         if self.ready is not None:
             return self.ready
-        self._dir = tempfile.mkdtemp(prefix="atombatch-core-")
-        to_core, from_core = (f"ipc://{os.path.join(self._dir, name)}" for name in ("in", "out"))
+        self._dir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
+        self._leftovers = _Leftovers(self._dir)
+        weakref.finalize(self, self._leftovers.release)
+        try:
+            return self._start_process(self._dir, self._leftovers)
+        except BaseException:  # a failed spawn, a timeout, Ctrl-C while the engine builds
+            self._kill()
+            raise
+
+    def _start_process(self, directory: str, leftovers: _Leftovers) -> Ready:
+        to_core, from_core = (f"ipc://{os.path.join(directory, name)}" for name in ("in", "out"))
         self._ctx = zmq.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
         self._to_core.setsockopt(zmq.LINGER, 0)
@@ -116,6 +155,10 @@ class CoreClient(OutputStreams):
         self._process = spawn.Process(target=run_core, name="atombatch-core",
                                       args=(self.factory, to_core, from_core, os.getpid()))
         self._process.start()
+        leftovers.process = self._process
+        # registered after start(), so it runs before multiprocessing's exit handler, which
+        # would wait for a core that waits for its front
+        atexit.register(leftovers.release)
         waited = 0.0
         while not self._from_core.poll(100):
             waited += 0.1
@@ -186,9 +229,9 @@ class CoreClient(OutputStreams):
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        if self._leftovers is not None:
+            self._leftovers.release()
+        self._dir = None
 
     # -- what a front asks of the engine (the same on AsyncBatcher) -------------------------------
     def _rules_ready(self) -> Ready:
@@ -309,7 +352,7 @@ class CoreClient(OutputStreams):
                 for request_id, token in zip(step.ids, tokens, strict=True):
                     box = get(request_id)
                     if box is not None:
-                        box.put_nowait(token)
+                        box.put_plain(token)
         for out in step.outputs:
             if out.finished:
                 self._finish(out.request_id)
@@ -321,6 +364,8 @@ class CoreClient(OutputStreams):
 
     def _core_exited(self, code: int | None) -> None:
         self._dead = True
+        if self._leftovers is not None:  # nobody will connect to these sockets again
+            self._leftovers.remove_directory()
         log.error("core.exited", exit_code=code, in_flight=len(self._queues))
         for request_id in list(self._queues):
             self._finish(request_id)

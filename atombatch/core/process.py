@@ -6,6 +6,17 @@
 step, send what it produced as one `Step`. It never parses HTTP, renders templates or formats
 logprobs; everything it receives was validated by the front against the rules it reported.
 
+The loop's own thread does only what the next step needs: the engine step, and picking the
+step's plain rows (three small array copies). Building the `Step` (a request id per plain token),
+encoding it and handing it to ZeroMQ happen on a sender thread (`_Sender`) while the loop is
+already in the next step's device call, which releases the interpreter lock as a device wait
+does: so the cost of telling the front about step N overlaps step N + 1 on the device instead of
+adding to every step (docs/overlap.md). The loop holds a step's message back until that device
+call begins (`Batcher.on_device_call`): handed over at once, the sender would take the
+interpreter lock at the loop's first release of it before the device call (a socket poll, a
+NumPy kernel) and the loop would wait for it there. Before the loop waits for messages, and
+when it stops, it hands over what it holds. Messages leave in the order the loop made them.
+
 It exits when the front asks (`Shutdown`), and also when the front is gone: its parent process
 exited (checked every loop) or its socket peer vanished, aborting every request it held first.
 """
@@ -13,7 +24,10 @@ exited (checked every loop) or its socket peer vanished, aborting every request 
 from __future__ import annotations
 
 import os
+import queue
+import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +58,7 @@ STATS_INTERVAL = 0.05     # seconds between the engine stats a Step carries
 IDLE_WAIT_MS = 100        # how long an idle core waits for a message before checking its parent
 PD_POLL_MS = 2            # while every unfinished request waits on a KV producer
 _NO_TOKENS = np.zeros(0, np.int64)   # a Step without plain tokens (allocated once)
+SOCKET_DIR_PREFIX = "atombatch-core-"  # the temporary directory of a client's IPC sockets
 
 
 def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address: str,
@@ -70,41 +85,137 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
         # The front bounds the queue (lanes + max_waiting choices in flight): a burst of submits
         # that arrives between two steps must not be refused here for lanes not yet assigned.
         batcher.max_waiting = None
-        CoreLoop(batcher, inbox, outbox, parent_pid).run()
+        sender = _Sender(outbox)
+        try:
+            loop = CoreLoop(batcher, inbox, sender, parent_pid)
+            loop.run()
+        finally:
+            sender.close()
+        if loop.front_gone:  # a killed front removed nothing: its socket directory goes with us
+            _remove_socket_dir(inbox_address)
     finally:
         inbox.close(linger=0)
         outbox.close()
         ctx.term()
 
 
+def _remove_socket_dir(address: str) -> None:
+    directory = os.path.dirname(address.removeprefix("ipc://"))
+    if os.path.basename(directory).startswith(SOCKET_DIR_PREFIX):  # only what a client made
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+class _Sender:
+    """A thread that builds, encodes and sends the loop's messages, in the order queued.
+
+    `put` takes a finished message or a `_PlainRows` to build a `Step` from; `close` sends what
+    is queued, then stops the thread. A send that fails (the front is gone) is logged once; the
+    loop finds out from its parent check.
+    """
+
+    def __init__(self, outbox: Any) -> None:
+        self.outbox = outbox
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._failed = False
+        self._thread = threading.Thread(target=self._run, name="atombatch-core-sender",
+                                        daemon=True)
+        self._thread.start()
+
+    def put(self, message: Any) -> None:
+        self._queue.put(message)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        encode, send = core_encoder.encode, self.outbox.send
+        while True:
+            message = self._queue.get()
+            if message is None:
+                return
+            if isinstance(message, _PlainRows):
+                message = message.step()
+            try:
+                # copied: a zero-copy frame costs a round trip through pyzmq's GC thread
+                send(encode(message))
+            except zmq.ZMQError as exc:
+                if not self._failed:
+                    self._failed = True
+                    log.warning("core.send_failed", error=str(exc))
+
+
+class _PlainRows:
+    """A `Step` still to be built: the step's plain rows as the loop picked them."""
+
+    __slots__ = ("lane_ids", "lanes", "outputs", "stats", "tokens")
+
+    def __init__(self, lane_ids: list[Any], lanes: np.ndarray, tokens: np.ndarray,
+                 outputs: list[RequestOutput], stats: Any) -> None:
+        self.lane_ids = lane_ids
+        self.lanes = lanes
+        self.tokens = tokens
+        self.outputs = outputs
+        self.stats = stats
+
+    def step(self) -> Step:
+        lane_ids = self.lane_ids
+        return Step(ids=[lane_ids[lane] for lane in self.lanes.tolist()],
+                    tokens=self.tokens.astype(np.int64, copy=False).tobytes(),
+                    outputs=self.outputs, stats=self.stats)
+
+
 class CoreLoop:
-    """Step a `Batcher` while taking the front's messages between steps."""
+    """Step a `Batcher` while taking the front's messages between steps.
+
+    `outbox` is anything with `put(message)`: the `_Sender` in the core process.
+    """
 
     def __init__(self, batcher: Batcher, inbox: Any, outbox: Any, parent_pid: int) -> None:
         self.batcher = batcher
         self.inbox = inbox
         self.outbox = outbox
+        self.held: list[Any] = []             # messages for the sender, until a device call
+        batcher.on_device_call = self.hand_over
         self.parent_pid = parent_pid
         self.live: set[str] = set()           # ids the front submitted that have not finished
         self.errors: list[RequestOutput] = []  # submits the engine refused, sent with the next Step
         self.stopping: Shutdown | None = None
+        self.front_gone = False                # run() returned because the front died
         self.stats_at = 0.0
 
+    def hand_over(self) -> None:
+        """Give the sender the messages held so far (at a device call, or before waiting)."""
+        if self.held:
+            put = self.outbox.put
+            for message in self.held:
+                put(message)
+            self.held.clear()
+
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.hand_over()
+
+    def _run(self) -> None:
         batcher = self.batcher
         stale = False        # the front's stats predate the last step
         while True:
             busy = batcher.has_unfinished()
             wait = 0 if busy and not batcher.idle else PD_POLL_MS if busy else IDLE_WAIT_MS
+            if wait:
+                self.hand_over()
             self.take(wait)
             if os.getppid() != self.parent_pid:  # the front died: nobody reads our outputs
                 log.warning("core.front_gone", aborted=len(self.live))
+                self.front_gone = True
                 for request_id in list(self.live):
                     batcher.abort(request_id)
                 return
             if self.stopping is not None and not batcher.has_unfinished():
                 self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
-                self.outbox.send(core_encoder.encode(Stopped()))
+                self.send(Stopped())
                 return
             if not batcher.has_unfinished():
                 if self.errors or stale:  # gone idle: the front sees the final counts
@@ -120,36 +231,46 @@ class CoreLoop:
                 self.send(self.step_message([], outputs, _NO_TOKENS))
                 continue
             plain = result.plain
-            if plain.any():
+            if plain.any():  # copies: the step's arrays are views the next step overwrites
                 rows = np.flatnonzero(plain)
-                lane_ids = result.request_ids
-                ids = [lane_ids[lane] for lane in result.lanes[rows].tolist()]
-                tokens = result.tokens[rows]
-            else:
-                ids, tokens = [], _NO_TOKENS
-            if ids or result.outputs or self.errors:
-                self.send(self.step_message(ids, result.outputs, tokens))
+                self.held.append(self.plain_rows(result.request_ids, result.lanes[rows],
+                                                 result.tokens[rows], result.outputs))
+            elif result.outputs or self.errors:
+                self.send(self.step_message([], result.outputs, _NO_TOKENS))
+
+    def plain_rows(self, lane_ids: list[Any], lanes: np.ndarray, tokens: np.ndarray,
+                   outputs: list[RequestOutput]) -> _PlainRows:
+        """What `step_message` says, with the ids still to be looked up (by the sender)."""
+        outputs = self._outputs(outputs)
+        return _PlainRows(lane_ids, lanes, tokens, outputs, self._stats(False))
 
     def step_message(self, ids: list[Any], outputs: list[RequestOutput],
                      tokens: np.ndarray, force_stats: bool = False) -> Step:
+        outputs = self._outputs(outputs)
+        return Step(ids=ids, tokens=tokens.astype(np.int64, copy=False).tobytes(),
+                    outputs=outputs, stats=self._stats(force_stats))
+
+    def _outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The step's outputs after the refused submits; finished ids leave `live`."""
         if self.errors:
             outputs = self.errors + outputs
             self.errors = []
         for out in outputs:
             if out.finished:
                 self.live.discard(out.request_id)
-        now = time.monotonic()
-        stats = None
-        if force_stats or now - self.stats_at >= STATS_INTERVAL or \
-                not self.batcher.has_unfinished():  # going idle: the final counts
-            stats = self.batcher.stats()
-            self.stats_at = now
-        return Step(ids=ids, tokens=tokens.astype(np.int64, copy=False).tobytes(),
-                    outputs=outputs, stats=stats)
+        return outputs
 
-    def send(self, message: Step) -> None:
-        # copied: a zero-copy frame costs a round trip through pyzmq's GC thread
-        self.outbox.send(core_encoder.encode(message))
+    def _stats(self, force: bool) -> Any:
+        """The engine's stats when due (every STATS_INTERVAL, and when going idle), else None."""
+        now = time.monotonic()
+        if force or now - self.stats_at >= STATS_INTERVAL or \
+                not self.batcher.has_unfinished():  # going idle: the final counts
+            self.stats_at = now
+            return self.batcher.stats()
+        return None
+
+    def send(self, message: Any) -> None:
+        self.held.append(message)
 
     def take(self, wait_ms: int) -> None:
         """Apply every message the front sent; wait up to `wait_ms` for the first."""

@@ -43,10 +43,10 @@ from atombatch.errors import ConfigError, StateError
 from atombatch.rbln_config import CompiledGraph, OptimumArtifact, load
 from atombatch.runtime.base import DecodeArrays, PrefillArrays
 
-INSTALL_HINT = ("rebel-sdk is not installed: it ships with the Rebellions SDK (not on the public "
-                "index); install it from your Rebellions package feed, e.g. "
-                "`pip install -i <rebellions-index> rebel-compiler`, then `pip install "
-                "atombatch[rebel]`")
+INSTALL_HINT = ("rebel-sdk is not installed: its `rebel` module is the distribution rebel-compiler "
+                "on Rebellions' package index, not the public one: pip install "
+                "--extra-index-url https://pypi.rbln.ai/simple 'atombatch[rebel]' "
+                "(docs/device.md)")
 HOST_ALIGNMENT = 4096
 F32 = np.float32
 

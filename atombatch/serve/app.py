@@ -92,7 +92,7 @@ from atombatch.serve.protocol import (
     Usage,
 )
 from atombatch.serve.reasoning import REASONING_PARSER_NAMES
-from atombatch.serve.sse import App, PlainChunk, SSEResponse
+from atombatch.serve.sse import App, DirectWriter, PlainChunk, SSEResponse
 from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredRequests
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
 from atombatch.serve.tools import TOOL_PARSER_NAMES, NoToolParser, ToolCallError, ToolPlan
@@ -143,10 +143,11 @@ def _sse(obj: Any) -> bytes:
 
 
 def _SSEResponse(content: AsyncIterator[bytes], generations: list[_Generation],
-                 headers: dict[str, str] | None = None) -> SSEResponse:
+                 headers: dict[str, str] | None = None,
+                 writer: DirectWriter | None = None) -> SSEResponse:
     """The lean SSE response (atombatch/serve/sse.py): closes its body and its requests (a
-    disconnect aborts)."""
-    return SSEResponse(content, generations, {**_SSE_HEADERS, **(headers or {})})
+    disconnect aborts); `writer` is the stream's direct writer, if it has one."""
+    return SSEResponse(content, generations, {**_SSE_HEADERS, **(headers or {})}, writer)
 
 
 # What a wakeup of plain tokens stands for in `_Generation.run`'s output slot: choice 0, not
@@ -187,6 +188,7 @@ class _Generation:
         self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # when asked for
         self.started = False                 # run() began (it then does its own accounting)
         self.abandoned = False
+        self.last_token_at = accepted        # perf_counter of the last token (inter-token gaps)
 
     @property
     def token_ids(self) -> list[int]:
@@ -207,6 +209,35 @@ class _Generation:
             self.server.ab.abort(self.request_id)
             self.server.metrics.finished.labels("abort").inc()
 
+    def fast_lane(self, template: PlainChunk, writer: DirectWriter) -> None:
+        """From now on, while the stream waits, write each plain token's event directly from
+        the callback that delivers it (`Mailbox.sink`, `DirectWriter`): the same accounting and
+        bytes as `run()` and the stream's plain branch, without waking the stream's task. Only
+        for one generation of one choice whose stream takes plain chunks (the caller's rule)."""
+        metrics = self.server.metrics
+        choice = self.choices[0]
+        decoder = choice.decoder
+        inter_token, tokens_total = metrics.inter_token, metrics.generation_tokens
+        direct = metrics.direct_events
+
+        def sink(token: int) -> bool:
+            if self.finish_reason is not None or not writer.ready():
+                return False
+            now = time.perf_counter()
+            inter_token.observe(now - self.last_token_at)
+            self.last_token_at = now
+            new = [token]
+            choice.token_ids.append(token)
+            self.generated += 1
+            tokens_total.inc(1)
+            text = decoder.step(new)
+            choice.text.append(text)
+            writer.write(template(text, new))
+            direct.inc()
+            return True
+
+        self.outputs.sink = sink
+
     async def run(self, index: int = 0
                   ) -> AsyncGenerator[tuple[int, tuple[list[int], str, RequestOutput]], None]:
         """Yield (index, (new ids, new text, output)) per wakeup and choice: what arrived since
@@ -216,7 +247,6 @@ class _Generation:
         metrics = self.server.metrics
         self.started = True
         metrics.in_flight.inc()
-        last = self.accepted
         box = self.outputs
         try:
             while self.finish_reason is None:
@@ -226,10 +256,10 @@ class _Generation:
                     new: list[int] = items  # type: ignore[assignment]
                     now = time.perf_counter()
                     if self.generated:
-                        metrics.inter_token.observe(now - last)
+                        metrics.inter_token.observe(now - self.last_token_at)
                     else:
                         metrics.ttft.observe(now - self.accepted)
-                    last = now
+                    self.last_token_at = now
                     choice = self.choices[0]
                     choice.token_ids.extend(new)
                     self.generated += len(new)
@@ -245,10 +275,10 @@ class _Generation:
                     if new:
                         now = time.perf_counter()
                         if self.generated:
-                            metrics.inter_token.observe(now - last)
+                            metrics.inter_token.observe(now - self.last_token_at)
                         else:
                             metrics.ttft.observe(now - self.accepted)
-                        last = now
+                        self.last_token_at = now
                         choice.token_ids.extend(new)
                         self.generated += len(new)
                         metrics.generation_tokens.inc(len(new))
@@ -275,6 +305,7 @@ class _Generation:
                             out.finish_reason or "error"
                     yield index, (new, text, out)
         finally:
+            box.sink = None
             metrics.in_flight.dec()
             if self.finish_reason is None:
                 self.abandoned = True
@@ -501,17 +532,15 @@ class _Server:
                 bad_words=tuple(body.bad_words), skip_special_tokens=body.skip_special_tokens,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
         except RequestError as exc:
-            message = str(exc)
-            lead = re.match(r"[a-z_]+", message)  # SamplingParams messages start with the field
-            param = lead.group(0) if lead else None
+            message, param = str(exc), exc.param   # the field SamplingParams checked
             if param == "logprobs" and not isinstance(body, CompletionRequest):
                 param = "top_logprobs"
                 message = message.replace("logprobs=", "top_logprobs=", 1)
             raise ApiError(400, message, param=param, code="invalid_value") from None
 
-    def encode(self, text: str, param: str) -> list[int]:
+    def encode(self, text: str, param: str, add_special_tokens: bool = False) -> list[int]:
         try:
-            return self.codec.encode(text)
+            return vllm_api.encode_prompt(self.codec, text, add_special_tokens)
         except RequestError as exc:
             raise ApiError(400, str(exc), param=param, code="invalid_value") from None
 
@@ -626,14 +655,18 @@ class _Server:
                            "length)", param="truncate_prompt_tokens", code="invalid_value")
         return [prompt[-k:] for prompt in prompts]
 
-    def prompts(self, prompt: str | list[Any], n: int = 1) -> list[list[int]]:
-        """A completions `prompt` as token-id lists: one, or a batch (strings or id lists)."""
+    def prompts(self, prompt: str | list[Any], n: int = 1,
+                add_special_tokens: bool = True) -> list[list[int]]:
+        """A completions `prompt` as token-id lists: one, or a batch (strings or id lists).
+        Text gets the tokenizer's special tokens unless `add_special_tokens` is false (vLLM's
+        default and field); token ids are taken as they are."""
         if isinstance(prompt, str):
-            return [self.encode(prompt, "prompt")]
+            return [self.encode(prompt, "prompt", add_special_tokens)]
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
         if all(isinstance(p, str) for p in prompt):
-            batch = [self.encode(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+            batch = [self.encode(p, f"prompt[{i}]", add_special_tokens)
+                     for i, p in enumerate(prompt)]
         elif all(isinstance(p, list) for p in prompt):
             batch = [list(p) for p in prompt]
         else:
@@ -696,7 +729,8 @@ class _Server:
         except RequestError as exc:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
         params = self.params(body, body.max_tokens, echo)
-        prompts = self.truncate(await self.off_loop(self.prompts, body.prompt, body.n), body)
+        prompts = self.truncate(await self.off_loop(self.prompts, body.prompt, body.n,
+                                                    body.add_special_tokens), body)
         self.check_response_size(prompts, params, echo.max_tokens(body.max_tokens))
         self.check_samplable(params)
         try:
@@ -713,8 +747,9 @@ class _Server:
             headers = self.headers(request)
             if body.stream:
                 usage = _usage_mode(body.stream_options)
-                return _SSEResponse(self._stream_completion(gens, created, usage, echo, echoed),
-                                    gens, headers)
+                writer = DirectWriter()
+                return _SSEResponse(self._stream_completion(gens, created, usage, echo, echoed,
+                                                            writer), gens, headers, writer)
             await self._collect(request, gens)
         # the logprob entries (up to max_response_bytes of them) are formatted and encoded on
         # the text worker: on the event loop they stopped every other stream for seconds
@@ -783,9 +818,11 @@ class _Server:
 
     async def _stream_completion(self, gens: list[_Generation], created: int,
                                  usage: tuple[bool, bool], echo: Echo,
-                                 echoed: list[str] | None) -> AsyncIterator[bytes]:
+                                 echoed: list[str] | None,
+                                 writer: DirectWriter | None = None) -> AsyncIterator[bytes]:
         """Choice `g * n + i` is choice i of prompt g (OpenAI's order for batched prompts). An
-        echoed prompt (text and logprobs) leads each choice's first chunk."""
+        echoed prompt (text and logprobs) leads each choice's first chunk. A single plain
+        stream hands its later plain tokens to `writer` (`_Generation.fast_lane`)."""
         include_usage, continuous = usage
 
         def chunk(choices: list[CompletionChoice], u: Usage | None = None) -> bytes:
@@ -809,9 +846,12 @@ class _Server:
                                 index=index, text=t, token_ids=ids)]))
                     template = plain[index]
                     if template is not None:
-                        offsets[g][i] += len(text)
+                        offsets[g][i] += len(text)  # (plain tokens carry no logprobs)
                         started[g][i] = True
                         yield template(text, new)
+                        if writer is not None and len(gens) == 1 and n == 1 and \
+                                gen.outputs.sink is None:
+                            gen.fast_lane(template, writer)
                         continue
                 running = gen.usage() if continuous else None
                 logprobs = None
@@ -912,7 +952,9 @@ class _Server:
             headers = self.headers(request)
             if body.stream:
                 usage = _usage_mode(body.stream_options)
-                return _SSEResponse(self._stream_chat(gens, created, usage, plan), gens, headers)
+                writer = DirectWriter()
+                return _SSEResponse(self._stream_chat(gens, created, usage, plan, writer), gens,
+                                    headers, writer)
             await self._collect(request, gens)
         # parsed, formatted and encoded on the text worker (see completions)
         payload = await self.in_worker(self.chat_body, gens, params, plan, created)
@@ -942,7 +984,8 @@ class _Server:
             prompt_logprobs=self.prompt_logprobs_json(gens[0].prompt_logprobs)))
 
     async def _stream_chat(self, gens: list[_Generation], created: int,
-                           usage: tuple[bool, bool], plan: ToolPlan) -> AsyncIterator[bytes]:
+                           usage: tuple[bool, bool], plan: ToolPlan,
+                           writer: DirectWriter | None = None) -> AsyncIterator[bytes]:
         include_usage, continuous = usage
 
         def chunk(choices: list[ChatChunkChoice], u: Usage | None = None) -> bytes:
@@ -970,6 +1013,9 @@ class _Server:
                     template = plain[index]
                     if template is not None:
                         yield template(text, new)
+                        if writer is not None and len(gens) == 1 and n == 1 and \
+                                gen.outputs.sink is None:
+                            gen.fast_lane(template, writer)
                         continue
                 running = gen.usage() if continuous else None
                 logprobs = None if out.logprobs is None else self.chat_logprobs(list(out.logprobs))

@@ -26,13 +26,13 @@ authentication in front of it before exposing it beyond a trusted network.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
 import sys
 from pathlib import Path
 from typing import Any
 
+from atombatch import logs
 from atombatch.config import PRESETS, ArtifactConfig, ModelSpec
 from atombatch.engine import Batcher
 from atombatch.errors import ConfigError
@@ -204,8 +204,7 @@ def parser() -> argparse.ArgumentParser:
                    "docs/security.md")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (named at startup)")
-    p.add_argument("--log-level", default="info",
-                   choices=("critical", "error", "warning", "info", "debug"))
+    logs.add_arguments(p)
     return p
 
 
@@ -361,6 +360,7 @@ def core_batcher(args: argparse.Namespace) -> Batcher:
 
     It keeps the tokenizer for stop strings and bad words only (`detokenize=False`): every other
     request's text is decoded by the front."""
+    logs.setup(args.log_level, args.log_format)
     batcher, _, codec = build_engine(args)
     if args.runtime == "numpy" and args.blas_threads > 0:
         from threadpoolctl import threadpool_limits
@@ -439,7 +439,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(message)s")
+    # resolved once here, so the engine core process logs in the front's format
+    args.log_format = logs.setup(args.log_level, args.log_format)
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
@@ -526,8 +527,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
 
     # timeout_graceful_shutdown=None: on SIGINT/SIGTERM uvicorn stops accepting and waits for
     # in-flight streams; then the lifespan drains the engine (close(drain=True)).
+    # log_config=None: uvicorn's records go through logs.setup's handler, in the chosen format
     config = uvicorn_config(app, limits, http=args.http, log_level=args.log_level,
-                            timeout_graceful_shutdown=None)
+                            log_config=None, timeout_graceful_shutdown=None)
     server = Server(config)
     died: list[int | None] = []
 

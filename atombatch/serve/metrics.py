@@ -144,6 +144,11 @@ class ServerMetrics:
         self.generation_tokens = _TokenCounter("atombatch_generation_tokens",
                                                "Generated tokens sent to clients.")
         registry.register(self.generation_tokens)
+        self.direct_events = _TokenCounter(
+            "atombatch_stream_direct_events",
+            "Streamed events written to the connection as their token was delivered, without "
+            "waking the stream's task (a plain stream that keeps up; docs/overlap.md).")
+        registry.register(self.direct_events)
         self.ttft = Histogram("atombatch_time_to_first_token_seconds",
                               "Request accepted -> first generated token handed to the client.",
                               buckets=_LATENCY_BUCKETS, registry=registry)

@@ -80,6 +80,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     logprobs: int | None = None          # top candidates per token (0..20), with the sampled one
     suffix: str | None = None            # only None or "" is served
     best_of: int | None = None           # only None or 1 is served
+    add_special_tokens: bool = True      # a text prompt gets the tokenizer's special tokens
+                                         #   (its post-processor: e.g. Llama's BOS), as in vLLM
 
 
 ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]

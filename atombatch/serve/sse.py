@@ -10,6 +10,14 @@ body and calls `abandon()` on each generation (the request is aborted) whatever 
 `PlainChunk` holds one choice's chunk encoded around its two variable parts (the text and the
 ids): `chunk(text, ids)` returns exactly the bytes msgspec gives for the whole Struct (the
 template is cut from such an encoding), for the common chunk that carries nothing else.
+
+`DirectWriter` lets a plain token's event skip the streaming task altogether: the response binds
+it to the connection once the response has started, and `write(event)` frames the event as an
+HTTP/1.1 chunk and hands it to the connection's transport at once, from the callback that
+delivered the token (no task wakeup, no awaits, no ASGI message). It only binds to uvicorn's
+httptools connection (whose state it reads: started, chunked, not complete, not disconnected,
+writes not paused) and is `ready()` only while all of that holds; otherwise, or unbound, the
+event takes the task path. The bytes on the wire are the same either way (tested).
 """
 
 from __future__ import annotations
@@ -39,6 +47,49 @@ class App(Starlette):
         await super().__call__(scope, receive, send)
 
 
+_HTTPTOOLS_CYCLE = "uvicorn.protocols.http.httptools_impl"
+
+
+class DirectWriter:
+    """Write a streaming response's body events to its connection directly (module docstring)."""
+
+    __slots__ = ("_cycle", "events")
+
+    def __init__(self) -> None:
+        self._cycle: Any = None
+        self.events = 0                  # events written directly (for tests and stats)
+
+    def bind(self, send: Any) -> bool:
+        """Bind to the connection behind the HTTP server's own `send`; False if it is not one
+        this writer understands (the events then all take the task path)."""
+        cycle: Any = getattr(send, "__self__", None)
+        if type(cycle).__module__ != _HTTPTOOLS_CYCLE or \
+                not all(hasattr(cycle, name) for name in (
+                    "transport", "flow", "disconnected", "response_started",
+                    "response_complete", "chunked_encoding")) or \
+                not hasattr(cycle.flow, "write_paused"):
+            return False
+        self._cycle = cycle
+        return True
+
+    def unbind(self) -> None:
+        self._cycle = None
+
+    def ready(self) -> bool:
+        """`write` would go out now: bound, the response started chunked and is not over, the
+        peer is there and the transport takes writes."""
+        cycle = self._cycle
+        return cycle is not None and cycle.response_started and \
+            cycle.chunked_encoding is True and not cycle.response_complete and \
+            not cycle.disconnected and not cycle.flow.write_paused and \
+            not cycle.transport.is_closing()
+
+    def write(self, event: bytes) -> None:
+        """One body event as one HTTP/1.1 chunk (call only when `ready()`)."""
+        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(event), event))
+        self.events += 1
+
+
 class _Abandonable(Protocol):
     def abandon(self) -> None: ...
 
@@ -49,9 +100,11 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[bytes], generations: Iterable[_Abandonable],
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None,
+                 writer: DirectWriter | None = None) -> None:
         self.body_iterator = content
         self.generations = list(generations)
+        self.writer = writer
         self.status_code = 200
         self.background = None
         self.init_headers(headers)
@@ -74,10 +127,14 @@ class SSEResponse(Response):
             try:
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
+                if self.writer is not None:
+                    self.writer.bind(raw)
                 async for chunk in self.body_iterator:
                     await raw({"type": "http.response.body", "body": chunk, "more_body": True})
                 await raw({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
+                if self.writer is not None:
+                    self.writer.unbind()
                 watcher.cancel()
                 for generation in self.generations:
                     generation.abandon()

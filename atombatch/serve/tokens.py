@@ -175,8 +175,9 @@ class HFCodec:
         self.chars_per_token = longest * (4 if self.tokenizer.normalizer is not None else 1)
         self.max_chars = max_seq_len * self.chars_per_token
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no special tokens added). A long text is tokenized with the GIL
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, the tokenizer's post-processor adds
+        its special tokens (a Llama tokenizer's BOS). A long text is tokenized with the GIL
         released (`encode_batch`), so a server thread doing it does not stall the event loop.
 
         Raises:
@@ -188,8 +189,9 @@ class HFCodec:
                                f"max_prompt_chars={self.max_chars}", param="prompt",
                                limit=self.max_chars)
         if len(text) > _LONG_TEXT:
-            return list(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            return list(self.tokenizer.encode_batch(
+                [text], add_special_tokens=add_special_tokens)[0].ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def render_chat(self, messages: Sequence[dict[str, Any]], **template: Any) -> list[int]:
         """Render with the chat template (see `ChatTemplate.render` for `template`) and encode
@@ -212,22 +214,37 @@ _LONG_TEXT = 4096  # characters: longer texts are tokenized with the GIL release
 
 
 class _HFDecoder:
+    """A choice's text as its ids arrive, with `tokenizers`' `DecodeStream` (O(1) per token; a
+    whole decode per token made a stream's text O(n^2)). An incomplete UTF-8 sequence is held
+    back until it completes; `flush` gives what a whole decode of every id shows past the text
+    already sent (an incomplete sequence left at the end stays one U+FFFD, as in that decode).
+    The pieces joined equal `decode(ids, skip_special_tokens=True)` (tests/serve/test_tokens.py
+    checks that on byte-level BPE, Metaspace and glued-piece tokenizers)."""
+
+    __slots__ = ("_stream", "ids", "sent", "tokenizer")
+
     def __init__(self, tokenizer: Any) -> None:
+        from tokenizers.decoders import DecodeStream
+
         self.tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
         self.ids: list[int] = []
-        self.sent = 0
+        self.sent = 0                      # characters handed out
 
     def step(self, token_ids: Sequence[int]) -> str:
-        self.ids.extend(token_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self.sent = text[self.sent:], len(text)
-        return new
+        pieces = []
+        stream, tokenizer = self._stream, self.tokenizer
+        for token in token_ids:
+            self.ids.append(token)
+            piece = stream.step(tokenizer, token)
+            if piece:
+                pieces.append(piece)
+        text = "".join(pieces)
+        self.sent += len(text)
+        return text
 
     def flush(self) -> str:
-        """The held-back tail once the generation ends (an incomplete UTF-8 sequence stays one
-        U+FFFD, as a whole decode shows it)."""
+        """The held-back tail once the generation ends."""
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         new, self.sent = text[self.sent:], len(text)
         return new

@@ -26,8 +26,8 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "return_tokens_as_token_ids": ((None, False), "token strings written as 'token_id:N'"),
     "spaces_between_special_tokens": ((None, True), "detokenizing without spaces between "
                                       "special tokens"),
-    "add_special_tokens": ((None, False), "adding the tokenizer's special tokens to the prompt "
-                           "(prompts are encoded without them)"),
+    "add_special_tokens": ((None, False), "adding the tokenizer's special tokens to the chat "
+                           "template's output (the template writes them)"),
     "logits_processors": ((None, []), "custom logits processors"),
     "vllm_xargs": ((None, {}), "vLLM plugin arguments"),
     "kv_transfer_params": ((None,), "vLLM's KV transfer (atombatch's PD is docs/pd.md)"),

@@ -102,13 +102,9 @@ def tokenize(codec: Codec, body: TokenizeRequest, messages: list[dict[str, Any]]
 def encode_prompt(codec: Codec, text: str, add_special_tokens: bool) -> list[int]:
     """A prompt's ids; the tokenizer's own special tokens (its post-processor) when asked.
     Text longer than the context can hold is refused before it is tokenized (`HFCodec.bound`)."""
-    if isinstance(codec, HFCodec) and add_special_tokens:
-        if codec.max_chars is not None and len(text) > codec.max_chars:
-            raise RequestError(f"text of {len(text)} characters cannot fit the context: "
-                               f"max_prompt_chars={codec.max_chars}", param="prompt",
-                               limit=codec.max_chars)
-        return list(codec.tokenizer.encode(text, add_special_tokens=True).ids)
-    return codec.encode(text)
+    if isinstance(codec, HFCodec):
+        return codec.encode(text, add_special_tokens=add_special_tokens)
+    return codec.encode(text)  # "<id>" pieces: no tokenizer, no special tokens of its own
 
 
 def token_strings(codec: Codec, ids: list[int]) -> list[str]:

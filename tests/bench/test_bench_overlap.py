@@ -13,7 +13,8 @@ import msgspec
 import pytest
 
 from atombatch.bench import overlap
-from atombatch.bench.overlap import Report, _Stream
+from atombatch.bench.overlap import Report
+from atombatch.bench.sse_client import Stream
 
 B, MAX_TOKENS = 4, 16
 
@@ -66,6 +67,9 @@ def test_figures_are_consistent(report: Report) -> None:
             assert 0 < r.ratio <= 1.2
             # the device alone needs max_tokens - 1 steps: a round cannot beat them
             assert r.duration_s >= (MAX_TOKENS - 1) * 0.005
+            # every request's decode rate was measured; none beats one token per device step
+            # (beyond the first-token time's resolution: half a step over MAX_TOKENS - 1 steps)
+            assert r.steady is not None and 0 < r.steady <= 1 + 0.5 / (MAX_TOKENS - 1) + 0.05
             if case.path == "engine":
                 assert r.core_cpu_s > 0
                 assert r.decode_steps == MAX_TOKENS - 1     # the first token is the prefill's
@@ -84,10 +88,23 @@ def test_figures_are_consistent(report: Report) -> None:
             assert m.client_us_per_token > 0
 
 
+def test_steady_ratio_is_each_requests_rate_against_one_token_per_step() -> None:
+    step = 0.01
+    on_time = (1.0, 1.0 + 15 * step, 16)       # 16 tokens in 15 steps: no step waited
+    half = (2.0, 2.0 + 30 * step, 16)          # every step took two device steps
+    slow = (0.5, 0.5 + 20 * step, 16)
+    assert overlap.steady_ratio([on_time], step) == pytest.approx(1.0)
+    assert overlap.steady_ratio([half], step) == pytest.approx(0.5)
+    assert overlap.steady_ratio([on_time, half, slow], step) == pytest.approx(0.75)
+    # a request with one token, or no first-token time, says nothing about the rate
+    assert overlap.steady_ratio([(0.0, 1.0, 16), (1.0, 2.0, 1)], step) is None
+
+
 def test_table_shows_the_figures(report: Report) -> None:
     table = overlap.format_table(report)
     server = next(c for c in report.cases if c.path == "server" and not c.tokenizer)
     assert f"{server.median.ratio:.3f}" in table
+    assert server.median.steady is not None and f"{server.median.steady:.3f}" in table
     assert f"commit {report.commit}" in table and "load average" in table
 
 
@@ -100,7 +117,7 @@ SSE = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding
 
 @pytest.mark.parametrize("piece", [1, 7, 64, len(SSE)])
 def test_stream_counts_events_and_tokens_however_the_bytes_are_split(piece: int) -> None:
-    stream = _Stream()
+    stream = Stream()
     at = 0
     while not stream.feed(SSE[at:at + piece], float(at)):
         at += piece
@@ -112,11 +129,11 @@ def test_stream_counts_events_and_tokens_however_the_bytes_are_split(piece: int)
 
 
 def test_stream_reports_an_error_status_and_an_error_event() -> None:
-    refused = _Stream()
+    refused = Stream()
     refused.feed(b"HTTP/1.1 429 Too Many Requests\r\ncontent-length: 2\r\n\r\n{}", 0.0)
     refused.closed(1.0)
     assert refused.error is not None and refused.error.startswith("HTTP 429")
-    failed = _Stream()
+    failed = Stream()
     failed.feed(SSE[:SSE.index(b"10c")] + b"5f\r\ndata: {\"error\":{\"message\":\"boom\"}}\n\n", 0)
     failed.closed(1.0)
     assert failed.error is not None and "boom" in failed.error and not failed.finished

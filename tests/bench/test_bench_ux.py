@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from atombatch.bench import fit, micro, plot, serve
+from atombatch.bench import fit, http, micro, plot, serve
 from atombatch.bench.progress import CellProgress
 
 SMALL = ["--models", "qwen3-0.6b", "--routes", "native,pd-whole", "--inputs", "128,512",
@@ -29,6 +29,15 @@ def test_plot_without_matplotlib_fails_before_any_cell_runs(monkeypatch: Any, ca
     assert captured.out == ""  # no table: nothing was run
     assert "pip install 'atombatch[plot]'" in captured.err
     assert "[1/" not in captured.err and not (tmp_path / "p.png").exists()
+
+
+def test_plot_and_plot_grid_from_the_command_line(capsys: Any, tmp_path: Path) -> None:
+    summary, grid = tmp_path / "summary.png", tmp_path / "grid.png"
+    assert serve.main([*SMALL, "--no-progress", "--plot", str(summary), "--plot-grid",
+                       str(grid)]) == 0
+    assert f"plot: {summary}" in capsys.readouterr().err
+    assert summary.read_bytes()[:4] == grid.read_bytes()[:4] == b"\x89PNG"
+    assert summary.read_bytes() != grid.read_bytes()
 
 
 def test_progress_is_one_line_per_cell_without_a_terminal(capsys: Any) -> None:
@@ -97,11 +106,45 @@ def test_plot_timeout_line_only_when_in_range(report: Any) -> None:
     assert all("off scale" in p.title for p in near if p.timeout_line is None)
 
 
-def test_plot_writes_one_png_per_policy(report: Any, tmp_path: Path) -> None:
-    paths = serve.write_plot(report, tmp_path / "serve.png")
+@pytest.mark.parametrize("grid", [False, True], ids=["summary", "grid"])
+def test_plot_writes_one_png_per_policy(report: Any, tmp_path: Path, grid: bool) -> None:
+    paths = serve.write_plot(report, tmp_path / "serve.png", grid=grid)
     assert paths == [tmp_path / "serve.png", tmp_path / "serve-decode-first.png"]
     for path in paths:
-        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        head = path.read_bytes()[:24]
+        assert head[:8] == b"\x89PNG\r\n\x1a\n"
+        width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+        if not grid:  # the default: one screen, whatever the size of the matrix
+            assert (width, height) == (1500, 860)
+
+
+def test_plot_summary_is_six_headline_panels(report: Any) -> None:
+    panels = plot.summary(report)
+    assert len(panels) == 6
+    top, bottom = panels[:3], panels[3:]
+    # the headline workload (longest prompt and output, native route) across every model
+    for panel, metric in zip(top, ("TTFT p99", "completion max", "output tok/s"), strict=True):
+        assert panel.title == f"in 2048 / out 16 native c4: {metric}"
+        assert panel.kind == "bars" and panel.groups == ["qwen3-0.6b", "koni-8b"]
+    by = {(p.group, p.artifact): p for p in top[0].points}
+    cell = next(c for c in report.cells if (c.model, c.route, c.input_len, c.artifact, c.policy)
+                == ("qwen3-0.6b", "native", 2048, "B4/k5", "prefill-first"))
+    assert by[("qwen3-0.6b", "B4/k5")].value == cell.ttft.p99
+    assert by[("koni-8b", "B4/k5")].value is None and by[("koni-8b", "B4/k5")].mark == "no fit"
+    assert by[("koni-8b", "B4/k1")].mark == "rejected"
+    tok_s = {(p.group, p.artifact): p.value for p in top[2].points}
+    assert tok_s[("qwen3-0.6b", "B4/k5")] == cell.output_tok_s
+    # the first model across prompt lengths, and across routes
+    assert [p.title for p in bottom] == ["qwen3-0.6b native out 16: TTFT p99",
+                                         "qwen3-0.6b native out 16: output tok/s",
+                                         "qwen3-0.6b in 2048 / out 16 by route: TTFT p99"]
+    assert bottom[0].kind == "lines" and bottom[0].groups == ["in 128", "in 2048"]
+    assert bottom[2].groups == ["native", "pd-whole"]
+    routes = {(p.group, p.artifact): p.value for p in bottom[2].points}
+    pd = next(c for c in report.cells if (c.model, c.route, c.input_len, c.artifact, c.policy)
+              == ("qwen3-0.6b", "pd-whole", 2048, "B1/k1", "prefill-first"))
+    assert routes[("pd-whole", "B1/k1")] == pd.ttft.p99
+    assert len(plot.summary(report, "decode-first")) == 6
 
 
 def test_matrix_reasons_are_whole_sentences(report: Any) -> None:
@@ -144,6 +187,48 @@ def test_fit_single_and_table_agree(capsys: Any) -> None:
     # --estimate gives the table's other basis word
     assert fit.main(["--model", "koni-8b", "--num-blocks", "1", "--estimate"]) == 1
     assert re.search(r"^  basis +estimate$", capsys.readouterr().out, re.M)
+
+
+def test_bench_http_reports_each_finished_request(capsys: Any) -> None:
+    from support.served import ServerThread
+
+    from atombatch import ArtifactConfig, Batcher, ModelSpec
+    from atombatch.runtime import NumpyRuntime
+    from atombatch.serve import create_app
+
+    spec = ModelSpec(name="tiny", family="llama", vocab_size=128, hidden_size=32, num_heads=2,
+                     intermediate_size=64, num_layers=1, num_kv_heads=1, head_dim=16)
+    art = ArtifactConfig(model=spec, batch_size=2, max_seq_len=64, block_size=64, num_blocks=3,
+                         prefill_chunk_size=32)
+    with ServerThread(create_app(Batcher(NumpyRuntime.random(art, seed=0)), "tiny")) as s:
+        assert http.main(["--url", s.url, "-c", "2", "--requests", "3", "--input-len", "8",
+                          "--output-len", "4"]) == 0
+        out, err = capsys.readouterr()
+        assert "ok 3/3" in out
+        lines = err.splitlines()
+        pattern = re.compile(r"^\[(\d)/3\] request [0-2]: ok in \d+\.\d s \| elapsed \d\d:\d\d, "
+                             r"left ~\d\d:\d\d$")
+        assert [int(m.group(1)) for m in map(pattern.match, lines[:3]) if m] == [1, 2, 3], err
+        assert lines[3].startswith("3 requests in ")
+        assert http.main(["--url", s.url, "-c", "2", "--requests", "2", "--input-len", "8",
+                          "--output-len", "4", "--no-progress"]) == 0
+        assert capsys.readouterr().err == ""
+
+
+def test_every_subcommand_help_says_what_it_measures(capsys: Any) -> None:
+    import importlib
+
+    from atombatch.bench.__main__ import DESCRIPTIONS
+
+    for name in DESCRIPTIONS:
+        with pytest.raises(SystemExit) as exit_:
+            importlib.import_module(f"atombatch.bench.{name}").main(["--help"])
+        assert exit_.value.code == 0
+        text = capsys.readouterr().out
+        assert text.startswith(f"usage: python -m atombatch.bench {name} "), text[:80]
+        description = text.split("\n\n")[1]  # between the usage and the options
+        assert not description.startswith(("options:", "positional")), name
+        assert len(description.split()) >= 6, (name, description)
 
 
 def test_bench_http_without_httpx_fails_at_once(monkeypatch: Any, capsys: Any) -> None:

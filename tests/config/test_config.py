@@ -17,9 +17,9 @@ from atombatch.config import (
     ArtifactConfig,
     ModelSpec,
     RopeScaling,
-    check_serving,
 )
 from atombatch.errors import ConfigError
+from atombatch.plan import check_serving
 
 REPO = Path(__file__).resolve().parents[2]
 CTX = 9216

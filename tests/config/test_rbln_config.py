@@ -10,8 +10,8 @@ import pytest
 from fakerebel.compiler import compile_dir
 from hf_models import save_checkpoint
 
-from atombatch import ArtifactConfig, ConfigError, ModelSpec
-from atombatch.rbln_config import GraphInput, derive_inputs, load
+from atombatch import ConfigError, ModelSpec
+from atombatch.rbln_config import GraphInput, derive_inputs, load, load_artifact
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_gemma3_order_tables_query_position_mask_position_ids():
 def test_eager_directory_gives_the_artifact_and_graphs(tmp_path, checkpoints):
     d = compile_dir(tmp_path / "c", checkpoints["llama"], batch_size=4, max_seq_len=128,
                     kvcache_num_blocks=5, prefill_chunk_size=32, decoder_batch_sizes=[1, 2, 4])
-    art = ArtifactConfig.from_rbln_config(d)
+    art = load_artifact(d)
     assert (art.batch_size, art.max_seq_len, art.block_size, art.num_blocks,
             art.prefill_chunk_size, art.tensor_parallel, art.kv_dtype) == (
                 4, 128, 128, 5, 32, 1, "float32")
@@ -121,7 +121,7 @@ def test_tensor_parallel_comes_from_num_devices(tmp_path, checkpoints):
     for cfg in raw["_compile_cfgs"]:
         cfg["num_devices"] = 2
     (d / "rbln_config.json").write_text(json.dumps(raw))
-    assert ArtifactConfig.from_rbln_config(d).tensor_parallel == 2
+    assert load_artifact(d).tensor_parallel == 2
     raw["_compile_cfgs"][0]["num_devices"] = 4
     (d / "rbln_config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="num_devices"):
@@ -229,7 +229,7 @@ def test_model_spec_must_agree_with_the_directory(tmp_path, checkpoints):
     d = compile_dir(tmp_path / "c", checkpoints["llama"], batch_size=1, max_seq_len=128,
                     kvcache_num_blocks=2)
     spec = ModelSpec.from_pretrained(d)
-    assert ArtifactConfig.from_rbln_config(d, spec).model == spec
+    assert load_artifact(d, spec).model == spec
     other = msgspec.structs.replace(spec, num_layers=3)
     with pytest.raises(ConfigError, match="num_layers"):
         load(d, other)

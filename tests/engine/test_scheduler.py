@@ -253,13 +253,16 @@ def test_runtime_failures_fail_only_their_request(core):
 
 def test_structlog_events_carry_request_lane_and_blocks(core, caplog):
     batcher = Batcher(LedgerRuntime(artifact(batch_size=1, num_blocks=2)))
-    with caplog.at_level(logging.INFO, logger="atombatch"):
+    with caplog.at_level(logging.DEBUG, logger="atombatch"):
         batcher.generate([[1, 2], [3]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     events = [msgspec.json.decode(r.getMessage()) for r in caplog.records]
     names = [e["event"] for e in events]
     assert names.count("request.admitted") == 2 and names.count("request.finished") == 2
     released = [e for e in events if e["event"] == "lane.released"]
     assert released and all("lane" in e and "blocks" in e for e in released)
+    levels = {e["event"]: e["level"] for e in events}
+    assert levels["request.admitted"] == levels["lane.released"] == "debug"  # per lane: quiet
+    assert levels["request.finished"] == "info"
 
 
 shapes = st.sampled_from([

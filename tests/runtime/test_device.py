@@ -29,6 +29,7 @@ from support.device_cases import (  # noqa: F401
 from atombatch import ArtifactConfig, Batcher, ConfigError, StateError
 from atombatch.blocks import PrefillInputs
 from atombatch.pd import InProcessSource, Producer
+from atombatch.rbln_config import load_artifact
 from atombatch.runtime import NumpyRuntime, RebelRuntime, Runtime
 
 pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
@@ -274,7 +275,7 @@ def test_serve_takes_a_compiled_directory(fake_rebel, tmp_path, llama):
     batcher, name, _ = build_engine(parser().parse_args(["--runtime", "rebel", "--model",
                                                          str(d)]))
     assert isinstance(batcher.runtime, RebelRuntime) and isinstance(batcher.runtime, Runtime)
-    assert batcher.artifact == ArtifactConfig.from_rbln_config(d)
+    assert batcher.artifact == load_artifact(d)
     assert batcher.artifact.blocks_per_seq == 4 and name == "compiled"
     assert batcher.generate([prompts[0]], GREEDY)[0].token_ids == references[0]
 

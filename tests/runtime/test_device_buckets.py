@@ -8,6 +8,7 @@ from fakerebel.compiler import compile_dir
 from support.device_cases import GREEDY, LAYOUTS, make_case
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec
+from atombatch.rbln_config import load_artifact
 from atombatch.runtime import RebelRuntime
 
 pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
@@ -28,7 +29,7 @@ def test_buckets_come_from_the_directory(fake_rebel, tmp_path, case):
     want = ArtifactConfig(model=spec, batch_size=4, max_seq_len=128, block_size=128,
                           num_blocks=5, prefill_chunk_size=16, kv_dtype="float32",
                           decoder_batch_sizes=(1, 2, 4))
-    assert ArtifactConfig.from_rbln_config(d) == want
+    assert load_artifact(d) == want
     single = ArtifactConfig(model=spec, batch_size=4, max_seq_len=128, block_size=128,
                             num_blocks=5, prefill_chunk_size=16, kv_dtype="float32",
                             decoder_batch_sizes=(4,))

@@ -117,7 +117,6 @@ def test_bad_keys_are_config_errors() -> None:
 @pytest.mark.parametrize(("field", "value"), [
     ("return_tokens_as_token_ids", True),
     ("spaces_between_special_tokens", False),
-    ("add_special_tokens", True),
     ("logits_processors", ["my.module:Processor"]),
     ("vllm_xargs", {"k": 1}),
     ("reasoning_effort", "high"),
@@ -133,6 +132,50 @@ def test_fields_that_change_results_are_refused_not_dropped(
     error = r.json()["error"]
     assert error["param"] == field and error["code"] == "unsupported_value"
     assert UNHONOURED[field][1] in error["message"]
+
+
+def test_a_text_prompt_gets_the_tokenizers_special_tokens_as_in_vllm() -> None:
+    """A Llama-style tokenizer adds BOS to a text prompt (vLLM's `add_special_tokens=True`
+    default for completions): the engine sees [BOS] + the text's ids, the usage counts them,
+    /tokenize agrees, `add_special_tokens: false` leaves them out, and the chat template's
+    output (which writes its own specials) refuses the field."""
+    from support.structured import BOS, byte_tokenizer
+    from tokenizers import processors
+
+    tok = byte_tokenizer()
+    bos = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A",
+                                                       special_tokens=[(BOS, bos)])
+    art = ArtifactConfig(model=SPEC, batch_size=2, max_seq_len=256, block_size=256,
+                         num_blocks=3, prefill_chunk_size=64)
+    app = create_app(Batcher(NumpyRuntime.random(art, seed=1)), NAME, HFCodec(tok))
+    text = "the weather in Seoul is humid"
+    plain = tok.encode(text, add_special_tokens=False).ids
+    assert tok.encode(text).ids == [bos, *plain]
+    with ServerThread(app) as server:
+        def complete(**extra: Any) -> dict[str, Any]:
+            r = httpx.post(f"{server.url}/v1/completions", json={
+                "prompt": text, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **extra})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def ids_of(prompt: list[int]) -> list[int]:
+            r = httpx.post(f"{server.url}/v1/completions", json={
+                "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+            return r.json()["choices"][0]["token_ids"]
+
+        default = complete()
+        assert default["usage"]["prompt_tokens"] == len(plain) + 1
+        assert default["choices"][0]["token_ids"] == ids_of([bos, *plain])
+        r = httpx.post(f"{server.url}/tokenize", json={"prompt": text})
+        assert r.json()["tokens"] == [bos, *plain]
+        without = complete(add_special_tokens=False)
+        assert without["usage"]["prompt_tokens"] == len(plain)
+        assert without["choices"][0]["token_ids"] == ids_of(plain)
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "add_special_tokens": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
 
 
 def test_harmless_values_and_unknown_fields_still_pass(served: tuple[ServerThread, Any]) -> None:

@@ -116,9 +116,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
     parser.add_argument("--plot", type=Path, default=None, metavar="PATH",
-                        help="PNG of TTFT and completion distributions: every model, route, "
-                             "input, output and artifact, one file per policy (needs the plot "
-                             "extra: matplotlib, checked before the run)")
+                        help="PNG of the headline comparisons, one file per policy: TTFT p99, "
+                             "completion max and tok/s of every model and artifact at the "
+                             "longest prompt and output, and the first model across prompt "
+                             "lengths and routes (needs the plot extra: matplotlib, checked "
+                             "before the run)")
+    parser.add_argument("--plot-grid", type=Path, default=None, metavar="PATH",
+                        help="PNG of every request's TTFT and completion time: every model, "
+                             "route, input, output and artifact as box plots, one file per "
+                             "policy")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress on stderr (default: a bar on a terminal, else one "
                              "line per finished cell with elapsed and remaining time)")
@@ -161,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     numpy_runtime = args.runtime == "numpy"
     try:
-        if args.plot is not None:
+        if args.plot is not None or args.plot_grid is not None:
             require_matplotlib()
-        for path in (args.json, args.plot):
+        for path in (args.json, args.plot, args.plot_grid):
             if path is not None:
                 _check_writable(path)
         costs = None if numpy_runtime else _costs_from_args(args)
@@ -191,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report), indent=1) + b"\n")
-    if args.plot is not None:
-        try:
-            for path in write_plot(report, args.plot):
+    try:
+        for target, grid in ((args.plot, False), (args.plot_grid, True)):
+            for path in write_plot(report, target, grid=grid) if target is not None else ():
                 print(f"plot: {path}", file=sys.stderr)
-        except ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -152,7 +152,8 @@ def format_bucket_comparison(ok: Sequence[Cell]) -> list[str]:
     return ["decode buckets vs the full decode batch only (same load and artifact):", *rows]
 
 
-def write_plot(report: ServeReport, path: Path) -> list[Path]:
-    """Box plots of every model, route, input, output and artifact (see atombatch.bench.plot)."""
+def write_plot(report: ServeReport, path: Path, grid: bool = False) -> list[Path]:
+    """The headline panels, or with `grid` box plots of every model, route, input, output and
+    artifact (see atombatch.bench.plot)."""
     from atombatch.bench import plot
-    return plot.write_plot(report, path)
+    return plot.write_plot(report, path, grid=grid)

@@ -1,10 +1,19 @@
-"""`python -m atombatch.serve.ray`: start an application (or resize a running one's PD pool)."""
+"""`python -m atombatch.serve.ray`: start an application (or resize a running one's PD pool).
+
+    python -m atombatch.serve.ray --replicas 2                 # local Ray, NumPy runtime
+    python -m atombatch.serve.ray --replicas 8 --atom-resource ATOM --runtime rebel \\
+        --model /models/koni-8b-rbln --device 0,1 --address auto   # an existing Ray cluster
+
+An ingress computes the prompt's prefix digests and a router sends each request to the decode
+replica (one `AsyncBatcher` per device) that holds the longest prefix, within a bound on lane
+imbalance; `--producers M` adds M PD producer actors the replicas prefill on. How it works:
+docs/cluster.md ("What runs where", "The router", "PD pools").
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import sys
 import time
 from typing import Any
@@ -12,6 +21,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from atombatch import logs
 from atombatch.cluster.routing import DEFAULT_ROUTE_BLOCK
 from atombatch.errors import ConfigError
 from atombatch.serve.ray.app import build_app
@@ -20,10 +30,8 @@ from atombatch.serve.ray.producers import scale_producers
 
 
 def _parser() -> argparse.ArgumentParser:
-    import atombatch.serve.ray as package  # its docstring is the theory of operation
-
     p = argparse.ArgumentParser(
-        prog="python -m atombatch.serve.ray", description=package.__doc__,
+        prog="python -m atombatch.serve.ray", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Every other flag is passed to each replica's engine: see "
                "`python -m atombatch.serve --help`.")
@@ -57,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args, engine_args = _parser().parse_known_args(argv)
     engine = engine_parser().parse_args(engine_args)
-    logging.basicConfig(level=engine.log_level.upper(), format="%(message)s")
+    # resolved here (a terminal: console), and handed to every replica and producer, whose own
+    # standard error is a file Ray forwards to this one
+    engine.log_format = logs.setup(engine.log_level, engine.log_format)
+    engine_args = [*engine_args, "--log-format", engine.log_format]
     if args.address:
         ray.init(address=args.address)
     else:

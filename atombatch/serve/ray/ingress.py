@@ -195,13 +195,22 @@ async def _disconnect(receive: Any) -> None:
 
 
 async def _race(stream: Any, watcher: asyncio.Future[None]) -> AsyncIterator[Any]:
-    """Iterate a response generator until it ends or the client disconnects."""
+    """Iterate a response generator until it ends or the client disconnects.
+
+    Ray Serve cancels this request's task when the client goes away (a client that read a whole
+    Content-Length body and closed, too); the pending step is cancelled with it and its outcome,
+    Ray's `RequestCancelledError`, is retrieved, not printed as "Task exception was never
+    retrieved" once per request."""
     iterator = stream.__aiter__()
     while True:
         step = asyncio.ensure_future(iterator.__anext__())
-        await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not step.done():
-            step.cancel()
+        step.add_done_callback(_retrieve)
+        try:
+            await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not step.done():
+                step.cancel()
+        if not step.done() or step.cancelled():
             with contextlib.suppress(BaseException):
                 await step
             return
@@ -209,6 +218,11 @@ async def _race(stream: Any, watcher: asyncio.Future[None]) -> AsyncIterator[Any
             yield step.result()
         except StopAsyncIteration:
             return
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _error_body(message: str, code: str) -> bytes:

@@ -12,6 +12,7 @@ from typing import Any
 
 import ray
 
+from atombatch import logs
 from atombatch.errors import ConfigError
 from atombatch.serve.ray.board import BOARD_NAMESPACE, board
 
@@ -69,6 +70,7 @@ class ProducerActor:
         from atombatch.serve.cli import build_engine, parser
 
         args = parser().parse_args(list(engine_args))
+        logs.setup(args.log_level, args.log_format)
         batcher, _, _ = build_engine(args)
         host = host or ray.util.get_node_ip_address()
         self.producer = _CountingProducer(Producer(batcher.runtime))

@@ -15,6 +15,7 @@ import msgspec
 import ray
 from ray import serve
 
+from atombatch import logs
 from atombatch.aio import AsyncBatcher
 from atombatch.cluster.routing import DEFAULT_MAX_BLOCKS, DEFAULT_ROUTE_BLOCK
 from atombatch.cluster.summary import DEFAULT_SUMMARY_BITS, CacheSummarizer
@@ -140,6 +141,7 @@ class AtomReplica:
         from atombatch.serve.cli import build_engine, parser
 
         args = parser().parse_args(list(engine_args))
+        logs.setup(args.log_level, args.log_format)
         tp = len(str(args.device).split(",")) if args.runtime == "rebel" else 1
         devices = assigned_devices(atom_resource, tp)
         if devices is not None and args.runtime == "rebel":

@@ -1,0 +1,90 @@
+"""The front's incremental decoder (`HFCodec.decoder()`, atombatch/serve/tokens.py): the pieces a
+stream sends, joined with the final flush, are the whole decode of its ids, however the ids are
+grouped into steps, on the tokenizer kinds that decode differently in a window than at the start
+(byte-level BPE with byte tokens that split UTF-8 sequences, Metaspace's leading space, glued
+pieces), special tokens included."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.sampling_models import piece_tokenizer
+from support.structured import byte_tokenizer
+
+from atombatch.serve.tokens import HFCodec
+
+
+def metaspace_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    pieces = ["<unk>", "</s>", "▁", "▁a", "▁bc", "d", "e", "▁é", "ü", "▁日本", "語", "x▁y"]
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.add_special_tokens(["</s>"])
+    return tok
+
+
+TOKENIZERS = {"byte-bpe": byte_tokenizer(), "metaspace": metaspace_tokenizer(),
+              "pieces": piece_tokenizer()}
+
+
+def codec(tok: Any) -> HFCodec:
+    return HFCodec(tok)
+
+
+@pytest.mark.parametrize("kind", sorted(TOKENIZERS))
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_streamed_pieces_join_to_the_whole_decode(kind: str, data: st.DataObject) -> None:
+    tok = TOKENIZERS[kind]
+    size = tok.get_vocab_size()
+    ids = data.draw(st.lists(st.integers(0, size - 1), max_size=40))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=8)))
+    decoder = codec(tok).decoder()
+    pieces, at = [], 0
+    for cut in [*cuts, len(ids)]:
+        piece = decoder.step(ids[at:cut])
+        pieces.append(piece)
+        at = cut
+    whole = tok.decode(ids, skip_special_tokens=True)
+    assert "".join(pieces) + decoder.flush() == whole
+    # nothing sent early is ever taken back: every prefix of pieces is a prefix of the decode
+    assert whole.startswith("".join(pieces))
+
+
+def test_a_split_utf8_sequence_is_held_back_until_it_completes() -> None:
+    tok = TOKENIZERS["byte-bpe"]
+    # the bytes of one character as separate byte tokens (the BPE alphabet has every byte)
+    from tokenizers import pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_ids = [tok.token_to_id(ch) for ch in sorted(alphabet)]
+    assert all(i is not None for i in byte_ids)
+    euro = "€".encode()                                  # three bytes
+    mapping = {b: ch for b, ch in zip(range(256), _bytes_to_unicode(), strict=True)}
+    ids = [tok.token_to_id(mapping[b]) for b in euro]
+    decoder = codec(tok).decoder()
+    assert decoder.step(ids[:1]) == "" and decoder.step(ids[1:2]) == ""
+    assert decoder.step(ids[2:]) == "€"
+    # cut at the end: the whole decode's replacement character, once
+    decoder = codec(tok).decoder()
+    assert decoder.step(ids[:2]) == ""
+    assert decoder.flush() == tok.decode(ids[:2], skip_special_tokens=True)
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character table (what ByteLevel's alphabet spells bytes as)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
