@@ -125,6 +125,12 @@ cdef extern from *:
     int _all_finite_f32 "atombatch_all_finite_f32"(const float *x, long long n) noexcept nogil
 
 
+cdef inline bint _int32_vector(object blocks):
+    """A C-contiguous 1-D int32 numpy array (read through a typed memoryview)."""
+    return isinstance(blocks, np.ndarray) and blocks.dtype == np.int32 and blocks.ndim == 1 \
+        and blocks.flags.c_contiguous
+
+
 cdef inline Py_ssize_t _ceil_div(Py_ssize_t a, Py_ssize_t b) noexcept:
     # Python's -(-a // b): without the cdivision directive `//` floors like Python does.
     return -((-a) // b)
@@ -383,7 +389,20 @@ cdef class BlockPool:
     def acquire_blocks(self, blocks):
         """`acquire` each block in order (a prefix hit pins its shared chain); every block is
         checked before any is pinned."""
-        cdef Py_ssize_t block
+        cdef Py_ssize_t block, j
+        cdef const int32_t[::1] view
+        if _int32_vector(blocks):  # an int32 array (a prefix match): no Python int per block
+            view = blocks
+            for j in range(view.shape[0]):
+                self._expect(view[j], C_CACHED, "acquire")
+            for j in range(view.shape[0]):
+                block = view[j]
+                if self._refcnt_v[block] == 0:
+                    self._unlink(<int32_t>block)
+                    self._num_evictable -= 1
+                self._refcnt_v[block] += 1
+            self._debug_check()
+            return
         for block in blocks:
             self._expect(block, C_CACHED, "acquire")
         for block in blocks:
@@ -424,6 +443,25 @@ cdef class BlockPool:
         self._push_back(self._free_tail, block)
         self._debug_check()
         return block
+
+    def evict_many(self, Py_ssize_t count):
+        """`evict` `count` times (the LRU blocks, in order, to the free list's tail); refused,
+        changing nothing, when fewer are unpinned."""
+        if not 0 <= count <= self._num_evictable:
+            raise CapacityError(f"Cannot evict {count} blocks: {self._num_evictable} of the "
+                                f"{self._count[C_CACHED]} cached blocks are unpinned")
+        cdef list out = []
+        cdef int32_t block
+        cdef Py_ssize_t j
+        for j in range(count):
+            block = self._next_v[self._lru_head]
+            self._unlink(block)
+            self._num_evictable -= 1
+            self._move(block, C_FREE, -1)
+            self._push_back(self._free_tail, block)
+            out.append(block)
+        self._debug_check()
+        return out
 
     def drop(self, Py_ssize_t block):
         """Remove one specific unpinned CACHED block -> FREE (invalidation)."""
@@ -628,19 +666,33 @@ cdef class LaneTable:
     def push_blocks(self, Py_ssize_t lane, blocks):
         """`push_block` each block in order; all are checked before the row changes."""
         self._check_busy(lane)
-        cdef Py_ssize_t block
-        for block in blocks:
-            if not 0 <= block <= C_MAX_TABLE_BLOCK:
-                raise StateError(f"block={block} is outside the int16 block-table range "
-                                 f"0..{MAX_TABLE_BLOCK}")
+        cdef Py_ssize_t block, j
+        cdef const int32_t[::1] view
+        cdef bint vector = _int32_vector(blocks)  # an int32 array: no Python int per block
+        if vector:
+            view = blocks
+            for j in range(view.shape[0]):
+                if not 0 <= view[j] <= C_MAX_TABLE_BLOCK:
+                    raise StateError(f"block={view[j]} is outside the int16 block-table range "
+                                     f"0..{MAX_TABLE_BLOCK}")
+        else:
+            for block in blocks:
+                if not 0 <= block <= C_MAX_TABLE_BLOCK:
+                    raise StateError(f"block={block} is outside the int16 block-table range "
+                                     f"0..{MAX_TABLE_BLOCK}")
         cdef int32_t n = self._num_held_v[lane]
         cdef Py_ssize_t count = len(blocks)
         if n + count > self._bps:
             raise CapacityError(f"lane={lane} holds {n} blocks: {count} more exceed the "
                                 f"row's {self._bps} entries")
-        for block in blocks:
-            self._rows_v[lane, n] = <int32_t>block
-            n += 1
+        if vector:
+            for j in range(count):
+                self._rows_v[lane, n] = view[j]
+                n += 1
+        else:
+            for block in blocks:
+                self._rows_v[lane, n] = <int32_t>block
+                n += 1
         self._num_held_v[lane] = n
 
     def pop_block(self, Py_ssize_t lane):
@@ -1123,6 +1175,39 @@ cdef class StepKernel:
         pool._debug_check()
         return k
 
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    @cython.initializedcheck(ATOMBATCH_DEBUG)
+    def grow_lane(self, Py_ssize_t lane, Py_ssize_t num_positions):
+        """Give one busy lane the blocks that positions 0..num_positions-1 need, from the free
+        list, oldest free block first (what `allocate(LANE, lane)` + `push_block` do block by
+        block). Returns how many blocks it still lacks because the free list ran dry (the caller
+        evicts for them)."""
+        cdef LaneTable lanes = self.lanes
+        cdef BlockPool pool = self.pool
+        lanes._check_busy(lane)
+        cdef Py_ssize_t need = lanes._blocks_for(num_positions)
+        if need > lanes._bps:
+            raise CapacityError(f"lane={lane} cannot hold {need} blocks: the row has "
+                                f"{lanes._bps} entries")
+        cdef int32_t[::1] num_held = lanes._num_held_v
+        cdef int32_t[:, ::1] rows = lanes._rows_v
+        cdef int32_t held = num_held[lane], block
+        while held < need:
+            block = pool._next_v[pool._free_head]
+            if block == pool._free_tail:
+                break
+            if block > C_MAX_TABLE_BLOCK:
+                raise StateError(f"block={block} is outside the int16 block-table range "
+                                 f"0..{MAX_TABLE_BLOCK}")
+            pool._unlink(block)
+            pool._move(block, C_LANE, <int32_t>lane)
+            rows[lane, held] = block
+            held += 1
+            num_held[lane] = held
+        pool._debug_check()
+        return need - held if need > held else 0
+
     def build(self, Py_ssize_t padding_block):
         """The decode inputs for the decoding lanes (`DecodeInputs.build`); returns the rows that
         decode (rows of the bucket past them are padding)."""
@@ -1281,7 +1366,7 @@ cdef extern from *:
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdlib cimport free as c_free
-from libc.stdlib cimport malloc
+from libc.stdlib cimport calloc, malloc
 from libc.string cimport memcpy
 
 
@@ -1355,3 +1440,419 @@ def match_digests(dict by_digest, list digests, Py_ssize_t start, Py_ssize_t sto
         out.append(<object>entry)
         block += 1
     return block
+
+
+# -- the device prefix index's table ------------------------------------------------------------
+# A chain's digests live in a uint8 [n, 16] array (`TokenChain`), written here in one pass, and the
+# device prefix index keeps its blocks in arrays indexed by block: no Python object per block.
+
+cdef extern from *:
+    """
+    static inline uint64_t atombatch_load64(const unsigned char *p) {
+        uint64_t v; memcpy(&v, p, 8); return v;
+    }
+    """
+    uint64_t _load64 "atombatch_load64"(const unsigned char *p) noexcept nogil
+
+from libc.stdint cimport uint8_t
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def chain_digests(const int64_t[::1] tokens, Py_ssize_t start, Py_ssize_t stop,
+                  Py_ssize_t block_size, bytes parent, uint64_t seed,
+                  uint8_t[:, ::1] out not None, Py_ssize_t row):
+    """`block_digests` written into `out[row:row + (stop - start) // block_size]` (16 bytes a
+    row) instead of returned as bytes: one compiled pass, no Python object per block."""
+    if block_size <= 0 or start < 0 or stop > tokens.shape[0] or stop < start or \
+            (stop - start) % block_size:
+        raise ValueError(f"tokens[{start}:{stop}] is not a whole number of {block_size}-token "
+                         f"blocks of the {tokens.shape[0]} tokens")
+    if len(parent) not in (0, 16):
+        raise ValueError(f"a parent digest has 16 bytes, not {len(parent)}")
+    cdef Py_ssize_t count = (stop - start) // block_size
+    if out.shape[1] != 16 or row < 0 or row + count > out.shape[0]:
+        raise ValueError(f"rows {row}..{row + count - 1} do not fit a digest array of shape "
+                         f"({out.shape[0]}, {out.shape[1]})")
+    if count == 0:
+        return
+    cdef Py_ssize_t width = 8 * block_size
+    cdef size_t length = 16 + width + 1
+    cdef unsigned char* buffer = <unsigned char*>malloc(length)
+    if buffer == NULL:
+        raise MemoryError()
+    cdef XXH128_canonical_t canonical
+    cdef Py_ssize_t position = start
+    cdef int i
+    try:
+        if len(parent):
+            memcpy(buffer, PyBytes_AS_STRING(parent), 16)
+        else:
+            for i in range(16):
+                buffer[i] = 0
+        buffer[16 + width] = 70  # b"F"
+        while position < stop:
+            memcpy(buffer + 16, &tokens[position], width)
+            XXH128_canonicalFromHash(&canonical, XXH3_128bits_withSeed(buffer, length, seed))
+            memcpy(buffer, canonical.digest, 16)  # the next block's parent
+            memcpy(&out[row, 0], canonical.digest, 16)
+            row += 1
+            position += block_size
+    finally:
+        c_free(buffer)
+
+
+cdef inline int _key_of(object digest, uint64_t *k0, uint64_t *k1, bint root_ok) except -1:
+    cdef Py_ssize_t n = len(<bytes>digest)
+    cdef const unsigned char *p
+    if n == 16:
+        p = <const unsigned char*>PyBytes_AS_STRING(digest)
+        k0[0] = _load64(p)
+        k1[0] = _load64(p + 8)
+        return 0
+    if n == 0 and root_ok:
+        k0[0] = 0
+        k1[0] = 0
+        return 0
+    raise ValueError(f"a digest has 16 bytes, not {n}")
+
+
+@cython.final
+cdef class PrefixTable:
+    """The device prefix index's cached blocks, in arrays indexed by block.
+
+    Per block: its digest, its parent's digest (16 zero bytes for the root), its tokens (one row
+    of `block_size`, the first `num_tokens(block)` valid) and its place in its parent's list of
+    children (an intrusive doubly linked list, most recently inserted first). Two open-addressing
+    tables with linear probing over the 128-bit digests (deletion by backward shift, so no
+    tombstones) map a digest to its block and a parent digest to its first child; both have
+    at least twice as many slots as the pool has blocks. Every operation is O(1) but `siblings`
+    (O(children)); nothing allocates a Python object per block. A real digest of 16 zero bytes
+    would read as the root: the odds are 2**-128 for a seeded hash, as for any collision.
+    """
+
+    cdef readonly Py_ssize_t _n, _block_size, _count, _mask
+    cdef object _digest, _parent, _tokens, _ntok, _next, _prev, _dkeys, _dval, _pkeys, _pval
+    cdef uint64_t[:, ::1] _digest_v, _parent_v, _dkeys_v, _pkeys_v
+    cdef int64_t[:, ::1] _tokens_v
+    cdef int32_t[::1] _ntok_v, _next_v, _prev_v, _dval_v, _pval_v
+
+    def __cinit__(self, Py_ssize_t num_blocks, Py_ssize_t block_size):
+        if num_blocks <= 0 or block_size <= 0:
+            raise CapacityError(f"num_blocks={num_blocks} and block_size={block_size} must be "
+                                "positive")
+        cdef Py_ssize_t slots = 8
+        while slots < 2 * num_blocks:
+            slots *= 2
+        self._n, self._block_size, self._count, self._mask = num_blocks, block_size, 0, slots - 1
+        self._digest = np.zeros((num_blocks, 2), dtype=np.uint64)
+        self._parent = np.zeros((num_blocks, 2), dtype=np.uint64)
+        self._tokens = np.zeros((num_blocks, block_size), dtype=np.int64)
+        self._ntok = np.zeros(num_blocks, dtype=np.int32)      # 0: the block is not held
+        self._next = np.full(num_blocks, -1, dtype=np.int32)   # next sibling
+        self._prev = np.full(num_blocks, -1, dtype=np.int32)   # previous sibling
+        self._dkeys = np.zeros((slots, 2), dtype=np.uint64)
+        self._dval = np.full(slots, -1, dtype=np.int32)        # digest -> block, -1 empty
+        self._pkeys = np.zeros((slots, 2), dtype=np.uint64)
+        self._pval = np.full(slots, -1, dtype=np.int32)        # parent -> first child
+        self._digest_v, self._parent_v = self._digest, self._parent
+        self._tokens_v, self._ntok_v = self._tokens, self._ntok
+        self._next_v, self._prev_v = self._next, self._prev
+        self._dkeys_v, self._dval_v = self._dkeys, self._dval
+        self._pkeys_v, self._pval_v = self._pkeys, self._pval
+
+    # -- open addressing ---------------------------------------------------------------------------
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    cdef inline Py_ssize_t _slot(self, uint64_t[:, ::1] keys, int32_t[::1] vals, uint64_t k0,
+                                 uint64_t k1) noexcept:
+        """The slot holding (k0, k1), or the empty slot where it would go."""
+        cdef Py_ssize_t i = <Py_ssize_t>((k0 ^ (k1 >> 7)) & <uint64_t>self._mask)
+        while vals[i] >= 0 and (keys[i, 0] != k0 or keys[i, 1] != k1):
+            i = (i + 1) & self._mask
+        return i
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    cdef inline void _erase(self, uint64_t[:, ::1] keys, int32_t[::1] vals, Py_ssize_t i) noexcept:
+        """Empty slot i, shifting back the entries after it that probed past it."""
+        cdef Py_ssize_t j = i, home
+        cdef Py_ssize_t mask = self._mask
+        while True:
+            j = (j + 1) & mask
+            if vals[j] < 0:
+                break
+            home = <Py_ssize_t>((keys[j, 0] ^ (keys[j, 1] >> 7)) & <uint64_t>mask)
+            if (i <= j and i < home <= j) or (i > j and (home > i or home <= j)):
+                continue  # j is still reachable from its home without crossing i
+            keys[i, 0] = keys[j, 0]
+            keys[i, 1] = keys[j, 1]
+            vals[i] = vals[j]
+            i = j
+        vals[i] = -1
+
+    cdef int _check_block(self, Py_ssize_t block) except -1:
+        if not 0 <= block < self._n:
+            raise StateError(f"block={block} is outside the table 0..{self._n - 1}")
+        return 0
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    cdef void _link(self, Py_ssize_t block, uint64_t d0, uint64_t d1, uint64_t p0,
+                    uint64_t p1) noexcept:
+        """Index a validated, new block under its digest and its parent."""
+        cdef Py_ssize_t i = self._slot(self._dkeys_v, self._dval_v, d0, d1)
+        self._dkeys_v[i, 0] = d0
+        self._dkeys_v[i, 1] = d1
+        self._dval_v[i] = <int32_t>block
+        self._digest_v[block, 0] = d0
+        self._digest_v[block, 1] = d1
+        self._parent_v[block, 0] = p0
+        self._parent_v[block, 1] = p1
+        i = self._slot(self._pkeys_v, self._pval_v, p0, p1)
+        cdef int32_t first = self._pval_v[i]
+        self._prev_v[block] = -1
+        self._next_v[block] = first
+        if first >= 0:
+            self._prev_v[first] = <int32_t>block
+        else:
+            self._pkeys_v[i, 0] = p0
+            self._pkeys_v[i, 1] = p1
+        self._pval_v[i] = <int32_t>block
+        self._count += 1
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def block_size(self):
+        return self._block_size
+
+    def __len__(self):
+        return self._count
+
+    def holds(self, Py_ssize_t block):
+        self._check_block(block)
+        return self._ntok_v[block] > 0
+
+    def blocks(self):
+        """The blocks held, in ascending order."""
+        cdef Py_ssize_t block
+        return [block for block in range(self._n) if self._ntok_v[block] > 0]
+
+    def find(self, bytes digest not None):
+        """The block cached under `digest`, or -1."""
+        cdef uint64_t k0, k1
+        _key_of(digest, &k0, &k1, False)
+        return self._dval_v[self._slot(self._dkeys_v, self._dval_v, k0, k1)]
+
+    def first_child(self, bytes parent not None):
+        """The most recently inserted child of `parent` (b"" is the root), or -1."""
+        cdef uint64_t k0, k1
+        _key_of(parent, &k0, &k1, True)
+        return self._pval_v[self._slot(self._pkeys_v, self._pval_v, k0, k1)]
+
+    def siblings(self, bytes parent not None):
+        """Every child of `parent`, most recently inserted first."""
+        cdef int32_t block = self.first_child(parent)
+        cdef list out = []
+        while block >= 0:
+            out.append(block)
+            block = self._next_v[block]
+        return out
+
+    cdef int _check_held(self, Py_ssize_t block) except -1:
+        self._check_block(block)
+        if self._ntok_v[block] == 0:
+            raise StateError(f"block={block} is not in the prefix table")
+        return 0
+
+    def digest(self, Py_ssize_t block):
+        self._check_held(block)
+        return PyBytes_FromStringAndSize(<char*>&self._digest_v[block, 0], 16)
+
+    def parent(self, Py_ssize_t block):
+        """The parent's digest (b"" for the root)."""
+        self._check_held(block)
+        if self._parent_v[block, 0] == 0 and self._parent_v[block, 1] == 0:
+            return b""
+        return PyBytes_FromStringAndSize(<char*>&self._parent_v[block, 0], 16)
+
+    def num_tokens(self, Py_ssize_t block):
+        self._check_held(block)
+        return self._ntok_v[block]
+
+    def tokens(self, Py_ssize_t block):
+        """A copy of the block's tokens."""
+        self._check_held(block)
+        return self._tokens[block, :self._ntok_v[block]].copy()
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    def common_prefix(self, Py_ssize_t block, const int64_t[::1] tokens):
+        """How many leading tokens the block and `tokens` share."""
+        self._check_held(block)
+        cdef Py_ssize_t n = min(<Py_ssize_t>self._ntok_v[block], tokens.shape[0]), i = 0
+        while i < n and self._tokens_v[block, i] == tokens[i]:
+            i += 1
+        return i
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    def match(self, const uint8_t[:, ::1] digests, Py_ssize_t start, Py_ssize_t stop,
+              int32_t[::1] out not None):
+        """Write the block of `digests[j]` to `out[j - start]` for j = start, start + 1, ... while
+        j < stop and the digest is cached; returns the first j that was not written."""
+        if digests.shape[1] != 16:
+            raise ValueError(f"digest rows have 16 bytes, not {digests.shape[1]}")
+        if start < 0:
+            start = 0
+        if stop > digests.shape[0]:
+            stop = digests.shape[0]
+        if stop - start > out.shape[0]:
+            raise ValueError(f"{stop - start} blocks do not fit an output of {out.shape[0]}")
+        cdef Py_ssize_t j = start
+        cdef int32_t block
+        while j < stop:
+            block = self._dval_v[self._slot(self._dkeys_v, self._dval_v, _load64(&digests[j, 0]),
+                                            _load64(&digests[j, 8]))]
+            if block < 0:
+                break
+            out[j - start] = block
+            j += 1
+        return j
+
+    def check(self):
+        """Raise `StateError` if the digest and parent tables disagree with the blocks held."""
+        cdef Py_ssize_t block, i, held = 0, children = 0
+        cdef int32_t child, steps
+        for block in range(self._n):
+            if self._ntok_v[block] == 0:
+                continue
+            held += 1
+            i = self._slot(self._dkeys_v, self._dval_v, self._digest_v[block, 0],
+                           self._digest_v[block, 1])
+            if self._dval_v[i] != block:
+                raise StateError(f"block={block} is not found under its digest")
+        for i in range(self._mask + 1):
+            if self._pval_v[i] < 0:
+                continue
+            child, steps = self._pval_v[i], 0
+            if self._prev_v[child] != -1:
+                raise StateError(f"the first child block={child} has a previous sibling")
+            while child >= 0:
+                if self._ntok_v[child] == 0 or self._parent_v[child, 0] != self._pkeys_v[i, 0] \
+                        or self._parent_v[child, 1] != self._pkeys_v[i, 1]:
+                    raise StateError(f"block={child} is listed under a parent it does not have")
+                if self._next_v[child] >= 0 and self._prev_v[self._next_v[child]] != child:
+                    raise StateError(f"the sibling list breaks after block={child}")
+                children += 1
+                steps += 1
+                if steps > self._n:
+                    raise StateError("a sibling list loops")
+                child = self._next_v[child]
+        if held != self._count or children != self._count or \
+                int((self._dval >= 0).sum()) != self._count:
+            raise StateError(f"{self._count} blocks counted, {held} held, {children} listed "
+                             "under parents")
+
+    # -- changes -----------------------------------------------------------------------------------
+    def insert(self, Py_ssize_t block, bytes digest not None, bytes parent not None,
+               const int64_t[::1] tokens):
+        """Cache `block` as holding `tokens` (1..block_size of them) after `parent` under
+        `digest`. Returns -1, changing nothing, if that digest is cached already; else how many
+        other children its parent has."""
+        self._check_block(block)
+        if self._ntok_v[block]:
+            raise StateError(f"block={block} is already in the prefix table")
+        cdef Py_ssize_t n = tokens.shape[0]
+        if not 0 < n <= self._block_size:
+            raise ValueError(f"a block holds 1..{self._block_size} tokens, not {n}")
+        cdef uint64_t d0, d1, p0, p1
+        _key_of(digest, &d0, &d1, False)
+        _key_of(parent, &p0, &p1, True)
+        if self._dval_v[self._slot(self._dkeys_v, self._dval_v, d0, d1)] >= 0:
+            return -1
+        memcpy(&self._tokens_v[block, 0], &tokens[0], n * 8)
+        self._ntok_v[block] = <int32_t>n
+        self._link(block, d0, d1, p0, p1)
+        cdef Py_ssize_t others = 0
+        cdef int32_t sibling = self._next_v[block]
+        while sibling >= 0 and others < 2:
+            others += 1
+            sibling = self._next_v[sibling]
+        return others
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    def insert_run(self, blocks, const uint8_t[:, ::1] digests, Py_ssize_t first,
+                   Py_ssize_t stop, bytes parent not None, const int64_t[::1] tokens):
+        """Cache `blocks[j]` as full block j of a chain, for j = first..stop-1: its digest
+        `digests[j]`, its tokens `tokens[j * block_size:(j + 1) * block_size]`, block `first`
+        chained to `parent` and each next one to the previous digest (what `insert` does block
+        by block). Every block is checked before any is cached. Returns (the blocks not cached
+        because their digest is cached already, the cached blocks whose parent has other
+        children)."""
+        cdef Py_ssize_t bs = self._block_size, j, block, i
+        if digests.shape[1] != 16:
+            raise ValueError(f"digest rows have 16 bytes, not {digests.shape[1]}")
+        if first < 0 or stop > digests.shape[0] or stop * bs > tokens.shape[0] or \
+                stop > len(blocks):
+            raise ValueError(f"blocks {first}..{stop - 1} are not all in the chain")
+        cdef uint8_t* seen = <uint8_t*>calloc(self._n, 1)  # a block twice in the run
+        if seen == NULL:
+            raise MemoryError()
+        try:
+            for j in range(first, stop):
+                block = blocks[j]
+                self._check_block(block)
+                if self._ntok_v[block] or seen[block]:
+                    raise StateError(f"block={block} is already in the prefix table")
+                seen[block] = 1
+        finally:
+            c_free(seen)
+        cdef uint64_t p0, p1, d0, d1
+        _key_of(parent, &p0, &p1, True)
+        cdef list duplicates = [], branched = []
+        for j in range(first, stop):
+            block = blocks[j]
+            d0 = _load64(&digests[j, 0])
+            d1 = _load64(&digests[j, 8])
+            if self._dval_v[self._slot(self._dkeys_v, self._dval_v, d0, d1)] >= 0:
+                duplicates.append(block)
+            else:
+                memcpy(&self._tokens_v[block, 0], &tokens[j * bs], bs * 8)
+                self._ntok_v[block] = <int32_t>bs
+                self._link(block, d0, d1, p0, p1)
+                if self._next_v[block] >= 0:
+                    branched.append(block)
+            p0, p1 = d0, d1
+        return duplicates, branched
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    def remove(self, Py_ssize_t block):
+        """The block leaves the table; returns how many children its parent still has (0, 1, or
+        2 for two or more)."""
+        self._check_held(block)
+        cdef uint64_t p0 = self._parent_v[block, 0], p1 = self._parent_v[block, 1]
+        cdef Py_ssize_t i = self._slot(self._dkeys_v, self._dval_v, self._digest_v[block, 0],
+                                       self._digest_v[block, 1])
+        self._erase(self._dkeys_v, self._dval_v, i)
+        cdef int32_t before = self._prev_v[block], after = self._next_v[block], first
+        if after >= 0:
+            self._prev_v[after] = before
+        if before >= 0:
+            self._next_v[before] = after
+        i = self._slot(self._pkeys_v, self._pval_v, p0, p1)
+        if before < 0:  # it was the first child
+            if after >= 0:
+                self._pval_v[i] = after
+            else:
+                self._erase(self._pkeys_v, self._pval_v, i)
+        self._next_v[block] = -1
+        self._prev_v[block] = -1
+        self._ntok_v[block] = 0
+        self._count -= 1
+        first = self._pval_v[i] if after >= 0 or before >= 0 else -1
+        if first < 0:
+            return 0
+        return 1 if self._next_v[first] < 0 else 2

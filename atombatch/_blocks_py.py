@@ -269,7 +269,7 @@ class BlockPool:
             self._num_evictable -= 1
         self._refcnt[block] += 1
 
-    def acquire_blocks(self, blocks: Sequence[int]) -> None:
+    def acquire_blocks(self, blocks: Sequence[int] | npt.NDArray[np.int32]) -> None:
         """`acquire` each block in order (a prefix hit pins its shared chain); every block is
         checked before any is pinned."""
         for block in blocks:
@@ -308,6 +308,14 @@ class BlockPool:
         self._move(block, FREE, -1)
         self._push_back(self._free_tail, block)
         return block
+
+    def evict_many(self, count: int) -> list[int]:
+        """`evict` `count` times (the LRU blocks, in order, to the free list's tail); refused,
+        changing nothing, when fewer are unpinned."""
+        if not 0 <= count <= self._num_evictable:
+            raise CapacityError(f"Cannot evict {count} blocks: {self._num_evictable} of the "
+                                f"{self._counts[CACHED]} cached blocks are unpinned")
+        return [self.evict() for _ in range(count)]
 
     def drop(self, block: int) -> None:
         """Remove one specific unpinned CACHED block -> FREE (invalidation)."""
@@ -473,7 +481,7 @@ class LaneTable:
         self._rows[lane, n] = block
         self._num_held[lane] = n + 1
 
-    def push_blocks(self, lane: int, blocks: Sequence[int]) -> None:
+    def push_blocks(self, lane: int, blocks: Sequence[int] | npt.NDArray[np.int32]) -> None:
         """`push_block` each block in order; all are checked before the row changes."""
         self._check_busy(lane)
         for block in blocks:
@@ -845,6 +853,31 @@ class StepKernel:
                 lanes._num_held[lane] = held + 1
         return k
 
+    def grow_lane(self, lane: int, num_positions: int) -> int:
+        """Give one busy lane the blocks that positions 0..num_positions-1 need, from the free
+        list, oldest free block first (what `allocate(LANE, lane)` + `push_block` do block by
+        block). Returns how many blocks it still lacks because the free list ran dry (the caller
+        evicts for them)."""
+        lanes, pool = self.lanes, self.pool
+        lanes._check_busy(lane)
+        need = lanes.blocks_for(num_positions)
+        if need > lanes._bps:
+            raise CapacityError(f"lane={lane} cannot hold {need} blocks: the row has "
+                                f"{lanes._bps} entries")
+        held = int(lanes._num_held[lane])
+        while held < need:
+            block = pool.first_free()
+            if block < 0:
+                break
+            if block > MAX_TABLE_BLOCK:
+                raise StateError(f"block={block} is outside the int16 block-table range "
+                                 f"0..{MAX_TABLE_BLOCK}")
+            pool.allocate(LANE, lane)
+            lanes._rows[lane, held] = block
+            held += 1
+            lanes._num_held[lane] = held
+        return max(need - held, 0)
+
     def build(self, padding_block: int) -> int:
         """The decode inputs for the decoding lanes (`DecodeInputs.build`); returns the rows that
         decode (rows of the bucket past them are padding)."""
@@ -1005,3 +1038,222 @@ def match_digests(by_digest: dict[bytes, Any], digests: list[bytes], start: int,
         out.append(entry)
         block += 1
     return block
+
+
+def chain_digests(tokens: npt.NDArray[np.int64], start: int, stop: int, block_size: int,
+                  parent: bytes, seed: int, out: npt.NDArray[np.uint8], row: int) -> None:
+    """`block_digests` written into `out[row:row + (stop - start) // block_size]` (16 bytes a
+    row) instead of returned as bytes: one compiled pass, no Python object per block."""
+    if block_size <= 0 or start < 0 or stop > len(tokens) or stop < start or \
+            (stop - start) % block_size:
+        raise ValueError(f"tokens[{start}:{stop}] is not a whole number of {block_size}-token "
+                         f"blocks of the {len(tokens)} tokens")
+    if len(parent) not in (0, 16):
+        raise ValueError(f"a parent digest has 16 bytes, not {len(parent)}")
+    count = (stop - start) // block_size
+    if out.shape[1] != 16 or row < 0 or row + count > out.shape[0]:
+        raise ValueError(f"rows {row}..{row + count - 1} do not fit a digest array of shape "
+                         f"({out.shape[0]}, {out.shape[1]})")
+    for j, digest in enumerate(block_digests(tokens, start, stop, block_size, parent, seed)):
+        out[row + j] = np.frombuffer(digest, dtype=np.uint8)
+
+
+def _key(digest: bytes, root_ok: bool) -> bytes:
+    if len(digest) == 16:
+        return digest
+    if len(digest) == 0 and root_ok:
+        return _ROOT_INPUT
+    raise ValueError(f"a digest has 16 bytes, not {len(digest)}")
+
+
+class PrefixTable:
+    """The device prefix index's cached blocks, in arrays indexed by block.
+
+    Per block: its digest, its parent's digest (16 zero bytes for the root), its tokens (one row
+    of `block_size`, the first `num_tokens(block)` valid) and its place in its parent's list of
+    children (most recently inserted first). The compiled core maps digests to blocks and
+    parents to first children with open addressing over the 128-bit digests; this twin with
+    dicts. A real digest of 16 zero bytes would read as the root: the odds are 2**-128 for a
+    seeded hash, as for any collision.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise CapacityError(f"num_blocks={num_blocks} and block_size={block_size} must be "
+                                "positive")
+        self._n, self._block_size = num_blocks, block_size
+        self._tokens = np.zeros((num_blocks, block_size), dtype=np.int64)
+        self._ntok = [0] * num_blocks                  # 0: the block is not held
+        self._digest: list[bytes] = [b""] * num_blocks
+        self._parent: list[bytes] = [b""] * num_blocks  # 16 bytes; zeros for the root
+        self._by_digest: dict[bytes, int] = {}
+        self._children: dict[bytes, list[int]] = {}    # parent -> children, most recent first
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def _check_block(self, block: int) -> None:
+        if not 0 <= block < self._n:
+            raise StateError(f"block={block} is outside the table 0..{self._n - 1}")
+
+    def _check_held(self, block: int) -> None:
+        self._check_block(block)
+        if self._ntok[block] == 0:
+            raise StateError(f"block={block} is not in the prefix table")
+
+    def holds(self, block: int) -> bool:
+        self._check_block(block)
+        return self._ntok[block] > 0
+
+    def blocks(self) -> list[int]:
+        """The blocks held, in ascending order."""
+        return [block for block in range(self._n) if self._ntok[block] > 0]
+
+    def find(self, digest: bytes) -> int:
+        """The block cached under `digest`, or -1."""
+        return self._by_digest.get(_key(digest, False), -1)
+
+    def first_child(self, parent: bytes) -> int:
+        """The most recently inserted child of `parent` (b"" is the root), or -1."""
+        children = self._children.get(_key(parent, True))
+        return children[0] if children else -1
+
+    def siblings(self, parent: bytes) -> list[int]:
+        """Every child of `parent`, most recently inserted first."""
+        return list(self._children.get(_key(parent, True), ()))
+
+    def digest(self, block: int) -> bytes:
+        self._check_held(block)
+        return self._digest[block]
+
+    def parent(self, block: int) -> bytes:
+        """The parent's digest (b"" for the root)."""
+        self._check_held(block)
+        parent = self._parent[block]
+        return b"" if parent == _ROOT_INPUT else parent
+
+    def num_tokens(self, block: int) -> int:
+        self._check_held(block)
+        return self._ntok[block]
+
+    def tokens(self, block: int) -> npt.NDArray[np.int64]:
+        """A copy of the block's tokens."""
+        self._check_held(block)
+        return self._tokens[block, :self._ntok[block]].copy()
+
+    def common_prefix(self, block: int, tokens: npt.NDArray[np.int64]) -> int:
+        """How many leading tokens the block and `tokens` share."""
+        self._check_held(block)
+        return common_prefix(self._tokens[block, :self._ntok[block]], tokens)
+
+    def match(self, digests: npt.NDArray[np.uint8], start: int, stop: int,
+              out: npt.NDArray[np.int32]) -> int:
+        """Write the block of `digests[j]` to `out[j - start]` for j = start, start + 1, ... while
+        j < stop and the digest is cached; returns the first j that was not written."""
+        if digests.shape[1] != 16:
+            raise ValueError(f"digest rows have 16 bytes, not {digests.shape[1]}")
+        start, stop = max(start, 0), min(stop, digests.shape[0])
+        if stop - start > len(out):
+            raise ValueError(f"{stop - start} blocks do not fit an output of {len(out)}")
+        j = start
+        while j < stop:
+            block = self._by_digest.get(digests[j].tobytes())
+            if block is None:
+                break
+            out[j - start] = block
+            j += 1
+        return j
+
+    def check(self) -> None:
+        """Raise `StateError` if the digest and parent tables disagree with the blocks held."""
+        held = [b for b in range(self._n) if self._ntok[b]]
+        for block in held:
+            if self._by_digest.get(self._digest[block]) != block:
+                raise StateError(f"block={block} is not found under its digest")
+        children = 0
+        for parent, kids in self._children.items():
+            for child in kids:
+                if self._ntok[child] == 0 or self._parent[child] != parent:
+                    raise StateError(f"block={child} is listed under a parent it does not have")
+            children += len(kids)
+        if len(held) != len(self._by_digest) or children != len(self._by_digest):
+            raise StateError(f"{len(self._by_digest)} blocks counted, {len(held)} held, "
+                             f"{children} listed under parents")
+
+    def _link(self, block: int, digest: bytes, parent: bytes) -> None:
+        self._by_digest[digest] = block
+        self._digest[block] = digest
+        self._parent[block] = parent
+        self._children.setdefault(parent, []).insert(0, block)
+
+    def insert(self, block: int, digest: bytes, parent: bytes,
+               tokens: npt.NDArray[np.int64]) -> int:
+        """Cache `block` as holding `tokens` (1..block_size of them) after `parent` under
+        `digest`. Returns -1, changing nothing, if that digest is cached already; else how many
+        other children its parent has."""
+        self._check_block(block)
+        if self._ntok[block]:
+            raise StateError(f"block={block} is already in the prefix table")
+        n = len(tokens)
+        if not 0 < n <= self._block_size:
+            raise ValueError(f"a block holds 1..{self._block_size} tokens, not {n}")
+        digest, parent = _key(digest, False), _key(parent, True)
+        if digest in self._by_digest:
+            return -1
+        self._tokens[block, :n] = tokens
+        self._ntok[block] = n
+        self._link(block, digest, parent)
+        return min(len(self._children[parent]) - 1, 2)
+
+    def insert_run(self, blocks: Sequence[int], digests: npt.NDArray[np.uint8], first: int,
+                   stop: int, parent: bytes,
+                   tokens: npt.NDArray[np.int64]) -> tuple[list[int], list[int]]:
+        """Cache `blocks[j]` as full block j of a chain, for j = first..stop-1: its digest
+        `digests[j]`, its tokens `tokens[j * block_size:(j + 1) * block_size]`, block `first`
+        chained to `parent` and each next one to the previous digest (what `insert` does block
+        by block). Every block is checked before any is cached. Returns (the blocks not cached
+        because their digest is cached already, the cached blocks whose parent has other
+        children)."""
+        bs = self._block_size
+        if digests.shape[1] != 16:
+            raise ValueError(f"digest rows have 16 bytes, not {digests.shape[1]}")
+        if first < 0 or stop > digests.shape[0] or stop * bs > len(tokens) or stop > len(blocks):
+            raise ValueError(f"blocks {first}..{stop - 1} are not all in the chain")
+        seen: set[int] = set()  # a block twice in the run
+        for j in range(first, stop):
+            self._check_block(blocks[j])
+            if self._ntok[blocks[j]] or blocks[j] in seen:
+                raise StateError(f"block={blocks[j]} is already in the prefix table")
+            seen.add(blocks[j])
+        parent = _key(parent, True)
+        duplicates: list[int] = []
+        branched: list[int] = []
+        for j in range(first, stop):
+            block, digest = blocks[j], digests[j].tobytes()
+            if digest in self._by_digest:
+                duplicates.append(block)
+            else:
+                self._tokens[block] = tokens[j * bs:(j + 1) * bs]
+                self._ntok[block] = bs
+                self._link(block, digest, parent)
+                if len(self._children[parent]) > 1:
+                    branched.append(block)
+            parent = digest
+        return duplicates, branched
+
+    def remove(self, block: int) -> int:
+        """The block leaves the table; returns how many children its parent still has (0, 1, or
+        2 for two or more)."""
+        self._check_held(block)
+        del self._by_digest[self._digest[block]]
+        parent = self._parent[block]
+        children = self._children[parent]
+        children.remove(block)
+        if not children:
+            del self._children[parent]
+        self._ntok[block] = 0
+        return min(len(children), 2)

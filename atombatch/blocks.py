@@ -24,6 +24,8 @@ DecodeInputs = _impl.DecodeInputs
 PrefillInputs = _impl.PrefillInputs
 StepKernel = _impl.StepKernel
 block_digests = _impl.block_digests  # a prompt's full-block prefix digests in one call
+chain_digests = _impl.chain_digests  # the same, written into a chain's digest array
+PrefixTable = _impl.PrefixTable      # the device prefix index's blocks, in arrays
 common_prefix = _impl.common_prefix  # leading tokens two int64 arrays share
 match_digests = _impl.match_digests  # the run of a chain's digests a dict holds
 IMPLEMENTATION: str = _impl.IMPLEMENTATION
@@ -79,9 +81,11 @@ __all__ = [
     "DecodeInputs",
     "LaneTable",
     "PrefillInputs",
+    "PrefixTable",
     "SlidingSlots",
     "StepKernel",
     "block_digests",
+    "chain_digests",
     "common_prefix",
     "match_digests",
 ]

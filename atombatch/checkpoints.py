@@ -214,7 +214,7 @@ def block_boundaries(chain: TokenChain, block: int, limit: int, chunk: int
     fed = start
     for position in range(first, stop + 1, chunk):
         if position == start + block_size:
-            out.append((position, chain.digests[block]))
+            out.append((position, chain.digest(block)))
             continue
         state.update(tokens[fed:position].data)
         hasher.tokens_hashed += position - fed
@@ -231,7 +231,7 @@ def boundary_digest(chain: TokenChain, position: int) -> bytes:
     at a block boundary, else the partial digest of the block the boundary falls in."""
     block_size = chain._hasher.block_size
     if position % block_size == 0:
-        return chain.digests[position // block_size - 1]
+        return chain.digest(position // block_size - 1)
     return chain.partial_digest(position)
 
 
@@ -357,7 +357,7 @@ class SlotCheckpoints:
         for checkpoint in record.held:
             j = (checkpoint.position - 1) // self.block_size
             if j < full_blocks:
-                entry = self.prefix.find(chain.digests[j])
+                entry = self.prefix.find(chain.digest(j))
                 if entry is not None:
                     self.store.attach(checkpoint, entry)
 
@@ -385,7 +385,7 @@ class SlotCheckpoints:
                 if checkpoint.position > valid:
                     continue
                 j = (checkpoint.position - 1) // block_size
-                digest = chain.digests[j] if (j + 1) * block_size <= valid else last
+                digest = chain.digest(j) if (j + 1) * block_size <= valid else last
                 entry = self.prefix.find(digest)
                 if entry is not None:
                     store.attach(checkpoint, entry)

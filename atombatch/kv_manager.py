@@ -40,7 +40,7 @@ from atombatch import blocks as core
 from atombatch.checkpoints import CheckpointStore, SlotCheckpoints
 from atombatch.config import ArtifactConfig
 from atombatch.errors import StateError
-from atombatch.prefix import ROOT, Entry, HostCache, Match, PrefixIndex, TokenChain
+from atombatch.prefix import Entry, HostCache, Match, PrefixIndex, TokenChain
 from atombatch.request import Counters, Request, StepPlan, stop_ids
 from atombatch.request import RequestState as S
 
@@ -67,7 +67,8 @@ class KVManager:
         self.single_block = artifact.single_block
         self.spare = -1 if self.single_block else self.pool.reserve_spare()
         self.staged_spare = -1                   # the spare block a staging request fills
-        self.prefix = PrefixIndex(artifact.block_size) if prefix_cache else None
+        self.prefix = (PrefixIndex(artifact.block_size, num_blocks=artifact.num_blocks)
+                       if prefix_cache else None)
         self.host = host_cache
         # hybrid models: sliding-slot checkpoints, in the host cache's budget
         self.checkpoints: SlotCheckpoints | None = None
@@ -125,11 +126,12 @@ class KVManager:
         block = self.pool.evict()
         self.counters.evictions += 1
         if self.prefix is not None:
-            entry = self.prefix.remove(block)
             if self.host is not None:
-                self._saves.append(entry)  # its checkpoints go to the host with it
-            elif entry.checkpoints and self.checkpoints is not None:
-                self.checkpoints.store.entry_gone(entry)
+                self._saves.append(self.prefix.remove(block))  # checkpoints go to the host too
+            else:
+                entry = self.prefix.discard(block)  # no entry is made for it
+                if entry is not None and entry.checkpoints and self.checkpoints is not None:
+                    self.checkpoints.store.entry_gone(entry)
         # one event for a run of evictions (growth evicts block by block): logging one per block
         # cost more than the evictions themselves at a full cache
         events = self.events
@@ -139,16 +141,37 @@ class KVManager:
             self._event("block.evicted", blocks=[block])
         return block
 
+    def evict_blocks(self, count: int) -> list[int]:
+        """`evict` `count` times, in one pool call and one index pass (growth taking several
+        blocks from a full cache): the same blocks, saves and event as one at a time."""
+        blocks = self.pool.evict_many(count)
+        self.counters.evictions += len(blocks)
+        if self.prefix is not None:
+            if self.host is not None:
+                self._saves.extend([self.prefix.remove(block) for block in blocks])
+            else:
+                for entry in self.prefix.discard_blocks(blocks):  # no entry is made for them
+                    if entry.checkpoints and self.checkpoints is not None:
+                        self.checkpoints.store.entry_gone(entry)
+        events = self.events
+        if events and events[-1][0] == "block.evicted":
+            events[-1][1]["blocks"].extend(blocks)
+        else:
+            self._event("block.evicted", blocks=blocks)
+        return blocks
+
     # -- growth -----------------------------------------------------------------------------------
     def grow_lane(self, request: Request, num_positions: int) -> bool:
         """Grow a lane's row to cover positions 0..num_positions-1; False if the pool ran dry
         first (the blocks taken so far stay with the lane)."""
         lane = request.lane
-        need = self.lanes.blocks_for(num_positions)
-        while self.lanes.num_held(lane) < need:
-            if self.available() == 0:
+        short = self.kernel.grow_lane(lane, num_positions)  # from the free list, in one call
+        while short:  # the free list is dry: evict what is missing, then take it the same way
+            evictable = self.pool.num_evictable
+            if evictable == 0:
                 return False
-            self.lanes.push_block(lane, self.take_block(core.LANE, lane))
+            self.evict_blocks(min(short, evictable))
+            short = self.kernel.grow_lane(lane, num_positions)
         return True
 
     def grow_staged(self, request: Request, num_positions: int) -> bool:
@@ -302,9 +325,9 @@ class KVManager:
         if request.state is S.STAGING:
             row: list[int] | npt.NDArray[np.int32] = request.blocks
             return self.prefill_inputs.build(tokens, start, row, len(row), 0)
-        lane = request.lane
-        row = self.lanes.blocks(lane)
-        return self.prefill_inputs.build(tokens, start, row, len(row), lane)
+        lane = request.lane  # the lane's int32 row as it is (no list of its blocks)
+        return self.prefill_inputs.build(tokens, start, self.lanes.rows()[lane],
+                                         self.lanes.num_held(lane), lane)
 
     def row_of(self, request: Request) -> tuple[tuple[int, ...], int]:
         """The blocks (positions 0..) and sliding slot an import writes for the request."""
@@ -392,8 +415,10 @@ class KVManager:
         chain = self.chain(request, length)
         match = self.prefix.match(chain, length)
         if self.host is not None and self.host.extend(chain, length, match):
-            match.entries = [self.prefix.find(e.digest) or e if e.block < 0 else e
-                             for e in match.entries]
+            for j, entry in match.host_entries():
+                block = self.prefix.block_of(entry.digest)
+                if block >= 0:
+                    match.on_device(j, block)
         return match
 
     def attach_prefix(self, request: Request) -> None:
@@ -413,21 +438,22 @@ class KVManager:
         if resume == 0:
             self.counters.prefix_misses += 1
             return
-        entries = match.entries[: -(-resume // bs)]
-        pinned = [e.block for e in entries if e.block >= 0]
+        used = -(-resume // bs)
+        blocks = match.blocks[:used]  # int32: pinned and shared without a Python int each
+        pinned = blocks[blocks >= 0] if match.has_host else blocks
         self.pool.acquire_blocks(pinned)  # nothing below may evict what this lane will use
         restored = 0
         # all on the device (no host restore): the blocks wholly before the resume position are
         # shared as they are, in one call
-        run = resume // bs if len(pinned) == len(entries) else 0
+        run = resume // bs if len(pinned) == used else 0
         if run:
             self.lanes.push_blocks(lane, pinned[:run])
             request.shared += run
-        for j in range(run, len(entries)):
-            entry = entries[j]
+        for j in range(run, used):
             below = (j + 1) * bs <= resume  # wholly before the resume position: read-only
-            block = entry.block
+            block = int(blocks[j])
             if block < 0:  # only on the host: restore into a fresh block
+                entry = match.entry(j)
                 block = self.take_block(core.LANE, lane)
                 self._restores.append((block, entry.data, request.request_id))
                 restored += 1
@@ -436,8 +462,8 @@ class KVManager:
             elif not below:  # the prefill resumes inside it: this lane needs its own copy
                 self.pool.release(block)
                 if self.pool.refcount(block) == 0:
-                    adopted = self.prefix.remove(block)
-                    if adopted.checkpoints and checkpoints is not None:
+                    adopted = self.prefix.discard(block)
+                    if adopted is not None and adopted.checkpoints and checkpoints is not None:
                         checkpoints.store.entry_gone(adopted)  # the lane rewrites the block
                     self.pool.adopt(block, lane)
                 else:
@@ -473,17 +499,19 @@ class KVManager:
             request.blocks.append(spare)
             return
         below = resume // bs
-        entries = match.entries[: -(-resume // bs)]
-        pinned = [e.block for e in entries if e.block >= 0]
+        used = -(-resume // bs)
+        blocks = match.blocks[:used]
+        pinned = blocks[blocks >= 0] if match.has_host else blocks
         self.pool.acquire_blocks(pinned)  # pinned first: nothing below may evict them
         restored = 0
-        run = below if len(pinned) == len(entries) else 0  # all on the device: shared as is
+        run = below if len(pinned) == used else 0  # all on the device: shared as is
         if run:
-            request.blocks.extend(pinned[:run])
+            request.blocks.extend(pinned[:run].tolist())
             request.shared += run
-        for entry in entries[run:below]:
-            block = entry.block
+        for j in range(run, below):
+            block = int(blocks[j])
             if block < 0:  # a host copy: restored, cached and shared like a device entry
+                entry = match.entry(j)
                 block = self.take_block(core.STAGED, -2)
                 self._restores.append((block, entry.data, request.request_id))
                 self.share_restored(block, entry)
@@ -491,12 +519,12 @@ class KVManager:
             request.blocks.append(block)
             request.shared += 1
         if resume % bs:  # the prefill resumes inside a cached block: fill the spare from it
-            source = entries[below]
-            if source.block >= 0:
-                self._copies.append((source.block, spare, request.request_id))
-                self._unpin.append(source.block)
+            source = int(blocks[below])
+            if source >= 0:
+                self._copies.append((source, spare, request.request_id))
+                self._unpin.append(source)
             else:
-                self._restores.append((spare, source.data, request.request_id))
+                self._restores.append((spare, match.entry(below).data, request.request_id))
                 restored += 1
         request.blocks.append(spare)
         request.prefill_pos = resume
@@ -532,10 +560,9 @@ class KVManager:
         published = 0
         for j in range(request.shared, full_blocks):
             block = row[j]
-            inserted = self.prefix.insert_digest(block, chain.digests[j], chain.parent(j),
-                                                 chain.tokens[j * bs:(j + 1) * bs], True)
-            if inserted is None:  # an identical block is cached already: stop here
-                break
+            if not self.prefix.insert_block(block, chain.digest(j), chain.parent(j),
+                                            chain.tokens[j * bs:(j + 1) * bs]):
+                break  # an identical block is cached already: stop here
             self.pool.cache(block)
             self.pool.acquire(block)
             request.shared += 1
@@ -579,8 +606,7 @@ class KVManager:
                 continue
             end = min(start + bs, valid)  # the partial last block
             digest = chain.partial_digest(end)
-            if prefix.insert_digest(block, digest, chain.digests[j - 1] if j else ROOT,
-                                    chain.tokens[start:end], False) is None:
+            if not prefix.insert_block(block, digest, chain.parent(j), chain.tokens[start:end]):
                 pool.free(block)  # an identical block is cached already
             else:
                 pool.cache(block)

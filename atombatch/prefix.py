@@ -22,8 +22,9 @@ sequence, so partial blocks are where the hits are); where the full digests stop
 the child of the matched chain sharing the longest token prefix with the prompt. A parent's
 children sit in a radix trie over their tokens (a lone child as itself), so that costs what the
 prompt block's tokens cost, never one comparison per cached sibling (docs/prefix-cache.md).
-Full-block digests are computed by `blocks.block_digests` (compiled xxh3-128, or its twin) in one
-call per extension of a chain.
+Full-block digests are computed by `blocks.chain_digests` (compiled xxh3-128, or its twin) in one
+call per extension of a chain, into the chain's digest array; the device index keeps its blocks in
+a compiled `blocks.PrefixTable` (arrays and open addressing, no Python object per block).
 
 The host cache keeps blocks the device cache evicted, by the same digests, in an LRU bounded in
 bytes; a lookup that runs off the device chain continues into it.
@@ -34,14 +35,14 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from atombatch.blocks import block_digests, common_prefix, match_digests
+from atombatch.blocks import PrefixTable, chain_digests, common_prefix
 
 ROOT = b""          # the parent digest of block 0 (as a key)
 ROOT_INPUT = bytes(16)  # what block 0's hash input starts with: every input is 16 + 8n + 1 bytes
@@ -99,20 +100,26 @@ class BlockHasher:
 class TokenChain:
     """One sequence's tokens and the digests of its blocks, computed as the tokens arrive.
 
-    `digests[j]` is the digest of full block j. The open (last, partial) block is a running hash
+    `digest(j)` is the digest of full block j; the digests live in one uint8 `[n, 16]` array
+    (`digest_rows`), written by one compiled pass per extension (`blocks.chain_digests`), so a
+    prompt's blocks cost no Python object each. The open (last, partial) block is a running hash
     state fed with every token appended so far, so `partial_digest(length)` costs a copy, not a
     re-hash. Tokens are kept in a growing int64 buffer; views handed out (`tokens`) stay valid
     because positions, once written, never change.
     """
 
-    __slots__ = ("_buffer", "_hasher", "_open", "_open_start", "digests", "length")
+    __slots__ = ("_buffer", "_digest_list", "_digest_rows", "_hasher", "_open", "_open_start",
+                 "length", "num_digests")
 
     def __init__(self, hasher: BlockHasher, tokens: npt.ArrayLike = ()) -> None:
         self._hasher = hasher
         data = np.asarray(tokens, dtype=np.int64).reshape(-1)
         self._buffer = np.empty(len(data) + 64, dtype=np.int64)  # room for some output
+        self._digest_rows = np.empty((len(self._buffer) // hasher.block_size + 1, 16),
+                                     dtype=np.uint8)
+        self._digest_list: list[bytes] = []     # `digests`, made on demand
         self.length = 0
-        self.digests: list[bytes] = []
+        self.num_digests = 0                    # full blocks digested
         self._open = xxhash.xxh3_128(ROOT_INPUT, seed=hasher.seed)
         self._open_start = 0            # first position of the open block
         self.extend(data)
@@ -122,9 +129,39 @@ class TokenChain:
         """Every token appended so far (a view)."""
         return self._buffer[:self.length]
 
+    @property
+    def digest_rows(self) -> npt.NDArray[np.uint8]:
+        """The full blocks' digests, one 16-byte row each (a view)."""
+        return self._digest_rows[:self.num_digests]
+
+    @property
+    def digests(self) -> list[bytes]:
+        """The full blocks' digests as bytes (made on demand and kept; do not modify)."""
+        made = self._digest_list
+        if len(made) < self.num_digests:
+            rows = self._digest_rows
+            made.extend(rows[j].tobytes() for j in range(len(made), self.num_digests))
+        return made
+
+    def digest(self, block: int) -> bytes:
+        """Full block `block`'s digest."""
+        if not 0 <= block < self.num_digests:
+            raise IndexError(f"block={block} is not one of the chain's {self.num_digests} full "
+                             "blocks")
+        return self._digest_rows[block].tobytes()
+
+    def _rows_for(self, count: int) -> npt.NDArray[np.uint8]:
+        rows = self._digest_rows
+        if self.num_digests + count > len(rows):
+            grown = np.empty((max(len(rows) * 3 // 2, self.num_digests + count + 8), 16),
+                             dtype=np.uint8)
+            grown[:self.num_digests] = rows[:self.num_digests]
+            self._digest_rows = rows = grown
+        return rows
+
     def extend(self, tokens: npt.ArrayLike | Sequence[int]) -> None:
         """Append tokens and hash them: the open block's running state takes the tokens up to its
-        end, the full blocks after it are hashed in one compiled call (`blocks.block_digests`),
+        end, the full blocks after it are hashed in one compiled call (`blocks.chain_digests`),
         and the rest starts a new open block."""
         data = np.asarray(tokens, dtype=np.int64).reshape(-1)
         start, end = self.length, self.length + len(data)
@@ -138,9 +175,10 @@ class TokenChain:
         buffer = self._buffer
         buffer[start:end] = data
         self.length = end
-        hasher, block_size, digests = self._hasher, self._hasher.block_size, self.digests
+        hasher, block_size = self._hasher, self._hasher.block_size
         hasher.tokens_hashed += end - start
         position = start
+        last = b""
         if position > self._open_start:  # the open block holds tokens: its state takes more
             block_end = self._open_start + block_size
             stop = min(end, block_end)
@@ -149,24 +187,30 @@ class TokenChain:
             if position < block_end:
                 return
             self._open.update(FULL)
-            digests.append(self._open.digest())
+            last = self._open.digest()
+            self._rows_for(1)[self.num_digests] = np.frombuffer(last, dtype=np.uint8)
+            self.num_digests += 1
             hasher.digests_made += 1
             self._open_start = block_end
-        full = (end - position) // block_size * block_size
+        full = (end - position) // block_size
         if full:
-            made = block_digests(buffer, position, position + full, block_size,
-                                 digests[-1] if digests else ROOT, hasher.seed)
-            digests.extend(made)
-            hasher.digests_made += len(made)
-            position += full
+            parent = last or (self.digest(self.num_digests - 1) if self.num_digests else ROOT)
+            chain_digests(buffer, position, position + full * block_size, block_size, parent,
+                          hasher.seed, self._rows_for(full), self.num_digests)
+            self.num_digests += full
+            hasher.digests_made += full
+            position += full * block_size
             self._open_start = position
-        self._open = xxhash.xxh3_128(digests[-1] if digests else ROOT_INPUT, seed=hasher.seed)
+            last = b""
+        if not last:
+            last = self.digest(self.num_digests - 1) if self.num_digests else ROOT_INPUT
+        self._open = xxhash.xxh3_128(last, seed=hasher.seed)
         if position < end:
             self._open.update(buffer[position:end].data)
 
     def parent(self, block: int) -> bytes:
         """The digest block `block` is chained to."""
-        return self.digests[block - 1] if block else ROOT
+        return self.digest(block - 1) if block else ROOT
 
     def partial_digest(self, end: int) -> bytes:
         """The digest of the partial block that ends at position `end` (not a block boundary).
@@ -200,12 +244,54 @@ class Entry:
     checkpoints: list[Any] | None = None
 
 
-@dataclass
 class Match:
-    """The longest cached prefix of a prompt."""
+    """The longest cached prefix of a prompt: the matched blocks from block 0 (the last may be
+    partly matched) and how many prompt tokens they cover."""
 
-    entries: list[Entry] = field(default_factory=list)  # chain from block 0; the last may be partial
-    tokens: int = 0                     # prompt tokens covered by the chain
+    __slots__ = ("_host", "_index", "blocks", "tokens")
+
+    def __init__(self, blocks: npt.NDArray[np.int32] | None = None, tokens: int = 0,
+                 index: PrefixIndex | None = None) -> None:
+        # the device block of each matched block, int32 (-1 where it is a host copy)
+        self.blocks = np.zeros(0, dtype=np.int32) if blocks is None else blocks
+        self.tokens = tokens            # prompt tokens covered by the chain
+        self._host: dict[int, Entry] = {}   # position in `blocks` -> host entry
+        self._index = index             # the device index the blocks are in
+
+    @property
+    def has_host(self) -> bool:
+        """Whether some matched block is only a host copy."""
+        return bool(self._host)
+
+    def entry(self, j: int) -> Entry:
+        """The cached entry of matched block j (a device entry is made on demand)."""
+        block = int(self.blocks[j])
+        if block < 0:
+            return self._host[j]
+        entry = self._index.entry(block) if self._index is not None else None
+        if entry is None:
+            raise KeyError(f"matched block {j} (device block {block}) left the cache")
+        return entry
+
+    @property
+    def entries(self) -> list[Entry]:
+        return [self.entry(j) for j in range(len(self.blocks))]
+
+    def host_entries(self) -> list[tuple[int, Entry]]:
+        """(position, host entry) of the matched blocks that are host copies."""
+        return list(self._host.items())
+
+    def continue_on_host(self, full: int, entries: list[Entry], tokens: int) -> None:
+        """Keep the first `full` matched blocks and continue with host `entries`."""
+        self.blocks = np.concatenate([self.blocks[:full],
+                                      np.full(len(entries), -1, dtype=np.int32)])
+        self._host = {full + k: entry for k, entry in enumerate(entries)}
+        self.tokens = tokens
+
+    def on_device(self, j: int, block: int) -> None:
+        """Matched block j, a host copy, is on the device as `block` (its digest is cached)."""
+        del self._host[j]
+        self.blocks[j] = block
 
 
 class _Node:
@@ -338,21 +424,26 @@ class _Index:
             (last,) = siblings.node_of
             self.children[entry.parent] = self.by_digest[last]
 
-    def walk(self, chain: TokenChain, length: int, start_block: int, match: Match) -> None:
-        """Extend `match` over the first `length` tokens of `chain` from block `start_block`:
-        through full blocks by their stored digests, then the child of the last matched block
-        that shares the most of the next tokens (one trie walk, whatever the number of
-        siblings)."""
+    def walk(self, chain: TokenChain, length: int, start_block: int) -> tuple[list[Entry], int]:
+        """The entries extending a match of the first `length` tokens of `chain` from block
+        `start_block`, and the tokens the whole match then covers: through full blocks by the
+        chain's digests, then the child of the last matched block that shares the most of the
+        next tokens (one trie walk, whatever the number of siblings)."""
         block_size = chain._hasher.block_size
-        block = match_digests(self.by_digest, chain.digests, start_block, length // block_size,
-                              match.entries)
+        by_digest, entries = self.by_digest, []
+        block, stop = start_block, min(length // block_size, chain.num_digests)
+        while block < stop:
+            entry = by_digest.get(chain.digest(block))
+            if entry is None:
+                break
+            entries.append(entry)
+            block += 1
         position = block * block_size
-        match.tokens = position
         if position >= length:
-            return
+            return entries, position
         siblings = self.children.get(chain.parent(block))
         if siblings is None:
-            return
+            return entries, position
         rest = chain.tokens[position:min(position + block_size, length)]
         best: Entry | None
         if isinstance(siblings, _Children):
@@ -362,21 +453,42 @@ class _Index:
             best, shared = siblings, common_prefix(siblings.tokens, rest)
             self.nodes_visited += 1
         if best is not None and shared:
-            match.entries.append(best)
-            match.tokens = position + shared
+            entries.append(best)
+            return entries, position + shared
+        return entries, position
 
 
 class PrefixIndex:
-    """The device prefix cache's index: CACHED blocks by prefix digest."""
+    """The device prefix cache's index: CACHED blocks by prefix digest.
 
-    def __init__(self, block_size: int, seed: int | None = None) -> None:
+    The blocks live in a `blocks.PrefixTable` (compiled: arrays indexed by block, open
+    addressing over the digests), so caching a finished sequence or matching a prompt costs no
+    Python object per block. An `Entry` is made for a block only when something asks for it
+    (`entry`, `find`, `remove`, a trie) and kept while the block is cached, so the same block
+    always gives the same entry. A parent with two or more children also has a `_Children`
+    trie over their tokens (partial matches walk it instead of scanning siblings); a lone child
+    is compared in the table.
+    """
+
+    def __init__(self, block_size: int, seed: int | None = None, num_blocks: int = 1024) -> None:
         self.block_size = block_size
         self.hasher = BlockHasher(block_size, seed)
-        self._index = _Index()
-        self._by_block: dict[int, Entry] = {}
+        self._table = PrefixTable(num_blocks, block_size)
+        self._capacity = num_blocks          # blocks 0..num_blocks-1 (grows if asked for more)
+        self._entries: dict[int, Entry] = {}  # the entries made so far, by block
+        self._tries: dict[bytes, _Children] = {}  # parent digest -> trie of its 2+ children
+        self.nodes_visited = 0          # trie nodes (and lone children) partial matches visited
 
     def __len__(self) -> int:
-        return len(self._by_block)
+        return len(self._table)
+
+    def blocks(self) -> list[int]:
+        """The cached blocks, ascending."""
+        return self._table.blocks()
+
+    def entries(self) -> list[Entry]:
+        """Every cached block's entry (made for the call, not kept, where none was)."""
+        return [self._entries.get(b) or self._make(b) for b in self._table.blocks()]
 
     def chain(self, tokens: npt.ArrayLike = ()) -> TokenChain:
         """A new request's chain: its prompt hashed once, here."""
@@ -388,18 +500,79 @@ class PrefixIndex:
         return self.match(chain, chain.length)
 
     def match(self, chain: TokenChain, length: int) -> Match:
-        """The longest cached prefix of the first `length` tokens of `chain`; hashes nothing."""
+        """The longest cached prefix of the first `length` tokens of `chain`; hashes nothing.
+        Full blocks are probed in one compiled pass over the chain's digest rows; where they
+        stop, the child of the last matched block sharing the most of the next tokens."""
         if chain.length < length:
             raise ValueError(f"length={length} is past the chain's {chain.length} tokens")
-        match = Match()
-        self._index.walk(chain, length, 0, match)
+        table, bs = self._table, self.block_size
+        full = min(length // bs, chain.num_digests)
+        blocks = np.empty(full + 1, dtype=np.int32)  # room for a partly matched last block
+        matched = table.match(chain._digest_rows, 0, full, blocks)
+        position = matched * bs
+        match = Match(blocks[:matched], position, self)
+        if position >= length:
+            return match
+        parent = chain.digest(matched - 1) if matched else ROOT
+        rest = chain.tokens[position:min(position + bs, length)]
+        trie = self._tries.get(parent)
+        if trie is not None:
+            best, shared, visited = trie.longest(rest)
+            self.nodes_visited += visited
+            block = best.block if best is not None else -1
+        else:
+            block = table.first_child(parent)
+            shared = table.common_prefix(block, rest) if block >= 0 else 0
+            self.nodes_visited += block >= 0
+        if block >= 0 and shared:
+            blocks[matched] = block
+            match.blocks = blocks[:matched + 1]
+            match.tokens = position + shared
         return match
 
+    def _make(self, block: int) -> Entry:
+        table = self._table
+        return Entry(digest=table.digest(block), parent=table.parent(block),
+                     tokens=table.tokens(block), full=table.num_tokens(block) == self.block_size,
+                     block=block)
+
     def entry(self, block: int) -> Entry | None:
-        return self._by_block.get(block)
+        entry = self._entries.get(block)
+        if entry is None:
+            if not 0 <= block < self._capacity or not self._table.holds(block):
+                return None
+            entry = self._entries[block] = self._make(block)
+        return entry
+
+    def block_of(self, digest: bytes) -> int:
+        """The device block cached under `digest`, or -1."""
+        return self._table.find(digest)
 
     def find(self, digest: bytes) -> Entry | None:
-        return self._index.by_digest.get(digest)
+        block = self._table.find(digest)
+        return self.entry(block) if block >= 0 else None
+
+    def _fit(self, block: int) -> None:
+        """Blocks past the table's size (an index built without `num_blocks`): a bigger table,
+        holding the same blocks."""
+        if block < self._capacity:
+            return
+        old = self._table
+        size = max(2 * self._capacity, block + 1)
+        table = PrefixTable(size, self.block_size)
+        for b in old.blocks():
+            table.insert(b, old.digest(b), old.parent(b), old.tokens(b))
+        self._table, self._capacity = table, size
+
+    def _branch(self, parent: bytes, block: int) -> None:
+        """`block` joined a parent with other children: their trie gains it (or is built)."""
+        trie = self._tries.get(parent)
+        if trie is None:
+            trie = self._tries[parent] = _Children()
+            for sibling in reversed(self._table.siblings(parent)):  # oldest first
+                trie.add(self.entry(sibling))  # type: ignore[arg-type]
+        else:
+            trie.add(self.entry(block))  # type: ignore[arg-type]
 
     def insert(self, block: int, parent: bytes, tokens: npt.ArrayLike) -> Entry | None:
         """Index `block` as holding `tokens` after the prefix `parent` (hashes the tokens);
@@ -409,46 +582,77 @@ class PrefixIndex:
         return self.insert_digest(block, self.hasher.digest(parent, data, full), parent, data,
                                   full)
 
+    def insert_block(self, block: int, digest: bytes, parent: bytes,
+                     tokens: npt.NDArray[np.int64]) -> bool:
+        """Index `block` under a digest already computed (full when it holds `block_size`
+        tokens); False, changing nothing, if that digest is cached."""
+        self._fit(block)
+        data = np.ascontiguousarray(tokens, dtype=np.int64)
+        others = self._table.insert(block, digest, parent, data)
+        if others < 0:
+            return False
+        if others:
+            self._branch(parent, block)
+        return True
+
     def insert_digest(self, block: int, digest: bytes, parent: bytes,
                       tokens: npt.NDArray[np.int64], full: bool) -> Entry | None:
-        """Index `block` under a digest already computed; None if that digest is cached."""
-        if digest in self._index.by_digest:
+        """`insert_block`, returning the block's entry; None if that digest is cached."""
+        if len(tokens) != self.block_size if full else not 0 < len(tokens) < self.block_size:
+            raise ValueError(f"{len(tokens)} tokens is not a {'full' if full else 'partial'} "
+                             f"block of {self.block_size}")
+        if not self.insert_block(block, digest, parent, tokens):
             return None
-        entry = Entry(digest=digest, parent=parent, tokens=tokens, full=full, block=block)
-        self._index.add(entry)
-        self._by_block[block] = entry
-        return entry
+        return self.entry(block)
 
     def insert_full_blocks(self, blocks: Sequence[int], chain: TokenChain, first: int,
                            stop: int) -> list[int]:
         """Index `blocks[j]` as holding full block j of `chain`, for j = first..stop-1, under the
-        chain's stored digests (what `insert_digest` does block by block, in one loop); returns
-        the blocks not indexed because their digest is cached already."""
-        index = self._index
-        by_digest, children, by_block = index.by_digest, index.children, self._by_block
-        digests, tokens, block_size = chain.digests, chain.tokens, self.block_size
-        parent = digests[first - 1] if first else ROOT
-        duplicates = []
-        for j in range(first, stop):
-            digest, block = digests[j], blocks[j]
-            if digest in by_digest:
-                duplicates.append(block)
-            else:
-                entry = Entry(digest, parent, tokens[j * block_size:(j + 1) * block_size], True,
-                              block)
-                if parent in children:
-                    index.add(entry)
-                else:  # the parent's first child (`_Index.add`'s common case, inlined)
-                    children[parent] = entry
-                    by_digest[digest] = entry
-                by_block[block] = entry
-            parent = digest
+        chain's stored digests (what `insert_block` does block by block, in one compiled call);
+        returns the blocks not indexed because their digest is cached already."""
+        if stop <= first:
+            return []
+        self._fit(max(blocks[first:stop]))
+        duplicates, branched = self._table.insert_run(
+            blocks, chain._digest_rows, first, min(stop, chain.num_digests),
+            chain.digest(first - 1) if first else ROOT, chain._buffer)
+        for block in branched:
+            self._branch(self._table.parent(block), block)
         return duplicates
 
+    def _unlink(self, block: int, parent: bytes, entry: Entry | None) -> None:
+        trie = self._tries.get(parent)
+        if trie is not None:  # its entry was made when it joined the trie
+            trie.remove(entry)  # type: ignore[arg-type]
+            if len(trie) == 1:  # a lone child again: compared in the table
+                del self._tries[parent]
+        self._table.remove(block)
+
     def remove(self, block: int) -> Entry:
-        """The block left the cache (evicted or adopted by a lane)."""
-        entry = self._by_block.pop(block)
-        self._index.remove(entry)
+        """The block left the cache (evicted or adopted by a lane); its entry."""
+        entry = self._entries.pop(block, None) or self._make(block)
+        self._unlink(block, entry.parent, entry)
+        return entry
+
+    def discard_blocks(self, blocks: Sequence[int]) -> list[Entry]:
+        """`discard` each block; the entries that had been made."""
+        entries, tries, table, made = self._entries, self._tries, self._table, []
+        for block in blocks:
+            entry = entries.pop(block, None)
+            if entry is not None:
+                made.append(entry)
+            if tries:  # a trie is kept only for parents with two or more children
+                self._unlink(block, entry.parent if entry is not None else table.parent(block),
+                             entry)
+            else:
+                table.remove(block)
+        return made
+
+    def discard(self, block: int) -> Entry | None:
+        """`remove` without making an entry: the block's entry if one was made, else None."""
+        entry = self._entries.pop(block, None)
+        self._unlink(block, entry.parent if entry is not None else self._table.parent(block),
+                     entry)
         return entry
 
 
@@ -510,6 +714,10 @@ class HostCache:
             self.on_drop(old)
         return True
 
+    def entries(self) -> list[Entry]:
+        """Every host copy's entry."""
+        return list(self._lru.values())
+
     def extend(self, chain: TokenChain, length: int, match: Match) -> list[Entry]:
         """Continue a device match of the first `length` tokens of `chain` into host copies when
         that covers more of them; returns the host entries now in the match. A device chain
@@ -517,14 +725,12 @@ class HostCache:
         matched part; the longer wins. Hashes nothing."""
         # only blocks matched to their last token can be continued (a partly matched entry,
         # full or not, ends the device chain)
-        full = match.entries[: match.tokens // self.block_size]
-        host_match = Match()
-        self._index.walk(chain, length, len(full), host_match)
-        if host_match.tokens <= match.tokens:
+        full = match.tokens // self.block_size
+        entries, tokens = self._index.walk(chain, length, full)
+        if tokens <= match.tokens:
             return []
-        match.entries = [*full, *host_match.entries]
-        match.tokens = host_match.tokens
-        for entry in host_match.entries:
+        match.continue_on_host(full, entries, tokens)
+        for entry in entries:
             self._lru.move_to_end(entry.digest)
         self.hits += 1
-        return host_match.entries
+        return entries

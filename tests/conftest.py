@@ -42,6 +42,10 @@ def core(request, monkeypatch):
     monkeypatch.setattr(scheduler_module.core, "DecodeInputs", impl.DecodeInputs)
     monkeypatch.setattr(scheduler_module.core, "PrefillInputs", impl.PrefillInputs)
     monkeypatch.setattr(scheduler_module.core, "StepKernel", impl.StepKernel)
+    from atombatch import prefix as prefix_module  # the prefix index's table and digest pass
+
+    monkeypatch.setattr(prefix_module, "PrefixTable", impl.PrefixTable)
+    monkeypatch.setattr(prefix_module, "chain_digests", impl.chain_digests)
     return request.param
 
 

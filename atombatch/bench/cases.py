@@ -79,17 +79,26 @@ PREFIX_SCALE_OPS = (
                               #   scan of siblings pays most for)
     "prefix_hash_lookup",     # hashing an 8 192-token prompt in 16-token blocks + its lookup,
                               #   every block cached (a fresh request's whole prefix-cache cost)
-    "prefix_hash_lookup_vllm",  # baseline: vLLM v1's recipe re-implemented (sha256 of the pickled
-                              #   (parent, token tuple, None) per block, one dict probe per block)
+    "prefix_hash_lookup_vllm",  # baseline: vLLM v1's own block hasher (sha256 of the pickled
+                              #   (parent, token tuple, None) per block, as BlockHash) and
+                              #   BlockPool.get_cached_block per block, loaded from
+                              #   $ATOMBATCH_VLLM_SRC (bench/vllm_baseline.py), else the recipe
     "prefix_insert_32k",      # caching a finished 32 768-token request (Batcher.abort)
     "prefix_admit_hit",       # the step that admits an 8 192-token request whose prompt is cached
                               #   in 16-token blocks (shares 448 blocks, prefills its last chunk)
-    "prefix_admit",           # the step that admits a 128-token request at a full 30k-block
-                              #   cache (its lookup misses; its blocks are evicted from the LRU)
+    "prefix_admit_hit_schedule",  # that step's Scheduler.schedule() alone: lookup, pinning and
+                              #   sharing the hit, growth, the chunk's prefill inputs
+    "prefix_admit_hit_vllm",  # baseline (with $ATOMBATCH_VLLM_SRC): the block-pool work of vLLM
+                              #   v1 admitting the same cached prompt, on its own BlockPool
+                              #   (find_longest_cache_hit's probes, touch, get_new_blocks,
+                              #   cache_full_blocks); hashes precomputed, as vLLM's are
+    "prefix_admit",           # the step that admits a 128-token request at a full cache of
+                              #   1k/10k/30k blocks (its lookup misses; its blocks are evicted)
     "prefix_admit_nocache",   # the same admitting step with the prefix cache off
     "prefix_steady",          # a steady decode step of the same Batcher (every lane decoding)
 )
 PREFIX_OPS = PREFIX_8K_OPS + PREFIX_SCALE_OPS
+VLLM_SOURCE_OPS = ("prefix_admit_hit_vllm",)  # measured only with $ATOMBATCH_VLLM_SRC
 OPS = BLOCK_OPS + ENGINE_OPS + PREFIX_OPS
 
 
@@ -527,6 +536,7 @@ SCALE_CHAIN_BLOCKS = 8             # cached chains of 128-token prompts: one roo
 INSERT_TOKENS = 32_768             # the finished request of `prefix_insert_32k`
 ADMIT_LANES = (4, 16)
 ADMIT_MAX_SEQ_LEN = 2048
+ADMIT_CACHED = 30_000              # the cache the nocache case's pool is sized for
 ADMIT_NUM_BLOCKS = 30_720          # a full cache of 16-token blocks
 ADMIT_PROMPT = 128                 # the admitted request's prompt (a miss)
 
@@ -534,15 +544,28 @@ ADMIT_PROMPT = 128                 # the admitted request's prompt (a miss)
 def prefix_scale_shapes() -> list[tuple[str, str, int, int]]:
     """(op, shape, lanes, num_blocks) of every scale case."""
     out = [("prefix_miss", f"cached{n // 1000}k", 1, n) for n in SCALE_CACHED_BLOCKS]
-    out += [(op, "bs16", 1, PREFIX_TOKENS // SCALE_BLOCK_SIZE)
-            for op in ("prefix_hash_lookup", "prefix_hash_lookup_vllm")]
+    out += [("prefix_hash_lookup", "bs16", 1, PREFIX_TOKENS // SCALE_BLOCK_SIZE)]
+    out += [("prefix_hash_lookup_vllm", shape, 1, PREFIX_TOKENS // SCALE_BLOCK_SIZE)
+            for shape in dict.fromkeys((vllm_shape(), "bs16-recipe"))]
     out += [("prefix_insert_32k", shape, 1, INSERT_TOKENS // bs + 64 + 1)
             for shape, bs in (("bs16", 16), ("bs128", 128))]
     out += [("prefix_insert_32k", "eager", 1, 2)]
-    out += [("prefix_admit_hit", "bs16", 1, PREFIX_MAX_SEQ_LEN // SCALE_BLOCK_SIZE + 1)]
-    out += [(op, "cached30k", b, ADMIT_NUM_BLOCKS) for b in ADMIT_LANES
-            for op in ("prefix_admit", "prefix_admit_nocache", "prefix_steady")]
+    out += [(op, "bs16", 1, PREFIX_MAX_SEQ_LEN // SCALE_BLOCK_SIZE + 1)
+            for op in ("prefix_admit_hit", "prefix_admit_hit_schedule")]
+    if vllm_shape() == "bs16-vllm":
+        out += [("prefix_admit_hit_vllm", "bs16-vllm", 1, PREFIX_TOKENS // SCALE_BLOCK_SIZE + 1)]
+    for b in ADMIT_LANES:
+        for cached in SCALE_CACHED_BLOCKS:
+            out += [(op, f"cached{cached // 1000}k", b, admit_num_blocks(b, cached))
+                    for op in ("prefix_admit", "prefix_steady")]
+        out += [("prefix_admit_nocache", "nocache", b, admit_num_blocks(b, ADMIT_CACHED))]
     return out
+
+
+def admit_num_blocks(lanes: int, cached: int) -> int:
+    """The pool of the admission cases: `cached` blocks in the prefix cache, plus room for every
+    lane's longest sequence and some."""
+    return cached + lanes * (ADMIT_MAX_SEQ_LEN // SCALE_BLOCK_SIZE) + 200
 
 
 def _prefix_scale_case(impl: ModuleType, op: str, shape: str, lanes: int,
@@ -550,12 +573,14 @@ def _prefix_scale_case(impl: ModuleType, op: str, shape: str, lanes: int,
     if op == "prefix_miss":
         return lambda: prefix_miss_time_func(num_blocks)
     if op in ("prefix_hash_lookup", "prefix_hash_lookup_vllm"):
-        return lambda: prefix_hash_lookup_time_func(op)
+        return lambda: prefix_hash_lookup_time_func(op, recipe_only=shape == "bs16-recipe")
     if op == "prefix_insert_32k":
         return lambda: prefix_insert_32k_time_func(impl, shape)
-    if op == "prefix_admit_hit":
-        return lambda: prefix_admit_hit_time_func(impl)
-    return lambda: prefix_admit_time_func(impl, op, lanes)
+    if op in ("prefix_admit_hit", "prefix_admit_hit_schedule"):
+        return lambda: prefix_admit_hit_time_func(impl, op == "prefix_admit_hit_schedule")
+    if op == "prefix_admit_hit_vllm":
+        return prefix_admit_hit_vllm_time_func
+    return lambda: prefix_admit_time_func(impl, op, lanes, num_blocks)
 
 
 def cached_index(num_blocks: int, chain_blocks: int = SCALE_CHAIN_BLOCKS,
@@ -564,7 +589,7 @@ def cached_index(num_blocks: int, chain_blocks: int = SCALE_CHAIN_BLOCKS,
     tokens (distinct first blocks)."""
     from atombatch.prefix import PrefixIndex
 
-    index = PrefixIndex(block_size, seed=1)
+    index = PrefixIndex(block_size, seed=1, num_blocks=num_blocks)
     rng = np.random.default_rng(seed)
     block = 0
     while block < num_blocks:
@@ -591,21 +616,21 @@ def prefix_miss_time_func(num_blocks: int) -> TimeFunc:
 
 
 def vllm_block_hashes(tokens: list[int], block_size: int, none_hash: bytes) -> list[bytes]:
-    """vLLM v1's block hashes (`kv_cache_utils.hash_block_tokens` with its default sha256):
-    sha256 of the pickled (parent hash, tuple of the block's token ids, extra keys) per full
-    block, re-implemented here as the baseline."""
-    import pickle
+    """vLLM v1's block hashes re-implemented (`atombatch.bench.vllm_baseline.recipe_hashes`)."""
+    from atombatch.bench.vllm_baseline import recipe_hashes
 
-    out, parent = [], none_hash
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hashlib.sha256(pickle.dumps(
-            (parent, tuple(tokens[start:start + block_size]), None),
-            protocol=pickle.HIGHEST_PROTOCOL)).digest()
-        out.append(parent)
-    return out
+    return recipe_hashes(tokens, block_size, none_hash)
 
 
-def prefix_hash_lookup_time_func(op: str) -> TimeFunc:
+def vllm_shape() -> str:
+    """The baseline's shape name: vLLM's own code when `ATOMBATCH_VLLM_SRC` is set (see
+    `atombatch.bench.vllm_baseline`), else the re-implemented recipe."""
+    from atombatch.bench.vllm_baseline import ENV
+
+    return "bs16-vllm" if os.environ.get(ENV) else "bs16-recipe"
+
+
+def prefix_hash_lookup_time_func(op: str, recipe_only: bool = False) -> TimeFunc:
     """A fresh 8 192-token prompt's whole prefix-cache cost in 16-token blocks: its digests, then
     its longest cached prefix, every block cached. The baseline does the same the vLLM v1 way:
     its block hashes, then one dict probe per block until the first miss."""
@@ -613,7 +638,8 @@ def prefix_hash_lookup_time_func(op: str) -> TimeFunc:
     if op == "prefix_hash_lookup":
         from atombatch.prefix import PrefixIndex
 
-        index = PrefixIndex(SCALE_BLOCK_SIZE, seed=1)
+        index = PrefixIndex(SCALE_BLOCK_SIZE, seed=1,
+                            num_blocks=PREFIX_TOKENS // SCALE_BLOCK_SIZE)
         cached = index.chain(prompt)
         for j in range(PREFIX_TOKENS // SCALE_BLOCK_SIZE):
             index.insert_digest(j, cached.digests[j], cached.parent(j),
@@ -625,19 +651,18 @@ def prefix_hash_lookup_time_func(op: str) -> TimeFunc:
                 match(chain(prompt), PREFIX_TOKENS)
         return timed(hash_lookup)
 
-    tokens = prompt.tolist()  # vLLM keeps a request's token ids as a list
-    none_hash = os.urandom(32)
-    table = {digest: j for j, digest in
-             enumerate(vllm_block_hashes(tokens, SCALE_BLOCK_SIZE, none_hash))}
+    from atombatch.bench.vllm_baseline import load, recipe
 
-    def hash_lookup_vllm(n: int) -> None:
+    tokens = prompt.tolist()  # vLLM keeps a request's token ids as a list
+    baseline = recipe(SCALE_BLOCK_SIZE) if recipe_only else load(SCALE_BLOCK_SIZE)
+    cached = baseline.cache(tokens)
+    if baseline.lookup(baseline.hash_request(tokens), cached) != PREFIX_TOKENS // SCALE_BLOCK_SIZE:
+        raise RuntimeError("the vLLM baseline expected a full hit")
+
+    def hash_lookup_vllm(n: int, hash_request=baseline.hash_request,
+                         lookup=baseline.lookup) -> None:
         for _ in range(n):
-            hit = []
-            for digest in vllm_block_hashes(tokens, SCALE_BLOCK_SIZE, none_hash):
-                block = table.get(digest)
-                if block is None:
-                    break
-                hit.append(block)
+            lookup(hash_request(tokens), cached)
     return timed(hash_lookup_vllm)
 
 
@@ -676,11 +701,12 @@ def prefix_insert_32k_time_func(impl: ModuleType, shape: str) -> TimeFunc:
     return insert
 
 
-def prefix_admit_hit_time_func(impl: ModuleType) -> TimeFunc:
+def prefix_admit_hit_time_func(impl: ModuleType, schedule_only: bool = False) -> TimeFunc:
     """A B=1 Batcher (16-token blocks, chunks of 1 024) whose cache holds an 8 192-token prompt;
     each timed iteration is the step that admits that prompt again (lookup, 448 shared blocks
-    pinned, the blocks of its last chunk taken, that chunk prefilled). Submitting (hashing) and
-    finishing are untimed."""
+    pinned, the blocks of its last chunk taken, that chunk prefilled), or with `schedule_only`
+    that step's `Scheduler.schedule()` alone (the rest of the step is the device call, sampling
+    and outputs). Submitting (hashing) and finishing are untimed."""
     from atombatch.config import ArtifactConfig
     from atombatch.structs import SamplingParams
 
@@ -700,14 +726,28 @@ def prefix_admit_hit_time_func(impl: ModuleType) -> TimeFunc:
         batcher.step()
 
     finish(batcher.submit(prompt, params))
+    schedule, in_schedule = scheduler.schedule, [0.0]
+
+    def timed_schedule(*args: Any, **kwargs: Any) -> Any:
+        started = start_clocks()
+        plan = schedule(*args, **kwargs)
+        in_schedule[0] += stop_clocks(started)
+        return plan
 
     def admit(loops: int) -> float:
         elapsed, hits = 0.0, batcher.stats().prefix_hits
         for _ in range(loops):
             request_id = batcher.submit(prompt, params)
-            started = start_clocks()
-            batcher.step()
-            elapsed += stop_clocks(started)
+            if schedule_only:
+                in_schedule[0] = 0.0
+                scheduler.schedule = timed_schedule   # the admitting step's schedule() only
+                batcher.step()
+                del scheduler.schedule
+                elapsed += in_schedule[0]
+            else:
+                started = start_clocks()
+                batcher.step()
+                elapsed += stop_clocks(started)
             finish(request_id)
         if batcher.stats().prefix_hits != hits + loops:
             raise RuntimeError("the admit-hit case expected every admission to hit")
@@ -715,14 +755,24 @@ def prefix_admit_hit_time_func(impl: ModuleType) -> TimeFunc:
     return admit
 
 
-def full_cache_batcher(impl: ModuleType, lanes: int, prefix_cache: bool = True) -> Any:
+def prefix_admit_hit_vllm_time_func() -> TimeFunc:
+    """vLLM's block-pool work admitting the cached 8 192-token prompt (`prefix_admit_hit_vllm`),
+    from `atombatch.bench.vllm_baseline`; needs `$ATOMBATCH_VLLM_SRC`."""
+    from atombatch.bench.vllm_baseline import admit_time_func
+
+    prompt = np.random.default_rng(0).integers(1, ENGINE_VOCAB, size=PREFIX_TOKENS).tolist()
+    return admit_time_func(prompt, SCALE_BLOCK_SIZE, start_clocks, stop_clocks)
+
+
+def full_cache_batcher(impl: ModuleType, lanes: int, prefix_cache: bool = True,
+                       num_blocks: int = ADMIT_NUM_BLOCKS) -> Any:
     """A Batcher on a null device (16-token blocks, 2 048-token context) whose prefix cache
-    holds all but a few of its 30 720 blocks, from finished 2 000-token requests."""
+    holds all but a few of its `num_blocks` blocks, from finished 2 000-token requests."""
     from atombatch.config import ArtifactConfig
     from atombatch.structs import SamplingParams
 
     art = ArtifactConfig(model=_null_spec(), batch_size=lanes, max_seq_len=ADMIT_MAX_SEQ_LEN,
-                         block_size=SCALE_BLOCK_SIZE, num_blocks=ADMIT_NUM_BLOCKS,
+                         block_size=SCALE_BLOCK_SIZE, num_blocks=num_blocks,
                          prefill_chunk_size=512)
     batcher = batcher_on(impl, art, prefix_cache=prefix_cache)
     if not prefix_cache:
@@ -730,7 +780,7 @@ def full_cache_batcher(impl: ModuleType, lanes: int, prefix_cache: bool = True) 
     scheduler, rng = batcher.scheduler, np.random.default_rng(0)
     once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     room = lanes * art.blocks_per_seq + 200   # what the lanes below will hold, and some
-    while len(scheduler.prefix) < ADMIT_NUM_BLOCKS - room:
+    while len(scheduler.prefix) < num_blocks - room:
         for _ in range(lanes):
             batcher.submit(rng.integers(1, ENGINE_VOCAB, size=2000).tolist(), once)
         while scheduler.has_work():
@@ -738,14 +788,16 @@ def full_cache_batcher(impl: ModuleType, lanes: int, prefix_cache: bool = True) 
     return batcher
 
 
-def prefix_admit_time_func(impl: ModuleType, op: str, lanes: int) -> TimeFunc:
+def prefix_admit_time_func(impl: ModuleType, op: str, lanes: int,
+                           num_blocks: int = ADMIT_NUM_BLOCKS) -> TimeFunc:
     """Every lane decoding at a full cache. `prefix_admit`: one lane's request is aborted, a new
     128-token request is submitted (its prompt hashed; untimed), and the step that admits it is
     timed (lookup, eviction of the blocks it takes, its prefill chunk, the other lanes' decode);
     `prefix_admit_nocache` is that step without a prefix cache; `prefix_steady` a decode step."""
     from atombatch.structs import SamplingParams
 
-    batcher = full_cache_batcher(impl, lanes, prefix_cache=op != "prefix_admit_nocache")
+    batcher = full_cache_batcher(impl, lanes, prefix_cache=op != "prefix_admit_nocache",
+                                 num_blocks=num_blocks)
     scheduler, rng = batcher.scheduler, np.random.default_rng(1)
     max_tokens = ADMIT_MAX_SEQ_LEN - ADMIT_PROMPT - 8
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 from collections.abc import Iterable, Sequence
+from types import SimpleNamespace
 
 import msgspec
 
@@ -220,6 +221,9 @@ def format_table(records: Sequence[MicroRecord]) -> str:
             shape = r.shape if r.lanes == 1 else f"{r.shape}/B{r.lanes}"
             lines.append(f"  {shape:<16}{r.op:<26}{r.ns_per_op / 1000:10.1f}"
                          f"{r.cpu_ns_per_op / 1000:10.1f}")
+    if any(r.op == "prefix_admit" for r in records):
+        lines += ["", "admission stalls (the step admitting one request vs a steady step, "
+                  "wall / CPU):", admission_section(SimpleNamespace(records=list(records)))]  # type: ignore[arg-type]
     loads = [r.load1 for r in records if r.load1 >= 0]
     if loads:
         lines.append(f"\n1-minute load average during the run: {min(loads):.2f}..{max(loads):.2f} "
@@ -252,11 +256,13 @@ LEGEND = (
     "finished request;",
     "  prefix_miss = a lookup missing at block 0 with 1k/10k/30k 16-token blocks cached; "
     "prefix_hash_lookup = hashing + lookup of the prompt in 16-token blocks; "
-    "prefix_hash_lookup_vllm = the same by vLLM v1's sha256-pickle recipe, the baseline; "
+    "prefix_hash_lookup_vllm = the same by vLLM v1's own code (shape bs16-vllm, loaded from "
+    "$ATOMBATCH_VLLM_SRC) or its recipe (bs16-recipe), the baseline; "
     "prefix_insert_32k = caching a finished 32 768-token request; prefix_admit_hit = the step "
-    "admitting the cached prompt; prefix_admit = the step admitting a 128-token request at a "
-    "full 30k-block cache; prefix_admit_nocache = that step without a cache; prefix_steady = a "
-    "steady decode step at that cache.",
+    "admitting the cached prompt, prefix_admit_hit_schedule its schedule() alone, "
+    "prefix_admit_hit_vllm vLLM's own BlockPool admitting it; prefix_admit = the step admitting "
+    "a 128-token request at a full 1k/10k/30k-block cache; prefix_admit_nocache = that step "
+    "without a cache; prefix_steady = a steady decode step at that cache.",
 )
 
 
@@ -267,6 +273,7 @@ ENGINE_TARGETS_US = {4: 6.0, 16: 10.0, 64: 25.0, 256: 80.0}
 PREFIX_TARGETS_US = {"prefix_lookup": 150.0, "prefix_insert": 300.0}
 README = "README.md"
 PREFIX_DOC = "docs/prefix-cache.md"
+OVERLAP_DOC = "docs/overlap.md"
 
 
 def _find(run: MicroRun, op: str, shape: str, lanes: int | None = None,
@@ -432,6 +439,87 @@ def prefix_section(run: MicroRun, json_path: str) -> str:
     return "\n".join(lines)
 
 
+SCALE_ROWS = (  # (op, shape, lanes, what, target) of docs/prefix-cache.md's scale table
+    ("prefix_miss", "cached1k", 1, "miss, 1k cached 16-token blocks (8-block chains)", "-"),
+    ("prefix_miss", "cached10k", 1, "miss, 10k cached blocks", "-"),
+    ("prefix_miss", "cached30k", 1, "miss, 30k cached blocks", "≤ 100 µs, ≤ 3× the 1k miss"),
+    ("prefix_hash_lookup", "bs16", 1, "hash + lookup of an 8 192-token prompt, 16-token "
+     "blocks, full hit", "≥ 20× cheaper than vLLM's"),
+    ("prefix_hash_lookup_vllm", "bs16-vllm", 1, "the same, vLLM's own code (block hasher with "
+     "sha256, `BlockPool.get_cached_block` per block)", "baseline"),
+    ("prefix_hash_lookup_vllm", "bs16-recipe", 1, "the same, vLLM's recipe re-implemented",
+     "baseline"),
+    ("prefix_insert_32k", "bs16", 1, "cache a finished 32 768-token request, 16-token blocks",
+     "≤ 1 ms"),
+    ("prefix_insert_32k", "bs128", 1, "the same, 128-token blocks", "≤ 1 ms"),
+    ("prefix_insert_32k", "eager", 1, "the same, one eager block", "≤ 1 ms"),
+    ("prefix_admit_hit", "bs16", 1, "the step admitting a cached 8 192-token prompt (16-token "
+     "blocks, B1)", "-"),
+    ("prefix_admit_hit_schedule", "bs16", 1, "its `Scheduler.schedule()` alone", "≥ 5× "
+     "cheaper than vLLM's admission"),
+    ("prefix_admit_hit_vllm", "bs16-vllm", 1, "vLLM's own `BlockPool` admitting it (probes, "
+     "`touch`, `get_new_blocks`, `cache_full_blocks`; a lower bound of its scheduler)",
+     "baseline"),
+)
+
+
+def _cell(run: MicroRun, op: str, shape: str, lanes: int) -> str:
+    wall, cpu = _find(run, op, shape, lanes), _find(run, op, shape, lanes, cpu=True)
+    return f"{_ns(wall)} / {_ns(cpu)}"
+
+
+def _has(run: MicroRun, ops: Sequence[str]) -> bool:
+    return any(r.op in ops for r in run.records)
+
+
+def prefix_scale_section(run: MicroRun, json_path: str) -> str:
+    """docs/prefix-cache.md's table of the index at scale, from one recorded run."""
+    lines = [_provenance(run, json_path), "", "| case | wall / CPU | target |", "|---|---|---|"]
+    for op, shape, lanes, what, target in SCALE_ROWS:
+        if _find(run, op, shape, lanes) is not None:
+            lines.append(f"| {what} | {_cell(run, op, shape, lanes)} | {target} |")
+    ratios = []
+    ours = _find(run, "prefix_hash_lookup", "bs16", 1, cpu=True)
+    for shape, name in (("bs16-vllm", "vLLM's own code"), ("bs16-recipe", "the recipe")):
+        theirs = _find(run, "prefix_hash_lookup_vllm", shape, 1, cpu=True)
+        if ours and theirs:
+            ratios.append(f"hash + lookup {theirs / ours:.1f}× cheaper than {name}")
+    theirs = _find(run, "prefix_admit_hit_vllm", "bs16-vllm", 1, cpu=True)
+    for op, what in (("prefix_admit_hit_schedule", "the admitting `schedule()`"),
+                     ("prefix_admit_hit", "the whole admitting step")):
+        value = _find(run, op, "bs16", 1, cpu=True)
+        if value and theirs:
+            ratios.append(f"{what} {theirs / value:.1f}× cheaper than vLLM's block-pool work")
+    miss1, miss30 = (_find(run, "prefix_miss", f"cached{n}k", 1, cpu=True) for n in (1, 30))
+    if miss1 and miss30:
+        ratios.append(f"a miss at 30k cached blocks {miss30 / miss1:.1f}× the miss at 1k")
+    if ratios:
+        lines += ["", "In CPU time: " + "; ".join(ratios) + "."]
+    if _has(run, ("prefix_admit", "prefix_steady")):
+        lines += ["", admission_section(run)]
+    return "\n".join(lines)
+
+
+def admission_section(run: MicroRun) -> str:
+    """The admission-stall table: the step admitting one 128-token request (its lookup misses;
+    its blocks are evicted) at a full cache of 1k/10k/30k blocks, beside a steady decode step and
+    the same admitting step without a prefix cache."""
+    lines = ["| B | cached blocks | admitting step | steady step | admitting − steady | "
+             "admitting, cache off |", "|---|---|---|---|---|---|"]
+    for lanes in sorted({r.lanes for r in run.records if r.op == "prefix_admit"}):
+        off = _cell(run, "prefix_admit_nocache", "nocache", lanes)
+        for cached in ("1k", "10k", "30k"):
+            shape = f"cached{cached}"
+            admit = _find(run, "prefix_admit", shape, lanes, cpu=True)
+            steady = _find(run, "prefix_steady", shape, lanes, cpu=True)
+            if admit is None:
+                continue
+            extra = _ns(admit - steady) if steady is not None else "-"
+            lines.append(f"| {lanes} | {cached} | {_cell(run, 'prefix_admit', shape, lanes)} | "
+                         f"{_cell(run, 'prefix_steady', shape, lanes)} | {extra} (CPU) | {off} |")
+    return "\n".join(lines)
+
+
 def _replace_between(path: str, start: str, end: str, text: str) -> None:
     with open(path, encoding="utf-8") as f:
         content = f.read()
@@ -440,16 +528,32 @@ def _replace_between(path: str, start: str, end: str, text: str) -> None:
         f.write(content[:a] + "\n" + text + "\n" + content[b:])
 
 
-def write_report(json_path: str, root: str = ".") -> None:
-    """Regenerate the README's and docs/prefix-cache.md's figures from a recorded run."""
+def write_report(json_path: str, root: str = ".") -> list[str]:
+    """Regenerate the README's, docs/prefix-cache.md's and docs/overlap.md's figures from a
+    recorded run: each section whose cases the run measured. Returns what was rewritten."""
     with open(json_path, "rb") as f:
         run = msgspec.json.decode(f.read(), type=MicroRun)
     rel = os.path.relpath(json_path, root)
-    _replace_between(os.path.join(root, README), "<!-- micro:start -->", "<!-- micro:end -->",
-                     readme_section(run, rel))
-    _replace_between(os.path.join(root, PREFIX_DOC), "<!-- prefix-results:start -->",
-                     "<!-- prefix-results:end -->",
-                     prefix_section(run, os.path.relpath(json_path, os.path.join(root, "docs"))))
+    docs_rel = os.path.relpath(json_path, os.path.join(root, "docs"))
+    done = []
+    if _has(run, ("engine_step",)):
+        _replace_between(os.path.join(root, README), "<!-- micro:start -->",
+                         "<!-- micro:end -->", readme_section(run, rel))
+        done.append(README)
+    if _has(run, case_defs.PREFIX_8K_OPS):
+        _replace_between(os.path.join(root, PREFIX_DOC), "<!-- prefix-results:start -->",
+                         "<!-- prefix-results:end -->", prefix_section(run, docs_rel))
+        done.append(f"{PREFIX_DOC} (8 192-token figures)")
+    if _has(run, case_defs.PREFIX_SCALE_OPS):
+        _replace_between(os.path.join(root, PREFIX_DOC), "<!-- prefix-scale:start -->",
+                         "<!-- prefix-scale:end -->", prefix_scale_section(run, docs_rel))
+        done.append(f"{PREFIX_DOC} (the index at scale)")
+    if _has(run, ("prefix_admit", "prefix_steady")):
+        _replace_between(os.path.join(root, OVERLAP_DOC), "<!-- admission-stall:start -->",
+                         "<!-- admission-stall:end -->",
+                         _provenance(run, docs_rel) + "\n\n" + admission_section(run))
+        done.append(f"{OVERLAP_DOC} (admission stalls)")
+    return done
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -473,8 +577,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "figures from a recorded run")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.report:
-        write_report(args.report)
-        print(f"README.md and {PREFIX_DOC} regenerated from {args.report}")
+        done = write_report(args.report)
+        print(f"regenerated from {args.report}: {', '.join(done) or 'nothing'}")
         return 0
     try:
         lanes = [int(x) for x in args.lanes.split(",") if x.strip()]

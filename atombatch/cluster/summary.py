@@ -138,13 +138,13 @@ class CacheSummarizer:
 
     def digests(self, *indexes: Any) -> tuple[list[bytes], bool]:
         """Routing digests of every chain cached in `indexes` (`PrefixIndex`, `HostCache` or
-        anything with an `_index` of `atombatch.prefix._Index`), shallowest first, and whether
+        anything with their `entries()`), shallowest first, and whether
         the capacity cut some off."""
         children: dict[bytes, list[Any]] = {}
         for index in indexes:
             if index is None:
                 continue
-            for entry in list(index._index.by_digest.values()):
+            for entry in index.entries():
                 children.setdefault(entry.parent, []).append(entry)
         root = _Node((), 0, prefix.ROOT, np.zeros(0, dtype=np.int64))
         memo: dict[bytes, _Node] = {}

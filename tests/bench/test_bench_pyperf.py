@@ -62,3 +62,32 @@ def test_micro_report_regenerates_readme_and_docs_figures_from_a_recorded_run(tm
     doc = (tmp_path / "docs" / "prefix-cache.md").read_text()
     figures = doc[doc.index("<!-- prefix-results:start -->"):]
     assert "bench/micro-test.json" in figures and "full hit" in figures and "≤ 150 µs" in figures
+
+
+def test_micro_report_writes_the_prefix_scale_and_admission_tables_it_measured(tmp_path):
+    """A prefix-only run rewrites docs/prefix-cache.md's scale table and docs/overlap.md's
+    admission stalls, and leaves the README (whose cases it did not measure) alone."""
+    import shutil
+
+    from atombatch.bench import micro
+
+    (tmp_path / "docs" / "bench").mkdir(parents=True)
+    for name in ("README.md", "docs/prefix-cache.md", "docs/overlap.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    readme = (tmp_path / "README.md").read_text()
+    recorded = tmp_path / "docs" / "bench" / "prefix-test.json"
+    micro.run(lanes=(4,), json_path=str(recorded), quick=True, repeats=1,
+              ops=("prefix_miss", "prefix_hash_lookup", "prefix_hash_lookup_vllm",
+                   "prefix_admit", "prefix_steady", "prefix_admit_nocache"))
+    done = micro.write_report(str(recorded), root=str(tmp_path))
+    assert done == ["docs/prefix-cache.md (the index at scale)",
+                    "docs/overlap.md (admission stalls)"]
+    assert (tmp_path / "README.md").read_text() == readme
+    doc = (tmp_path / "docs" / "prefix-cache.md").read_text()
+    scale = doc[doc.index("<!-- prefix-scale:start -->"):doc.index("<!-- prefix-scale:end -->")]
+    assert "bench/prefix-test.json" in scale and "miss, 30k cached blocks" in scale
+    assert "× cheaper than" in scale and "| 16 | 30k |" in scale
+    overlap = (tmp_path / "docs" / "overlap.md").read_text()
+    stalls = overlap[overlap.index("<!-- admission-stall:start -->"):
+                     overlap.index("<!-- admission-stall:end -->")]
+    assert stalls.count("| 4 |") == 3 and stalls.count("| 16 |") == 3 and "load average" in stalls

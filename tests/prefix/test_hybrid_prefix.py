@@ -236,7 +236,7 @@ def check_checkpoints(batcher, live: bool):
     blocks = sum(int(e.data.nbytes) for e in host._lru.values())
     assert host.used_bytes == blocks + store.used_bytes <= host.capacity_bytes
     # cached blocks, host copies, and evicted blocks whose host save has not run yet
-    entries = list(kv.prefix._by_block.values()) + list(host._lru.values()) + kv._saves
+    entries = list(kv.prefix._entries.values()) + list(host._lru.values()) + kv._saves
     holders: dict[int, int] = {}
     for entry in entries:
         for checkpoint in entry.checkpoints or ():
