@@ -1,4 +1,5 @@
-"""Where merged features meet: PD × the sampler, AsyncBatcher × n > 1, stop strings × max_tokens.
+"""The engine (`Batcher`) where merged features meet: PD × the sampler, AsyncBatcher × n > 1,
+stop strings × max_tokens.
 
 Each test drives real computation (the NumPy runtime, the engine's detokenizer on a real
 `tokenizers` tokenizer) and compares against the same request run the plain way.
