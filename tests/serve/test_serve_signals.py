@@ -25,12 +25,17 @@ def start(engine_core: str) -> tuple[subprocess.Popen[str], int]:
         stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stderr is not None
-    deadline = time.monotonic() + 120
-    while "listening on" not in proc.stderr.readline():
-        assert time.monotonic() < deadline and proc.poll() is None, "no banner"
-    done = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                      json={"prompt": [5, 6], "max_tokens": 2})
-    assert done.status_code == 200
+    try:
+        deadline = time.monotonic() + 120
+        while "listening on" not in proc.stderr.readline():
+            assert time.monotonic() < deadline and proc.poll() is None, "no banner"
+        done = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                          json={"prompt": [5, 6], "max_tokens": 2})
+        assert done.status_code == 200
+    except BaseException:  # its own session: nothing else would ever stop it
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        raise
     return proc, port
 
 
