@@ -126,6 +126,20 @@ class Report(msgspec.Struct, frozen=True):
     load_before: Load
     load_after: Load
     cases: list[Case]
+    admission: list[Any] | None = None  # --admission-stalls: bench micro's records (MicroRecord)
+
+
+ADMISSION_OPS = ("prefix_admit", "prefix_admit_nocache", "prefix_steady")
+ADMISSION_LANES = (4, 16)
+
+
+def admission_stalls(repeats: int) -> list[Any]:
+    """The step admitting one request at a full prefix cache of 1k, 10k and 30k blocks beside a
+    steady step and the same step without a cache, at B4 and B16, in this process: bench micro's
+    admission cases (atombatch/bench/cases.py), the table of docs/overlap.md."""
+    from atombatch.bench import micro
+
+    return list(micro.run(lanes=ADMISSION_LANES, ops=ADMISSION_OPS, repeats=repeats))
 
 
 # -- CPU from /proc --------------------------------------------------------------------------------
@@ -496,6 +510,9 @@ def parser() -> argparse.ArgumentParser:
                    "when the server has the flag, else the server's default)")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine cases")
     p.add_argument("--no-server", action="store_true", help="skip the HTTP server cases")
+    p.add_argument("--admission-stalls", action="store_true",
+                   help="also measure the step that admits one request at a full prefix cache "
+                   "of 1k/10k/30k blocks against a steady step (B4, B16; bench micro's cases)")
     p.add_argument("--timeout", type=float,
                    help="seconds per round (default: 10 x the ideal round time + 60)")
     p.add_argument("--policy", help="scheduling policy of the engine and the server (default: "
@@ -689,6 +706,14 @@ def format_table(report: Report) -> str:
     for c in restarted:
         lines.append(f"B{c.batch_size} step {c.step_ms:g} ms tokenizer "
                      f"{'wl' if c.tokenizer else 'ids'}: {c.error}")
+    if report.admission:
+        from types import SimpleNamespace
+
+        from atombatch.bench import micro
+
+        lines += ["", "admission stalls (the step admitting one request vs a steady step, "
+                  "wall / CPU):", micro.admission_section(
+                      SimpleNamespace(records=report.admission))]  # type: ignore[arg-type]
     return "\n".join(lines)
 
 
@@ -750,6 +775,8 @@ def main(argv: list[str] | None = None) -> int:
               "none", file=sys.stderr)
         return 2
     report = run(args, flag)
+    if args.admission_stalls:
+        report = msgspec.structs.replace(report, admission=admission_stalls(max(3, args.repeats)))
     print(format_table(report))
     if args.json:
         Path(args.json).write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")

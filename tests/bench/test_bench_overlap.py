@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -67,9 +68,12 @@ def test_figures_are_consistent(report: Report) -> None:
             assert 0 < r.ratio <= 1.2
             # the device alone needs max_tokens - 1 steps: a round cannot beat them
             assert r.duration_s >= (MAX_TOKENS - 1) * 0.005
-            # every request's decode rate was measured; none beats one token per device step
-            # (beyond the first-token time's resolution: half a step over MAX_TOKENS - 1 steps)
-            assert r.steady is not None and 0 < r.steady <= 1 + 0.5 / (MAX_TOKENS - 1) + 0.05
+            # every request's decode rate was measured; in the engine (exact times) none beats
+            # one token per device step; the client reads a first token up to half a step late,
+            # or later on a loaded machine, so there only the measurement itself is checked
+            assert r.steady is not None and r.steady > 0
+            if case.path == "engine":
+                assert r.steady <= 1.0 + 1e-6
             if case.path == "engine":
                 assert r.core_cpu_s > 0
                 assert r.decode_steps == MAX_TOKENS - 1     # the first token is the prefill's
@@ -165,3 +169,20 @@ def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
         overlap.main(["--step-ms", "0"])
     with pytest.raises(SystemExit):
         overlap.main(["--tokenizers", "sentencepiece"])
+
+
+def test_admission_stalls_measure_every_cache_size_beside_a_steady_step(tmp_path: Path) -> None:
+    path = tmp_path / "admission.json"
+    done = subprocess.run([sys.executable, "-m", "atombatch.bench", "overlap", "--no-engine",
+                           "--no-server", "--admission-stalls", "--repeats", "1", "--json",
+                           str(path)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = msgspec.json.decode(path.read_bytes(), type=Report)
+    assert report.admission is not None
+    cases = {(r["op"], r["lanes"], r["shape"]) for r in report.admission}
+    for lanes in overlap.ADMISSION_LANES:
+        for size in ("cached1k", "cached10k", "cached30k"):
+            assert ("prefix_admit", lanes, size) in cases and ("prefix_steady", lanes, size) in cases
+        assert ("prefix_admit_nocache", lanes, "nocache") in cases
+    assert all(r["ns_per_op"] > 0 and r["cpu_ns_per_op"] > 0 for r in report.admission)
+    assert "admission stalls" in done.stdout and "| 16 | 30k |" in done.stdout
