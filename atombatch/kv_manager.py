@@ -481,7 +481,7 @@ class KVManager:
         self.counters.host_restores += restored
         self._event("prefix.hit", request_id=request.request_id, lane=lane, tokens=resume,
                     shared=request.shared, restored=restored,
-                    blocks=self.lanes.blocks(lane))
+                    blocks=len(self.lanes.blocks(lane)))  # a count: the list cost a render
 
     def attach_prefix_staged(self, request: Request, spare: int) -> None:
         """Staging from a cached prefix: share the device blocks wholly before the resume
@@ -532,7 +532,7 @@ class KVManager:
         self.counters.prefix_hit_tokens += resume
         self.counters.host_restores += restored
         self._event("prefix.hit", request_id=request.request_id, lane=-1, tokens=resume,
-                    shared=request.shared, restored=restored, blocks=list(request.blocks))
+                    shared=request.shared, restored=restored, blocks=len(request.blocks))
 
     def share_restored(self, block: int, entry: Entry) -> None:
         """A block restored from the host for positions before the resume point joins the device
