@@ -1,4 +1,5 @@
-"""AsyncBatcher: concurrent streams, client cancellation, lane/block release, B1 parity."""
+"""atombatch/aio.py, `AsyncBatcher`: concurrent streams, client cancellation, lane/block release, B1
+parity."""
 
 from __future__ import annotations
 
