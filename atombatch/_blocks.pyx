@@ -1374,40 +1374,15 @@ def block_digests(const int64_t[::1] tokens, Py_ssize_t start, Py_ssize_t stop,
                   Py_ssize_t block_size, bytes parent, uint64_t seed):
     """The chained digests of the full blocks `tokens[start:stop]` (a whole number of blocks),
     the first chained to `parent` (16 zero bytes when empty): each is
-    `xxh3_128(parent || int64 tokens || b"F", seed)` in canonical (big-endian) byte order."""
+    `xxh3_128(parent || int64 tokens || b"F", seed)` in canonical (big-endian) byte order.
+    `chain_digests` computes them; this returns each as bytes."""
     if block_size <= 0 or start < 0 or stop > tokens.shape[0] or stop < start or \
             (stop - start) % block_size:
         raise ValueError(f"tokens[{start}:{stop}] is not a whole number of {block_size}-token "
                          f"blocks of the {tokens.shape[0]} tokens")
-    if len(parent) not in (0, 16):
-        raise ValueError(f"a parent digest has 16 bytes, not {len(parent)}")
-    cdef list out = []
-    if stop == start:
-        return out
-    cdef Py_ssize_t width = 8 * block_size
-    cdef size_t length = 16 + width + 1
-    cdef unsigned char* buffer = <unsigned char*>malloc(length)
-    if buffer == NULL:
-        raise MemoryError()
-    cdef XXH128_canonical_t canonical
-    cdef Py_ssize_t position = start
-    cdef int i
-    try:
-        if len(parent):
-            memcpy(buffer, PyBytes_AS_STRING(parent), 16)
-        else:
-            for i in range(16):
-                buffer[i] = 0
-        buffer[16 + width] = 70  # b"F"
-        while position < stop:
-            memcpy(buffer + 16, &tokens[position], width)
-            XXH128_canonicalFromHash(&canonical, XXH3_128bits_withSeed(buffer, length, seed))
-            memcpy(buffer, canonical.digest, 16)  # the next block's parent
-            out.append(PyBytes_FromStringAndSize(<char*>canonical.digest, 16))
-            position += block_size
-    finally:
-        c_free(buffer)
-    return out
+    rows = np.empty(((stop - start) // block_size, 16), dtype=np.uint8)
+    chain_digests(tokens, start, stop, block_size, parent, seed, rows, 0)
+    return [row.tobytes() for row in rows]
 
 
 @cython.boundscheck(False)

@@ -829,7 +829,7 @@ class StepKernel:
         """Give every decoding lane the blocks its next position needs, from the free list, in lane
         order. Returns k: `attention[:k]` are the lanes (in lane order) still short of a block
         because the free list ran dry; the caller evicts or preempts for them, then grows again."""
-        lanes, pool = self.lanes, self.pool
+        lanes = self.lanes
         k = 0
         for lane in range(lanes._b):
             if lanes._state[lane] != LANE_DECODING:
@@ -840,42 +840,39 @@ class StepKernel:
                 if held >= lanes._bps:
                     raise CapacityError(f"lane={lane} already holds {held} blocks, the row's "
                                         f"{lanes._bps} entries")
-                block = pool.first_free()
-                if block < 0:
+                if not self._push_free_block(lane, held):
                     self.attention[k] = lane
                     k += 1
                     break
-                if block > MAX_TABLE_BLOCK:
-                    raise StateError(f"block={block} is outside the int16 block-table range "
-                                     f"0..{MAX_TABLE_BLOCK}")
-                pool.allocate(LANE, lane)
-                lanes._rows[lane, held] = block
-                lanes._num_held[lane] = held + 1
         return k
+
+    def _push_free_block(self, lane: int, held: int) -> bool:
+        """The oldest free block into `lane`'s row at entry `held`; False if none is free."""
+        block = self.pool.first_free()
+        if block < 0:
+            return False
+        if block > MAX_TABLE_BLOCK:
+            raise StateError(f"block={block} is outside the int16 block-table range "
+                             f"0..{MAX_TABLE_BLOCK}")
+        self.pool.allocate(LANE, lane)
+        self.lanes._rows[lane, held] = block
+        self.lanes._num_held[lane] = held + 1
+        return True
 
     def grow_lane(self, lane: int, num_positions: int) -> int:
         """Give one busy lane the blocks that positions 0..num_positions-1 need, from the free
         list, oldest free block first (what `allocate(LANE, lane)` + `push_block` do block by
         block). Returns how many blocks it still lacks because the free list ran dry (the caller
         evicts for them)."""
-        lanes, pool = self.lanes, self.pool
+        lanes = self.lanes
         lanes._check_busy(lane)
         need = lanes.blocks_for(num_positions)
         if need > lanes._bps:
             raise CapacityError(f"lane={lane} cannot hold {need} blocks: the row has "
                                 f"{lanes._bps} entries")
         held = int(lanes._num_held[lane])
-        while held < need:
-            block = pool.first_free()
-            if block < 0:
-                break
-            if block > MAX_TABLE_BLOCK:
-                raise StateError(f"block={block} is outside the int16 block-table range "
-                                 f"0..{MAX_TABLE_BLOCK}")
-            pool.allocate(LANE, lane)
-            lanes._rows[lane, held] = block
+        while held < need and self._push_free_block(lane, held):
             held += 1
-            lanes._num_held[lane] = held
         return max(need - held, 0)
 
     def build(self, padding_block: int) -> int:

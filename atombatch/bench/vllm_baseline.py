@@ -154,13 +154,20 @@ def _version(root: Path) -> str:
     return "?"
 
 
-def _vllm(root: Path, block_size: int) -> VllmPrefix:
+def _vllm_modules(root: Path) -> tuple[Any, Any, Any]:
+    """vLLM's hashing, kv_cache_utils and block_pool modules from its source under `root`
+    (heavy imports stood in), its none-hash set up with sha256 (its default)."""
     with _stand_ins(root):
         hashing = _load("vllm.utils.hashing", root / "vllm/utils/hashing.py")
         _load("vllm.utils.math_utils", root / "vllm/utils/math_utils.py")
         utils = _load("vllm.v1.core.kv_cache_utils", root / "vllm/v1/core/kv_cache_utils.py")
         pool_module = _load("vllm.v1.core.block_pool", root / "vllm/v1/core/block_pool.py")
     utils.init_none_hash(hashing.sha256)
+    return hashing, utils, pool_module
+
+
+def _vllm(root: Path, block_size: int) -> VllmPrefix:
+    hashing, utils, pool_module = _vllm_modules(root)
     hasher = utils.get_request_block_hasher(block_size, hashing.sha256)
 
     def hash_request(tokens: list[int]) -> list[bytes]:
@@ -216,12 +223,7 @@ def admit_time_func(tokens: list[int], block_size: int, start_clocks: Callable[[
         raise RuntimeError(f"prefix_admit_hit_vllm needs ${ENV} (a directory holding vLLM's "
                            "source; see atombatch/bench/vllm_baseline.py)")
     root = Path(source)
-    with _stand_ins(root):
-        hashing = _load("vllm.utils.hashing", root / "vllm/utils/hashing.py")
-        _load("vllm.utils.math_utils", root / "vllm/utils/math_utils.py")
-        utils = _load("vllm.v1.core.kv_cache_utils", root / "vllm/v1/core/kv_cache_utils.py")
-        pool_module = _load("vllm.v1.core.block_pool", root / "vllm/v1/core/block_pool.py")
-    utils.init_none_hash(hashing.sha256)
+    hashing, utils, pool_module = _vllm_modules(root)
     request = _Request(tokens)
     request.block_hashes = utils.get_request_block_hasher(block_size, hashing.sha256)(request)
     hashes, full = request.block_hashes, len(tokens) // block_size
