@@ -1160,20 +1160,28 @@ cdef class StepKernel:
                 if held >= bps:
                     raise CapacityError(f"lane={lane} already holds {held} blocks, the row's "
                                         f"{bps} entries")
-                block = pool._next_v[pool._free_head]
-                if block == pool._free_tail:
+                if not self._push_free_block(rows, num_held, lane, held):
                     self._attention_v[k] = <int32_t>lane
                     k += 1
                     break
-                if block > C_MAX_TABLE_BLOCK:
-                    raise StateError(f"block={block} is outside the int16 block-table range "
-                                     f"0..{MAX_TABLE_BLOCK}")
-                pool._unlink(block)
-                pool._move(block, C_LANE, <int32_t>lane)
-                rows[lane, held] = block
-                num_held[lane] = held + 1
         pool._debug_check()
         return k
+
+    cdef inline int _push_free_block(self, int32_t[:, ::1] rows, int32_t[::1] num_held,
+                                     Py_ssize_t lane, int32_t held) except -1:
+        """The oldest free block into `lane`'s row at entry `held`; 0 if none is free."""
+        cdef BlockPool pool = self.pool
+        cdef int32_t block = pool._next_v[pool._free_head]
+        if block == pool._free_tail:
+            return 0
+        if block > C_MAX_TABLE_BLOCK:
+            raise StateError(f"block={block} is outside the int16 block-table range "
+                             f"0..{MAX_TABLE_BLOCK}")
+        pool._unlink(block)
+        pool._move(block, C_LANE, <int32_t>lane)
+        rows[lane, held] = block
+        num_held[lane] = held + 1
+        return 1
 
     @cython.boundscheck(ATOMBATCH_DEBUG)
     @cython.wraparound(ATOMBATCH_DEBUG)
@@ -1192,19 +1200,9 @@ cdef class StepKernel:
                                 f"{lanes._bps} entries")
         cdef int32_t[::1] num_held = lanes._num_held_v
         cdef int32_t[:, ::1] rows = lanes._rows_v
-        cdef int32_t held = num_held[lane], block
-        while held < need:
-            block = pool._next_v[pool._free_head]
-            if block == pool._free_tail:
-                break
-            if block > C_MAX_TABLE_BLOCK:
-                raise StateError(f"block={block} is outside the int16 block-table range "
-                                 f"0..{MAX_TABLE_BLOCK}")
-            pool._unlink(block)
-            pool._move(block, C_LANE, <int32_t>lane)
-            rows[lane, held] = block
+        cdef int32_t held = num_held[lane]
+        while held < need and self._push_free_block(rows, num_held, lane, held):
             held += 1
-            num_held[lane] = held
         pool._debug_check()
         return need - held if need > held else 0
 

@@ -1041,17 +1041,12 @@ def chain_digests(tokens: npt.NDArray[np.int64], start: int, stop: int, block_si
                   parent: bytes, seed: int, out: npt.NDArray[np.uint8], row: int) -> None:
     """`block_digests` written into `out[row:row + (stop - start) // block_size]` (16 bytes a
     row) instead of returned as bytes: one compiled pass, no Python object per block."""
-    if block_size <= 0 or start < 0 or stop > len(tokens) or stop < start or \
-            (stop - start) % block_size:
-        raise ValueError(f"tokens[{start}:{stop}] is not a whole number of {block_size}-token "
-                         f"blocks of the {len(tokens)} tokens")
-    if len(parent) not in (0, 16):
-        raise ValueError(f"a parent digest has 16 bytes, not {len(parent)}")
-    count = (stop - start) // block_size
+    digests = block_digests(tokens, start, stop, block_size, parent, seed)  # checks the range
+    count = len(digests)
     if out.shape[1] != 16 or row < 0 or row + count > out.shape[0]:
         raise ValueError(f"rows {row}..{row + count - 1} do not fit a digest array of shape "
                          f"({out.shape[0]}, {out.shape[1]})")
-    for j, digest in enumerate(block_digests(tokens, start, stop, block_size, parent, seed)):
+    for j, digest in enumerate(digests):
         out[row + j] = np.frombuffer(digest, dtype=np.uint8)
 
 
