@@ -68,20 +68,8 @@ class Mailbox:
             if not waiter.done():
                 waiter.set_result(None)
 
-    def put_tokens(self, tokens: Iterable[int]) -> None:
-        """Plain tokens of choice 0, in order (one wakeup)."""
-        self._items.extend(tokens)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
     def empty(self) -> bool:
         return not self._items
-
-    def qsize(self) -> int:
-        return len(self._items)
 
     def get_nowait(self) -> Item:
         """The oldest item (IndexError when empty)."""

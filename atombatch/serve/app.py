@@ -214,29 +214,35 @@ class _Generation:
         the callback that delivers it (`Mailbox.sink`, `DirectWriter`): the same accounting and
         bytes as `run()` and the stream's plain branch, without waking the stream's task. Only
         for one generation of one choice whose stream takes plain chunks (the caller's rule)."""
-        metrics = self.server.metrics
         choice = self.choices[0]
-        decoder = choice.decoder
-        inter_token, tokens_total = metrics.inter_token, metrics.generation_tokens
-        direct = metrics.direct_events
+        direct = self.server.metrics.direct_events
 
         def sink(token: int) -> bool:
             if self.finish_reason is not None or not writer.ready():
                 return False
-            now = time.perf_counter()
-            inter_token.observe(now - self.last_token_at)
-            self.last_token_at = now
             new = [token]
-            choice.token_ids.append(token)
-            self.generated += 1
-            tokens_total.inc(1)
-            text = decoder.step(new)
+            self._took(choice, new)
+            text = choice.decoder.step(new)
             choice.text.append(text)
             writer.write(template(text, new))
             direct.inc()
             return True
 
         self.outputs.sink = sink
+
+    def _took(self, choice: _Choice, new: list[int]) -> None:
+        """`new` tokens reached `choice`: the timing metrics (first token or inter-token gap),
+        the token counts."""
+        metrics = self.server.metrics
+        now = time.perf_counter()
+        if self.generated:
+            metrics.inter_token.observe(now - self.last_token_at)
+        else:
+            metrics.ttft.observe(now - self.accepted)
+        self.last_token_at = now
+        choice.token_ids.extend(new)
+        self.generated += len(new)
+        metrics.generation_tokens.inc(len(new))
 
     async def run(self, index: int = 0
                   ) -> AsyncGenerator[tuple[int, tuple[list[int], str, RequestOutput]], None]:
@@ -254,16 +260,8 @@ class _Generation:
                 if (len(items) == 1 and type(items[0]) is int) or \
                         all(type(item) is int for item in items):  # plain tokens only
                     new: list[int] = items  # type: ignore[assignment]
-                    now = time.perf_counter()
-                    if self.generated:
-                        metrics.inter_token.observe(now - self.last_token_at)
-                    else:
-                        metrics.ttft.observe(now - self.accepted)
-                    self.last_token_at = now
                     choice = self.choices[0]
-                    choice.token_ids.extend(new)
-                    self.generated += len(new)
-                    metrics.generation_tokens.inc(len(new))
+                    self._took(choice, new)
                     text = choice.decoder.step(new)
                     choice.text.append(text)
                     yield index, (new, text, _PLAIN)
@@ -273,15 +271,7 @@ class _Generation:
                         self.choices[0]
                     new = list(out.new_token_ids)
                     if new:
-                        now = time.perf_counter()
-                        if self.generated:
-                            metrics.inter_token.observe(now - self.last_token_at)
-                        else:
-                            metrics.ttft.observe(now - self.accepted)
-                        self.last_token_at = now
-                        choice.token_ids.extend(new)
-                        self.generated += len(new)
-                        metrics.generation_tokens.inc(len(new))
+                        self._took(choice, new)
                     if out.logprobs:
                         choice.logprobs.extend(out.logprobs)
                     if out.prompt_logprobs is not None:
