@@ -67,7 +67,8 @@ def test_mailbox_wakes_once_per_batch_and_converts_ints() -> None:
         task = asyncio.ensure_future(consume())
         await asyncio.sleep(0)
         box.put_nowait(5)
-        box.put_tokens([6, 7])
+        box.put_plain(6)        # no sink: queued as the client's plain tokens are
+        box.put_plain(7)
         await asyncio.sleep(0)
         final = RequestOutput(request_id="r", new_token_ids=(8,), finished=True,
                               finish_reason="length")
