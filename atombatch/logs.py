@@ -162,3 +162,10 @@ def add_arguments(parser: Any) -> None:
 
 
 log = logger()
+_stdlib_log = logging.getLogger("atombatch")
+
+
+def enabled(level: int) -> bool:
+    """Whether `log` renders events at `level` (a stdlib level): a check that costs far less than
+    the event a hot path would otherwise build and filter."""
+    return _stdlib_log.isEnabledFor(level)

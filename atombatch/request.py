@@ -105,7 +105,7 @@ class Request:
                  "shared", "state", "stop_token_ids", "token_times")
 
     def __init__(self, request_id: str, prompt: npt.NDArray[np.int64], params: SamplingParams,
-                 arrival: float, rng: np.random.Generator, max_seq_len: int | None = None) -> None:
+                 arrival: float, rng: np.random.Generator | None, max_seq_len: int | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params

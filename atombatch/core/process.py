@@ -16,6 +16,11 @@ call begins (`Batcher.on_device_call`): handed over at once, the sender would ta
 interpreter lock at the loop's first release of it before the device call (a socket poll, a
 NumPy kernel) and the loop would wait for it there. Before the loop waits for messages, and
 when it stops, it hands over what it holds. Messages leave in the order the loop made them.
+The engine's log events of a step go the same way and are rendered on the sender.
+
+The other way, a receiver thread (`_Receiver`) takes the front's frames off the socket and
+decodes them (a `Submit` carries its `SamplingParams`, checked as they decode) during the device
+calls; the loop only applies what arrived, between two steps, without a socket poll per step.
 
 It exits when the front asks (`Shutdown`), and also when the front is gone: its parent process
 exited (checked every loop) or its socket peer vanished, aborting every request it held first.
@@ -52,7 +57,7 @@ from atombatch.core.messages import (
 )
 from atombatch.core.pd import CorePD, PDOptions
 from atombatch.core.routing import CoreSummaries
-from atombatch.engine import Batcher
+from atombatch.engine import Batcher, log_events
 from atombatch.errors import ConfigError
 from atombatch.logs import logger
 from atombatch.structs import RequestOutput
@@ -61,6 +66,7 @@ log = logger("atombatch.core")
 
 STATS_INTERVAL = 0.05     # seconds between the engine stats a Step carries
 IDLE_WAIT_MS = 100        # how long an idle core waits for a message before checking its parent
+RECEIVE_POLL_MS = 50      # how often the receiver thread checks whether the loop has stopped
 PD_POLL_MS = 2            # while every unfinished request waits on a KV producer
 _NO_TOKENS = np.zeros(0, np.int64)   # a Step without plain tokens (allocated once)
 SOCKET_DIR_PREFIX = "atombatch-core-"  # the temporary directory of a client's IPC sockets
@@ -144,6 +150,12 @@ class _Sender:
             message = self._queue.get()
             if message is None:
                 return
+            if isinstance(message, _Events):  # rendered here, off the loop's critical path
+                try:
+                    log_events(message.events)
+                except Exception:
+                    log.exception("core.log_failed")
+                continue
             if isinstance(message, _PlainRows):
                 message = message.step()
             try:
@@ -153,6 +165,56 @@ class _Sender:
                 if not self._failed:
                     self._failed = True
                     log.warning("core.send_failed", error=str(exc))
+
+
+class _Receiver:
+    """A thread that takes the front's messages off the inbox and decodes them, so that work
+    happens while the loop is in a device call (which releases the interpreter lock) instead of
+    between two device calls. The loop reads the decoded messages from `received`, in order.
+
+    The inbox socket is this thread's alone from `start` until `stop` returns.
+    """
+
+    def __init__(self, inbox: Any) -> None:
+        self.inbox = inbox
+        self.received: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="atombatch-core-receiver",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        inbox, put, decode = self.inbox, self.received.put, front_decoder.decode
+        while not self._stopping.is_set():
+            if not inbox.poll(RECEIVE_POLL_MS):
+                continue
+            while True:
+                try:
+                    frame = inbox.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError as exc:  # the context is ending
+                    log.warning("core.receive_failed", error=str(exc))
+                    return
+                try:
+                    put(decode(frame))
+                except Exception:  # only a front bug sends this: it must not stop the core
+                    log.exception("core.bad_message", size=len(frame))
+
+
+class _Events:
+    """A step's scheduler events, for the sender to log."""
+
+    __slots__ = ("events",)
+
+    def __init__(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        self.events = events
 
 
 class _PlainRows:
@@ -187,10 +249,12 @@ class CoreLoop:
         self.batcher = batcher
         self.pd = pd                          # the producer pool (PD on), else None
         self.summaries = CoreSummaries()
-        self.inbox = inbox
+        self.receiver = _Receiver(inbox)
+        self.received = self.receiver.received  # the front's messages, decoded, in order
         self.outbox = outbox
         self.held: list[Any] = []             # messages for the sender, until a device call
         batcher.on_device_call = self.hand_over
+        batcher.on_events = self.log_events
         self.parent_pid = parent_pid
         self.live: set[str] = set()           # ids the front submitted that have not finished
         self.errors: list[RequestOutput] = []  # submits the engine refused, sent with the next Step
@@ -206,10 +270,16 @@ class CoreLoop:
                 put(message)
             self.held.clear()
 
+    def log_events(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        """The engine's events go to the sender (logged in order, after the step's message)."""
+        self.held.append(_Events(events))
+
     def run(self) -> None:
+        self.receiver.start()
         try:
             self._run()
         finally:
+            self.receiver.stop()
             self.hand_over()
 
     def _run(self) -> None:
@@ -297,30 +367,40 @@ class CoreLoop:
         if self.pd is not None and self.pd.report_due:  # the pool changed on its own (probe)
             self.pd.report_due = False
             self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
-        if not self.inbox.poll(wait_ms):
-            return
-        while True:
-            try:
-                frame = self.inbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
+        received = self.received
+        if not wait_ms:
+            if received.empty():
                 return
-            message = front_decoder.decode(frame)
-            if isinstance(message, Submit):
-                self.submit(message)
-            elif isinstance(message, Abort):
-                for request_id in message.request_ids:
+            message = received.get()
+        else:
+            try:
+                message = received.get(timeout=wait_ms / 1000)
+            except queue.Empty:
+                return
+        while True:
+            self.apply(message)
+            if received.empty():
+                return
+            message = received.get()
+
+    def apply(self, message: Any) -> None:
+        """Carry out one message of the front."""
+        if isinstance(message, Submit):
+            self.submit(message)
+        elif isinstance(message, Abort):
+            for request_id in message.request_ids:
+                self.batcher.abort(request_id)
+        elif isinstance(message, Shutdown):
+            self.stopping = message
+            if not message.drain:
+                for request_id in list(self.live):
                     self.batcher.abort(request_id)
-            elif isinstance(message, Shutdown):
-                self.stopping = message
-                if not message.drain:
-                    for request_id in list(self.live):
-                        self.batcher.abort(request_id)
-            elif isinstance(message, Producers | ProducerVerdicts):
-                if self.pd is not None:  # answered with the pool's new state
-                    self.pd.apply(message)
-                    self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
-            elif isinstance(message, SummaryRequest):
-                self.send(self.summaries.answer(self.batcher, message))
+        elif isinstance(message, Producers | ProducerVerdicts):
+            if self.pd is not None:  # answered with the pool's new state
+                self.pd.apply(message)
+                self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
+        elif isinstance(message, SummaryRequest):
+            self.send(self.summaries.answer(self.batcher, message))
 
     def submit(self, message: Submit) -> None:
         tokens = np.frombuffer(message.prompt, dtype=np.int64)
