@@ -86,6 +86,10 @@ class Round(msgspec.Struct, frozen=True):
     device_s: float | None = None       # engine path: wall seconds inside the runtime's calls
     decode_steps: int | None = None     # engine path: decode calls
     steady: float | None = None         # median over requests of its decode rate / 1 per step
+    # the front over the middle half of the round's tokens (no request parsing or teardown):
+    mid_tokens: int | None = None       # tokens the client received in that window
+    mid_front_cpu_s: float | None = None
+    mid_front_sys_s: float | None = None  # of which in the kernel (the socket writes)
 
 
 class Figures(msgspec.Struct, frozen=True):
@@ -99,6 +103,8 @@ class Figures(msgspec.Struct, frozen=True):
     steady: float | None = None              # see `steady_ratio`
     host_ms_per_step: float | None = None    # engine path: wall time outside the runtime / step
     device_ms_per_step: float | None = None  # engine path: wall time inside it (sleep overshoot)
+    mid_front_us_per_token: float | None = None  # server path: the front while streaming only
+    mid_front_sys_us_per_token: float | None = None  # of which in the kernel
 
 
 class Case(msgspec.Struct, frozen=True):
@@ -129,6 +135,7 @@ class Report(msgspec.Struct, frozen=True):
     admission: list[Any] | None = None  # --admission-stalls: bench micro's records (MicroRecord)
 
 
+MID_WINDOW = (0.25, 0.75)  # shares of a round's tokens between which the front's streaming CPU is read
 ADMISSION_OPS = ("prefix_admit", "prefix_admit_nocache", "prefix_steady")
 ADMISSION_LANES = (4, 16)
 
@@ -158,6 +165,15 @@ def _task_cpu(pid: int, tid: int) -> float:
         with open(f"{base}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) * _TICK  # utime, stime (fields 14, 15)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _task_sys(pid: int, tid: int) -> float:
+    """Kernel-mode CPU seconds of one thread (`stime`, in clock ticks; 0.0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[12]) * _TICK
     except (OSError, ValueError, IndexError):
         return 0.0
 
@@ -236,7 +252,9 @@ def request_bodies(model: str, prompts: list[list[int]], max_tokens: int) -> lis
 
 
 def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_tokens: int,
-                 step_s: float, max_nap: float = 0.25) -> tuple[list[Stream], float]:
+                 step_s: float, max_nap: float = 0.25,
+                 marks: tuple[float, ...] = (),
+                 on_mark: Callable[[int], None] | None = None) -> tuple[list[Stream], float]:
     """Send every body at once over its own connection and read every stream to [DONE].
 
     The connections are opened before the clock starts; the requests then go out back to back.
@@ -248,6 +266,9 @@ def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_
     without napping. Until every stream has its first token it naps at most half a step, so
     each stream's first-token time is exact to that (`steady_ratio`). Returns the streams and
     first send -> last end (seconds).
+
+    `on_mark(tokens)` is called once the tokens received pass each share in `marks` (ascending)
+    of `len(bodies) x max_tokens`, with the count at that moment (right after a read).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     socks: list[socket.socket] = []
@@ -262,6 +283,9 @@ def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_
         by_fd: dict[int, tuple[socket.socket, Stream]] = {}
         most = 0  # tokens of the most advanced stream
         unstarted = len(streams)  # streams without their first token
+        expected = len(bodies) * max_tokens
+        pending = [int(m * expected) for m in marks] if on_mark is not None else []
+        received = 0
         with select.epoll() as poller:
             started = time.perf_counter()
             for sock, request, stream in zip(socks, requests, streams, strict=True):
@@ -291,9 +315,16 @@ def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_
                         unstarted -= 1
                     poller.unregister(fd)
                     del by_fd[fd]
+                if pending:
+                    received = sum(s.tokens for s in streams)
+                    while pending and received >= pending[0]:
+                        pending.pop(0)
+                        on_mark(received)  # type: ignore[misc]
                 nap = min(max_nap, (max_tokens - most - 1) * step_s / 2)
                 if unstarted > 0:
                     nap = min(nap, step_s / 2)
+                if pending and received + len(by_fd) * (nap / step_s + 1) >= pending[0]:
+                    nap = min(nap, step_s / 2)  # a mark is near: read it within half a step
                 if by_fd and nap > 0.001:
                     time.sleep(nap)
         for _, stream in by_fd.values():
@@ -397,7 +428,13 @@ def _figures(rounds: list[Round]) -> Figures:
     device = med([1e3 * r.device_s / r.decode_steps  # type: ignore[operator]
                   for r in timed]) if timed else None
     steady = [r.steady for r in rounds if r.steady is not None]
-    return Figures(tok_per_s=med([r.tok_per_s for r in rounds]),
+    mid = [r for r in rounds if r.mid_tokens]
+    mid_front = med([1e6 * r.mid_front_cpu_s / r.mid_tokens  # type: ignore[operator]
+                     for r in mid]) if mid else None
+    mid_sys = med([1e6 * r.mid_front_sys_s / r.mid_tokens  # type: ignore[operator]
+                   for r in mid]) if mid else None
+    return Figures(mid_front_us_per_token=mid_front, mid_front_sys_us_per_token=mid_sys,
+                   tok_per_s=med([r.tok_per_s for r in rounds]),
                    ratio=med([r.ratio for r in rounds]), steady=med(steady) if steady else None,
                    front_us_per_token=per_token(lambda r: r.front_cpu_s),
                    core_us_per_token=per_token(lambda r: r.core_cpu_s),
@@ -461,16 +498,33 @@ def server_round(server: Server, bodies: list[bytes], max_tokens: int, batch_siz
                  step_ms: float, split: Literal["thread", "process"], timeout: float) -> Round:
     """One round of B streamed requests against the server; its CPU split by `split`."""
     load_before = _load()
-    cpu_before = server_cpu(server.pid)
+    pid = server.pid
+
+    def front_of(cpu: ServerCpu) -> float:
+        # inline core: the step thread(s) are the core; a core process: the server is the front
+        return cpu.main if split == "thread" else cpu.main + cpu.threads
+
+    def front_sys() -> float:
+        return _task_sys(pid, pid) if split == "thread" else \
+            sum(_task_sys(pid, t) for t in _threads(pid))
+
+    marks: list[tuple[int, float, float]] = []   # (tokens received, front CPU, its kernel part)
+
+    def mark(tokens: int) -> None:
+        marks.append((tokens, front_of(server_cpu(pid)), front_sys()))
+
+    cpu_before = server_cpu(pid)
     client0 = time.process_time()
     streams, duration = client_round(server.host, server.port, bodies, timeout, max_tokens,
-                                     step_ms / 1e3)
+                                     step_ms / 1e3, marks=MID_WINDOW, on_mark=mark)
     client = time.process_time() - client0
-    cpu = server_cpu(server.pid) - cpu_before
-    if split == "thread":  # inline core: the step thread(s) are the core
-        front, core = cpu.main, cpu.threads + cpu.children
-    else:                  # a core process: the whole server process is the front
-        front, core = cpu.main + cpu.threads, cpu.children
+    cpu = server_cpu(pid) - cpu_before
+    front = front_of(cpu)
+    core = cpu.threads + cpu.children if split == "thread" else cpu.children
+    mid: dict[str, Any] = {}
+    if len(marks) == 2 and marks[1][0] > marks[0][0]:
+        (t0, c0, s0), (t1, c1, s1) = marks
+        mid = {"mid_tokens": t1 - t0, "mid_front_cpu_s": c1 - c0, "mid_front_sys_s": s1 - s0}
     tokens = sum(s.tokens for s in streams)
     tok_s = tokens / duration if duration > 0 else 0.0
     errors = tuple(s.error for s in streams if s.error is not None)[:5]
@@ -480,7 +534,7 @@ def server_round(server: Server, bodies: list[bytes], max_tokens: int, batch_siz
                  core_cpu_s=core, client_cpu_s=client, load_before=load_before,
                  load_after=_load(), errors=errors,
                  steady=steady_ratio([(s.first, s.ended, s.tokens) for s in streams
-                                      if s.finished and s.error is None], step_ms / 1e3))
+                                      if s.finished and s.error is None], step_ms / 1e3), **mid)
 
 
 @contextlib.contextmanager
@@ -649,7 +703,7 @@ def format_table(report: Report) -> str:
     for core in cores:
         label = core or "server"
         head += f" | {label + ' ratio':>13} {'steady':>6} {'tok/s':>7} {'front':>6} " \
-            f"{'core':>6} {'client':>6}"
+            f"{'mid':>5} {'sys':>5} {'core':>6} {'client':>6}"
     lines = ["bench overlap: delivered / ideal throughput on the null device "
              f"(prefill {report.params['prefill_ms']:g} ms, {report.params['prompt_len']} in / "
              f"{report.params['max_tokens']} out, c = B, medians of {report.params['repeats']}, "
@@ -676,13 +730,14 @@ def format_table(report: Report) -> str:
             for core in cores:
                 case = servers.get((batch, step, tokenizer, core))
                 if case is None or case.median is None:
-                    row += f" | {'-':>13} {'':>6} {'':>7} {'':>6} {'':>6} {'':>6}"
+                    row += f" | {'-':>13} {'':>6} {'':>7} {'':>6} {'':>5} {'':>5} {'':>6} {'':>6}"
                     continue
                 m = case.median
                 failed = sum(r.requests - r.ok for r in case.rounds) + _failed(case)
                 ratio = f"{m.ratio:.3f}" + ("!" if failed else "")
                 row += f" | {ratio:>13} {_ratio(m.steady)} {m.tok_per_s:>7.0f} " \
-                    f"{m.front_us_per_token:>6.1f} " \
+                    f"{m.front_us_per_token:>6.1f} {_us(m.mid_front_us_per_token)} " \
+                    f"{_us(m.mid_front_sys_us_per_token)} " \
                     f"{m.core_us_per_token:>6.1f} {m.client_us_per_token:>6.1f}"
             lines.append(row)
     failures = [e for c in report.cases for r in c.rounds for e in r.errors] + \
@@ -697,7 +752,9 @@ def format_table(report: Report) -> str:
               "engine = in-process Batcher.step_arrays(): cpu = its process CPU (us/token), "
               "host = ms per step outside the device call, sleep = ms per step inside it",
               "tok = ids (no tokenizer) or wl (WordLevel tokenizer: detokenized text); front = "
-              "the server's main thread (with a core process: the whole server process), core = "
+              "the server's main thread (with a core process: the whole server process) over the "
+              "round, mid = the front over the middle half of the round's tokens (streaming only: "
+              "no request parsing, no teardown), sys = mid's kernel part (socket writes); core = "
               "the rest, client = this process (us/token); ! = failed requests",
               f"commit {report.commit}; load average {lb[0]:.2f}/{lb[1]:.2f}/{lb[2]:.2f} before, "
               f"{la[0]:.2f}/{la[1]:.2f}/{la[2]:.2f} after; {report.machine}"]
@@ -724,6 +781,10 @@ def _failed(case: Case) -> bool:
 
 def _ratio(value: float | None) -> str:
     return f"{'-':>6}" if value is None else f"{value:>6.3f}"
+
+
+def _us(value: float | None) -> str:
+    return f"{value:>5.1f}" if value is not None else f"{'-':>5}"
 
 
 def _ms(value: float | None) -> str:

@@ -84,6 +84,13 @@ def test_figures_are_consistent(report: Report) -> None:
             else:
                 assert 0 < r.events <= r.tokens  # an event carries one token or, late, more
                 assert r.front_cpu_s > 0 and r.core_cpu_s > 0 and r.client_cpu_s > 0
+                # the streaming window: read right after the reads that passed a quarter and
+                # three quarters of the tokens (none when one late read passed both)
+                if r.mid_tokens is not None:
+                    assert 0 < r.mid_tokens <= B * MAX_TOKENS * 0.75
+                    assert r.mid_front_cpu_s is not None and r.mid_front_sys_s is not None
+                    assert 0 < r.mid_front_cpu_s <= r.front_cpu_s
+                    assert r.mid_front_sys_s >= 0  # clock ticks: coarse, never negative
         m = case.median
         assert m.ratio == case.rounds[0].ratio
         if case.path == "server":
@@ -109,6 +116,9 @@ def test_table_shows_the_figures(report: Report) -> None:
     server = next(c for c in report.cases if c.path == "server" and not c.tokenizer)
     assert f"{server.median.ratio:.3f}" in table
     assert server.median.steady is not None and f"{server.median.steady:.3f}" in table
+    assert " mid " in table and " sys " in table
+    if server.median.mid_front_us_per_token is not None:
+        assert f"{server.median.mid_front_us_per_token:.1f}" in table
     assert f"commit {report.commit}" in table and "load average" in table
 
 
