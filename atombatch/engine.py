@@ -105,6 +105,13 @@ class EngineStats(msgspec.Struct, frozen=True):
     slot_saves: int = 0                 # sliding-slot checkpoints read to the host (hybrid)
     slot_restores: int = 0              # sliding-slot checkpoints written into a lane (hybrid)
     checkpoint_bytes: int = 0           # host bytes the sliding-slot checkpoints hold now (hybrid)
+    # Where the device's time went: wall seconds inside device calls, and between the end of
+    # one device call and the start of the next while work was pending (the host's critical
+    # path: sampling, scheduling, inputs, the embedder's loop); `host_gaps` such intervals.
+    # device_s / (device_s + host_gap_s) is the share of the busy time the device computed.
+    device_s: float = 0.0
+    host_gap_s: float = 0.0
+    host_gaps: int = 0
 
 
 class StepResult:
@@ -206,6 +213,10 @@ class Batcher:
         # Given each step's scheduler events instead of logging them here: the engine core
         # renders them on its sender thread (a rendered event costs the loop ~37 us).
         self.on_events: Callable[[list[tuple[str, dict[str, Any]]]], None] | None = None
+        # Wall time in device calls, and between one call's end and the next call's start while
+        # work was pending (0.0: none pending since the last call); see `EngineStats.device_s`.
+        self._device_s = self._host_gap_s = self._device_end = 0.0
+        self._host_gaps = 0
         self._step_lock = threading.Lock()      # the engine's state: step, submit, abort
         self._consumer = threading.Lock()       # held by the one thread inside step()
         self._seed_seq = np.random.SeedSequence(seed)
@@ -568,6 +579,7 @@ class Batcher:
         plan = self.scheduler.schedule(self.clock())
         self.idle = plan is None
         if plan is None:
+            self._device_end = 0.0  # the device waits for work, not for the host
             self._flush_events()
             return outputs
         if plan.saves or plan.restores or plan.copies or plan.slot_saves or plan.slot_restores:
@@ -582,6 +594,8 @@ class Batcher:
             self._release_held(outputs, fork=False)
         if self.scheduler.events:
             self._flush_events()
+        if not self.scheduler.has_work():
+            self._device_end = 0.0
         return outputs
 
     def _release_held(self, outputs: list[RequestOutput], fork: bool) -> None:
@@ -864,11 +878,19 @@ class Batcher:
         hook = self.on_device_call
         if hook is not None:
             hook()
+        clock = time.perf_counter
+        started = clock()
+        if self._device_end:  # the host's time since the last call, while work was pending
+            self._host_gap_s += started - self._device_end
+            self._host_gaps += 1
         try:
             return call(inputs)
         except TransientDeviceError as exc:
             log.warning("device.retry", call=getattr(call, "__name__", "call"), error=str(exc))
             return call(inputs)
+        finally:
+            self._device_end = end = clock()
+            self._device_s += end - started
 
     def _fail(self, request: Request, message: str, outputs: list[RequestOutput],
               param: str | None = None) -> None:
@@ -963,7 +985,8 @@ class Batcher:
             fork_saved_tokens=c.fork_saved_tokens, slot_saves=c.slot_saves,
             slot_restores=c.slot_restores, finished=dict(c.finished),
             checkpoint_bytes=s.kv.checkpoints.store.used_bytes if s.kv.checkpoints else 0,
-            lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps))
+            lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps),
+            device_s=self._device_s, host_gap_s=self._host_gap_s, host_gaps=self._host_gaps)
 
     def check_invariants(self) -> None:
         """Raise `StateError` if any ownership invariant of docs/rules.md is broken."""

@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -90,6 +91,10 @@ class Round(msgspec.Struct, frozen=True):
     mid_tokens: int | None = None       # tokens the client received in that window
     mid_front_cpu_s: float | None = None
     mid_front_sys_s: float | None = None  # of which in the kernel (the socket writes)
+    # the engine's own count (`EngineStats.host_gap_s`, server: from /metrics): wall time from a
+    # device call's end to the next one's start while work was pending, and how many such gaps
+    host_gap_s: float | None = None
+    host_gaps: int | None = None
 
 
 class Figures(msgspec.Struct, frozen=True):
@@ -105,6 +110,7 @@ class Figures(msgspec.Struct, frozen=True):
     device_ms_per_step: float | None = None  # engine path: wall time inside it (sleep overshoot)
     mid_front_us_per_token: float | None = None  # server path: the front while streaming only
     mid_front_sys_us_per_token: float | None = None  # of which in the kernel
+    gap_us: float | None = None                # the engine's host time per gap between calls
 
 
 class Case(msgspec.Struct, frozen=True):
@@ -337,6 +343,35 @@ def client_round(host: str, port: int, bodies: list[bytes], timeout: float, max_
     return streams, end - started
 
 
+def host_gaps(host: str, port: int, wait_for_more: tuple[float, float] | None = None,
+              timeout: float = 2.0) -> tuple[float, float] | None:
+    """(atombatch_host_gap_seconds_total, atombatch_host_gaps_total) from the server's /metrics
+    (None without them). With `wait_for_more`, reads again (for up to `timeout`) until the count
+    passed that one and stopped moving: the front holds the core's stats as of its last Step."""
+    deadline = time.perf_counter() + timeout
+    last: tuple[float, float] | None = None
+    while True:
+        try:
+            name = f"[{host}]" if ":" in host else host
+            with urllib.request.urlopen(f"http://{name}:{port}/metrics", timeout=5) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return None
+        values = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("atombatch_host_gap_seconds_total", "atombatch_host_gaps_total"):
+                values[name] = float(value)
+        if len(values) < 2:
+            return None
+        now = (values["atombatch_host_gap_seconds_total"], values["atombatch_host_gaps_total"])
+        if wait_for_more is None or (now[1] > wait_for_more[1] and now == last) or \
+                time.perf_counter() > deadline:
+            return now
+        last = now
+        time.sleep(0.06)  # longer than the core's stats interval
+
+
 # -- the server ------------------------------------------------------------------------------------
 class Server:
     """`python -m atombatch.serve` in a subprocess on port 0; its stderr is drained in a thread."""
@@ -433,8 +468,11 @@ def _figures(rounds: list[Round]) -> Figures:
                      for r in mid]) if mid else None
     mid_sys = med([1e6 * r.mid_front_sys_s / r.mid_tokens  # type: ignore[operator]
                    for r in mid]) if mid else None
+    gapped = [r for r in rounds if r.host_gaps]
+    gap = med([1e6 * r.host_gap_s / r.host_gaps  # type: ignore[operator]
+               for r in gapped]) if gapped else None
     return Figures(mid_front_us_per_token=mid_front, mid_front_sys_us_per_token=mid_sys,
-                   tok_per_s=med([r.tok_per_s for r in rounds]),
+                   gap_us=gap, tok_per_s=med([r.tok_per_s for r in rounds]),
                    ratio=med([r.ratio for r in rounds]), steady=med(steady) if steady else None,
                    front_us_per_token=per_token(lambda r: r.front_cpu_s),
                    core_us_per_token=per_token(lambda r: r.core_cpu_s),
@@ -486,7 +524,9 @@ def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: li
                 spans.append((first[out.request_id], now, max_tokens))
     duration, cpu = time.perf_counter() - started, time.process_time() - cpu0
     tok_s = tokens / duration
-    return Round(requests=len(prompts), ok=finished, tokens=tokens, events=events,
+    stats = batcher.stats()
+    return Round(host_gap_s=stats.host_gap_s, host_gaps=stats.host_gaps,
+                 requests=len(prompts), ok=finished, tokens=tokens, events=events,
                  duration_s=duration, tok_per_s=tok_s, ratio=tok_s / (batch_size * 1e3 / step_ms),
                  front_cpu_s=0.0, core_cpu_s=cpu, client_cpu_s=0.0, load_before=load_before,
                  load_after=_load(), device_s=runtime.calls.decode_s + runtime.calls.prefill_s,
@@ -509,22 +549,27 @@ def server_round(server: Server, bodies: list[bytes], max_tokens: int, batch_siz
             sum(_task_sys(pid, t) for t in _threads(pid))
 
     marks: list[tuple[int, float, float]] = []   # (tokens received, front CPU, its kernel part)
+    mid: dict[str, Any] = {}
 
     def mark(tokens: int) -> None:
         marks.append((tokens, front_of(server_cpu(pid)), front_sys()))
 
+    gaps_before = host_gaps(server.host, server.port)
     cpu_before = server_cpu(pid)
     client0 = time.process_time()
     streams, duration = client_round(server.host, server.port, bodies, timeout, max_tokens,
                                      step_ms / 1e3, marks=MID_WINDOW, on_mark=mark)
     client = time.process_time() - client0
     cpu = server_cpu(pid) - cpu_before
+    gaps_after = host_gaps(server.host, server.port, wait_for_more=gaps_before)
+    if gaps_before is not None and gaps_after is not None:
+        mid["host_gap_s"] = gaps_after[0] - gaps_before[0]
+        mid["host_gaps"] = int(gaps_after[1] - gaps_before[1])
     front = front_of(cpu)
     core = cpu.threads + cpu.children if split == "thread" else cpu.children
-    mid: dict[str, Any] = {}
     if len(marks) == 2 and marks[1][0] > marks[0][0]:
         (t0, c0, s0), (t1, c1, s1) = marks
-        mid = {"mid_tokens": t1 - t0, "mid_front_cpu_s": c1 - c0, "mid_front_sys_s": s1 - s0}
+        mid |= {"mid_tokens": t1 - t0, "mid_front_cpu_s": c1 - c0, "mid_front_sys_s": s1 - s0}
     tokens = sum(s.tokens for s in streams)
     tok_s = tokens / duration if duration > 0 else 0.0
     errors = tuple(s.error for s in streams if s.error is not None)[:5]
@@ -699,11 +744,11 @@ def format_table(report: Report) -> str:
     """One row per B x step x tokenizer: the engine alone beside each server column."""
     cores = report.params["engine_cores"]
     head = f"{'B':>4} {'step':>5} {'ideal':>7} {'bound':>5} | {'engine':>6} {'steady':>6} " \
-        f"{'cpu':>5} {'host':>5} {'sleep':>5} | {'tok':<4}"
+        f"{'cpu':>5} {'host':>5} {'sleep':>5} {'gap':>5} | {'tok':<4}"
     for core in cores:
         label = core or "server"
         head += f" | {label + ' ratio':>13} {'steady':>6} {'tok/s':>7} {'front':>6} " \
-            f"{'mid':>5} {'sys':>5} {'core':>6} {'client':>6}"
+            f"{'mid':>5} {'sys':>5} {'core':>6} {'gap':>5} {'client':>6}"
     lines = ["bench overlap: delivered / ideal throughput on the null device "
              f"(prefill {report.params['prefill_ms']:g} ms, {report.params['prompt_len']} in / "
              f"{report.params['max_tokens']} out, c = B, medians of {report.params['repeats']}, "
@@ -723,14 +768,15 @@ def format_table(report: Report) -> str:
             em = engine.median if engine is not None else None
             if em is not None and i == 0:
                 row += f"{em.ratio:>6.3f} {_ratio(em.steady)} {em.core_us_per_token:>5.1f} " \
-                    f"{_ms(em.host_ms_per_step)} {_ms(em.device_ms_per_step)} | "
+                    f"{_ms(em.host_ms_per_step)} {_ms(em.device_ms_per_step)} {_us(em.gap_us)} | "
             else:
-                row += f"{'':>6} {'':>6} {'':>5} {'':>5} {'':>5} | "
+                row += f"{'':>6} {'':>6} {'':>5} {'':>5} {'':>5} {'':>5} | "
             row += f"{'wl' if tokenizer else 'ids':<4}"
             for core in cores:
                 case = servers.get((batch, step, tokenizer, core))
                 if case is None or case.median is None:
-                    row += f" | {'-':>13} {'':>6} {'':>7} {'':>6} {'':>5} {'':>5} {'':>6} {'':>6}"
+                    row += f" | {'-':>13} {'':>6} {'':>7} {'':>6} {'':>5} {'':>5} {'':>6} " \
+                        f"{'':>5} {'':>6}"
                     continue
                 m = case.median
                 failed = sum(r.requests - r.ok for r in case.rounds) + _failed(case)
@@ -738,7 +784,7 @@ def format_table(report: Report) -> str:
                 row += f" | {ratio:>13} {_ratio(m.steady)} {m.tok_per_s:>7.0f} " \
                     f"{m.front_us_per_token:>6.1f} {_us(m.mid_front_us_per_token)} " \
                     f"{_us(m.mid_front_sys_us_per_token)} " \
-                    f"{m.core_us_per_token:>6.1f} {m.client_us_per_token:>6.1f}"
+                    f"{m.core_us_per_token:>6.1f} {_us(m.gap_us)} {m.client_us_per_token:>6.1f}"
             lines.append(row)
     failures = [e for c in report.cases for r in c.rounds for e in r.errors] + \
         [c.error for c in report.cases if _failed(c)]
@@ -750,12 +796,16 @@ def format_table(report: Report) -> str:
               "(last - first token time): 1.0 when no decode step waited for the host (the round "
               "ratio also pays the admission ramp the policy sets)",
               "engine = in-process Batcher.step_arrays(): cpu = its process CPU (us/token), "
-              "host = ms per step outside the device call, sleep = ms per step inside it",
+              "host = ms per decode step outside the device calls (the round's wall time less the "
+              "device's, per decode step), sleep = ms per step inside them, gap = us per device "
+              "call from the previous call's end (EngineStats.host_gap_s / host_gaps)",
               "tok = ids (no tokenizer) or wl (WordLevel tokenizer: detokenized text); front = "
               "the server's main thread (with a core process: the whole server process) over the "
               "round, mid = the front over the middle half of the round's tokens (streaming only: "
               "no request parsing, no teardown), sys = mid's kernel part (socket writes); core = "
-              "the rest, client = this process (us/token); ! = failed requests",
+              "the rest, gap = the core's host time per device call (us: from one call's end to "
+              "the next one's start, atombatch_host_gap_seconds_total / atombatch_host_gaps_total), "
+              "client = this process (us/token); ! = failed requests",
               f"commit {report.commit}; load average {lb[0]:.2f}/{lb[1]:.2f}/{lb[2]:.2f} before, "
               f"{la[0]:.2f}/{la[1]:.2f}/{la[2]:.2f} after; {report.machine}"]
     if failures:

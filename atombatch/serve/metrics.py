@@ -16,6 +16,9 @@ objects cost there) and exposed in the same shape when scraped.
 | atombatch_engine_<counter>_total | counter | (steps, prefill_chunks, staged_chunks, imports |
 |  |  | (PD), decode_steps, generated_tokens, rotations, preemptions) |
 | atombatch_engine_requests_finished_total | counter | reason (engine view, all requests) |
+| atombatch_device_seconds_total | counter | wall time inside device calls |
+| atombatch_host_gap_seconds_total, atombatch_host_gaps_total | counter | the host's time between |
+|  |  | two device calls while work was pending, and how many such gaps |
 | atombatch_requests_in_flight | gauge | HTTP requests between accept and last byte |
 | atombatch_requests_finished_total | counter | reason = stop, length, abort, error, disconnect |
 | atombatch_requests_rejected_total | counter | status = 400, 404, 413, 429, 503 |
@@ -81,6 +84,15 @@ class _EngineCollector(Collector):
         for reason, value in sorted(s.finished.items()):
             finished.add_metric([reason], value)
         yield finished
+        yield CounterMetricFamily("atombatch_device_seconds",
+                                  "Wall seconds the engine spent inside device calls.",
+                                  value=s.device_s)
+        yield CounterMetricFamily("atombatch_host_gap_seconds",
+                                  "Wall seconds between one device call's end and the next "
+                                  "one's start while work was pending (the device waited for "
+                                  "the host).", value=s.host_gap_s)
+        yield CounterMetricFamily("atombatch_host_gaps", "Intervals counted in "
+                                  "atombatch_host_gap_seconds.", value=s.host_gaps)
 
 
 class _TokenCounter(Collector):

@@ -376,3 +376,19 @@ def test_cli_builds_the_artifact_and_refuses_bad_configs(capsys: Any) -> None:
     assert "lanes+1 rule" in capsys.readouterr().err
     assert main(["--runtime", "rebel", "--model", "/nonexistent"]) == 2
     assert "needs --model DIR, a directory compiled by optimum-rbln" in capsys.readouterr().err
+
+
+def test_metrics_say_where_the_device_time_went(server: ServerThread) -> None:
+    before = metrics(server.url)
+    reply = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                       json={"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0})
+    assert reply.status_code == 200
+    after = wait_idle(server.url)
+    device = after["atombatch_device_seconds_total"] - before["atombatch_device_seconds_total"]
+    gaps = after["atombatch_host_gaps_total"] - before["atombatch_host_gaps_total"]
+    gap = after["atombatch_host_gap_seconds_total"] - before["atombatch_host_gap_seconds_total"]
+    steps = after["atombatch_engine_steps_total"] - before["atombatch_engine_steps_total"]
+    # one prefill and five decode steps back to back: five gaps between them, none across the
+    # idle time before this request
+    assert steps == 6 and gaps == 5
+    assert device > 0 and 0 < gap < device + gap
