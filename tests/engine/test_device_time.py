@@ -34,7 +34,7 @@ def test_device_time_is_the_runtimes_and_gaps_lie_between_back_to_back_calls() -
     assert s.steps == runtime.calls.decode_calls + runtime.calls.prefill_calls
     assert inside <= s.device_s <= wall
     assert s.host_gaps == s.steps - 1          # every call but the first followed another
-    assert 0 < s.host_gap_s and s.device_s + s.host_gap_s <= wall
+    assert s.host_gap_s > 0 and s.device_s + s.host_gap_s <= wall
 
 
 def test_idle_time_between_busy_stretches_is_not_a_gap() -> None:
