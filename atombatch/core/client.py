@@ -9,8 +9,9 @@ The factory runs in the child (spawned, so it must be picklable: a module-level 
 `functools.partial` of one) and returns the `Batcher` the core steps. The front validates every
 request against the rules the core reported (`RequestRules`) and bounds the queue itself
 (lanes + `max_waiting` choices in flight answer `CapacityError`), so a refused request never
-reaches the core. Outputs come back one message per engine step; a thread receives them and hands
-each to the event loop in one call.
+reaches the core. Outputs come back one message per engine step, read by the event loop itself
+(a reader on the socket's file descriptor; no thread, so nothing competes with the loop for the
+interpreter lock), at most `READ_BATCH` messages before other callbacks run.
 
 If the core process exits unexpectedly, every request in flight ends with
 `finish_reason="error"`, `running` turns False, `submit` raises `UnavailableError`, and
@@ -26,7 +27,6 @@ import multiprocessing
 import os
 import shutil
 import tempfile
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,6 +56,8 @@ from atombatch.structs import RequestOutput, SamplingParams
 from atombatch.validation import validate_request
 
 log = logger("atombatch.core")
+
+READ_BATCH = 64   # core messages the event loop handles in one go before other callbacks run
 
 
 class _Leftovers:
@@ -118,9 +120,8 @@ class CoreClient(PDFront, OutputStreams):
         self._dir: str | None = None
         self._leftovers: _Leftovers | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._receiver: threading.Thread | None = None
-        self._stop_receiving = threading.Event()
-        self._stopped_flag = threading.Event()
+        self._reading = False                 # the loop's readers are registered
+        self._stopped = False                 # the core said Stopped
         self._choices: dict[str, int] = {}    # in-flight requests: n of each
         self._in_flight_choices = 0
         self._closing = False
@@ -189,15 +190,16 @@ class CoreClient(PDFront, OutputStreams):
 
     async def start(self) -> None:
         """Spawn the core (unless `start_process` did) and start receiving its outputs."""
-        if self._receiver is not None:
+        if self._reading:
             return
         if self.ready is None:
             await asyncio.to_thread(self.start_process)
-        self._loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._closing = False
-        self._receiver = threading.Thread(target=self._receive, name="atombatch-core-outputs",
-                                          daemon=True)
-        self._receiver.start()
+        self._reading = True
+        loop.add_reader(self._from_core.getsockopt(zmq.FD), self._read)
+        loop.add_reader(self._process.sentinel, self._on_process_exit)
+        self._read()  # what arrived before the reader was there (the descriptor signals edges)
 
     async def close(self, drain: bool = True) -> None:
         """Stop the core: with `drain`, in-flight requests finish first, else they are aborted."""
@@ -207,14 +209,11 @@ class CoreClient(PDFront, OutputStreams):
         if not self._dead:
             with contextlib.suppress(zmq.ZMQError):
                 self._send_to_core(Shutdown(drain=drain))
-            # the receiver delivers the last outputs, then sees Stopped
-            while self._receiver is not None and self._receiver.is_alive() and \
-                    not self._stopped_flag.is_set():
+            # the loop delivers the last outputs, then reads Stopped
+            while self._reading and not self._stopped:
                 await asyncio.sleep(0.01)
             await asyncio.to_thread(self._process.join, 30)
-        self._stop_receiving.set()
-        if self._receiver is not None:
-            await asyncio.to_thread(self._receiver.join, 5)
+        self._stop_reading()
         self._kill()
 
     def _kill(self) -> None:
@@ -227,6 +226,7 @@ class CoreClient(PDFront, OutputStreams):
         self._cleanup()
 
     def _cleanup(self) -> None:
+        self._stop_reading()
         for sock in (self._to_core, self._from_core):
             if sock is not None:
                 sock.close(linger=0)
@@ -259,7 +259,7 @@ class CoreClient(PDFront, OutputStreams):
 
     @property
     def running(self) -> bool:
-        return self._receiver is not None and not self._dead and not self._closing
+        return self._reading and not self._dead and not self._closing
 
     @property
     def dead(self) -> bool:
@@ -325,26 +325,53 @@ class CoreClient(PDFront, OutputStreams):
             self._send_to_core(Abort([request_id]))
 
     # -- outputs ------------------------------------------------------------------------------------
-    def _receive(self) -> None:
-        """Thread: receive the core's messages; hand each Step to the event loop in one call."""
-        sock, loop = self._from_core, self._loop
-        assert loop is not None
-        while not self._stop_receiving.is_set():
-            if not sock.poll(100):
-                if not self._process.is_alive():
-                    self._process.join(1)
-                    if not self._stopped_flag.is_set():
-                        loop.call_soon_threadsafe(self._core_exited, self._process.exitcode)
-                    return
-                continue
-            message = core_decoder.decode(sock.recv())
-            if isinstance(message, Step):
-                loop.call_soon_threadsafe(self._on_step, message)
-            elif isinstance(message, Stopped):
-                self._stopped_flag.set()
+    def _read(self, limit: int | None = READ_BATCH) -> None:
+        """Event loop: handle what the core sent, up to `limit` messages (None: all of it);
+        past the limit the rest is read after the callbacks that are ready (HTTP, streams)."""
+        sock = self._from_core
+        count = 0
+        while self._reading and sock is not None:
+            if limit is not None and count == limit:
+                # still more, and the descriptor will not signal again for it (edges only)
+                assert self._loop is not None
+                self._loop.call_soon(self._read)
                 return
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            count += 1
+            message = core_decoder.decode(frame)
+            if isinstance(message, Step):
+                self._on_step(message)
+            elif isinstance(message, Stopped):
+                self._stopped = True
+                self._stop_reading()
             else:  # PD and routing answers (atombatch/core/pd.py)
-                loop.call_soon_threadsafe(self._on_message, message)
+                self._on_message(message)
+
+    def _on_process_exit(self) -> None:
+        """Event loop: the core process ended. Its last messages first, then, unless it was
+        asked to stop, every request in flight fails."""
+        self._read(limit=None)
+        self._stop_reading()
+        if self._process is None:
+            return
+        self._process.join(1)
+        if not self._stopped:
+            self._core_exited(self._process.exitcode)
+
+    def _stop_reading(self) -> None:
+        if not self._reading:
+            return
+        self._reading = False
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        if self._from_core is not None:
+            loop.remove_reader(self._from_core.getsockopt(zmq.FD))
+        if self._process is not None:
+            loop.remove_reader(self._process.sentinel)
 
     def _on_step(self, step: Step) -> None:
         if step.stats is not None:
