@@ -92,7 +92,7 @@ from atombatch.serve.protocol import (
     Usage,
 )
 from atombatch.serve.reasoning import REASONING_PARSER_NAMES
-from atombatch.serve.sse import App, DirectWriter, PlainChunk, SSEResponse
+from atombatch.serve.sse import SSE_DONE, App, DirectWriter, PlainChunk, SSEResponse
 from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredRequests
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
 from atombatch.serve.tools import TOOL_PARSER_NAMES, NoToolParser, ToolCallError, ToolPlan
@@ -102,7 +102,6 @@ T = TypeVar("T")
 log = logger("atombatch.serve")
 
 _ENCODER = msgspec.json.Encoder()
-_DONE = b"data: [DONE]\n\n"
 # The response-size estimate (`_Server.check_response_size`): bytes per generated token and per
 # logprob candidate in OpenAI's JSON (a candidate carries its text, logprob, rank and bytes).
 _TOKEN_BYTES = 16
@@ -828,6 +827,8 @@ class _Server:
         n = len(gens[0].choices)
         offsets = [[0] * n for _ in gens]
         started = [[False] * n for _ in gens]
+        left = len(gens) * n          # choices not finished
+        tail: list[bytes] = []        # the stream's last events, written with [DONE]
         # the plain chunk of each choice, pre-encoded (not with continuous usage or echo only)
         plain: dict[int, PlainChunk | None] | None = \
             None if continuous or not echo.generate else {}
@@ -868,7 +869,7 @@ class _Server:
                     if new:
                         yield chunk([CompletionChoice(index=index, text=text, token_ids=new,
                                                       logprobs=logprobs)], running)
-                    yield gen.error_event()
+                    tail.append(gen.error_event())
                     break
                 finish = out.finish_reason
                 if finish is not None and not echo.generate:
@@ -877,15 +878,22 @@ class _Server:
                 if out.prompt_logprobs is not None and echo.user_prompt_logprobs is not None:
                     prompt_logprobs = await self.in_worker(
                         self.prompt_logprobs_json, out.prompt_logprobs, echo.user_prompt_logprobs)
-                yield chunk([CompletionChoice(index=index, text=text, token_ids=new,
-                                              finish_reason=finish,
-                                              stop_reason=gen.choices[i].stop_reason
-                                              if out.finish_reason and echo.generate else None,
-                                              logprobs=logprobs,
-                                              prompt_logprobs=prompt_logprobs)], running)
+                event = chunk([CompletionChoice(index=index, text=text, token_ids=new,
+                                                finish_reason=finish,
+                                                stop_reason=gen.choices[i].stop_reason
+                                                if out.finish_reason and echo.generate else None,
+                                                logprobs=logprobs,
+                                                prompt_logprobs=prompt_logprobs)], running)
+                if out.finish_reason is not None:  # this choice's final event
+                    left -= 1
+                    if not left:  # the stream's last event leaves with [DONE] in one write
+                        tail.append(event)
+                        continue
+                yield event
         if include_usage:
-            yield chunk([], _total_usage(gens) if echo.generate else _prompt_usage(gens))
-        yield _DONE
+            tail.append(chunk([], _total_usage(gens) if echo.generate else _prompt_usage(gens)))
+        tail.append(SSE_DONE)
+        yield b"".join(tail)
 
     def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
         """What the request's tools ask for (400 naming the field when it cannot be served)."""
@@ -996,6 +1004,8 @@ class _Server:
                                              delta=ChatDelta(role="assistant", content=""),
                                              token_ids=[])], gen.usage() if continuous else None)
         plain: dict[int, PlainChunk | None] | None = None if continuous else {}
+        left = len(gens) * n          # choices not finished
+        tail: list[bytes] = []        # the stream's last events, written with [DONE]
         async with contextlib.aclosing(_merged(gens)) as events:
             async for g, (new, text, out) in events:
                 gen, i = gens[g], out.index
@@ -1026,7 +1036,7 @@ class _Server:
                                           calls=piece.calls + last.calls)
                     except ToolCallError as exc:
                         gen.error = str(exc)
-                        yield gen.error_event()
+                        tail.append(gen.error_event())
                         break
                     delta = delta_of(piece)
                     if finish is not None and finish != "error" and output.made_calls:
@@ -1037,16 +1047,23 @@ class _Server:
                     if new:
                         yield chunk([ChatChunkChoice(index=index, delta=delta,
                                                      token_ids=new, logprobs=logprobs)], running)
-                    yield gen.error_event()
+                    tail.append(gen.error_event())
                     break
-                yield chunk([ChatChunkChoice(index=index, delta=delta,
-                                             token_ids=new, finish_reason=finish,
-                                             stop_reason=gen.choices[i].stop_reason
-                                             if out.finish_reason else None,
-                                             logprobs=logprobs)], running)
+                event = chunk([ChatChunkChoice(index=index, delta=delta,
+                                               token_ids=new, finish_reason=finish,
+                                               stop_reason=gen.choices[i].stop_reason
+                                               if out.finish_reason else None,
+                                               logprobs=logprobs)], running)
+                if out.finish_reason is not None:  # this choice's final event
+                    left -= 1
+                    if not left:  # the stream's last event leaves with [DONE] in one write
+                        tail.append(event)
+                        continue
+                yield event
         if include_usage:
-            yield chunk([], _total_usage(gens))
-        yield _DONE
+            tail.append(chunk([], _total_usage(gens)))
+        tail.append(SSE_DONE)
+        yield b"".join(tail)
 
     async def _collect(self, request: Request, gens: list[_Generation]) -> None:
         """Run non-streaming requests to their end (their choices keep what they produced),

@@ -3,7 +3,9 @@
 `SSEResponse` is an ASGI response for `text/event-stream` bodies that does per event only what
 the stream needs: it sends the response start through the app's middleware (which must know the
 response started) and every body event straight to the HTTP server's own `send` (captured by
-`App` in the scope), without Starlette's per-event wrappers or an anyio task group. A watcher task
+`App` in the scope), without Starlette's per-event wrappers or an anyio task group. A chunk that
+ends in `data: [DONE]` (the stream generators give the last choice's final event, the usage and
+[DONE] as one) ends the body in the same write. A watcher task
 reads `receive`; on `http.disconnect` it cancels the streaming task, and the response closes its
 body and calls `abandon()` on each generation (the request is aborted) whatever ended it.
 
@@ -33,6 +35,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 RAW_SEND = "atombatch.raw_send"   # scope key: the HTTP server's own send (set by `App`)
+SSE_DONE = b"data: [DONE]\n\n"   # a stream's last event; a chunk ending in it ends the body
 
 _ENCODE = msgspec.json.Encoder().encode
 _TEXT_MARK = "@@atombatch-plain-text@@"
@@ -130,8 +133,13 @@ class SSEResponse(Response):
                 if self.writer is not None:
                     self.writer.bind(raw)
                 async for chunk in self.body_iterator:
+                    if chunk.endswith(SSE_DONE):  # the last events and the body's end: one write
+                        await raw({"type": "http.response.body", "body": chunk,
+                                   "more_body": False})
+                        break
                     await raw({"type": "http.response.body", "body": chunk, "more_body": True})
-                await raw({"type": "http.response.body", "body": b"", "more_body": False})
+                else:
+                    await raw({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
                 if self.writer is not None:
                     self.writer.unbind()

@@ -180,3 +180,26 @@ def test_token_metrics_expose_as_prometheus_clients_own() -> None:
         return re.sub(rb"_created \S+", b"_created T", generate_latest(registry))
 
     assert text(ours) == text(theirs)
+
+
+def test_sse_response_ends_the_body_with_the_chunk_that_carries_done() -> None:
+    async def main() -> list[dict]:
+        raw: list[dict] = []
+
+        async def body():
+            yield b"data: a\n\n"
+            yield b"data: last\n\ndata: [DONE]\n\n"
+
+        async def receive() -> dict:
+            await asyncio.sleep(3600)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            raw.append(message)
+
+        await SSEResponse(body(), [])({"type": "http"}, receive, send)
+        return raw
+
+    raw = asyncio.run(main())
+    assert [(m.get("body"), m.get("more_body")) for m in raw[1:]] == [
+        (b"data: a\n\n", True), (b"data: last\n\ndata: [DONE]\n\n", False)]

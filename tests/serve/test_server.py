@@ -392,3 +392,50 @@ def test_metrics_say_where_the_device_time_went(server: ServerThread) -> None:
     # idle time before this request
     assert steps == 6 and gaps == 5
     assert device > 0 and 0 < gap < device + gap
+
+
+class _RecordBodies:
+    """ASGI wrapper recording each completion's body messages (what the app hands uvicorn)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.bodies: list[list[tuple[bytes, bool]]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].endswith("completions"):
+            return await self.app(scope, receive, send)
+        mine: list[tuple[bytes, bool]] = []
+        self.bodies.append(mine)
+
+        async def recording(message: Any) -> None:
+            if message["type"] == "http.response.body":
+                mine.append((message.get("body", b""), message.get("more_body", False)))
+            await send(message)
+
+        return await self.app(scope, receive, recording)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_streams_last_event_done_and_end_leave_in_one_write(path: str, n: int) -> None:
+    recorder = _RecordBodies(create_app(Batcher(NumpyRuntime.random(ART, seed=WEIGHT_SEED)), NAME))
+    body: dict[str, Any] = {"max_tokens": 3, "temperature": 0, "stream": True, "n": n,
+                            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    # a server without a tokenizer reads text as <id> pieces
+    body |= {"messages": [{"role": "user", "content": "<4><5><6>"}]} if "chat" in path else \
+        {"prompt": [4, 5, 6]}
+    with ServerThread(recorder) as s:
+        reply = httpx.post(f"{s.url}{path}", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    (messages,) = recorder.bodies
+    # every message but the last carries more; the last holds the last choice's final event,
+    # the usage and [DONE] (no empty message to end the body)
+    assert [more for _, more in messages] == [True] * (len(messages) - 1) + [False]
+    last = messages[-1][0]
+    events = [e for e in last.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and b'"usage":{' in events[-2]
+    assert b'"finish_reason":"length"' in events[-3]
+    # the bytes are those of the whole stream, in order
+    assert b"".join(b for b, _ in messages) == reply.content
+    finished = [e for b, _ in messages for e in b.split(b"\n\n") if b'"finish_reason":"length"' in e]
+    assert len(finished) == n
