@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from atombatch import blocks as core
 from atombatch import plan as memory_plan
+from atombatch.argmax import RowArgmax
 from atombatch.checkpoints import run_slot_ops, slot_ops_supported
 from atombatch.config import ArtifactConfig
 from atombatch.detokenizer import bad_word_ids
@@ -165,6 +166,11 @@ class Batcher:
         logprobs_mode: "raw" (log-softmax of the model's logits, vLLM's default) or
             "processed" (of the distribution the token was drawn from: after penalties, bias,
             masks, temperature and top-k/top-p/min-p).
+        detokenize: False leaves text to a front (only requests with stop strings are decoded
+            here).
+        argmax_threads: threads a decode step's greedy argmax splits its rows over when its
+            logits are large (atombatch/argmax.py; default: half the cores, at most 4, and 1 on
+            four cores or fewer).
 
     A Batcher is driven by one consumer: `step()` raises `StateError` when another thread is
     already inside it (two interleaved steps would corrupt the lane tables); `submit` and `abort`
@@ -182,7 +188,8 @@ class Batcher:
                  max_waiting: int | None = DEFAULT_MAX_WAITING,
                  pd_timeout: float = 300.0, pd_deadline: float | None = None,
                  tokenizer: Any | None = None,
-                 logprobs_mode: LogprobsMode = "raw", detokenize: bool = True) -> None:
+                 logprobs_mode: LogprobsMode = "raw", detokenize: bool = True,
+                 argmax_threads: int | None = None) -> None:
         artifact: ArtifactConfig = runtime.artifact
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not one of "
@@ -238,6 +245,7 @@ class Batcher:
         self._decoded = False                      # the last step completed a decode
         self._kernel = self.scheduler.kv.kernel    # the decode-step kernel (never replaced)
         self._greedy = np.zeros(artifact.batch_size, dtype=np.int64)  # decode argmax, by row
+        self._argmax = RowArgmax(argmax_threads)  # split over threads when the logits are large
         # n > 1 without a prefix cache: choices 1..n-1 start from a device copy of choice 0's
         # prompt KV (see `_release_held`); hybrid models also need the runtime's `copy_slot`
         needed = ("_fetch_kv_cache", "_update_kv_cache") if self.spec.is_hybrid else ()
@@ -807,7 +815,7 @@ class Batcher:
             wide = raw is not logits and isinstance(raw, np.ndarray) and \
                 raw.dtype.kind == "f" and raw.dtype.itemsize > 4
             greedy = self._greedy[:logits.shape[0]]  # allocated once: the step allocates nothing
-            np.argmax(raw if wide else logits, axis=1, out=greedy)
+            self._argmax(raw if wide else logits, greedy)
         except Exception as exc:
             for failed in scheduler.decode_requests(plan):
                 self._fail(failed, f"decode step failed: {exc}", outputs)

@@ -489,14 +489,15 @@ def bound_ratio(batch_size: int, step_ms: float, prefill_ms: float, prompt_len: 
 
 def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: list[list[int]],
                  max_tokens: int, max_seq_len: int, chunk: int,
-                 policy: str | None = None) -> Round:
-    """One round on an in-process Batcher over a NullRuntime (no HTTP): `step_arrays()`."""
+                 policy: str | None = None, spec: Any = None) -> Round:
+    """One round on an in-process Batcher over a NullRuntime (no HTTP): `step_arrays()`;
+    `spec` is the model (its vocabulary sizes the logits; default the server's tiny spec)."""
     from atombatch import ArtifactConfig, Batcher, SamplingParams
     from atombatch.policy import DEFAULT_POLICY
     from atombatch.runtime.null import NullRuntime
     from atombatch.serve.cli import DEFAULT_SPEC
 
-    art = ArtifactConfig(model=DEFAULT_SPEC, batch_size=batch_size, max_seq_len=max_seq_len,
+    art = ArtifactConfig(model=spec or DEFAULT_SPEC, batch_size=batch_size, max_seq_len=max_seq_len,
                          block_size=max_seq_len, num_blocks=batch_size + 1,
                          prefill_chunk_size=chunk)
     runtime = NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms)
@@ -616,16 +617,27 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds per round (default: 10 x the ideal round time + 60)")
     p.add_argument("--policy", help="scheduling policy of the engine and the server (default: "
                    "the engine's, stall-free:8; docs/scheduling.md)")
+    p.add_argument("--model", choices=sorted(_presets()), type=str.lower,
+                   help="a model preset for the null device's shapes (its vocabulary sizes "
+                        "every step's logits, which the host reads); default the server's tiny "
+                        "spec (vocabulary 1024)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     p.add_argument("--json", help="write the report (msgspec JSON) to this path")
     p.add_argument("--no-progress", action="store_true", help="no per-case progress on stderr")
     return p
 
 
+def _presets() -> list[str]:
+    from atombatch.config import PRESETS
+
+    return list(PRESETS)
+
+
 def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
+    from atombatch.config import ModelSpec
     from atombatch.serve.cli import DEFAULT_SPEC
 
-    spec = DEFAULT_SPEC
+    spec = ModelSpec.preset(args.model) if args.model else DEFAULT_SPEC
     chunk = 128
     max_seq_len = max(1024, args.prompt_len + args.max_tokens)
     if args.engine_cores:
@@ -663,9 +675,9 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
                 what = f"B{batch} step {step:g} ms engine"
                 progress.start(what)
                 engine_round(batch, step, args.prefill_ms, prompts, 4, max_seq_len, chunk,
-                             args.policy)
+                             args.policy, spec)
                 rounds = [engine_round(batch, step, args.prefill_ms, prompts, args.max_tokens,
-                                       max_seq_len, chunk, args.policy)
+                                       max_seq_len, chunk, args.policy, spec)
                           for _ in range(args.repeats)]
                 finish(what, Case(path="engine", batch_size=batch, step_ms=step,
                                   prefill_ms=args.prefill_ms, tokenizer=False, engine_core=None,
@@ -686,6 +698,8 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
                             "--log-level", "warning"]
                     if mode == "wordlevel":
                         argv += ["--tokenizer", str(tok_dir)]
+                    if args.model:
+                        argv += ["--model", args.model]
                     if args.policy:
                         argv += ["--policy", args.policy]
                     if core:
@@ -752,7 +766,8 @@ def format_table(report: Report) -> str:
     lines = ["bench overlap: delivered / ideal throughput on the null device "
              f"(prefill {report.params['prefill_ms']:g} ms, {report.params['prompt_len']} in / "
              f"{report.params['max_tokens']} out, c = B, medians of {report.params['repeats']}, "
-             f"policy {report.params.get('policy', 'stall-free:8 (default)')}); "
+             f"policy {report.params.get('policy', 'stall-free:8 (default)')}, model "
+             f"{report.params.get('model', '?')} vocab {report.params.get('vocab_size', '?')}); "
              "CPU in us per delivered token", head, "-" * len(head)]
     engines = {(c.batch_size, c.step_ms): c for c in report.cases if c.path == "engine"}
     servers = {(c.batch_size, c.step_ms, c.tokenizer, c.engine_core): c

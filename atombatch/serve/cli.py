@@ -136,6 +136,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host-cache-bytes", type=int, default=0,
                    help="host memory for KV blocks evicted from the prefix cache (default 0)")
     p.add_argument("--seed", type=int, default=0, help="random weights and engine sampling seed")
+    p.add_argument("--argmax-threads", type=int, default=None, metavar="N",
+                   help="threads the greedy argmax of a large decode step splits its rows over "
+                   "(default: half the cores, at most 4; 1 on four cores or fewer)")
     p.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads for the NumPy runtime (default 1; 0 leaves the library's "
                    "default). OpenBLAS threads spin between calls and starve the event loop")
@@ -360,7 +363,8 @@ def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,
              spec: ModelSpec) -> tuple[Batcher, str, Codec | None]:
     batcher = Batcher(runtime, policy=args.policy, seed=args.seed, max_waiting=args.max_waiting,
                       prefix_cache=args.prefix_cache, host_cache_bytes=args.host_cache_bytes,
-                      pd_timeout=getattr(args, "pd_timeout", 300.0))
+                      pd_timeout=getattr(args, "pd_timeout", 300.0),
+                      argmax_threads=getattr(args, "argmax_threads", None))
     return batcher, args.served_model_name or spec.name, codec_from_args(args, model_dir)
 
 

@@ -251,6 +251,50 @@ def test_runtime_failures_fail_only_their_request(core):
     assert batcher.stats().finished == {"error": 2, "length": 2}
 
 
+class Speckled(LedgerRuntime):
+    """One bad logit in a row that is otherwise fine, by the token a lane feeds (`kinds`): "nan"
+    or "inf" away from the row's best, or "-inf" at half the row (a device's "cannot be
+    drawn"), never at its best."""
+
+    def __init__(self, art, kinds):
+        super().__init__(art)
+        self.kinds = kinds
+
+    def decode(self, inputs):
+        logits = super().decode(inputs)
+        fed = inputs.input_ids[:, 0]
+        for row in range(logits.shape[0]):
+            kind = self.kinds.get(int(fed[row]))
+            best = int(np.argmax(logits[row]))
+            other = (best + 1 + int(fed[row])) % logits.shape[1]
+            if kind == "nan":
+                logits[row, other] = math.nan
+            elif kind == "inf":
+                logits[row, other] = math.inf
+            elif kind == "-inf":
+                logits[row, np.arange(logits.shape[1]) % 2 != best % 2] = -math.inf
+        return logits
+
+
+def test_one_nan_or_inf_logit_fails_its_request_and_minus_inf_does_not(core):
+    art = artifact(batch_size=4, num_blocks=5)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = {}  # first generated token -> a one-token prompt that makes it
+    for t in range(1, 96):
+        first.setdefault(reference([t], 1, 97)[0], t)
+    (nan, _), (inf, _), (minus, _) = list(first.items())[:3]
+    kinds = {nan: "nan", inf: "inf", minus: "-inf"}
+    arrivals = {0: [([first[nan]], params, "nan"), ([first[inf]], params, "inf"),
+                    ([first[minus]], params, "-inf"), ([4, 5, 6], params, "ok")]}
+    finals, _ = drive(Batcher(Speckled(art, kinds)), arrivals)
+    for rid in ("nan", "inf"):  # the step's argmax lands on the bad logit: the row is found
+        assert finals[rid].finish_reason == "error" and "non-finite" in finals[rid].error
+    for prompt, _, rid in arrivals[0][2:]:  # the best token is the same with -inf elsewhere
+        want = tuple(expected(prompt, params, art))
+        assert not {nan, inf} & set(want[:-1])  # (the premise: it never feeds a broken row)
+        assert finals[rid].finish_reason == "length" and finals[rid].completion.token_ids == want
+
+
 def test_structlog_events_carry_request_lane_and_blocks(core, caplog):
     batcher = Batcher(LedgerRuntime(artifact(batch_size=1, num_blocks=2)))
     with caplog.at_level(logging.DEBUG, logger="atombatch"):

@@ -1,0 +1,80 @@
+"""A decode step's greedy argmax, split over a few threads when the logits are large.
+
+The host reads every logit of every decode step before the next step can start: the greedy
+token of each row is its argmax. With a real vocabulary that read is most of the host's
+critical path (B64 x 151 936 float32 logits are 39 MB: ~2.3 ms on one core here, against a
+few milliseconds of device step), and memory bandwidth, not arithmetic, bounds it. numpy's
+argmax releases the interpreter lock while it scans, so `RowArgmax` hands blocks of rows to
+worker threads and scans one block itself; below `min_elements` logits (where starting the
+workers would cost more than it saves) it is one plain `np.argmax`.
+
+The result is numpy's argmax of each row either way (a NaN or +inf anywhere in a row is where
+it lands, which the step kernel relies on: `StepKernel.pick`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from atombatch.errors import ConfigError
+
+MIN_ELEMENTS = 1 << 22   # 4M logits (16 MB of float32): below it one thread is as fast (measured)
+MAX_AUTO_THREADS = 4     # memory bandwidth stops paying for more
+
+
+def auto_threads(cpus: int | None = None) -> int:
+    """Threads for the argmax when the caller does not say: half the machine's cores (the front,
+    the sender and the device driver need the rest), at most `MAX_AUTO_THREADS`; 1 on four
+    cores or fewer."""
+    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    return 1 if cpus <= 4 else min(MAX_AUTO_THREADS, cpus // 2)
+
+
+class RowArgmax:
+    """`argmax(logits, out)`: `out[i] = argmax(logits[i])`, over `threads` threads when the
+    step is large enough (see the module docstring)."""
+
+    def __init__(self, threads: int | None = None, min_elements: int = MIN_ELEMENTS) -> None:
+        if threads is None:
+            threads = auto_threads()
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"argmax_threads={threads!r} must be an int >= 1 (or None: "
+                              f"{auto_threads()} on this machine)")
+        self.threads = threads
+        self.min_elements = min_elements
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, logits: npt.NDArray[Any], out: npt.NDArray[np.int64]) -> None:
+        rows = logits.shape[0]
+        parts = min(self.threads, rows)
+        if parts < 2 or logits.size < self.min_elements:
+            np.argmax(logits, axis=1, out=out)
+            return
+        pool = self._pool or self._start()
+        bounds = [rows * i // parts for i in range(parts + 1)]
+        futures: list[Future[Any]] = [
+            pool.submit(np.argmax, logits[bounds[i]:bounds[i + 1]], 1, out[bounds[i]:bounds[i + 1]])
+            for i in range(1, parts)]
+        np.argmax(logits[:bounds[1]], axis=1, out=out[:bounds[1]])
+        for future in futures:
+            future.result()
+
+    def _start(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1,
+                                                thread_name_prefix="atombatch-argmax")
+            return self._pool
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)

@@ -1,0 +1,60 @@
+"""`RowArgmax`: numpy's row argmax, split over threads when the logits are large."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atombatch.argmax import RowArgmax, auto_threads
+from atombatch.errors import ConfigError
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 5, 64])
+def test_split_argmax_is_numpys_including_nan_and_inf_rows(threads: int, rows: int) -> None:
+    rng = np.random.default_rng(rows * 10 + threads)
+    logits = rng.standard_normal((rows, 1000), dtype=np.float32)
+    logits[0, 17] = np.nan                    # where numpy's argmax lands: the kernel relies on it
+    if rows > 2:
+        logits[2, 5] = np.inf
+        logits[1, ::2] = -np.inf
+    argmax = RowArgmax(threads, min_elements=0)  # split however small
+    out = np.full(rows, -1, dtype=np.int64)
+    argmax(logits, out)
+    assert out.tolist() == np.argmax(logits, axis=1).tolist()
+    assert out[0] == 17
+    argmax.close()
+
+
+def test_a_step_below_the_threshold_takes_one_thread() -> None:
+    argmax = RowArgmax(4, min_elements=10_000)
+    out = np.zeros(3, dtype=np.int64)
+    argmax(np.eye(3, 7, 2, dtype=np.float32), out)
+    assert out.tolist() == [2, 3, 4] and argmax._pool is None  # no workers were started
+
+
+def test_thread_counts_are_checked_and_the_default_leaves_room() -> None:
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ConfigError, match="argmax_threads="):
+            RowArgmax(bad)  # type: ignore[arg-type]
+    assert [auto_threads(c) for c in (1, 2, 4, 6, 8, 64)] == [1, 1, 1, 3, 4, 4]
+
+
+def test_a_batcher_whose_steps_split_the_argmax_decodes_the_same_tokens() -> None:
+    import msgspec
+
+    from atombatch import ArtifactConfig, Batcher, SamplingParams
+    from atombatch.runtime.null import NullRuntime
+    from atombatch.serve.cli import DEFAULT_SPEC
+
+    spec = msgspec.structs.replace(DEFAULT_SPEC, vocab_size=1 << 17)  # 64 rows: 8M logits
+    art = ArtifactConfig(model=spec, batch_size=64, max_seq_len=64, block_size=64,
+                         num_blocks=65, prefill_chunk_size=16)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + i, 7 + 2 * i] for i in range(64)]
+    tokens = {}
+    for threads in (1, 3):
+        batcher = Batcher(NullRuntime(art, step_ms=0.0), argmax_threads=threads)
+        tokens[threads] = [c.token_ids for c in batcher.generate(prompts, params)]
+        assert (batcher._argmax._pool is not None) == (threads > 1)  # the split really ran
+    assert tokens[1] == tokens[3] and len(set(map(tuple, tokens[1]))) > 1
