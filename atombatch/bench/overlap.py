@@ -489,7 +489,8 @@ def bound_ratio(batch_size: int, step_ms: float, prefill_ms: float, prompt_len: 
 
 def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: list[list[int]],
                  max_tokens: int, max_seq_len: int, chunk: int,
-                 policy: str | None = None, spec: Any = None) -> Round:
+                 policy: str | None = None, spec: Any = None,
+                 argmax_threads: int | None = None) -> Round:
     """One round on an in-process Batcher over a NullRuntime (no HTTP): `step_arrays()`;
     `spec` is the model (its vocabulary sizes the logits; default the server's tiny spec)."""
     from atombatch import ArtifactConfig, Batcher, SamplingParams
@@ -501,7 +502,8 @@ def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: li
                          block_size=max_seq_len, num_blocks=batch_size + 1,
                          prefill_chunk_size=chunk)
     runtime = NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms)
-    batcher = Batcher(runtime, max_waiting=None, policy=policy or DEFAULT_POLICY)
+    batcher = Batcher(runtime, max_waiting=None, policy=policy or DEFAULT_POLICY,
+                      argmax_threads=argmax_threads)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     load_before = _load()
     cpu0, started = time.process_time(), time.perf_counter()
@@ -621,6 +623,8 @@ def parser() -> argparse.ArgumentParser:
                    help="a model preset for the null device's shapes (its vocabulary sizes "
                         "every step's logits, which the host reads); default the server's tiny "
                         "spec (vocabulary 1024)")
+    p.add_argument("--argmax-threads", type=int, default=None, metavar="N",
+                   help="the engine's and the server's --argmax-threads (default: theirs)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed")
     p.add_argument("--json", help="write the report (msgspec JSON) to this path")
     p.add_argument("--no-progress", action="store_true", help="no per-case progress on stderr")
@@ -675,9 +679,9 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
                 what = f"B{batch} step {step:g} ms engine"
                 progress.start(what)
                 engine_round(batch, step, args.prefill_ms, prompts, 4, max_seq_len, chunk,
-                             args.policy, spec)
+                             args.policy, spec, args.argmax_threads)
                 rounds = [engine_round(batch, step, args.prefill_ms, prompts, args.max_tokens,
-                                       max_seq_len, chunk, args.policy, spec)
+                                       max_seq_len, chunk, args.policy, spec, args.argmax_threads)
                           for _ in range(args.repeats)]
                 finish(what, Case(path="engine", batch_size=batch, step_ms=step,
                                   prefill_ms=args.prefill_ms, tokenizer=False, engine_core=None,
@@ -700,6 +704,8 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
                         argv += ["--tokenizer", str(tok_dir)]
                     if args.model:
                         argv += ["--model", args.model]
+                    if args.argmax_threads:
+                        argv += ["--argmax-threads", str(args.argmax_threads)]
                     if args.policy:
                         argv += ["--policy", args.policy]
                     if core:
@@ -745,6 +751,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
               "tokenizers": list(args.tokenizers), "engine_cores": cores, "seed": args.seed,
               "policy": args.policy or "stall-free:8 (default)",
               "model": spec.name, "vocab_size": spec.vocab_size, "max_seq_len": max_seq_len,
+              "argmax_threads": args.argmax_threads,
               "prefill_chunk_size": chunk, "concurrency": "B", "temperature": 0.0,
               "ignore_eos": True, "cpu_clock": "schedstat" if
               os.path.exists("/proc/self/schedstat") else "stat ticks"}
