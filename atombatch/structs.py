@@ -120,6 +120,8 @@ def _is_int(value: object) -> bool:
 def _check_int(params: SamplingParams, name: str, low: int, high: int | None,
                high_name: str | None = None) -> None:
     value = getattr(params, name)
+    if type(value) is int and value >= low and (high is None or value <= high):
+        return  # the common case: already a plain int in range (nothing to convert)
     if not _is_int(value):
         raise RequestError(f"{name}={value!r} must be an integer", param=name)
     value = int(value)
@@ -134,6 +136,9 @@ def _check_int(params: SamplingParams, name: str, low: int, high: int | None,
 def _check_float(params: SamplingParams, name: str, low: float, high: float | None, *,
                  low_open: bool = False) -> None:
     value = getattr(params, name)
+    if type(value) is float and (low < value if low_open else low <= value) and \
+            (value <= high if high is not None else value < math.inf):
+        return  # the common case: already a finite float in range (NaN fails every comparison)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
                                                                       np.floating)):
         raise RequestError(f"{name}={value!r} must be a number", param=name)
