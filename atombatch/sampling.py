@@ -156,16 +156,24 @@ def sample_rows(logits: npt.NDArray[np.floating], states: Sequence[RequestSample
         tokens[greedy] = x[greedy].argmax(axis=1)
     sampled = np.flatnonzero(~greedy)
     z: npt.NDArray[np.float32] | None = None  # the sampled rows' final log-probabilities
+    rest = sampled
     if sampled.size:
-        # _filtered may overwrite what it is given when it is ours: x[sampled] (a fresh copy),
-        # or x itself when x is our working copy and every row samples (nothing reads x after)
-        whole = sampled.size == rows
-        z = _filtered(x if whole else x[sampled], top[sampled],
-                      [states[int(i)] for i in sampled], own=writes or not whole)
         uniform = np.fromiter((states[int(i)].rng.random() for i in sampled), dtype=np.float64,
                               count=sampled.size)
+        if not (want and mode == "processed"):  # (processed logprobs read every row's z)
+            # top-k / top-p rows whose kept ids are among a few candidates draw from those
+            # alone: no pass over their rows but the one that finds the candidates
+            drawn = _draw_candidates(x, top, sampled, [states[int(i)] for i in sampled],
+                                     uniform, tokens)
+            rest, uniform = sampled[~drawn], uniform[~drawn]
+    if rest.size:
+        # _filtered may overwrite what it is given when it is ours: x[rest] (a fresh copy),
+        # or x itself when x is our working copy and every row samples (nothing reads x after)
+        whole = rest.size == rows
+        z = _filtered(x if whole else x[rest], top[rest],
+                      [states[int(i)] for i in rest], own=writes or not whole)
         # the draw may overwrite z unless processed logprobs read it afterwards
-        tokens[sampled] = _draw(z, uniform, in_place=not (want and mode == "processed"))
+        tokens[rest] = _draw(z, uniform, in_place=not (want and mode == "processed"))
 
     logprobs: list[TokenLogprobs | None] = [None] * rows
     if want:
@@ -240,6 +248,75 @@ def _apply_penalties(x: npt.NDArray[np.float32], rows: list[int],
     pres = np.array([states[i].params.presence_penalty for i in rows], dtype=np.float32)
     sub = sub - freq[:, None] * counts - pres[:, None] * seen_out
     x[rows] = sub
+
+
+def _draw_candidates(x: npt.NDArray[np.float32], top: npt.NDArray[np.float32],
+                     sampled: npt.NDArray[np.intp], states: Sequence[RequestSampler],
+                     uniform: npt.NDArray[np.float64],
+                     tokens: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+    """Draw the top-k / top-p rows of `x[sampled]` whose kept ids are all among the
+    `CANDIDATES` largest logits; returns which rows it drew (the others take the full path).
+
+    The candidates of a row are every logit at least its `CANDIDATES`-th largest block maximum
+    (blocks of `DRAW_BLOCK` ids): those include the row's `CANDIDATES` largest values, so the
+    top-k set (k <= CANDIDATES) and a top-p set within them are exactly the kept ids of the
+    full path, ties included. Temperature, min_p, top-k and top-p then apply to those values
+    as `_filtered` and `_thresholds` apply them to the row, and the draw is the same inverse
+    CDF over the kept ids in id order (`_draw`); only a top-p row without top-k reads its whole
+    row once more, for the total mass p is a share of."""
+    done = np.zeros(sampled.size, dtype=np.bool_)
+    vocab = x.shape[1]
+    m = CANDIDATES
+    starts = np.arange(0, vocab, DRAW_BLOCK)
+    if starts.size < m:  # a small vocabulary: the full path is as cheap
+        return done
+    pick = [j for j, st in enumerate(states)
+            if (0 < st.params.top_k <= m and st.params.top_k < vocab) or
+            (st.params.top_p < 1.0 and st.params.top_k <= 0)]
+    if not pick:
+        return done
+    rows = sampled[pick]
+    every = rows.size == x.shape[0]  # rows are sorted: then they are all of x, in order
+    block_max = np.maximum.reduceat(x if every else x[rows], starts, axis=1)
+    bound = np.partition(block_max, starts.size - m, axis=1)[:, starts.size - m]
+    for j, i, b in zip(pick, rows.tolist(), bound.tolist(), strict=True):
+        params = states[j].params
+        row = x[i]
+        ids = np.flatnonzero(row >= b)
+        # as _filtered: shift by the row's max, then scale (float32, the same operations)
+        t = np.float32(min(params.temperature, float(_F32.max)))
+        z = np.subtract(row[ids], top[i]) / t
+        if params.min_p > 0:
+            z[np.exp(z) < np.float32(params.min_p)] = _NEG_INF
+        order = np.argsort(-z, kind="stable")
+        head = z[order[:m]]                       # the row's m largest, descending
+        k = params.top_k if 0 < params.top_k < vocab else vocab
+        kth = head[k - 1] if k < vocab else _NEG_INF
+        p = params.top_p
+        if p < 1.0:
+            kept_head = np.where(np.arange(head.size) >= min(k, head.size), _NEG_INF, head)
+            mass = np.cumsum(np.exp(kept_head.astype(np.float64)))
+            if k < vocab:
+                total = mass[-1]
+            else:  # the row's whole mass (after min_p), one more pass over the row
+                whole = np.subtract(row, top[i]) / t
+                e = np.exp(whole)
+                if params.min_p > 0:
+                    e[e < np.float32(params.min_p)] = 0.0
+                total = float(e.sum(dtype=np.float64))
+            last = int((mass < p * total).sum())
+            if last >= head.size:                 # p needs more than the candidates
+                continue
+            threshold = max(kth, head[last])
+        else:
+            threshold = kth
+        kept = np.flatnonzero(z >= threshold)     # candidate positions, in id order
+        weights = np.cumsum(np.exp(z[kept].astype(np.float64)))
+        chosen = min(int(np.searchsorted(weights, uniform[j] * weights[-1], side="right")),
+                     kept.size - 1)
+        tokens[i] = ids[kept[chosen]]
+        done[j] = True
+    return done
 
 
 def _filtered(x: npt.NDArray[np.float32], top: npt.NDArray[np.float32],

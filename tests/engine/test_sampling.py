@@ -728,3 +728,49 @@ def test_plain_greedy_steps_never_enter_the_sampler(monkeypatch: pytest.MonkeyPa
     assert all(c.finish_reason == "length" for c in done)
     [failed] = batcher.generate([[1, 2]], SamplingParams(temperature=0.5, max_tokens=3))
     assert failed.finish_reason == "error" and "sample_rows" in (failed.error or "")
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p,temperature,scale", [
+    (50, 1.0, 0.0, 0.8, 1.0),     # top-k alone
+    (1, 1.0, 0.0, 1.0, 1.0),      # top-k 1: the argmax
+    (256, 1.0, 0.0, 1.3, 2.0),    # k = the candidates
+    (0, 0.9, 0.0, 0.7, 8.0),      # top-p on a peaked row: decided by the candidates
+    (40, 0.95, 0.0, 0.8, 1.0),    # both
+    (0, 0.8, 0.05, 0.9, 6.0),     # top-p with min_p
+    (0, 0.99, 0.0, 1.0, 0.5),     # flat: the candidates do not hold p, the full path draws
+])
+def test_candidate_draw_is_the_full_paths_distribution(top_k: int, top_p: float, min_p: float,
+                                                       temperature: float, scale: float) -> None:
+    """A large vocabulary's top-k / top-p rows draw from their candidates alone
+    (`_draw_candidates`); for the same uniform numbers they pick what the full path picks
+    (`_filtered` then `_draw`: the same kept ids, the same inverse CDF in id order), up to
+    float rounding at a boundary between two ids."""
+    from atombatch.sampling import CANDIDATES, DRAW_BLOCK, _draw, _draw_candidates, _filtered
+
+    vocab = CANDIDATES * DRAW_BLOCK + 4321          # enough blocks for the candidate bound
+    rows = 3
+    x = (np.random.default_rng(11).standard_normal((rows, vocab)) * scale).astype(np.float32)
+    x[1, 7] = x[1].max() + 3.0                      # one clear favourite
+    x[2, ::3] = -np.inf                             # masked ids (a grammar, allowed ids)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    states = [RequestSampler(params, np.zeros(0, np.int64), vocab, (), np.random.default_rng(0))
+              for _ in range(rows)]
+    top = x.max(axis=1)
+    z = _filtered(x, top, states)
+    draws = 401
+    agree = total = 0
+    took = np.zeros(rows, dtype=bool)
+    for u in (np.arange(draws) + 0.5) / draws:
+        uniform = np.full(rows, u)
+        candidate = np.full(rows, -1, dtype=np.int64)
+        drawn = _draw_candidates(x, top, np.arange(rows), states, uniform, candidate)
+        took |= drawn
+        full = _draw(z.copy(), uniform)
+        for i in np.flatnonzero(drawn):
+            assert np.isfinite(z[i, candidate[i]])  # never an id the full path masked
+            agree += int(candidate[i] == full[i])
+            total += 1
+    if scale >= 1.0 or top_k:   # the candidates decided these rows
+        assert took.all()
+    if total:
+        assert agree >= 0.995 * total
