@@ -827,8 +827,7 @@ class _Server:
         n = len(gens[0].choices)
         offsets = [[0] * n for _ in gens]
         started = [[False] * n for _ in gens]
-        left = len(gens) * n          # choices not finished
-        tail: list[bytes] = []        # the stream's last events, written with [DONE]
+        tail = _StreamTail(len(gens) * n)
         # the plain chunk of each choice, pre-encoded (not with continuous usage or echo only)
         plain: dict[int, PlainChunk | None] | None = \
             None if continuous or not echo.generate else {}
@@ -869,7 +868,7 @@ class _Server:
                     if new:
                         yield chunk([CompletionChoice(index=index, text=text, token_ids=new,
                                                       logprobs=logprobs)], running)
-                    tail.append(gen.error_event())
+                    tail.add(gen.error_event())
                     break
                 finish = out.finish_reason
                 if finish is not None and not echo.generate:
@@ -884,16 +883,11 @@ class _Server:
                                                 if out.finish_reason and echo.generate else None,
                                                 logprobs=logprobs,
                                                 prompt_logprobs=prompt_logprobs)], running)
-                if out.finish_reason is not None:  # this choice's final event
-                    left -= 1
-                    if not left:  # the stream's last event leaves with [DONE] in one write
-                        tail.append(event)
-                        continue
-                yield event
+                if not tail.holds(event, out.finish_reason is not None):
+                    yield event
         if include_usage:
-            tail.append(chunk([], _total_usage(gens) if echo.generate else _prompt_usage(gens)))
-        tail.append(SSE_DONE)
-        yield b"".join(tail)
+            tail.add(chunk([], _total_usage(gens) if echo.generate else _prompt_usage(gens)))
+        yield tail.done()
 
     def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
         """What the request's tools ask for (400 naming the field when it cannot be served)."""
@@ -1004,8 +998,7 @@ class _Server:
                                              delta=ChatDelta(role="assistant", content=""),
                                              token_ids=[])], gen.usage() if continuous else None)
         plain: dict[int, PlainChunk | None] | None = None if continuous else {}
-        left = len(gens) * n          # choices not finished
-        tail: list[bytes] = []        # the stream's last events, written with [DONE]
+        tail = _StreamTail(len(gens) * n)
         async with contextlib.aclosing(_merged(gens)) as events:
             async for g, (new, text, out) in events:
                 gen, i = gens[g], out.index
@@ -1036,7 +1029,7 @@ class _Server:
                                           calls=piece.calls + last.calls)
                     except ToolCallError as exc:
                         gen.error = str(exc)
-                        tail.append(gen.error_event())
+                        tail.add(gen.error_event())
                         break
                     delta = delta_of(piece)
                     if finish is not None and finish != "error" and output.made_calls:
@@ -1047,23 +1040,18 @@ class _Server:
                     if new:
                         yield chunk([ChatChunkChoice(index=index, delta=delta,
                                                      token_ids=new, logprobs=logprobs)], running)
-                    tail.append(gen.error_event())
+                    tail.add(gen.error_event())
                     break
                 event = chunk([ChatChunkChoice(index=index, delta=delta,
                                                token_ids=new, finish_reason=finish,
                                                stop_reason=gen.choices[i].stop_reason
                                                if out.finish_reason else None,
                                                logprobs=logprobs)], running)
-                if out.finish_reason is not None:  # this choice's final event
-                    left -= 1
-                    if not left:  # the stream's last event leaves with [DONE] in one write
-                        tail.append(event)
-                        continue
-                yield event
+                if not tail.holds(event, out.finish_reason is not None):
+                    yield event
         if include_usage:
-            tail.append(chunk([], _total_usage(gens)))
-        tail.append(SSE_DONE)
-        yield b"".join(tail)
+            tail.add(chunk([], _total_usage(gens)))
+        yield tail.done()
 
     async def _collect(self, request: Request, gens: list[_Generation]) -> None:
         """Run non-streaming requests to their end (their choices keep what they produced),
@@ -1258,6 +1246,33 @@ def _by_choice(batch: list[RequestOutput]) -> list[RequestOutput]:
         run.append(out)
     merged.append(compact_outputs(run) if len(run) > 1 else run[0])
     return merged
+
+
+class _StreamTail:
+    """A stream's last events, written with `[DONE]` and the body's end in one write
+    (`SSEResponse`): the final event of the last choice still running, the usage chunk, an
+    error event."""
+
+    __slots__ = ("events", "left")
+
+    def __init__(self, choices: int) -> None:
+        self.left = choices              # choices without their final event yet
+        self.events: list[bytes] = []
+
+    def holds(self, event: bytes, final: bool) -> bool:
+        """Keep `event` for the tail if it is the last running choice's final one."""
+        if final:
+            self.left -= 1
+            if not self.left:
+                self.events.append(event)
+                return True
+        return False
+
+    def add(self, event: bytes) -> None:
+        self.events.append(event)
+
+    def done(self) -> bytes:
+        return b"".join((*self.events, SSE_DONE))
 
 
 def _merged(gens: list[_Generation]
