@@ -62,9 +62,15 @@ class RowArgmax:
         futures: list[Future[Any]] = [
             pool.submit(np.argmax, logits[bounds[i]:bounds[i + 1]], 1, out[bounds[i]:bounds[i + 1]])
             for i in range(1, parts)]
-        np.argmax(logits[:bounds[1]], axis=1, out=out[:bounds[1]])
-        for future in futures:
-            future.result()
+        try:
+            np.argmax(logits[:bounds[1]], axis=1, out=out[:bounds[1]])
+        finally:
+            # every block is done before this returns, even when one failed: a worker still
+            # writing `out` would race the caller's next use of it (the engine's next step)
+            errors = [future.exception() for future in futures]
+        for error in errors:
+            if error is not None:
+                raise error
 
     def _start(self) -> ThreadPoolExecutor:
         with self._lock:

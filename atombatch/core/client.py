@@ -58,6 +58,7 @@ from atombatch.validation import validate_request
 log = logger("atombatch.core")
 
 READ_BATCH = 64   # core messages the event loop handles in one go before other callbacks run
+EXIT_GRACE = 0.2  # seconds the socket is still read after the core exits (its last messages)
 
 
 class _Leftovers:
@@ -192,6 +193,10 @@ class CoreClient(PDFront, OutputStreams):
         """Spawn the core (unless `start_process` did) and start receiving its outputs."""
         if self._reading:
             return
+        if self._dead or self._closing or (self.ready is not None and self._from_core is None):
+            # its sockets are closed (or the core exited): a client runs one core
+            raise UnavailableError("the engine core client was closed or its core exited: "
+                                   "start a new CoreClient")
         if self.ready is None:
             await asyncio.to_thread(self.start_process)
         loop = self._loop = asyncio.get_running_loop()
@@ -352,11 +357,23 @@ class CoreClient(PDFront, OutputStreams):
 
     def _on_process_exit(self) -> None:
         """Event loop: the core process ended. Its last messages first, then, unless it was
-        asked to stop, every request in flight fails."""
+        asked to stop, every request in flight fails. The process can end before this side's
+        ZeroMQ I/O thread has queued what it sent last (a Step, `Stopped`): the socket is read
+        for `EXIT_GRACE` seconds more before the exit counts as unasked."""
+        loop, process = self._loop, self._process
+        if process is not None and loop is not None and not loop.is_closed():
+            loop.remove_reader(process.sentinel)  # it stays readable: once is enough
+        self._read(limit=None)
+        if self._reading and not self._stopped and loop is not None:
+            loop.call_later(EXIT_GRACE, self._exited)
+        else:
+            self._exited()
+
+    def _exited(self) -> None:
         self._read(limit=None)
         self._stop_reading()
-        if self._process is None:
-            return
+        if self._process is None or self._dead or self._from_core is None:
+            return  # (no socket: closed meanwhile)
         self._process.join(1)
         if not self._stopped:
             self._core_exited(self._process.exitcode)
