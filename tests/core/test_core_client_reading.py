@@ -7,6 +7,7 @@ last test runs a real core."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 from collections.abc import AsyncIterator
@@ -48,10 +49,8 @@ class _ExitedProcess:
 
     def close_fds(self) -> None:
         for fd in (self.sentinel, self._end):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 class Front:
