@@ -117,13 +117,13 @@ def test_an_unreadable_submit_fails_that_request_and_the_core_carries_on(core: C
 
 
 def test_submit_then_abort_then_submit_apply_in_order(core: Core) -> None:
-    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     core.send(submit("a", [5, 6, 7], long))
     core.send(Abort(["a"]))
     core.send(submit("b", [9, 9, 1], GREEDY))
     core.runner.start()
     done = core.finished({"a", "b"})
-    assert done["a"].finish_reason == "abort"
+    assert done["a"].finish_reason == "abort", done["a"].error
     assert done["b"].finish_reason == "length"
     [alone] = numpy_batcher().generate([[9, 9, 1]], GREEDY)
-    assert core.tokens["b"] == list(alone.token_ids) and len(core.tokens.get("a", [])) < 200
+    assert core.tokens["b"] == list(alone.token_ids) and len(core.tokens.get("a", [])) < 100
