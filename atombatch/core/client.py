@@ -346,14 +346,18 @@ class CoreClient(PDFront, OutputStreams):
             except zmq.Again:
                 return
             count += 1
-            message = core_decoder.decode(frame)
-            if isinstance(message, Step):
-                self._on_step(message)
-            elif isinstance(message, Stopped):
-                self._stopped = True
-                self._stop_reading()
-            else:  # PD and routing answers (atombatch/core/pd.py)
-                self._on_message(message)
+            try:
+                message = core_decoder.decode(frame)
+                if isinstance(message, Step):
+                    self._on_step(message)
+                elif isinstance(message, Stopped):
+                    self._stopped = True
+                    self._stop_reading()
+                else:  # PD and routing answers (atombatch/core/pd.py)
+                    self._on_message(message)
+            except Exception:  # a bug; raised out of here, it would strand the messages behind
+                # it (the descriptor signals no edge for what is already queued)
+                log.exception("core.output_failed", size=len(frame))
 
     def _on_process_exit(self) -> None:
         """Event loop: the core process ended. Its last messages first, then, unless it was

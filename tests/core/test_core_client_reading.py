@@ -148,3 +148,23 @@ async def test_a_closed_client_cannot_start_again() -> None:
     with pytest.raises(UnavailableError, match="closed"):
         await client.start()
     assert not client.running
+
+
+async def test_a_message_that_fails_to_be_handled_does_not_strand_the_ones_behind_it(
+        tmp_path: Path) -> None:
+    front = Front(tmp_path, [])
+    try:
+        await front.client.start()
+        outputs = front.open("r")
+        front.core.send(b"\xc1 no message the core sends")   # a core bug
+        front.send(Step(ids=["r"], tokens=b"", outputs=[]))    # ids without their tokens
+        front.send(finished("r", 9))
+        outs = await asyncio.wait_for(_all(outputs), 5)
+        assert [(o.new_token_ids, o.finish_reason) for o in outs] == [((9,), "length")]
+        assert front.client.running
+    finally:
+        front.close()
+
+
+async def _all(outputs: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
+    return [out async for out in outputs]
