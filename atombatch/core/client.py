@@ -190,27 +190,41 @@ class CoreClient(PDFront, OutputStreams):
         return message
 
     async def start(self) -> None:
-        """Spawn the core (unless `start_process` did) and start receiving its outputs."""
+        """Spawn the core (unless `start_process` did) and start receiving its outputs (in
+        the running loop: after the loop it started in closed, `start` again in the next)."""
         if self._reading:
-            return
+            if not self._loop_closed():
+                return
+            self._stop_reading()  # its readers went with their loop
         if self._dead or self._closing or (self.ready is not None and self._from_core is None):
             # its sockets are closed (or the core exited): a client runs one core
             raise UnavailableError("the engine core client was closed or its core exited: "
                                    "start a new CoreClient")
         if self.ready is None:
             await asyncio.to_thread(self.start_process)
-        loop = self._loop = asyncio.get_running_loop()
         self._closing = False
+        self._attach(asyncio.get_running_loop())
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the core's socket and watch its process from `loop`."""
+        self._loop = loop
         self._reading = True
         loop.add_reader(self._from_core.getsockopt(zmq.FD), self._read)
         loop.add_reader(self._process.sentinel, self._on_process_exit)
         self._read()  # what arrived before the reader was there (the descriptor signals edges)
+
+    def _loop_closed(self) -> bool:
+        loop = self._loop
+        return loop is not None and loop.is_closed()
 
     async def close(self, drain: bool = True) -> None:
         """Stop the core: with `drain`, in-flight requests finish first, else they are aborted."""
         if self._process is None:
             return
         self._closing = True
+        if self._reading and self._loop_closed():  # started in a loop that is gone: read here
+            self._stop_reading()
+            self._attach(asyncio.get_running_loop())
         if not self._dead:
             with contextlib.suppress(zmq.ZMQError):
                 self._send_to_core(Shutdown(drain=drain))
@@ -264,7 +278,7 @@ class CoreClient(PDFront, OutputStreams):
 
     @property
     def running(self) -> bool:
-        return self._reading and not self._dead and not self._closing
+        return self._reading and not self._dead and not self._closing and not self._loop_closed()
 
     @property
     def dead(self) -> bool:

@@ -168,3 +168,43 @@ async def test_a_message_that_fails_to_be_handled_does_not_strand_the_ones_behin
 
 async def _all(outputs: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
     return [out async for out in outputs]
+
+
+def test_a_client_whose_loop_closed_says_so_and_starts_again_in_the_next() -> None:
+    """The readers live in the loop `start` ran in: once it closed, nothing reads the core."""
+    client = CoreClient(functools.partial(numpy_batcher))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    async def first() -> None:
+        await client.start()
+        outs = [o async for o in client.stream([5, 6, 7], params)]
+        assert outs[-1].finish_reason == "length"
+
+    async def refused() -> None:
+        with pytest.raises(UnavailableError, match="not running"):
+            client.submit([5, 6, 7], params)
+
+    async def again() -> list[int]:
+        await client.start()
+        tokens = [t async for o in client.stream([5, 6, 7], params) for t in o.new_token_ids]
+        await client.close()
+        return tokens
+
+    try:
+        asyncio.run(first())
+        asyncio.run(refused())               # not a request sent to a core nobody reads
+        tokens = asyncio.run(asyncio.wait_for(again(), 30))
+        [alone] = numpy_batcher().generate([[5, 6, 7]], params)
+        assert tokens == list(alone.token_ids)
+    finally:
+        client._kill()
+
+
+def test_a_client_whose_loop_closed_can_still_be_closed_in_the_next() -> None:
+    client = CoreClient(functools.partial(numpy_batcher))
+    try:
+        asyncio.run(client.start())
+        asyncio.run(asyncio.wait_for(client.close(), 30))   # it used to wait for Stopped forever
+        assert client._stopped
+    finally:
+        client._kill()
