@@ -186,11 +186,21 @@ class _Receiver:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         self._stopping.set()
         self._thread.join()
 
     def _run(self) -> None:
+        try:
+            self._receive()
+        except Exception:  # the loop sees the thread gone and stops the core
+            log.exception("core.receiver_failed")
+
+    def _receive(self) -> None:
         inbox, put, decode = self.inbox, self.received.put, front_decoder.decode
         while not self._stopping.is_set():
             if not inbox.poll(RECEIVE_POLL_MS):
@@ -318,6 +328,10 @@ class CoreLoop:
             if wait:
                 self.hand_over()
             self.take(wait)
+            if not self.receiver.running and self.received.empty():
+                # nothing the front sends would reach the loop again: exit (the front sees the
+                # core gone and fails what it holds) rather than serve what is left unheard
+                raise RuntimeError("the engine core's receiver thread stopped")
             if os.getppid() != self.parent_pid:  # the front died: nobody reads our outputs
                 log.warning("core.front_gone", aborted=len(self.live))
                 self.front_gone = True

@@ -68,7 +68,8 @@ class Core:
 
     def close(self) -> None:
         self.loop.parent_pid = -1          # stops the loop whatever it holds
-        self.runner.join(10)
+        if self.runner.ident is not None:  # (a test may run the loop itself)
+            self.runner.join(10)
         self.sender.close()
         for sock in (self.to_core, self.from_core, self.inbox, self.outbox):
             sock.close(linger=0)
@@ -127,3 +128,28 @@ def test_submit_then_abort_then_submit_apply_in_order(core: Core) -> None:
     assert done["b"].finish_reason == "length"
     [alone] = numpy_batcher().generate([[9, 9, 1]], GREEDY)
     assert core.tokens["b"] == list(alone.token_ids) and len(core.tokens.get("a", [])) < 100
+
+
+class _BrokenInbox:
+    """A socket whose poll fails (what a ZeroMQ error other than the context ending looks
+    like to the receiver)."""
+
+    def poll(self, timeout: int) -> int:
+        raise zmq.ZMQError(zmq.EFSM)
+
+
+def test_a_receiver_that_dies_stops_the_core_instead_of_leaving_it_deaf(core: Core) -> None:
+    core.loop.receiver.inbox = _BrokenInbox()
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            core.loop.run()
+        except Exception as exc:
+            failures.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(5)
+    assert not runner.is_alive(), "the loop carried on with nothing to hear the front"
+    assert failures and "receiver" in str(failures[0])
