@@ -32,7 +32,9 @@ def auto_threads(cpus: int | None = None) -> int:
     """Threads for the argmax when the caller does not say: half the machine's cores (the front,
     the sender and the device driver need the rest), at most `MAX_AUTO_THREADS`; 1 on four
     cores or fewer."""
-    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    if cpus is None:  # the cores this process may run on (a pinned core or a cpuset: fewer)
+        affinity = getattr(os, "sched_getaffinity", None)
+        cpus = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
     return 1 if cpus <= 4 else min(MAX_AUTO_THREADS, cpus // 2)
 
 

@@ -89,3 +89,12 @@ def test_a_failing_block_still_waits_for_every_other_block() -> None:
         argmax(blocks, np.zeros(4, dtype=np.int64))
     assert sorted(_Blocks.finished) == [5, 6, 7]      # the other three were done by then
     argmax.close()
+
+
+def test_the_default_counts_the_cores_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A core pinned to two CPUs of a 64-core host (taskset, a cpuset) must not start 4 threads."""
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert auto_threads() == 1 and RowArgmax().threads == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(12)))
+    assert auto_threads() == 4
