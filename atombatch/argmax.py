@@ -29,9 +29,9 @@ MAX_AUTO_THREADS = 4     # memory bandwidth stops paying for more
 
 
 def auto_threads(cpus: int | None = None) -> int:
-    """Threads for the argmax when the caller does not say: half the machine's cores (the front,
-    the sender and the device driver need the rest), at most `MAX_AUTO_THREADS`; 1 on four
-    cores or fewer."""
+    """Threads for the argmax when the caller does not say: half the cores this process may run
+    on (the front, the sender and the device driver need the rest), at most `MAX_AUTO_THREADS`;
+    1 on four cores or fewer."""
     if cpus is None:  # the cores this process may run on (a pinned core or a cpuset: fewer)
         affinity = getattr(os, "sched_getaffinity", None)
         cpus = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
