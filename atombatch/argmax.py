@@ -29,10 +29,12 @@ MAX_AUTO_THREADS = 4     # memory bandwidth stops paying for more
 
 
 def auto_threads(cpus: int | None = None) -> int:
-    """Threads for the argmax when the caller does not say: half the machine's cores (the front,
-    the sender and the device driver need the rest), at most `MAX_AUTO_THREADS`; 1 on four
-    cores or fewer."""
-    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    """Threads for the argmax when the caller does not say: half the cores this process may run
+    on (the front, the sender and the device driver need the rest), at most `MAX_AUTO_THREADS`;
+    1 on four cores or fewer."""
+    if cpus is None:  # the cores this process may run on (a pinned core or a cpuset: fewer)
+        affinity = getattr(os, "sched_getaffinity", None)
+        cpus = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
     return 1 if cpus <= 4 else min(MAX_AUTO_THREADS, cpus // 2)
 
 
@@ -62,9 +64,15 @@ class RowArgmax:
         futures: list[Future[Any]] = [
             pool.submit(np.argmax, logits[bounds[i]:bounds[i + 1]], 1, out[bounds[i]:bounds[i + 1]])
             for i in range(1, parts)]
-        np.argmax(logits[:bounds[1]], axis=1, out=out[:bounds[1]])
-        for future in futures:
-            future.result()
+        try:
+            np.argmax(logits[:bounds[1]], axis=1, out=out[:bounds[1]])
+        finally:
+            # every block is done before this returns, even when one failed: a worker still
+            # writing `out` would race the caller's next use of it (the engine's next step)
+            errors = [future.exception() for future in futures]
+        for error in errors:
+            if error is not None:
+                raise error
 
     def _start(self) -> ThreadPoolExecutor:
         with self._lock:

@@ -718,7 +718,10 @@ class Batcher:
                 row = self._prefill_every_position(plan, collector)
             token = None
             if plan.last_chunk and not request.recomputing:
-                if not np.isfinite(row).all():
+                # the decode step's rule (`StepKernel.pick`): a NaN or +inf fails the request,
+                # an -inf is a token that cannot be drawn (the max is NaN if any logit is,
+                # +inf if any is, -inf only when every one is)
+                if not np.isfinite(row.max()):
                     raise RequestError(f"prefill returned non-finite logits for "
                                        f"{plan.request_id} at position {plan.chunk_start}")
                 token = self._sample_one(request, row)
@@ -744,7 +747,7 @@ class Batcher:
             raise RequestError(f"prefill(every_position=True) returned logits of shape "
                                f"{logits.shape}; the chunk has {q} positions of {vocab} ids")
         real = logits.reshape(q, vocab)[:plan.chunk_len]
-        if not np.isfinite(real).all():
+        if not np.isfinite(real.max(axis=1)).all():  # NaN or +inf (-inf: cannot be drawn)
             raise RequestError(f"prefill returned non-finite logits for {plan.request_id} in "
                                f"positions {plan.chunk_start}..{plan.chunk_start + plan.chunk_len - 1}")
         collector.add_chunk(real, plan.chunk_start)

@@ -58,6 +58,7 @@ from atombatch.validation import validate_request
 log = logger("atombatch.core")
 
 READ_BATCH = 64   # core messages the event loop handles in one go before other callbacks run
+EXIT_GRACE = 0.2  # seconds the socket is still read after the core exits (its last messages)
 
 
 class _Leftovers:
@@ -189,23 +190,41 @@ class CoreClient(PDFront, OutputStreams):
         return message
 
     async def start(self) -> None:
-        """Spawn the core (unless `start_process` did) and start receiving its outputs."""
+        """Spawn the core (unless `start_process` did) and start receiving its outputs (in
+        the running loop: after the loop it started in closed, `start` again in the next)."""
         if self._reading:
-            return
+            if not self._loop_closed():
+                return
+            self._stop_reading()  # its readers went with their loop
+        if self._dead or self._closing or (self.ready is not None and self._from_core is None):
+            # its sockets are closed (or the core exited): a client runs one core
+            raise UnavailableError("the engine core client was closed or its core exited: "
+                                   "start a new CoreClient")
         if self.ready is None:
             await asyncio.to_thread(self.start_process)
-        loop = self._loop = asyncio.get_running_loop()
         self._closing = False
+        self._attach(asyncio.get_running_loop())
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the core's socket and watch its process from `loop`."""
+        self._loop = loop
         self._reading = True
         loop.add_reader(self._from_core.getsockopt(zmq.FD), self._read)
         loop.add_reader(self._process.sentinel, self._on_process_exit)
         self._read()  # what arrived before the reader was there (the descriptor signals edges)
+
+    def _loop_closed(self) -> bool:
+        loop = self._loop
+        return loop is not None and loop.is_closed()
 
     async def close(self, drain: bool = True) -> None:
         """Stop the core: with `drain`, in-flight requests finish first, else they are aborted."""
         if self._process is None:
             return
         self._closing = True
+        if self._reading and self._loop_closed():  # started in a loop that is gone: read here
+            self._stop_reading()
+            self._attach(asyncio.get_running_loop())
         if not self._dead:
             with contextlib.suppress(zmq.ZMQError):
                 self._send_to_core(Shutdown(drain=drain))
@@ -259,7 +278,7 @@ class CoreClient(PDFront, OutputStreams):
 
     @property
     def running(self) -> bool:
-        return self._reading and not self._dead and not self._closing
+        return self._reading and not self._dead and not self._closing and not self._loop_closed()
 
     @property
     def dead(self) -> bool:
@@ -341,22 +360,38 @@ class CoreClient(PDFront, OutputStreams):
             except zmq.Again:
                 return
             count += 1
-            message = core_decoder.decode(frame)
-            if isinstance(message, Step):
-                self._on_step(message)
-            elif isinstance(message, Stopped):
-                self._stopped = True
-                self._stop_reading()
-            else:  # PD and routing answers (atombatch/core/pd.py)
-                self._on_message(message)
+            try:
+                message = core_decoder.decode(frame)
+                if isinstance(message, Step):
+                    self._on_step(message)
+                elif isinstance(message, Stopped):
+                    self._stopped = True
+                    self._stop_reading()
+                else:  # PD and routing answers (atombatch/core/pd.py)
+                    self._on_message(message)
+            except Exception:  # a bug; raised out of here, it would strand the messages behind
+                # it (the descriptor signals no edge for what is already queued)
+                log.exception("core.output_failed", size=len(frame))
 
     def _on_process_exit(self) -> None:
         """Event loop: the core process ended. Its last messages first, then, unless it was
-        asked to stop, every request in flight fails."""
+        asked to stop, every request in flight fails. The process can end before this side's
+        ZeroMQ I/O thread has queued what it sent last (a Step, `Stopped`): the socket is read
+        for `EXIT_GRACE` seconds more before the exit counts as unasked."""
+        loop, process = self._loop, self._process
+        if process is not None and loop is not None and not loop.is_closed():
+            loop.remove_reader(process.sentinel)  # it stays readable: once is enough
+        self._read(limit=None)
+        if self._reading and not self._stopped and loop is not None:
+            loop.call_later(EXIT_GRACE, self._exited)
+        else:
+            self._exited()
+
+    def _exited(self) -> None:
         self._read(limit=None)
         self._stop_reading()
-        if self._process is None:
-            return
+        if self._process is None or self._dead or self._from_core is None:
+            return  # (no socket: closed meanwhile)
         self._process.join(1)
         if not self._stopped:
             self._core_exited(self._process.exitcode)

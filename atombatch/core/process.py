@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
@@ -185,11 +186,21 @@ class _Receiver:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         self._stopping.set()
         self._thread.join()
 
     def _run(self) -> None:
+        try:
+            self._receive()
+        except Exception:  # the loop sees the thread gone and stops the core
+            log.exception("core.receiver_failed")
+
+    def _receive(self) -> None:
         inbox, put, decode = self.inbox, self.received.put, front_decoder.decode
         while not self._stopping.is_set():
             if not inbox.poll(RECEIVE_POLL_MS):
@@ -204,8 +215,34 @@ class _Receiver:
                     return
                 try:
                     put(decode(frame))
-                except Exception:  # only a front bug sends this: it must not stop the core
+                except Exception as exc:  # only a front bug sends this: it must not stop the core
                     log.exception("core.bad_message", size=len(frame))
+                    refused = _refusal(frame, exc)
+                    if refused is not None:  # else the front would wait for it for good
+                        put(refused)
+
+
+class _Refused:
+    """A `Submit` the receiver could not decode: the request ends with an error."""
+
+    __slots__ = ("error", "request_id")
+
+    def __init__(self, request_id: str, error: str) -> None:
+        self.request_id, self.error = request_id, error
+
+
+def _refusal(frame: bytes, exc: Exception) -> _Refused | None:
+    """The `Submit` a frame that failed to decode was meant to be, if its id can still be read
+    (the front waits for every request it sent to finish); None for anything else."""
+    try:
+        message = msgspec.msgpack.decode(frame)
+    except Exception:
+        return None
+    if isinstance(message, dict) and message.get("type") == "Submit" and \
+            isinstance(message.get("request_id"), str):
+        return _Refused(message["request_id"], f"the engine core could not read the request: "
+                                               f"{exc}")
+    return None
 
 
 class _Events:
@@ -291,6 +328,10 @@ class CoreLoop:
             if wait:
                 self.hand_over()
             self.take(wait)
+            if not self.receiver.running and self.received.empty():
+                # nothing the front sends would reach the loop again: exit (the front sees the
+                # core gone and fails what it holds) rather than serve what is left unheard
+                raise RuntimeError("the engine core's receiver thread stopped")
             if os.getppid() != self.parent_pid:  # the front died: nobody reads our outputs
                 log.warning("core.front_gone", aborted=len(self.live))
                 self.front_gone = True
@@ -401,6 +442,10 @@ class CoreLoop:
                 self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
         elif isinstance(message, SummaryRequest):
             self.send(self.summaries.answer(self.batcher, message))
+        elif isinstance(message, _Refused):  # sent with the next Step, as a refused submit
+            self.errors.append(RequestOutput(request_id=message.request_id, new_token_ids=(),
+                                             finished=True, finish_reason="error",
+                                             error=message.error))
 
     def submit(self, message: Submit) -> None:
         tokens = np.frombuffer(message.prompt, dtype=np.int64)

@@ -64,7 +64,7 @@ from atombatch.serve.chat_output import (
     message_of,
 )
 from atombatch.serve.chat_template import check_template_kwargs
-from atombatch.serve.echo import Echo, echo_logprobs, joined
+from atombatch.serve.echo import MIN_LOGPROB, Echo, echo_logprobs, joined
 from atombatch.serve.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_RESPONSE_BYTES
 from atombatch.serve.metrics import ServerMetrics
 from atombatch.serve.protocol import (
@@ -586,10 +586,10 @@ class _Server:
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
-        return CompletionLogprobs(
-            tokens=tokens, token_logprobs=[lp.logprob for lp in logprobs],
-            top_logprobs=[{self.token_text(t.token_id): t.logprob for t in lp.top}
-                          for lp in logprobs],
+        return CompletionLogprobs(  # -inf (a masked id) is sent as -9999.0, as vLLM does
+            tokens=tokens, token_logprobs=[max(lp.logprob, MIN_LOGPROB) for lp in logprobs],
+            top_logprobs=[{self.token_text(t.token_id): max(t.logprob, MIN_LOGPROB)
+                           for t in lp.top} for lp in logprobs],
             text_offset=offsets)
 
     def prompt_logprobs_json(self, entries: tuple[TokenLogprobs | None, ...] | None,
@@ -606,7 +606,7 @@ class _Server:
             text = texts.get(token)
             if text is None:
                 text = texts[token] = self.token_text(token)
-            return PromptLogprob(logprob=max(logprob, -9999.0), rank=rank, decoded_token=text)
+            return PromptLogprob(logprob=max(logprob, MIN_LOGPROB), rank=rank, decoded_token=text)
 
         out: PromptLogprobsJSON = []
         for lp in entries:
@@ -623,13 +623,14 @@ class _Server:
     def chat_logprobs(self, logprobs: list[TokenLogprobs]) -> ChatLogprobs:
         def top(token: int, logprob: float) -> TopLogprob:
             text = self.token_text(token)
-            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+            return TopLogprob(token=text, logprob=max(logprob, MIN_LOGPROB),
+                              bytes=list(text.encode()))
 
         content = []
         for lp in logprobs:
             text = self.token_text(lp.token_id)
-            content.append(ChatTokenLogprob(
-                token=text, logprob=lp.logprob, bytes=list(text.encode()),
+            content.append(ChatTokenLogprob(  # -inf (a masked id) is sent as -9999.0
+                token=text, logprob=max(lp.logprob, MIN_LOGPROB), bytes=list(text.encode()),
                 top_logprobs=[top(t.token_id, t.logprob) for t in lp.top]))
         return ChatLogprobs(content=content)
 

@@ -58,3 +58,43 @@ def test_a_batcher_whose_steps_split_the_argmax_decodes_the_same_tokens() -> Non
         tokens[threads] = [c.token_ids for c in batcher.generate(prompts, params)]
         assert (batcher._argmax._pool is not None) == (threads > 1)  # the split really ran
     assert tokens[1] == tokens[3] and len(set(map(tuple, tokens[1]))) > 1
+
+
+class _Blocks(np.ndarray):
+    """Logits whose row blocks take their time (np.argmax calls the array's own `argmax`), and
+    whose first block fails: what a failure in one part of the split looks like."""
+
+    finished: list[int] = []
+
+    def argmax(self, axis=None, out=None, **kwargs):  # type: ignore[no-untyped-def, override]
+        import time
+
+        if self[0, 0] == -1.0:
+            raise ValueError("block 0 broke")
+        time.sleep(0.2)
+        result = np.asarray(self).argmax(axis=axis, out=out)
+        _Blocks.finished.append(int(self[0, 0]))
+        return result
+
+
+def test_a_failing_block_still_waits_for_every_other_block() -> None:
+    """The caller reuses `out` right after a failure (the engine's next step): no worker may
+    still be writing it then."""
+    logits = np.zeros((4, 8), dtype=np.float32)
+    logits[:, 0] = [-1.0, 5.0, 6.0, 7.0]             # each block's first logit names it
+    blocks = logits.view(_Blocks)
+    _Blocks.finished = []
+    argmax = RowArgmax(4, min_elements=0)
+    with pytest.raises(ValueError, match="block 0 broke"):
+        argmax(blocks, np.zeros(4, dtype=np.int64))
+    assert sorted(_Blocks.finished) == [5, 6, 7]      # the other three were done by then
+    argmax.close()
+
+
+def test_the_default_counts_the_cores_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A core pinned to two CPUs of a 64-core host (taskset, a cpuset) must not start 4 threads."""
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert auto_threads() == 1 and RowArgmax().threads == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(12)))
+    assert auto_threads() == 4

@@ -1,0 +1,155 @@
+"""The engine core's receiver thread (`atombatch.core.process._Receiver`): what the front sent
+reaches the loop in order, and a frame the core cannot read neither stops the core nor leaves
+the front waiting for a request that will never finish. The loop of `run_core` runs in a thread
+here, over real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from support.engines import numpy_batcher
+
+from atombatch import SamplingParams
+from atombatch.core.messages import Abort, Shutdown, Step, Stopped, Submit, core_decoder, front_encoder
+from atombatch.core.process import CoreLoop, _Sender
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+class Core:
+    """A core loop on a thread, with the front's two sockets."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.ctx = zmq.Context()
+        inbox_address, outbox_address = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
+        self.to_core, self.from_core = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
+        self.to_core.bind(inbox_address)
+        self.from_core.bind(outbox_address)
+        self.inbox, self.outbox = self.ctx.socket(zmq.PULL), self.ctx.socket(zmq.PUSH)
+        self.inbox.connect(inbox_address)
+        self.outbox.connect(outbox_address)
+        self.sender = _Sender(self.outbox)
+        self.loop = CoreLoop(numpy_batcher(), self.inbox, self.sender, os.getppid())
+        self.runner = threading.Thread(target=self.loop.run, daemon=True)
+
+    def send(self, message: Any) -> None:
+        self.to_core.send(front_encoder.encode(message))
+
+        self.tokens: dict[str, list[int]] = {}
+
+    def finished(self, ids: set[str], timeout: float = 30.0) -> dict[str, Any]:
+        """Read the core's Steps until every id in `ids` finished: {id: its final output};
+        the tokens each request got pile up in `tokens`."""
+        done: dict[str, Any] = {}
+        deadline = time.monotonic() + timeout
+        while not ids <= done.keys():
+            assert time.monotonic() < deadline, f"still waiting for {ids - done.keys()}"
+            if not self.from_core.poll(100):
+                continue
+            message = core_decoder.decode(self.from_core.recv())
+            if isinstance(message, Step):
+                for request_id, token in zip(message.ids, np.frombuffer(message.tokens, np.int64),
+                                             strict=True):
+                    self.tokens.setdefault(request_id, []).append(int(token))
+                for out in message.outputs:
+                    self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    if out.finished:
+                        done[out.request_id] = out
+        return done
+
+    def close(self) -> None:
+        self.loop.parent_pid = -1          # stops the loop whatever it holds
+        if self.runner.ident is not None:  # (a test may run the loop itself)
+            self.runner.join(10)
+        self.sender.close()
+        for sock in (self.to_core, self.from_core, self.inbox, self.outbox):
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def core(tmp_path: Path) -> Iterator[Core]:
+    c = Core(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def submit(request_id: str, prompt: list[int], params: Any) -> Submit:
+    return Submit(request_id, np.asarray(prompt, dtype=np.int64).tobytes(), params)
+
+
+def test_an_unreadable_submit_fails_that_request_and_the_core_carries_on(core: Core) -> None:
+    # what a front with a bug could send: bytes that are no message, then a Submit whose
+    # params break a rule the decoder checks (temperature < 0)
+    core.to_core.send(b"\xc1 not msgpack")
+    bad = msgspec.msgpack.encode({"type": "Submit", "request_id": "bad",
+                                  "prompt": np.asarray([5], np.int64).tobytes(),
+                                  "params": {"temperature": -1.0}})
+    core.to_core.send(bad)
+    core.send(submit("good", [5, 6, 7], GREEDY))
+    core.runner.start()
+    done = core.finished({"bad", "good"})
+    assert done["bad"].finish_reason == "error" and "temperature" in (done["bad"].error or "")
+    assert done["good"].finish_reason == "length"
+    [alone] = numpy_batcher().generate([[5, 6, 7]], GREEDY)   # the request run alone
+    assert core.tokens["good"] == list(alone.token_ids) and not core.tokens.get("bad")
+    assert core.runner.is_alive()
+    # the loop still takes messages: a Shutdown stops it cleanly
+    core.send(Shutdown(drain=True))
+    deadline = time.monotonic() + 10
+    stopped = False
+    while not stopped and time.monotonic() < deadline:
+        if core.from_core.poll(100):
+            stopped = isinstance(core_decoder.decode(core.from_core.recv()), Stopped)
+    assert stopped
+    core.runner.join(10)
+    assert not core.runner.is_alive()
+
+
+def test_submit_then_abort_then_submit_apply_in_order(core: Core) -> None:
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    core.send(submit("a", [5, 6, 7], long))
+    core.send(Abort(["a"]))
+    core.send(submit("b", [9, 9, 1], GREEDY))
+    core.runner.start()
+    done = core.finished({"a", "b"})
+    assert done["a"].finish_reason == "abort", done["a"].error
+    assert done["b"].finish_reason == "length"
+    [alone] = numpy_batcher().generate([[9, 9, 1]], GREEDY)
+    assert core.tokens["b"] == list(alone.token_ids) and len(core.tokens.get("a", [])) < 100
+
+
+class _BrokenInbox:
+    """A socket whose poll fails (what a ZeroMQ error other than the context ending looks
+    like to the receiver)."""
+
+    def poll(self, timeout: int) -> int:
+        raise zmq.ZMQError(zmq.EFSM)
+
+
+def test_a_receiver_that_dies_stops_the_core_instead_of_leaving_it_deaf(core: Core) -> None:
+    core.loop.receiver.inbox = _BrokenInbox()
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            core.loop.run()
+        except Exception as exc:
+            failures.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(5)
+    assert not runner.is_alive(), "the loop carried on with nothing to hear the front"
+    assert failures and "receiver" in str(failures[0])
