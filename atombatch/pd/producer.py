@@ -83,6 +83,9 @@ class Producer:
         first = None
         if covered == len(tokens):
             assert logits is not None
+            if not np.isfinite(np.max(logits)):  # a NaN or +inf anywhere, or only -inf
+                raise RequestError(f"prefill returned non-finite logits for {request_id!r}: "
+                                   "the producer has no first token to send")
             first = sample(logits, params, np.random.default_rng(params.seed), spec.eos_token_ids,
                            tokens)
         header = KVHeader(

@@ -287,3 +287,44 @@ def test_producer_killed_mid_stream_fails_only_its_request(zmq_producer):
     assert finals[pd_id].finish_reason == "error", finals[pd_id]
     assert finals[good].completion.token_ids == want[1]
     batcher.check_invariants()
+
+
+def test_a_producer_whose_prefill_returns_nan_fails_that_request_alone():
+    """A NaN in the producer's last prefill row would have become a first token (its argmax);
+    the producer refuses to send one, the decoder fails that request, the other decodes on."""
+    from atombatch.errors import RequestError
+
+    spec = SPECS[next(iter(SPECS))]
+    producer = producer_for(spec)
+    real = producer.runtime.prefill
+    poison = {"on": False}
+
+    def prefill(inputs, **kwargs):
+        out = real(inputs, **kwargs)
+        if poison["on"]:
+            out = np.array(out, dtype=np.float32, copy=True)
+            out.reshape(-1)[5] = np.nan
+        return out
+
+    producer.runtime.prefill = prefill
+    work = prompts(2)
+    poison["on"] = True
+    with pytest.raises(RequestError, match="non-finite logits"):
+        producer.produce("direct", work[0], PARAMS)
+    art = next(iter(decoder_layouts(spec).values()))
+    batcher = Batcher(NumpyRuntime.random(art, SEED))
+    bad = batcher.submit(work[0], PARAMS, kv=InProcessSource.from_producer(
+        producer, "bad", work[0], PARAMS))
+    outs = []
+    while batcher.has_unfinished() and len(outs) < 1:  # the bad request's source runs first
+        outs += [o for o in batcher.step() if o.finished]
+    poison["on"] = False
+    good = batcher.submit(work[1], PARAMS, kv=InProcessSource.from_producer(
+        producer, "good", work[1], PARAMS))
+    while batcher.has_unfinished():
+        outs += [o for o in batcher.step() if o.finished]
+    finals = {o.request_id: o for o in outs}
+    assert finals[bad].finish_reason == "error" and "non-finite" in finals[bad].error
+    assert finals[good].completion.token_ids == tuple(native(spec, [work[1]], art)[0])
+    assert batcher.stats().free_blocks + batcher.stats().spare_blocks + \
+        batcher.stats().cached_blocks == art.num_blocks
