@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from driving import run_to_end
 from fakerebel.compiler import compile_dir
 from hf_models import SLIDING_WINDOW, build_model, hf_logits, save_checkpoint
 from hypothesis import HealthCheck, Phase, event, given, settings
@@ -404,19 +405,10 @@ def test_a_pending_restore_leaves_with_its_request():
     assert rid not in [r.request_id for r in kv.checkpoints.lanes.values()]
     assert hit.lanes == lanes - 1        # the lane let go of it, and registered nothing
     scheduler.check_invariants()
-    got = list(run_all(batcher)[rid].completion.token_ids)   # re-admitted: restored for real
+    got = list(run_to_end(batcher)[rid].completion.token_ids)   # re-admitted: restored for real
     assert got == reference(prompt + [5, 6, 7], 4, 97, 5)
     check_checkpoints(batcher, live=False)
 
-
-def run_all(batcher):
-    finals = {}
-    while batcher.has_unfinished():
-        for out in batcher.step():
-            if out.finished:
-                finals[out.request_id] = out
-        batcher.check_invariants()
-    return finals
 
 
 def test_bfloat16_device_caches_give_the_tokens_of_no_cache(fake_rebel, tmp_path, gemma):

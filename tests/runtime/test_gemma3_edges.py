@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from driving import run_to_end
 from support.numerics import greedy_reference
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
@@ -48,11 +49,6 @@ def test_gemma3_matches_transformers_at_window_and_context_edges(gemma3_case, la
     batcher = Batcher(NumpyRuntime.from_pretrained(path, artifact=art))
     done = [batcher.submit(prompt, SamplingParams(temperature=0.0, max_tokens=len(want), ignore_eos=True))
             for prompt, want in cases]
-    finals = {}
-    while batcher.has_unfinished():
-        for out in batcher.step():
-            if out.finished:
-                finals[out.request_id] = out
-        batcher.check_invariants()
+    finals = run_to_end(batcher)
     for request_id, (_, want) in zip(done, cases, strict=True):
         assert list(finals[request_id].completion.token_ids) == want
