@@ -40,15 +40,18 @@ from atombatch.config import ArtifactConfig
 from atombatch.core.messages import (
     Abort,
     Failed,
+    Hello,
     Ready,
     Shutdown,
     Step,
     Stopped,
     Submit,
     core_decoder,
+    front_encoder,
 )
 from atombatch.core.pd import PDFront, PDOptions, pd_eligible
 from atombatch.core.process import SOCKET_DIR_PREFIX, run_core
+from atombatch.core.shared import HELLO_INTERVAL, CorePeer, SharedCore, endpoints
 from atombatch.engine import Batcher, EngineStats, KVSource
 from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
 from atombatch.logs import logger
@@ -99,15 +102,21 @@ class CoreClient(PDFront, OutputStreams):
             without being asked to.
         pd: PD through the core (atombatch/core/pd.py): the core holds the producer pool and
             every eligible request takes its KV from a producer.
+        shared: connect to a core that several fronts share (atombatch/core/shared.py) instead
+            of spawning one; `factory` is then unused (None). Closing the client leaves that
+            core running (its launcher stops it).
     """
 
-    def __init__(self, factory: Callable[[], Batcher], *, startup_timeout: float = 600.0,
+    def __init__(self, factory: Callable[[], Batcher] | None, *, startup_timeout: float = 600.0,
                  max_unclaimed: int = DEFAULT_MAX_UNCLAIMED,
                  max_unclaimed_bytes: int = DEFAULT_MAX_UNCLAIMED_BYTES,
                  stream_interval: int = 1,
                  on_core_exit: Callable[[int | None], None] | None = None,
-                 pd: PDOptions | None = None) -> None:
+                 pd: PDOptions | None = None, shared: SharedCore | None = None) -> None:
         super().__init__(max_unclaimed, max_unclaimed_bytes, stream_interval)
+        if factory is None and shared is None:
+            raise ConfigError("CoreClient needs a factory (or shared=SharedCore(...))")
+        self.shared = shared
         self.pd_options = pd
         self.factory = factory
         self.startup_timeout = startup_timeout
@@ -139,6 +148,12 @@ class CoreClient(PDFront, OutputStreams):
         """
         if self.ready is not None:
             return self.ready
+        if self.shared is not None:
+            try:
+                return self._connect_shared(self.shared)
+            except BaseException:
+                self._cleanup()
+                raise
         self._dir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
         self._leftovers = _Leftovers(self._dir)
         weakref.finalize(self, self._leftovers.release)
@@ -147,6 +162,37 @@ class CoreClient(PDFront, OutputStreams):
         except BaseException:  # a failed spawn, a timeout, Ctrl-C while the engine builds
             self._kill()
             raise
+
+    def _connect_shared(self, shared: SharedCore) -> Ready:
+        """Connect to this front's pair of a shared core and say Hello until it answers."""
+        to_core, from_core = endpoints(shared.directory, shared.front)
+        self._process = CorePeer(shared.core_pid)
+        self._ctx = zmq.Context()
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._to_core.setsockopt(zmq.LINGER, 0)
+        self._to_core.connect(to_core)
+        self._from_core = self._ctx.socket(zmq.PULL)
+        self._from_core.setsockopt(zmq.LINGER, 0)
+        self._from_core.connect(from_core)
+        hello = front_encoder.encode(Hello(front=shared.front, pid=os.getpid()))
+        waited = 0.0
+        while True:
+            self._to_core.send(hello)
+            if self._from_core.poll(int(HELLO_INTERVAL * 1000)):
+                message = core_decoder.decode(self._from_core.recv())
+                if isinstance(message, Ready):
+                    break
+                continue  # (nothing else is sent to a front before its Ready)
+            waited += HELLO_INTERVAL
+            if not self._process.is_alive():
+                raise ConfigError(f"the engine core (pid {shared.core_pid}) exited")
+            if waited > self.startup_timeout:
+                raise ConfigError(f"the engine core did not answer within "
+                                  f"startup_timeout={self.startup_timeout:g} s")
+        self.ready = message
+        self._stats = message.stats
+        log.info("core.ready", pid=message.pid, front=shared.front, fronts=shared.fronts)
+        return message
 
     def _start_process(self, directory: str, leftovers: _Leftovers) -> Ready:
         to_core, from_core = (f"ipc://{os.path.join(directory, name)}" for name in ("in", "out"))
@@ -231,12 +277,14 @@ class CoreClient(PDFront, OutputStreams):
             # the loop delivers the last outputs, then reads Stopped
             while self._reading and not self._stopped:
                 await asyncio.sleep(0.01)
-            await asyncio.to_thread(self._process.join, 30)
+            if self.shared is None:  # a shared core serves on: its launcher stops it
+                await asyncio.to_thread(self._process.join, 30)
         self._stop_reading()
         self._kill()
 
     def _kill(self) -> None:
-        if self._process is not None and self._process.is_alive():
+        """End the core this client spawned (a shared core is left to its launcher)."""
+        if self._process is not None and self.shared is None and self._process.is_alive():
             self._process.terminate()
             self._process.join(5)
             if self._process.is_alive():
@@ -253,6 +301,8 @@ class CoreClient(PDFront, OutputStreams):
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        if isinstance(self._process, CorePeer):
+            self._process.close()
         if self._leftovers is not None:
             self._leftovers.release()
         self._dir = None
@@ -323,6 +373,9 @@ class CoreClient(PDFront, OutputStreams):
         tokens = validate_request(ready.rules, prompt, params, "the engine core")
         if ready.max_waiting is not None:
             limit = ready.rules.artifact.batch_size + ready.max_waiting
+            if self.shared is not None:  # this front's share of the core's queue
+                limit = self.shared.choice_limit(ready.rules.artifact.batch_size,
+                                                 ready.max_waiting)
             if self._in_flight_choices + params.n > limit:
                 waiting = max(0, self._in_flight_choices - ready.rules.artifact.batch_size)
                 raise CapacityError(f"queue is full: {waiting} requests wait, "

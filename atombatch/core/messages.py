@@ -1,7 +1,8 @@
 """What the front and the engine core say to each other (msgpack, one message per frame).
 
 Front to core: `Submit` (a validated request), `Abort` (ids), `Shutdown`. Core to front: `Ready`
-(or `Failed`) once at startup, then one `Step` per engine step that produced anything, and
+(or `Failed`) once at startup (a core shared by several fronts answers each front's `Hello`
+with it instead: atombatch/core/shared.py), then one `Step` per engine step that produced anything, and
 `Stopped` last. A `Step` carries the step's plain decode tokens (requests that are simply decoding
 on) as two parallel values, `ids` and the int64 bytes of `tokens`, and every other output (first
 tokens, finishes, errors, logprobs, n > 1 choices, text of stop-string requests) as a
@@ -29,6 +30,13 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     params: SamplingParams
     pd: bool = False               # take the prompt's KV from a PD producer (the front checked
                                    #   `pd_eligible`); the core prefills itself with none up
+
+
+class Hello(msgspec.Struct, frozen=True, tag=True):
+    """A front of a shared core (`--api-server-count N`) says it is up: the core answers `Ready`
+    (sent again until it does), watches `pid` and aborts the front's requests when it exits."""
+    front: int                     # its index among the core's fronts, 0..N-1
+    pid: int
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -94,7 +102,7 @@ class Summary(msgspec.Struct, frozen=True, tag=True):
     summary: CacheSummary | None   # None: the engine has no prefix cache (or the request was bad)
 
 
-FrontMessage = Submit | Abort | Shutdown | Producers | ProducerVerdicts | SummaryRequest
+FrontMessage = Submit | Abort | Shutdown | Hello | Producers | ProducerVerdicts | SummaryRequest
 CoreMessage = Ready | Failed | Step | Stopped | Summary
 
 front_encoder = msgspec.msgpack.Encoder()

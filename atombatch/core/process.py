@@ -45,6 +45,7 @@ from atombatch.aio import fail_all
 from atombatch.core.messages import (
     Abort,
     Failed,
+    Hello,
     Producers,
     ProducerVerdicts,
     Ready,
@@ -128,10 +129,15 @@ class _Sender:
     `put` takes a finished message or a `_PlainRows` to build a `Step` from; `close` sends what
     is queued, then stops the thread. A send that fails (the front is gone) is logged once; the
     loop finds out from its parent check.
+
+    A shared core's sender has one outbox per front and the loop's `routes`: a `To` goes to its
+    front, a `Step` is split by the front of each id (every front gets the step's stats), and
+    anything else goes to every front (atombatch/core/shared.py).
     """
 
-    def __init__(self, outbox: Any) -> None:
+    def __init__(self, outbox: Any, routes: dict[str, int] | None = None) -> None:
         self.outbox = outbox
+        self.routes = routes
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._failed = False
         self._thread = threading.Thread(target=self._run, name="atombatch-core-sender",
@@ -146,6 +152,10 @@ class _Sender:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        if self.routes is not None:
+            from atombatch.core.shared import send_routed
+            send_routed(self._queue, self.outbox, self.routes)
+            return
         encode, send = core_encoder.encode, self.outbox.send
         while True:
             message = self._queue.get()
@@ -173,15 +183,21 @@ class _Receiver:
     happens while the loop is in a device call (which releases the interpreter lock) instead of
     between two device calls. The loop reads the decoded messages from `received`, in order.
 
-    The inbox socket is this thread's alone from `start` until `stop` returns.
+    With a list of inboxes (a shared core: one per front, atombatch/core/shared.py) every
+    message arrives as `(front, message)`, a front's `Hello` makes the thread watch its process
+    (a pidfd in the same poll), and a watched front that exits arrives as `FrontGone(front)`.
+
+    The inbox sockets are this thread's alone from `start` until `stop` returns.
     """
 
     def __init__(self, inbox: Any) -> None:
-        self.inbox = inbox
+        self.tagged = isinstance(inbox, list | tuple)
+        self.inboxes: list[Any] = list(inbox) if self.tagged else [inbox]
         self.received: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="atombatch-core-receiver",
                                         daemon=True)
+        self._watched: dict[int, tuple[int, int]] = {}   # pidfd -> (front, pid)
 
     def start(self) -> None:
         self._thread.start()
@@ -199,27 +215,78 @@ class _Receiver:
             self._receive()
         except Exception:  # the loop sees the thread gone and stops the core
             log.exception("core.receiver_failed")
+        finally:
+            for fd in self._watched:
+                os.close(fd)
+            self._watched.clear()
 
     def _receive(self) -> None:
-        inbox, put, decode = self.inbox, self.received.put, front_decoder.decode
+        put, decode, tagged = self.received.put, front_decoder.decode, self.tagged
+        poller = zmq.Poller()
+        index = {}
+        for front, inbox in enumerate(self.inboxes):
+            poller.register(inbox, zmq.POLLIN)
+            index[inbox] = front
         while not self._stopping.is_set():
-            if not inbox.poll(RECEIVE_POLL_MS):
-                continue
-            while True:
-                try:
-                    frame = inbox.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                except zmq.ZMQError as exc:  # the context is ending
-                    log.warning("core.receive_failed", error=str(exc))
-                    return
-                try:
-                    put(decode(frame))
-                except Exception as exc:  # only a front bug sends this: it must not stop the core
-                    log.exception("core.bad_message", size=len(frame))
-                    refused = _refusal(frame, exc)
-                    if refused is not None:  # else the front would wait for it for good
-                        put(refused)
+            for source, _ in poller.poll(RECEIVE_POLL_MS):
+                if isinstance(source, int):  # a watched front's process exited
+                    front, _pid = self._watched.pop(source)
+                    poller.unregister(source)
+                    os.close(source)
+                    put(FrontGone(front))
+                    continue
+                front = index[source]
+                while True:
+                    try:
+                        frame = source.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except zmq.ZMQError as exc:  # the context is ending
+                        log.warning("core.receive_failed", error=str(exc))
+                        return
+                    try:
+                        message = decode(frame)
+                    except Exception as exc:  # only a front bug sends this: it must not stop
+                        log.exception("core.bad_message", size=len(frame))
+                        refused = _refusal(frame, exc)
+                        if refused is not None:  # else the front would wait for it for good
+                            put((front, refused) if tagged else refused)
+                        continue
+                    if tagged:
+                        if isinstance(message, Hello):
+                            self._watch(poller, front, message.pid)
+                        put((front, message))
+                    else:
+                        put(message)
+
+    def _watch(self, poller: Any, front: int, pid: int) -> None:
+        """Watch front `front`'s process `pid` (its `Hello`; a restarted front says it again)."""
+        for fd, (watched_front, watched_pid) in list(self._watched.items()):
+            if watched_front == front:
+                if watched_pid == pid:
+                    return  # a repeated Hello
+                # its predecessor (gone, or about to be): what it submitted is aborted before
+                # the new front's first message (it says Hello before it submits anything)
+                poller.unregister(fd)
+                os.close(fd)
+                del self._watched[fd]
+                self.received.put(FrontGone(front))
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:  # already gone
+            self.received.put(FrontGone(front))
+            return
+        self._watched[fd] = (front, pid)
+        poller.register(fd, zmq.POLLIN)
+
+
+class FrontGone:
+    """A shared core's front `front` exited: its requests are aborted."""
+
+    __slots__ = ("front",)
+
+    def __init__(self, front: int) -> None:
+        self.front = front
 
 
 class _Refused:
@@ -243,6 +310,15 @@ def _refusal(frame: bytes, exc: Exception) -> _Refused | None:
         return _Refused(message["request_id"], f"the engine core could not read the request: "
                                                f"{exc}")
     return None
+
+
+class To:
+    """A message for one front of a shared core only."""
+
+    __slots__ = ("front", "message")
+
+    def __init__(self, front: int, message: Any) -> None:
+        self.front, self.message = front, message
 
 
 class _Events:
@@ -278,11 +354,15 @@ class _PlainRows:
 class CoreLoop:
     """Step a `Batcher` while taking the front's messages between steps.
 
-    `outbox` is anything with `put(message)`: the `_Sender` in the core process.
+    `outbox` is anything with `put(message)`: the `_Sender` in the core process. With `routes`
+    (a shared core: `inbox` is a list of sockets, one per front) the loop records which front
+    submitted each request there, answers each front on its own (`To`) and lets a front leave
+    (its `Shutdown`) or vanish (`FrontGone`) while the others go on; the sender routes each
+    Step's rows by `routes` (atombatch/core/shared.py).
     """
 
     def __init__(self, batcher: Batcher, inbox: Any, outbox: Any, parent_pid: int,
-                 pd: CorePD | None = None) -> None:
+                 pd: CorePD | None = None, routes: dict[str, int] | None = None) -> None:
         self.batcher = batcher
         self.pd = pd                          # the producer pool (PD on), else None
         self.summaries = CoreSummaries()
@@ -298,6 +378,17 @@ class CoreLoop:
         self.stopping: Shutdown | None = None
         self.front_gone = False                # run() returned because the front died
         self.stats_at = 0.0
+        self.routes = routes                   # request id -> its front (a shared core only;
+                                               #   the sender removes a finished id)
+        self.leaving: dict[int, bool] = {}     # fronts that said Shutdown (shared core)
+        self.reported_max_waiting = batcher.max_waiting   # what Ready says
+
+    def ready(self) -> Ready:
+        """What a front validates requests against (sent once it is up)."""
+        batcher = self.batcher
+        return Ready(rules=batcher.rules(), policy=batcher.policy.label,
+                     max_waiting=self.reported_max_waiting, stats=batcher.stats(),
+                     pid=os.getpid())
 
     def hand_over(self) -> None:
         """Give the sender the messages held so far (at a device call, or before waiting)."""
@@ -338,6 +429,8 @@ class CoreLoop:
                 for request_id in list(self.live):
                     batcher.abort(request_id)
                 return
+            if self.leaving:
+                self._let_leave()
             if self.stopping is not None and not batcher.has_unfinished():
                 self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
                 self.send(Stopped())
@@ -419,35 +512,93 @@ class CoreLoop:
             except queue.Empty:
                 return
         while True:
-            self.apply(message)
+            if type(message) is tuple:  # (front, message): a shared core
+                self.apply(message[1], message[0])
+            else:
+                self.apply(message)
             if received.empty():
                 return
             message = received.get()
 
-    def apply(self, message: Any) -> None:
-        """Carry out one message of the front."""
+    def apply(self, message: Any, front: int = 0) -> None:
+        """Carry out one message of the front (of front `front`, a shared core's)."""
+        routes = self.routes
         if isinstance(message, Submit):
-            self.submit(message)
+            self.submit(message, front)
         elif isinstance(message, Abort):
             for request_id in message.request_ids:
-                self.batcher.abort(request_id)
+                if routes is None or routes.get(request_id) == front:  # its own requests only
+                    self.batcher.abort(request_id)
         elif isinstance(message, Shutdown):
+            if routes is not None:  # one front leaves; the core serves the others
+                self.leaving[front] = message.drain
+                if not message.drain:
+                    self._abort_front(front)
+                return
             self.stopping = message
             if not message.drain:
                 for request_id in list(self.live):
                     self.batcher.abort(request_id)
+        elif isinstance(message, Hello):
+            self.leaving.pop(front, None)
+            self.send(To(front, self.ready()))
+        elif isinstance(message, FrontGone):
+            log.warning("core.front_gone", front=message.front)
+            self.leaving.pop(message.front, None)
+            self._abort_front(message.front)
         elif isinstance(message, Producers | ProducerVerdicts):
             if self.pd is not None:  # answered with the pool's new state
                 self.pd.apply(message)
                 self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
         elif isinstance(message, SummaryRequest):
-            self.send(self.summaries.answer(self.batcher, message))
+            summary = self.summaries.answer(self.batcher, message)
+            self.send(summary if routes is None else To(front, summary))
         elif isinstance(message, _Refused):  # sent with the next Step, as a refused submit
-            self.errors.append(RequestOutput(request_id=message.request_id, new_token_ids=(),
-                                             finished=True, finish_reason="error",
-                                             error=message.error))
+            error = RequestOutput(request_id=message.request_id, new_token_ids=(),
+                                  finished=True, finish_reason="error", error=message.error)
+            if routes is None:
+                self.errors.append(error)
+            else:
+                self._refuse(front, error)
 
-    def submit(self, message: Submit) -> None:
+    def _refuse(self, front: int, error: RequestOutput) -> None:
+        """A shared core's answer to a submit it did not take, to the front that sent it."""
+        self.send(To(front, Step(ids=[], tokens=b"", outputs=[error])))
+
+    def _abort_front(self, front: int) -> None:
+        """Abort every request front `front` submitted (it left without draining, or died)."""
+        routes = self.routes
+        assert routes is not None
+        mine = [request_id for request_id in self.live if routes.get(request_id) == front]
+        for request_id in mine:
+            self.batcher.abort(request_id)
+        if mine:
+            log.warning("core.front_aborted", front=front, aborted=len(mine))
+
+    def _let_leave(self) -> None:
+        """Fronts that said Shutdown and have nothing left in flight get their final stats and
+        `Stopped`."""
+        routes = self.routes
+        assert routes is not None
+        busy = {routes.get(request_id) for request_id in self.live}
+        for front in [front for front in self.leaving if front not in busy]:
+            del self.leaving[front]
+            stats = self.batcher.stats()
+            self.send(To(front, Step(ids=[], tokens=b"", outputs=[], stats=stats,
+                                     pd=self._pd_stats(stats))))
+            self.send(To(front, Stopped()))
+
+    def submit(self, message: Submit, front: int = 0) -> None:
+        routes = self.routes
+        if routes is not None:
+            request_id = message.request_id
+            if request_id in self.live or request_id in routes:  # another front's, maybe
+                self._refuse(front, RequestOutput(
+                    request_id=request_id, new_token_ids=(), finished=True,
+                    finish_reason="error", error=f"request id {request_id!r} is already in "
+                                                 "flight in this engine core"))
+                return
+            routes[request_id] = front  # before any output of it can exist (errors included)
         tokens = np.frombuffer(message.prompt, dtype=np.int64)
         kv = None
         try:

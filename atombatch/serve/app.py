@@ -31,6 +31,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import os
 import re
 import time
 import uuid
@@ -354,7 +355,8 @@ class _Server:
             self.artifact.model.eos_token_ids, max_structured_chars)
         self.constraints = ChatConstraints(self.structured.grammars, reasoning_parser,
                                            getattr(codec, "tokenizer", None))
-        self.metrics = ServerMetrics(ab.stats, self.artifact.batch_size)
+        self.metrics = ServerMetrics(ab.stats, self.artifact.batch_size,
+                                     shared=getattr(ab, "shared", None))
         self.accepting = False
         self.created = int(time.time())
 
@@ -1107,10 +1109,18 @@ class _Server:
                 "tokenizer": self.codec.name,
                 "chat_template": getattr(self.codec, "chat_template_name", "unknown"),
                 "strict_protocol": self.strict_protocol,
-                "engine_core": ({"mode": "process", "pid": self.ab.core_pid}
-                                if isinstance(self.ab, CoreClient) else {"mode": "inline"})}
+                "engine_core": self._engine_core_card()}
         return ModelCard(id=self.model_name, created=self.created, owned_by="atombatch",
                          atombatch=info, max_model_len=art.max_seq_len, root=self.model_name)
+
+    def _engine_core_card(self) -> dict[str, Any]:
+        if not isinstance(self.ab, CoreClient):
+            return {"mode": "inline"}
+        card: dict[str, Any] = {"mode": "process", "pid": self.ab.core_pid}
+        shared = self.ab.shared
+        if shared is not None:  # one of several fronts on the core (--api-server-count)
+            card.update(front=shared.front, fronts=shared.fronts, front_pid=os.getpid())
+        return card
 
     async def models(self, request: Request) -> Response:
         return _json(ModelList(data=[self.model_card()]))

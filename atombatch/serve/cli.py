@@ -201,6 +201,11 @@ def parser() -> argparse.ArgumentParser:
                    help="process: the engine steps in its own process and this one serves HTTP, "
                    "tokenizes and streams (default; docs/architecture.md); inline: both share "
                    "one interpreter (an AsyncBatcher)")
+    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="front processes (HTTP, tokenization, streaming) sharing one engine core "
+                   "and the listening socket; a front that dies is started again, its requests "
+                   "aborted in the core (default 1; N > 1 needs --engine-core process; "
+                   "docs/architecture.md)")
     p.add_argument("--pd-producer", action="append", metavar="ENDPOINT",
                    help="prefill/decode disaggregation: take prompts' KV from the "
                    "ZmqProducerServer at this ZeroMQ endpoint (tcp://HOST:PORT or ipc:///PATH; "
@@ -486,12 +491,19 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     try:
+        if args.api_server_count != 1:
+            from atombatch.serve.launcher import launch
+            return launch(args, sock)
         return _serve(args, sock)
     finally:
         sock.close()
 
 
-def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
+def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
+           started: Any = None) -> int:
+    """Serve on `sock` until stopped. With `shared` (a `SharedCore`) this process is one front
+    of a shared engine core (atombatch/serve/launcher.py): it connects to it instead of
+    spawning one, and sets the `started` event once it listens."""
     engine: Any
     try:
         if args.engine_core == "process":
@@ -499,8 +511,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
 
             from atombatch.core import CoreClient
             codec = codec_from_args(args, _model_dir(args))
-            engine = CoreClient(functools.partial(core_batcher, args),
-                                stream_interval=args.stream_interval, pd=pd_options(args))
+            factory = None if shared is not None else functools.partial(core_batcher, args)
+            engine = CoreClient(factory, stream_interval=args.stream_interval,
+                                pd=pd_options(args), shared=shared)
             ready = engine.start_process()
             name = args.served_model_name or ready.rules.artifact.model.name
             art, policy = ready.rules.artifact, ready.policy
@@ -555,6 +568,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     banner = (f"atombatch.serve: {art.label} ({args.runtime}, policy {policy}, "
               f"tokenizer {'tokenizers' if codec else 'ids'}, chat template {template}, "
               f"engine core {args.engine_core}"
+              f"{f', front {shared.front + 1}/{shared.fronts}' if shared is not None else ''}"
               f"{f', PD producers {len(args.pd_producer)}' if args.pd_producer else ''}"
               f"{', strict protocol' if args.strict_protocol else ''}"
               f"{', api key' if args.api_key else ''}"
@@ -568,6 +582,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
             await super().startup(sockets)
             if self.started:  # bound, listening, and the engine's loop runs
                 print(banner, file=sys.stderr, flush=True)
+                if started is not None:
+                    started.set()
 
     # timeout_graceful_shutdown=None: on SIGINT/SIGTERM uvicorn stops accepting and waits for
     # in-flight streams; then the lifespan drains the engine (close(drain=True)).

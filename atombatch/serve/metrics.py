@@ -31,10 +31,14 @@ objects cost there) and exposed in the same shape when scraped.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -45,6 +49,12 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from atombatch.engine import EngineStats
+from atombatch.logs import logger
+from atombatch.serve.metrics_merge import sum_metrics
+
+log = logger("atombatch.serve")
+
+FRONT_WRITE_INTERVAL = 1.0   # seconds between a shared core's front writing its HTTP metrics
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                     20.0, 40.0, 60.0, 120.0, 180.0, 300.0, 600.0)
@@ -138,12 +148,69 @@ class _GapHistogram(Collector):
         yield family
 
 
-class ServerMetrics:
-    """The metric objects of one app, registered in `self.registry`."""
+class _FrontFamilies(Collector):
+    """The HTTP metrics of this front; with a shared core (`--api-server-count N`), summed over
+    every front: each front writes its own to `metrics-<front>.prom` in the core's directory
+    (every `FRONT_WRITE_INTERVAL` seconds and at each scrape) and a scrape adds the others' last
+    files to its own live values (so another front's share is at most that old)."""
 
-    def __init__(self, stats: Callable[[], EngineStats], lanes: int) -> None:
-        self.registry = registry = CollectorRegistry(auto_describe=True)
-        registry.register(_EngineCollector(stats, lanes))
+    def __init__(self, registry: CollectorRegistry, shared: Any = None) -> None:
+        self.registry = registry
+        self.shared = shared
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self.registry.collect()
+
+    def write(self) -> bytes:
+        """This front's HTTP metrics as exposition text, also written to its file (atomically)."""
+        text = bytes(generate_latest(self.registry))
+        if self.shared is not None:
+            path = front_metrics_path(self.shared.directory, self.shared.front)
+            with contextlib.suppress(OSError):  # the directory went with the launcher
+                with open(f"{path}.tmp", "wb") as handle:
+                    handle.write(text)
+                os.replace(f"{path}.tmp", path)
+        return text
+
+    def collect(self) -> Iterator[Metric]:
+        if self.shared is None:
+            yield from self.registry.collect()
+            return
+        texts: list[bytes | str] = [self.write()]
+        for front in range(self.shared.fronts):
+            if front != self.shared.front:
+                path = front_metrics_path(self.shared.directory, front)
+                with contextlib.suppress(OSError), open(path, "rb") as handle:  # (not up yet)
+                    texts.append(handle.read())
+        yield from sum_metrics(texts)
+
+    def write_every(self, interval: float) -> None:
+        """Write this front's file every `interval` seconds, from a daemon thread."""
+        def run() -> None:
+            while True:
+                time.sleep(interval)
+                try:
+                    self.write()
+                except Exception:  # a metrics bug must not end the front
+                    log.exception("metrics.write_failed")
+
+        threading.Thread(target=run, name="atombatch-front-metrics", daemon=True).start()
+
+
+def front_metrics_path(directory: str, front: int) -> str:
+    return os.path.join(directory, f"metrics-{front}.prom")
+
+
+class ServerMetrics:
+    """The metric objects of one app, registered in `self.registry`; with `shared` (a
+    `SharedCore`: this front is one of several on one engine core) the HTTP metrics are the sum
+    over every front (`_FrontFamilies`) and the engine's are the core's, as every front sees
+    them."""
+
+    def __init__(self, stats: Callable[[], EngineStats], lanes: int, shared: Any = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(stats, lanes))
+        self.front_registry = registry = CollectorRegistry(auto_describe=True)
         self.in_flight = Gauge("atombatch_requests_in_flight",
                                "HTTP generation requests being served.", registry=registry)
         self.finished = Counter("atombatch_requests_finished", "HTTP requests by finish reason.",
@@ -171,3 +238,7 @@ class ServerMetrics:
         self.e2e = Histogram("atombatch_e2e_request_latency_seconds",
                              "Request accepted -> finished.", buckets=_LATENCY_BUCKETS,
                              registry=registry)
+        self.fronts = _FrontFamilies(registry, shared)
+        self.registry.register(self.fronts)
+        if shared is not None:
+            self.fronts.write_every(FRONT_WRITE_INTERVAL)

@@ -130,16 +130,15 @@ def test_submit_then_abort_then_submit_apply_in_order(core: Core) -> None:
     assert core.tokens["b"] == list(alone.token_ids) and len(core.tokens.get("a", [])) < 100
 
 
-class _BrokenInbox:
-    """A socket whose poll fails (what a ZeroMQ error other than the context ending looks
-    like to the receiver)."""
-
-    def poll(self, timeout: int) -> int:
-        raise zmq.ZMQError(zmq.EFSM)
+def _broken_poll(self: Any, timeout: int | None = None) -> list[Any]:
+    """A poll that fails (what a ZeroMQ error other than the context ending looks like to the
+    receiver)."""
+    raise zmq.ZMQError(zmq.EFSM)
 
 
-def test_a_receiver_that_dies_stops_the_core_instead_of_leaving_it_deaf(core: Core) -> None:
-    core.loop.receiver.inbox = _BrokenInbox()
+def test_a_receiver_that_dies_stops_the_core_instead_of_leaving_it_deaf(
+        core: Core, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(zmq.Poller, "poll", _broken_poll)  # the receiver's poll only
     failures: list[BaseException] = []
 
     def run() -> None:

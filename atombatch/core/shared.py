@@ -1,0 +1,225 @@
+"""One engine core, several fronts: `python -m atombatch.serve --api-server-count N`.
+
+A single front's Python per request (HTTP parsing, validation, templates, detokenization, SSE)
+bounds what one interpreter can stream; with N fronts that work runs on N cores while one core
+process steps the device. The launcher (atombatch/serve/launcher.py) binds the listening socket,
+starts the core with `run_shared_core`, and then N front processes that accept on that socket.
+
+The wire is the single front's (atombatch/core/messages.py) with three differences:
+
+* The core binds one pair of IPC endpoints per front (`endpoints(directory, front)`) and each
+  front connects to its pair, so a front that dies can be started again on the same pair.
+* A front says `Hello(front, pid)` (again every `HELLO_INTERVAL` until answered) and the core
+  answers `Ready` on that front's pair. The core watches the pid (a pidfd in its receiver's poll)
+  and, when the front exits, aborts every request that front submitted; the others go on.
+* The core remembers which front submitted each request id (`routes`, filled by the loop when a
+  `Submit` arrives, emptied by the sender when the request's final output is routed) and the
+  sender splits each `Step` by it: each front gets its own requests' tokens and outputs, and
+  every front gets the step's engine stats. An id already in flight from any front is refused
+  (`finish_reason="error"`). A front's `Shutdown` lets that front leave (it gets `Stopped` once
+  its own requests are done); the core stops when the launcher stops it or exits.
+
+Sends to a front never block the sender: a front that is gone (or not yet connected) drops what
+was meant for it (`zmq.Again` on a bound PUSH without a peer; the high-water mark is off, so a
+live but slow front is never dropped). The queue bound (lanes + `max_waiting` choices) is split
+evenly: each front admits `ceil((lanes + max_waiting) / N)` choices in flight.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import select
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from atombatch.core.messages import Failed, Step, core_encoder
+from atombatch.core.pd import CorePD, PDOptions
+from atombatch.engine import Batcher, log_events
+from atombatch.errors import ConfigError
+from atombatch.logs import logger
+
+log = logger("atombatch.core")
+
+HELLO_INTERVAL = 0.2   # seconds between a front's Hellos until the core answers
+
+
+class SharedCore(msgspec.Struct, frozen=True):
+    """Where a front finds the core it shares (given to `CoreClient(shared=...)`)."""
+
+    directory: str      # the core's IPC endpoints (`endpoints`)
+    fronts: int         # N: how many fronts share it
+    front: int          # this front's index, 0..N-1
+    core_pid: int       # watched: the core exiting fails what is in flight (and answers 503)
+
+    def choice_limit(self, lanes: int, max_waiting: int) -> int:
+        """The choices this front may have in flight: its share of lanes + max_waiting."""
+        return math.ceil((lanes + max_waiting) / self.fronts)
+
+
+def endpoints(directory: str, front: int) -> tuple[str, str]:
+    """(to the core, from the core) of front `front`."""
+    return (f"ipc://{os.path.join(directory, f'in-{front}')}",
+            f"ipc://{os.path.join(directory, f'out-{front}')}")
+
+
+def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int, parent_pid: int,
+                    report: Any, pd: PDOptions | None = None) -> None:
+    """The shared core process's main function: bind every front's pair, build the engine, send
+    the launcher `Ready` or `Failed` (msgpack bytes on the `report` pipe), then run the loop
+    until the launcher stops it or exits."""
+    from atombatch.core.process import CoreLoop, _Sender  # (process.py imports this module)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides (drain, then stop)
+    ctx = zmq.Context()
+    inboxes, outboxes = [], []
+    core_pd: CorePD | None = None
+    try:
+        for front in range(fronts):
+            to_core, from_core = endpoints(directory, front)
+            inbox = ctx.socket(zmq.PULL)
+            inbox.bind(to_core)
+            outbox = ctx.socket(zmq.PUSH)
+            outbox.setsockopt(zmq.SNDHWM, 0)   # a slow front is never dropped from
+            outbox.setsockopt(zmq.LINGER, 1000)
+            outbox.bind(from_core)
+            inboxes.append(inbox)
+            outboxes.append(outbox)
+        try:
+            batcher = factory()
+        except Exception as exc:
+            report.send_bytes(core_encoder.encode(Failed(error=str(exc),
+                                                         config=isinstance(exc, ConfigError))))
+            return
+        core_pd = CorePD(pd, batcher.artifact) if pd is not None else None
+        routes: dict[str, int] = {}
+        sender = _Sender(outboxes, routes)
+        try:
+            loop = CoreLoop(batcher, inboxes, sender, parent_pid, pd=core_pd, routes=routes)
+            batcher.max_waiting = None  # each front bounds its own share (Ready says the total)
+            report.send_bytes(core_encoder.encode(loop.ready()))
+            loop.run()
+        finally:
+            sender.close()
+    finally:
+        if core_pd is not None:
+            core_pd.close()
+        for sock in inboxes:
+            sock.close(linger=0)
+        for sock in outboxes:
+            sock.close()
+        ctx.term()
+
+
+def send_routed(messages: queue.SimpleQueue[Any], outboxes: list[Any],
+                routes: dict[str, int]) -> None:
+    """A shared core's sender loop (`_Sender` with routes): until a None arrives, send each
+    message to the fronts it is for."""
+    from atombatch.core.process import To, _Events, _PlainRows
+
+    encode = core_encoder.encode
+    dropped = [0] * len(outboxes)
+
+    def send(front: int, message: Any) -> None:
+        try:
+            outboxes[front].send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:  # no front connected there (it died, or is starting again)
+            dropped[front] += 1
+            if dropped[front] == 1:
+                log.warning("core.front_unreachable", front=front)
+        except zmq.ZMQError as exc:
+            log.warning("core.send_failed", front=front, error=str(exc))
+        else:
+            dropped[front] = 0
+
+    while True:
+        message = messages.get()
+        if message is None:
+            return
+        if isinstance(message, _Events):
+            try:
+                log_events(message.events)
+            except Exception:
+                log.exception("core.log_failed")
+            continue
+        if isinstance(message, To):
+            send(message.front, message.message)
+            continue
+        if isinstance(message, _PlainRows):
+            message = message.step()
+        if isinstance(message, Step):
+            for front, part in split_step(message, routes, len(outboxes)):
+                send(front, part)
+        else:  # Stopped, a PD answer: every front
+            for front in range(len(outboxes)):
+                send(front, message)
+
+
+def split_step(step: Step, routes: dict[str, int], fronts: int) -> list[tuple[int, Step]]:
+    """`step` cut into one Step per front that has anything in it (every front when it carries
+    stats). A finished request's id leaves `routes`; an id without a route (its front is gone)
+    is dropped."""
+    get = routes.get
+    rows: dict[int, tuple[list[str], list[int]]] = {}
+    if step.ids:
+        for j, request_id in enumerate(step.ids):
+            front = get(request_id)
+            if front is None:
+                continue
+            entry = rows.get(front)
+            if entry is None:
+                entry = rows[front] = ([], [])
+            entry[0].append(request_id)
+            entry[1].append(j)
+    outputs: dict[int, list[Any]] = {}
+    for out in step.outputs:
+        front = routes.pop(out.request_id, None) if out.finished else get(out.request_id)
+        if front is not None:
+            outputs.setdefault(front, []).append(out)
+    tokens = np.frombuffer(step.tokens, np.int64) if rows else None
+    parts = []
+    for front in range(fronts):
+        entry = rows.get(front)
+        mine = outputs.get(front, [])
+        if entry is None and not mine and step.stats is None:
+            continue
+        if entry is None:
+            ids, data = [], b""
+        else:
+            assert tokens is not None
+            ids, data = entry[0], tokens[entry[1]].tobytes()
+        parts.append((front, Step(ids=ids, tokens=data, outputs=mine, stats=step.stats,
+                                  pd=step.pd)))
+    return parts
+
+
+class CorePeer:
+    """A front's view of a shared core process it did not start: what `CoreClient` uses of a
+    `multiprocessing.Process` (a readable `sentinel` when it exits, `is_alive`, `join`), over a
+    pidfd. A front never stops the shared core (its launcher does)."""
+
+    exitcode = None   # not this process's child: its exit code is the launcher's to read
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self.sentinel = os.pidfd_open(pid)
+        except OSError as exc:
+            raise ConfigError(f"the engine core (pid {pid}) is not running: {exc}") from None
+
+    def is_alive(self) -> bool:
+        return not select.select([self.sentinel], [], [], 0)[0]
+
+    def join(self, timeout: float | None = None) -> None:
+        select.select([self.sentinel], [], [], timeout)
+
+    def close(self) -> None:
+        if self.sentinel >= 0:
+            os.close(self.sentinel)
+            self.sentinel = -1

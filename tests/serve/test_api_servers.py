@@ -1,0 +1,257 @@
+"""`python -m atombatch.serve --api-server-count N`: N front processes on one engine core, through
+real processes and sockets. Each front serves what it accepts with the core's tokens, the metrics
+of any front are the sum over all, a front that dies has its requests aborted in the core while
+the other front's streams go on, and is started again; a core that dies stops the server; a stop
+leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from support.served import free_port
+
+NULL = ("--runtime", "null", "--null-step-ms", "5", "--batch-size", "4", "--max-seq-len", "8192",
+        "--log-level", "warning")
+
+
+class Launched:
+    """The launcher process and what it printed (read on a thread, so the pipe never fills)."""
+
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "atombatch.serve", "--port", str(self.port), *flags],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while sum(text in line for line in self.lines) < count:
+            assert self.proc.poll() is None or sum(text in line for line in self.lines) >= count, \
+                "".join(self.lines)
+            assert time.monotonic() < deadline, f"no {text!r} x{count}: {''.join(self.lines)}"
+            time.sleep(0.05)
+
+    def children(self) -> list[int]:
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)],
+                             capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    def close(self) -> None:
+        """Kill whatever still runs and close the pipe."""
+        if self.proc.poll() is None:
+            self.kill_all()
+        self._reader.join(10)
+        assert self.proc.stderr is not None
+        self.proc.stderr.close()
+
+    def kill_all(self) -> None:
+        for pid in [self.proc.pid, *self.children()]:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # the fronts run in process groups of their own
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.wait(10)
+
+
+@contextmanager
+def launched(*flags: str, fronts: int = 2) -> Iterator[Launched]:
+    server = Launched(*flags, "--api-server-count", str(fronts))
+    try:
+        server.wait_for("listening on", count=fronts)
+        yield server
+    finally:
+        server.close()
+
+
+def front_of(client: httpx.Client, url: str) -> dict:
+    """The engine-core card of the front that serves `client`'s one connection."""
+    return client.get(f"{url}/v1/models").json()["data"][0]["atombatch"]["engine_core"]
+
+
+def clients_per_front(url: str, fronts: int) -> dict[int, httpx.Client]:
+    """One single-connection client bound to each front (new connections until each is hit)."""
+    found: dict[int, httpx.Client] = {}
+    for _ in range(200):
+        client = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=1))
+        front = front_of(client, url)["front"]
+        if front in found:
+            client.close()
+        else:
+            found[front] = client
+        if len(found) == fronts:
+            return found
+    raise AssertionError(f"connections reached fronts {sorted(found)} only")
+
+
+def body(prompt: list[int], max_tokens: int, stream: bool = True) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+
+
+def stream_tokens(client: httpx.Client, url: str, prompt: list[int], max_tokens: int,
+                  on_first: threading.Event | None = None) -> list[int]:
+    tokens: list[int] = []
+    with client.stream("POST", f"{url}/v1/completions", json=body(prompt, max_tokens)) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                tokens.extend(json.loads(line[6:])["choices"][0]["token_ids"])
+                if on_first is not None:
+                    on_first.set()
+    return tokens
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + labels + " ") or
+               (not labels and line.startswith(name + "{")))
+
+
+def wait_until(check, timeout: float = 10.0, what: str = "") -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_two_fronts_serve_the_cores_tokens_and_sum_their_metrics() -> None:
+    with launched(*NULL) as server:
+        clients = clients_per_front(server.url, 2)
+        cards = {front: front_of(client, server.url) for front, client in clients.items()}
+        assert len({card["front_pid"] for card in cards.values()}) == 2
+        assert len({card["pid"] for card in cards.values()}) == 1  # one core
+        prompts = [[5, 6, 7], list(range(20, 40)), [9] * 11]
+        got = {front: [stream_tokens(client, server.url, p, 12) for p in prompts]
+               for front, client in clients.items()}
+        # the same greedy tokens whichever front asked, and as a request alone on the engine
+        assert got[0] == got[1] and all(len(tokens) == 12 for tokens in got[0])
+        for client in clients.values():
+            client.close()
+        # each front counted its own 3 requests; any front's /metrics answers the sum
+        wait_until(lambda: metric(server.url, "atombatch_requests_finished_total",
+                                  '{reason="length"}') == 6, what="summed finishes")
+        assert metric(server.url, "atombatch_generation_tokens_total") == 72
+        assert metric(server.url, "atombatch_engine_generated_tokens_total") == 72
+
+
+def test_a_dying_front_has_its_requests_aborted_while_the_other_streams_on() -> None:
+    with launched(*NULL) as server:
+        clients = clients_per_front(server.url, 2)
+        doomed_pid = front_of(clients[0], server.url)["front_pid"]
+        started = threading.Event()
+        victim: list[list[int]] = []
+        # the victim: 400 tokens at 5 ms a step, on front 1 while front 0 dies
+        runner = threading.Thread(target=lambda: victim.append(
+            stream_tokens(clients[1], server.url, [3, 4], 400, started)))
+        runner.start()
+        lost = threading.Thread(target=lambda: _swallow(
+            lambda: stream_tokens(clients[0], server.url, [8, 9], 5000)))
+        lost.start()
+        assert started.wait(20)
+        wait_until(lambda: metric(server.url, "atombatch_occupied_lanes") == 2,
+                   what="both requests on a lane")
+        os.kill(doomed_pid, signal.SIGKILL)
+        lost.join(20)
+        # the core aborts what the dead front submitted: its lane frees long before 5000 tokens
+        wait_until(lambda: metric(server.url, "atombatch_engine_requests_finished_total",
+                                  '{reason="abort"}') == 1, what="the dead front's request")
+        runner.join(60)
+        assert victim and len(victim[0]) == 400  # the other front's stream lost nothing
+        server.wait_for("starting it again")
+        server.wait_for("listening on", count=3)  # front 1/2 again
+        clients[0].close()
+        fresh = clients_per_front(server.url, 2)
+        assert front_of(fresh[0], server.url)["front_pid"] != doomed_pid
+        assert stream_tokens(fresh[0], server.url, [3, 4], 400) == victim[0]
+        for client in [*fresh.values(), clients[1]]:
+            client.close()
+
+
+def _swallow(call) -> None:  # type: ignore[no-untyped-def]
+    try:
+        call()
+    except (httpx.HTTPError, AssertionError):
+        pass  # its front died under it
+
+
+def test_a_dying_core_stops_the_server_and_leaves_nothing() -> None:
+    with launched(*NULL) as server:
+        core_pid = httpx.get(f"{server.url}/v1/models").json()["data"][0]["atombatch"][
+            "engine_core"]["pid"]
+        children = server.children()
+        assert core_pid in children and len(children) >= 3  # the core and two fronts
+        os.kill(core_pid, signal.SIGKILL)
+        assert server.proc.wait(30) == 1
+        assert "the engine core exited" in "".join(server.lines)
+        for pid in children:
+            assert not _running(pid), f"child {pid} outlived the server"
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigint"])
+def test_a_stop_drains_every_front_and_leaves_nothing(how: str, tmp_path: Path) -> None:
+    with launched(*NULL) as server:
+        children = server.children()
+        clients = clients_per_front(server.url, 2)
+        results: list[list[int]] = []
+        started = [threading.Event(), threading.Event()]
+        runners = [threading.Thread(target=lambda c=client, e=started[front]: results.append(
+            stream_tokens(c, server.url, [5, 6], 300, e))) for front, client in clients.items()]
+        for runner in runners:
+            runner.start()
+        assert all(event.wait(20) for event in started)
+        # SIGINT as a terminal's Ctrl-C: the launcher's process group (the fronts have their own)
+        os.killpg(server.proc.pid, signal.SIGINT) if how == "sigint" else server.proc.terminate()
+        for runner in runners:
+            runner.join(60)
+        assert server.proc.wait(60) == 0
+        assert [len(tokens) for tokens in results] == [300, 300]  # in-flight streams finished
+        for pid in children:
+            assert not _running(pid), f"child {pid} outlived the server"
+        assert "Traceback" not in "".join(server.lines)
+        for client in clients.values():
+            client.close()
+
+
+def test_a_core_that_cannot_start_ends_the_launcher_with_its_message() -> None:
+    server = Launched(*NULL, "--api-server-count", "2", "--max-seq-len", "100",
+                      "--block-size", "7")
+    try:
+        assert server.proc.wait(60) == 2
+        server._reader.join(10)
+        assert "max_seq_len=100 must be a multiple of block_size=7" in "".join(server.lines)
+    finally:
+        server.close()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
