@@ -6,6 +6,7 @@ leaves nothing behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -67,10 +68,8 @@ class Launched:
 
     def kill_all(self) -> None:
         for pid in [self.proc.pid, *self.children()]:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)  # the fronts run in process groups of their own
-            except (ProcessLookupError, PermissionError):
-                pass
         self.proc.wait(10)
 
 
@@ -190,10 +189,8 @@ def test_a_dying_front_has_its_requests_aborted_while_the_other_streams_on() -> 
 
 
 def _swallow(call) -> None:  # type: ignore[no-untyped-def]
-    try:
+    with contextlib.suppress(httpx.HTTPError, AssertionError):  # its front died under it
         call()
-    except (httpx.HTTPError, AssertionError):
-        pass  # its front died under it
 
 
 def test_a_dying_core_stops_the_server_and_leaves_nothing() -> None:
