@@ -1,0 +1,257 @@
+"""A core shared by several fronts (atombatch/core/shared.py): the loop of `run_shared_core` on a
+thread over real ZeroMQ sockets and the NumPy runtime, with the test playing two fronts. Each
+front gets its own requests' tokens and nothing else, one front cannot abort or shadow another's
+request, a front that exits has its requests aborted while the other's finish, and a front that
+leaves gets `Stopped` when its own requests are done."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+from support.engines import ART, numpy_batcher
+
+from atombatch import ArtifactConfig, Batcher, SamplingParams
+from atombatch.core.messages import (
+    Abort,
+    Hello,
+    Ready,
+    Shutdown,
+    Step,
+    Stopped,
+    Submit,
+    core_decoder,
+    front_encoder,
+)
+from atombatch.core.process import CoreLoop, _Sender
+from atombatch.core.shared import endpoints, split_step
+from atombatch.engine import EngineStats
+from atombatch.runtime.null import NullRuntime
+from atombatch.structs import RequestOutput
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)  # (contexts of 128)
+
+
+class Front:
+    """The two sockets of one front."""
+
+    def __init__(self, ctx: Any, directory: str, front: int) -> None:
+        to_core, from_core = endpoints(directory, front)
+        self.front = front
+        self.to_core, self.from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        self.to_core.connect(to_core)
+        self.from_core.connect(from_core)
+        self.tokens: dict[str, list[int]] = {}
+        self.done: dict[str, RequestOutput] = {}
+        self.stopped = False
+
+    def send(self, message: Any) -> None:
+        self.to_core.send(front_encoder.encode(message))
+
+    def hello(self, pid: int) -> Ready:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            self.send(Hello(front=self.front, pid=pid))
+            if self.from_core.poll(200):
+                message = core_decoder.decode(self.from_core.recv())
+                if isinstance(message, Ready):
+                    return message
+        raise AssertionError("no Ready")
+
+    def read(self, until: set[str], timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not until <= self.done.keys():
+            assert time.monotonic() < deadline, f"front {self.front} waits for " \
+                                                f"{until - self.done.keys()}"
+            if self.from_core.poll(100):
+                self.take(core_decoder.decode(self.from_core.recv()))
+
+    def take(self, message: Any) -> None:
+        if isinstance(message, Stopped):
+            self.stopped = True
+            return
+        assert isinstance(message, Step)
+        for request_id, token in zip(message.ids, np.frombuffer(message.tokens, np.int64),
+                                     strict=True):
+            self.tokens.setdefault(request_id, []).append(int(token))
+        for out in message.outputs:
+            self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                self.done[out.request_id] = out
+
+    def drain(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.from_core.poll(10):
+                self.take(core_decoder.decode(self.from_core.recv()))
+
+
+class SharedCore:
+    """`run_shared_core`'s loop on a thread, bound where two fronts connect."""
+
+    def __init__(self, directory: Path, fronts: int = 2, batcher: Batcher | None = None) -> None:
+        self.ctx = zmq.Context()
+        self.inboxes, self.outboxes = [], []
+        for front in range(fronts):
+            to_core, from_core = endpoints(str(directory), front)
+            inbox, outbox = self.ctx.socket(zmq.PULL), self.ctx.socket(zmq.PUSH)
+            outbox.setsockopt(zmq.SNDHWM, 0)
+            inbox.bind(to_core)
+            outbox.bind(from_core)
+            self.inboxes.append(inbox)
+            self.outboxes.append(outbox)
+        self.routes: dict[str, int] = {}
+        self.sender = _Sender(self.outboxes, self.routes)
+        self.loop = CoreLoop(batcher or numpy_batcher(), self.inboxes, self.sender, os.getppid(),
+                             routes=self.routes)
+        self.runner = threading.Thread(target=self.loop.run, daemon=True)
+        self.runner.start()
+        self.fronts = [Front(self.ctx, str(directory), front) for front in range(fronts)]
+
+    def close(self) -> None:
+        self.loop.parent_pid = -1
+        self.runner.join(10)
+        self.sender.close()
+        for front in self.fronts:
+            front.to_core.close(linger=0)
+            front.from_core.close(linger=0)
+        for sock in self.inboxes + self.outboxes:
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> Iterator[SharedCore]:
+    core = SharedCore(tmp_path)
+    try:
+        yield core
+    finally:
+        core.close()
+
+
+def submit(request_id: str, prompt: list[int], params: SamplingParams) -> Submit:
+    return Submit(request_id, np.asarray(prompt, dtype=np.int64).tobytes(), params)
+
+
+def alone(prompt: list[int], params: SamplingParams) -> list[int]:
+    [out] = numpy_batcher().generate([prompt], params)
+    return list(out.token_ids)
+
+
+def test_each_front_gets_its_own_tokens_and_cannot_touch_the_others(shared: SharedCore) -> None:
+    a, b = shared.fronts
+    assert a.hello(os.getpid()).rules == b.hello(os.getpid()).rules
+    a.send(submit("x", [5, 6, 7], LONG))
+    a.send(submit("a2", [9, 9, 1], LONG))
+    b.send(submit("b1", [3, 1, 4, 1], GREEDY))
+    deadline = time.monotonic() + 10
+    while not a.tokens.get("x"):  # x is running
+        assert time.monotonic() < deadline
+        a.drain(0.01)
+    b.send(submit("x", [8, 8], GREEDY))  # front a's id, still in flight: refused for b only
+    b.send(Abort(["x", "a2"]))          # not b's requests: nothing happens to them
+    a.read({"x", "a2"})
+    b.read({"b1", "x"})
+    assert b.done["x"].finish_reason == "error" and "already in flight" in (b.done["x"].error or "")
+    assert a.done["x"].finish_reason == a.done["a2"].finish_reason == "length"
+    assert b.done["b1"].finish_reason == "length"
+    assert a.tokens["x"] == alone([5, 6, 7], LONG)
+    assert a.tokens["a2"] == alone([9, 9, 1], LONG)
+    assert b.tokens["b1"] == alone([3, 1, 4, 1], GREEDY)
+    assert set(a.tokens) == {"x", "a2"} and set(b.tokens) == {"b1", "x"}
+    assert b.tokens["x"] == []
+    assert not shared.routes  # every finished id left the routes
+
+
+def null_batcher() -> Batcher:
+    """A device whose steps take 20 ms: a 500-token request runs for 10 s."""
+    art = ArtifactConfig(model=ART.model, batch_size=4, max_seq_len=1024, block_size=1024,
+                         num_blocks=5, prefill_chunk_size=128)
+    return Batcher(NullRuntime(art, step_ms=20.0), max_waiting=None)
+
+
+def test_a_front_that_exits_has_its_requests_aborted_the_other_finishes(tmp_path: Path) -> None:
+    shared = SharedCore(tmp_path, batcher=null_batcher())
+    try:
+        _exits(shared)
+    finally:
+        shared.close()
+
+
+def _exits(shared: SharedCore) -> None:
+    doomed = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    victim = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    a, b = shared.fronts
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        a.hello(stand_in.pid)     # front a "is" this process: the core watches it
+        b.hello(os.getpid())
+        a.send(submit("doomed", [5, 6, 7], doomed))
+        b.send(submit("victim", [2, 7, 1], victim))
+        deadline = time.monotonic() + 10
+        while not a.tokens.get("doomed"):  # it runs
+            assert time.monotonic() < deadline
+            a.drain(0.01)
+        stand_in.kill()
+        stand_in.wait(10)
+        b.read({"victim"})
+        a.read({"doomed"})  # (its socket is still there: the abort reaches it)
+    finally:
+        if stand_in.poll() is None:
+            stand_in.kill()
+            stand_in.wait(10)
+    assert a.done["doomed"].finish_reason == "abort"
+    assert len(a.tokens["doomed"]) < 100
+    assert b.done["victim"].finish_reason == "length"
+    [out] = null_batcher().generate([[2, 7, 1]], victim)
+    assert b.tokens["victim"] == list(out.token_ids)
+
+
+def test_a_front_that_leaves_is_stopped_after_its_own_requests(shared: SharedCore) -> None:
+    a, b = shared.fronts
+    a.hello(os.getpid())
+    b.hello(os.getpid())
+    a.send(submit("a1", [5, 6, 7], GREEDY))
+    b.send(submit("b1", [4, 4, 4], LONG))
+    a.send(Shutdown(drain=True))
+    a.read({"a1"})
+    deadline = time.monotonic() + 10
+    while not a.stopped:
+        assert time.monotonic() < deadline, "front a was never told Stopped"
+        a.drain(0.1)
+    assert not b.stopped and "b1" not in b.done  # b's long request is still running
+    b.read({"b1"})
+    assert b.tokens["b1"] == alone([4, 4, 4], LONG)
+    assert shared.runner.is_alive()  # the core serves on
+
+
+def _stats() -> EngineStats:
+    return numpy_batcher().stats()
+
+
+def test_split_step_routes_rows_and_outputs_and_gives_every_front_the_stats() -> None:
+    routes = {"p": 0, "q": 1, "r": 1}
+    tokens = np.array([10, 11, 12, 13], np.int64).tobytes()
+    done = RequestOutput(request_id="q", new_token_ids=(7,), finished=True,
+                         finish_reason="length")
+    step = Step(ids=["p", "q", "gone", "r"], tokens=tokens, outputs=[done])
+    parts = dict(split_step(step, routes, 3))
+    assert set(parts) == {0, 1}  # no stats: front 2 has nothing
+    assert parts[0].ids == ["p"] and np.frombuffer(parts[0].tokens, np.int64).tolist() == [10]
+    assert parts[1].ids == ["q", "r"]
+    assert np.frombuffer(parts[1].tokens, np.int64).tolist() == [11, 13]
+    assert parts[1].outputs == [done] and not parts[0].outputs
+    assert routes == {"p": 0, "r": 1}  # q finished
+    stats = _stats()
+    parts = dict(split_step(Step(ids=[], tokens=b"", outputs=[], stats=stats), routes, 3))
+    assert set(parts) == {0, 1, 2} and all(p.stats == stats for p in parts.values())
