@@ -426,6 +426,10 @@ class Server:
                 self.proc.wait(10)
 
 
+def _fronts_note(count: int) -> str:
+    return f", process core with {count} front processes" if count > 1 else ""
+
+
 def server_has_engine_core() -> bool:
     """Whether `python -m atombatch.serve --help` offers `--engine-core`."""
     out = subprocess.run([sys.executable, "-m", "atombatch.serve", "--help"],
@@ -537,17 +541,45 @@ def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: li
                  steady=steady_ratio(spans, step_ms / 1e3))
 
 
+def fronts_cpu(pid: int, core_pid: int) -> ServerCpu:
+    """CPU seconds of a launcher's tree (`--api-server-count N`): `main` is every front (every
+    process below it but the core), `children` the core."""
+    fronts = [c for c in _descendants(pid) if c != core_pid]
+    return ServerCpu(sum(_task_cpu(c, t) for c in fronts for t in _threads(c)), 0.0,
+                     sum(_task_cpu(core_pid, t) for t in _threads(core_pid)))
+
+
+def _fronts_sys(pid: int, core_pid: int) -> float:
+    return sum(_task_sys(c, t) for c in _descendants(pid) if c != core_pid for t in _threads(c))
+
+
+def core_pid_of(server: Server) -> int:
+    """The engine core's pid, from the server's model card."""
+    name = f"[{server.host}]" if ":" in server.host else server.host
+    with urllib.request.urlopen(f"http://{name}:{server.port}/v1/models", timeout=10) as reply:
+        card = msgspec.json.decode(reply.read())
+    return int(card["data"][0]["atombatch"]["engine_core"]["pid"])
+
+
 def server_round(server: Server, bodies: list[bytes], max_tokens: int, batch_size: int,
-                 step_ms: float, split: Literal["thread", "process"], timeout: float) -> Round:
-    """One round of B streamed requests against the server; its CPU split by `split`."""
+                 step_ms: float, split: Literal["thread", "process", "fronts"],
+                 timeout: float) -> Round:
+    """One round of B streamed requests against the server; its CPU split by `split` (fronts:
+    a launcher with several front processes on one core)."""
     load_before = _load()
     pid = server.pid
+    core_pid = core_pid_of(server) if split == "fronts" else 0
+
+    def cpu_now() -> ServerCpu:
+        return fronts_cpu(pid, core_pid) if split == "fronts" else server_cpu(pid)
 
     def front_of(cpu: ServerCpu) -> float:
         # inline core: the step thread(s) are the core; a core process: the server is the front
-        return cpu.main if split == "thread" else cpu.main + cpu.threads
+        return cpu.main if split in ("thread", "fronts") else cpu.main + cpu.threads
 
     def front_sys() -> float:
+        if split == "fronts":
+            return _fronts_sys(pid, core_pid)
         return _task_sys(pid, pid) if split == "thread" else \
             sum(_task_sys(pid, t) for t in _threads(pid))
 
@@ -555,21 +587,21 @@ def server_round(server: Server, bodies: list[bytes], max_tokens: int, batch_siz
     mid: dict[str, Any] = {}
 
     def mark(tokens: int) -> None:
-        marks.append((tokens, front_of(server_cpu(pid)), front_sys()))
+        marks.append((tokens, front_of(cpu_now()), front_sys()))
 
     gaps_before = host_gaps(server.host, server.port)
-    cpu_before = server_cpu(pid)
+    cpu_before = cpu_now()
     client0 = time.process_time()
     streams, duration = client_round(server.host, server.port, bodies, timeout, max_tokens,
                                      step_ms / 1e3, marks=MID_WINDOW, on_mark=mark)
     client = time.process_time() - client0
-    cpu = server_cpu(pid) - cpu_before
+    cpu = cpu_now() - cpu_before
     gaps_after = host_gaps(server.host, server.port, wait_for_more=gaps_before)
     if gaps_before is not None and gaps_after is not None:
         mid["host_gap_s"] = gaps_after[0] - gaps_before[0]
         mid["host_gaps"] = int(gaps_after[1] - gaps_before[1])
     front = front_of(cpu)
-    core = cpu.threads + cpu.children if split == "thread" else cpu.children
+    core = cpu.threads + cpu.children if split == "thread" else cpu.children  # (fronts: the core)
     if len(marks) == 2 and marks[1][0] > marks[0][0]:
         (t0, c0, s0), (t1, c1, s1) = marks
         mid |= {"mid_tokens": t1 - t0, "mid_front_cpu_s": c1 - c0, "mid_front_sys_s": s1 - s0}
@@ -610,6 +642,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-cores",
                    help="comma list of --engine-core values for the server (default: inline,process "
                    "when the server has the flag, else the server's default)")
+    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="front processes of the server with --engine-core process (N > 1: `front` "
+                   "is all of them, `core` the core; default 1)")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine cases")
     p.add_argument("--no-server", action="store_true", help="skip the HTTP server cases")
     p.add_argument("--admission-stalls", action="store_true",
@@ -710,8 +745,11 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
                         argv += ["--policy", args.policy]
                     if core:
                         argv += ["--engine-core", core]
-                    split: Literal["thread", "process"] = \
+                    split: Literal["thread", "process", "fronts"] = \
                         "process" if core == "process" else "thread"
+                    if core == "process" and args.api_server_count > 1:
+                        argv += ["--api-server-count", str(args.api_server_count)]
+                        split = "fronts"
                     rounds = []
                     error: str | None = None
                     restarts = 0
@@ -751,7 +789,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
               "tokenizers": list(args.tokenizers), "engine_cores": cores, "seed": args.seed,
               "policy": args.policy or "stall-free:8 (default)",
               "model": spec.name, "vocab_size": spec.vocab_size, "max_seq_len": max_seq_len,
-              "argmax_threads": args.argmax_threads,
+              "argmax_threads": args.argmax_threads, "api_server_count": args.api_server_count,
               "prefill_chunk_size": chunk, "concurrency": "B", "temperature": 0.0,
               "ignore_eos": True, "cpu_clock": "schedstat" if
               os.path.exists("/proc/self/schedstat") else "stat ticks"}
@@ -774,7 +812,8 @@ def format_table(report: Report) -> str:
              f"(prefill {report.params['prefill_ms']:g} ms, {report.params['prompt_len']} in / "
              f"{report.params['max_tokens']} out, c = B, medians of {report.params['repeats']}, "
              f"policy {report.params.get('policy', 'stall-free:8 (default)')}, model "
-             f"{report.params.get('model', '?')} vocab {report.params.get('vocab_size', '?')}); "
+             f"{report.params.get('model', '?')} vocab {report.params.get('vocab_size', '?')}"
+             f"{_fronts_note(report.params.get('api_server_count', 1))}); "
              "CPU in us per delivered token", head, "-" * len(head)]
     engines = {(c.batch_size, c.step_ms): c for c in report.cases if c.path == "engine"}
     servers = {(c.batch_size, c.step_ms, c.tokenizer, c.engine_core): c
