@@ -271,8 +271,12 @@ class _Receiver:
                 os.close(fd)
                 del self._watched[fd]
                 self.received.put(FrontGone(front))
+        pidfd_open = getattr(os, "pidfd_open", None)
+        if pidfd_open is None:  # (not Linux >= 5.3: a front that dies is not noticed)
+            log.warning("core.front_unwatched", front=front, pid=pid)
+            return
         try:
-            fd = os.pidfd_open(pid)
+            fd = pidfd_open(pid)
         except OSError:  # already gone
             self.received.put(FrontGone(front))
             return

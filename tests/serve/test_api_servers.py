@@ -206,6 +206,17 @@ def test_a_dying_core_stops_the_server_and_leaves_nothing() -> None:
             assert not _running(pid), f"child {pid} outlived the server"
 
 
+def test_a_killed_launcher_takes_the_core_and_the_fronts_with_it() -> None:
+    with launched(*NULL) as server:
+        children = [pid for pid in server.children() if _running(pid)]
+        assert len(children) >= 3
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(10)
+        # the core sees its parent gone and exits; each front sees the core gone and exits
+        wait_until(lambda: not any(_running(pid) for pid in children), timeout=20,
+                   what="a child outlived its launcher")
+
+
 @pytest.mark.parametrize("how", ["sigterm", "sigint"])
 def test_a_stop_drains_every_front_and_leaves_nothing(how: str, tmp_path: Path) -> None:
     with launched(*NULL) as server:
