@@ -27,6 +27,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -137,15 +138,21 @@ class CoreClient(PDFront, OutputStreams):
         self._closing = False
         self._dead = False
         self._next_id = 0
+        self._starting = threading.Lock()     # one start_process at a time: one core
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start_process(self) -> Ready:
-        """Spawn the core and wait until its engine is built (idempotent).
+        """Spawn the core and wait until its engine is built (idempotent: a second caller,
+        from any thread, waits for the first and gets its `Ready`).
 
         Raises:
             ConfigError: the factory raised one (its message), or the core died or timed out
                 while starting.
         """
+        with self._starting:
+            return self._start_once()
+
+    def _start_once(self) -> Ready:
         if self.ready is not None:
             return self.ready
         if self.shared is not None:

@@ -176,3 +176,33 @@ def test_a_front_that_dies_takes_its_core_down() -> None:
         front.wait(10)
         if front.stdout is not None:
             front.stdout.close()
+
+
+async def test_concurrent_starts_spawn_one_core() -> None:
+    client = CoreClient(functools.partial(numpy_batcher))
+    before = set(_children())
+    try:
+        await asyncio.gather(client.start(), client.start(), asyncio.to_thread(
+            client.start_process))
+        spawned = set(_children()) - before
+        cores = [pid for pid in spawned if "spawn_main" in _cmdline(pid)]  # (not ps itself)
+        assert cores == [client.core_pid], [(pid, _cmdline(pid)) for pid in cores]
+        [out] = [o async for o in client.stream([5, 6, 7], SamplingParams(
+            temperature=0, max_tokens=3, ignore_eos=True))][-1:]
+        assert out.finished
+    finally:
+        await client.close()
+
+
+def _children() -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(os.getpid())], capture_output=True,
+                         text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().decode(errors="replace")
+    except OSError:
+        return ""
