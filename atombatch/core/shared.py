@@ -3,7 +3,9 @@
 A single front's Python per request (HTTP parsing, validation, templates, detokenization, SSE)
 bounds what one interpreter can stream; with N fronts that work runs on N cores while one core
 process steps the device. The launcher (atombatch/serve/launcher.py) binds the listening socket,
-starts the core with `run_shared_core`, and then N front processes that accept on that socket.
+starts the core with `run_shared_core` (atombatch/core/process.py, beside `run_core`), and then N
+front processes that accept on that socket. This module holds what both sides share: where the
+endpoints are, how a Step is split per front, and the front's handle on the core process.
 
 The wire is the single front's (atombatch/core/messages.py) with three differences:
 
@@ -29,23 +31,14 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import select
-import signal
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import numpy as np
-import zmq
 
-from atombatch.core.messages import Failed, Step, core_encoder
-from atombatch.core.pd import CorePD, PDOptions
-from atombatch.engine import Batcher, log_events
+from atombatch.core.messages import Step
 from atombatch.errors import ConfigError
-from atombatch.logs import logger
-
-log = logger("atombatch.core")
 
 HELLO_INTERVAL = 0.2   # seconds between a front's Hellos until the core answers
 
@@ -67,98 +60,6 @@ def endpoints(directory: str, front: int) -> tuple[str, str]:
     """(to the core, from the core) of front `front`."""
     return (f"ipc://{os.path.join(directory, f'in-{front}')}",
             f"ipc://{os.path.join(directory, f'out-{front}')}")
-
-
-def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int, parent_pid: int,
-                    report: Any, pd: PDOptions | None = None) -> None:
-    """The shared core process's main function: bind every front's pair, build the engine, send
-    the launcher `Ready` or `Failed` (msgpack bytes on the `report` pipe), then run the loop
-    until the launcher stops it or exits."""
-    from atombatch.core.process import CoreLoop, _Sender  # (process.py imports this module)
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides (drain, then stop)
-    ctx = zmq.Context()
-    inboxes, outboxes = [], []
-    core_pd: CorePD | None = None
-    try:
-        for front in range(fronts):
-            to_core, from_core = endpoints(directory, front)
-            inbox = ctx.socket(zmq.PULL)
-            inbox.bind(to_core)
-            outbox = ctx.socket(zmq.PUSH)
-            outbox.setsockopt(zmq.SNDHWM, 0)   # a slow front is never dropped from
-            outbox.setsockopt(zmq.LINGER, 1000)
-            outbox.bind(from_core)
-            inboxes.append(inbox)
-            outboxes.append(outbox)
-        try:
-            batcher = factory()
-        except Exception as exc:
-            report.send_bytes(core_encoder.encode(Failed(error=str(exc),
-                                                         config=isinstance(exc, ConfigError))))
-            return
-        core_pd = CorePD(pd, batcher.artifact) if pd is not None else None
-        routes: dict[str, int] = {}
-        sender = _Sender(outboxes, routes)
-        try:
-            loop = CoreLoop(batcher, inboxes, sender, parent_pid, pd=core_pd, routes=routes)
-            batcher.max_waiting = None  # each front bounds its own share (Ready says the total)
-            report.send_bytes(core_encoder.encode(loop.ready()))
-            loop.run()
-        finally:
-            sender.close()
-    finally:
-        if core_pd is not None:
-            core_pd.close()
-        for sock in inboxes:
-            sock.close(linger=0)
-        for sock in outboxes:
-            sock.close()
-        ctx.term()
-
-
-def send_routed(messages: queue.SimpleQueue[Any], outboxes: list[Any],
-                routes: dict[str, int]) -> None:
-    """A shared core's sender loop (`_Sender` with routes): until a None arrives, send each
-    message to the fronts it is for."""
-    from atombatch.core.process import To, _Events, _PlainRows
-
-    encode = core_encoder.encode
-    dropped = [0] * len(outboxes)
-
-    def send(front: int, message: Any) -> None:
-        try:
-            outboxes[front].send(encode(message), zmq.NOBLOCK)
-        except zmq.Again:  # no front connected there (it died, or is starting again)
-            dropped[front] += 1
-            if dropped[front] == 1:
-                log.warning("core.front_unreachable", front=front)
-        except zmq.ZMQError as exc:
-            log.warning("core.send_failed", front=front, error=str(exc))
-        else:
-            dropped[front] = 0
-
-    while True:
-        message = messages.get()
-        if message is None:
-            return
-        if isinstance(message, _Events):
-            try:
-                log_events(message.events)
-            except Exception:
-                log.exception("core.log_failed")
-            continue
-        if isinstance(message, To):
-            send(message.front, message.message)
-            continue
-        if isinstance(message, _PlainRows):
-            message = message.step()
-        if isinstance(message, Step):
-            for front, part in split_step(message, routes, len(outboxes)):
-                send(front, part)
-        else:  # Stopped, a PD answer: every front
-            for front in range(len(outboxes)):
-                send(front, message)
 
 
 def split_step(step: Step, routes: dict[str, int], fronts: int) -> list[tuple[int, Step]]:

@@ -492,8 +492,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.api_server_count != 1:
+            import functools
+
             from atombatch.serve.launcher import launch
-            return launch(args, sock)
+            return launch(args, sock, serve=_serve,
+                          factory=functools.partial(core_batcher, args),
+                          pd=functools.partial(pd_options, args),
+                          check=lambda: codec_from_args(args, _model_dir(args)))
         return _serve(args, sock)
     finally:
         sock.close()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -36,11 +35,15 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from atombatch.core.messages import Failed, Ready, core_decoder
-from atombatch.core.process import SOCKET_DIR_PREFIX
-from atombatch.core.shared import SharedCore, run_shared_core
+from atombatch.core.pd import PDOptions
+from atombatch.core.process import SOCKET_DIR_PREFIX, run_shared_core
+from atombatch.core.shared import SharedCore
+from atombatch.engine import Batcher
+from atombatch.errors import ConfigError
 
 MAX_RESTARTS = 5          # front restarts allowed within RESTART_WINDOW seconds
 RESTART_WINDOW = 60.0
@@ -48,16 +51,16 @@ FRONT_EXIT_TIMEOUT = 10.0  # seconds fronts get to exit after the core died
 POLL_S = 0.5
 
 
-def front_main(args: argparse.Namespace, sock: socket.socket, shared: SharedCore,
-               started: Any) -> None:
-    """A front process: the ordinary server on the inherited socket, on a shared core."""
+def front_main(serve: Callable[..., int], args: argparse.Namespace, sock: socket.socket,
+               shared: SharedCore, started: Any) -> None:
+    """A front process: the ordinary server (`serve`, cli._serve) on the inherited socket, on a
+    shared core."""
     from atombatch import logs
-    from atombatch.serve.cli import _serve
 
     os.setpgrp()  # a terminal's Ctrl-C goes to the launcher, which forwards one SIGTERM
     logs.setup(args.log_level, args.log_format)
     try:
-        code = _serve(args, sock, shared=shared, started=started)
+        code = serve(args, sock, shared=shared, started=started)
     finally:
         sock.close()
     sys.exit(code)
@@ -66,8 +69,9 @@ def front_main(args: argparse.Namespace, sock: socket.socket, shared: SharedCore
 class _Fronts:
     """The launcher's front processes, by index."""
 
-    def __init__(self, args: argparse.Namespace, sock: socket.socket, directory: str,
-                 core_pid: int) -> None:
+    def __init__(self, serve: Callable[..., int], args: argparse.Namespace, sock: socket.socket,
+                 directory: str, core_pid: int) -> None:
+        self.serve = serve
         self.args, self.sock, self.directory, self.core_pid = args, sock, directory, core_pid
         self.spawn = multiprocessing.get_context("spawn")
         count = args.api_server_count
@@ -80,7 +84,7 @@ class _Fronts:
                             core_pid=self.core_pid)
         started = self.spawn.Event()
         process = self.spawn.Process(target=front_main, name=f"atombatch-front-{front}",
-                                     args=(self.args, self.sock, shared, started))
+                                     args=(self.serve, self.args, self.sock, shared, started))
         process.start()
         self.processes[front], self.started[front] = process, started
 
@@ -109,12 +113,14 @@ class _Fronts:
             process.join(left)
 
 
-def launch(args: argparse.Namespace, sock: socket.socket) -> int:
+def launch(args: argparse.Namespace, sock: socket.socket, serve: Callable[..., int],
+           factory: Callable[[], Batcher], pd: Callable[[], PDOptions | None],
+           check: Callable[[], object]) -> int:
     """Run the core and `args.api_server_count` fronts on `sock` until stopped (module
-    docstring); the exit status."""
-    from atombatch.errors import ConfigError
-    from atombatch.serve.cli import _model_dir, codec_from_args, core_batcher, pd_options
-
+    docstring); the exit status. `serve` runs one front (cli._serve), `factory` builds the
+    core's engine, `pd` makes the core's PD options and `check` loads what a front would (the
+    tokenizer, the chat template) so a bad flag is refused before the core is built; the last
+    two raise `ConfigError`."""
     count = args.api_server_count
     if count < 1:
         print(f"atombatch.serve: --api-server-count {count} must be >= 1", file=sys.stderr)
@@ -124,8 +130,8 @@ def launch(args: argparse.Namespace, sock: socket.socket) -> int:
               "share one engine core process)", file=sys.stderr)
         return 2
     try:
-        pd = pd_options(args)
-        codec_from_args(args, _model_dir(args))  # what each front will load: refused here first
+        options = pd()
+        check()
     except ConfigError as exc:
         print(f"atombatch.serve: {exc}", file=sys.stderr)
         return 2
@@ -133,8 +139,7 @@ def launch(args: argparse.Namespace, sock: socket.socket) -> int:
     spawn = multiprocessing.get_context("spawn")
     report, report_child = spawn.Pipe(duplex=False)
     core = spawn.Process(target=run_shared_core, name="atombatch-core",
-                         args=(functools.partial(core_batcher, args), directory, count,
-                               os.getpid(), report_child, pd))
+                         args=(factory, directory, count, os.getpid(), report_child, options))
     stop: list[int] = []
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -149,7 +154,7 @@ def launch(args: argparse.Namespace, sock: socket.socket) -> int:
         if message is None:
             return 130 if stop else 2
         assert core.pid is not None
-        fronts = _Fronts(args, sock, directory, core.pid)
+        fronts = _Fronts(serve, args, sock, directory, core.pid)
         for front in range(count):
             fronts.start(front)
         return _supervise(core, fronts, stop)
