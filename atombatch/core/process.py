@@ -118,8 +118,12 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
 
 
 def _remove_socket_dir(address: str) -> None:
-    directory = os.path.dirname(address.removeprefix("ipc://"))
-    if os.path.basename(directory).startswith(SOCKET_DIR_PREFIX):  # only what a client made
+    remove_socket_dir(os.path.dirname(address.removeprefix("ipc://")))
+
+
+def remove_socket_dir(directory: str) -> None:
+    """Remove a socket directory a client or launcher made (and nothing else)."""
+    if os.path.basename(directory).startswith(SOCKET_DIR_PREFIX):
         shutil.rmtree(directory, ignore_errors=True)
 
 

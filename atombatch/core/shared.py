@@ -73,8 +73,12 @@ def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int,
                     report: Any, pd: PDOptions | None = None) -> None:
     """The shared core process's main function: bind every front's pair, build the engine, send
     the launcher `Ready` or `Failed` (msgpack bytes on the `report` pipe), then run the loop
-    until the launcher stops it or exits."""
-    from atombatch.core.process import CoreLoop, _Sender  # (process.py imports this module)
+    until the launcher stops it or exits (killed: the core removes `directory` itself)."""
+    from atombatch.core.process import (  # (process.py imports this module)
+        CoreLoop,
+        _Sender,
+        remove_socket_dir,
+    )
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides (drain, then stop)
     ctx = zmq.Context()
@@ -107,6 +111,8 @@ def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int,
             loop.run()
         finally:
             sender.close()
+        if loop.front_gone:  # the launcher was killed: nobody else removes the directory
+            remove_socket_dir(directory)
     finally:
         if core_pd is not None:
             core_pd.close()

@@ -29,13 +29,16 @@ NULL = ("--runtime", "null", "--null-step-ms", "5", "--batch-size", "4", "--max-
 class Launched:
     """The launcher process and what it printed (read on a thread, so the pipe never fills)."""
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, tmp: Path | None = None) -> None:
         self.port = free_port()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if tmp is not None:  # where the core's socket directory goes
+            env["TMPDIR"] = str(tmp)
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "atombatch.serve", "--port", str(self.port), *flags],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            start_new_session=True, env=env)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -74,8 +77,8 @@ class Launched:
 
 
 @contextmanager
-def launched(*flags: str, fronts: int = 2) -> Iterator[Launched]:
-    server = Launched(*flags, "--api-server-count", str(fronts))
+def launched(*flags: str, fronts: int = 2, tmp: Path | None = None) -> Iterator[Launched]:
+    server = Launched(*flags, "--api-server-count", str(fronts), tmp=tmp)
     try:
         server.wait_for("listening on", count=fronts)
         yield server
@@ -206,15 +209,18 @@ def test_a_dying_core_stops_the_server_and_leaves_nothing() -> None:
             assert not _running(pid), f"child {pid} outlived the server"
 
 
-def test_a_killed_launcher_takes_the_core_and_the_fronts_with_it() -> None:
-    with launched(*NULL) as server:
+def test_a_killed_launcher_takes_the_core_and_the_fronts_with_it(tmp_path: Path) -> None:
+    with launched(*NULL, tmp=tmp_path) as server:
         children = [pid for pid in server.children() if _running(pid)]
         assert len(children) >= 3
+        [directory] = tmp_path.glob("atombatch-core-*")
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(10)
         # the core sees its parent gone and exits; each front sees the core gone and exits
         wait_until(lambda: not any(_running(pid) for pid in children), timeout=20,
                    what="a child outlived its launcher")
+        # and the core removed the socket directory the launcher can no longer remove
+        assert not directory.exists(), sorted(p.name for p in directory.iterdir())
 
 
 @pytest.mark.parametrize("how", ["sigterm", "sigint"])
