@@ -157,6 +157,7 @@ class _FrontFamilies(Collector):
     def __init__(self, registry: CollectorRegistry, shared: Any = None) -> None:
         self.registry = registry
         self.shared = shared
+        self._writing = threading.Lock()  # the timer and a scrape share the one temporary file
 
     def describe(self) -> Iterator[Metric]:
         yield from self.registry.collect()
@@ -166,7 +167,8 @@ class _FrontFamilies(Collector):
         text = bytes(generate_latest(self.registry))
         if self.shared is not None:
             path = front_metrics_path(self.shared.directory, self.shared.front)
-            with contextlib.suppress(OSError):  # the directory went with the launcher
+            # (an OSError: the directory went with the launcher)
+            with self._writing, contextlib.suppress(OSError):
                 with open(f"{path}.tmp", "wb") as handle:
                     handle.write(text)
                 os.replace(f"{path}.tmp", path)
