@@ -591,6 +591,8 @@ class CoreLoop:
         busy = {routes.get(request_id) for request_id in self.live}
         for front in [front for front in self.leaving if front not in busy]:
             del self.leaving[front]
+            if self.errors:  # submits the engine refused go out first: Stopped is the last word
+                self.send(self.step_message([], [], _NO_TOKENS))
             stats = self.batcher.stats()
             self.send(To(front, Step(ids=[], tokens=b"", outputs=[], stats=stats,
                                      pd=self._pd_stats(stats))))

@@ -255,3 +255,21 @@ def test_split_step_routes_rows_and_outputs_and_gives_every_front_the_stats() ->
     stats = _stats()
     parts = dict(split_step(Step(ids=[], tokens=b"", outputs=[], stats=stats), routes, 3))
     assert set(parts) == {0, 1, 2} and all(p.stats == stats for p in parts.values())
+
+
+def test_a_leaving_front_hears_of_its_refused_submit_before_stopped(shared: SharedCore) -> None:
+    a, b = shared.fronts
+    a.hello(os.getpid())
+    b.hello(os.getpid())
+    b.send(submit("b1", [4, 4, 4], LONG))  # the core stays busy
+    a.send(submit("huge", [1, 2, 3] * 60, GREEDY))  # past max_seq_len: the engine refuses it
+    a.send(Shutdown(drain=True))
+    deadline = time.monotonic() + 10
+    while not a.stopped:
+        assert time.monotonic() < deadline, "front a was never told Stopped"
+        if a.from_core.poll(100):
+            a.take(core_decoder.decode(a.from_core.recv()))
+    # its last word is Stopped: nothing of its own may come after it (the front stops reading)
+    assert a.done["huge"].finish_reason == "error" and "max_seq_len" in (a.done["huge"].error or "")
+    b.read({"b1"})
+    assert not shared.routes
