@@ -50,9 +50,9 @@ class Launched:
 
     def wait_for(self, text: str, count: int = 1, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
-        while sum(text in line for line in self.lines) < count:
-            assert self.proc.poll() is None or sum(text in line for line in self.lines) >= count, \
-                "".join(self.lines)
+        # counted in the whole text: two fronts' lines can interleave on the one pipe
+        while "".join(self.lines).count(text) < count:
+            assert self.proc.poll() is None, "".join(self.lines)
             assert time.monotonic() < deadline, f"no {text!r} x{count}: {''.join(self.lines)}"
             time.sleep(0.05)
 
@@ -275,3 +275,46 @@ def _running(pid: int) -> bool:
             return handle.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+
+def clients_on_front(url: str, front: int, count: int) -> list[httpx.Client]:
+    """`count` single-connection clients whose connection front `front` accepted."""
+    found: list[httpx.Client] = []
+    for _ in range(400):
+        client = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=1))
+        if front_of(client, url)["front"] == front:
+            found.append(client)
+            if len(found) == count:
+                return found
+        else:
+            client.close()
+    raise AssertionError(f"{len(found)} connections reached front {front}")
+
+
+def test_each_front_admits_its_share_of_the_queue() -> None:
+    # 4 lanes + --max-waiting 2 over 2 fronts: 3 choices in flight per front
+    with launched(*NULL, "--max-waiting", "2") as server:
+        streams = clients_on_front(server.url, 0, 3)
+        [extra] = clients_on_front(server.url, 0, 1)
+        [elsewhere] = clients_on_front(server.url, 1, 1)
+        started = [threading.Event() for _ in streams]
+        runners = [threading.Thread(target=lambda c=client, e=event: _swallow(
+            lambda: stream_tokens(c, server.url, [5, 6], 600, e)))
+            for client, event in zip(streams, started, strict=True)]
+        try:
+            for runner in runners:  # front 0's whole share, streaming
+                runner.start()
+            assert all(event.wait(20) for event in started)
+            r = extra.post(f"{server.url}/v1/completions", json=body([1], 4, False))
+            assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+            message = r.json()["error"]["message"]
+            assert "3 of its 3 choices" in message and "2 fronts" in message, message
+            # the core has a lane left, and front 1 its own share
+            r = elsewhere.post(f"{server.url}/v1/completions", json=body([1], 4, False))
+            assert r.status_code == 200
+        finally:
+            for runner in runners:
+                runner.join(60)
+            for client in [*streams, extra, elsewhere]:
+                client.close()
