@@ -202,6 +202,7 @@ class _Receiver:
         self._thread = threading.Thread(target=self._run, name="atombatch-core-receiver",
                                         daemon=True)
         self._watched: dict[int, tuple[int, int]] = {}   # pidfd -> (front, pid)
+        self._replaced: list[int] = []   # pidfds of predecessors, closed after the poll round
 
     def start(self) -> None:
         self._thread.start()
@@ -220,9 +221,10 @@ class _Receiver:
         except Exception:  # the loop sees the thread gone and stops the core
             log.exception("core.receiver_failed")
         finally:
-            for fd in self._watched:
+            for fd in [*self._watched, *self._replaced]:
                 os.close(fd)
             self._watched.clear()
+            self._replaced.clear()
 
     def _receive(self) -> None:
         put, decode, tagged = self.received.put, front_decoder.decode, self.tagged
@@ -234,10 +236,12 @@ class _Receiver:
         while not self._stopping.is_set():
             for source, _ in poller.poll(RECEIVE_POLL_MS):
                 if isinstance(source, int):  # a watched front's process exited
-                    front, _pid = self._watched.pop(source)
+                    watch = self._watched.pop(source, None)
+                    if watch is None:  # replaced by a Hello earlier in this round
+                        continue
                     poller.unregister(source)
                     os.close(source)
-                    put(FrontGone(front))
+                    put(FrontGone(watch[0]))
                     continue
                 front = index[source]
                 while True:
@@ -262,6 +266,9 @@ class _Receiver:
                         put((front, message))
                     else:
                         put(message)
+            for fd in self._replaced:  # closed after the round: a new watch must not reuse
+                os.close(fd)           # the number of one this round's events still name
+            self._replaced.clear()
 
     def _watch(self, poller: Any, front: int, pid: int) -> None:
         """Watch front `front`'s process `pid` (its `Hello`; a restarted front says it again)."""
@@ -272,7 +279,7 @@ class _Receiver:
                 # its predecessor (gone, or about to be): what it submitted is aborted before
                 # the new front's first message (it says Hello before it submits anything)
                 poller.unregister(fd)
-                os.close(fd)
+                self._replaced.append(fd)
                 del self._watched[fd]
                 self.received.put(FrontGone(front))
         pidfd_open = getattr(os, "pidfd_open", None)
