@@ -189,7 +189,8 @@ class _Receiver:
 
     With a list of inboxes (a shared core: one per front, atombatch/core/shared.py) every
     message arrives as `(front, message)`, a front's `Hello` makes the thread watch its process
-    (a pidfd in the same poll), and a watched front that exits arrives as `FrontGone(front)`.
+    (a pidfd in the same poll), and a watched front that exits arrives as `FrontGone(front)`;
+    what that front sent and lands after it, until the next `Hello` there, is dropped.
 
     The inbox sockets are this thread's alone from `start` until `stop` returns.
     """
@@ -203,6 +204,7 @@ class _Receiver:
                                         daemon=True)
         self._watched: dict[int, tuple[int, int]] = {}   # pidfd -> (front, pid)
         self._replaced: list[int] = []   # pidfds of predecessors, closed after the poll round
+        self._gone: set[int] = set()     # fronts whose process exited: dropped until a Hello
 
     def start(self) -> None:
         self._thread.start()
@@ -241,6 +243,7 @@ class _Receiver:
                         continue
                     poller.unregister(source)
                     os.close(source)
+                    self._gone.add(watch[0])
                     put(FrontGone(watch[0]))
                     continue
                 front = index[source]
@@ -262,7 +265,10 @@ class _Receiver:
                         continue
                     if tagged:
                         if isinstance(message, Hello):
+                            self._gone.discard(front)
                             self._watch(poller, front, message.pid)
+                        elif front in self._gone:  # sent by a front that exited, landing late
+                            continue
                         put((front, message))
                     else:
                         put(message)
@@ -289,6 +295,7 @@ class _Receiver:
         try:
             fd = pidfd_open(pid)
         except OSError:  # already gone
+            self._gone.add(front)
             self.received.put(FrontGone(front))
             return
         self._watched[fd] = (front, pid)

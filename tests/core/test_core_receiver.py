@@ -219,3 +219,44 @@ def test_a_restarted_fronts_hello_in_the_same_poll_as_its_predecessors_exit(
         inbox.close(linger=0)
         to_core.close(linger=0)
         ctx.term()
+
+
+def test_what_lands_after_a_fronts_exit_is_dropped_until_the_next_hello(tmp_path: Path) -> None:
+    """A frame a front sent just before it died can reach the receiver after its pidfd did:
+    applied after `FrontGone`, its request would run to the end for nobody (and its outputs go
+    to the front started next on that index)."""
+    from atombatch.core.messages import Hello
+    from atombatch.core.process import FrontGone, _Receiver
+
+    ctx = zmq.Context()
+    inbox, to_core = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.bind(f"ipc://{tmp_path}/in-0")
+    to_core.connect(f"ipc://{tmp_path}/in-0")
+    receiver = _Receiver([inbox])
+    old, new = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                for _ in range(2))
+    prompt = np.array([5, 6], np.int64).tobytes()
+    try:
+        receiver.start()
+        to_core.send(front_encoder.encode(Hello(front=0, pid=old.pid)))
+        assert isinstance(receiver.received.get(timeout=5)[1], Hello)
+        old.kill()
+        old.wait(10)
+        assert isinstance(receiver.received.get(timeout=5), FrontGone)
+        to_core.send(front_encoder.encode(Submit("late", prompt, GREEDY)))  # the dead one's
+        to_core.send(front_encoder.encode(Hello(front=0, pid=new.pid)))     # the next front
+        to_core.send(front_encoder.encode(Submit("fresh", prompt, GREEDY)))
+        got = [receiver.received.get(timeout=5) for _ in range(2)]
+        time.sleep(0.2)
+        assert receiver.received.empty(), receiver.received.get()
+        assert isinstance(got[0][1], Hello) and got[0][1].pid == new.pid
+        assert got[1][1].request_id == "fresh"
+    finally:
+        for process in (old, new):
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+        receiver.stop()
+        inbox.close(linger=0)
+        to_core.close(linger=0)
+        ctx.term()
