@@ -384,11 +384,17 @@ class CoreClient(PDFront, OutputStreams):
                 limit = self.shared.choice_limit(ready.rules.artifact.batch_size,
                                                  ready.max_waiting)
             if self._in_flight_choices + params.n > limit:
+                if self.shared is not None:  # (the core's queue may have room: not this front)
+                    raise CapacityError(f"queue is full: this front has {self._in_flight_choices}"
+                                        f" of its {limit} choices in flight (lanes + "
+                                        f"max_waiting={ready.max_waiting} over "
+                                        f"{self.shared.fronts} fronts)")
                 waiting = max(0, self._in_flight_choices - ready.rules.artifact.batch_size)
                 raise CapacityError(f"queue is full: {waiting} requests wait, "
                                     f"max_waiting={ready.max_waiting}")
-        if request_id is None:
-            request_id = f"creq-{self._next_id}"
+        if request_id is None:  # a shared core's fronts (and their restarts) count apart
+            request_id = f"creq-{self._next_id}" if self.shared is None else \
+                f"creq-{self.shared.front}.{os.getpid()}-{self._next_id}"
             self._next_id += 1
         self._open(request_id)
         self._choices[request_id] = params.n

@@ -119,8 +119,12 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
 
 
 def _remove_socket_dir(address: str) -> None:
-    directory = os.path.dirname(address.removeprefix("ipc://"))
-    if os.path.basename(directory).startswith(SOCKET_DIR_PREFIX):  # only what a client made
+    remove_socket_dir(os.path.dirname(address.removeprefix("ipc://")))
+
+
+def remove_socket_dir(directory: str) -> None:
+    """Remove a socket directory a client or launcher made (and nothing else)."""
+    if os.path.basename(directory).startswith(SOCKET_DIR_PREFIX):
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -185,7 +189,8 @@ class _Receiver:
 
     With a list of inboxes (a shared core: one per front, atombatch/core/shared.py) every
     message arrives as `(front, message)`, a front's `Hello` makes the thread watch its process
-    (a pidfd in the same poll), and a watched front that exits arrives as `FrontGone(front)`.
+    (a pidfd in the same poll), and a watched front that exits arrives as `FrontGone(front)`;
+    what that front sent and lands after it, until the next `Hello` there, is dropped.
 
     The inbox sockets are this thread's alone from `start` until `stop` returns.
     """
@@ -198,6 +203,8 @@ class _Receiver:
         self._thread = threading.Thread(target=self._run, name="atombatch-core-receiver",
                                         daemon=True)
         self._watched: dict[int, tuple[int, int]] = {}   # pidfd -> (front, pid)
+        self._replaced: list[int] = []   # pidfds of predecessors, closed after the poll round
+        self._gone: set[int] = set()     # fronts whose process exited: dropped until a Hello
 
     def start(self) -> None:
         self._thread.start()
@@ -216,9 +223,10 @@ class _Receiver:
         except Exception:  # the loop sees the thread gone and stops the core
             log.exception("core.receiver_failed")
         finally:
-            for fd in self._watched:
+            for fd in [*self._watched, *self._replaced]:
                 os.close(fd)
             self._watched.clear()
+            self._replaced.clear()
 
     def _receive(self) -> None:
         put, decode, tagged = self.received.put, front_decoder.decode, self.tagged
@@ -230,10 +238,13 @@ class _Receiver:
         while not self._stopping.is_set():
             for source, _ in poller.poll(RECEIVE_POLL_MS):
                 if isinstance(source, int):  # a watched front's process exited
-                    front, _pid = self._watched.pop(source)
+                    watch = self._watched.pop(source, None)
+                    if watch is None:  # replaced by a Hello earlier in this round
+                        continue
                     poller.unregister(source)
                     os.close(source)
-                    put(FrontGone(front))
+                    self._gone.add(watch[0])
+                    put(FrontGone(watch[0]))
                     continue
                 front = index[source]
                 while True:
@@ -254,10 +265,16 @@ class _Receiver:
                         continue
                     if tagged:
                         if isinstance(message, Hello):
+                            self._gone.discard(front)
                             self._watch(poller, front, message.pid)
+                        elif front in self._gone:  # sent by a front that exited, landing late
+                            continue
                         put((front, message))
                     else:
                         put(message)
+            for fd in self._replaced:  # closed after the round: a new watch must not reuse
+                os.close(fd)           # the number of one this round's events still name
+            self._replaced.clear()
 
     def _watch(self, poller: Any, front: int, pid: int) -> None:
         """Watch front `front`'s process `pid` (its `Hello`; a restarted front says it again)."""
@@ -268,7 +285,7 @@ class _Receiver:
                 # its predecessor (gone, or about to be): what it submitted is aborted before
                 # the new front's first message (it says Hello before it submits anything)
                 poller.unregister(fd)
-                os.close(fd)
+                self._replaced.append(fd)
                 del self._watched[fd]
                 self.received.put(FrontGone(front))
         pidfd_open = getattr(os, "pidfd_open", None)
@@ -278,6 +295,7 @@ class _Receiver:
         try:
             fd = pidfd_open(pid)
         except OSError:  # already gone
+            self._gone.add(front)
             self.received.put(FrontGone(front))
             return
         self._watched[fd] = (front, pid)
@@ -587,6 +605,8 @@ class CoreLoop:
         busy = {routes.get(request_id) for request_id in self.live}
         for front in [front for front in self.leaving if front not in busy]:
             del self.leaving[front]
+            if self.errors:  # submits the engine refused go out first: Stopped is the last word
+                self.send(self.step_message([], [], _NO_TOKENS))
             stats = self.batcher.stats()
             self.send(To(front, Step(ids=[], tokens=b"", outputs=[], stats=stats,
                                      pd=self._pd_stats(stats))))
@@ -624,7 +644,7 @@ def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int,
                     report: Any, pd: PDOptions | None = None) -> None:
     """The shared core process's main function: bind every front's pair, build the engine, send
     the launcher `Ready` or `Failed` (msgpack bytes on the `report` pipe), then run the loop
-    until the launcher stops it or exits."""
+    until the launcher stops it or exits (killed: the core removes `directory` itself)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides (drain, then stop)
     ctx = zmq.Context()
     inboxes, outboxes = [], []
@@ -656,6 +676,8 @@ def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int,
             loop.run()
         finally:
             sender.close()
+        if loop.front_gone:  # the launcher was killed: nobody else removes the directory
+            remove_socket_dir(directory)
     finally:
         if core_pd is not None:
             core_pd.close()

@@ -50,7 +50,7 @@ from prometheus_client.utils import floatToGoString
 
 from atombatch.engine import EngineStats
 from atombatch.logs import logger
-from atombatch.serve.metrics_merge import sum_metrics
+from atombatch.serve.metrics_merge import exposition, sum_metrics
 
 log = logger("atombatch.serve")
 
@@ -152,11 +152,15 @@ class _FrontFamilies(Collector):
     """The HTTP metrics of this front; with a shared core (`--api-server-count N`), summed over
     every front: each front writes its own to `metrics-<front>.prom` in the core's directory
     (every `FRONT_WRITE_INTERVAL` seconds and at each scrape) and a scrape adds the others' last
-    files to its own live values (so another front's share is at most that old)."""
+    files to its own live values (so another front's share is at most that old). A front
+    started again on an index carries its predecessor's counters and histograms on in its own
+    file (a sum that went down would read as a counter reset), not its gauges."""
 
     def __init__(self, registry: CollectorRegistry, shared: Any = None) -> None:
         self.registry = registry
         self.shared = shared
+        self._writing = threading.Lock()  # the timer and a scrape share the one temporary file
+        self.carried = b"" if shared is None else _carried(shared)  # the predecessor's counts
 
     def describe(self) -> Iterator[Metric]:
         yield from self.registry.collect()
@@ -164,9 +168,12 @@ class _FrontFamilies(Collector):
     def write(self) -> bytes:
         """This front's HTTP metrics as exposition text, also written to its file (atomically)."""
         text = bytes(generate_latest(self.registry))
+        if self.carried:
+            text = exposition(sum_metrics([text, self.carried]))
         if self.shared is not None:
             path = front_metrics_path(self.shared.directory, self.shared.front)
-            with contextlib.suppress(OSError):  # the directory went with the launcher
+            # (an OSError: the directory went with the launcher)
+            with self._writing, contextlib.suppress(OSError):
                 with open(f"{path}.tmp", "wb") as handle:
                     handle.write(text)
                 os.replace(f"{path}.tmp", path)
@@ -199,6 +206,22 @@ class _FrontFamilies(Collector):
 
 def front_metrics_path(directory: str, front: int) -> str:
     return os.path.join(directory, f"metrics-{front}.prom")
+
+
+def _carried(shared: Any) -> bytes:
+    """The counters and histograms in the file of this front's predecessor on its index (none:
+    the first front there); its gauges ended with it (its requests in flight, for one)."""
+    path = front_metrics_path(shared.directory, shared.front)
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read()
+    except OSError:
+        return b""
+    try:
+        return exposition([family for family in sum_metrics([text]) if family.type != "gauge"])
+    except Exception:  # a metrics bug must not stop the front from starting
+        log.exception("metrics.carry_failed", front=shared.front)
+        return b""
 
 
 class ServerMetrics:
@@ -241,4 +264,5 @@ class ServerMetrics:
         self.fronts = _FrontFamilies(registry, shared)
         self.registry.register(self.fronts)
         if shared is not None:
+            self.fronts.write()  # at once: a predecessor's gauges leave the sums
             self.fronts.write_every(FRONT_WRITE_INTERVAL)

@@ -37,8 +37,13 @@ def merge_metrics(texts: Mapping[str, bytes | str], label: str = "replica") -> b
                 labels = {label: source, **sample.labels}
                 target.samples.append(Sample(sample.name, labels, sample.value,
                                              sample.timestamp, sample.exemplar))
+    return exposition(list(merged.values()))
+
+
+def exposition(families: list[Metric]) -> bytes:
+    """`families` as Prometheus exposition text."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Merged(list(merged.values())))
+    registry.register(_Merged(families))
     return bytes(generate_latest(registry))
 
 

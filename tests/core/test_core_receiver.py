@@ -6,6 +6,8 @@ here, over real ZeroMQ sockets."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -152,3 +154,109 @@ def test_a_receiver_that_dies_stops_the_core_instead_of_leaving_it_deaf(
     runner.join(5)
     assert not runner.is_alive(), "the loop carried on with nothing to hear the front"
     assert failures and "receiver" in str(failures[0])
+
+
+def test_a_restarted_fronts_hello_in_the_same_poll_as_its_predecessors_exit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared core's receiver (one inbox per front, a pidfd per front's process): the new
+    front's Hello and the old front's exit arrive in one poll. The old one is gone once, and
+    the new one stays watched (its pidfd must not be taken for the old one's)."""
+    from atombatch.core.messages import Hello
+    from atombatch.core.process import FrontGone, _Receiver
+
+    gate = threading.Event()
+    gate.set()
+    real_poll = zmq.Poller.poll
+
+    def gated_poll(self: Any, timeout: int | None = None) -> list[Any]:
+        gate.wait()  # (a receiver that did not get the interpreter for a while)
+        return real_poll(self, timeout)
+
+    monkeypatch.setattr(zmq.Poller, "poll", gated_poll)
+    ctx = zmq.Context()
+    inbox, to_core = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.bind(f"ipc://{tmp_path}/in-0")
+    to_core.connect(f"ipc://{tmp_path}/in-0")
+    receiver = _Receiver([inbox])
+    old, new = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                for _ in range(2))
+    got: list[Any] = []
+
+    def take(timeout: float = 5.0) -> Any:
+        message = receiver.received.get(timeout=timeout)
+        got.append(message)
+        return message
+
+    try:
+        receiver.start()
+        to_core.send(front_encoder.encode(Hello(front=0, pid=old.pid)))
+        assert isinstance(take()[1], Hello)
+        time.sleep(0.1)  # inside a poll: the next one waits at the gate
+        gate.clear()
+        time.sleep(0.2)
+        old.kill()
+        old.wait(10)
+        to_core.send(front_encoder.encode(Hello(front=0, pid=new.pid)))
+        time.sleep(0.2)  # both ready when the receiver polls again
+        gate.set()
+        first, second = take(), take()
+        assert isinstance(first, FrontGone) and isinstance(second, tuple)
+        assert second[1].pid == new.pid
+        time.sleep(0.3)
+        assert receiver.received.empty(), receiver.received.get()  # no second FrontGone
+        assert receiver.running
+        new.kill()
+        new.wait(10)
+        gone = take()  # the new front is still watched
+        assert isinstance(gone, FrontGone) and gone.front == 0
+    finally:
+        gate.set()
+        for process in (old, new):
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+        receiver.stop()
+        inbox.close(linger=0)
+        to_core.close(linger=0)
+        ctx.term()
+
+
+def test_what_lands_after_a_fronts_exit_is_dropped_until_the_next_hello(tmp_path: Path) -> None:
+    """A frame a front sent just before it died can reach the receiver after its pidfd did:
+    applied after `FrontGone`, its request would run to the end for nobody (and its outputs go
+    to the front started next on that index)."""
+    from atombatch.core.messages import Hello
+    from atombatch.core.process import FrontGone, _Receiver
+
+    ctx = zmq.Context()
+    inbox, to_core = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.bind(f"ipc://{tmp_path}/in-0")
+    to_core.connect(f"ipc://{tmp_path}/in-0")
+    receiver = _Receiver([inbox])
+    old, new = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                for _ in range(2))
+    prompt = np.array([5, 6], np.int64).tobytes()
+    try:
+        receiver.start()
+        to_core.send(front_encoder.encode(Hello(front=0, pid=old.pid)))
+        assert isinstance(receiver.received.get(timeout=5)[1], Hello)
+        old.kill()
+        old.wait(10)
+        assert isinstance(receiver.received.get(timeout=5), FrontGone)
+        to_core.send(front_encoder.encode(Submit("late", prompt, GREEDY)))  # the dead one's
+        to_core.send(front_encoder.encode(Hello(front=0, pid=new.pid)))     # the next front
+        to_core.send(front_encoder.encode(Submit("fresh", prompt, GREEDY)))
+        got = [receiver.received.get(timeout=5) for _ in range(2)]
+        time.sleep(0.2)
+        assert receiver.received.empty(), receiver.received.get()
+        assert isinstance(got[0][1], Hello) and got[0][1].pid == new.pid
+        assert got[1][1].request_id == "fresh"
+    finally:
+        for process in (old, new):
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+        receiver.stop()
+        inbox.close(linger=0)
+        to_core.close(linger=0)
+        ctx.term()

@@ -255,3 +255,46 @@ def test_split_step_routes_rows_and_outputs_and_gives_every_front_the_stats() ->
     stats = _stats()
     parts = dict(split_step(Step(ids=[], tokens=b"", outputs=[], stats=stats), routes, 3))
     assert set(parts) == {0, 1, 2} and all(p.stats == stats for p in parts.values())
+
+
+def test_a_leaving_front_hears_of_its_refused_submit_before_stopped(shared: SharedCore) -> None:
+    a, b = shared.fronts
+    a.hello(os.getpid())
+    b.hello(os.getpid())
+    b.send(submit("b1", [4, 4, 4], LONG))  # the core stays busy
+    a.send(submit("huge", [1, 2, 3] * 60, GREEDY))  # past max_seq_len: the engine refuses it
+    a.send(Shutdown(drain=True))
+    deadline = time.monotonic() + 10
+    while not a.stopped:
+        assert time.monotonic() < deadline, "front a was never told Stopped"
+        if a.from_core.poll(100):
+            a.take(core_decoder.decode(a.from_core.recv()))
+    # its last word is Stopped: nothing of its own may come after it (the front stops reading)
+    assert a.done["huge"].finish_reason == "error" and "max_seq_len" in (a.done["huge"].error or "")
+    b.read({"b1"})
+    assert not shared.routes
+
+
+async def test_two_shared_clients_without_request_ids_do_not_collide(tmp_path: Path) -> None:
+    from atombatch.core import CoreClient
+    from atombatch.core.shared import SharedCore as Where
+
+    core = SharedCore(tmp_path)
+    for front in core.fronts:  # the clients below are the fronts
+        front.to_core.close(linger=0)
+        front.from_core.close(linger=0)
+    core.fronts = []
+    clients = [CoreClient(None, shared=Where(directory=str(tmp_path), fronts=2, front=k,
+                                             core_pid=os.getpid())) for k in range(2)]
+    try:
+        for client in clients:
+            await client.start()
+        ids = [client.submit([5, 6, 7], GREEDY) for client in clients]  # ids of their own
+        for client, request_id in zip(clients, ids, strict=True):
+            outs = [out async for out in client.outputs(request_id)]
+            assert outs[-1].finish_reason == "length", outs[-1].error
+            assert [t for out in outs for t in out.new_token_ids] == alone([5, 6, 7], GREEDY)
+    finally:
+        for client in clients:
+            await client.close()
+        core.close()

@@ -29,13 +29,16 @@ NULL = ("--runtime", "null", "--null-step-ms", "5", "--batch-size", "4", "--max-
 class Launched:
     """The launcher process and what it printed (read on a thread, so the pipe never fills)."""
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, tmp: Path | None = None) -> None:
         self.port = free_port()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if tmp is not None:  # where the core's socket directory goes
+            env["TMPDIR"] = str(tmp)
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "atombatch.serve", "--port", str(self.port), *flags],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            start_new_session=True, env=env)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -47,9 +50,9 @@ class Launched:
 
     def wait_for(self, text: str, count: int = 1, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
-        while sum(text in line for line in self.lines) < count:
-            assert self.proc.poll() is None or sum(text in line for line in self.lines) >= count, \
-                "".join(self.lines)
+        # counted in the whole text: two fronts' lines can interleave on the one pipe
+        while "".join(self.lines).count(text) < count:
+            assert self.proc.poll() is None, "".join(self.lines)
             assert time.monotonic() < deadline, f"no {text!r} x{count}: {''.join(self.lines)}"
             time.sleep(0.05)
 
@@ -74,8 +77,8 @@ class Launched:
 
 
 @contextmanager
-def launched(*flags: str, fronts: int = 2) -> Iterator[Launched]:
-    server = Launched(*flags, "--api-server-count", str(fronts))
+def launched(*flags: str, fronts: int = 2, tmp: Path | None = None) -> Iterator[Launched]:
+    server = Launched(*flags, "--api-server-count", str(fronts), tmp=tmp)
     try:
         server.wait_for("listening on", count=fronts)
         yield server
@@ -202,19 +205,21 @@ def test_a_dying_core_stops_the_server_and_leaves_nothing() -> None:
         os.kill(core_pid, signal.SIGKILL)
         assert server.proc.wait(30) == 1
         assert "the engine core exited" in "".join(server.lines)
-        for pid in children:
-            assert not _running(pid), f"child {pid} outlived the server"
+        _none_outlive(children)
 
 
-def test_a_killed_launcher_takes_the_core_and_the_fronts_with_it() -> None:
-    with launched(*NULL) as server:
+def test_a_killed_launcher_takes_the_core_and_the_fronts_with_it(tmp_path: Path) -> None:
+    with launched(*NULL, tmp=tmp_path) as server:
         children = [pid for pid in server.children() if _running(pid)]
         assert len(children) >= 3
+        [directory] = tmp_path.glob("atombatch-core-*")
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(10)
         # the core sees its parent gone and exits; each front sees the core gone and exits
         wait_until(lambda: not any(_running(pid) for pid in children), timeout=20,
                    what="a child outlived its launcher")
+        # and the core removed the socket directory the launcher can no longer remove
+        assert not directory.exists(), sorted(p.name for p in directory.iterdir())
 
 
 @pytest.mark.parametrize("how", ["sigterm", "sigint"])
@@ -235,8 +240,7 @@ def test_a_stop_drains_every_front_and_leaves_nothing(how: str, tmp_path: Path) 
             runner.join(60)
         assert server.proc.wait(60) == 0
         assert [len(tokens) for tokens in results] == [300, 300]  # in-flight streams finished
-        for pid in children:
-            assert not _running(pid), f"child {pid} outlived the server"
+        _none_outlive(children)
         assert "Traceback" not in "".join(server.lines)
         for client in clients.values():
             client.close()
@@ -253,6 +257,14 @@ def test_a_core_that_cannot_start_ends_the_launcher_with_its_message() -> None:
         server.close()
 
 
+def _none_outlive(children: list[int]) -> None:
+    """None of the launcher's children outlives it by more than a moment (multiprocessing's
+    resource tracker, a child of the launcher too, exits once the launcher's end of its pipe
+    closes: just after the launcher)."""
+    wait_until(lambda: not any(_running(pid) for pid in children), timeout=5,
+               what=f"children outlived the server: {[p for p in children if _running(p)]}")
+
+
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -263,3 +275,46 @@ def _running(pid: int) -> bool:
             return handle.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+
+def clients_on_front(url: str, front: int, count: int) -> list[httpx.Client]:
+    """`count` single-connection clients whose connection front `front` accepted."""
+    found: list[httpx.Client] = []
+    for _ in range(400):
+        client = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=1))
+        if front_of(client, url)["front"] == front:
+            found.append(client)
+            if len(found) == count:
+                return found
+        else:
+            client.close()
+    raise AssertionError(f"{len(found)} connections reached front {front}")
+
+
+def test_each_front_admits_its_share_of_the_queue() -> None:
+    # 4 lanes + --max-waiting 2 over 2 fronts: 3 choices in flight per front
+    with launched(*NULL, "--max-waiting", "2") as server:
+        streams = clients_on_front(server.url, 0, 3)
+        [extra] = clients_on_front(server.url, 0, 1)
+        [elsewhere] = clients_on_front(server.url, 1, 1)
+        started = [threading.Event() for _ in streams]
+        runners = [threading.Thread(target=lambda c=client, e=event: _swallow(
+            lambda: stream_tokens(c, server.url, [5, 6], 600, e)))
+            for client, event in zip(streams, started, strict=True)]
+        try:
+            for runner in runners:  # front 0's whole share, streaming
+                runner.start()
+            assert all(event.wait(20) for event in started)
+            r = extra.post(f"{server.url}/v1/completions", json=body([1], 4, False))
+            assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+            message = r.json()["error"]["message"]
+            assert "3 of its 3 choices" in message and "2 fronts" in message, message
+            # the core has a lane left, and front 1 its own share
+            r = elsewhere.post(f"{server.url}/v1/completions", json=body([1], 4, False))
+            assert r.status_code == 200
+        finally:
+            for runner in runners:
+                runner.join(60)
+            for client in [*streams, extra, elsewhere]:
+                client.close()
