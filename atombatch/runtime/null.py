@@ -22,7 +22,7 @@ deterministic, differs by position and by prompt, and does not depend on the lan
 from __future__ import annotations
 
 import math
-import os
+import select
 import time
 from collections.abc import Sequence
 
@@ -197,12 +197,14 @@ class NullRuntime:
 
         A device call returns when the device is done; a plain sleep returns 0.1-1 ms late on a
         loaded VM (timer slack and wakeup latency), which would be charged to the serving path.
-        So it sleeps until `SPIN_S` before the deadline and then spins on `os.sched_yield` (which
-        releases the GIL) until the deadline: at most `SPIN_S` of CPU per call. Not a zero-length
-        `time.sleep`: that is a nanosleep, which timer slack stretches to ~50 us, and the call
-        would return 50-100 us late."""
+        So it sleeps until `SPIN_S` before the deadline and then spins on a zero-timeout
+        `select` (a system call that releases the GIL and returns at once) until the deadline: at
+        most `SPIN_S` of CPU per call. Not a zero-length `time.sleep` (a nanosleep, which timer
+        slack stretches to ~50 us: the call returned 50-100 us late) nor `os.sched_yield` (which
+        hands the CPU to any other runnable thread for the rest of its slice: milliseconds when
+        the front and the client keep both CPUs busy)."""
         left = deadline - time.perf_counter()
         if left > SPIN_S:
             time.sleep(left - SPIN_S)
         while time.perf_counter() < deadline:
-            os.sched_yield()
+            select.select((), (), (), 0)
