@@ -5,6 +5,7 @@ here, over real ZeroMQ sockets."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -19,10 +20,11 @@ import numpy as np
 import pytest
 import zmq
 from support.engines import numpy_batcher
+from support.engines import submit_message as submit
 
 from atombatch import SamplingParams
 from atombatch.core.messages import Abort, Shutdown, Step, Stopped, Submit, core_decoder, front_encoder
-from atombatch.core.process import CoreLoop, _Sender
+from atombatch.core.process import CoreLoop, _Receiver, _Sender
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -85,10 +87,6 @@ def core(tmp_path: Path) -> Iterator[Core]:
         yield c
     finally:
         c.close()
-
-
-def submit(request_id: str, prompt: list[int], params: Any) -> Submit:
-    return Submit(request_id, np.asarray(prompt, dtype=np.int64).tobytes(), params)
 
 
 def test_an_unreadable_submit_fails_that_request_and_the_core_carries_on(core: Core) -> None:
@@ -156,13 +154,37 @@ def test_a_receiver_that_dies_stops_the_core_instead_of_leaving_it_deaf(
     assert failures and "receiver" in str(failures[0])
 
 
+@contextlib.contextmanager
+def front_receiver(tmp_path: Path) -> Iterator[tuple[Any, Any, list[Any]]]:
+    """A shared core's receiver on one front's inbox, the front's socket to it and two stand-in
+    front processes (sleepers: their pids are what the receiver watches)."""
+    ctx = zmq.Context()
+    inbox, to_core = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.bind(f"ipc://{tmp_path}/in-0")
+    to_core.connect(f"ipc://{tmp_path}/in-0")
+    receiver = _Receiver([inbox])
+    fronts = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+              for _ in range(2)]
+    try:
+        yield receiver, to_core, fronts
+    finally:
+        for process in fronts:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+        receiver.stop()
+        inbox.close(linger=0)
+        to_core.close(linger=0)
+        ctx.term()
+
+
 def test_a_restarted_fronts_hello_in_the_same_poll_as_its_predecessors_exit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A shared core's receiver (one inbox per front, a pidfd per front's process): the new
     front's Hello and the old front's exit arrive in one poll. The old one is gone once, and
     the new one stays watched (its pidfd must not be taken for the old one's)."""
     from atombatch.core.messages import Hello
-    from atombatch.core.process import FrontGone, _Receiver
+    from atombatch.core.process import FrontGone
 
     gate = threading.Event()
     gate.set()
@@ -173,13 +195,6 @@ def test_a_restarted_fronts_hello_in_the_same_poll_as_its_predecessors_exit(
         return real_poll(self, timeout)
 
     monkeypatch.setattr(zmq.Poller, "poll", gated_poll)
-    ctx = zmq.Context()
-    inbox, to_core = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inbox.bind(f"ipc://{tmp_path}/in-0")
-    to_core.connect(f"ipc://{tmp_path}/in-0")
-    receiver = _Receiver([inbox])
-    old, new = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-                for _ in range(2))
     got: list[Any] = []
 
     def take(timeout: float = 5.0) -> Any:
@@ -187,7 +202,7 @@ def test_a_restarted_fronts_hello_in_the_same_poll_as_its_predecessors_exit(
         got.append(message)
         return message
 
-    try:
+    with front_receiver(tmp_path) as (receiver, to_core, (old, new)):
         receiver.start()
         to_core.send(front_encoder.encode(Hello(front=0, pid=old.pid)))
         assert isinstance(take()[1], Hello)
@@ -209,16 +224,7 @@ def test_a_restarted_fronts_hello_in_the_same_poll_as_its_predecessors_exit(
         new.wait(10)
         gone = take()  # the new front is still watched
         assert isinstance(gone, FrontGone) and gone.front == 0
-    finally:
         gate.set()
-        for process in (old, new):
-            if process.poll() is None:
-                process.kill()
-                process.wait(10)
-        receiver.stop()
-        inbox.close(linger=0)
-        to_core.close(linger=0)
-        ctx.term()
 
 
 def test_what_lands_after_a_fronts_exit_is_dropped_until_the_next_hello(tmp_path: Path) -> None:
@@ -226,17 +232,10 @@ def test_what_lands_after_a_fronts_exit_is_dropped_until_the_next_hello(tmp_path
     applied after `FrontGone`, its request would run to the end for nobody (and its outputs go
     to the front started next on that index)."""
     from atombatch.core.messages import Hello
-    from atombatch.core.process import FrontGone, _Receiver
+    from atombatch.core.process import FrontGone
 
-    ctx = zmq.Context()
-    inbox, to_core = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inbox.bind(f"ipc://{tmp_path}/in-0")
-    to_core.connect(f"ipc://{tmp_path}/in-0")
-    receiver = _Receiver([inbox])
-    old, new = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-                for _ in range(2))
     prompt = np.array([5, 6], np.int64).tobytes()
-    try:
+    with front_receiver(tmp_path) as (receiver, to_core, (old, new)):
         receiver.start()
         to_core.send(front_encoder.encode(Hello(front=0, pid=old.pid)))
         assert isinstance(receiver.received.get(timeout=5)[1], Hello)
@@ -251,12 +250,3 @@ def test_what_lands_after_a_fronts_exit_is_dropped_until_the_next_hello(tmp_path
         assert receiver.received.empty(), receiver.received.get()
         assert isinstance(got[0][1], Hello) and got[0][1].pid == new.pid
         assert got[1][1].request_id == "fresh"
-    finally:
-        for process in (old, new):
-            if process.poll() is None:
-                process.kill()
-                process.wait(10)
-        receiver.stop()
-        inbox.close(linger=0)
-        to_core.close(linger=0)
-        ctx.term()

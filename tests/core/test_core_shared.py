@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import zmq
 from support.engines import ART, numpy_batcher
+from support.engines import submit_message as submit
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
 from atombatch.core.messages import (
@@ -28,7 +29,6 @@ from atombatch.core.messages import (
     Shutdown,
     Step,
     Stopped,
-    Submit,
     core_decoder,
     front_encoder,
 )
@@ -137,10 +137,6 @@ def shared(tmp_path: Path) -> Iterator[SharedCore]:
         yield core
     finally:
         core.close()
-
-
-def submit(request_id: str, prompt: list[int], params: SamplingParams) -> Submit:
-    return Submit(request_id, np.asarray(prompt, dtype=np.int64).tobytes(), params)
 
 
 def alone(prompt: list[int], params: SamplingParams) -> list[int]:

@@ -22,3 +22,12 @@ def numpy_batcher(seed: int = 7, max_waiting: int | None = 64, **options: Any) -
 def failing_factory(message: str) -> Batcher:
     from atombatch.errors import ConfigError
     raise ConfigError(message)
+
+
+def submit_message(request_id: str, prompt: list[int], params: Any) -> Any:
+    """The `Submit` a front sends the core for `prompt` (int64 bytes)."""
+    import numpy as np
+
+    from atombatch.core.messages import Submit
+
+    return Submit(request_id, np.asarray(prompt, dtype=np.int64).tobytes(), params)
