@@ -45,6 +45,7 @@ from atombatch.core.shared import SharedCore
 from atombatch.engine import Batcher
 from atombatch.errors import ConfigError
 
+MAX_FRONTS = 256          # --api-server-count at most (each front is a process and a pair of sockets)
 MAX_RESTARTS = 5          # front restarts allowed within RESTART_WINDOW seconds
 RESTART_WINDOW = 60.0
 FRONT_EXIT_TIMEOUT = 10.0  # seconds fronts get to exit after the core died
@@ -122,8 +123,9 @@ def launch(args: argparse.Namespace, sock: socket.socket, serve: Callable[..., i
     tokenizer, the chat template) so a bad flag is refused before the core is built; the last
     two raise `ConfigError`."""
     count = args.api_server_count
-    if count < 1:
-        print(f"atombatch.serve: --api-server-count {count} must be >= 1", file=sys.stderr)
+    if not 1 <= count <= MAX_FRONTS:
+        print(f"atombatch.serve: --api-server-count {count} must be in 1..{MAX_FRONTS}",
+              file=sys.stderr)
         return 2
     if args.engine_core != "process":
         print("atombatch.serve: --api-server-count > 1 needs --engine-core process (the fronts "

@@ -318,3 +318,14 @@ def test_each_front_admits_its_share_of_the_queue() -> None:
                 runner.join(60)
             for client in [*streams, extra, elsewhere]:
                 client.close()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--api-server-count", "0"), "--api-server-count 0 must be in 1..256"),
+    (("--api-server-count", "100000"), "--api-server-count 100000 must be in 1..256"),
+    (("--api-server-count", "2", "--engine-core", "inline"), "needs --engine-core process")])
+def test_a_bad_front_count_is_refused_before_anything_starts(flags: tuple[str, ...],
+                                                             message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "atombatch.serve", "--port", "0", *NULL, *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
