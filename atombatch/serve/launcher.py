@@ -154,7 +154,7 @@ def launch(args: argparse.Namespace, sock: socket.socket, serve: Callable[..., i
         report_child.close()
         message = _wait_ready(core, report, stop)
         if message is None:
-            return 130 if stop else 2
+            return 128 + stop[0] if stop else 2  # (a shell's status for that signal)
         assert core.pid is not None
         fronts = _Fronts(serve, args, sock, directory, core.pid)
         for front in range(count):
@@ -203,7 +203,7 @@ def _supervise(core: Any, fronts: _Fronts, stop: list[int]) -> int:
     """Watch the core and the fronts until the server stops; its exit status."""
     while True:
         if stop:
-            return _stop_gracefully(fronts, stop)
+            return _stop_gracefully(core, fronts, stop)
         sentinels = [core.sentinel] + [p.sentinel for p in fronts.processes]
         multiprocessing.connection.wait(sentinels, timeout=POLL_S)
         if stop:
@@ -235,8 +235,9 @@ def _supervise(core: Any, fronts: _Fronts, stop: list[int]) -> int:
             fronts.start(front)
 
 
-def _stop_gracefully(fronts: _Fronts, stop: list[int]) -> int:
-    """One SIGTERM to each front; wait for them (a second signal kills them)."""
+def _stop_gracefully(core: Any, fronts: _Fronts, stop: list[int]) -> int:
+    """One SIGTERM to each front; wait for them (a second signal kills them). 0, or 1 when the
+    core died meanwhile (the fronts failed what they were draining)."""
     seen = len(stop)
     fronts.signal_all(signal.SIGTERM)
     while fronts.alive():
@@ -245,4 +246,8 @@ def _stop_gracefully(fronts: _Fronts, stop: list[int]) -> int:
             break
         multiprocessing.connection.wait([p.sentinel for p in fronts.alive()], timeout=POLL_S)
     fronts.join_all(5)
+    if not core.is_alive():
+        print(f"atombatch.serve: the engine core exited (code {core.exitcode}) while the fronts "
+              "drained", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -192,7 +192,8 @@ def test_a_dying_front_has_its_requests_aborted_while_the_other_streams_on() -> 
 
 
 def _swallow(call) -> None:  # type: ignore[no-untyped-def]
-    with contextlib.suppress(httpx.HTTPError, AssertionError):  # its front died under it
+    # its front (or the core) died under it: a cut stream, or an error event without choices
+    with contextlib.suppress(httpx.HTTPError, AssertionError, KeyError):
         call()
 
 
@@ -242,6 +243,27 @@ def test_a_stop_drains_every_front_and_leaves_nothing(how: str, tmp_path: Path) 
         assert [len(tokens) for tokens in results] == [300, 300]  # in-flight streams finished
         _none_outlive(children)
         assert "Traceback" not in "".join(server.lines)
+        for client in clients.values():
+            client.close()
+
+
+def test_a_core_that_dies_while_the_fronts_drain_makes_the_stop_fail() -> None:
+    with launched(*NULL) as server:
+        core_pid = httpx.get(f"{server.url}/v1/models").json()["data"][0]["atombatch"][
+            "engine_core"]["pid"]
+        clients = clients_per_front(server.url, 2)
+        started = threading.Event()
+        runner = threading.Thread(target=lambda: _swallow(
+            lambda: stream_tokens(clients[0], server.url, [5, 6], 3000, started)))
+        runner.start()
+        assert started.wait(20)
+        server.proc.terminate()          # a drain begins: the stream holds front 0 open
+        time.sleep(1.0)                  # (the fronts have their SIGTERM; 15 s of stream left)
+        assert server.proc.poll() is None
+        os.kill(core_pid, signal.SIGKILL)
+        runner.join(30)
+        assert server.proc.wait(60) == 1  # not a clean stop: the stream ended in an error
+        assert "while the fronts drained" in "".join(server.lines)
         for client in clients.values():
             client.close()
 
