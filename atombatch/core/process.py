@@ -28,6 +28,7 @@ exited (checked every loop) or its socket peer vanished, aborting every request 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
@@ -67,6 +68,8 @@ from atombatch.structs import RequestOutput
 
 log = logger("atombatch.core")
 
+FRONT_QUEUE = 10_000      # a shared core's messages queued for one front (one per step: 50 s at 5 ms)
+STUCK_SENDS = 100         # sends refused in a row to a live front past FRONT_QUEUE: it is killed
 STATS_INTERVAL = 0.05     # seconds between the engine stats a Step carries
 IDLE_WAIT_MS = 100        # how long an idle core waits for a message before checking its parent
 RECEIVE_POLL_MS = 50      # how often the receiver thread checks whether the loop has stopped
@@ -140,9 +143,11 @@ class _Sender:
     anything else goes to every front (atombatch/core/shared.py).
     """
 
-    def __init__(self, outbox: Any, routes: dict[str, int] | None = None) -> None:
+    def __init__(self, outbox: Any, routes: dict[str, int] | None = None,
+                 front_pids: dict[int, int] | None = None) -> None:
         self.outbox = outbox
         self.routes = routes
+        self.front_pids = {} if front_pids is None else front_pids
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._failed = False
         self._thread = threading.Thread(target=self._run, name="atombatch-core-sender",
@@ -158,7 +163,7 @@ class _Sender:
 
     def _run(self) -> None:
         if self.routes is not None:
-            send_routed(self._queue, self.outbox, self.routes)
+            send_routed(self._queue, self.outbox, self.routes, self.front_pids)
             return
         encode, send = core_encoder.encode, self.outbox.send
         while True:
@@ -195,8 +200,9 @@ class _Receiver:
     The inbox sockets are this thread's alone from `start` until `stop` returns.
     """
 
-    def __init__(self, inbox: Any) -> None:
+    def __init__(self, inbox: Any, pids: dict[int, int] | None = None) -> None:
         self.tagged = isinstance(inbox, list | tuple)
+        self.pids = {} if pids is None else pids   # front -> the pid of its live process
         self.inboxes: list[Any] = list(inbox) if self.tagged else [inbox]
         self.received: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stopping = threading.Event()
@@ -243,6 +249,7 @@ class _Receiver:
                         continue
                     poller.unregister(source)
                     os.close(source)
+                    self.pids.pop(watch[0], None)
                     self._gone.add(watch[0])
                     put(FrontGone(watch[0]))
                     continue
@@ -287,6 +294,7 @@ class _Receiver:
                 poller.unregister(fd)
                 self._replaced.append(fd)
                 del self._watched[fd]
+                self.pids.pop(front, None)
                 self.received.put(FrontGone(front))
         pidfd_open = getattr(os, "pidfd_open", None)
         if pidfd_open is None:  # (not Linux >= 5.3: a front that dies is not noticed)
@@ -299,6 +307,7 @@ class _Receiver:
             self.received.put(FrontGone(front))
             return
         self._watched[fd] = (front, pid)
+        self.pids[front] = pid
         poller.register(fd, zmq.POLLIN)
 
 
@@ -384,11 +393,12 @@ class CoreLoop:
     """
 
     def __init__(self, batcher: Batcher, inbox: Any, outbox: Any, parent_pid: int,
-                 pd: CorePD | None = None, routes: dict[str, int] | None = None) -> None:
+                 pd: CorePD | None = None, routes: dict[str, int] | None = None,
+                 front_pids: dict[int, int] | None = None) -> None:
         self.batcher = batcher
         self.pd = pd                          # the producer pool (PD on), else None
         self.summaries = CoreSummaries()
-        self.receiver = _Receiver(inbox)
+        self.receiver = _Receiver(inbox, front_pids)
         self.received = self.receiver.received  # the front's messages, decoded, in order
         self.outbox = outbox
         self.held: list[Any] = []             # messages for the sender, until a device call
@@ -655,7 +665,7 @@ def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int,
             inbox = ctx.socket(zmq.PULL)
             inbox.bind(to_core)
             outbox = ctx.socket(zmq.PUSH)
-            outbox.setsockopt(zmq.SNDHWM, 0)   # a slow front is never dropped from
+            outbox.setsockopt(zmq.SNDHWM, FRONT_QUEUE)  # then the front is stuck: killed
             outbox.setsockopt(zmq.LINGER, 1000)
             outbox.bind(from_core)
             inboxes.append(inbox)
@@ -668,9 +678,11 @@ def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int,
             return
         core_pd = CorePD(pd, batcher.artifact) if pd is not None else None
         routes: dict[str, int] = {}
-        sender = _Sender(outboxes, routes)
+        pids: dict[int, int] = {}
+        sender = _Sender(outboxes, routes, pids)
         try:
-            loop = CoreLoop(batcher, inboxes, sender, parent_pid, pd=core_pd, routes=routes)
+            loop = CoreLoop(batcher, inboxes, sender, parent_pid, pd=core_pd, routes=routes,
+                            front_pids=pids)
             batcher.max_waiting = None  # each front bounds its own share (Ready says the total)
             report.send_bytes(core_encoder.encode(loop.ready()))
             loop.run()
@@ -689,19 +701,31 @@ def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int,
 
 
 def send_routed(messages: queue.SimpleQueue[Any], outboxes: list[Any],
-                routes: dict[str, int]) -> None:
+                routes: dict[str, int], front_pids: dict[int, int]) -> None:
     """A shared core's sender loop (`_Sender` with routes): until a None arrives, send each
-    message to the fronts it is for."""
+    message to the fronts it is for.
+
+    A send that would block means no front is connected there (it died, or is starting again:
+    dropped), or a live front has `FRONT_QUEUE` messages unread: it stopped reading (a hung
+    event loop). Its streams could only lose tokens from there, and its queue would grow in this
+    process for good, so after `STUCK_SENDS` such sends in a row the front is killed: the core
+    aborts its requests when its pidfd fires and the launcher starts it again."""
     encode = core_encoder.encode
     dropped = [0] * len(outboxes)
 
     def send(front: int, message: Any) -> None:
         try:
             outboxes[front].send(encode(message), zmq.NOBLOCK)
-        except zmq.Again:  # no front connected there (it died, or is starting again)
+        except zmq.Again:  # no front connected there, or a live one that stopped reading
             dropped[front] += 1
             if dropped[front] == 1:
                 log.warning("core.front_unreachable", front=front)
+            pid = front_pids.get(front)
+            if pid is not None and dropped[front] >= STUCK_SENDS:
+                log.error("core.front_stuck", front=front, pid=pid, queued=FRONT_QUEUE)
+                with contextlib.suppress(OSError):  # (gone meanwhile)
+                    os.kill(pid, signal.SIGKILL)
+                dropped[front] = 0
         except zmq.ZMQError as exc:
             log.warning("core.send_failed", front=front, error=str(exc))
         else:

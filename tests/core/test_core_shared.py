@@ -7,6 +7,7 @@ leaves gets `Stopped` when its own requests are done."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -32,7 +33,7 @@ from atombatch.core.messages import (
     core_decoder,
     front_encoder,
 )
-from atombatch.core.process import CoreLoop, _Sender
+from atombatch.core.process import FRONT_QUEUE, CoreLoop, _Sender
 from atombatch.core.shared import endpoints, split_step
 from atombatch.engine import EngineStats
 from atombatch.runtime.null import NullRuntime
@@ -45,10 +46,13 @@ LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)  # (contex
 class Front:
     """The two sockets of one front."""
 
-    def __init__(self, ctx: Any, directory: str, front: int) -> None:
+    def __init__(self, ctx: Any, directory: str, front: int, queue: int | None = None) -> None:
         to_core, from_core = endpoints(directory, front)
         self.front = front
         self.to_core, self.from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        if queue is not None:  # what this side buffers unread (ZeroMQ's queue, the kernel's)
+            self.from_core.setsockopt(zmq.RCVHWM, queue)
+            self.from_core.setsockopt(zmq.RCVBUF, 4096)
         self.to_core.connect(to_core)
         self.from_core.connect(from_core)
         self.tokens: dict[str, list[int]] = {}
@@ -99,24 +103,29 @@ class Front:
 class SharedCore:
     """`run_shared_core`'s loop on a thread, bound where two fronts connect."""
 
-    def __init__(self, directory: Path, fronts: int = 2, batcher: Batcher | None = None) -> None:
+    def __init__(self, directory: Path, fronts: int = 2, batcher: Batcher | None = None,
+                 queue: int = FRONT_QUEUE) -> None:
         self.ctx = zmq.Context()
         self.inboxes, self.outboxes = [], []
         for front in range(fronts):
             to_core, from_core = endpoints(str(directory), front)
             inbox, outbox = self.ctx.socket(zmq.PULL), self.ctx.socket(zmq.PUSH)
-            outbox.setsockopt(zmq.SNDHWM, 0)
+            outbox.setsockopt(zmq.SNDHWM, queue)  # as run_shared_core's
+            if queue < FRONT_QUEUE:
+                outbox.setsockopt(zmq.SNDBUF, 4096)
             inbox.bind(to_core)
             outbox.bind(from_core)
             self.inboxes.append(inbox)
             self.outboxes.append(outbox)
         self.routes: dict[str, int] = {}
-        self.sender = _Sender(self.outboxes, self.routes)
+        pids: dict[int, int] = {}
+        self.sender = _Sender(self.outboxes, self.routes, pids)
         self.loop = CoreLoop(batcher or numpy_batcher(), self.inboxes, self.sender, os.getppid(),
-                             routes=self.routes)
+                             routes=self.routes, front_pids=pids)
         self.runner = threading.Thread(target=self.loop.run, daemon=True)
         self.runner.start()
-        self.fronts = [Front(self.ctx, str(directory), front) for front in range(fronts)]
+        small = queue if queue < FRONT_QUEUE else None
+        self.fronts = [Front(self.ctx, str(directory), front, small) for front in range(fronts)]
 
     def close(self) -> None:
         self.loop.parent_pid = -1
@@ -229,6 +238,44 @@ def test_a_front_that_leaves_is_stopped_after_its_own_requests(shared: SharedCor
     b.read({"b1"})
     assert b.tokens["b1"] == alone([4, 4, 4], LONG)
     assert shared.runner.is_alive()  # the core serves on
+
+
+def test_a_live_front_that_stops_reading_is_killed_and_its_requests_aborted(
+        tmp_path: Path) -> None:
+    # queues of 20 messages on either side (and small kernel buffers): a front that reads
+    # nothing fills them within a few hundred 2 ms steps
+    art = ArtifactConfig(model=ART.model, batch_size=4, max_seq_len=8192, block_size=8192,
+                         num_blocks=5, prefill_chunk_size=128)
+    shared = SharedCore(tmp_path, batcher=Batcher(NullRuntime(art, step_ms=2.0),
+                                                  max_waiting=None), queue=20)
+    stuck = SamplingParams(temperature=0, max_tokens=8000, ignore_eos=True)
+    a, b = shared.fronts
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        a.hello(stand_in.pid)       # front a "is" this process, and never reads from here on
+        b.hello(os.getpid())
+        a.send(submit("stuck", [5, 6, 7], stuck))
+        b.send(submit("reader", [2, 7, 1], stuck))
+        deadline = time.monotonic() + 60
+        while stand_in.poll() is None:  # b keeps reading meanwhile
+            assert time.monotonic() < deadline, "the stuck front was not killed"
+            b.drain(0.05)
+        assert stand_in.returncode == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while shared.loop.batcher.stats().finished.get("abort", 0) < 1:  # its request: aborted
+            assert time.monotonic() < deadline
+            b.drain(0.05)
+        assert "stuck" not in shared.loop.live and "reader" in shared.loop.live
+        got = len(b.tokens["reader"])
+        b.drain(0.3)
+        assert len(b.tokens["reader"]) > got  # the reading front's stream goes on
+        b.send(Abort(["reader"]))
+        b.read({"reader"})
+    finally:
+        if stand_in.poll() is None:
+            stand_in.kill()
+            stand_in.wait(10)
+        shared.close()
 
 
 def _stats() -> EngineStats:
