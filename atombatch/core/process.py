@@ -162,10 +162,8 @@ class _Sender:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        if self.routes is not None:
-            send_routed(self._queue, self.outbox, self.routes, self.front_pids)
-            return
-        encode, send = core_encoder.encode, self.outbox.send
+        deliver = self._send if self.routes is None else \
+            routed_delivery(self.outbox, self.routes, self.front_pids)
         while True:
             message = self._queue.get()
             if message is None:
@@ -178,13 +176,17 @@ class _Sender:
                 continue
             if isinstance(message, _PlainRows):
                 message = message.step()
-            try:
-                # copied: a zero-copy frame costs a round trip through pyzmq's GC thread
-                send(encode(message))
-            except zmq.ZMQError as exc:
-                if not self._failed:
-                    self._failed = True
-                    log.warning("core.send_failed", error=str(exc))
+            deliver(message)
+
+    def _send(self, message: Any) -> None:
+        """The one front's socket (a core of its own)."""
+        try:
+            # copied: a zero-copy frame costs a round trip through pyzmq's GC thread
+            self.outbox.send(core_encoder.encode(message))
+        except zmq.ZMQError as exc:
+            if not self._failed:
+                self._failed = True
+                log.warning("core.send_failed", error=str(exc))
 
 
 class _Receiver:
@@ -700,10 +702,10 @@ def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int,
         ctx.term()
 
 
-def send_routed(messages: queue.SimpleQueue[Any], outboxes: list[Any],
-                routes: dict[str, int], front_pids: dict[int, int]) -> None:
-    """A shared core's sender loop (`_Sender` with routes): until a None arrives, send each
-    message to the fronts it is for.
+def routed_delivery(outboxes: list[Any], routes: dict[str, int],
+                    front_pids: dict[int, int]) -> Callable[[Any], None]:
+    """A shared core sender's delivery (`_Sender` with routes): send each message to the fronts
+    it is for (a `To` to its front, a `Step` split by `routes`, anything else to every front).
 
     A send that would block means no front is connected there (it died, or is starting again:
     dropped), or a live front has `FRONT_QUEUE` messages unread: it stopped reading (a hung
@@ -731,24 +733,14 @@ def send_routed(messages: queue.SimpleQueue[Any], outboxes: list[Any],
         else:
             dropped[front] = 0
 
-    while True:
-        message = messages.get()
-        if message is None:
-            return
-        if isinstance(message, _Events):
-            try:
-                log_events(message.events)
-            except Exception:
-                log.exception("core.log_failed")
-            continue
+    def deliver(message: Any) -> None:
         if isinstance(message, To):
             send(message.front, message.message)
-            continue
-        if isinstance(message, _PlainRows):
-            message = message.step()
-        if isinstance(message, Step):
+        elif isinstance(message, Step):
             for front, part in split_step(message, routes, len(outboxes)):
                 send(front, part)
         else:  # Stopped, a PD answer: every front
             for front in range(len(outboxes)):
                 send(front, message)
+
+    return deliver

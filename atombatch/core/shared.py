@@ -24,7 +24,7 @@ The wire is the single front's (atombatch/core/messages.py) with three differenc
 Sends to a front never block the sender: a front that is gone (or not yet connected) drops what
 was meant for it (`zmq.Again` on a bound PUSH without a peer). A live front that stops reading
 (its `FRONT_QUEUE` messages unread, one per step) is killed by the core, which then aborts its
-requests; the launcher starts it again (`send_routed`). Its queue is bounded, and its streams
+requests; the launcher starts it again (`routed_delivery`). Its queue is bounded, and its streams
 never silently lose a token. The queue bound (lanes + `max_waiting` choices) is split
 evenly: each front admits `ceil((lanes + max_waiting) / N)` choices in flight.
 """
