@@ -1034,6 +1034,8 @@ cdef class StepKernel:
     cdef int8_t[::1] _flags_v
     cdef int64_t[:, ::1] _stops_v
     cdef int32_t[::1] _fill_v
+    cdef int32_t[::1] _source_v
+    cdef object _source
     cdef Py_ssize_t _window
 
     def __cinit__(self, BlockPool pool not None, LaneTable lanes not None,
@@ -1078,6 +1080,8 @@ cdef class StepKernel:
         self._outputs = [None] * b
         self._times = [None] * b
         self.ids = [None] * b
+        self._source = np.full(b, -1, dtype=np.int32)
+        self._source_v = self._source
 
     # -- per-lane request data ------------------------------------------------------------------
     def bind(self, Py_ssize_t lane, request_id, carray.array output not None,
@@ -1139,10 +1143,12 @@ cdef class StepKernel:
     @cython.boundscheck(ATOMBATCH_DEBUG)
     @cython.wraparound(ATOMBATCH_DEBUG)
     @cython.initializedcheck(ATOMBATCH_DEBUG)
-    def grow(self):
+    def grow(self, Py_ssize_t ahead=0):
         """Give every decoding lane the blocks its next position needs, from the free list, in lane
         order. Returns k: `attention[:k]` are the lanes (in lane order) still short of a block
-        because the free list ran dry; the caller evicts or preempts for them, then grows again."""
+        because the free list ran dry; the caller evicts or preempts for them, then grows again.
+        `ahead=1`: the position after that, for the step after the one on the device now
+        (`build_ahead`); a lane whose output limit that step reaches is left alone."""
         cdef LaneTable lanes = self.lanes
         cdef BlockPool pool = self.pool
         cdef Py_ssize_t b = lanes._b, bps = lanes._bps, lane, need, k = 0
@@ -1151,10 +1157,14 @@ cdef class StepKernel:
         cdef int32_t[::1] num_held = lanes._num_held_v
         cdef int32_t[::1] seq_len = lanes._seq_len_v
         cdef int32_t[:, ::1] rows = lanes._rows_v
+        if not 0 <= ahead <= 1:
+            raise StateError(f"ahead={ahead} must be 0 or 1")
         for lane in range(b):
             if state[lane] != C_LANE_DECODING:
                 continue
-            need = lanes._blocks_for(seq_len[lane] + 1)
+            if ahead and self._num_out_v[lane] + 1 >= self._max_out_v[lane]:
+                continue
+            need = lanes._blocks_for(seq_len[lane] + 1 + ahead)
             while num_held[lane] < need:
                 held = num_held[lane]
                 if held >= bps:
@@ -1212,6 +1222,133 @@ cdef class StepKernel:
         self.num_rows = self.inputs.build(self.lanes, padding_block)
         return self.num_rows
 
+    def use(self, DecodeInputs inputs not None, Py_ssize_t num_rows):
+        """`pick`, `complete` and `emit` read the rows of `inputs` (its first `num_rows` decode)
+        from now on: the step that ran from them, when steps are built ahead into other buffers
+        (`build_ahead`)."""
+        if inputs._b != self.lanes._b or inputs._bps != self.lanes._bps:
+            raise StateError(f"decode buffers are {(inputs._b, inputs._bps)}, lanes are "
+                             f"{(self.lanes._b, self.lanes._bps)}")
+        if not 0 <= num_rows <= inputs.num_rows:
+            raise StateError(f"num_rows={num_rows} is outside 0..{inputs.num_rows}")
+        self.inputs = inputs
+        self.num_rows = num_rows
+
+    def all_plain(self):
+        """True when no decoding lane samples or has its outputs built by the caller (what a
+        step built ahead needs: its tokens are the argmax, and nothing reads its logits after)."""
+        cdef LaneTable lanes = self.lanes
+        cdef Py_ssize_t lane
+        for lane in range(lanes._b):
+            if lanes._state_v[lane] == C_LANE_DECODING and \
+                    self._flags_v[lane] & (C_LANE_SAMPLE | C_LANE_OWN_OUTPUT):
+                return False
+        return True
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    @cython.initializedcheck(ATOMBATCH_DEBUG)
+    def build_ahead(self, DecodeInputs out not None, DecodeInputs previous not None,
+                    Py_ssize_t previous_rows, gather, Py_ssize_t padding_block):
+        """The inputs of the decode step after the one on the device now (built from `previous`,
+        whose rows `0..previous_rows-1` decode), into `out`, before that step's tokens are known.
+
+        Every decoding lane that step does not finish by its output limit gets a row at position
+        `seq_len + 1` (its blocks must cover it: `grow(ahead=1)`), in lane order; its token is
+        not known yet: `gather[row]` is the row of `previous` whose token it takes (the caller
+        writes `input_ids` from that step's tokens), -1 for padding rows (token 0). A lane that
+        stops on a stop id in the step on the device still has a row here (its output is already
+        complete: the caller drops the row when it lands). Padding rows are those of `build`,
+        with the sliding slots of lanes that do not decode or finish in the step on the device.
+        Returns the rows that decode; 0 when no lane goes on; -1 when the step cannot be built
+        ahead (a decoding lane samples or has its outputs built by the caller, or decodes without
+        a row in `previous`, or padding rows have no `padding_block`). `self.inputs` and
+        `num_rows` stay those of the last step."""
+        cdef LaneTable lanes = self.lanes
+        cdef Py_ssize_t b = lanes._b, bps = lanes._bps
+        cdef Py_ssize_t lane, j, held, decoding = 0, index = 0, rows, row = 0, pad_row
+        cdef int16_t last, pad
+        cdef int8_t[::1] state = lanes._state_v
+        cdef int32_t[::1] num_held = lanes._num_held_v
+        cdef int32_t[::1] seq_len = lanes._seq_len_v
+        cdef int32_t[:, ::1] lane_rows = lanes._rows_v
+        cdef int32_t[::1] source = self._source_v
+        cdef int32_t[::1] previous_lanes = previous._row_lanes_v
+        cdef int32_t[::1] gather_v = gather
+        cdef int64_t[:, ::1] input_ids
+        cdef int32_t[:, ::1] cache_position
+        cdef int16_t[:, ::1] tables
+        cdef int16_t[:, ::1] local_tables
+        cdef int32_t[::1] row_lanes
+        if out._b != b or out._bps != bps or previous._b != b or previous._bps != bps:
+            raise StateError(f"decode buffers are {(out._b, out._bps)} and "
+                             f"{(previous._b, previous._bps)}, lanes are {(b, bps)}")
+        if out is previous:
+            raise StateError("build_ahead needs a buffer other than the one on the device")
+        if not 0 <= previous_rows <= previous.num_rows:
+            raise StateError(f"previous_rows={previous_rows} is outside 0..{previous.num_rows}")
+        if gather_v.shape[0] < b:
+            raise StateError(f"gather has {gather_v.shape[0]} entries, fewer than {b} lanes")
+        input_ids = out._input_ids_v
+        cache_position = out._cache_position_v
+        tables = out._block_tables_v
+        local_tables = out._local_block_tables_v
+        row_lanes = out._row_lanes_v
+        for lane in range(b):
+            source[lane] = -1
+        for row in range(previous_rows):
+            source[previous_lanes[row]] = <int32_t>row
+        for lane in range(b):
+            if state[lane] != C_LANE_DECODING:
+                continue
+            if self._flags_v[lane] & (C_LANE_SAMPLE | C_LANE_OWN_OUTPUT):
+                return -1
+            if self._num_out_v[lane] + 1 >= self._max_out_v[lane]:
+                continue  # finishes in the step on the device
+            if source[lane] < 0:
+                return -1
+            held = num_held[lane]
+            if lanes._blocks_for(seq_len[lane] + 2) > held:
+                raise StateError(f"lane={lane} holds {held} blocks, too few for position "
+                                 f"{seq_len[lane] + 1}")
+            decoding += 1
+        if decoding == 0:
+            return 0
+        while out._buckets_v[index] < decoding:
+            index += 1
+        rows = out._buckets_v[index]
+        if rows > decoding and not 0 <= padding_block <= C_MAX_TABLE_BLOCK:
+            return -1  # padding rows and no block to point them at (no eviction ahead)
+        pad = <int16_t>padding_block
+        pad_row = decoding
+        row = 0
+        for lane in range(b):
+            if state[lane] == C_LANE_DECODING and \
+                    self._num_out_v[lane] + 1 < self._max_out_v[lane]:
+                held = num_held[lane]
+                input_ids[row, 0] = 0
+                cache_position[row, 0] = seq_len[lane] + 1
+                for j in range(held):
+                    tables[row, j] = <int16_t>lane_rows[lane, j]
+                last = <int16_t>lane_rows[lane, held - 1]
+                for j in range(held, bps):
+                    tables[row, j] = last
+                local_tables[row, 0] = <int16_t>lane
+                row_lanes[row] = <int32_t>lane
+                gather_v[row] = source[lane]
+                row += 1
+            elif pad_row < rows:
+                input_ids[pad_row, 0] = 0
+                cache_position[pad_row, 0] = 0
+                for j in range(bps):
+                    tables[pad_row, j] = pad
+                local_tables[pad_row, 0] = <int16_t>lane
+                row_lanes[pad_row] = <int32_t>lane
+                gather_v[pad_row] = -1
+                pad_row += 1
+        out._select(index)
+        return decoding
+
     @cython.boundscheck(ATOMBATCH_DEBUG)
     @cython.wraparound(ATOMBATCH_DEBUG)
     @cython.initializedcheck(ATOMBATCH_DEBUG)
@@ -1255,6 +1392,41 @@ cdef class StepKernel:
             else:
                 self._status_v[row] = C_ROW_OK
                 self._tokens_v[row] = best
+        return k
+
+    @cython.boundscheck(ATOMBATCH_DEBUG)
+    @cython.wraparound(ATOMBATCH_DEBUG)
+    @cython.initializedcheck(ATOMBATCH_DEBUG)
+    def pick_values(self, best, greedy, Py_ssize_t vocab):
+        """`pick` for a step whose logits are gone (the device runs the next step into them):
+        `best[row]` is the float32 logit `greedy[row]` picked in row `row`."""
+        cdef const float[::1] values = best
+        cdef const int64_t[::1] picks = greedy
+        cdef Py_ssize_t n = self.num_rows, row, k = 0
+        cdef int32_t[::1] row_lanes = self.inputs._row_lanes_v
+        if values.shape[0] < n or picks.shape[0] < n:
+            raise StateError(f"best has {values.shape[0]} rows and greedy {picks.shape[0]}, "
+                             f"the step ran {n}")
+        if vocab < 1:
+            raise StateError("logits have no vocabulary entries")
+        for row in range(n):
+            if not 0 <= picks[row] < vocab:
+                raise StateError(f"greedy[{row}]={picks[row]} is outside the vocabulary "
+                                 f"0..{vocab - 1}")
+        for row in range(n):
+            if not _all_finite_f32(&values[row], 1):
+                self._status_v[row] = C_ROW_NONFINITE
+                self._tokens_v[row] = 0
+                self._attention_v[k] = <int32_t>row
+                k += 1
+            elif self._flags_v[row_lanes[row]] & C_LANE_SAMPLE:
+                self._status_v[row] = C_ROW_SAMPLE
+                self._tokens_v[row] = picks[row]
+                self._attention_v[k] = <int32_t>row
+                k += 1
+            else:
+                self._status_v[row] = C_ROW_OK
+                self._tokens_v[row] = picks[row]
         return k
 
     @cython.boundscheck(ATOMBATCH_DEBUG)
@@ -1385,6 +1557,47 @@ def block_digests(const int64_t[::1] tokens, Py_ssize_t start, Py_ssize_t stop,
     rows = np.empty(((stop - start) // block_size, 16), dtype=np.uint8)
     chain_digests(tokens, start, stop, block_size, parent, seed, rows, 0)
     return [row.tobytes() for row in rows]
+
+
+# -- the decode pipeline's critical path (atombatch/overlap.py) ------------------------------------
+# Between two device calls of the pipeline the host only picks each row's token (numpy's argmax)
+# and writes it into the next call's inputs. Measured here, the first numpy call after a device
+# wait costs 20-50 us more than the same call back to back (its dispatch code is cold), so the
+# rest is plain loops, one call each.
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+@cython.initializedcheck(False)
+def picked_logits(const float[:, ::1] logits, const int64_t[::1] greedy, float[::1] best,
+                  Py_ssize_t keep):
+    """`best[row] = logits[row, greedy[row]]` for rows `0..keep-1` (float32 `logits`)."""
+    cdef Py_ssize_t row, vocab = logits.shape[1], pick
+    if not 0 <= keep <= logits.shape[0] or greedy.shape[0] < keep or best.shape[0] < keep:
+        raise StateError(f"keep={keep} rows of {logits.shape[0]} (greedy {greedy.shape[0]}, "
+                         f"best {best.shape[0]})")
+    for row in range(keep):
+        pick = greedy[row]
+        if not 0 <= pick < vocab:
+            raise StateError(f"greedy[{row}]={pick} is outside the vocabulary 0..{vocab - 1}")
+        best[row] = logits[row, pick]
+    return keep
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+@cython.initializedcheck(False)
+def gather_tokens(const int64_t[::1] tokens, const int32_t[::1] gather, int64_t[:, ::1] input_ids):
+    """`input_ids[row, 0] = tokens[gather[row]]` for every row (`gather[row] == -1`: 0)."""
+    cdef Py_ssize_t rows = input_ids.shape[0], row, source, n = tokens.shape[0]
+    if gather.shape[0] < rows or input_ids.shape[1] != 1:
+        raise StateError(f"gather has {gather.shape[0]} entries for input_ids of shape "
+                         f"{(rows, input_ids.shape[1])}")
+    for row in range(rows):
+        source = gather[row]
+        if not -1 <= source < n:
+            raise StateError(f"gather[{row}]={source} is outside -1..{n - 1}")
+        input_ids[row, 0] = tokens[source] if source >= 0 else 0
+    return rows
 
 
 @cython.boundscheck(False)

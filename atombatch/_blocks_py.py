@@ -825,16 +825,22 @@ class StepKernel:
         return int(self._num_out[lane])
 
     # -- the step -------------------------------------------------------------------------------
-    def grow(self) -> int:
+    def grow(self, ahead: int = 0) -> int:
         """Give every decoding lane the blocks its next position needs, from the free list, in lane
         order. Returns k: `attention[:k]` are the lanes (in lane order) still short of a block
-        because the free list ran dry; the caller evicts or preempts for them, then grows again."""
+        because the free list ran dry; the caller evicts or preempts for them, then grows again.
+        `ahead=1`: the position after that, for the step after the one on the device now
+        (`build_ahead`); a lane whose output limit that step reaches is left alone."""
         lanes = self.lanes
+        if not 0 <= ahead <= 1:
+            raise StateError(f"ahead={ahead} must be 0 or 1")
         k = 0
         for lane in range(lanes._b):
             if lanes._state[lane] != LANE_DECODING:
                 continue
-            need = lanes.blocks_for(int(lanes._seq_len[lane]) + 1)
+            if ahead and self._num_out[lane] + 1 >= self._max_out[lane]:
+                continue
+            need = lanes.blocks_for(int(lanes._seq_len[lane]) + 1 + ahead)
             while lanes._num_held[lane] < need:
                 held = int(lanes._num_held[lane])
                 if held >= lanes._bps:
@@ -881,6 +887,105 @@ class StepKernel:
         self.num_rows = self.inputs.build(self.lanes, padding_block)
         return self.num_rows
 
+    def use(self, inputs: DecodeInputs, num_rows: int) -> None:
+        """`pick`, `complete` and `emit` read the rows of `inputs` (its first `num_rows` decode)
+        from now on: the step that ran from them, when steps are built ahead into other buffers
+        (`build_ahead`)."""
+        if inputs._b != self.lanes._b or inputs._bps != self.lanes._bps:
+            raise StateError(f"decode buffers are {(inputs._b, inputs._bps)}, lanes are "
+                             f"{(self.lanes._b, self.lanes._bps)}")
+        if not 0 <= num_rows <= inputs.num_rows:
+            raise StateError(f"num_rows={num_rows} is outside 0..{inputs.num_rows}")
+        self.inputs = inputs
+        self.num_rows = num_rows
+
+    def all_plain(self) -> bool:
+        """True when no decoding lane samples or has its outputs built by the caller (what a
+        step built ahead needs: its tokens are the argmax, and nothing reads its logits after)."""
+        lanes = self.lanes
+        return not any(lanes._state[lane] == LANE_DECODING and
+                       self._flags[lane] & (LANE_SAMPLE | LANE_OWN_OUTPUT)
+                       for lane in range(lanes._b))
+
+    def build_ahead(self, out: DecodeInputs, previous: DecodeInputs, previous_rows: int,
+                    gather: npt.NDArray[np.int32], padding_block: int) -> int:
+        """The inputs of the decode step after the one on the device now (built from `previous`,
+        whose rows `0..previous_rows-1` decode), into `out`, before that step's tokens are known.
+
+        Every decoding lane that step does not finish by its output limit gets a row at position
+        `seq_len + 1` (its blocks must cover it: `grow(ahead=1)`), in lane order; its token is
+        not known yet: `gather[row]` is the row of `previous` whose token it takes (the caller
+        writes `input_ids` from that step's tokens), -1 for padding rows (token 0). A lane that
+        stops on a stop id in the step on the device still has a row here (its output is already
+        complete: the caller drops the row when it lands). Padding rows are those of `build`,
+        with the sliding slots of lanes that do not decode or finish in the step on the device.
+        Returns the rows that decode; 0 when no lane goes on; -1 when the step cannot be built
+        ahead (a decoding lane samples or has its outputs built by the caller, or decodes without
+        a row in `previous`, or padding rows have no `padding_block`). `self.inputs` and
+        `num_rows` stay those of the last step."""
+        lanes = self.lanes
+        b, bps = lanes._b, lanes._bps
+        if out._b != b or out._bps != bps or previous._b != b or previous._bps != bps:
+            raise StateError(f"decode buffers are {(out._b, out._bps)} and "
+                             f"{(previous._b, previous._bps)}, lanes are {(b, bps)}")
+        if out is previous:
+            raise StateError("build_ahead needs a buffer other than the one on the device")
+        if not 0 <= previous_rows <= previous.num_rows:
+            raise StateError(f"previous_rows={previous_rows} is outside 0..{previous.num_rows}")
+        if gather.shape[0] < b:
+            raise StateError(f"gather has {gather.shape[0]} entries, fewer than {b} lanes")
+        source = np.full(b, -1, dtype=np.int32)
+        for row in range(previous_rows):
+            source[previous._row_lanes[row]] = row
+        going = []
+        for lane in range(b):
+            if lanes._state[lane] != LANE_DECODING:
+                continue
+            if self._flags[lane] & (LANE_SAMPLE | LANE_OWN_OUTPUT):
+                return -1
+            if self._num_out[lane] + 1 >= self._max_out[lane]:
+                continue  # finishes in the step on the device
+            if source[lane] < 0:
+                return -1
+            held = int(lanes._num_held[lane])
+            if lanes.blocks_for(int(lanes._seq_len[lane]) + 2) > held:
+                raise StateError(f"lane={lane} holds {held} blocks, too few for position "
+                                 f"{int(lanes._seq_len[lane]) + 1}")
+            going.append(lane)
+        decoding = len(going)
+        if decoding == 0:
+            return 0
+        index = 0
+        while out.buckets[index] < decoding:
+            index += 1
+        rows = out.buckets[index]
+        if rows > decoding and not 0 <= padding_block <= MAX_TABLE_BLOCK:
+            return -1  # padding rows and no block to point them at (no eviction ahead)
+        goes = set(going)
+        row = 0
+        pad_row = decoding
+        for lane in range(b):
+            if lane in goes:
+                held = int(lanes._num_held[lane])
+                out._input_ids[row, 0] = 0
+                out._cache_position[row, 0] = lanes._seq_len[lane] + 1
+                out._block_tables[row, :held] = lanes._rows[lane, :held]
+                out._block_tables[row, held:] = lanes._rows[lane, held - 1]
+                out._local_block_tables[row, 0] = lane
+                out._row_lanes[row] = lane
+                gather[row] = source[lane]
+                row += 1
+            elif pad_row < rows:
+                out._input_ids[pad_row, 0] = 0
+                out._cache_position[pad_row, 0] = 0
+                out._block_tables[pad_row, :] = padding_block
+                out._local_block_tables[pad_row, 0] = lane
+                out._row_lanes[pad_row] = lane
+                gather[pad_row] = -1
+                pad_row += 1
+        out._select(index)
+        return decoding
+
     def pick(self, logits: npt.NDArray[np.float32], greedy: npt.NDArray[np.int64]) -> int:
         """The rows of the last build: `greedy[row]` (the row's argmax as numpy's
         `logits.argmax(axis=1)` gives it, int64) becomes `tokens[row]`, and the logit it picked
@@ -925,6 +1030,37 @@ class StepKernel:
             else:
                 self.status[row] = ROW_OK
                 self.tokens[row] = best
+        return k
+
+    def pick_values(self, best: npt.NDArray[np.float32], greedy: npt.NDArray[np.int64],
+                    vocab: int) -> int:
+        """`pick` for a step whose logits are gone (the device runs the next step into them):
+        `best[row]` is the float32 logit `greedy[row]` picked in row `row`."""
+        n = self.num_rows
+        if best.shape[0] < n or greedy.shape[0] < n:
+            raise StateError(f"best has {best.shape[0]} rows and greedy {greedy.shape[0]}, "
+                             f"the step ran {n}")
+        if vocab < 1:
+            raise StateError("logits have no vocabulary entries")
+        for row in range(n):
+            if not 0 <= greedy[row] < vocab:
+                raise StateError(f"greedy[{row}]={greedy[row]} is outside the vocabulary "
+                                 f"0..{vocab - 1}")
+        k = 0
+        for row in range(n):
+            if not np.isfinite(best[row]):
+                self.status[row] = ROW_NONFINITE
+                self.tokens[row] = 0
+                self.attention[k] = row
+                k += 1
+            elif self._flags[self.inputs._row_lanes[row]] & LANE_SAMPLE:
+                self.status[row] = ROW_SAMPLE
+                self.tokens[row] = int(greedy[row])
+                self.attention[k] = row
+                k += 1
+            else:
+                self.status[row] = ROW_OK
+                self.tokens[row] = int(greedy[row])
         return k
 
     def complete(self, now: float) -> int:
@@ -989,6 +1125,39 @@ class StepKernel:
                 out.append(factory(self.ids[lane], (int(self.tokens[row]),), False))
                 count += 1
         return count
+
+
+# -- the decode pipeline's critical path (atombatch/overlap.py) ------------------------------------
+
+def picked_logits(logits: npt.NDArray[np.float32], greedy: npt.NDArray[np.int64],
+                  best: npt.NDArray[np.float32], keep: int) -> int:
+    """`best[row] = logits[row, greedy[row]]` for rows `0..keep-1` (float32 `logits`)."""
+    if not 0 <= keep <= logits.shape[0] or greedy.shape[0] < keep or best.shape[0] < keep:
+        raise StateError(f"keep={keep} rows of {logits.shape[0]} (greedy {greedy.shape[0]}, "
+                         f"best {best.shape[0]})")
+    vocab = logits.shape[1]
+    for row in range(keep):
+        pick = int(greedy[row])
+        if not 0 <= pick < vocab:
+            raise StateError(f"greedy[{row}]={pick} is outside the vocabulary 0..{vocab - 1}")
+        best[row] = logits[row, pick]
+    return keep
+
+
+def gather_tokens(tokens: npt.NDArray[np.int64], gather: npt.NDArray[np.int32],
+                  input_ids: npt.NDArray[np.int64]) -> int:
+    """`input_ids[row, 0] = tokens[gather[row]]` for every row (`gather[row] == -1`: 0)."""
+    rows = input_ids.shape[0]
+    if gather.shape[0] < rows or input_ids.shape[1] != 1:
+        raise StateError(f"gather has {gather.shape[0]} entries for input_ids of shape "
+                         f"{(rows, input_ids.shape[1])}")
+    n = tokens.shape[0]
+    for row in range(rows):
+        source = int(gather[row])
+        if not -1 <= source < n:
+            raise StateError(f"gather[{row}]={source} is outside -1..{n - 1}")
+        input_ids[row, 0] = tokens[source] if source >= 0 else 0
+    return int(rows)
 
 
 # -- prefix digests and token comparison ----------------------------------------------------------

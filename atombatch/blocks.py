@@ -28,6 +28,8 @@ chain_digests = _impl.chain_digests  # the same, written into a chain's digest a
 PrefixTable = _impl.PrefixTable      # the device prefix index's blocks, in arrays
 common_prefix = _impl.common_prefix  # leading tokens two int64 arrays share
 match_digests = _impl.match_digests  # the run of a chain's digests a dict holds
+picked_logits = _impl.picked_logits  # the logit each row's token picked, in one call
+gather_tokens = _impl.gather_tokens  # one step's tokens into the next step's input ids
 IMPLEMENTATION: str = _impl.IMPLEMENTATION
 
 from atombatch.codes import (  # noqa: E402  (constants are shared by both implementations)
@@ -87,5 +89,7 @@ __all__ = [
     "block_digests",
     "chain_digests",
     "common_prefix",
+    "gather_tokens",
     "match_digests",
+    "picked_logits",
 ]

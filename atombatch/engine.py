@@ -36,6 +36,7 @@ from atombatch.groups import Group, Move, num_held
 from atombatch.logs import enabled as log_enabled
 from atombatch.logs import log
 from atombatch.outputs import Extras, OutputBuilder
+from atombatch.overlap import NUM_FLIGHTS, DeviceThread, Flight, make_flights
 from atombatch.pd_intake import KVLink, KVSource, PDIntake
 from atombatch.policy import DEFAULT_POLICY
 from atombatch.prefix import HostCache
@@ -113,6 +114,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     device_s: float = 0.0
     host_gap_s: float = 0.0
     host_gaps: int = 0
+    # decode steps the device thread launched right after the step before it, their inputs
+    # built while that one ran (`Batcher(overlap=True)`, atombatch/overlap.py)
+    overlapped_steps: int = 0
 
 
 class StepResult:
@@ -189,8 +193,10 @@ class Batcher:
                  pd_timeout: float = 300.0, pd_deadline: float | None = None,
                  tokenizer: Any | None = None,
                  logprobs_mode: LogprobsMode = "raw", detokenize: bool = True,
-                 argmax_threads: int | None = None) -> None:
+                 argmax_threads: int | None = None, overlap: bool = False) -> None:
         artifact: ArtifactConfig = runtime.artifact
+        if not isinstance(overlap, bool):
+            raise ConfigError(f"overlap={overlap!r} must be True or False")
         if logprobs_mode not in LOGPROBS_MODES:
             raise ConfigError(f"logprobs_mode={logprobs_mode!r} is not one of "
                               f"{', '.join(LOGPROBS_MODES)}")
@@ -246,6 +252,13 @@ class Batcher:
         self._kernel = self.scheduler.kv.kernel    # the decode-step kernel (never replaced)
         self._greedy = np.zeros(artifact.batch_size, dtype=np.int64)  # decode argmax, by row
         self._argmax = RowArgmax(argmax_threads)  # split over threads when the logits are large
+        # overlap: steady decodes run as a pipeline on a device thread (atombatch/overlap.py);
+        # `step()` then returns the step that landed while the next one runs
+        self.overlap = overlap
+        self._flights: list[Flight] | None = None     # built on the first take-off
+        self._device_thread: DeviceThread | None = None
+        self._flight: Flight | None = None             # the pipeline's flight on the device
+        self._overlapped = 0                           # flights launched after a flight
         # n > 1 without a prefix cache: choices 1..n-1 start from a device copy of choice 0's
         # prompt KV (see `_release_held`); hybrid models also need the runtime's `copy_slot`
         needed = ("_fetch_kv_cache", "_update_kv_cache") if self.spec.is_hybrid else ()
@@ -519,7 +532,7 @@ class Batcher:
         return self.scheduler.num_waiting + num_held(self._groups)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending) or \
+        return self.scheduler.has_work() or bool(self._pending) or self._flight is not None or \
             any(group.held for group in self._groups.values())
 
     # -- stepping ---------------------------------------------------------------------------------
@@ -578,6 +591,13 @@ class Batcher:
     def _step(self) -> list[RequestOutput]:
         self._decoded = False
         outputs, self._pending = self._pending, []
+        if self._flight is not None:  # the pipeline runs: land its flight, launch the next
+            self._land_flight(outputs)
+            return outputs
+        if self._flights is not None and self._kernel.inputs is not self.scheduler.decode_inputs:
+            # the pipeline is empty and its last step's arrays were read: steps build into the
+            # scheduler's own decode buffer again
+            self._kernel.use(self.scheduler.decode_inputs, 0)
         if self._compiling:
             self._poll_compiles(outputs)
         if self._groups:  # choice 0 may have ended outside a step (an abort of its own id)
@@ -802,6 +822,9 @@ class Batcher:
         back (sampled requests, failures, finishes, requests whose outputs carry extras)."""
         scheduler = self.scheduler
         kernel = self._kernel
+        if self.overlap and self._can_fly():
+            self._take_off(plan)
+            return
         if self._grammars is not None:
             self._prefetch_masks(plan)
         try:
@@ -843,6 +866,106 @@ class Batcher:
         self._decoded = True  # the kernel's plain rows are this step's (step() emits them)
         for request in done:
             outputs.append(self._output(request))
+
+    # -- the pipeline (overlap=True; atombatch/overlap.py) -----------------------------------------
+    def _can_fly(self) -> bool:
+        """Whether decodes may run as a pipeline now: every decoding lane greedy with nothing
+        read from its logits but the argmax, and nothing between two steps that the engine does
+        itself (n > 1 forks, PD links, grammar compiles). The scheduler checks the rest
+        (`Scheduler.plan_ahead`)."""
+        return not self._compiling and not self._groups and not self._kv and \
+            self._kernel.all_plain()
+
+    def _take_off(self, plan: StepPlan) -> None:
+        """Launch `plan` (the scheduler's decode plan, built) as the pipeline's first flight."""
+        if self._flights is None:
+            kv = self.scheduler.kv
+            artifact = self.artifact
+            self._flights = make_flights(plan, artifact.batch_size, artifact.blocks_per_seq,
+                                         kv.decode_inputs.buckets, type(kv.decode_inputs))
+            self._device_thread = DeviceThread(self._decode_call, self._argmax,
+                                               self.spec.vocab_size)
+        flight = self._flights[0]
+        if flight.plan is not plan:
+            raise StateError("the pipeline's first flight must run the scheduler's decode plan")
+        device = self._device_thread
+        assert device is not None
+        hook = self.on_device_call
+        if hook is not None:
+            hook()
+        device.launch(flight)
+        self._flight = flight
+        self._decide(flight)
+
+    def _decide(self, running: Flight) -> None:
+        """Tell the device thread what follows `running`: the next step, built ahead, when the
+        pipeline may go on, else nothing (it lands `running` and stops)."""
+        following = None
+        try:
+            if self._can_fly():
+                assert self._flights is not None
+                candidate = self._flights[(running.index + 1) % NUM_FLIGHTS]
+                if self.scheduler.plan_ahead(candidate.plan, running.plan, candidate.gather):
+                    following = candidate
+        finally:  # exactly once per flight, even when building failed: the thread waits for it
+            assert self._device_thread is not None
+            self._device_thread.decide(following)
+
+    def _land_flight(self, outputs: list[RequestOutput]) -> None:
+        """Wait for the flight on the device and complete it; the flight the device thread
+        launched after it (if any) is the pipeline's now, and the one after that is decided."""
+        device = self._device_thread
+        assert device is not None
+        hook = self.on_device_call  # the device is busy: hand the last outputs over now
+        if hook is not None:
+            hook()
+        flight = device.land()
+        self._flight = flight.next
+        if flight.next is not None:
+            self._overlapped += 1
+        try:
+            self._land(flight, outputs)
+        finally:
+            if self._flight is not None:
+                self._decide(self._flight)
+        self.idle = False
+        if self.scheduler.events:
+            self._flush_events()
+        if self._flight is None and not self.scheduler.has_work():
+            self._device_end = 0.0
+
+    def _land(self, flight: Flight, outputs: list[RequestOutput]) -> None:
+        """A flight's step, completed as `_run_decode` completes one (from the argmax and the
+        picked logits the device thread kept: the logits are the next call's now)."""
+        scheduler = self.scheduler
+        kernel = self._kernel
+        plan = flight.plan
+        kernel.use(plan.inputs, plan.rows)
+        if flight.error is not None:
+            for failed in scheduler.decode_requests(plan):
+                self._fail(failed, f"decode step failed: {flight.error}", outputs)
+            return
+        attention = kernel.pick_values(flight.best, flight.greedy, self.spec.vocab_size)
+        if attention:
+            lanes = plan.inputs.row_lanes
+            for row in kernel.attention[:attention].tolist():
+                lane = int(lanes[row])
+                request = scheduler.by_lane[lane]
+                if request is None or request.state is not RequestState.DECODING:
+                    continue  # ended while its row was on the device
+                if kernel.status[row] == core.ROW_NONFINITE:
+                    self._fail(request, f"decode returned non-finite logits on lane {lane}",
+                               outputs)
+                else:  # a lane that samples is never in a flight (`_can_fly`)
+                    raise StateError(f"lane {lane} samples but decoded in the pipeline")
+        done = scheduler.complete_decode(plan, self.clock())
+        self._decoded = True
+        for request in done:
+            outputs.append(self._output(request))
+
+    def _decode_call(self, inputs: Any) -> Any:
+        """The device thread's decode call (timed as `_device_call` times the engine's own)."""
+        return self._timed_call(self.runtime.decode, inputs)
 
     def _sample_special(self, logits: npt.NDArray[np.floating],
                         special: list[tuple[int, int, Request, RequestSampler]],
@@ -889,6 +1012,9 @@ class Batcher:
         hook = self.on_device_call
         if hook is not None:
             hook()
+        return self._timed_call(call, inputs)
+
+    def _timed_call(self, call: Callable[[Any], Any], inputs: Any) -> Any:
         clock = time.perf_counter
         started = clock()
         if self._device_end:  # the host's time since the last call, while work was pending
@@ -997,7 +1123,8 @@ class Batcher:
             slot_restores=c.slot_restores, finished=dict(c.finished),
             checkpoint_bytes=s.kv.checkpoints.store.used_bytes if s.kv.checkpoints else 0,
             lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps),
-            device_s=self._device_s, host_gap_s=self._host_gap_s, host_gaps=self._host_gaps)
+            device_s=self._device_s, host_gap_s=self._host_gap_s, host_gaps=self._host_gaps,
+            overlapped_steps=self._overlapped)
 
     def check_invariants(self) -> None:
         """Raise `StateError` if any ownership invariant of docs/rules.md is broken."""

@@ -315,6 +315,14 @@ class KVManager:
             return self.evict()
         raise StateError("no FREE or SPARE block is left as a padding target")
 
+    def padding_block_ahead(self) -> int:
+        """`padding_block` for a step built ahead (`Scheduler.plan_ahead`): the spare or a FREE
+        block, never one that needs an eviction (its host save is a block op, which waits for
+        the device); -1 when there is none."""
+        if self.pool.num_spare:
+            return self.spare
+        return self.pool.first_free()
+
     def build_decode(self) -> int:
         """The decode inputs of every decoding lane, in place; returns the rows that decode."""
         return self.kernel.build(self.padding_block())

@@ -476,6 +476,30 @@ class Scheduler:
         self._prefills_since_decode = 0
         return plan
 
+    def plan_ahead(self, plan: StepPlan, running: StepPlan, gather: Any) -> bool:
+        """Build into `plan` the decode step after `running` (on the device now, its tokens not
+        known yet) when it is the step `schedule` would choose then: every busy lane decodes,
+        nothing waits or stages, no block op is due, every decoding lane is greedy, and the free
+        list (no eviction) has the blocks the lanes' next positions need. `gather[row]`: the row
+        of `running` whose token feeds the row (`StepKernel.build_ahead`). False: not built (the
+        engine lands `running` and schedules as usual)."""
+        kv = self.kv
+        lanes = kv.lanes
+        if self.waiting or self.staging is not None or kv.has_ops or not lanes.num_busy or \
+                lanes.num_busy != lanes.num_decoding() or kv.checkpoints is not None:
+            return False
+        kernel = kv.kernel
+        if not kernel.all_plain() or kernel.grow(1):
+            return False  # blocks taken for some lanes stay theirs: the next step needs them
+        rows = kernel.build_ahead(plan.inputs, running.inputs, running.rows, gather,
+                                  kv.padding_block_ahead())
+        if rows <= 0:
+            return False
+        plan.rows = rows
+        self._decodes_since_prefill += 1
+        self._prefills_since_decode = 0
+        return True
+
     def decode_requests(self, plan: StepPlan) -> list[Request]:
         """The requests of a decode plan's rows that are still running, in row order."""
         out = []

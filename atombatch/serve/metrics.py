@@ -19,6 +19,8 @@ objects cost there) and exposed in the same shape when scraped.
 | atombatch_device_seconds_total | counter | wall time inside device calls |
 | atombatch_host_gap_seconds_total, atombatch_host_gaps_total | counter | the host's time between |
 |  |  | two device calls while work was pending, and how many such gaps |
+| atombatch_overlapped_steps_total | counter | decode steps launched straight after the one before |
+|  |  | (their inputs built while it ran: `--overlap`) |
 | atombatch_requests_in_flight | gauge | HTTP requests between accept and last byte |
 | atombatch_requests_finished_total | counter | reason = stop, length, abort, error, disconnect |
 | atombatch_requests_rejected_total | counter | status = 400, 404, 413, 429, 503 |
@@ -103,6 +105,9 @@ class _EngineCollector(Collector):
                                   "the host).", value=s.host_gap_s)
         yield CounterMetricFamily("atombatch_host_gaps", "Intervals counted in "
                                   "atombatch_host_gap_seconds.", value=s.host_gaps)
+        yield CounterMetricFamily("atombatch_overlapped_steps", "Decode steps launched straight "
+                                  "after the step before them, their inputs built while it ran "
+                                  "(--overlap).", value=s.overlapped_steps)
 
 
 class _TokenCounter(Collector):

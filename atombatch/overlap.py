@@ -1,0 +1,163 @@
+"""Decode steps launched back to back: the device runs step N+1 while the host finishes step N.
+
+Between two synchronous decode calls the host picks the tokens, appends them, checks the stop
+conditions, builds the outputs, schedules and builds the next inputs: 100-300 us at B64 on the
+machines we measure (cold caches after the device wait), all of it device idle time. With
+`Batcher(overlap=True)` a steady decode (every busy lane decoding, nothing waiting, every lane
+greedy) runs as a pipeline of `Flight`s on a `DeviceThread`:
+
+- While the device runs step N, the engine's thread lands step N-1 (its tokens, stops and
+  outputs) and builds step N+1's inputs *ahead*, before step N's tokens exist: every lane one
+  position further, its blocks grown for it, its token still unknown (`StepKernel.build_ahead`).
+- When step N returns, the device thread takes its argmax, writes those tokens into step N+1's
+  `input_ids` (each row's source row is in the flight's `gather`) and calls the device again at
+  once: what stands between two device calls is the argmax and that copy.
+
+A lane that stops on a stop id in step N has already been given a row in step N+1: the device
+computes it (the KV of the request's last token, in its own blocks) and the landing drops it
+(the lane no longer decodes: ROW_SKIPPED). A lane whose output limit step N reaches gets no row.
+Nothing the host does while a flight is in the air lets the device read what another request
+wrote: blocks a finished or aborted request gives back while its row is in the air are only
+written again by later device calls (device calls run in order); a new lane, a prefill, block
+ops, a sampled lane or any step that is not a steady decode waits until the pipeline is empty
+(the engine then schedules as usual, one device call per `step()`).
+
+The thread hand-offs are bare locks (a `threading.Event` or `Condition` costs the critical path
+~20 us more), and the device thread does everything the critical path needs itself: the engine
+thread, which holds the interpreter lock for its Python, is never between two device calls.
+"""
+
+from __future__ import annotations
+
+import _thread
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from atombatch import blocks as core
+from atombatch.errors import RequestError, StateError
+from atombatch.request import StepPlan
+
+NUM_FLIGHTS = 3   # the one landed (its arrays read by the caller), the one on the device, the next
+
+
+class Flight:
+    """One decode call of the pipeline, with the buffers it owns: its inputs (a `DecodeInputs`),
+    its argmax and the logit each row picked (the logits themselves belong to the runtime,
+    which the next call writes), and `gather`: the row of the previous flight whose token each of
+    its rows takes (-1: padding, token 0)."""
+
+    def __init__(self, index: int, plan: StepPlan, batch_size: int) -> None:
+        self.index = index
+        self.plan = plan
+        self.greedy = np.zeros(batch_size, dtype=np.int64)
+        self.best = np.zeros(batch_size, dtype=np.float32)
+        self.gather = np.full(batch_size, -1, dtype=np.int32)
+        self.error: BaseException | None = None
+        self.next: Flight | None = None   # the flight the device thread launched after this one
+
+
+class DeviceThread:
+    """The thread that makes the pipeline's device calls (see the module docstring).
+
+    The protocol, for every flight the thread runs: the engine calls `decide` exactly once (with
+    the flight to launch after it, or None) and `land` exactly once (which waits for it and
+    returns it; `flight.next` is the flight the thread launched after it, if any). `launch`
+    starts a pipeline when none runs."""
+
+    def __init__(self, decode: Callable[[Any], Any], argmax: Callable[[Any, Any], None],
+                 vocab_size: int) -> None:
+        self._decode = decode
+        self._argmax = argmax
+        self._vocab = vocab_size
+        self._start = _thread.allocate_lock()    # released: a flight to run (`launch`)
+        self._decided = _thread.allocate_lock()  # released: `decide` said what comes next
+        self._landed = _thread.allocate_lock()   # released: `_done` finished
+        for lock in (self._start, self._decided, self._landed):
+            lock.acquire()
+        self._first: Flight | None = None
+        self._next: Flight | None = None
+        self._done: Flight | None = None
+        self.running = False     # a flight was launched and not landed yet
+        self._thread = threading.Thread(target=self._run, name="atombatch-device", daemon=True)
+        self._thread.start()
+
+    def launch(self, flight: Flight) -> None:
+        if self.running:
+            raise StateError("a decode pipeline is already running: land it first")
+        self.running = True
+        self._first = flight
+        self._start.release()
+
+    def decide(self, flight: Flight | None) -> None:
+        """What the thread runs after the flight on the device now: `flight`, or nothing."""
+        self._next = flight
+        self._decided.release()
+
+    def land(self) -> Flight:
+        """Wait for the flight on the device; returns it (its `next` runs now, if any)."""
+        self._landed.acquire()
+        done = self._done
+        assert done is not None
+        self._done = None
+        self.running = done.next is not None
+        return done
+
+    def _run(self) -> None:
+        while True:
+            self._start.acquire()
+            flight = self._first
+            while flight is not None:
+                self._call(flight)
+                self._decided.acquire()
+                after, self._next = self._next, None
+                if after is not None and flight.error is None:
+                    try:  # the tokens this call picked feed the next call's rows
+                        core.gather_tokens(flight.greedy, after.gather,
+                                           after.plan.inputs.input_ids)
+                    except Exception as exc:  # a bug: the engine fails the step's requests
+                        flight.error = exc
+                        after = None
+                else:
+                    after = None
+                flight.next = after
+                self._done = flight
+                self._landed.release()
+                flight = after
+
+    def _call(self, flight: Flight) -> None:
+        flight.error = None
+        inputs = flight.plan.inputs
+        try:
+            raw = logits = self._decode(inputs)
+            if not isinstance(logits, np.ndarray) or logits.dtype != np.float32:
+                logits = np.asarray(logits, dtype=np.float32)
+            rows = inputs.num_rows
+            if logits.shape != (rows, self._vocab):
+                raise RequestError(f"decode returned logits of shape {logits.shape}; the step "
+                                   f"ran {rows} rows of vocab_size={self._vocab}")
+            # greedy is the argmax of the runtime's own logits (as in the engine's own step)
+            wide = raw is not logits and isinstance(raw, np.ndarray) and \
+                raw.dtype.kind == "f" and raw.dtype.itemsize > 4
+            source = raw if wide else logits
+            if not source.flags.c_contiguous:
+                source = np.ascontiguousarray(source)
+            self._argmax(source, flight.greedy[:rows])
+            if not logits.flags.c_contiguous:
+                logits = np.ascontiguousarray(logits)
+            core.picked_logits(logits, flight.greedy, flight.best, flight.plan.rows)
+        except Exception as exc:
+            flight.error = exc
+
+
+def make_flights(first: StepPlan, batch_size: int, blocks_per_seq: int,
+                 buckets: Any, inputs_type: Callable[..., Any]) -> list[Flight]:
+    """The pipeline's flights: the first runs from the scheduler's own decode plan (what a
+    synchronous step builds), the others from buffers of their own."""
+    flights = [Flight(0, first, batch_size)]
+    for index in range(1, NUM_FLIGHTS):
+        plan = StepPlan(kind="decode", inputs=inputs_type(batch_size, blocks_per_seq, buckets))
+        flights.append(Flight(index, plan, batch_size))
+    return flights
