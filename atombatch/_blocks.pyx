@@ -1148,7 +1148,8 @@ cdef class StepKernel:
         order. Returns k: `attention[:k]` are the lanes (in lane order) still short of a block
         because the free list ran dry; the caller evicts or preempts for them, then grows again.
         `ahead=1`: the position after that, for the step after the one on the device now
-        (`build_ahead`); a lane whose output limit that step reaches is left alone."""
+        (`build_ahead`); a lane whose output limit that step reaches is left alone, and one
+        whose row cannot hold that position is reported short (not an error)."""
         cdef LaneTable lanes = self.lanes
         cdef BlockPool pool = self.pool
         cdef Py_ssize_t b = lanes._b, bps = lanes._bps, lane, need, k = 0
@@ -1165,6 +1166,10 @@ cdef class StepKernel:
             if ahead and self._num_out_v[lane] + 1 >= self._max_out_v[lane]:
                 continue
             need = lanes._blocks_for(seq_len[lane] + 1 + ahead)
+            if ahead and need > bps:  # past its row: the synchronous step decides what ends
+                self._attention_v[k] = <int32_t>lane
+                k += 1
+                continue
             while num_held[lane] < need:
                 held = num_held[lane]
                 if held >= bps:

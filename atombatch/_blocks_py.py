@@ -830,7 +830,8 @@ class StepKernel:
         order. Returns k: `attention[:k]` are the lanes (in lane order) still short of a block
         because the free list ran dry; the caller evicts or preempts for them, then grows again.
         `ahead=1`: the position after that, for the step after the one on the device now
-        (`build_ahead`); a lane whose output limit that step reaches is left alone."""
+        (`build_ahead`); a lane whose output limit that step reaches is left alone, and one
+        whose row cannot hold that position is reported short (not an error)."""
         lanes = self.lanes
         if not 0 <= ahead <= 1:
             raise StateError(f"ahead={ahead} must be 0 or 1")
@@ -841,6 +842,10 @@ class StepKernel:
             if ahead and self._num_out[lane] + 1 >= self._max_out[lane]:
                 continue
             need = lanes.blocks_for(int(lanes._seq_len[lane]) + 1 + ahead)
+            if ahead and need > lanes._bps:  # past its row: the synchronous step decides
+                self.attention[k] = lane
+                k += 1
+                continue
             while lanes._num_held[lane] < need:
                 held = int(lanes._num_held[lane])
                 if held >= lanes._bps:

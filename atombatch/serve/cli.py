@@ -139,6 +139,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--argmax-threads", type=int, default=None, metavar="N",
                    help="threads the greedy argmax of a large decode step splits its rows over "
                    "(default: half the cores, at most 4; 1 on four cores or fewer)")
+    p.add_argument("--overlap", "--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="run steady greedy decodes as a pipeline: the next step's inputs are "
+                   "built while the device runs this one, and the device is called again as soon "
+                   "as its argmax is known (default on; --no-overlap: one synchronous step at a "
+                   "time; docs/overlap.md)")
     p.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads for the NumPy runtime (default 1; 0 leaves the library's "
                    "default). OpenBLAS threads spin between calls and starve the event loop")
@@ -369,7 +375,8 @@ def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,
     batcher = Batcher(runtime, policy=args.policy, seed=args.seed, max_waiting=args.max_waiting,
                       prefix_cache=args.prefix_cache, host_cache_bytes=args.host_cache_bytes,
                       pd_timeout=getattr(args, "pd_timeout", 300.0),
-                      argmax_threads=getattr(args, "argmax_threads", None))
+                      argmax_threads=getattr(args, "argmax_threads", None),
+                      overlap=getattr(args, "overlap", False))
     return batcher, args.served_model_name or spec.name, codec_from_args(args, model_dir)
 
 
