@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import os
 import select
 import shlex
@@ -127,6 +128,8 @@ class Case(msgspec.Struct, frozen=True):
     command: str | None = None          # the server's command line
     error: str | None = None            # why the case stopped early (server start, a dead server)
     #   or, prefixed "recovered by a restart:", why its server was started again (all rounds ran)
+    overlap: bool | None = None         # Batcher(overlap=) / --overlap, --no-overlap (None: the
+    #   server has no such flag, or a report from before it)
 
 
 class Report(msgspec.Struct, frozen=True):
@@ -432,9 +435,18 @@ def _fronts_note(count: int) -> str:
 
 def server_has_engine_core() -> bool:
     """Whether `python -m atombatch.serve --help` offers `--engine-core`."""
-    out = subprocess.run([sys.executable, "-m", "atombatch.serve", "--help"],
-                         capture_output=True, text=True, timeout=120)
-    return "--engine-core" in out.stdout
+    return "--engine-core" in _server_help()
+
+
+def server_has_overlap() -> bool:
+    """Whether `python -m atombatch.serve --help` offers `--overlap`."""
+    return "--overlap" in _server_help()
+
+
+@functools.cache
+def _server_help() -> str:
+    return subprocess.run([sys.executable, "-m", "atombatch.serve", "--help"],
+                          capture_output=True, text=True, timeout=120).stdout
 
 
 def write_tokenizer(directory: Path, vocab_size: int) -> Path:
@@ -494,7 +506,7 @@ def bound_ratio(batch_size: int, step_ms: float, prefill_ms: float, prompt_len: 
 def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: list[list[int]],
                  max_tokens: int, max_seq_len: int, chunk: int,
                  policy: str | None = None, spec: Any = None,
-                 argmax_threads: int | None = None) -> Round:
+                 argmax_threads: int | None = None, overlap: bool = False) -> Round:
     """One round on an in-process Batcher over a NullRuntime (no HTTP): `step_arrays()`;
     `spec` is the model (its vocabulary sizes the logits; default the server's tiny spec)."""
     from atombatch import ArtifactConfig, Batcher, SamplingParams
@@ -507,7 +519,7 @@ def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: li
                          prefill_chunk_size=chunk)
     runtime = NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms)
     batcher = Batcher(runtime, max_waiting=None, policy=policy or DEFAULT_POLICY,
-                      argmax_threads=argmax_threads)
+                      argmax_threads=argmax_threads, overlap=overlap)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     load_before = _load()
     cpu0, started = time.process_time(), time.perf_counter()
@@ -645,6 +657,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="front processes of the server with --engine-core process (N > 1: `front` "
                    "is all of them, `core` the core; default 1)")
+    p.add_argument("--overlap", type=_overlaps, default=None, metavar="on,off",
+                   help="comma list of on (Batcher(overlap=True), the server's --overlap) and off "
+                   "(synchronous steps, --no-overlap), each a row (default on,off; off alone when "
+                   "the server has no --overlap)")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine cases")
     p.add_argument("--no-server", action="store_true", help="skip the HTTP server cases")
     p.add_argument("--admission-stalls", action="store_true",
@@ -672,7 +688,7 @@ def _presets() -> list[str]:
     return list(PRESETS)
 
 
-def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
+def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = True) -> Report:
     from atombatch.config import ModelSpec
     from atombatch.serve.cli import DEFAULT_SPEC
 
@@ -683,7 +699,8 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
         cores: list[str | None] = list(args.engine_cores.split(","))
     else:
         cores = ["inline", "process"] if engine_core_flag else [None]
-    cells = [(b, s) for b in args.batch_sizes for s in args.step_ms]
+    overlaps: list[bool] = list(args.overlap or ((True, False) if overlap_flag else (False,)))
+    cells = [(b, s, o) for b in args.batch_sizes for s in args.step_ms for o in overlaps]
     total = len(cells) * ((0 if args.no_engine else 1) +
                           (0 if args.no_server else len(args.tokenizers) * len(cores)))
     progress = CellProgress(total, enabled=not args.no_progress)
@@ -703,31 +720,33 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
     with contextlib.ExitStack() as stack:
         tok_dir = stack.enter_context(_tokenizer_dir(spec.vocab_size)) \
             if "wordlevel" in args.tokenizers and not args.no_server else None
-        for batch, step in cells:
+        for batch, step, overlap in cells:
             ideal = batch * 1e3 / step
+            tag = " overlap" if overlap else " no-overlap"
             bound = bound_ratio(batch, step, args.prefill_ms, args.prompt_len, chunk,
                                 args.max_tokens)
             prompts = _prompts(batch, args.prompt_len, spec.vocab_size, args.seed)
             timeout = args.timeout or 10 * (args.max_tokens * step / 1e3 + batch *
                                             args.prefill_ms / 1e3) + 60
             if not args.no_engine:
-                what = f"B{batch} step {step:g} ms engine"
+                what = f"B{batch} step {step:g} ms engine{tag}"
                 progress.start(what)
                 engine_round(batch, step, args.prefill_ms, prompts, 4, max_seq_len, chunk,
-                             args.policy, spec, args.argmax_threads)
+                             args.policy, spec, args.argmax_threads, overlap)
                 rounds = [engine_round(batch, step, args.prefill_ms, prompts, args.max_tokens,
-                                       max_seq_len, chunk, args.policy, spec, args.argmax_threads)
+                                       max_seq_len, chunk, args.policy, spec, args.argmax_threads,
+                                       overlap)
                           for _ in range(args.repeats)]
                 finish(what, Case(path="engine", batch_size=batch, step_ms=step,
                                   prefill_ms=args.prefill_ms, tokenizer=False, engine_core=None,
                                   ideal_tok_s=ideal, bound_ratio=bound, rounds=rounds,
-                                  median=_figures(rounds)))
+                                  median=_figures(rounds), overlap=overlap))
             if args.no_server:
                 continue
             for mode in args.tokenizers:
                 for core in cores:
                     what = f"B{batch} step {step:g} ms server tokenizer {mode}" + \
-                        (f" --engine-core {core}" if core else "")
+                        (f" --engine-core {core}" if core else "") + tag
                     progress.start(what)
                     argv = [sys.executable, "-m", "atombatch.serve", "--runtime", "null",
                             "--null-step-ms", f"{step:g}", "--null-prefill-ms",
@@ -745,6 +764,8 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
                         argv += ["--policy", args.policy]
                     if core:
                         argv += ["--engine-core", core]
+                    if overlap_flag:
+                        argv += ["--overlap" if overlap else "--no-overlap"]
                     split: Literal["thread", "process", "fronts"] = \
                         "process" if core == "process" else "thread"
                     if core == "process" and args.api_server_count > 1:
@@ -781,12 +802,14 @@ def run(args: argparse.Namespace, engine_core_flag: bool) -> Report:
                                       prefill_ms=args.prefill_ms, tokenizer=mode == "wordlevel",
                                       engine_core=core, ideal_tok_s=ideal, bound_ratio=bound,
                                       rounds=rounds, median=_figures(rounds) if rounds else None,
-                                      command=shlex.join(["python", *argv[1:]]), error=error))
+                                      command=shlex.join(["python", *argv[1:]]), error=error,
+                                      overlap=overlap if overlap_flag else None))
     progress.close()
     params = {"batch_sizes": list(args.batch_sizes), "step_ms": list(args.step_ms),
               "prefill_ms": args.prefill_ms, "max_tokens": args.max_tokens,
               "prompt_len": args.prompt_len, "repeats": args.repeats,
               "tokenizers": list(args.tokenizers), "engine_cores": cores, "seed": args.seed,
+              "overlap": overlaps,
               "policy": args.policy or "stall-free:8 (default)",
               "model": spec.name, "vocab_size": spec.vocab_size, "max_seq_len": max_seq_len,
               "argmax_threads": args.argmax_threads, "api_server_count": args.api_server_count,
@@ -803,7 +826,7 @@ def format_table(report: Report) -> str:
     """One row per B x step x tokenizer: the engine alone beside each server column."""
     cores = report.params["engine_cores"]
     head = f"{'B':>4} {'step':>5} {'ideal':>7} {'bound':>5} | {'engine':>6} {'steady':>6} " \
-        f"{'cpu':>5} {'host':>5} {'sleep':>5} {'gap':>5} | {'tok':<4}"
+        f"{'cpu':>5} {'host':>5} {'sleep':>5} {'gap':>5} | {'tok':<4} {'ov':<3}"
     for core in cores:
         label = core or "server"
         head += f" | {label + ' ratio':>13} {'steady':>6} {'tok/s':>7} {'front':>6} " \
@@ -815,14 +838,16 @@ def format_table(report: Report) -> str:
              f"{report.params.get('model', '?')} vocab {report.params.get('vocab_size', '?')}"
              f"{_fronts_note(report.params.get('api_server_count', 1))}); "
              "CPU in us per delivered token", head, "-" * len(head)]
-    engines = {(c.batch_size, c.step_ms): c for c in report.cases if c.path == "engine"}
-    servers = {(c.batch_size, c.step_ms, c.tokenizer, c.engine_core): c
+    engines = {(c.batch_size, c.step_ms, bool(c.overlap)): c
+               for c in report.cases if c.path == "engine"}
+    servers = {(c.batch_size, c.step_ms, c.tokenizer, c.engine_core, bool(c.overlap)): c
                for c in report.cases if c.path == "server"}
-    keys = sorted({(c.batch_size, c.step_ms) for c in report.cases})
+    keys = sorted({(c.batch_size, c.step_ms, bool(c.overlap)) for c in report.cases},
+                  key=lambda k: (k[0], k[1], not k[2]))
     tokenizers = [t == "wordlevel" for t in report.params["tokenizers"]] or [False]
-    for batch, step in keys:
+    for batch, step, overlap in keys:
         for i, tokenizer in enumerate(tokenizers):
-            engine = engines.get((batch, step))
+            engine = engines.get((batch, step, overlap))
             some = engine or next(c for c in report.cases
                                   if (c.batch_size, c.step_ms) == (batch, step))
             row = f"{batch:>4} {step:>5g} {some.ideal_tok_s:>7.0f} {some.bound_ratio:>5.3f} | "
@@ -832,9 +857,9 @@ def format_table(report: Report) -> str:
                     f"{_ms(em.host_ms_per_step)} {_ms(em.device_ms_per_step)} {_us(em.gap_us)} | "
             else:
                 row += f"{'':>6} {'':>6} {'':>5} {'':>5} {'':>5} {'':>5} | "
-            row += f"{'wl' if tokenizer else 'ids':<4}"
+            row += f"{'wl' if tokenizer else 'ids':<4} {'on' if overlap else 'off':<3}"
             for core in cores:
-                case = servers.get((batch, step, tokenizer, core))
+                case = servers.get((batch, step, tokenizer, core, overlap))
                 if case is None or case.median is None:
                     row += f" | {'-':>13} {'':>6} {'':>7} {'':>6} {'':>5} {'':>5} {'':>6} " \
                         f"{'':>5} {'':>6}"
@@ -860,7 +885,9 @@ def format_table(report: Report) -> str:
               "host = ms per decode step outside the device calls (the round's wall time less the "
               "device's, per decode step), sleep = ms per step inside them, gap = us per device "
               "call from the previous call's end (EngineStats.host_gap_s / host_gaps)",
-              "tok = ids (no tokenizer) or wl (WordLevel tokenizer: detokenized text); front = "
+              "tok = ids (no tokenizer) or wl (WordLevel tokenizer: detokenized text); ov = on: "
+              "decodes run as a pipeline (Batcher(overlap=True), the server's --overlap), off: "
+              "one synchronous step at a time; front = "
               "the server's main thread (with a core process: the whole server process) over the "
               "round, mid = the front over the middle half of the round's tokens (streaming only: "
               "no request parsing, no teardown), sys = mid's kernel part (socket writes); core = "
@@ -922,6 +949,14 @@ def _floats(text: str) -> tuple[float, ...]:
     return values
 
 
+def _overlaps(text: str) -> tuple[bool, ...]:
+    values = tuple(text.split(","))
+    bad = [v for v in values if v not in ("on", "off")]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"{(bad or [text])[0]!r} is not on or off")
+    return tuple(v == "on" for v in values)
+
+
 def _modes(text: str) -> tuple[str, ...]:
     values = tuple(text.split(","))
     bad = [v for v in values if v not in ("none", "wordlevel")]
@@ -946,7 +981,12 @@ def main(argv: list[str] | None = None) -> int:
         print("bench overlap: --engine-cores needs a server with --engine-core; this one has "
               "none", file=sys.stderr)
         return 2
-    report = run(args, flag)
+    overlap_flag = True if args.no_server else server_has_overlap()
+    if args.overlap and True in args.overlap and not overlap_flag:
+        print("bench overlap: --overlap on needs a server with --overlap; this one has none",
+              file=sys.stderr)
+        return 2
+    report = run(args, flag, overlap_flag)
     if args.admission_stalls:
         report = msgspec.structs.replace(report, admission=admission_stalls(max(3, args.repeats)))
     print(format_table(report))

@@ -36,7 +36,7 @@ MAX_BODY = 64 * 1024
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    app = create_app(Batcher(NumpyRuntime.random(ART, seed=0), max_waiting=8), "fuzz",
+    app = create_app(Batcher(NumpyRuntime.random(ART, seed=0), max_waiting=8, overlap=True), "fuzz",
                      max_body_bytes=MAX_BODY, body_timeout=5.0)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

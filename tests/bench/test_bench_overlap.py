@@ -27,20 +27,24 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
     done = subprocess.run([sys.executable, "-m", "atombatch.bench", "overlap", "--batch-sizes",
                            str(B), "--step-ms", "5", "--max-tokens", str(MAX_TOKENS),
                            "--repeats", "1", "--json", str(path)],
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stdout + done.stderr
     # progress per case
-    assert re.search(r"B4 step 5 ms server tokenizer wordlevel( --engine-core \w+)?: ratio",
+    assert re.search(r"B4 step 5 ms server tokenizer wordlevel( --engine-core \w+)? "
+                     r"(no-)?overlap: ratio",
                      done.stderr), done.stderr
     assert "bench overlap: delivered / ideal throughput" in done.stdout
     return msgspec.json.decode(path.read_bytes(), type=Report)
 
 
 def test_report_has_every_case_with_its_parameters(report: Report) -> None:
-    paths = [(c.path, c.tokenizer) for c in report.cases]
+    paths = [(c.path, c.tokenizer, c.overlap) for c in report.cases]
     cores = 2 if report.engine_core_flag else 1
-    assert paths.count(("engine", False)) == 1
-    assert paths.count(("server", False)) == cores and paths.count(("server", True)) == cores
+    assert report.params["overlap"] == [True, False]  # by default both, side by side
+    for on in (True, False):
+        assert paths.count(("engine", False, on)) == 1
+        assert paths.count(("server", False, on)) == cores
+        assert paths.count(("server", True, on)) == cores
     assert report.params["max_tokens"] == MAX_TOKENS and report.params["batch_sizes"] == [B]
     assert report.commit and report.machine
     assert all(x >= 0 for x in (*report.load_before, *report.load_after))
@@ -53,6 +57,7 @@ def test_report_has_every_case_with_its_parameters(report: Report) -> None:
         if case.command is not None:
             assert "--runtime null --null-step-ms 5" in case.command
             assert ("--tokenizer" in case.command) == case.tokenizer
+            assert case.command.split().count("--overlap" if case.overlap else "--no-overlap") == 1
 
 
 def test_figures_are_consistent(report: Report) -> None:
@@ -113,6 +118,7 @@ def test_steady_ratio_is_each_requests_rate_against_one_token_per_step() -> None
 
 def test_table_shows_the_figures(report: Report) -> None:
     table = overlap.format_table(report)
+    assert re.search(r"\| ids  on ", table) and re.search(r"\| ids  off ", table)
     server = next(c for c in report.cases if c.path == "server" and not c.tokenizer)
     assert f"{server.median.ratio:.3f}" in table
     assert server.median.steady is not None and f"{server.median.steady:.3f}" in table
@@ -174,6 +180,8 @@ def test_server_cpu_sees_a_childs_threads_and_grandchildren() -> None:
 
 def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert overlap.main(["--max-tokens", "0", "--no-server", "--no-engine"]) == 2
+    with pytest.raises(SystemExit):
+        overlap.main(["--overlap", "maybe"])
     assert "--max-tokens must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         overlap.main(["--step-ms", "0"])

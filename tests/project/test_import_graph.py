@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kernel", ("_blocks", "_blocks_py", "blocks", "prefix")),
     ("device", ("pd", "runtime")),
     ("engine", ("request", "checkpoints", "groups", "outputs", "kv_manager", "scheduler",
-                "pd_intake", "engine", "aio")),
+                "pd_intake", "overlap", "engine", "aio")),
     ("facade", ("__init__",)),
     ("processes", ("core", "cluster")),
     ("front", ("serve",)),

@@ -392,6 +392,11 @@ def test_metrics_say_where_the_device_time_went(server: ServerThread) -> None:
     # idle time before this request
     assert steps == 6 and gaps == 5
     assert device > 0 and 0 < gap < device + gap
+    # --overlap (the default): the first decode starts the pipeline, the device thread launches
+    # the other four straight after the one before (none after the last: the limit was known)
+    overlapped = after["atombatch_overlapped_steps_total"] - \
+        before["atombatch_overlapped_steps_total"]
+    assert overlapped == 4
 
 
 class _RecordBodies:

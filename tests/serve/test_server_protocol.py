@@ -96,7 +96,7 @@ def test_ignored_fields_are_bounded(server: ServerThread) -> None:
 
 
 def test_strict_protocol_rejects_unknown_fields() -> None:
-    app = create_app(Batcher(NumpyRuntime.random(ART, seed=WEIGHT_SEED)), NAME,
+    app = create_app(Batcher(NumpyRuntime.random(ART, seed=WEIGHT_SEED), overlap=True), NAME,
                      strict_protocol=True)
     with ServerThread(app) as s:
         r = post(s, "/v1/completions", {"prompt": IDS, "max_tokens": 2, "colour": "red"})

@@ -17,7 +17,7 @@ def http_server():
     from atombatch.runtime.numpy_runtime import NumpyRuntime
     from atombatch.serve import create_app
 
-    app = create_app(Batcher(NumpyRuntime.random(ART, seed=WEIGHT_SEED)), NAME)
+    app = create_app(Batcher(NumpyRuntime.random(ART, seed=WEIGHT_SEED), overlap=True), NAME)
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
         yield client
 

@@ -41,6 +41,7 @@ def ids_of(text: str) -> list[int]:
 def make_server(artifact: ArtifactConfig = ART, runtime: Any = None, **batcher_kw: Any
                 ) -> ServerThread:
     runtime = runtime or NumpyRuntime.random(artifact, seed=WEIGHT_SEED)
+    batcher_kw.setdefault("overlap", True)  # what `python -m atombatch.serve` runs by default
     return ServerThread(create_app(Batcher(runtime, **batcher_kw), NAME))
 
 
