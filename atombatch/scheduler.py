@@ -479,14 +479,15 @@ class Scheduler:
     def plan_ahead(self, plan: StepPlan, running: StepPlan, gather: Any) -> bool:
         """Build into `plan` the decode step after `running` (on the device now, its tokens not
         known yet) when it is the step `schedule` would choose then: every busy lane decodes,
-        nothing waits or stages, no block op is due, every decoding lane is greedy, and the free
-        list (no eviction) has the blocks the lanes' next positions need. `gather[row]`: the row
+        nothing is admitted, staged or prefilled (`_only_decode`), no block op is due, every
+        decoding lane is greedy, and the free list (no eviction) has the blocks the lanes' next
+        positions need. `gather[row]`: the row
         of `running` whose token feeds the row (`StepKernel.build_ahead`). False: not built (the
         engine lands `running` and schedules as usual)."""
         kv = self.kv
         lanes = kv.lanes
-        if self.waiting or self.staging is not None or kv.has_ops or not lanes.num_busy or \
-                lanes.num_busy != lanes.num_decoding() or kv.checkpoints is not None:
+        if kv.has_ops or not lanes.num_busy or lanes.num_busy != lanes.num_decoding() or \
+                kv.checkpoints is not None or not self._only_decode():
             return False
         kernel = kv.kernel
         if not kernel.all_plain() or kernel.grow(1):
@@ -499,6 +500,20 @@ class Scheduler:
         self._decodes_since_prefill += 1
         self._prefills_since_decode = 0
         return True
+
+    def _only_decode(self) -> bool:
+        """`schedule` would decode the busy lanes and admit, stage or prefill nothing: no queue,
+        or a queue with no idle lane for it and no staging to start (a request fully staged
+        into the spare waits for a lane as well)."""
+        staging = self.staging
+        if staging is not None and (staging.state is not S.STAGED or self.kv.lanes.num_idle):
+            return False
+        if not self.waiting:
+            return True
+        if self.kv.lanes.num_idle:
+            return False
+        head = self._first_ready()
+        return staging is not None or head is None or not self._can_stage(head)
 
     def decode_requests(self, plan: StepPlan) -> list[Request]:
         """The requests of a decode plan's rows that are still running, in row order."""

@@ -197,3 +197,25 @@ def test_overlap_must_be_a_bool() -> None:
     art = artifact(SPECS["llama"], 2, 6)
     with pytest.raises(ConfigError, match="overlap='yes' must be True or False"):
         Batcher(NumpyRuntime.random(art, SEED), overlap="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_queue_behind_a_full_batch_keeps_the_pipeline_running(family: str) -> None:
+    """More requests than lanes: while every lane decodes and the queue's head waits (staged
+    into the spare, or, for a hybrid model, which does not stage, just queued), the steps are
+    still built ahead; each request's tokens are those it gets alone."""
+    spec = SPECS[family]
+    art = artifact(spec, 2, 13, block_size=16, chunk=16, max_seq_len=96)
+    work = prompts(6, seed=21)
+    params = [greedy(14 + 4 * i) for i in range(len(work))]
+    alone = []
+    for p, sp in zip(work, params, strict=True):
+        solo = Batcher(NumpyRuntime.random(art, SEED))
+        alone.append(finish(solo, [solo.submit(p, sp)])[0])
+    batcher = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    got = finish(batcher, [batcher.submit(p, sp) for p, sp in zip(work, params, strict=True)])
+    assert got == alone
+    stats = batcher.stats()
+    assert stats.overlapped_steps > stats.decode_steps // 3
+    if not spec.is_hybrid:
+        assert stats.staged_chunks > 0  # the queue's head was staged while the lanes decoded
