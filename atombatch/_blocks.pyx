@@ -1239,17 +1239,6 @@ cdef class StepKernel:
         self.inputs = inputs
         self.num_rows = num_rows
 
-    def all_plain(self):
-        """True when no decoding lane samples or has its outputs built by the caller (what a
-        step built ahead needs: its tokens are the argmax, and nothing reads its logits after)."""
-        cdef LaneTable lanes = self.lanes
-        cdef Py_ssize_t lane
-        for lane in range(lanes._b):
-            if lanes._state_v[lane] == C_LANE_DECODING and \
-                    self._flags_v[lane] & (C_LANE_SAMPLE | C_LANE_OWN_OUTPUT):
-                return False
-        return True
-
     @cython.boundscheck(ATOMBATCH_DEBUG)
     @cython.wraparound(ATOMBATCH_DEBUG)
     @cython.initializedcheck(ATOMBATCH_DEBUG)
@@ -1265,10 +1254,10 @@ cdef class StepKernel:
         stops on a stop id in the step on the device still has a row here (its output is already
         complete: the caller drops the row when it lands). Padding rows are those of `build`,
         with the sliding slots of lanes that do not decode or finish in the step on the device.
-        Returns the rows that decode; 0 when no lane goes on; -1 when the step cannot be built
-        ahead (a decoding lane samples or has its outputs built by the caller, or decodes without
-        a row in `previous`, or padding rows have no `padding_block`). `self.inputs` and
-        `num_rows` stay those of the last step."""
+        A lane's flags do not matter here: the caller samples the rows it must before it writes
+        the tokens in. Returns the rows that decode; 0 when no lane goes on; -1 when the step
+        cannot be built ahead (a decoding lane has no row in `previous`, or padding rows have no
+        `padding_block`). `self.inputs` and `num_rows` stay those of the last step."""
         cdef LaneTable lanes = self.lanes
         cdef Py_ssize_t b = lanes._b, bps = lanes._bps
         cdef Py_ssize_t lane, j, held, decoding = 0, index = 0, rows, row = 0, pad_row
@@ -1306,8 +1295,6 @@ cdef class StepKernel:
         for lane in range(b):
             if state[lane] != C_LANE_DECODING:
                 continue
-            if self._flags_v[lane] & (C_LANE_SAMPLE | C_LANE_OWN_OUTPUT):
-                return -1
             if self._num_out_v[lane] + 1 >= self._max_out_v[lane]:
                 continue  # finishes in the step on the device
             if source[lane] < 0:

@@ -904,14 +904,6 @@ class StepKernel:
         self.inputs = inputs
         self.num_rows = num_rows
 
-    def all_plain(self) -> bool:
-        """True when no decoding lane samples or has its outputs built by the caller (what a
-        step built ahead needs: its tokens are the argmax, and nothing reads its logits after)."""
-        lanes = self.lanes
-        return not any(lanes._state[lane] == LANE_DECODING and
-                       self._flags[lane] & (LANE_SAMPLE | LANE_OWN_OUTPUT)
-                       for lane in range(lanes._b))
-
     def build_ahead(self, out: DecodeInputs, previous: DecodeInputs, previous_rows: int,
                     gather: npt.NDArray[np.int32], padding_block: int) -> int:
         """The inputs of the decode step after the one on the device now (built from `previous`,
@@ -924,10 +916,10 @@ class StepKernel:
         stops on a stop id in the step on the device still has a row here (its output is already
         complete: the caller drops the row when it lands). Padding rows are those of `build`,
         with the sliding slots of lanes that do not decode or finish in the step on the device.
-        Returns the rows that decode; 0 when no lane goes on; -1 when the step cannot be built
-        ahead (a decoding lane samples or has its outputs built by the caller, or decodes without
-        a row in `previous`, or padding rows have no `padding_block`). `self.inputs` and
-        `num_rows` stay those of the last step."""
+        A lane's flags do not matter here: the caller samples the rows it must before it writes
+        the tokens in. Returns the rows that decode; 0 when no lane goes on; -1 when the step
+        cannot be built ahead (a decoding lane has no row in `previous`, or padding rows have no
+        `padding_block`). `self.inputs` and `num_rows` stay those of the last step."""
         lanes = self.lanes
         b, bps = lanes._b, lanes._bps
         if out._b != b or out._bps != bps or previous._b != b or previous._bps != bps:
@@ -946,8 +938,6 @@ class StepKernel:
         for lane in range(b):
             if lanes._state[lane] != LANE_DECODING:
                 continue
-            if self._flags[lane] & (LANE_SAMPLE | LANE_OWN_OUTPUT):
-                return -1
             if self._num_out[lane] + 1 >= self._max_out[lane]:
                 continue  # finishes in the step on the device
             if source[lane] < 0:

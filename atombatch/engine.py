@@ -46,6 +46,7 @@ from atombatch.sampling import (
     LogprobsMode,
     PromptLogprobs,
     RequestSampler,
+    SampleResult,
     sample_rows,
 )
 from atombatch.scheduler import PDImport, Policy, Request, RequestState, Scheduler, StepPlan
@@ -869,12 +870,25 @@ class Batcher:
 
     # -- the pipeline (overlap=True; atombatch/overlap.py) -----------------------------------------
     def _can_fly(self) -> bool:
-        """Whether decodes may run as a pipeline now: every decoding lane greedy with nothing
-        read from its logits but the argmax, and nothing between two steps that the engine does
-        itself (n > 1 forks, PD links, grammar compiles). The scheduler checks the rest
-        (`Scheduler.plan_ahead`)."""
+        """Whether decodes may run as a pipeline now: no grammar (its mask for step N+1 needs
+        step N's token) and nothing between two steps that the engine does itself (n > 1 forks,
+        PD links, grammar compiles). The scheduler checks the rest (`Scheduler.plan_ahead`)."""
         return not self._compiling and not self._groups and not self._kv and \
-            self._kernel.all_plain()
+            not any(sampler.grammar is not None for sampler in self._samplers.values())
+
+    def _sampled_rows(self, plan: StepPlan) -> list[tuple[int, int, Request, RequestSampler]]:
+        """(row, lane, request, sampler) of a flight's rows that sample: the device thread
+        draws their tokens (`_draw`) before the logits are the next call's."""
+        if not self._samplers:
+            return []
+        by_lane = self.scheduler.by_lane
+        samplers = self._samplers
+        special = []
+        for row, lane in enumerate(plan.inputs.row_lanes[:plan.rows].tolist()):
+            request = by_lane[lane]
+            if request is not None and request.lane_flags & core.LANE_SAMPLE:
+                special.append((row, lane, request, samplers[request.request_id]))
+        return special
 
     def _take_off(self, plan: StepPlan) -> None:
         """Launch `plan` (the scheduler's decode plan, built) as the pipeline's first flight."""
@@ -884,10 +898,11 @@ class Batcher:
             self._flights = make_flights(plan, artifact.batch_size, artifact.blocks_per_seq,
                                          kv.decode_inputs.buckets, type(kv.decode_inputs))
             self._device_thread = DeviceThread(self._decode_call, self._argmax,
-                                               self.spec.vocab_size)
+                                               self.spec.vocab_size, self._draw)
         flight = self._flights[0]
         if flight.plan is not plan:
             raise StateError("the pipeline's first flight must run the scheduler's decode plan")
+        flight.special = self._sampled_rows(plan)
         device = self._device_thread
         assert device is not None
         hook = self.on_device_call
@@ -906,6 +921,7 @@ class Batcher:
                 assert self._flights is not None
                 candidate = self._flights[(running.index + 1) % NUM_FLIGHTS]
                 if self.scheduler.plan_ahead(candidate.plan, running.plan, candidate.gather):
+                    candidate.special = self._sampled_rows(candidate.plan)
                     following = candidate
         finally:  # exactly once per flight, even when building failed: the thread waits for it
             assert self._device_thread is not None
@@ -956,8 +972,15 @@ class Batcher:
                 if kernel.status[row] == core.ROW_NONFINITE:
                     self._fail(request, f"decode returned non-finite logits on lane {lane}",
                                outputs)
-                else:  # a lane that samples is never in a flight (`_can_fly`)
-                    raise StateError(f"lane {lane} samples but decoded in the pipeline")
+        if flight.drawn is not None:  # the rows the device thread sampled
+            result, drawn = flight.drawn
+            flight.drawn = None
+            live = [i for i, (_, lane, request, _) in enumerate(drawn)
+                    if scheduler.by_lane[lane] is request and
+                    request.state is RequestState.DECODING]
+            if isinstance(result, SampleResult) and len(live) < len(drawn):
+                result = _rows_of(result, live)
+            self._apply_draw(result, [drawn[i] for i in live], kernel.tokens, outputs)
         done = scheduler.complete_decode(plan, self.clock())
         self._decoded = True
         for request in done:
@@ -972,13 +995,29 @@ class Batcher:
                         tokens: npt.NDArray[np.int64], outputs: list[RequestOutput]) -> None:
         """Sample the (row, lane, request, sampler) entries of one decode step at once; each
         token goes to `tokens[row]`."""
-        rows = [row for row, _, _, _ in special]
+        result: SampleResult | Exception
         try:
-            result = sample_rows(logits[rows], [s for _, _, _, s in special],
-                                 [r.output for _, _, r, _ in special], self.logprobs_mode)
+            result = self._draw(logits, special)
         except Exception as exc:  # a sampler bug fails these requests, not the engine
+            result = exc
+        self._apply_draw(result, special, tokens, outputs)
+
+    def _draw(self, logits: npt.NDArray[np.floating],
+              special: list[tuple[int, int, Request, RequestSampler]]) -> SampleResult:
+        """The tokens of a step's sampled rows (`sample_rows`); the pipeline's device thread
+        calls it too, before the logits are the next call's."""
+        rows = [row for row, _, _, _ in special]
+        return sample_rows(logits[rows], [s for _, _, _, s in special],
+                           [r.output for _, _, r, _ in special], self.logprobs_mode)
+
+    def _apply_draw(self, result: SampleResult | Exception,
+                    special: list[tuple[int, int, Request, RequestSampler]],
+                    tokens: npt.NDArray[np.int64], outputs: list[RequestOutput]) -> None:
+        """`_draw`'s result into `tokens[row]` and the kept logprobs; a failed draw or row
+        fails its request."""
+        if isinstance(result, Exception):
             for _, _, request, _ in special:
-                self._fail(request, f"sampling failed: {exc}", outputs)
+                self._fail(request, f"sampling failed: {result}", outputs)
             return
         masked = set(result.masked_rows)
         for i, (row, _, request, _) in enumerate(special):
@@ -1148,6 +1187,15 @@ def log_events(events: list[tuple[str, dict[str, Any]]]) -> None:
                 log.debug(name, **fields)
         elif info:
             log.info(name, **fields)
+
+
+def _rows_of(result: SampleResult, rows: list[int]) -> SampleResult:
+    """`result` for the given rows of it, in that order."""
+    position = {row: i for i, row in enumerate(rows)}
+    return SampleResult(tokens=result.tokens[rows], logprobs=[result.logprobs[i] for i in rows],
+                        masked_rows=[position[i] for i in result.masked_rows if i in position],
+                        failed={position[i]: why for i, why in result.failed.items()
+                                if i in position})
 
 
 def _masking_param(request: Request) -> str:

@@ -57,6 +57,11 @@ class Flight:
         self.gather = np.full(batch_size, -1, dtype=np.int32)
         self.error: BaseException | None = None
         self.next: Flight | None = None   # the flight the device thread launched after this one
+        # the rows that sample, (row, lane, request, sampler), set by the engine with the plan;
+        # the device thread draws them and leaves (result or exception, the rows it drew)
+        self.special: list[Any] = []
+        self.drawn: tuple[Any, list[Any]] | None = None
+        self.logits: Any = None           # the call's logits, until its rows are drawn
 
 
 class DeviceThread:
@@ -68,9 +73,10 @@ class DeviceThread:
     starts a pipeline when none runs."""
 
     def __init__(self, decode: Callable[[Any], Any], argmax: Callable[[Any, Any], None],
-                 vocab_size: int) -> None:
+                 vocab_size: int, draw: Callable[[Any, list[Any]], Any]) -> None:
         self._decode = decode
         self._argmax = argmax
+        self._draw = draw
         self._vocab = vocab_size
         self._start = _thread.allocate_lock()    # released: a flight to run (`launch`)
         self._decided = _thread.allocate_lock()  # released: `decide` said what comes next
@@ -111,7 +117,10 @@ class DeviceThread:
             flight = self._first
             while flight is not None:
                 self._call(flight)
-                self._decided.acquire()
+                self._decided.acquire()  # (the engine has landed the step before this one)
+                if flight.special and flight.error is None:
+                    self._sample(flight)
+                flight.logits = None
                 after, self._next = self._next, None
                 if after is not None and flight.error is None:
                     try:  # the tokens this call picked feed the next call's rows
@@ -127,8 +136,28 @@ class DeviceThread:
                 self._landed.release()
                 flight = after
 
+    def _sample(self, flight: Flight) -> None:
+        """Draw the flight's sampled rows (their outputs hold every token before this step:
+        the engine landed it before deciding), after the rows whose picked logit is not finite
+        (the landing fails those); each drawn token replaces the argmax the next call takes."""
+        best = flight.best
+        rows = [entry for entry in flight.special if np.isfinite(best[entry[0]])]
+        if not rows:
+            return
+        try:
+            result = self._draw(flight.logits, rows)
+        except Exception as exc:  # a sampler bug fails these requests, not the engine
+            flight.drawn = (exc, rows)
+            return
+        flight.drawn = (result, rows)
+        masked = set(result.masked_rows)
+        for i, (row, _, _, _) in enumerate(rows):
+            if i not in masked and i not in result.failed:
+                flight.greedy[row] = int(result.tokens[i])
+
     def _call(self, flight: Flight) -> None:
         flight.error = None
+        flight.drawn = None
         inputs = flight.plan.inputs
         try:
             raw = logits = self._decode(inputs)
@@ -148,6 +177,7 @@ class DeviceThread:
             if not logits.flags.c_contiguous:
                 logits = np.ascontiguousarray(logits)
             core.picked_logits(logits, flight.greedy, flight.best, flight.plan.rows)
+            flight.logits = logits
         except Exception as exc:
             flight.error = exc
 

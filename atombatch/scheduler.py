@@ -479,9 +479,8 @@ class Scheduler:
     def plan_ahead(self, plan: StepPlan, running: StepPlan, gather: Any) -> bool:
         """Build into `plan` the decode step after `running` (on the device now, its tokens not
         known yet) when it is the step `schedule` would choose then: every busy lane decodes,
-        nothing is admitted, staged or prefilled (`_only_decode`), no block op is due, every
-        decoding lane is greedy, and the free list (no eviction) has the blocks the lanes' next
-        positions need. `gather[row]`: the row
+        nothing is admitted, staged or prefilled (`_only_decode`), no block op is due, and the
+        free list (no eviction) has the blocks the lanes' next positions need. `gather[row]`: the row
         of `running` whose token feeds the row (`StepKernel.build_ahead`). False: not built (the
         engine lands `running` and schedules as usual)."""
         kv = self.kv
@@ -490,7 +489,7 @@ class Scheduler:
                 kv.checkpoints is not None or not self._only_decode():
             return False
         kernel = kv.kernel
-        if not kernel.all_plain() or kernel.grow(1):
+        if kernel.grow(1):
             return False  # blocks taken for some lanes stay theirs: the next step needs them
         rows = kernel.build_ahead(plan.inputs, running.inputs, running.rows, gather,
                                   kv.padding_block_ahead())

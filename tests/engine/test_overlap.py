@@ -121,21 +121,41 @@ def test_an_abort_and_new_requests_while_steps_are_in_the_air() -> None:
     assert stats.lane_blocks == 0 and stats.staged_blocks == 0 and stats.overlapped_steps > 0
 
 
-def test_a_sampled_request_runs_synchronously_beside_greedy_ones() -> None:
-    """A lane that samples reads its logits after the argmax: no pipeline while it decodes; the
-    seeded tokens are those of synchronous steps."""
-    spec = SPECS["gemma3"]
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_sampled_requests_draw_in_the_pipeline_what_synchronous_steps_draw(family: str) -> None:
+    """The device thread samples the rows that sample (temperature, top-k/p, penalties, bias,
+    min_tokens, logprobs), each request from its own seeded generator, after the engine landed
+    the step before (penalties count every token so far): the tokens and logprobs are those
+    of synchronous steps, greedy neighbours included."""
+    spec = SPECS[family]
     art = artifact(spec, 4, 9, block_size=16, chunk=16, max_seq_len=96)
 
     def make(**kw: Any) -> Batcher:
         return Batcher(NumpyRuntime.random(art, SEED), **kw)
 
-    work = prompts(4, seed=2)
-    params = [greedy(12), SamplingParams(temperature=0.8, seed=4, max_tokens=6, ignore_eos=True),
-              greedy(20), greedy(16)]
-    want, got, over = both(make, work, params)
-    assert got == want
-    assert over.stats().overlapped_steps > 0  # after the sampled request finished
+    work = prompts(6, seed=2)
+    params = [greedy(12),
+              SamplingParams(temperature=0.8, seed=4, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=1.2, top_k=20, top_p=0.9, seed=5, max_tokens=20,
+                             ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3,
+                             repetition_penalty=1.2, seed=6, max_tokens=18, ignore_eos=True),
+              SamplingParams(temperature=1.0, logit_bias={7: 2.0, 9: -5.0}, min_tokens=6,
+                             seed=7, max_tokens=14, logprobs=1),
+              greedy(20, logprobs=2)]
+
+    def run(batcher: Batcher) -> list[Any]:
+        ids = [batcher.submit(p, sp) for p, sp in zip(work, params, strict=True)]
+        finals = run_to_end(batcher)
+        return [(finals[i].completion.token_ids, finals[i].finish_reason,
+                 [None if lp is None else (lp.token_id, lp.logprob, lp.top)
+                  for lp in finals[i].completion.logprobs or ()]) for i in ids]
+
+    want = run(make(overlap=False))
+    over = make(overlap=True)
+    assert run(over) == want
+    stats = over.stats()
+    assert stats.overlapped_steps > stats.decode_steps // 3
 
 
 class Faulty(NumpyRuntime):
@@ -219,3 +239,38 @@ def test_a_queue_behind_a_full_batch_keeps_the_pipeline_running(family: str) -> 
     assert stats.overlapped_steps > stats.decode_steps // 3
     if not spec.is_hybrid:
         assert stats.staged_chunks > 0  # the queue's head was staged while the lanes decoded
+
+
+def test_stop_strings_and_eos_end_requests_inside_the_pipeline() -> None:
+    """Requests whose text the engine builds (a tokenizer, stop strings) and requests that stop on
+    the model's EOS run in the pipeline too: a stop string found when a step lands ends the
+    request there (its row in the step already built ahead is dropped), with the text, tokens and
+    finish of synchronous steps."""
+    from support.sampling_models import artifact as sampling_artifact
+    from support.sampling_models import piece_tokenizer
+
+    tok = piece_tokenizer()
+    art = sampling_artifact()
+    work = [[3, 4, 5], [9, 8, 7, 6], [11, 12], [20, 21, 22, 23, 24]]
+    base = Batcher(NumpyRuntime.random(art, seed=3), tokenizer=tok).generate(
+        work, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    # a stop string each text reaches a few tokens in (the engine finds it after decoding)
+    stops = []
+    for done in base:
+        text = done.text
+        stops.append(next(text[k:k + 3] for k in range(6, len(text) - 3)
+                          if text.find(text[k:k + 3]) == k))
+    params = [SamplingParams(temperature=0.0, max_tokens=24, stop=[stop], ignore_eos=i == 0)
+              for i, stop in enumerate(stops)]
+
+    def run(overlap: bool) -> tuple[list[Any], Batcher]:
+        batcher = Batcher(NumpyRuntime.random(art, seed=3), tokenizer=tok, overlap=overlap)
+        outs = batcher.generate(work, params)
+        return [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in outs], batcher
+
+    want, _ = run(False)
+    got, over = run(True)
+    assert got == want
+    assert all(reason == "stop" for _, _, reason, _ in want)
+    assert over.stats().overlapped_steps > 0
+    assert over.stats().lane_blocks == 0
