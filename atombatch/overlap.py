@@ -3,15 +3,17 @@
 Between two synchronous decode calls the host picks the tokens, appends them, checks the stop
 conditions, builds the outputs, schedules and builds the next inputs: 100-300 us at B64 on the
 machines we measure (cold caches after the device wait), all of it device idle time. With
-`Batcher(overlap=True)` a steady decode (every busy lane decoding, nothing waiting, every lane
-greedy) runs as a pipeline of `Flight`s on a `DeviceThread`:
+`Batcher(overlap=True)` a steady decode (every busy lane decoding, nothing to admit, stage or
+prefill, no grammar) runs as a pipeline of `Flight`s on a `DeviceThread`:
 
 - While the device runs step N, the engine's thread lands step N-1 (its tokens, stops and
   outputs) and builds step N+1's inputs *ahead*, before step N's tokens exist: every lane one
   position further, its blocks grown for it, its token still unknown (`StepKernel.build_ahead`).
-- When step N returns, the device thread takes its argmax, writes those tokens into step N+1's
-  `input_ids` (each row's source row is in the flight's `gather`) and calls the device again at
-  once: what stands between two device calls is the argmax and that copy.
+- When step N returns, the device thread takes its argmax (and draws the rows that sample,
+  once the engine has landed step N-1: their penalties count every token before), writes those
+  tokens into step N+1's `input_ids` (each row's source row is in the flight's `gather`) and
+  calls the device again at once: what stands between two device calls is the argmax (the
+  draws) and that copy.
 
 A lane that stops on a stop id in step N has already been given a row in step N+1: the device
 computes it (the KV of the request's last token, in its own blocks) and the landing drops it

@@ -141,7 +141,7 @@ def parser() -> argparse.ArgumentParser:
                    "(default: half the cores, at most 4; 1 on four cores or fewer)")
     p.add_argument("--overlap", "--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=True,
-                   help="run steady greedy decodes as a pipeline: the next step's inputs are "
+                   help="run steady decodes as a pipeline: the next step's inputs are "
                    "built while the device runs this one, and the device is called again as soon "
                    "as its argmax is known (default on; --no-overlap: one synchronous step at a "
                    "time; docs/overlap.md)")
