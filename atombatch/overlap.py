@@ -21,7 +21,7 @@ computes it (the KV of the request's last token, in its own blocks) and the land
 Nothing the host does while a flight is in the air lets the device read what another request
 wrote: blocks a finished or aborted request gives back while its row is in the air are only
 written again by later device calls (device calls run in order); a new lane, a prefill, block
-ops, a sampled lane or any step that is not a steady decode waits until the pipeline is empty
+ops, a grammar or any step that is not a steady decode waits until the pipeline is empty
 (the engine then schedules as usual, one device call per `step()`).
 
 The thread hand-offs are bare locks (a `threading.Event` or `Condition` costs the critical path
