@@ -64,6 +64,9 @@ cdef class DecodeInputs:
     cdef int32_t[::1] _row_lanes_v
 
     cdef int _select(self, Py_ssize_t index) except -1
+    cdef void _lane_row(self, Py_ssize_t row, LaneTable lanes, Py_ssize_t lane, int64_t token,
+                        int32_t position) noexcept
+    cdef void _pad_row(self, Py_ssize_t row, Py_ssize_t lane, int16_t pad) noexcept
     cdef int64_t[:, ::1] _input_ids_v
     cdef int32_t[:, ::1] _cache_position_v
     cdef int16_t[:, ::1] _block_tables_v

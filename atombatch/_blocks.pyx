@@ -860,18 +860,12 @@ cdef class DecodeInputs:
         before anything is written, so a failed build leaves the buffers as they were.
         """
         cdef Py_ssize_t b = lanes._b, bps = lanes._bps
-        cdef Py_ssize_t lane, j, held, decoding = 0, index = 0, rows, row = 0, pad_row
-        cdef int16_t last, pad
+        cdef Py_ssize_t lane, held, decoding = 0, index = 0, rows, row = 0, pad_row
+        cdef int16_t pad
         cdef int8_t[::1] state = lanes._state_v
         cdef int32_t[::1] num_held = lanes._num_held_v
         cdef int32_t[::1] seq_len = lanes._seq_len_v
         cdef int64_t[::1] next_token = lanes._next_token_v
-        cdef int32_t[:, ::1] lane_rows = lanes._rows_v
-        cdef int64_t[:, ::1] input_ids = self._input_ids_v
-        cdef int32_t[:, ::1] cache_position = self._cache_position_v
-        cdef int16_t[:, ::1] tables = self._block_tables_v
-        cdef int16_t[:, ::1] local_tables = self._local_block_tables_v
-        cdef int32_t[::1] row_lanes = self._row_lanes_v
         if self._b != b or self._bps != bps:
             raise StateError(f"decode buffers are {(self._b, self._bps)}, lanes are {(b, bps)}")
         for lane in range(b):
@@ -892,27 +886,38 @@ cdef class DecodeInputs:
         pad_row = decoding
         for lane in range(b):
             if state[lane] == C_LANE_DECODING:
-                held = num_held[lane]
-                input_ids[row, 0] = next_token[lane]
-                cache_position[row, 0] = seq_len[lane]
-                for j in range(held):
-                    tables[row, j] = <int16_t>lane_rows[lane, j]
-                last = <int16_t>lane_rows[lane, held - 1]
-                for j in range(held, bps):
-                    tables[row, j] = last
-                local_tables[row, 0] = <int16_t>lane
-                row_lanes[row] = <int32_t>lane
+                self._lane_row(row, lanes, lane, next_token[lane], seq_len[lane])
                 row += 1
             elif pad_row < rows:
-                input_ids[pad_row, 0] = 0
-                cache_position[pad_row, 0] = 0
-                for j in range(bps):
-                    tables[pad_row, j] = pad
-                local_tables[pad_row, 0] = <int16_t>lane
-                row_lanes[pad_row] = <int32_t>lane
+                self._pad_row(pad_row, lane, pad)
                 pad_row += 1
         self._select(index)
         return decoding
+
+    cdef void _lane_row(self, Py_ssize_t row, LaneTable lanes, Py_ssize_t lane, int64_t token,
+                        int32_t position) noexcept:
+        """Row `row` feeds `token` at `position` through lane `lane`'s blocks (the tail entries
+        repeating its last one) and its own sliding slot."""
+        cdef Py_ssize_t j, held = lanes._num_held_v[lane]
+        cdef int16_t last = <int16_t>lanes._rows_v[lane, held - 1]
+        self._input_ids_v[row, 0] = token
+        self._cache_position_v[row, 0] = position
+        for j in range(held):
+            self._block_tables_v[row, j] = <int16_t>lanes._rows_v[lane, j]
+        for j in range(held, self._bps):
+            self._block_tables_v[row, j] = last
+        self._local_block_tables_v[row, 0] = <int16_t>lane
+        self._row_lanes_v[row] = <int32_t>lane
+
+    cdef void _pad_row(self, Py_ssize_t row, Py_ssize_t lane, int16_t pad) noexcept:
+        """A padding row: token 0 at position 0, every entry `pad`, lane `lane`'s sliding slot."""
+        cdef Py_ssize_t j
+        self._input_ids_v[row, 0] = 0
+        self._cache_position_v[row, 0] = 0
+        for j in range(self._bps):
+            self._block_tables_v[row, j] = pad
+        self._local_block_tables_v[row, 0] = <int16_t>lane
+        self._row_lanes_v[row] = <int32_t>lane
 
 
 @cython.final
@@ -1260,20 +1265,14 @@ cdef class StepKernel:
         `padding_block`). `self.inputs` and `num_rows` stay those of the last step."""
         cdef LaneTable lanes = self.lanes
         cdef Py_ssize_t b = lanes._b, bps = lanes._bps
-        cdef Py_ssize_t lane, j, held, decoding = 0, index = 0, rows, row = 0, pad_row
-        cdef int16_t last, pad
+        cdef Py_ssize_t lane, held, decoding = 0, index = 0, rows, row = 0, pad_row
+        cdef int16_t pad
         cdef int8_t[::1] state = lanes._state_v
         cdef int32_t[::1] num_held = lanes._num_held_v
         cdef int32_t[::1] seq_len = lanes._seq_len_v
-        cdef int32_t[:, ::1] lane_rows = lanes._rows_v
         cdef int32_t[::1] source = self._source_v
         cdef int32_t[::1] previous_lanes = previous._row_lanes_v
         cdef int32_t[::1] gather_v = gather
-        cdef int64_t[:, ::1] input_ids
-        cdef int32_t[:, ::1] cache_position
-        cdef int16_t[:, ::1] tables
-        cdef int16_t[:, ::1] local_tables
-        cdef int32_t[::1] row_lanes
         if out._b != b or out._bps != bps or previous._b != b or previous._bps != bps:
             raise StateError(f"decode buffers are {(out._b, out._bps)} and "
                              f"{(previous._b, previous._bps)}, lanes are {(b, bps)}")
@@ -1283,11 +1282,6 @@ cdef class StepKernel:
             raise StateError(f"previous_rows={previous_rows} is outside 0..{previous.num_rows}")
         if gather_v.shape[0] < b:
             raise StateError(f"gather has {gather_v.shape[0]} entries, fewer than {b} lanes")
-        input_ids = out._input_ids_v
-        cache_position = out._cache_position_v
-        tables = out._block_tables_v
-        local_tables = out._local_block_tables_v
-        row_lanes = out._row_lanes_v
         for lane in range(b):
             source[lane] = -1
         for row in range(previous_rows):
@@ -1317,25 +1311,11 @@ cdef class StepKernel:
         for lane in range(b):
             if state[lane] == C_LANE_DECODING and \
                     self._num_out_v[lane] + 1 < self._max_out_v[lane]:
-                held = num_held[lane]
-                input_ids[row, 0] = 0
-                cache_position[row, 0] = seq_len[lane] + 1
-                for j in range(held):
-                    tables[row, j] = <int16_t>lane_rows[lane, j]
-                last = <int16_t>lane_rows[lane, held - 1]
-                for j in range(held, bps):
-                    tables[row, j] = last
-                local_tables[row, 0] = <int16_t>lane
-                row_lanes[row] = <int32_t>lane
+                out._lane_row(row, lanes, lane, 0, seq_len[lane] + 1)
                 gather_v[row] = source[lane]
                 row += 1
             elif pad_row < rows:
-                input_ids[pad_row, 0] = 0
-                cache_position[pad_row, 0] = 0
-                for j in range(bps):
-                    tables[pad_row, j] = pad
-                local_tables[pad_row, 0] = <int16_t>lane
-                row_lanes[pad_row] = <int32_t>lane
+                out._pad_row(pad_row, lane, pad)
                 gather_v[pad_row] = -1
                 pad_row += 1
         out._select(index)
@@ -1357,33 +1337,41 @@ cdef class StepKernel:
         the request)."""
         cdef const float[:, ::1] values = logits
         cdef const int64_t[::1] picks = greedy
-        cdef Py_ssize_t n = self.num_rows, row, k = 0, vocab = values.shape[1]
-        cdef int64_t best
-        cdef int32_t[::1] row_lanes = self.inputs._row_lanes_v
-        if values.shape[0] < n or picks.shape[0] < n:
-            raise StateError(f"logits have {values.shape[0]} rows and greedy {picks.shape[0]}, "
-                             f"the step ran {n}")
+        cdef Py_ssize_t n = self.num_rows, row, k = 0
+        self._check_picks(picks, values.shape[0], values.shape[1], "logits")
+        for row in range(n):
+            k = self._mark(row, _all_finite_f32(&values[row, picks[row]], 1), picks[row], k)
+        return k
+
+    cdef int _check_picks(self, const int64_t[::1] picks, Py_ssize_t rows, Py_ssize_t vocab,
+                          str what) except -1:
+        """The last build's rows each have a logit row (`rows` of them) and a pick in 0..vocab-1."""
+        cdef Py_ssize_t n = self.num_rows, row
+        if rows < n or picks.shape[0] < n:
+            raise StateError(f"{what}: {rows} rows, greedy: {picks.shape[0]}; the step ran "
+                             f"{n} rows")
         if vocab < 1:
             raise StateError("logits have no vocabulary entries")
         for row in range(n):
             if not 0 <= picks[row] < vocab:
                 raise StateError(f"greedy[{row}]={picks[row]} is outside the vocabulary "
                                  f"0..{vocab - 1}")
-        for row in range(n):
-            best = picks[row]
-            if not _all_finite_f32(&values[row, best], 1):
-                self._status_v[row] = C_ROW_NONFINITE
-                self._tokens_v[row] = 0
-                self._attention_v[k] = <int32_t>row
-                k += 1
-            elif self._flags_v[row_lanes[row]] & C_LANE_SAMPLE:
-                self._status_v[row] = C_ROW_SAMPLE
-                self._tokens_v[row] = best
-                self._attention_v[k] = <int32_t>row
-                k += 1
-            else:
-                self._status_v[row] = C_ROW_OK
-                self._tokens_v[row] = best
+        return 0
+
+    cdef inline Py_ssize_t _mark(self, Py_ssize_t row, bint finite, int64_t best,
+                                 Py_ssize_t k) noexcept:
+        """Row `row` picked `best` (its logit finite or not); returns the attention count."""
+        if not finite:
+            self._status_v[row] = C_ROW_NONFINITE
+            self._tokens_v[row] = 0
+            self._attention_v[k] = <int32_t>row
+            return k + 1
+        self._tokens_v[row] = best
+        if self._flags_v[self.inputs._row_lanes_v[row]] & C_LANE_SAMPLE:
+            self._status_v[row] = C_ROW_SAMPLE
+            self._attention_v[k] = <int32_t>row
+            return k + 1
+        self._status_v[row] = C_ROW_OK
         return k
 
     @cython.boundscheck(ATOMBATCH_DEBUG)
@@ -1395,30 +1383,9 @@ cdef class StepKernel:
         cdef const float[::1] values = best
         cdef const int64_t[::1] picks = greedy
         cdef Py_ssize_t n = self.num_rows, row, k = 0
-        cdef int32_t[::1] row_lanes = self.inputs._row_lanes_v
-        if values.shape[0] < n or picks.shape[0] < n:
-            raise StateError(f"best has {values.shape[0]} rows and greedy {picks.shape[0]}, "
-                             f"the step ran {n}")
-        if vocab < 1:
-            raise StateError("logits have no vocabulary entries")
+        self._check_picks(picks, values.shape[0], vocab, "best")
         for row in range(n):
-            if not 0 <= picks[row] < vocab:
-                raise StateError(f"greedy[{row}]={picks[row]} is outside the vocabulary "
-                                 f"0..{vocab - 1}")
-        for row in range(n):
-            if not _all_finite_f32(&values[row], 1):
-                self._status_v[row] = C_ROW_NONFINITE
-                self._tokens_v[row] = 0
-                self._attention_v[k] = <int32_t>row
-                k += 1
-            elif self._flags_v[row_lanes[row]] & C_LANE_SAMPLE:
-                self._status_v[row] = C_ROW_SAMPLE
-                self._tokens_v[row] = picks[row]
-                self._attention_v[k] = <int32_t>row
-                k += 1
-            else:
-                self._status_v[row] = C_ROW_OK
-                self._tokens_v[row] = picks[row]
+            k = self._mark(row, _all_finite_f32(&values[row], 1), picks[row], k)
         return k
 
     @cython.boundscheck(ATOMBATCH_DEBUG)

@@ -658,23 +658,33 @@ class DecodeInputs:
         pad_row = decoding
         for lane in range(b):
             if lanes._state[lane] == LANE_DECODING:
-                held = int(lanes._num_held[lane])
-                self._input_ids[row, 0] = lanes._next_token[lane]
-                self._cache_position[row, 0] = lanes._seq_len[lane]
-                self._block_tables[row, :held] = lanes._rows[lane, :held]
-                self._block_tables[row, held:] = lanes._rows[lane, held - 1]
-                self._local_block_tables[row, 0] = lane
-                self._row_lanes[row] = lane
+                self._lane_row(row, lanes, lane, int(lanes._next_token[lane]),
+                               int(lanes._seq_len[lane]))
                 row += 1
             elif pad_row < rows:
-                self._input_ids[pad_row, 0] = 0
-                self._cache_position[pad_row, 0] = 0
-                self._block_tables[pad_row, :] = padding_block
-                self._local_block_tables[pad_row, 0] = lane
-                self._row_lanes[pad_row] = lane
+                self._pad_row(pad_row, lane, padding_block)
                 pad_row += 1
         self._select(index)
         return decoding
+
+    def _lane_row(self, row: int, lanes: LaneTable, lane: int, token: int, position: int) -> None:
+        """Row `row` feeds `token` at `position` through lane `lane`'s blocks (the tail entries
+        repeating its last one) and its own sliding slot."""
+        held = int(lanes._num_held[lane])
+        self._input_ids[row, 0] = token
+        self._cache_position[row, 0] = position
+        self._block_tables[row, :held] = lanes._rows[lane, :held]
+        self._block_tables[row, held:] = lanes._rows[lane, held - 1]
+        self._local_block_tables[row, 0] = lane
+        self._row_lanes[row] = lane
+
+    def _pad_row(self, row: int, lane: int, pad: int) -> None:
+        """A padding row: token 0 at position 0, every entry `pad`, lane `lane`'s sliding slot."""
+        self._input_ids[row, 0] = 0
+        self._cache_position[row, 0] = 0
+        self._block_tables[row, :] = pad
+        self._local_block_tables[row, 0] = lane
+        self._row_lanes[row] = lane
 
 
 class PrefillInputs:
@@ -961,21 +971,11 @@ class StepKernel:
         pad_row = decoding
         for lane in range(b):
             if lane in goes:
-                held = int(lanes._num_held[lane])
-                out._input_ids[row, 0] = 0
-                out._cache_position[row, 0] = lanes._seq_len[lane] + 1
-                out._block_tables[row, :held] = lanes._rows[lane, :held]
-                out._block_tables[row, held:] = lanes._rows[lane, held - 1]
-                out._local_block_tables[row, 0] = lane
-                out._row_lanes[row] = lane
+                out._lane_row(row, lanes, lane, 0, int(lanes._seq_len[lane]) + 1)
                 gather[row] = source[lane]
                 row += 1
             elif pad_row < rows:
-                out._input_ids[pad_row, 0] = 0
-                out._cache_position[pad_row, 0] = 0
-                out._block_tables[pad_row, :] = padding_block
-                out._local_block_tables[pad_row, 0] = lane
-                out._row_lanes[pad_row] = lane
+                out._pad_row(pad_row, lane, padding_block)
                 gather[pad_row] = -1
                 pad_row += 1
         out._select(index)
@@ -998,64 +998,49 @@ class StepKernel:
         if not isinstance(greedy, np.ndarray) or greedy.dtype != np.int64 or greedy.ndim != 1 \
                 or not greedy.flags.c_contiguous:
             raise ValueError("greedy must be a C-contiguous 1-D int64 array")
+        self._check_picks(greedy, logits.shape[0], logits.shape[1], "logits")
         n = self.num_rows
-        if logits.shape[0] < n or greedy.shape[0] < n:
-            raise StateError(f"logits have {logits.shape[0]} rows and greedy {greedy.shape[0]}, "
-                             f"the step ran {n}")
-        vocab = logits.shape[1]
-        if vocab < 1:
-            raise StateError("logits have no vocabulary entries")
-        for row in range(n):
-            if not 0 <= greedy[row] < vocab:
-                raise StateError(f"greedy[{row}]={greedy[row]} is outside the vocabulary "
-                                 f"0..{vocab - 1}")
-        k = 0
-        for row in range(n):
-            best = int(greedy[row]) if np.isfinite(logits[row, greedy[row]]) else -1
-            if best < 0:
-                self.status[row] = ROW_NONFINITE
-                self.tokens[row] = 0
-                self.attention[k] = row
-                k += 1
-            elif self._flags[self.inputs._row_lanes[row]] & LANE_SAMPLE:
-                self.status[row] = ROW_SAMPLE
-                self.tokens[row] = best
-                self.attention[k] = row
-                k += 1
-            else:
-                self.status[row] = ROW_OK
-                self.tokens[row] = best
-        return k
+        return self._mark_rows(logits[np.arange(n), greedy[:n]], greedy)
 
     def pick_values(self, best: npt.NDArray[np.float32], greedy: npt.NDArray[np.int64],
                     vocab: int) -> int:
         """`pick` for a step whose logits are gone (the device runs the next step into them):
         `best[row]` is the float32 logit `greedy[row]` picked in row `row`."""
+        self._check_picks(greedy, best.shape[0], vocab, "best")
+        return self._mark_rows(best, greedy)
+
+    def _check_picks(self, picks: npt.NDArray[np.int64], rows: int, vocab: int,
+                     what: str) -> None:
+        """The last build's rows each have a logit row (`rows` of them) and a pick in 0..vocab-1."""
         n = self.num_rows
-        if best.shape[0] < n or greedy.shape[0] < n:
-            raise StateError(f"best has {best.shape[0]} rows and greedy {greedy.shape[0]}, "
-                             f"the step ran {n}")
+        if rows < n or picks.shape[0] < n:
+            raise StateError(f"{what}: {rows} rows, greedy: {picks.shape[0]}; the step ran "
+                             f"{n} rows")
         if vocab < 1:
             raise StateError("logits have no vocabulary entries")
         for row in range(n):
-            if not 0 <= greedy[row] < vocab:
-                raise StateError(f"greedy[{row}]={greedy[row]} is outside the vocabulary "
+            if not 0 <= picks[row] < vocab:
+                raise StateError(f"greedy[{row}]={picks[row]} is outside the vocabulary "
                                  f"0..{vocab - 1}")
+
+    def _mark_rows(self, best: npt.NDArray[np.float32], greedy: npt.NDArray[np.int64]) -> int:
+        """Each row picked `greedy[row]`, whose logit was `best[row]`: its status, token and
+        attention entry; returns the attention count."""
         k = 0
-        for row in range(n):
+        for row in range(self.num_rows):
             if not np.isfinite(best[row]):
                 self.status[row] = ROW_NONFINITE
                 self.tokens[row] = 0
                 self.attention[k] = row
                 k += 1
-            elif self._flags[self.inputs._row_lanes[row]] & LANE_SAMPLE:
+                continue
+            self.tokens[row] = int(greedy[row])
+            if self._flags[self.inputs._row_lanes[row]] & LANE_SAMPLE:
                 self.status[row] = ROW_SAMPLE
-                self.tokens[row] = int(greedy[row])
                 self.attention[k] = row
                 k += 1
             else:
                 self.status[row] = ROW_OK
-                self.tokens[row] = int(greedy[row])
         return k
 
     def complete(self, now: float) -> int:

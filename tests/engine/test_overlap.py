@@ -40,6 +40,16 @@ def both(make: Any, work: list[list[int]], params: list[SamplingParams], **optio
     return want, got, over
 
 
+def run_alone(art: ArtifactConfig, work: list[list[int]], params: list[SamplingParams]
+              ) -> list[Any]:
+    """Each request on a fresh synchronous Batcher of its own: the independent reference."""
+    out = []
+    for p, sp in zip(work, params, strict=True):
+        solo = Batcher(NumpyRuntime.random(art, SEED))
+        out.append(finish(solo, [solo.submit(p, sp)])[0])
+    return out
+
+
 def stop_ids_from(reference: list[Any], count: int) -> list[SamplingParams]:
     """Greedy params whose stop id is a token the synchronous run produces mid-output: the
     request stops inside the pipeline (its row in the step built ahead is dropped)."""
@@ -82,10 +92,7 @@ def test_the_pipeline_matches_requests_run_alone_with_a_prefix_cache_and_buckets
     work = [stem + rng.integers(1, 256, size=int(rng.integers(2, 12))).tolist()
             for _ in range(8)]
     params = [greedy(10 + 5 * (i % 4)) for i in range(len(work))]
-    alone = []
-    for p, sp in zip(work, params, strict=True):
-        solo = Batcher(NumpyRuntime.random(art, SEED))
-        alone.append(finish(solo, [solo.submit(p, sp)])[0])
+    alone = run_alone(art, work, params)
     over = Batcher(NumpyRuntime.random(art, SEED), prefix_cache=True, overlap=True)
     got = finish(over, [over.submit(p, sp) for p, sp in zip(work, params, strict=True)])
     assert got == alone
@@ -102,10 +109,7 @@ def test_an_abort_and_new_requests_while_steps_are_in_the_air() -> None:
     art = artifact(spec, 4, 24, block_size=8, chunk=16, max_seq_len=96)
     work = prompts(6, seed=9)
     params = [greedy(30) for _ in work]
-    alone = []
-    for p, sp in zip(work, params, strict=True):
-        solo = Batcher(NumpyRuntime.random(art, SEED))
-        alone.append(finish(solo, [solo.submit(p, sp)])[0])
+    alone = run_alone(art, work, params)
     batcher = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
     ids = [batcher.submit(p, sp) for p, sp in zip(work[:3], params[:3], strict=True)]
     for _ in range(12):
@@ -186,10 +190,7 @@ def test_a_fault_in_a_flight_ends_only_its_requests(fault: str) -> None:
     art = artifact(spec, 2, 13, block_size=16, chunk=16, max_seq_len=96)
     work = prompts(3, seed=4)
     params = [greedy(20) for _ in work]
-    alone = []
-    for p, sp in zip(work, params, strict=True):
-        solo = Batcher(NumpyRuntime.random(art, SEED))
-        alone.append(finish(solo, [solo.submit(p, sp)])[0])
+    alone = run_alone(art, work, params)
     runtime = Faulty.random(art, SEED)
     runtime.at = 10  # a decode well inside the pipeline (prefills are other calls)
     runtime.error = {"nan": None, "error": RuntimeError("device hung"),
@@ -228,10 +229,7 @@ def test_a_queue_behind_a_full_batch_keeps_the_pipeline_running(family: str) -> 
     art = artifact(spec, 2, 13, block_size=16, chunk=16, max_seq_len=96)
     work = prompts(6, seed=21)
     params = [greedy(14 + 4 * i) for i in range(len(work))]
-    alone = []
-    for p, sp in zip(work, params, strict=True):
-        solo = Batcher(NumpyRuntime.random(art, SEED))
-        alone.append(finish(solo, [solo.submit(p, sp)])[0])
+    alone = run_alone(art, work, params)
     batcher = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
     got = finish(batcher, [batcher.submit(p, sp) for p, sp in zip(work, params, strict=True)])
     assert got == alone
