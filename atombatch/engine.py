@@ -11,6 +11,7 @@ import functools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -899,6 +900,7 @@ class Batcher:
                                          kv.decode_inputs.buckets, type(kv.decode_inputs))
             self._device_thread = DeviceThread(self._decode_call, self._argmax,
                                                self.spec.vocab_size, self._draw)
+            weakref.finalize(self, self._device_thread.stop)  # the thread ends with the engine
         flight = self._flights[0]
         if flight.plan is not plan:
             raise StateError("the pipeline's first flight must run the scheduler's decode plan")

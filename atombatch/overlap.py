@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import _thread
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -76,10 +77,14 @@ class DeviceThread:
 
     def __init__(self, decode: Callable[[Any], Any], argmax: Callable[[Any, Any], None],
                  vocab_size: int, draw: Callable[[Any, list[Any]], Any]) -> None:
-        self._decode = decode
+        # `decode` and `draw` are the engine's methods, held weakly: the running thread must not
+        # keep the engine (its runtime, its KV cache) alive once nobody else holds it; the
+        # engine stops the thread when it goes (`stop`, from a `weakref.finalize`)
+        self._decode = weakref.WeakMethod(decode)  # type: ignore[arg-type]
         self._argmax = argmax
-        self._draw = draw
+        self._draw = weakref.WeakMethod(draw)  # type: ignore[arg-type]
         self._vocab = vocab_size
+        self._stopped = False
         self._start = _thread.allocate_lock()    # released: a flight to run (`launch`)
         self._decided = _thread.allocate_lock()  # released: `decide` said what comes next
         self._landed = _thread.allocate_lock()   # released: `_done` finished
@@ -91,6 +96,17 @@ class DeviceThread:
         self.running = False     # a flight was launched and not landed yet
         self._thread = threading.Thread(target=self._run, name="atombatch-device", daemon=True)
         self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread once it is idle (the engine is gone; a flight in the air lands first)."""
+        self._stopped = True
+        if not self.running:
+            self._first = None
+            self._start.release()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def launch(self, flight: Flight) -> None:
         if self.running:
@@ -116,6 +132,8 @@ class DeviceThread:
     def _run(self) -> None:
         while True:
             self._start.acquire()
+            if self._stopped:
+                return
             flight = self._first
             while flight is not None:
                 self._call(flight)
@@ -147,7 +165,10 @@ class DeviceThread:
         if not rows:
             return
         try:
-            result = self._draw(flight.logits, rows)
+            draw = self._draw()
+            if draw is None:
+                raise StateError("the engine is gone")
+            result = draw(flight.logits, rows)
         except Exception as exc:  # a sampler bug fails these requests, not the engine
             flight.drawn = (exc, rows)
             return
@@ -162,7 +183,11 @@ class DeviceThread:
         flight.drawn = None
         inputs = flight.plan.inputs
         try:
-            raw = logits = self._decode(inputs)
+            decode = self._decode()
+            if decode is None:
+                raise StateError("the engine is gone")
+            raw = logits = decode(inputs)
+            del decode
             if not isinstance(logits, np.ndarray) or logits.dtype != np.float32:
                 logits = np.asarray(logits, dtype=np.float32)
             rows = inputs.num_rows

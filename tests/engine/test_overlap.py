@@ -272,3 +272,26 @@ def test_stop_strings_and_eos_end_requests_inside_the_pipeline() -> None:
     assert all(reason == "stop" for _, _, reason, _ in want)
     assert over.stats().overlapped_steps > 0
     assert over.stats().lane_blocks == 0
+
+
+def test_an_engine_nobody_holds_is_freed_with_its_device_thread() -> None:
+    """The device thread holds the engine weakly: dropping the last reference to a Batcher that
+    ran a pipeline frees it (its runtime and KV cache) and ends the thread."""
+    import gc
+    import time
+    import weakref
+
+    art = artifact(SPECS["llama"], 2, 13, block_size=16, chunk=16, max_seq_len=96)
+    batcher = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    finish(batcher, [batcher.submit(p, greedy(12)) for p in prompts(2, seed=1)])
+    assert batcher.stats().overlapped_steps > 0
+    device = batcher._device_thread
+    assert device is not None and device.alive
+    gone = weakref.ref(batcher)
+    del batcher
+    gc.collect()
+    assert gone() is None
+    deadline = time.monotonic() + 10
+    while device.alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not device.alive
