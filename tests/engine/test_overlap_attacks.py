@@ -1,0 +1,316 @@
+"""Attacks on `Batcher(overlap=True)` (atombatch/overlap.py): edges of the decode pipeline that
+tests/engine/test_overlap.py does not reach, each compared against the same requests run
+synchronously or alone on a fresh engine (the NumPy runtime does real decoder math: a row fed
+the wrong token, position or block shows up as different tokens)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from driving import run_to_end
+from support.pd_models import SEED, SPECS, artifact, prompts
+
+from atombatch import ArtifactConfig, Batcher, SamplingParams
+from atombatch.runtime import NumpyRuntime
+
+pytestmark = pytest.mark.numerics
+
+
+def greedy(max_tokens: int | None, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def outcome(finals: dict[str, Any], ids: list[str]) -> list[tuple[tuple[int, ...], str | None]]:
+    return [(finals[i].completion.token_ids, finals[i].finish_reason) for i in ids]
+
+
+def submit_all(batcher: Batcher, work: list[list[int]], params: list[SamplingParams]
+               ) -> list[tuple[tuple[int, ...], str | None]]:
+    """Submit every request, step to the end; each request's tokens and finish reason."""
+    ids = [batcher.submit(p, sp) for p, sp in zip(work, params, strict=True)]
+    return outcome(run_to_end(batcher), ids)
+
+
+def alone(art: ArtifactConfig, work: list[list[int]], params: list[SamplingParams],
+          **options: Any) -> list[tuple[tuple[int, ...], str | None]]:
+    out = []
+    for p, sp in zip(work, params, strict=True):
+        solo = Batcher(NumpyRuntime.random(art, SEED), **options)
+        out.append(submit_all(solo, [p], [sp])[0])
+    return out
+
+
+def test_requests_that_run_to_the_context_end() -> None:
+    """max_tokens=None: every lane decodes to max_seq_len, its last blocks at the row's end
+    (grow(ahead=1) reports the lane short there); the last block ends the row."""
+    spec = SPECS["llama"]
+    art = ArtifactConfig(model=spec, batch_size=3, max_seq_len=48, block_size=8, num_blocks=19,
+                         prefill_chunk_size=16)
+    work = [p[:30] for p in prompts(5, seed=11)]
+    params = [greedy(None) for _ in work]
+    want = alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    got = submit_all(over, work, params)
+    assert got == want
+    assert over.stats().overlapped_steps > 0
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_buckets_and_padding_rows_with_stops_everywhere(family: str) -> None:
+    """Decode buckets (padding rows, their sliding slots), stop ids on many lanes and length
+    finishes of different lengths, more requests than lanes."""
+    spec = SPECS[family]
+    art = ArtifactConfig(model=spec, batch_size=4, max_seq_len=96, block_size=8, num_blocks=40,
+                         prefill_chunk_size=16, decoder_batch_sizes=(1, 2, 4))
+    work = prompts(9, seed=21)
+    probe = alone(art, work, [greedy(20) for _ in work])
+    params = []
+    for i, (tokens, _) in enumerate(probe):
+        if i % 3 == 2:
+            params.append(greedy(3 + i))
+        else:
+            params.append(greedy(20, stop_token_ids=[tokens[2 + i]]))
+    want = alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    got = submit_all(over, work, params)
+    assert got == want
+    assert over.stats().overlapped_steps > 0
+
+
+def test_single_block_lane() -> None:
+    spec = SPECS["llama"]
+    art = artifact(spec, 1, 1)
+    work = prompts(3, seed=5)
+    params = [greedy(12) for _ in work]
+    want = alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    got = submit_all(over, work, params)
+    assert got == want
+
+
+def test_hybrid_prefix_cache_with_host_cache() -> None:
+    spec = SPECS["gemma3"]
+    art = ArtifactConfig(model=spec, batch_size=3, max_seq_len=96, block_size=16, num_blocks=14,
+                         prefill_chunk_size=16)
+    rng = np.random.default_rng(8)
+    stem = rng.integers(1, 256, size=34).tolist()
+    work = [stem + rng.integers(1, 256, size=int(rng.integers(1, 9))).tolist() for _ in range(6)]
+    params = [greedy(14 + i) for i in range(len(work))]
+    want = alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True, prefix_cache=True,
+                   host_cache_bytes=1 << 22)
+    got = submit_all(over, work, params)
+    assert got == want
+
+
+def test_prefix_cache_host_cache_and_eos() -> None:
+    """Stop on EOS (the spec's eos ids) with a prefix cache whose blocks the pipeline's stale
+    rows write past; requests resubmitted so they hit the cached tails of finished ones."""
+    spec = SPECS["qwen3"]
+    art = ArtifactConfig(model=spec, batch_size=4, max_seq_len=96, block_size=4, num_blocks=40,
+                         prefill_chunk_size=8, decoder_batch_sizes=(2, 4))
+    work = prompts(6, seed=13)
+    work = [p[:20] for p in work]
+    probe = alone(art, work, [greedy(16) for _ in work])
+    params = [greedy(16, stop_token_ids=[t[5 + i % 4]]) for i, (t, _) in enumerate(probe)]
+    want = alone(art, work, params)
+    # continuations of the outputs: the prompt is the prompt plus what the first run produced
+    cont = [p + list(t) for p, (t, _) in zip(work, want, strict=True)]
+    cparams = [greedy(10) for _ in cont]
+    want_cont = alone(art, cont, cparams)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True, prefix_cache=True,
+                   host_cache_bytes=1 << 20)
+    got = submit_all(over, work, params)
+    assert got == want
+    got_cont = submit_all(over, cont, cparams)
+    assert got_cont == want_cont
+    assert over.stats().prefix_hits > 0
+
+
+def test_preemption_in_an_oversubscribed_pool() -> None:
+    """Growing ahead runs the free list dry again and again; the synchronous steps between
+    pipelines evict and preempt, and preempted requests recompute: every request's tokens are
+    those it gets alone."""
+    spec = SPECS["llama"]
+    art = ArtifactConfig(model=spec, batch_size=4, max_seq_len=64, block_size=4, num_blocks=20,
+                         prefill_chunk_size=8, decoder_batch_sizes=(2, 4))
+    work = [p[:14] for p in prompts(8, seed=23)]
+    params = [greedy(18 + i) for i in range(len(work))]
+    want = alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True, prefix_cache=True)
+    got = submit_all(over, work, params)
+    assert got == want
+    stats = over.stats()
+    assert stats.overlapped_steps > 0 and stats.preemptions > 0
+
+
+def test_step_arrays_report_the_landed_step() -> None:
+    """Tokens gathered from `step_arrays()` (the plain rows' arrays plus the outputs) are the
+    tokens of `step()`, in order, for every request."""
+    spec = SPECS["llama"]
+    art = ArtifactConfig(model=spec, batch_size=4, max_seq_len=96, block_size=8, num_blocks=40,
+                         prefill_chunk_size=16, decoder_batch_sizes=(1, 2, 4))
+    work = prompts(6, seed=3)
+    params = [greedy(6 + 4 * i) for i in range(len(work))]
+    want = alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    ids = [over.submit(p, sp) for p, sp in zip(work, params, strict=True)]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    reasons: dict[str, str | None] = {}
+    while over.has_unfinished():
+        result = over.step_arrays()
+        for row in np.flatnonzero(result.plain):
+            lane = int(result.lanes[row])
+            tokens[result.request_ids[lane]].append(int(result.tokens[row]))
+        for out in result.outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        over.check_invariants()
+    assert [(tuple(tokens[i]), reasons[i]) for i in ids] == want
+    assert over.stats().overlapped_steps > 0
+
+
+def test_aborts_from_another_thread_while_the_pipeline_runs() -> None:
+    """A thread aborts requests at random moments while the engine steps; every request that
+    was not aborted gets the tokens it gets alone, aborted ones a prefix of them."""
+    spec = SPECS["llama"]
+    art = ArtifactConfig(model=spec, batch_size=4, max_seq_len=96, block_size=4, num_blocks=60,
+                         prefill_chunk_size=16, decoder_batch_sizes=(2, 4))
+    work = prompts(10, seed=17)
+    params = [greedy(25) for _ in work]
+    want = alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    ids = [over.submit(p, sp) for p, sp in zip(work, params, strict=True)]
+    victims = ids[1::3]
+    done = threading.Event()
+
+    def aborter() -> None:
+        rng = np.random.default_rng(1)
+        for victim in victims:
+            done.wait(float(rng.uniform(0.001, 0.02)))
+            over.abort(victim)
+
+    thread = threading.Thread(target=aborter)
+    thread.start()
+    finals = run_to_end(over)
+    while thread.is_alive() or over.has_unfinished():
+        finals.update(run_to_end(over))
+        thread.join(0.01)
+    got = outcome(finals, ids)
+    for i, request_id in enumerate(ids):
+        tokens, reason = got[i]
+        if request_id in victims and reason == "abort":
+            assert tokens == want[i][0][:len(tokens)]
+        else:
+            assert got[i] == want[i]
+
+
+CORE_PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [3] * 17, list(range(100, 163)), [9, 9, 1],
+                list(range(50, 71))]
+CORE_PARAMS = [greedy(20), greedy(33), greedy(12), greedy(7), greedy(40), greedy(25)]
+
+
+def core_reference() -> list[list[int]]:
+    from support.engines import numpy_batcher
+
+    out = []
+    for prompt, params in zip(CORE_PROMPTS, CORE_PARAMS, strict=True):
+        [done] = numpy_batcher().generate([prompt], params)
+        out.append(list(done.token_ids))
+    return out
+
+
+@pytest.mark.parametrize("offload", [True, False])
+async def test_async_batcher_with_the_pipeline(offload: bool) -> None:
+    import asyncio
+
+    from support.engines import numpy_batcher
+
+    from atombatch import AsyncBatcher
+
+    want = core_reference()
+    batcher = numpy_batcher(overlap=True)
+    async with AsyncBatcher(batcher, offload=offload) as engine:
+        done = await asyncio.gather(*(engine.generate(p, sp) for p, sp in
+                                      zip(CORE_PROMPTS, CORE_PARAMS, strict=True)))
+        # and a stream cancelled half-way (its abort reaches the engine mid-pipeline)
+        stream = engine.stream(list(range(30, 60)), greedy(40))
+        async for out in stream:
+            if out.new_token_ids:
+                break
+        await stream.aclose()
+        again = await asyncio.gather(*(engine.generate(p, sp) for p, sp in
+                                       zip(CORE_PROMPTS, CORE_PARAMS, strict=True)))
+    assert [list(c.token_ids) for c in done] == want
+    assert [list(c.token_ids) for c in again] == want
+    assert batcher.stats().overlapped_steps > 0
+    assert batcher.stats().lane_blocks == 0
+
+
+async def test_engine_core_process_with_the_pipeline() -> None:
+    import asyncio
+    import functools
+
+    from support.engines import numpy_batcher
+
+    from atombatch.core import CoreClient
+
+    want = core_reference()
+
+    async def collect(client: Any, prompt: list[int], params: SamplingParams) -> list[int]:
+        tokens: list[int] = []
+        async for out in client.stream(prompt, params):
+            tokens.extend(out.new_token_ids)
+        return tokens
+
+    async with CoreClient(functools.partial(numpy_batcher, overlap=True)) as client:
+        got = await asyncio.gather(*(collect(client, p, s)
+                                     for p, s in zip(CORE_PROMPTS, CORE_PARAMS, strict=True)))
+        await asyncio.sleep(0.1)
+        stats = client.stats()
+    assert got == want
+    assert stats.overlapped_steps > 0 and stats.occupied_lanes == 0
+
+
+def test_stop_strings_and_eos_beside_plain_requests() -> None:
+    """A tokenizer, outputs without text (`detokenize=False`): plain greedy requests pipeline,
+    requests with stop strings (detected outside the kernel) and EOS stops arrive mid-pipeline;
+    every request's tokens, text, finish and stop reason are those of synchronous steps."""
+    from support import sampling_models as sm
+
+    art = sm.artifact()
+    tok = sm.piece_tokenizer()
+    rng = np.random.default_rng(5)
+    work = [rng.integers(2, sm.VOCAB, size=int(rng.integers(4, 20))).tolist() for _ in range(8)]
+    probe = Batcher(NumpyRuntime.random(art, SEED))
+    ref = probe.generate(work, [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+                                for _ in work])
+    params = []
+    for i, done in enumerate(ref):
+        if i % 3 == 1:  # a stop string: the piece of a token in the middle of its output
+            params.append(SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                         stop=[sm.PIECES[done.token_ids[6]]]))
+        else:
+            params.append(SamplingParams(temperature=0.0, max_tokens=20))
+
+    def run(overlap: bool) -> list[Any]:
+        batcher = Batcher(NumpyRuntime.random(art, SEED), tokenizer=tok, detokenize=False,
+                          overlap=overlap)
+        ids = [batcher.submit(p, sp) for p, sp in zip(work[:4], params[:4], strict=True)]
+        finals = {}
+        for _ in range(8):
+            finals.update((out.request_id, out) for out in batcher.step() if out.finished)
+        ids += [batcher.submit(p, sp) for p, sp in zip(work[4:], params[4:], strict=True)]
+        finals.update(run_to_end(batcher))
+        if overlap:
+            assert batcher.stats().overlapped_steps > 0
+        return [(finals[i].completion.token_ids, finals[i].completion.text,
+                 finals[i].finish_reason, finals[i].completion.stop_reason) for i in ids]
+
+    want = run(False)
+    assert any(reason == "stop" for *_, reason, _ in want)
+    assert run(True) == want
