@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from driving import run_to_end
@@ -313,4 +314,69 @@ def test_stop_strings_and_eos_beside_plain_requests() -> None:
 
     want = run(False)
     assert any(reason == "stop" for *_, reason, _ in want)
+    assert run(True) == want
+
+
+def test_resuming_an_aborted_request_from_its_cached_blocks() -> None:
+    """Requests aborted while their rows are in the air leave their KV in the prefix cache (the
+    positions written before the abort; rows in the air still write past them). Each is then
+    resumed as a new request whose prompt is its prompt plus the tokens it got: its prefill
+    starts from those cached blocks, partial tails included, and its tokens are those the
+    same prompt gets alone."""
+    spec = SPECS["llama"]
+    art = ArtifactConfig(model=spec, batch_size=4, max_seq_len=96, block_size=4, num_blocks=80,
+                         prefill_chunk_size=8, decoder_batch_sizes=(2, 4))
+    work = [p[:21] for p in prompts(4, seed=47)]
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True, prefix_cache=True)
+    ids = [over.submit(p, greedy(40)) for p in work]
+    got: dict[str, list[int]] = {i: [] for i in ids}
+    for step in range(40):
+        for out in over.step():
+            got[out.request_id].extend(out.new_token_ids)
+        if step in (14, 17, 19, 22):  # one abort each, at different offsets in their blocks
+            victim = ids[(14, 17, 19, 22).index(step)]
+            assert over._flight is not None
+            assert over.abort(victim)
+    run_to_end(over)
+    resumed = [p + got[i] for p, i in zip(work, ids, strict=True)]
+    params = [greedy(12) for _ in resumed]
+    want = alone(art, resumed, params)
+    assert submit_all(over, resumed, params) == want
+    assert over.stats().prefix_hit_tokens > sum(len(p) for p in work)
+
+
+def test_n_choices_logprobs_and_sampling_arrive_mid_pipeline() -> None:
+    """Requests the pipeline cannot carry (n > 1 choices, logprobs, a seeded sampler) arrive
+    while it runs and end while plain ones go on: every output (tokens, logprobs, choices) is
+    that of synchronous steps."""
+    spec = SPECS["qwen3"]
+    art = ArtifactConfig(model=spec, batch_size=4, max_seq_len=96, block_size=8, num_blocks=60,
+                         prefill_chunk_size=16, decoder_batch_sizes=(1, 2, 4))
+    work = [p[:30] for p in prompts(6, seed=53)]
+    params = [greedy(30), greedy(26),
+              SamplingParams(temperature=0.0, max_tokens=6, n=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=5, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=7, ignore_eos=True),
+              greedy(9)]
+
+    def run(overlap: bool) -> list[Any]:
+        batcher = Batcher(NumpyRuntime.random(art, SEED), overlap=overlap)
+        outs: list[Any] = []
+        ids = [batcher.submit(p, sp) for p, sp in zip(work[:2], params[:2], strict=True)]
+        for _ in range(10):
+            outs += batcher.step()
+        for p, sp in zip(work[2:], params[2:], strict=True):
+            ids.append(batcher.submit(p, sp))
+            for _ in range(3):
+                outs += batcher.step()
+        while batcher.has_unfinished():
+            outs += batcher.step()
+            batcher.check_invariants()
+        assert (batcher.stats().overlapped_steps > 0) is overlap
+        done = [(o.request_id, o.index, msgspec.structs.replace(o.completion, timings=None))
+                for o in outs if o.completion is not None]  # the real clock's times differ
+        return sorted(done, key=lambda d: (ids.index(d[0]), d[1]))
+
+    want = run(False)
+    assert len(want) == 7
     assert run(True) == want
