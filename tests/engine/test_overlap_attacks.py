@@ -380,3 +380,38 @@ def test_n_choices_logprobs_and_sampling_arrive_mid_pipeline() -> None:
     want = run(False)
     assert len(want) == 7
     assert run(True) == want
+
+
+def test_structured_requests_arrive_mid_pipeline() -> None:
+    """A JSON schema and a regex request (compiled on the grammar thread, masked every step)
+    arrive while plain greedy requests pipeline (`detokenize=False`: the plain ones carry no
+    text); every completion is that of synchronous steps."""
+    from support import structured as so
+
+    from atombatch.structured import StructuredOutput
+
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    tok = so.byte_tokenizer()
+    rng = np.random.default_rng(9)
+    work = [rng.integers(3, 300, size=int(rng.integers(6, 20))).tolist() for _ in range(4)]
+    params = [greedy(40), greedy(35),
+              SamplingParams(temperature=0.0, max_tokens=24,
+                             structured=StructuredOutput.json_schema(schema)),
+              SamplingParams(temperature=0.0, max_tokens=12,
+                             structured=StructuredOutput.regex("[a-c]{3,8}x"))]
+
+    def run(overlap: bool) -> list[Any]:
+        batcher = Batcher(NumpyRuntime.random(so.ART, seed=3), tokenizer=tok, detokenize=False,
+                          overlap=overlap)
+        finals: dict[str, Any] = {}
+        ids = [batcher.submit(p, sp) for p, sp in zip(work[:2], params[:2], strict=True)]
+        for _ in range(8):
+            finals.update((o.request_id, o) for o in batcher.step() if o.finished)
+        ids += [batcher.submit(p, sp) for p, sp in zip(work[2:], params[2:], strict=True)]
+        finals.update(run_to_end(batcher))
+        assert (batcher.stats().overlapped_steps > 0) is overlap
+        return [msgspec.structs.replace(finals[i].completion, timings=None) for i in ids]
+
+    want = run(False)
+    assert all(c.finish_reason in ("stop", "length") for c in want)
+    assert run(True) == want
