@@ -415,3 +415,31 @@ def test_structured_requests_arrive_mid_pipeline() -> None:
     want = run(False)
     assert all(c.finish_reason in ("stop", "length") for c in want)
     assert run(True) == want
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_pd_imports_arrive_mid_pipeline(family: str) -> None:
+    """PD requests (KV and first token from a producer, layer by layer) arrive while native
+    greedy requests pipeline, then decode in it themselves: every request's tokens are those a
+    native run gives."""
+    from support.pd_models import PARAMS, native, producer_for
+
+    from atombatch.pd import InProcessSource
+
+    spec = SPECS[family]
+    producer = producer_for(spec)
+    art = artifact(spec, 4, 5)
+    work = prompts(6, seed=61)
+    want = native(spec, work, art)
+    batcher = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    finals: dict[str, Any] = {}
+    ids = [batcher.submit(p, PARAMS) for p in work[:2]]
+    for _ in range(6):
+        finals.update((o.request_id, o) for o in batcher.step() if o.finished)
+    for i, p in enumerate(work[2:]):
+        ids.append(batcher.submit(p, PARAMS, kv=InProcessSource.from_producer(
+            producer, f"pd-{i}", p, PARAMS, mode="layer-stream")))
+        finals.update((o.request_id, o) for o in batcher.step() if o.finished)
+    finals.update(run_to_end(batcher))
+    assert [finals[i].completion.token_ids for i in ids] == want
+    assert batcher.stats().imports >= 4 and batcher.stats().overlapped_steps > 0
