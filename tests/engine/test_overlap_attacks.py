@@ -443,3 +443,63 @@ def test_pd_imports_arrive_mid_pipeline(family: str) -> None:
     finals.update(run_to_end(batcher))
     assert [finals[i].completion.token_ids for i in ids] == want
     assert batcher.stats().imports >= 4 and batcher.stats().overlapped_steps > 0
+
+
+@pytest.mark.parametrize("family", sorted(SPECS))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_workloads_with_arrivals_stops_and_aborts(family: str, seed: int) -> None:
+    """Random layouts (block sizes, decode buckets, pools that run dry), prefix and host cache,
+    requests with stop ids, limits and shared stems arriving at random steps, random aborts:
+    each request that was not aborted ends as it does alone; an aborted one with a prefix of
+    that."""
+    rng = np.random.default_rng(seed)
+    spec = SPECS[family]
+    block_size = int(rng.choice([4, 8]))
+    lanes = int(rng.choice([2, 3, 4]))
+    max_seq_len = 64
+    per_seq = max_seq_len // block_size
+    hybrid = spec.is_hybrid
+    num_blocks = lanes * per_seq + 1 if hybrid else \
+        int(rng.integers(lanes * per_seq // 2 + 2, lanes * per_seq + 2))
+    art = ArtifactConfig(model=spec, batch_size=lanes, max_seq_len=max_seq_len,
+                         block_size=block_size, num_blocks=num_blocks, prefill_chunk_size=16,
+                         decoder_batch_sizes=tuple(sorted({1, 2, lanes})))
+    cache = not hybrid and bool(rng.integers(0, 2))
+    batcher = Batcher(NumpyRuntime.random(art, SEED), overlap=True, prefix_cache=cache,
+                      host_cache_bytes=(1 << 20) if cache and rng.integers(0, 2) else 0)
+    stem = rng.integers(1, 256, size=12).tolist()
+    arrivals = []
+    for _ in range(int(rng.integers(5, 12))):
+        prompt = (stem if rng.integers(0, 2) else []) + \
+            rng.integers(1, 256, size=int(rng.integers(2, 20))).tolist()
+        stops = [int(rng.integers(0, 256)) for _ in range(int(rng.integers(0, 3)))]
+        params = greedy(min(int(rng.integers(1, max_seq_len - len(prompt))), 30),
+                        stop_token_ids=stops)
+        arrivals.append((int(rng.integers(0, 40)), prompt, params))
+    arrivals.sort(key=lambda a: a[0])
+    requests: dict[str, tuple[list[int], SamplingParams]] = {}
+    aborted: set[str] = set()
+    finals: dict[str, Any] = {}
+    step = 0
+    while arrivals or batcher.has_unfinished():
+        while arrivals and arrivals[0][0] <= step:
+            _, prompt, params = arrivals.pop(0)
+            requests[batcher.submit(prompt, params)] = (prompt, params)
+        if requests and rng.random() < 0.04:
+            victim = list(requests)[int(rng.integers(0, len(requests)))]
+            if batcher.abort(victim):
+                aborted.add(victim)
+        for out in batcher.step():
+            assert out.request_id not in finals
+            if out.finished:
+                finals[out.request_id] = out
+        batcher.check_invariants()
+        step += 1
+    ids = list(requests)
+    want = alone(art, [requests[i][0] for i in ids], [requests[i][1] for i in ids])
+    for request_id, (tokens, reason) in zip(ids, outcome(finals, ids), strict=True):
+        expected = want[ids.index(request_id)]
+        if request_id in aborted and reason == "abort":
+            assert tokens == expected[0][:len(tokens)]
+        else:
+            assert (tokens, reason) == expected
