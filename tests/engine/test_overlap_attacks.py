@@ -503,3 +503,28 @@ def test_random_workloads_with_arrivals_stops_and_aborts(family: str, seed: int)
             assert tokens == expected[0][:len(tokens)]
         else:
             assert (tokens, reason) == expected
+
+
+class WideLogits(NumpyRuntime):
+    """Decode logits as float64 in Fortran order, every row's two best entries a float64 hair
+    apart (one float32 value): the argmax must be taken on them, not on a float32 copy."""
+
+    def decode(self, inputs: Any) -> Any:
+        logits = np.asarray(super().decode(inputs), dtype=np.float64)
+        for row in logits:
+            best, second = np.argsort(row)[-1], np.argsort(row)[-2]
+            row[best] = row[second] = np.float64(np.float32(row[best]))
+            row[second] += 1e-12  # the second wins in float64 only
+        return np.asfortranarray(logits)
+
+
+def test_wide_non_contiguous_logits_pick_what_synchronous_steps_pick() -> None:
+    spec = SPECS["llama"]
+    art = ArtifactConfig(model=spec, batch_size=4, max_seq_len=96, block_size=8, num_blocks=40,
+                         prefill_chunk_size=16, decoder_batch_sizes=(2, 4))
+    work = prompts(5, seed=71)
+    params = [greedy(12 + i) for i in range(len(work))]
+    want = submit_all(Batcher(WideLogits.random(art, SEED)), work, params)
+    over = Batcher(WideLogits.random(art, SEED), overlap=True)
+    assert submit_all(over, work, params) == want
+    assert over.stats().overlapped_steps > 0
