@@ -129,5 +129,5 @@ def test_use_and_pick_values_check_their_arguments(impl: Any) -> None:
         kernel.pick_values(np.zeros(2, np.float32), np.array([4, 0], np.int64), 4)
     with pytest.raises(StateError, match="logits have no vocabulary entries"):
         kernel.pick_values(np.zeros(2, np.float32), np.zeros(2, np.int64), 0)
-    with pytest.raises(StateError, match="best has 0 rows and greedy 2, the step ran 1"):
+    with pytest.raises(StateError, match="best: 0 rows, greedy: 2; the step ran 1 rows"):
         kernel.pick_values(np.zeros(0, np.float32), np.zeros(2, np.int64), 4)
