@@ -960,6 +960,8 @@ class Batcher:
         plan = flight.plan
         kernel.use(plan.inputs, plan.rows)
         if flight.error is not None:
+            if not isinstance(flight.error, Exception):  # out of `step()`, as from a decode call
+                raise flight.error
             for failed in scheduler.decode_requests(plan):
                 self._fail(failed, f"decode step failed: {flight.error}", outputs)
             return

@@ -205,7 +205,7 @@ class DeviceThread:
                 logits = np.ascontiguousarray(logits)
             core.picked_logits(logits, flight.greedy, flight.best, flight.plan.rows)
             flight.logits = logits
-        except Exception as exc:
+        except BaseException as exc:  # not only Exceptions: the engine raises it again on landing
             flight.error = exc
 
 

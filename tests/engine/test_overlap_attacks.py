@@ -277,6 +277,121 @@ async def test_engine_core_process_with_the_pipeline() -> None:
     assert stats.overlapped_steps > 0 and stats.occupied_lanes == 0
 
 
+class FailingClock:
+    """A clock that raises once, the `at`-th time the engine reads it while completing a decode
+    step (in `_land` for the pipeline, `_run_decode` for a synchronous step): an exception in
+    the engine thread after the step came back and before its tokens were appended."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.reads = 0
+        self.raised = False
+
+    def __call__(self) -> float:
+        import sys
+        import time
+
+        caller = sys._getframe(1).f_code.co_name
+        if caller in ("_land", "_run_decode") and not self.raised:
+            self.reads += 1
+            if self.reads == self.at:
+                self.raised = True
+                raise RuntimeError("clock failed")
+        return time.perf_counter()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_that_raises_while_landing_loses_nothing(overlap: bool) -> None:
+    """The engine thread raises after a decode step came back and before its tokens were
+    appended. A synchronous engine stepped on afterwards recomputes that step (its lanes did
+    not move); so must the pipeline: no token may go missing or land at the wrong position
+    (the step on the device was built from the lost step's tokens)."""
+    spec = SPECS["llama"]
+    art = ArtifactConfig(model=spec, batch_size=4, max_seq_len=96, block_size=8, num_blocks=40,
+                         prefill_chunk_size=16)
+    work = prompts(4, seed=31)
+    params = [greedy(18 + 2 * i) for i in range(len(work))]
+    want = alone(art, work, params)
+    clock = FailingClock(at=6)
+    batcher = Batcher(NumpyRuntime.random(art, SEED), overlap=overlap, clock=clock)
+    ids = [batcher.submit(p, sp) for p, sp in zip(work, params, strict=True)]
+    finals: dict[str, Any] = {}
+    failures = 0
+    for _ in range(400):
+        if not batcher.has_unfinished():
+            break
+        try:
+            outs = batcher.step()
+        except RuntimeError as exc:
+            assert "clock failed" in str(exc)
+            failures += 1
+            continue
+        for out in outs:
+            if out.finished:
+                finals[out.request_id] = out
+        batcher.check_invariants()
+    assert clock.raised and failures == 1
+    assert outcome(finals, ids) == want
+
+
+class Cancelled(NumpyRuntime):
+    """Decode call `at` raises a BaseException that is not an Exception (asyncio's
+    CancelledError is one: a runtime over an event loop can let it out)."""
+
+    at = 0
+    calls = 0
+
+    def decode(self, inputs: Any) -> Any:
+        import asyncio
+
+        self.calls += 1
+        if self.calls == self.at:
+            raise asyncio.CancelledError("device call cancelled")
+        return super().decode(inputs)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_base_exception_from_the_device_does_not_hang_the_engine(overlap: bool) -> None:
+    """Out of a synchronous step the BaseException propagates, and stepping on recomputes the
+    step; the pipeline's device thread must not die with it (leaving `step()` waiting forever
+    for a flight that never lands, with the engine's lock held)."""
+    import asyncio
+
+    spec = SPECS["llama"]
+    art = ArtifactConfig(model=spec, batch_size=4, max_seq_len=96, block_size=8, num_blocks=40,
+                         prefill_chunk_size=16)
+    work = prompts(3, seed=41)
+    params = [greedy(16) for _ in work]
+    want = alone(art, work, params)
+    runtime = Cancelled.random(art, SEED)
+    runtime.at = 12
+    batcher = Batcher(runtime, overlap=overlap)
+    ids = [batcher.submit(p, sp) for p, sp in zip(work, params, strict=True)]
+    finals: dict[str, Any] = {}
+    raised: list[BaseException] = []
+
+    def drive() -> None:
+        for _ in range(400):
+            if not batcher.has_unfinished():
+                return
+            try:
+                outs = batcher.step()
+            except asyncio.CancelledError as exc:
+                raised.append(exc)
+                continue
+            for out in outs:
+                if out.finished:
+                    finals[out.request_id] = out
+
+    thread = threading.Thread(target=drive, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "step() hangs"
+    assert [str(exc) for exc in raised] == ["device call cancelled"]
+    assert outcome(finals, ids) == want
+    assert (batcher.stats().overlapped_steps > 0) is overlap
+
+
 def test_stop_strings_and_eos_beside_plain_requests() -> None:
     """A tokenizer, outputs without text (`detokenize=False`): plain greedy requests pipeline,
     requests with stop strings (detected outside the kernel) and EOS stops arrive mid-pipeline;
