@@ -260,6 +260,7 @@ class Batcher:
         self._flights: list[Flight] | None = None     # built on the first take-off
         self._device_thread: DeviceThread | None = None
         self._flight: Flight | None = None             # the pipeline's flight on the device
+        self._dropped: Flight | None = None            # lands unreported (see `_land_flight`)
         self._overlapped = 0                           # flights launched after a flight
         # n > 1 without a prefix cache: choices 1..n-1 start from a device copy of choice 0's
         # prompt KV (see `_release_held`); hybrid models also need the runtime's `copy_slot`
@@ -943,9 +944,15 @@ class Batcher:
             self._overlapped += 1
         try:
             self._land(flight, outputs)
-        finally:
+        except BaseException:
+            # the step did not land whole: nothing is built on it, and the step on the device,
+            # fed from its tokens, lands unreported (its lanes run those positions again)
             if self._flight is not None:
-                self._decide(self._flight)
+                self._dropped = self._flight
+                device.decide(None)
+            raise
+        if self._flight is not None:
+            self._decide(self._flight)
         self.idle = False
         if self.scheduler.events:
             self._flush_events()
@@ -958,6 +965,10 @@ class Batcher:
         scheduler = self.scheduler
         kernel = self._kernel
         plan = flight.plan
+        if flight is self._dropped:
+            self._dropped = None
+            kernel.use(plan.inputs, 0)
+            return
         kernel.use(plan.inputs, plan.rows)
         if flight.error is not None:
             if not isinstance(flight.error, Exception):  # out of `step()`, as from a decode call
