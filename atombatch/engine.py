@@ -177,6 +177,9 @@ class Batcher:
         argmax_threads: threads a decode step's greedy argmax splits its rows over when its
             logits are large (atombatch/argmax.py; default: half the cores, at most 4, and 1 on
             four cores or fewer).
+        overlap: run steady decodes as a pipeline on a device thread, each step's inputs
+            built while the step before it runs (atombatch/overlap.py); `step()` then returns
+            the step that landed while the next one is on the device.
 
     A Batcher is driven by one consumer: `step()` raises `StateError` when another thread is
     already inside it (two interleaved steps would corrupt the lane tables); `submit` and `abort`
