@@ -461,9 +461,9 @@ def test_resuming_an_aborted_request_from_its_cached_blocks() -> None:
 
 
 def test_n_choices_logprobs_and_sampling_arrive_mid_pipeline() -> None:
-    """Requests the pipeline cannot carry (n > 1 choices, logprobs, a seeded sampler) arrive
-    while it runs and end while plain ones go on: every output (tokens, logprobs, choices) is
-    that of synchronous steps."""
+    """n > 1 choices (which the pipeline drains for), logprobs and a seeded sampler arrive while
+    it runs and end while plain ones go on: every output (tokens, logprobs, choices) is that of
+    synchronous steps."""
     spec = SPECS["qwen3"]
     art = ArtifactConfig(model=spec, batch_size=4, max_seq_len=96, block_size=8, num_blocks=60,
                          prefill_chunk_size=16, decoder_batch_sizes=(1, 2, 4))
