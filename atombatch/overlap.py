@@ -32,6 +32,7 @@ thread, which holds the interpreter lock for its Python, is never between two de
 from __future__ import annotations
 
 import _thread
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -98,11 +99,13 @@ class DeviceThread:
         self._thread.start()
 
     def stop(self) -> None:
-        """End the thread once it is idle (the engine is gone; a flight in the air lands first)."""
+        """End the thread at its next wait (its engine is gone: nothing will launch, decide or
+        land again)."""
         self._stopped = True
-        if not self.running:
-            self._first = None
-            self._start.release()
+        for lock in (self._start, self._decided):
+            if lock.locked():
+                with contextlib.suppress(RuntimeError):  # released meanwhile: it wakes anyway
+                    lock.release()
 
     @property
     def alive(self) -> bool:
@@ -138,6 +141,8 @@ class DeviceThread:
             while flight is not None:
                 self._call(flight)
                 self._decided.acquire()  # (the engine has landed the step before this one)
+                if self._stopped:
+                    return
                 if flight.special and flight.error is None:
                     self._sample(flight)
                 flight.logits = None
@@ -170,7 +175,7 @@ class DeviceThread:
                 raise StateError("the engine is gone")
             result = draw(flight.logits, rows)
         except Exception as exc:  # a sampler bug fails these requests, not the engine
-            flight.drawn = (exc, rows)
+            flight.drawn = (_bare(exc), rows)
             return
         flight.drawn = (result, rows)
         masked = set(result.masked_rows)
@@ -206,7 +211,14 @@ class DeviceThread:
             core.picked_logits(logits, flight.greedy, flight.best, flight.plan.rows)
             flight.logits = logits
         except BaseException as exc:  # not only Exceptions: the engine raises it again on landing
-            flight.error = exc
+            flight.error = _bare(exc)
+
+
+def _bare(exc: BaseException) -> BaseException:
+    """`exc` without its tracebacks: their frames hold the engine (its runtime, its KV) for as
+    long as the flight keeps the error; the landing reports the message."""
+    exc.__context__ = exc.__cause__ = None
+    return exc.with_traceback(None)
 
 
 def make_flights(first: StepPlan, batch_size: int, blocks_per_seq: int,

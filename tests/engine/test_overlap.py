@@ -295,3 +295,21 @@ def test_an_engine_nobody_holds_is_freed_with_its_device_thread() -> None:
     while device.alive and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not device.alive
+
+
+def test_an_engine_is_freed_after_a_device_error_in_a_flight() -> None:
+    """A flight keeps its device error until the flight is reused; the error must not keep the
+    engine alive through its traceback's frames."""
+    import gc
+    import weakref
+
+    art = artifact(SPECS["llama"], 2, 13, block_size=16, chunk=16, max_seq_len=96)
+    runtime = Faulty.random(art, SEED)
+    runtime.at, runtime.error = 8, RuntimeError("device hung")
+    batcher = Batcher(runtime, overlap=True)
+    finals = finish(batcher, [batcher.submit(p, greedy(12)) for p in prompts(2, seed=1)])
+    assert [reason for _, reason in finals] == ["error", "error"]
+    gone = weakref.ref(batcher)
+    del batcher, runtime
+    gc.collect()
+    assert gone() is None
