@@ -19,7 +19,8 @@ DESCRIPTIONS = {
     "device": "the RebelRuntime path on an optimum-rbln compiled directory (emulated rebel here)",
     "cluster": "replicas behind the router on the simulator (or Ray with --ray): sizing for an SLO",
     "overlap": "delivered / ideal throughput of the whole serving path on the null device, "
-               "inline vs engine-core process, CPU per token of front, core and client",
+               "inline vs engine-core process, with and without the decode pipeline (--overlap), "
+               "CPU per token of front, core and client",
     "stalls": "how long decoding streams wait behind a burst of prompts, per policy (simulator)",
     "structured": "structured-output grammar masks per step at B = 4..256 with a 152k vocabulary, "
                   "next to the unconstrained greedy and sampled step",
