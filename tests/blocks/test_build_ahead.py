@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.twins import LANE_ARRAYS, Twin, assert_same_arrays, twin
+from support.twins import LANE_ARRAYS, Twin, admit_lane, assert_same_arrays, twin
 
 import atombatch._blocks_py as py_impl
 from atombatch.errors import StateError
@@ -50,17 +50,12 @@ def test_a_step_built_ahead_is_the_step_built_after_the_one_on_the_device(
     for _ in range(b):
         if not data.draw(st.booleans(), label="admit") or pool.first_free() < 0:
             continue
-        lane = lanes.assign()
         seq_len = data.draw(st.integers(0, bps * block_size - 2), label="seq_len") \
             if bps * block_size >= 2 else 0
-        for _ in range(-(-(seq_len + 1) // block_size)):
-            if pool.first_free() >= 0:
-                lanes.push_block(lane, pool.allocate(LANE, lane))
-        if lanes.num_held(lane) * block_size <= seq_len:
-            for block in lanes.release(lane):
-                pool.free(block)
+        lane = admit_lane(pool, lanes, block_size, seq_len,
+                          data.draw(st.integers(0, vocab - 1), label="token"))
+        if lane is None:
             continue
-        lanes.start_decode(lane, seq_len, data.draw(st.integers(0, vocab - 1), label="token"))
         limit = data.draw(st.integers(1, 4), label="limit")
         flag = 0 if plain else data.draw(st.sampled_from(
             [0, py_impl.LANE_SAMPLE, py_impl.LANE_OWN_OUTPUT]), label="flag")

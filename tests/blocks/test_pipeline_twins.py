@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.twins import LANE_ARRAYS, Twin, assert_same_arrays, twin
+from support.twins import LANE_ARRAYS, Twin, admit_lane, assert_same_arrays, twin
 
 import atombatch._blocks_py as py_impl
 from atombatch.errors import StateError
@@ -32,16 +32,10 @@ def kernel_with_lanes(data: st.DataObject, b: int, bps: int, block_size: int,
     for _ in range(b):
         if not data.draw(st.booleans(), label="admit") or pool.first_free() < 0:
             continue
-        lane = lanes.assign()
         seq_len = data.draw(st.integers(0, bps * block_size - 1), label="seq_len")
-        for _ in range(-(-(seq_len + 1) // block_size)):
-            if pool.first_free() >= 0:
-                lanes.push_block(lane, pool.allocate(LANE, lane))
-        if lanes.num_held(lane) * block_size <= seq_len:
-            for block in lanes.release(lane):
-                pool.free(block)
+        lane = admit_lane(pool, lanes, block_size, seq_len, 1)
+        if lane is None:
             continue
-        lanes.start_decode(lane, seq_len, 1)
         limit = data.draw(st.integers(1, 2 * bps * block_size), label="limit")
         flag = data.draw(st.sampled_from([0, 0, py_impl.LANE_SAMPLE]), label="flag")
         kernel.c.bind(lane, f"r{lane}", array("q"), array("d"), limit, (), flag)

@@ -73,3 +73,18 @@ def assert_same_arrays(twin: Twin, names: tuple[str, ...]) -> None:
 
 def twin(name: str, *args: Any) -> Twin:
     return Twin(getattr(c_impl, name)(*args), getattr(py_impl, name)(*args))
+
+
+def admit_lane(pool: Twin, lanes: Twin, block_size: int, seq_len: int, token: int) -> int | None:
+    """An idle lane that decodes `token` at position `seq_len`, holding the blocks positions
+    0..seq_len need from `pool`; None (the lane released again) when the pool runs dry first."""
+    lane = lanes.assign()
+    for _ in range(-(-(seq_len + 1) // block_size)):
+        if pool.first_free() >= 0:
+            lanes.push_block(lane, pool.allocate(py_impl.LANE, lane))
+    if lanes.num_held(lane) * block_size <= seq_len:
+        for block in lanes.release(lane):
+            pool.free(block)
+        return None
+    lanes.start_decode(lane, seq_len, token)
+    return lane
