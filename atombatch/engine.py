@@ -37,7 +37,7 @@ from atombatch.groups import Group, Move, num_held
 from atombatch.logs import enabled as log_enabled
 from atombatch.logs import log
 from atombatch.outputs import Extras, OutputBuilder
-from atombatch.overlap import NUM_FLIGHTS, DeviceThread, Flight, make_flights
+from atombatch.overlap import NUM_FLIGHTS, DeviceThread, Flight, decode_logits, make_flights
 from atombatch.pd_intake import KVLink, KVSource, PDIntake
 from atombatch.policy import DEFAULT_POLICY
 from atombatch.prefix import HostCache
@@ -834,20 +834,10 @@ class Batcher:
         if self._grammars is not None:
             self._prefetch_masks(plan)
         try:
-            raw = logits = self._device_call(self.runtime.decode, plan.inputs)
-            if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or \
-                    not logits.flags.c_contiguous:
-                logits = np.ascontiguousarray(logits, dtype=np.float32)
-            vocab = self.spec.vocab_size
-            if logits.shape != (plan.inputs.num_rows, vocab):
-                raise RequestError(f"decode returned logits of shape {logits.shape}; the step ran "
-                                   f"{plan.inputs.num_rows} rows of vocab_size={vocab}")
-            # greedy is the argmax of the runtime's own logits (as in prefill): a float32 copy
-            # of wider ones would tie entries they tell apart
-            wide = raw is not logits and isinstance(raw, np.ndarray) and \
-                raw.dtype.kind == "f" and raw.dtype.itemsize > 4
+            raw = self._device_call(self.runtime.decode, plan.inputs)
+            logits, source = decode_logits(raw, plan.inputs.num_rows, self.spec.vocab_size)
             greedy = self._greedy[:logits.shape[0]]  # allocated once: the step allocates nothing
-            self._argmax(raw if wide else logits, greedy)
+            self._argmax(source, greedy)
         except Exception as exc:
             for failed in scheduler.decode_requests(plan):
                 self._fail(failed, f"decode step failed: {exc}", outputs)

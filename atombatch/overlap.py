@@ -152,7 +152,7 @@ class DeviceThread:
                         core.gather_tokens(flight.greedy, after.gather,
                                            after.plan.inputs.input_ids)
                     except Exception as exc:  # a bug: the engine fails the step's requests
-                        flight.error = exc
+                        flight.error = _bare(exc)
                         after = None
                 else:
                     after = None
@@ -191,27 +191,30 @@ class DeviceThread:
             decode = self._decode()
             if decode is None:
                 raise StateError("the engine is gone")
-            raw = logits = decode(inputs)
+            raw = decode(inputs)
             del decode
-            if not isinstance(logits, np.ndarray) or logits.dtype != np.float32:
-                logits = np.asarray(logits, dtype=np.float32)
-            rows = inputs.num_rows
-            if logits.shape != (rows, self._vocab):
-                raise RequestError(f"decode returned logits of shape {logits.shape}; the step "
-                                   f"ran {rows} rows of vocab_size={self._vocab}")
-            # greedy is the argmax of the runtime's own logits (as in the engine's own step)
-            wide = raw is not logits and isinstance(raw, np.ndarray) and \
-                raw.dtype.kind == "f" and raw.dtype.itemsize > 4
-            source = raw if wide else logits
-            if not source.flags.c_contiguous:
-                source = np.ascontiguousarray(source)
-            self._argmax(source, flight.greedy[:rows])
-            if not logits.flags.c_contiguous:
-                logits = np.ascontiguousarray(logits)
+            logits, source = decode_logits(raw, inputs.num_rows, self._vocab)
+            self._argmax(source, flight.greedy[:inputs.num_rows])
             core.picked_logits(logits, flight.greedy, flight.best, flight.plan.rows)
             flight.logits = logits
         except BaseException as exc:  # not only Exceptions: the engine raises it again on landing
             flight.error = _bare(exc)
+
+
+def decode_logits(raw: Any, rows: int, vocab: int) -> tuple[Any, Any]:
+    """A decode call's logits as C-contiguous float32 [rows, vocab] (checked), and what the greedy
+    argmax reads: the runtime's own array when it is wider than float32 (a float32 copy would tie
+    entries it tells apart)."""
+    logits = raw
+    if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or \
+            not logits.flags.c_contiguous:
+        logits = np.ascontiguousarray(logits, dtype=np.float32)
+    if logits.shape != (rows, vocab):
+        raise RequestError(f"decode returned logits of shape {logits.shape}; the step ran "
+                           f"{rows} rows of vocab_size={vocab}")
+    wide = raw is not logits and isinstance(raw, np.ndarray) and raw.dtype.kind == "f" and \
+        raw.dtype.itemsize > 4
+    return logits, raw if wide else logits
 
 
 def _bare(exc: BaseException) -> BaseException:
