@@ -1252,20 +1252,24 @@ cdef class StepKernel:
         """The inputs of the decode step after the one on the device now (built from `previous`,
         whose rows `0..previous_rows-1` decode), into `out`, before that step's tokens are known.
 
-        Every decoding lane that step does not finish by its output limit gets a row at position
-        `seq_len + 1` (its blocks must cover it: `grow(ahead=1)`), in lane order; its token is
-        not known yet: `gather[row]` is the row of `previous` whose token it takes (the caller
-        writes `input_ids` from that step's tokens), -1 for padding rows (token 0). A lane that
-        stops on a stop id in the step on the device still has a row here (its output is already
-        complete: the caller drops the row when it lands). Padding rows are those of `build`,
-        with the sliding slots of lanes that do not decode or finish in the step on the device.
-        A lane's flags do not matter here: the caller samples the rows it must before it writes
-        the tokens in. Returns the rows that decode; 0 when no lane goes on; -1 when the step
-        cannot be built ahead (a decoding lane has no row in `previous`, or padding rows have no
-        `padding_block`). `self.inputs` and `num_rows` stay those of the last step."""
+        Every decoding lane with a row in `previous` that that step does not finish by its
+        output limit gets a row at position `seq_len + 1` (its blocks must cover it:
+        `grow(ahead=1)`), in lane order; its token is not known yet: `gather[row]` is the row of
+        `previous` whose token it takes (the caller writes `input_ids` from that step's tokens),
+        -1 for padding rows (token 0). A decoding lane without a row in `previous` (it started
+        decoding while that step was on the device: a prefill ran after it) joins as `build`
+        gives it a row: its own next token at `seq_len`, `gather[row]` -2 (the token stays).
+        With `previous_rows` 0 this is `build` into `out`. A lane that stops on a stop id in the
+        step on the device still has a row here (its output is already complete: the caller
+        drops the row when it lands). Padding rows are those of `build`, with the sliding slots
+        of lanes that do not decode or finish in the step on the device. A lane's flags do not
+        matter here: the caller samples the rows it must before it writes the tokens in.
+        Returns the rows that decode; 0 when no lane goes on; -1 when the step cannot be built
+        ahead (padding rows and no `padding_block`). `self.inputs` and `num_rows` stay those of
+        the last step."""
         cdef LaneTable lanes = self.lanes
         cdef Py_ssize_t b = lanes._b, bps = lanes._bps
-        cdef Py_ssize_t lane, held, decoding = 0, index = 0, rows, row = 0, pad_row
+        cdef Py_ssize_t lane, held, decoding = 0, index = 0, rows, row = 0, pad_row, position
         cdef int16_t pad
         cdef int8_t[::1] state = lanes._state_v
         cdef int32_t[::1] num_held = lanes._num_held_v
@@ -1289,14 +1293,13 @@ cdef class StepKernel:
         for lane in range(b):
             if state[lane] != C_LANE_DECODING:
                 continue
-            if self._num_out_v[lane] + 1 >= self._max_out_v[lane]:
+            if source[lane] >= 0 and self._num_out_v[lane] + 1 >= self._max_out_v[lane]:
                 continue  # finishes in the step on the device
-            if source[lane] < 0:
-                return -1
             held = num_held[lane]
-            if lanes._blocks_for(seq_len[lane] + 2) > held:
+            position = seq_len[lane] + (source[lane] >= 0)
+            if lanes._blocks_for(position + 1) > held:
                 raise StateError(f"lane={lane} holds {held} blocks, too few for position "
-                                 f"{seq_len[lane] + 1}")
+                                 f"{position}")
             decoding += 1
         if decoding == 0:
             return 0
@@ -1309,7 +1312,12 @@ cdef class StepKernel:
         pad_row = decoding
         row = 0
         for lane in range(b):
-            if state[lane] == C_LANE_DECODING and \
+            if state[lane] == C_LANE_DECODING and source[lane] < 0:
+                # joins: its own token, at its own length
+                out._lane_row(row, lanes, lane, lanes._next_token_v[lane], seq_len[lane])
+                gather_v[row] = -2
+                row += 1
+            elif state[lane] == C_LANE_DECODING and \
                     self._num_out_v[lane] + 1 < self._max_out_v[lane]:
                 out._lane_row(row, lanes, lane, 0, seq_len[lane] + 1)
                 gather_v[row] = source[lane]
@@ -1546,16 +1554,18 @@ def picked_logits(const float[:, ::1] logits, const int64_t[::1] greedy, float[:
 @cython.wraparound(False)
 @cython.initializedcheck(False)
 def gather_tokens(const int64_t[::1] tokens, const int32_t[::1] gather, int64_t[:, ::1] input_ids):
-    """`input_ids[row, 0] = tokens[gather[row]]` for every row (`gather[row] == -1`: 0)."""
+    """`input_ids[row, 0] = tokens[gather[row]]` for every row (`gather[row] == -1`: 0; -2: the
+    row keeps its token)."""
     cdef Py_ssize_t rows = input_ids.shape[0], row, source, n = tokens.shape[0]
     if gather.shape[0] < rows or input_ids.shape[1] != 1:
         raise StateError(f"gather has {gather.shape[0]} entries for input_ids of shape "
                          f"{(rows, input_ids.shape[1])}")
     for row in range(rows):
         source = gather[row]
-        if not -1 <= source < n:
-            raise StateError(f"gather[{row}]={source} is outside -1..{n - 1}")
-        input_ids[row, 0] = tokens[source] if source >= 0 else 0
+        if not -2 <= source < n:
+            raise StateError(f"gather[{row}]={source} is outside -2..{n - 1}")
+        if source != -2:
+            input_ids[row, 0] = tokens[source] if source >= 0 else 0
     return rows
 
 

@@ -919,17 +919,21 @@ class StepKernel:
         """The inputs of the decode step after the one on the device now (built from `previous`,
         whose rows `0..previous_rows-1` decode), into `out`, before that step's tokens are known.
 
-        Every decoding lane that step does not finish by its output limit gets a row at position
-        `seq_len + 1` (its blocks must cover it: `grow(ahead=1)`), in lane order; its token is
-        not known yet: `gather[row]` is the row of `previous` whose token it takes (the caller
-        writes `input_ids` from that step's tokens), -1 for padding rows (token 0). A lane that
-        stops on a stop id in the step on the device still has a row here (its output is already
-        complete: the caller drops the row when it lands). Padding rows are those of `build`,
-        with the sliding slots of lanes that do not decode or finish in the step on the device.
-        A lane's flags do not matter here: the caller samples the rows it must before it writes
-        the tokens in. Returns the rows that decode; 0 when no lane goes on; -1 when the step
-        cannot be built ahead (a decoding lane has no row in `previous`, or padding rows have no
-        `padding_block`). `self.inputs` and `num_rows` stay those of the last step."""
+        Every decoding lane with a row in `previous` that that step does not finish by its
+        output limit gets a row at position `seq_len + 1` (its blocks must cover it:
+        `grow(ahead=1)`), in lane order; its token is not known yet: `gather[row]` is the row of
+        `previous` whose token it takes (the caller writes `input_ids` from that step's tokens),
+        -1 for padding rows (token 0). A decoding lane without a row in `previous` (it started
+        decoding while that step was on the device: a prefill ran after it) joins as `build`
+        gives it a row: its own next token at `seq_len`, `gather[row]` -2 (the token stays).
+        With `previous_rows` 0 this is `build` into `out`. A lane that stops on a stop id in the
+        step on the device still has a row here (its output is already complete: the caller
+        drops the row when it lands). Padding rows are those of `build`, with the sliding slots
+        of lanes that do not decode or finish in the step on the device. A lane's flags do not
+        matter here: the caller samples the rows it must before it writes the tokens in.
+        Returns the rows that decode; 0 when no lane goes on; -1 when the step cannot be built
+        ahead (padding rows and no `padding_block`). `self.inputs` and `num_rows` stay those of
+        the last step."""
         lanes = self.lanes
         b, bps = lanes._b, lanes._bps
         if out._b != b or out._bps != bps or previous._b != b or previous._bps != bps:
@@ -948,14 +952,14 @@ class StepKernel:
         for lane in range(b):
             if lanes._state[lane] != LANE_DECODING:
                 continue
-            if self._num_out[lane] + 1 >= self._max_out[lane]:
+            joins = source[lane] < 0
+            if not joins and self._num_out[lane] + 1 >= self._max_out[lane]:
                 continue  # finishes in the step on the device
-            if source[lane] < 0:
-                return -1
             held = int(lanes._num_held[lane])
-            if lanes.blocks_for(int(lanes._seq_len[lane]) + 2) > held:
+            position = int(lanes._seq_len[lane]) + (not joins)
+            if lanes.blocks_for(position + 1) > held:
                 raise StateError(f"lane={lane} holds {held} blocks, too few for position "
-                                 f"{int(lanes._seq_len[lane]) + 1}")
+                                 f"{position}")
             going.append(lane)
         decoding = len(going)
         if decoding == 0:
@@ -971,8 +975,13 @@ class StepKernel:
         pad_row = decoding
         for lane in range(b):
             if lane in goes:
-                out._lane_row(row, lanes, lane, 0, int(lanes._seq_len[lane]) + 1)
-                gather[row] = source[lane]
+                if source[lane] < 0:  # joins: its own token, at its own length
+                    out._lane_row(row, lanes, lane, int(lanes._next_token[lane]),
+                                  int(lanes._seq_len[lane]))
+                    gather[row] = -2
+                else:
+                    out._lane_row(row, lanes, lane, 0, int(lanes._seq_len[lane]) + 1)
+                    gather[row] = source[lane]
                 row += 1
             elif pad_row < rows:
                 out._pad_row(pad_row, lane, padding_block)
@@ -1126,7 +1135,8 @@ def picked_logits(logits: npt.NDArray[np.float32], greedy: npt.NDArray[np.int64]
 
 def gather_tokens(tokens: npt.NDArray[np.int64], gather: npt.NDArray[np.int32],
                   input_ids: npt.NDArray[np.int64]) -> int:
-    """`input_ids[row, 0] = tokens[gather[row]]` for every row (`gather[row] == -1`: 0)."""
+    """`input_ids[row, 0] = tokens[gather[row]]` for every row (`gather[row] == -1`: 0; -2: the
+    row keeps its token)."""
     rows = input_ids.shape[0]
     if gather.shape[0] < rows or input_ids.shape[1] != 1:
         raise StateError(f"gather has {gather.shape[0]} entries for input_ids of shape "
@@ -1134,9 +1144,10 @@ def gather_tokens(tokens: npt.NDArray[np.int64], gather: npt.NDArray[np.int32],
     n = tokens.shape[0]
     for row in range(rows):
         source = int(gather[row])
-        if not -1 <= source < n:
-            raise StateError(f"gather[{row}]={source} is outside -1..{n - 1}")
-        input_ids[row, 0] = tokens[source] if source >= 0 else 0
+        if not -2 <= source < n:
+            raise StateError(f"gather[{row}]={source} is outside -2..{n - 1}")
+        if source != -2:
+            input_ids[row, 0] = tokens[source] if source >= 0 else 0
     return int(rows)
 
 

@@ -116,9 +116,11 @@ class EngineStats(msgspec.Struct, frozen=True):
     device_s: float = 0.0
     host_gap_s: float = 0.0
     host_gaps: int = 0
-    # decode steps the device thread launched right after the step before it, their inputs
-    # built while that one ran (`Batcher(overlap=True)`, atombatch/overlap.py)
+    # device calls the device thread launched right after the step before it, their inputs
+    # built while that one ran (`Batcher(overlap=True)`, atombatch/overlap.py); of which prefill
+    # chunks of requests admitted while a decode ran
     overlapped_steps: int = 0
+    overlapped_prefills: int = 0
 
 
 class StepResult:
@@ -265,6 +267,9 @@ class Batcher:
         self._flight: Flight | None = None             # the pipeline's flight on the device
         self._dropped: Flight | None = None            # lands unreported (see `_land_flight`)
         self._overlapped = 0                           # flights launched after a flight
+        self._overlapped_prefills = 0                  # of which prefill chunks planned ahead
+        self._prefill_flight: Flight | None = None     # the pipeline's prefill (`_decide`)
+        self._held: StepPlan | None = None             # planned ahead, runs at the next step
         # n > 1 without a prefix cache: choices 1..n-1 start from a device copy of choice 0's
         # prompt KV (see `_release_held`); hybrid models also need the runtime's `copy_slot`
         needed = ("_fetch_kv_cache", "_update_kv_cache") if self.spec.is_hybrid else ()
@@ -539,7 +544,7 @@ class Batcher:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending) or self._flight is not None or \
-            any(group.held for group in self._groups.values())
+            self._held is not None or any(group.held for group in self._groups.values())
 
     # -- stepping ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -598,8 +603,10 @@ class Batcher:
         self._decoded = False
         outputs, self._pending = self._pending, []
         if self._flight is not None:  # the pipeline runs: land its flight, launch the next
-            self._land_flight(outputs)
-            return outputs
+            if not self._land_flight(outputs) or self._flight is not None:
+                return outputs
+            # the pipeline ended with a prefill (no decode rows to report): start the next call
+            # now, in this step
         if self._flights is not None and self._kernel.inputs is not self.scheduler.decode_inputs:
             # the pipeline is empty and its last step's arrays were read: steps build into the
             # scheduler's own decode buffer again
@@ -610,7 +617,9 @@ class Batcher:
             self._release_held(outputs, fork=True)
         if self._kv:
             self._poll_kv(outputs)
-        plan = self.scheduler.schedule(self.clock())
+        plan, self._held = self._held, None
+        if plan is None:
+            plan = self.scheduler.schedule(self.clock())
         self.idle = plan is None
         if plan is None:
             self._device_end = 0.0  # the device waits for work, not for the host
@@ -742,6 +751,20 @@ class Batcher:
                 row = np.asarray(logits).reshape(-1)
             else:
                 row = self._prefill_every_position(plan, collector)
+        except ConstraintFailed as exc:  # its grammar failed before the chunk ran
+            self._fail(request, str(exc), outputs, exc.param)
+            return
+        except Exception as exc:  # the runtime failed this request; the others go on
+            self._fail(request, f"prefill failed: {exc}", outputs)
+            return
+        self._complete_prefill(plan, request, row, outputs)
+
+    def _complete_prefill(self, plan: StepPlan, request: Request,
+                          row: npt.NDArray[np.floating], outputs: list[RequestOutput]) -> None:
+        """A prefill chunk ran and `row` is its last real position's logits: sample the first
+        token after the last chunk, then the scheduler's transitions."""
+        scheduler = self.scheduler
+        try:
             token = None
             if plan.last_chunk and not request.recomputing:
                 # the decode step's rule (`StepKernel.pick`): a NaN or +inf fails the request,
@@ -893,7 +916,9 @@ class Batcher:
             self._flights = make_flights(plan, artifact.batch_size, artifact.blocks_per_seq,
                                          kv.decode_inputs.buckets, type(kv.decode_inputs))
             self._device_thread = DeviceThread(self._decode_call, self._argmax,
-                                               self.spec.vocab_size, self._draw)
+                                               self.spec.vocab_size, self._draw,
+                                               self._prefill_call)
+            self._prefill_flight = Flight(-1, plan, artifact.batch_size, prefill=True)
             weakref.finalize(self, self._device_thread.stop)  # the thread ends with the engine
         flight = self._flights[0]
         if flight.plan is not plan:
@@ -909,23 +934,54 @@ class Batcher:
         self._decide(flight)
 
     def _decide(self, running: Flight) -> None:
-        """Tell the device thread what follows `running`: the next step, built ahead, when the
-        pipeline may go on, else nothing (it lands `running` and stops)."""
+        """Tell the device thread what follows `running`: the next decode step, built ahead,
+        when the pipeline may go on; else the first prefill chunk of the request the scheduler
+        admits now (`Scheduler.plan_prefill_ahead`); else nothing (it lands `running` and
+        stops). After a prefill chunk, the decode of the lanes that decode (the request joins
+        at the step after, `Scheduler.plan_after_prefill`). A chunk whose block ops are due is
+        held for the next `step()`, which runs the ops and then the chunk."""
         following = None
         try:
             if self._can_fly():
                 assert self._flights is not None
                 candidate = self._flights[(running.index + 1) % NUM_FLIGHTS]
-                if self.scheduler.plan_ahead(candidate.plan, running.plan, candidate.gather):
+                scheduler = self.scheduler
+                if running.prefill:  # the decode before it landed: the lanes' tokens are known
+                    landed = self._flights[running.index].plan.inputs
+                    if scheduler.plan_after_prefill(candidate.plan, landed, running.plan,
+                                                    candidate.gather):
+                        candidate.special = self._sampled_rows(candidate.plan)
+                        following = candidate
+                elif scheduler.plan_ahead(candidate.plan, running.plan, candidate.gather):
                     candidate.special = self._sampled_rows(candidate.plan)
                     following = candidate
+                elif scheduler.waiting:
+                    plan = scheduler.plan_prefill_ahead(running.plan, self.clock(),
+                                                        self._prefills_ahead)
+                    if plan is not None and (plan.saves or plan.restores or plan.copies):
+                        self._held = plan
+                    elif plan is not None:
+                        assert self._prefill_flight is not None
+                        self._prefill_flight.plan = plan
+                        self._prefill_flight.index = running.index
+                        following = self._prefill_flight
         finally:  # exactly once per flight, even when building failed: the thread waits for it
             assert self._device_thread is not None
             self._device_thread.decide(following)
 
-    def _land_flight(self, outputs: list[RequestOutput]) -> None:
+    def _prefills_ahead(self, request: Request) -> bool:
+        """Whether `request`'s prefill may be planned while a decode runs: not when its chunks
+        return every position's logits (prompt logprobs) or it has a sampler the engine would
+        prepare for first (a grammar)."""
+        if self._outputs.prompt_collector(request) is not None:
+            return False
+        sampler = self._samplers.get(request.request_id) if self._samplers else None
+        return sampler is None or sampler.grammar is None
+
+    def _land_flight(self, outputs: list[RequestOutput]) -> bool:
         """Wait for the flight on the device and complete it; the flight the device thread
-        launched after it (if any) is the pipeline's now, and the one after that is decided."""
+        launched after it (if any) is the pipeline's now, and the one after that is decided.
+        Returns whether the flight was a prefill."""
         device = self._device_thread
         assert device is not None
         hook = self.on_device_call  # the device is busy: hand the last outputs over now
@@ -935,8 +991,12 @@ class Batcher:
         self._flight = flight.next
         if flight.next is not None:
             self._overlapped += 1
+            self._overlapped_prefills += flight.next.prefill
         try:
-            self._land(flight, outputs)
+            if flight.prefill:
+                self._land_prefill(flight, outputs)
+            else:
+                self._land(flight, outputs)
         except BaseException:
             # the step did not land whole: nothing is built on it, and the step on the device,
             # fed from its tokens, lands unreported (its lanes run those positions again)
@@ -951,6 +1011,26 @@ class Batcher:
             self._flush_events()
         if self._flight is None and not self.scheduler.has_work():
             self._device_end = 0.0
+        return flight.prefill
+
+    def _land_prefill(self, flight: Flight, outputs: list[RequestOutput]) -> None:
+        """A prefill flight's chunk, completed as `_run_prefill` completes one (the logits are
+        still the runtime's: nothing ran after it)."""
+        plan, logits = flight.plan, flight.logits
+        flight.logits = None
+        if flight is self._dropped:  # its request prefills that chunk again
+            self._dropped = None
+            return
+        if flight.error is not None and not isinstance(flight.error, Exception):
+            raise flight.error
+        request = self.scheduler.requests.get(plan.request_id)
+        if request is None:  # aborted while its chunk ran
+            self.scheduler.complete_prefill(plan, None, self.clock())
+            return
+        if flight.error is not None:
+            self._fail(request, f"prefill failed: {flight.error}", outputs)
+            return
+        self._complete_prefill(plan, request, np.asarray(logits).reshape(-1), outputs)
 
     def _land(self, flight: Flight, outputs: list[RequestOutput]) -> None:
         """A flight's step, completed as `_run_decode` completes one (from the argmax and the
@@ -997,6 +1077,10 @@ class Batcher:
     def _decode_call(self, inputs: Any) -> Any:
         """The device thread's decode call (timed as `_device_call` times the engine's own)."""
         return self._timed_call(self.runtime.decode, inputs)
+
+    def _prefill_call(self, inputs: Any) -> Any:
+        """The device thread's prefill call (a chunk planned ahead, `_decide`)."""
+        return self._timed_call(self.runtime.prefill, inputs)
 
     def _sample_special(self, logits: npt.NDArray[np.floating],
                         special: list[tuple[int, int, Request, RequestSampler]],
@@ -1171,7 +1255,7 @@ class Batcher:
             checkpoint_bytes=s.kv.checkpoints.store.used_bytes if s.kv.checkpoints else 0,
             lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps),
             device_s=self._device_s, host_gap_s=self._host_gap_s, host_gaps=self._host_gaps,
-            overlapped_steps=self._overlapped)
+            overlapped_steps=self._overlapped, overlapped_prefills=self._overlapped_prefills)
 
     def check_invariants(self) -> None:
         """Raise `StateError` if any ownership invariant of docs/rules.md is broken."""

@@ -51,11 +51,18 @@ class Flight:
     """One decode call of the pipeline, with the buffers it owns: its inputs (a `DecodeInputs`),
     its argmax and the logit each row picked (the logits themselves belong to the runtime,
     which the next call writes), and `gather`: the row of the previous flight whose token each of
-    its rows takes (-1: padding, token 0)."""
+    its rows takes (-1: padding, token 0).
 
-    def __init__(self, index: int, plan: StepPlan, batch_size: int) -> None:
+    A `prefill` flight is a request's prefill chunk planned while a decode was on the device
+    (`Scheduler.plan_prefill_ahead`): the thread calls it after that decode and keeps its
+    logits for the landing (a copy, when a decode of the other lanes runs after it: their
+    tokens are known, nothing is gathered). Its `index` is that of the decode before it."""
+
+    def __init__(self, index: int, plan: StepPlan, batch_size: int,
+                 prefill: bool = False) -> None:
         self.index = index
         self.plan = plan
+        self.prefill = prefill
         self.greedy = np.zeros(batch_size, dtype=np.int64)
         self.best = np.zeros(batch_size, dtype=np.float32)
         self.gather = np.full(batch_size, -1, dtype=np.int32)
@@ -77,11 +84,13 @@ class DeviceThread:
     starts a pipeline when none runs."""
 
     def __init__(self, decode: Callable[[Any], Any], argmax: Callable[[Any, Any], None],
-                 vocab_size: int, draw: Callable[[Any, list[Any]], Any]) -> None:
-        # `decode` and `draw` are the engine's methods, held weakly: the running thread must not
-        # keep the engine (its runtime, its KV cache) alive once nobody else holds it; the
-        # engine stops the thread when it goes (`stop`, from a `weakref.finalize`)
+                 vocab_size: int, draw: Callable[[Any, list[Any]], Any],
+                 prefill: Callable[[Any], Any]) -> None:
+        # `decode`, `prefill` and `draw` are the engine's methods, held weakly: the running
+        # thread must not keep the engine (its runtime, its KV cache) alive once nobody else
+        # holds it; the engine stops the thread when it goes (`stop`, from a `weakref.finalize`)
         self._decode = weakref.WeakMethod(decode)  # type: ignore[arg-type]
+        self._prefill = weakref.WeakMethod(prefill)  # type: ignore[arg-type]
         self._argmax = argmax
         self._draw = weakref.WeakMethod(draw)  # type: ignore[arg-type]
         self._vocab = vocab_size
@@ -145,17 +154,21 @@ class DeviceThread:
                     return
                 if flight.special and flight.error is None:
                     self._sample(flight)
-                flight.logits = None
+                if not flight.prefill:  # a prefill's logits are the landing's (none runs next)
+                    flight.logits = None
                 after, self._next = self._next, None
-                if after is not None and flight.error is None:
-                    try:  # the tokens this call picked feed the next call's rows
-                        core.gather_tokens(flight.greedy, after.gather,
-                                           after.plan.inputs.input_ids)
+                if flight.error is not None:
+                    after = None
+                elif after is not None:
+                    try:
+                        if flight.prefill:  # the next call may write the runtime's buffer
+                            flight.logits = np.array(flight.logits)
+                        elif not after.prefill:  # this call's tokens feed the next call's rows
+                            core.gather_tokens(flight.greedy, after.gather,
+                                               after.plan.inputs.input_ids)
                     except Exception as exc:  # a bug: the engine fails the step's requests
                         flight.error = _bare(exc)
                         after = None
-                else:
-                    after = None
                 flight.next = after
                 self._done = flight
                 self._landed.release()
@@ -187,6 +200,16 @@ class DeviceThread:
         flight.error = None
         flight.drawn = None
         inputs = flight.plan.inputs
+        if flight.prefill:
+            try:
+                prefill = self._prefill()
+                if prefill is None:
+                    raise StateError("the engine is gone")
+                flight.logits = prefill(inputs)
+            except BaseException as exc:  # as a decode's: the landing fails the request
+                flight.logits = None
+                flight.error = _bare(exc)
+            return
         try:
             decode = self._decode()
             if decode is None:

@@ -42,7 +42,7 @@ native prefill at the chunk boundary below the covered length.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from atombatch import blocks as core
@@ -155,10 +155,13 @@ class Scheduler:
         if self.kv.prefix is not None and request.chain is None:
             request.chain = self.kv.prefix.chain(request.prompt)  # the prompt is hashed once
 
-    def _admit(self, now: float) -> None:
-        """Give idle lanes to the head of the queue (a staging request first), FCFS."""
+    def _admit(self, now: float, limit: int | None = None) -> None:
+        """Give idle lanes to the head of the queue (a staging request first), FCFS: at most
+        `limit` requests when given."""
         kv = self.kv
-        while kv.lanes.num_idle:
+        while kv.lanes.num_idle and limit != 0:
+            if limit is not None:
+                limit -= 1
             if self.staging is not None:
                 self._lane_for_staged(self.staging, now)
                 continue
@@ -493,6 +496,78 @@ class Scheduler:
             return False  # blocks taken for some lanes stay theirs: the next step needs them
         rows = kernel.build_ahead(plan.inputs, running.inputs, running.rows, gather,
                                   kv.padding_block_ahead())
+        if rows <= 0:
+            return False
+        plan.rows = rows
+        self._decodes_since_prefill += 1
+        self._prefills_since_decode = 0
+        return True
+
+    def plan_prefill_ahead(self, running: StepPlan, now: float,
+                           accept: Callable[[Request], bool]) -> StepPlan | None:
+        """Admit the head of the queue and plan its first prefill chunk while `running` (a decode
+        step built before the last one landed) is on the device, when that is what `schedule`
+        would do next and nothing it does can touch what `running` computes: every busy lane
+        decodes, no staging, no sliding slots, no block op due, the lane it takes has no row in
+        `running` (a lane that stopped in the step before keeps a row there), and the pool holds
+        its whole prefill without preempting anyone (a preempted lane may have a row in the
+        air). Evicting CACHED blocks is safe: no row of `running` writes a cached block, and
+        the prefill's own writes run after `running` (device calls run in order).
+
+        `accept(request)`: the engine's own conditions (no prompt logprobs, no grammar). Returns
+        the plan (with the block ops it needs, which the engine then runs before the prefill),
+        or None, changing nothing."""
+        kv = self.kv
+        lanes = kv.lanes
+        if kv.has_ops or kv.checkpoints is not None or kv.slots is not None or \
+                self.staging is not None or not lanes.num_idle or \
+                lanes.num_busy != lanes.num_decoding():
+            return None
+        request = self._first_ready()
+        if request is None or request.importing or request.state is not S.WAITING or \
+                not self._prefill_turn(request, lanes.num_decoding()) or not accept(request):
+            return None
+        lane = self.by_lane.index(None)  # the lane `_admit` assigns: the lowest idle one
+        if lane in running.inputs.row_lanes[:running.rows].tolist() or \
+                kv.available() < kv.blocks_for_prefill(request):
+            return None
+        if self.artifact.oversubscribed and kv.available() - kv.committed(self.by_lane) < \
+                kv.blocks_for_prefill(request):
+            return None
+        self._step_time = now
+        self._admit(now, limit=1)
+        if request.lane != lane:
+            raise StateError(f"admitting ahead gave {request.request_id} lane {request.lane}, "
+                             f"not the idle lane {lane} it checked")
+        plan = self._plan_prefill(request)
+        if plan is None:
+            raise StateError(f"{request.request_id}'s first chunk could not be planned ahead "
+                             f"although the pool held its prefill")
+        if kv.has_ops:
+            kv.take_ops(plan)
+        return plan
+
+    def plan_after_prefill(self, plan: StepPlan, landed: Any, prefill: StepPlan,
+                           gather: Any) -> bool:
+        """Build into `plan` the decode step after `prefill` (a chunk planned ahead, on the
+        device now; every decode step before it has landed) when it is the step `schedule` would
+        choose once the chunk lands: the chunk ends its request's prefill, every other busy lane
+        decodes and nothing is admitted, staged or prefilled, no block op is due, and the free
+        list has the blocks. The chunk's request is not in it (its first token is not known
+        yet): it joins the step after (`StepKernel.build_ahead`). `landed`: a decode buffer
+        other than `plan`'s (not read). False: not built."""
+        kv = self.kv
+        lanes = kv.lanes
+        request = self.requests.get(prefill.request_id)
+        if kv.has_ops or kv.checkpoints is not None or not prefill.last_chunk or \
+                request is None or request.state is not S.PREFILLING or \
+                lanes.num_busy != lanes.num_decoding() + 1 or not lanes.num_decoding() or \
+                not self._only_decode():
+            return False
+        kernel = kv.kernel
+        if kernel.grow(0):
+            return False  # blocks taken for some lanes stay theirs: the next step needs them
+        rows = kernel.build_ahead(plan.inputs, landed, 0, gather, kv.padding_block_ahead())
         if rows <= 0:
             return False
         plan.rows = rows

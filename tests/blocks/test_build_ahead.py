@@ -5,7 +5,8 @@ thread then writes those tokens in with `gather_tokens` and keeps each row's pic
 
 Random lane states, driven through the compiled core and its twin side by side: every array
 must agree, and match what `build` gives once the step on the device has completed (the rows of
-the lanes that go on, one position further, each fed the token its row produced).
+the lanes that go on, one position further, each fed the token its row produced; lanes that
+started decoding while that step was on the device, after a prefill, join with their own token).
 """
 
 from __future__ import annotations
@@ -47,33 +48,42 @@ def test_a_step_built_ahead_is_the_step_built_after_the_one_on_the_device(
     spare = pool.reserve_spare()
     outputs: dict[int, tuple[array[int], array[int]]] = {}
     plain = data.draw(st.booleans(), label="every lane plain")
-    for _ in range(b):
-        if not data.draw(st.booleans(), label="admit") or pool.first_free() < 0:
-            continue
-        seq_len = data.draw(st.integers(0, bps * block_size - 2), label="seq_len") \
-            if bps * block_size >= 2 else 0
-        lane = admit_lane(pool, lanes, block_size, seq_len,
-                          data.draw(st.integers(0, vocab - 1), label="token"))
-        if lane is None:
-            continue
-        limit = data.draw(st.integers(1, 4), label="limit")
-        flag = 0 if plain else data.draw(st.sampled_from(
-            [0, py_impl.LANE_SAMPLE, py_impl.LANE_OWN_OUTPUT]), label="flag")
-        outputs[lane] = (array("q"), array("q"))
-        kernel.c.bind(lane, f"r{lane}", outputs[lane][0], array("d"), limit, (), flag)
-        kernel.py.bind(lane, f"r{lane}", outputs[lane][1], array("d"), limit, (), flag)
+
+    def admit(label: str) -> None:
+        for _ in range(b):
+            if not data.draw(st.booleans(), label=label) or pool.first_free() < 0 or \
+                    not lanes.num_idle:
+                continue
+            seq_len = data.draw(st.integers(0, bps * block_size - 2), label="seq_len") \
+                if bps * block_size >= 2 else 0
+            lane = admit_lane(pool, lanes, block_size, seq_len,
+                              data.draw(st.integers(0, vocab - 1), label="token"))
+            if lane is None:
+                continue
+            limit = data.draw(st.integers(1, 4), label="limit")
+            flag = 0 if plain else data.draw(st.sampled_from(
+                [0, py_impl.LANE_SAMPLE, py_impl.LANE_OWN_OUTPUT]), label="flag")
+            outputs[lane] = (array("q"), array("q"))
+            kernel.c.bind(lane, f"r{lane}", outputs[lane][0], array("d"), limit, (), flag)
+            kernel.py.bind(lane, f"r{lane}", outputs[lane][1], array("d"), limit, (), flag)
+
+    admit("admit")
     decoding = [lane for lane in range(b) if lanes.state(lane) == DECODING]
     if not decoding:
         return
     rows = kernel.build(spare)  # the step "on the device"
     assert rows == len(decoding)
+    admit("join")  # lanes that start decoding while it runs (a prefill after it)
+    joined = [lane for lane in range(b) if lanes.state(lane) == DECODING and
+              lane not in decoding]
     short = kernel.grow(1)
     assert_same_arrays(lanes, LANE_ARRAYS)
-    limits = {lane: int(kernel.c._max_out[lane]) for lane in decoding}
-    going = [lane for lane in decoding if limits[lane] > 1]  # limit 1: finishes on the device
+    limits = {lane: int(kernel.c._max_out[lane]) for lane in decoding + joined}
+    # limit 1: finishes on the device; a lane that joins decodes its own token in the step
+    going = sorted([lane for lane in decoding if limits[lane] > 1] + joined)
     if short:  # a lane the free list could not serve: the caller does not build ahead
         for lane in kernel.c.attention[:short].tolist():
-            assert lane in going
+            assert lane in going and limits[lane] > 1
             assert lanes.blocks_for(lanes.seq_len(lane) + 2) > lanes.num_held(lane)
         return
     gathers = (np.full(b, 7, dtype=np.int32), np.full(b, 7, dtype=np.int32))
@@ -94,9 +104,11 @@ def test_a_step_built_ahead_is_the_step_built_after_the_one_on_the_device(
     for name in INPUTS:
         assert np.array_equal(getattr(ahead.c, name), getattr(ahead.py, name)), name
     assert np.array_equal(gathers[0][:n], gathers[1][:n])
+    assert [gathers[0][row] == -2 for row in range(len(going))] == \
+        [lane in joined for lane in going]
     # the step on the device completes: each row's token is 10 + its row
     tokens = np.arange(10, 10 + first.c.num_rows, dtype=np.int64)
-    fed = [np.zeros((n, 1), dtype=np.int64) for _ in range(2)]
+    fed = [ahead.c.input_ids.copy(), ahead.py.input_ids.copy()]  # the thread writes in place
     assert c_impl.gather_tokens(tokens, gathers[0], fed[0]) == \
         py_impl.gather_tokens(tokens, gathers[1], fed[1]) == n
     assert np.array_equal(fed[0], fed[1])
@@ -132,9 +144,16 @@ def test_picked_logits_and_gather_tokens_check_their_indices(impl: Any) -> None:
     with pytest.raises(StateError, match="keep=3 rows of 2"):
         impl.picked_logits(logits, np.zeros(3, dtype=np.int64), np.zeros(3, np.float32), 3)
     ids = np.zeros((2, 1), dtype=np.int64)
-    with pytest.raises(StateError, match=r"gather\[1\]=2 is outside -1..1"):
+    with pytest.raises(StateError, match=r"gather\[1\]=2 is outside -2..1"):
         impl.gather_tokens(np.array([5, 6], dtype=np.int64), np.array([0, 2], dtype=np.int32),
                            ids)
+    with pytest.raises(StateError, match=r"gather\[0\]=-3 is outside -2..1"):
+        impl.gather_tokens(np.array([5, 6], dtype=np.int64), np.array([-3, 0], dtype=np.int32),
+                           ids)
+    ids[:, 0] = (8, 9)  # -2: the row keeps its token (a lane that joins); -1: padding
+    assert impl.gather_tokens(np.array([5, 6], dtype=np.int64),
+                              np.array([-2, -1], dtype=np.int32), ids) == 2
+    assert ids[:, 0].tolist() == [8, 0]
 
 
 @pytest.mark.parametrize("impl", [c_impl, py_impl], ids=["c", "py"])
