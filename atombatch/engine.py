@@ -602,11 +602,11 @@ class Batcher:
     def _step(self) -> list[RequestOutput]:
         self._decoded = False
         outputs, self._pending = self._pending, []
-        if self._flight is not None:  # the pipeline runs: land its flight, launch the next
-            if not self._land_flight(outputs) or self._flight is not None:
-                return outputs
-            # the pipeline ended with a prefill (no decode rows to report): start the next call
-            # now, in this step
+        # the pipeline runs: land its flight, launch the next; when it ended with a prefill (no
+        # decode rows to report), the next call starts now, in this step
+        if self._flight is not None and (not self._land_flight(outputs) or
+                                         self._flight is not None):
+            return outputs
         if self._flights is not None and self._kernel.inputs is not self.scheduler.decode_inputs:
             # the pipeline is empty and its last step's arrays were read: steps build into the
             # scheduler's own decode buffer again
