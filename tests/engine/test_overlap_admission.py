@@ -1,0 +1,291 @@
+"""Admission inside the pipeline (`Batcher(overlap=True)`, atombatch/overlap.py): a request
+that arrives while decodes run, with an idle lane for it, is admitted while a decode is on the
+device; its first prefill chunk runs right after that decode on the device thread, then the other
+lanes' decode, and the request joins the step after (`Scheduler.plan_prefill_ahead`,
+`Scheduler.plan_after_prefill`, `StepKernel.build_ahead`).
+
+The clients here are closed loops (a finished request's lane gets the next request at once, as
+a serving client sends it), on the NumPy runtime (real decoder math, KV written for every row it
+is given): each request's tokens are compared with the same request run alone on a fresh
+synchronous engine, or with the same loop stepped synchronously.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from support.pd_models import SEED, SPECS, artifact, prompts
+
+from atombatch import ArtifactConfig, Batcher, RequestOutput, SamplingParams
+from atombatch.runtime import NumpyRuntime
+
+
+def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def closed_loop(batcher: Batcher, work: list[list[int]], params: list[SamplingParams],
+                concurrency: int, between: Any = None) -> list[RequestOutput]:
+    """Keep `concurrency` requests in flight: each final output submits the next request before
+    the next step (the pipeline is in the air then). `between(batcher, ids, step)` runs after
+    each step. Returns the final outputs in request order."""
+    pending = list(range(len(work)))
+    ids: dict[int, str] = {}
+
+    def submit_next() -> None:
+        i = pending.pop(0)
+        ids[i] = batcher.submit(work[i], params[i])
+
+    for _ in range(min(concurrency, len(work))):
+        submit_next()
+    finals: dict[str, RequestOutput] = {}
+    steps = 0
+    while batcher.has_unfinished() or pending:
+        for out in batcher.step():
+            assert out.request_id not in finals, f"{out.request_id} produced output after its end"
+            if out.finished:
+                finals[out.request_id] = out
+                if pending:
+                    submit_next()
+        batcher.check_invariants()
+        steps += 1
+        if between is not None:
+            between(batcher, ids, steps)
+        assert steps < 10_000
+    return [finals[ids[i]] for i in range(len(work))]
+
+
+def tokens_of(finals: list[RequestOutput]) -> list[tuple[tuple[int, ...], str | None]]:
+    return [(f.completion.token_ids, f.finish_reason) for f in finals]
+
+
+def run_alone(art: ArtifactConfig, work: list[list[int]], params: list[SamplingParams]
+              ) -> list[tuple[tuple[int, ...], str | None]]:
+    out = []
+    for p, sp in zip(work, params, strict=True):
+        solo = Batcher(NumpyRuntime.random(art, SEED))
+        out += tokens_of(closed_loop(solo, [p], [sp], 1))
+    return out
+
+
+def short_prompts(count: int, seed: int, longest: int = 16) -> list[list[int]]:
+    """Prompts of one 16-token chunk (the decode after the chunk follows it on the device)."""
+    return [p[:longest - i % 5] for i, p in enumerate(prompts(count, seed=seed))]
+
+
+def staggered(count: int, base: int = 6) -> list[SamplingParams]:
+    """Output limits that end the lanes at different steps (one lane frees at a time)."""
+    return [greedy(base + (5 * i) % 13) for i in range(count)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_requests_admitted_mid_pipeline_get_the_tokens_they_get_alone(family: str,
+                                                                       core: str) -> None:
+    """Every admission after the first batch happens while a decode is on the device: its
+    chunk runs next on the device thread, the lanes' decode after it; a hybrid model (sliding
+    slots) keeps admitting synchronously. Tokens are those of each request alone."""
+    spec = SPECS[family]
+    art = artifact(spec, 4, 64, block_size=8, chunk=16, max_seq_len=96)
+    work = [p if i % 3 == 0 else p[:16] for i, p in enumerate(prompts(14, seed=31))]
+    params = staggered(len(work))
+    want = run_alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    assert tokens_of(closed_loop(over, work, params, 4)) == want
+    stats = over.stats()
+    if spec.is_hybrid:
+        assert stats.overlapped_prefills == 0
+    else:
+        assert stats.overlapped_prefills >= 5  # most of the 10 later admissions
+    assert stats.lane_blocks == 0 and stats.staged_blocks == 0
+
+
+def test_multi_chunk_prompts_and_prefix_hits_admitted_mid_pipeline() -> None:
+    """Prompts of several chunks (the first runs ahead, the rest synchronously), a shared
+    stem the prefix cache serves, and a pool small enough that admissions evict cached blocks:
+    every request's tokens are those it gets alone."""
+    spec = SPECS["qwen3"]
+    art = ArtifactConfig(model=spec, batch_size=4, max_seq_len=96, block_size=8, num_blocks=40,
+                         prefill_chunk_size=16, decoder_batch_sizes=(1, 2, 4))
+    rng = np.random.default_rng(7)
+    stem = rng.integers(1, 256, size=24).tolist()
+    work = [(stem if i % 2 else []) + rng.integers(1, 256, size=int(rng.integers(3, 40))).tolist()
+            for i in range(16)]
+    params = staggered(len(work), base=5)
+    want = run_alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), prefix_cache=True, overlap=True)
+    assert tokens_of(closed_loop(over, work, params, 4)) == want
+    stats = over.stats()
+    assert stats.overlapped_prefills > 0 and stats.prefix_hits > 0 and stats.evictions > 0
+    assert len(stats.bucket_steps) > 1
+
+
+def test_a_host_cache_admission_runs_its_block_ops_before_its_chunk() -> None:
+    """With a host cache, evicting for an admission saves the blocks to the host (a block op
+    the device thread does not run): the chunk planned ahead is held for the next step, which
+    runs the saves and restores first. Tokens are those of each request alone."""
+    spec = SPECS["llama"]
+    art = ArtifactConfig(model=spec, batch_size=3, max_seq_len=96, block_size=8, num_blocks=20,
+                         prefill_chunk_size=16)
+    rng = np.random.default_rng(12)
+    stems = [rng.integers(1, 256, size=16).tolist() for _ in range(6)]
+    work = [stems[i % 6] + rng.integers(1, 256, size=int(rng.integers(2, 12))).tolist()
+            for i in range(24)]
+    params = staggered(len(work), base=8)
+    want = run_alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), prefix_cache=True, host_cache_bytes=1 << 24,
+                   overlap=True)
+    held = []
+    plan_ahead = over.scheduler.plan_prefill_ahead
+
+    def spy(*args: Any) -> Any:
+        plan = plan_ahead(*args)
+        if plan is not None:
+            held.append(bool(plan.saves or plan.restores or plan.copies))
+        return plan
+
+    over.scheduler.plan_prefill_ahead = spy  # type: ignore[method-assign]
+    assert tokens_of(closed_loop(over, work, params, 3)) == want
+    stats = over.stats()
+    assert stats.evictions > 0 and stats.host_restores > 0
+    assert any(held) and not all(held)  # chunks held for their ops, and chunks that flew
+
+
+def test_sampled_requests_admitted_mid_pipeline_draw_what_synchronous_steps_draw() -> None:
+    """Requests that sample (seeded), with logprobs and penalties, admitted mid-pipeline: the
+    first token is drawn when the chunk lands, the lane joins the decode after; the same closed
+    loop stepped synchronously gives the same tokens and logprobs."""
+    spec = SPECS["llama"]
+    art = artifact(spec, 3, 48, block_size=8, chunk=16, max_seq_len=96)
+    work = short_prompts(10, seed=8)
+    params = [SamplingParams(temperature=0.9, seed=40 + i, max_tokens=6 + (3 * i) % 7,
+                             ignore_eos=True, logprobs=2 if i % 2 else None,
+                             presence_penalty=0.4 if i % 3 == 0 else 0.0)
+              for i in range(len(work))]
+
+    def run(overlap: bool) -> tuple[list[Any], Batcher]:
+        batcher = Batcher(NumpyRuntime.random(art, SEED), overlap=overlap)
+        finals = closed_loop(batcher, work, params, 3)
+        return [(f.completion.token_ids, f.finish_reason,
+                 [None if lp is None else (lp.token_id, lp.logprob, lp.top)
+                  for lp in f.completion.logprobs or ()]) for f in finals], batcher
+
+    want, _ = run(False)
+    got, over = run(True)
+    assert got == want
+    assert over.stats().overlapped_prefills > 0
+
+
+def test_requests_that_end_at_their_first_token_mid_pipeline() -> None:
+    """max_tokens=1, and a stop id equal to the first token: the request ends when its chunk
+    lands, while the other lanes' decode is on the device (it was never in that step); the
+    lanes and blocks it held serve the next admissions."""
+    spec = SPECS["llama"]
+    art = artifact(spec, 3, 48, block_size=8, chunk=16, max_seq_len=96)
+    work = short_prompts(12, seed=17)
+    probe = run_alone(art, work, [greedy(1) for _ in work])
+    params = []
+    for i in range(len(work)):
+        if i % 3 == 1:
+            params.append(greedy(1))
+        elif i % 3 == 2:
+            params.append(greedy(9, stop_token_ids=[probe[i][0][0]]))
+        else:
+            params.append(greedy(7 + i % 5))
+    want = run_alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    assert tokens_of(closed_loop(over, work, params, 3)) == want
+    assert [reason for _, reason in want[1::3]] == ["length"] * 4
+    assert [reason for _, reason in want[2::3]] == ["stop"] * 4
+    stats = over.stats()
+    assert stats.overlapped_prefills > 0 and stats.lane_blocks == 0
+
+
+@pytest.mark.parametrize("when", ["prefill in the air", "decode after it in the air"])
+def test_an_abort_while_the_admitted_chunk_or_the_decode_after_it_runs(when: str) -> None:
+    """The request admitted ahead is aborted while its chunk is on the device (or while the
+    decode after it is): it ends with finish_reason abort, its lane and blocks go back, and
+    every other request's tokens are those it gets alone."""
+    spec = SPECS["llama"]
+    art = artifact(spec, 3, 48, block_size=8, chunk=16, max_seq_len=96)
+    work = short_prompts(10, seed=23)
+    params = staggered(len(work))
+    want = run_alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    aborted: list[str] = []
+    last: list[Any] = [None]  # the flight in the air after the step before
+
+    def between(batcher: Batcher, ids: dict[int, str], step: int) -> None:
+        flight, prefill = batcher._flight, batcher._prefill_flight
+        before, last[0] = last[0], flight
+        if aborted or flight is None or prefill is None:
+            return
+        if when == "prefill in the air":
+            target = flight is prefill
+        else:  # the chunk landed (its first token is out); the decode after it is on the device
+            target = before is prefill and flight is not prefill
+        request_id = prefill.plan.request_id
+        if target and request_id in batcher.scheduler.requests:
+            assert batcher.abort(request_id)
+            aborted.append(request_id)
+
+    finals = closed_loop(over, work, params, 3, between)
+    assert len(aborted) == 1
+    got = tokens_of(finals)
+    for i, final in enumerate(finals):
+        if final.request_id == aborted[0]:
+            assert final.finish_reason == "abort"
+        else:
+            assert got[i] == want[i]
+    stats = over.stats()
+    assert stats.lane_blocks == 0 and stats.staged_blocks == 0
+
+
+class FaultyPrefill(NumpyRuntime):
+    """Prefill call `at` (counting from 1) raises `error`, or (error None) returns NaN logits."""
+
+    at = 0
+    error: Exception | None = None
+    calls = 0
+
+    def prefill(self, inputs: Any, **kw: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.at and self.error is not None:
+            raise self.error
+        logits = super().prefill(inputs, **kw)
+        if self.calls == self.at:
+            logits = np.full_like(np.asarray(logits), np.nan)
+        return logits
+
+
+@pytest.mark.parametrize("fault", ["nan", "error", "transient"])
+def test_a_fault_in_a_chunk_admitted_ahead_ends_only_its_request(fault: str) -> None:
+    """A prefill chunk on the device thread that returns NaN or raises fails its request alone
+    (finish_reason error, its blocks back); a transient fault is retried. The other lanes, whose
+    decode ran after it, and later requests get the tokens they get alone."""
+    from atombatch.errors import TransientDeviceError
+
+    spec = SPECS["llama"]
+    art = artifact(spec, 3, 48, block_size=8, chunk=16, max_seq_len=96)
+    work = short_prompts(9, seed=29)
+    params = staggered(len(work))
+    want = run_alone(art, work, params)
+    runtime = FaultyPrefill.random(art, SEED)
+    runtime.at = 6  # the first three fill the batch synchronously; later ones are admitted ahead
+    runtime.error = {"nan": None, "error": RuntimeError("device hung"),
+                     "transient": TransientDeviceError("link reset")}[fault]
+    over = Batcher(runtime, overlap=True)
+    finals = closed_loop(over, work, params, 3)
+    got = tokens_of(finals)
+    failed = [i for i, f in enumerate(finals) if f.finish_reason == "error"]
+    if fault == "transient":
+        assert got == want and not failed
+    else:
+        assert len(failed) == 1
+        message = finals[failed[0]].error or ""
+        assert ("non-finite" in message) if fault == "nan" else ("device hung" in message)
+        assert [g for i, g in enumerate(got) if i not in failed] == \
+            [w for i, w in enumerate(want) if i not in failed]
+    stats = over.stats()
+    assert stats.overlapped_prefills > 0 and stats.lane_blocks == 0
