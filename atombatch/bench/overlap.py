@@ -59,7 +59,8 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from atombatch.bench import provenance
+from atombatch.bench import admission, provenance
+from atombatch.bench.admission import AdmissionGap
 from atombatch.bench.progress import CellProgress
 from atombatch.bench.sse_client import Stream, http_request, receive
 
@@ -142,6 +143,9 @@ class Report(msgspec.Struct, frozen=True):
     load_after: Load
     cases: list[Case]
     admission: list[Any] | None = None  # --admission-stalls: bench micro's records (MicroRecord)
+    # --admission-stalls: the device's idle time around an admitted chunk, pipeline on and off
+    # (atombatch/bench/admission.py)
+    pipeline_admission: list[AdmissionGap] | None = None
 
 
 MID_WINDOW = (0.25, 0.75)  # shares of a round's tokens between which the front's streaming CPU is read
@@ -665,7 +669,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-server", action="store_true", help="skip the HTTP server cases")
     p.add_argument("--admission-stalls", action="store_true",
                    help="also measure the step that admits one request at a full prefix cache "
-                   "of 1k/10k/30k blocks against a steady step (B4, B16; bench micro's cases)")
+                   "of 1k/10k/30k blocks against a steady step (B4, B16; bench micro's cases), "
+                   "and the device's idle time around that request's chunk, pipeline on and off")
     p.add_argument("--timeout", type=float,
                    help="seconds per round (default: 10 x the ideal round time + 60)")
     p.add_argument("--policy", help="scheduling policy of the engine and the server (default: "
@@ -909,6 +914,10 @@ def format_table(report: Report) -> str:
         lines += ["", "admission stalls (the step admitting one request vs a steady step, "
                   "wall / CPU):", micro.admission_section(
                       SimpleNamespace(records=report.admission))]  # type: ignore[arg-type]
+    if report.pipeline_admission:
+        lines += ["", "admission in the pipeline (device idle around the admitted request's "
+                  f"chunk, each call waiting {report.pipeline_admission[0].step_ms:g} ms; "
+                  "medians):", admission.section(report.pipeline_admission)]
     return "\n".join(lines)
 
 
@@ -988,7 +997,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = run(args, flag, overlap_flag)
     if args.admission_stalls:
-        report = msgspec.structs.replace(report, admission=admission_stalls(max(3, args.repeats)))
+        report = msgspec.structs.replace(report, admission=admission_stalls(max(3, args.repeats)),
+                                         pipeline_admission=admission.run())
     print(format_table(report))
     if args.json:
         Path(args.json).write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")

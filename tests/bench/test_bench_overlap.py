@@ -204,3 +204,12 @@ def test_admission_stalls_measure_every_cache_size_beside_a_steady_step(tmp_path
         assert ("prefix_admit_nocache", lanes, "nocache") in cases
     assert all(r["ns_per_op"] > 0 and r["cpu_ns_per_op"] > 0 for r in report.admission)
     assert "admission stalls" in done.stdout and "| 16 | 30k |" in done.stdout
+    # the pipeline's side: every case on and off, and with it on every admitted chunk was
+    # planned while a decode ran and launched by the device thread (none without it)
+    gaps = report.pipeline_admission
+    assert gaps is not None
+    assert {(g.lanes, g.cached, g.overlap) for g in gaps} == \
+        {(b, c, o) for b in (4, 16) for c in (1_000, 10_000, 30_000) for o in (True, False)}
+    assert all(g.cycles >= 20 and g.ahead == (g.cycles if g.overlap else 0) for g in gaps)
+    assert all(g.before_us > 0 and g.after_us > 0 and g.steady_us > 0 for g in gaps)
+    assert "admission in the pipeline" in done.stdout
