@@ -20,9 +20,16 @@ computes it (the KV of the request's last token, in its own blocks) and the land
 (the lane no longer decodes: ROW_SKIPPED). A lane whose output limit step N reaches gets no row.
 Nothing the host does while a flight is in the air lets the device read what another request
 wrote: blocks a finished or aborted request gives back while its row is in the air are only
-written again by later device calls (device calls run in order); a new lane, a prefill, block
-ops, a grammar or any step that is not a steady decode waits until the pipeline is empty
-(the engine then schedules as usual, one device call per `step()`).
+written again by later device calls (device calls run in order).
+
+A request that arrives while the pipeline runs, with an idle lane for it, is admitted while
+step N is on the device (`Scheduler.plan_prefill_ahead`: only onto a lane no flight in the air
+has a row for, with blocks from the free list or evicted CACHED ones, never by preempting); its
+first prefill chunk is the flight after step N, and the decode of the other lanes the flight
+after the chunk (`Scheduler.plan_after_prefill`: built once step N has landed, from tokens that
+are known); the request joins the decode after that. Later chunks, staging, block ops, a grammar
+or any step that is not one of these waits until the pipeline is empty (the engine then schedules
+as usual, one device call per `step()`).
 
 The thread hand-offs are bare locks (a `threading.Event` or `Condition` costs the critical path
 ~20 us more), and the device thread does everything the critical path needs itself: the engine

@@ -20,6 +20,7 @@ objects cost there) and exposed in the same shape when scraped.
 | atombatch_host_gap_seconds_total, atombatch_host_gaps_total | counter | the host's time between |
 |  |  | two device calls while work was pending, and how many such gaps |
 | atombatch_overlapped_steps_total | counter | decode steps launched straight after the one before |
+| atombatch_overlapped_prefills_total | counter | of those, chunks of requests admitted while a decode ran |
 |  |  | (their inputs built while it ran: `--overlap`) |
 | atombatch_requests_in_flight | gauge | HTTP requests between accept and last byte |
 | atombatch_requests_finished_total | counter | reason = stop, length, abort, error, disconnect |
@@ -108,6 +109,9 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("atombatch_overlapped_steps", "Decode steps launched straight "
                                   "after the step before them, their inputs built while it ran "
                                   "(--overlap).", value=s.overlapped_steps)
+        yield CounterMetricFamily("atombatch_overlapped_prefills", "Of those, prefill chunks of "
+                                  "requests admitted while a decode ran (--overlap).",
+                                  value=s.overlapped_prefills)
 
 
 class _TokenCounter(Collector):
