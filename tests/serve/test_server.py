@@ -34,7 +34,7 @@ from support.serving import (
     wait_idle,
 )
 
-from atombatch import ArtifactConfig, Batcher
+from atombatch import ArtifactConfig, Batcher, SamplingParams
 from atombatch.runtime.numpy_runtime import NumpyRuntime
 from atombatch.serve import create_app
 from atombatch.serve.tokens import HFCodec
@@ -397,6 +397,45 @@ def test_metrics_say_where_the_device_time_went(server: ServerThread) -> None:
     overlapped = after["atombatch_overlapped_steps_total"] - \
         before["atombatch_overlapped_steps_total"]
     assert overlapped == 4
+
+
+def test_a_request_arriving_mid_stream_is_admitted_inside_the_pipeline(
+        server: ServerThread) -> None:
+    """While one stream decodes, a second request arrives with a lane free for it: its prefill
+    chunk is launched by the device thread right after the decode on the device (counted in
+    atombatch_overlapped_prefills_total), and both get the tokens of a synchronous engine."""
+    before = metrics(server.url)
+    first: list[int] = []
+    seen = threading.Event()
+
+    def stream() -> None:
+        body = {"prompt": [5, 6, 7], "max_tokens": 90, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                          timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    first.extend(json.loads(line[6:])["choices"][0]["token_ids"])
+                    if len(first) >= 10:
+                        seen.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert seen.wait(30)
+    reply = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                       json={"prompt": [9, 8, 7, 6], "max_tokens": 8, "temperature": 0,
+                             "ignore_eos": True})
+    reader.join(60)
+    assert reply.status_code == 200
+    alone = Batcher(NumpyRuntime.random(ART, seed=WEIGHT_SEED))
+    want = alone.generate([[5, 6, 7], [9, 8, 7, 6]], [
+        SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (90, 8)])
+    assert first == list(want[0].token_ids)
+    assert ids_of(reply.json()["choices"][0]["text"]) == list(want[1].token_ids)
+    after = wait_idle(server.url)
+    assert after["atombatch_overlapped_prefills_total"] - \
+        before["atombatch_overlapped_prefills_total"] == 1
+    assert_blocks_released(after)
 
 
 class _RecordBodies:
