@@ -952,10 +952,12 @@ class Batcher:
                                                     candidate.gather):
                         candidate.special = self._sampled_rows(candidate.plan)
                         following = candidate
-                elif scheduler.plan_ahead(candidate.plan, running.plan, candidate.gather):
+                    return
+                scheduler.rotate_ahead(running.plan, self.clock())  # a staged request's lane
+                if scheduler.plan_ahead(candidate.plan, running.plan, candidate.gather):
                     candidate.special = self._sampled_rows(candidate.plan)
                     following = candidate
-                elif scheduler.waiting:
+                elif scheduler.waiting or scheduler.staging is not None:
                     plan = scheduler.plan_prefill_ahead(running.plan, self.clock(),
                                                         self._prefills_ahead)
                     if plan is not None and (plan.saves or plan.restores or plan.copies):

@@ -340,15 +340,18 @@ class Scheduler:
             return staging if staging.state is S.STAGING and self._runnable(staging) else None
         head = self._first_ready()
         if head is not None and self._can_stage(head):
-            request = head
-            self.waiting.remove(request)
-            request.set_state(S.STAGING)
-            self.staging = request
-            spare = self.kv.stage(request)
-            self._event("request.staging", request_id=request.request_id, block=spare,
-                        resume=request.prefill_pos)
-            return request
+            self._start_staging(head)
+            return head
         return None
+
+    def _start_staging(self, request: Request) -> None:
+        """The queue's head starts filling the spare (every lane decodes)."""
+        self.waiting.remove(request)
+        request.set_state(S.STAGING)
+        self.staging = request
+        spare = self.kv.stage(request)
+        self._event("request.staging", request_id=request.request_id, block=spare,
+                    resume=request.prefill_pos)
 
     @staticmethod
     def _runnable(request: Request) -> bool:
@@ -503,16 +506,42 @@ class Scheduler:
         self._prefills_since_decode = 0
         return True
 
+    def rotate_ahead(self, running: StepPlan, now: float) -> bool:
+        """A request fully staged into the spare takes an idle lane while `running` is on the
+        device (what `schedule` does first), when no row of `running` is that lane's and a new
+        spare comes from the free list (or an eviction without a host cache: no block op). It
+        decodes from the next step built (`StepKernel.build_ahead`: a lane that joins). Returns
+        whether it moved."""
+        kv = self.kv
+        staging = self.staging
+        if staging is None or staging.state is not S.STAGED or not kv.lanes.num_idle or \
+                kv.has_ops or kv.checkpoints is not None or kv.slots is not None:
+            return False
+        if not self._lane_is_clear(running) or \
+                not (kv.pool.num_spare or kv.pool.num_free or kv.host is None):
+            return False
+        self._step_time = now
+        self._lane_for_staged(staging, now)
+        return True
+
+    def _lane_is_clear(self, running: StepPlan) -> bool:
+        """The lane the next admission takes (the lowest idle one) has no row in `running` (a
+        lane that stopped in the step before keeps a row there)."""
+        lane = self.by_lane.index(None)
+        return lane not in running.inputs.row_lanes[:running.rows].tolist()
+
     def plan_prefill_ahead(self, running: StepPlan, now: float,
                            accept: Callable[[Request], bool]) -> StepPlan | None:
-        """Admit the head of the queue and plan its first prefill chunk while `running` (a decode
-        step built before the last one landed) is on the device, when that is what `schedule`
-        would do next and nothing it does can touch what `running` computes: every busy lane
-        decodes, no staging, no sliding slots, no block op due, the lane it takes has no row in
-        `running` (a lane that stopped in the step before keeps a row there), and the pool holds
-        its whole prefill without preempting anyone (a preempted lane may have a row in the
-        air). Evicting CACHED blocks is safe: no row of `running` writes a cached block, and
-        the prefill's own writes run after `running` (device calls run in order).
+        """Plan the next prefill chunk while `running` (a decode step built before the last one
+        landed) is on the device, when it is what `schedule` would do next and nothing it does
+        can touch what `running` computes: the head of the queue admitted to an idle lane that
+        has no row in `running` (`_lane_is_clear`), or, behind a full batch, staged into the
+        spare (its first chunk, or its next one). Every busy lane decodes, no sliding slots, no
+        block op due, and the pool holds the whole prefill without preempting anyone (a
+        preempted lane may have a row in the air). Evicting CACHED blocks is safe: no row of
+        `running` writes a cached block, and the chunk's own writes run after `running` (device
+        calls run in order); so is staging into the spare, which `running`'s padding rows may
+        write: they too run before the chunk.
 
         `accept(request)`: the engine's own conditions (no prompt logprobs, no grammar). Returns
         the plan (with the block ops it needs, which the engine then runs before the prefill),
@@ -520,29 +549,39 @@ class Scheduler:
         kv = self.kv
         lanes = kv.lanes
         if kv.has_ops or kv.checkpoints is not None or kv.slots is not None or \
-                self.staging is not None or not lanes.num_idle or \
                 lanes.num_busy != lanes.num_decoding():
             return None
-        request = self._first_ready()
-        if request is None or request.importing or request.state is not S.WAITING or \
+        staging = self.staging
+        if lanes.num_idle:  # admission to a lane (a staged request would take it first)
+            request = self._first_ready()
+            if staging is not None or request is None or not self._lane_is_clear(running):
+                return None
+        elif staging is not None:  # its next chunk into the spare and its STAGED blocks
+            request = staging if staging.state is S.STAGING else None
+        else:
+            request = self._first_ready()
+            if request is not None and not self._can_stage(request):
+                return None
+        if request is None or request.importing or \
                 not self._prefill_turn(request, lanes.num_decoding()) or not accept(request):
             return None
-        lane = self.by_lane.index(None)  # the lane `_admit` assigns: the lowest idle one
-        if lane in running.inputs.row_lanes[:running.rows].tolist() or \
-                kv.available() < kv.blocks_for_prefill(request):
-            return None
-        if self.artifact.oversubscribed and kv.available() - kv.committed(self.by_lane) < \
-                kv.blocks_for_prefill(request):
+        if kv.available() < kv.blocks_for_prefill(request) or \
+                (self.artifact.oversubscribed and kv.available() - kv.committed(self.by_lane) <
+                 kv.blocks_for_prefill(request)):
             return None
         self._step_time = now
-        self._admit(now, limit=1)
-        if request.lane != lane:
-            raise StateError(f"admitting ahead gave {request.request_id} lane {request.lane}, "
-                             f"not the idle lane {lane} it checked")
+        if lanes.num_idle:
+            lane = self.by_lane.index(None)
+            self._admit(now, limit=1)
+            if request.lane != lane:
+                raise StateError(f"admitting ahead gave {request.request_id} lane "
+                                 f"{request.lane}, not the idle lane {lane} it checked")
+        elif staging is None:
+            self._start_staging(request)
         plan = self._plan_prefill(request)
         if plan is None:
-            raise StateError(f"{request.request_id}'s first chunk could not be planned ahead "
-                             f"although the pool held its prefill")
+            raise StateError(f"{request.request_id}'s chunk could not be planned ahead although "
+                             f"the pool held its prefill")
         if kv.has_ops:
             kv.take_ops(plan)
         return plan
@@ -560,10 +599,14 @@ class Scheduler:
         lanes = kv.lanes
         request = self.requests.get(prefill.request_id)
         if kv.has_ops or kv.checkpoints is not None or not prefill.last_chunk or \
-                request is None or request.state is not S.PREFILLING or \
-                lanes.num_busy != lanes.num_decoding() + 1 or not lanes.num_decoding() or \
-                not self._only_decode():
+                request is None or not lanes.num_decoding():
             return False
+        if request.state is S.PREFILLING:  # its lane is the one busy lane that does not decode
+            if lanes.num_busy != lanes.num_decoding() + 1 or not self._only_decode():
+                return False
+        elif request is not self.staging or request.state is not S.STAGING or \
+                lanes.num_busy != lanes.num_decoding() or lanes.num_idle:
+            return False  # (once staged, it waits for a lane while the others decode)
         kernel = kv.kernel
         if kernel.grow(0):
             return False  # blocks taken for some lanes stay theirs: the next step needs them

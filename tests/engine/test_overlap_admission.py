@@ -289,3 +289,108 @@ def test_a_fault_in_a_chunk_admitted_ahead_ends_only_its_request(fault: str) -> 
             [w for i, w in enumerate(want) if i not in failed]
     stats = over.stats()
     assert stats.overlapped_prefills > 0 and stats.lane_blocks == 0
+
+
+def count_ahead(batcher: Batcher) -> dict[str, int]:
+    """Counts of what the scheduler did while a decode was on the device: rotations of a staged
+    request into a lane, chunks planned into a lane and into the spare (staging)."""
+    counts = {"rotated": 0, "lane": 0, "staged": 0}
+    scheduler = batcher.scheduler
+    rotate, plan_prefill = scheduler.rotate_ahead, scheduler.plan_prefill_ahead
+
+    def rotate_ahead(*args: Any) -> bool:
+        moved = rotate(*args)
+        counts["rotated"] += moved
+        return moved
+
+    def plan_prefill_ahead(*args: Any) -> Any:
+        plan = plan_prefill(*args)
+        if plan is not None:
+            counts["staged" if plan.staged else "lane"] += 1
+        return plan
+
+    scheduler.rotate_ahead = rotate_ahead  # type: ignore[method-assign]
+    scheduler.plan_prefill_ahead = plan_prefill_ahead  # type: ignore[method-assign]
+    return counts
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_queue_behind_a_full_batch_stages_and_rotates_inside_the_pipeline(
+        family: str, core: str) -> None:
+    """More requests in flight than lanes: the queue's head is staged into the spare by chunks
+    the device thread runs after a decode, and takes a lane that frees while a decode is on the
+    device (it joins the step after). Tokens are those of each request alone."""
+    spec = SPECS[family]
+    art = artifact(spec, 3, 48, block_size=8, chunk=16, max_seq_len=96)
+    work = short_prompts(16, seed=3)
+    params = staggered(len(work))
+    want = run_alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    counts = count_ahead(over)
+    assert tokens_of(closed_loop(over, work, params, 6)) == want
+    stats = over.stats()
+    assert counts["staged"] >= 5 and counts["rotated"] >= 5
+    assert stats.overlapped_prefills >= counts["staged"]
+    assert stats.lane_blocks == 0 and stats.staged_blocks == 0
+
+
+def test_staging_with_prefix_hits_and_evictions_inside_the_pipeline() -> None:
+    """Staging reads the prefix cache (shared stems) at a pool small enough to evict, with
+    buckets (padding rows): staged chunks whose hits need copies or restores wait for the next
+    step; the others fly. Tokens are those of each request alone."""
+    spec = SPECS["qwen3"]
+    art = ArtifactConfig(model=spec, batch_size=3, max_seq_len=96, block_size=8, num_blocks=40,
+                         prefill_chunk_size=16, decoder_batch_sizes=(1, 2, 3))
+    rng = np.random.default_rng(5)
+    stems = [rng.integers(1, 256, size=16).tolist() for _ in range(3)]
+    work = [stems[i % 3] + rng.integers(1, 256, size=int(rng.integers(2, 8))).tolist()
+            for i in range(30)]
+    params = staggered(len(work), base=4)
+    want = run_alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), prefix_cache=True, overlap=True)
+    counts = count_ahead(over)
+    assert tokens_of(closed_loop(over, work, params, 5)) == want
+    stats = over.stats()
+    assert counts["staged"] > 0 and counts["rotated"] > 0
+    assert stats.prefix_hits > 0 and stats.evictions > 0 and stats.staged_chunks > 0
+    assert stats.lane_blocks == 0 and stats.staged_blocks == 0
+
+
+def test_aborting_the_staged_request_inside_the_pipeline() -> None:
+    """The request being staged is aborted while its chunk is on the device, and another one
+    right after it took a lane ahead: their blocks (the spare among them) go back, a new spare
+    is kept, and every other request's tokens are those it gets alone."""
+    spec = SPECS["llama"]
+    art = artifact(spec, 3, 48, block_size=8, chunk=16, max_seq_len=96)
+    work = short_prompts(16, seed=13)
+    params = staggered(len(work))
+    want = run_alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    counts = count_ahead(over)
+    aborted: list[str] = []
+    rotated = [0]
+
+    def between(batcher: Batcher, ids: dict[int, str], step: int) -> None:
+        flight, prefill = batcher._flight, batcher._prefill_flight
+        staging = batcher.scheduler.staging
+        if not aborted and flight is not None and flight is prefill and \
+                prefill.plan.staged and staging is not None:
+            assert batcher.abort(staging.request_id)
+            aborted.append(staging.request_id)
+        elif len(aborted) == 1 and counts["rotated"] > rotated[0] and flight is not None:
+            newest = max((r for r in batcher.scheduler.by_lane if r is not None),
+                         key=lambda r: r.admit_order)
+            assert batcher.abort(newest.request_id)
+            aborted.append(newest.request_id)
+        rotated[0] = counts["rotated"]
+
+    finals = closed_loop(over, work, params, 6, between)
+    assert len(aborted) == 2
+    got = tokens_of(finals)
+    for i, final in enumerate(finals):
+        if final.request_id in aborted:
+            assert final.finish_reason == "abort"
+        else:
+            assert got[i] == want[i]
+    stats = over.stats()
+    assert stats.lane_blocks == 0 and stats.staged_blocks == 0 and stats.spare_blocks == 1
