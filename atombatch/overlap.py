@@ -27,7 +27,9 @@ step N is on the device (`Scheduler.plan_prefill_ahead`: only onto a lane no fli
 has a row for, with blocks from the free list or evicted CACHED ones, never by preempting); its
 first prefill chunk is the flight after step N, and the decode of the other lanes the flight
 after the chunk (`Scheduler.plan_after_prefill`: built once step N has landed, from tokens that
-are known); the request joins the decode after that. Later chunks, staging, block ops, a grammar
+are known); the request joins the decode after that. Behind a full batch the queue's head is
+staged into the spare the same way, and a request fully staged takes a lane that freed
+(`Scheduler.rotate_ahead`) and joins the next step built. Later chunks, block ops, a grammar
 or any step that is not one of these waits until the pipeline is empty (the engine then schedules
 as usual, one device call per `step()`).
 
