@@ -268,7 +268,7 @@ class Batcher:
         self._dropped: Flight | None = None            # lands unreported (see `_land_flight`)
         self._overlapped = 0                           # flights launched after a flight
         self._overlapped_prefills = 0                  # of which prefill chunks planned ahead
-        self._prefill_flight: Flight | None = None     # the pipeline's prefill (`_decide`)
+        self._prefill_flights: list[Flight] = []       # the pipeline's chunks (`_decide`)
         self._held: StepPlan | None = None             # planned ahead, runs at the next step
         # n > 1 without a prefix cache: choices 1..n-1 start from a device copy of choice 0's
         # prompt KV (see `_release_held`); hybrid models also need the runtime's `copy_slot`
@@ -918,7 +918,8 @@ class Batcher:
             self._device_thread = DeviceThread(self._decode_call, self._argmax,
                                                self.spec.vocab_size, self._draw,
                                                self._prefill_call)
-            self._prefill_flight = Flight(-1, plan, artifact.batch_size, prefill=True)
+            self._prefill_flights = [Flight(-1, plan, artifact.batch_size, prefill=True)
+                                     for _ in range(2)]
             weakref.finalize(self, self._device_thread.stop)  # the thread ends with the engine
         flight = self._flights[0]
         if flight.plan is not plan:
@@ -952,24 +953,32 @@ class Batcher:
                                                     candidate.gather):
                         candidate.special = self._sampled_rows(candidate.plan)
                         following = candidate
-                    return
-                scheduler.rotate_ahead(running.plan, self.clock())  # a staged request's lane
-                if scheduler.plan_ahead(candidate.plan, running.plan, candidate.gather):
-                    candidate.special = self._sampled_rows(candidate.plan)
-                    following = candidate
-                elif scheduler.waiting or scheduler.staging is not None:
-                    plan = scheduler.plan_prefill_ahead(running.plan, self.clock(),
-                                                        self._prefills_ahead)
-                    if plan is not None and (plan.saves or plan.restores or plan.copies):
-                        self._held = plan
-                    elif plan is not None:
-                        assert self._prefill_flight is not None
-                        self._prefill_flight.plan = plan
-                        self._prefill_flight.index = running.index
-                        following = self._prefill_flight
+                else:
+                    scheduler.rotate_ahead(running.plan, self.clock())  # a staged request's lane
+                    if scheduler.plan_ahead(candidate.plan, running.plan, candidate.gather):
+                        candidate.special = self._sampled_rows(candidate.plan)
+                        following = candidate
+                if following is None and (scheduler.waiting or scheduler.staging is not None):
+                    following = self._chunk_ahead(running)
         finally:  # exactly once per flight, even when building failed: the thread waits for it
             assert self._device_thread is not None
             self._device_thread.decide(following)
+
+    def _chunk_ahead(self, running: Flight) -> Flight | None:
+        """The next prefill chunk, planned while `running` is on the device, as a flight (the
+        prefill flight `running` is not); None when there is none, or when its block ops are due
+        (then it is held for the next `step()`)."""
+        plan = self.scheduler.plan_prefill_ahead(running.plan, self.clock(), self._prefills_ahead)
+        if plan is None:
+            return None
+        if plan.saves or plan.restores or plan.copies:
+            self._held = plan
+            return None
+        flights = self._prefill_flights
+        flight = flights[1] if running is flights[0] else flights[0]
+        flight.plan = plan
+        flight.index = running.index  # the decode before the chunks (landed once they land)
+        return flight
 
     def _prefills_ahead(self, request: Request) -> bool:
         """Whether `request`'s prefill may be planned while a decode runs: not when its chunks

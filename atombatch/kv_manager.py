@@ -63,6 +63,7 @@ class KVManager:
         self.decode_inputs = core.DecodeInputs(artifact.batch_size, bps,
                                                artifact.decoder_batch_sizes)
         self.prefill_inputs = core.PrefillInputs(artifact.prefill_chunk_size, bps)
+        self._other_prefill_inputs: Any = None  # a second buffer, for chunks planned back to back
         self.kernel = core.StepKernel(self.pool, self.lanes, self.decode_inputs, self.slots)
         self.single_block = artifact.single_block
         self.spare = -1 if self.single_block else self.pool.reserve_spare()
@@ -322,6 +323,15 @@ class KVManager:
         if self.pool.num_spare:
             return self.spare
         return self.pool.first_free()
+
+    def swap_prefill_inputs(self) -> None:
+        """Build the next chunk into the other prefill buffer (the current one is on the device:
+        the pipeline plans a chunk while the one before it runs)."""
+        if self._other_prefill_inputs is None:
+            self._other_prefill_inputs = core.PrefillInputs(self.artifact.prefill_chunk_size,
+                                                            self.artifact.blocks_per_seq)
+        self.prefill_inputs, self._other_prefill_inputs = \
+            self._other_prefill_inputs, self.prefill_inputs
 
     def build_decode(self) -> int:
         """The decode inputs of every decoding lane, in place; returns the rows that decode."""

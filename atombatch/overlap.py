@@ -25,9 +25,10 @@ written again by later device calls (device calls run in order).
 A request that arrives while the pipeline runs, with an idle lane for it, is admitted while
 step N is on the device (`Scheduler.plan_prefill_ahead`: only onto a lane no flight in the air
 has a row for, with blocks from the free list or evicted CACHED ones, never by preempting); its
-first prefill chunk is the flight after step N, and the decode of the other lanes the flight
-after the chunk (`Scheduler.plan_after_prefill`: built once step N has landed, from tokens that
-are known); the request joins the decode after that. Behind a full batch the queue's head is
+first prefill chunk is the flight after step N (the next arrival's chunk may follow it, planned
+while it runs), and the decode of the other lanes the flight after the last chunk
+(`Scheduler.plan_after_prefill`: built once step N has landed, from tokens that are known);
+the requests join the decode after that. Behind a full batch the queue's head is
 staged into the spare the same way, and a request fully staged takes a lane that freed
 (`Scheduler.rotate_ahead`) and joins the next step built. Later chunks, block ops, a grammar
 or any step that is not one of these waits until the pipeline is empty (the engine then schedules

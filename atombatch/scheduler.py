@@ -527,6 +527,8 @@ class Scheduler:
     def _lane_is_clear(self, running: StepPlan) -> bool:
         """The lane the next admission takes (the lowest idle one) has no row in `running` (a
         lane that stopped in the step before keeps a row there)."""
+        if running.kind != "decode":
+            return True  # a chunk: no row of any lane is in the air
         lane = self.by_lane.index(None)
         return lane not in running.inputs.row_lanes[:running.rows].tolist()
 
@@ -548,8 +550,13 @@ class Scheduler:
         or None, changing nothing."""
         kv = self.kv
         lanes = kv.lanes
+        # `running` may itself be a chunk planned ahead (every decode before it has landed):
+        # its lane is the one busy lane that may not decode; its next chunk waits for it
+        in_air = self.requests.get(running.request_id) if running.kind == "prefill" else None
+        prefilling = in_air is not None and in_air.state is S.PREFILLING and in_air.lane >= 0
         if kv.has_ops or kv.checkpoints is not None or kv.slots is not None or \
-                lanes.num_busy != lanes.num_decoding():
+                lanes.num_busy != lanes.num_decoding() + prefilling or \
+                (in_air is not None and not running.last_chunk):  # its own next chunk is first
             return None
         staging = self.staging
         if lanes.num_idle:  # admission to a lane (a staged request would take it first)
@@ -557,7 +564,7 @@ class Scheduler:
             if staging is not None or request is None or not self._lane_is_clear(running):
                 return None
         elif staging is not None:  # its next chunk into the spare and its STAGED blocks
-            request = staging if staging.state is S.STAGING else None
+            request = staging if staging.state is S.STAGING and staging is not in_air else None
         else:
             request = self._first_ready()
             if request is not None and not self._can_stage(request):
@@ -578,6 +585,8 @@ class Scheduler:
                                  f"{request.lane}, not the idle lane {lane} it checked")
         elif staging is None:
             self._start_staging(request)
+        if running.kind == "prefill":  # its inputs are on the device: build into the other buffer
+            kv.swap_prefill_inputs()
         plan = self._plan_prefill(request)
         if plan is None:
             raise StateError(f"{request.request_id}'s chunk could not be planned ahead although "

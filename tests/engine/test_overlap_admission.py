@@ -217,16 +217,19 @@ def test_an_abort_while_the_admitted_chunk_or_the_decode_after_it_runs(when: str
     last: list[Any] = [None]  # the flight in the air after the step before
 
     def between(batcher: Batcher, ids: dict[int, str], step: int) -> None:
-        flight, prefill = batcher._flight, batcher._prefill_flight
+        flight = batcher._flight
         before, last[0] = last[0], flight
-        if aborted or flight is None or prefill is None:
+        if aborted or flight is None:
             return
         if when == "prefill in the air":
-            target = flight is prefill
+            chunk = flight if flight.prefill else None
         else:  # the chunk landed (its first token is out); the decode after it is on the device
-            target = before is prefill and flight is not prefill
-        request_id = prefill.plan.request_id
-        if target and request_id in batcher.scheduler.requests:
+            chunk = before if before is not None and before.prefill and not flight.prefill \
+                else None
+        if chunk is None:
+            return
+        request_id = chunk.plan.request_id
+        if request_id in batcher.scheduler.requests:
             assert batcher.abort(request_id)
             aborted.append(request_id)
 
@@ -371,10 +374,10 @@ def test_aborting_the_staged_request_inside_the_pipeline() -> None:
     rotated = [0]
 
     def between(batcher: Batcher, ids: dict[int, str], step: int) -> None:
-        flight, prefill = batcher._flight, batcher._prefill_flight
+        flight = batcher._flight
         staging = batcher.scheduler.staging
-        if not aborted and flight is not None and flight is prefill and \
-                prefill.plan.staged and staging is not None:
+        if not aborted and flight is not None and flight.prefill and flight.plan.staged and \
+                staging is not None:
             assert batcher.abort(staging.request_id)
             aborted.append(staging.request_id)
         elif len(aborted) == 1 and counts["rotated"] > rotated[0] and flight is not None:
@@ -394,3 +397,32 @@ def test_aborting_the_staged_request_inside_the_pipeline() -> None:
             assert got[i] == want[i]
     stats = over.stats()
     assert stats.lane_blocks == 0 and stats.staged_blocks == 0 and stats.spare_blocks == 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_burst_of_arrivals_is_admitted_chunk_after_chunk_inside_the_pipeline(
+        family: str, core: str) -> None:
+    """Lanes that end in the same step free together and the client sends that many requests
+    at once: the first chunk is planned while a decode runs, each next one while the chunk
+    before it runs (two prefill buffers in turn), then the lanes' decode; every request's tokens
+    are those it gets alone."""
+    spec = SPECS[family]
+    art = artifact(spec, 4, 64, block_size=8, chunk=16, max_seq_len=96)
+    work = short_prompts(24, seed=41)
+    # one long request decodes on while the short ones of each wave end together
+    params = [greedy(60 if i == 0 else 9) for i in range(len(work))]
+    want = run_alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    chained = [0]
+    plan_prefill = over.scheduler.plan_prefill_ahead
+
+    def spy(running: Any, *args: Any) -> Any:
+        plan = plan_prefill(running, *args)
+        chained[0] += plan is not None and running.kind == "prefill"
+        return plan
+
+    over.scheduler.plan_prefill_ahead = spy  # type: ignore[method-assign]
+    assert tokens_of(closed_loop(over, work, params, 4)) == want
+    stats = over.stats()
+    assert chained[0] >= 6 and stats.overlapped_prefills >= chained[0]
+    assert stats.lane_blocks == 0 and stats.staged_blocks == 0
