@@ -494,10 +494,17 @@ class Scheduler:
         if kv.has_ops or not lanes.num_busy or lanes.num_busy != lanes.num_decoding() or \
                 kv.checkpoints is not None or not self._only_decode():
             return False
+        return self._build_ahead(plan, running.inputs, running.rows, gather)
+
+    def _build_ahead(self, plan: StepPlan, previous: Any, previous_rows: int,
+                     gather: Any) -> bool:
+        """Grow the decoding lanes from the free list (a step on the device: one position
+        further, unless `previous_rows` is 0) and build the step into `plan`."""
+        kv = self.kv
         kernel = kv.kernel
-        if kernel.grow(1):
+        if kernel.grow(1 if previous_rows else 0):
             return False  # blocks taken for some lanes stay theirs: the next step needs them
-        rows = kernel.build_ahead(plan.inputs, running.inputs, running.rows, gather,
+        rows = kernel.build_ahead(plan.inputs, previous, previous_rows, gather,
                                   kv.padding_block_ahead())
         if rows <= 0:
             return False
@@ -616,16 +623,7 @@ class Scheduler:
         elif request is not self.staging or request.state is not S.STAGING or \
                 lanes.num_busy != lanes.num_decoding() or lanes.num_idle:
             return False  # (once staged, it waits for a lane while the others decode)
-        kernel = kv.kernel
-        if kernel.grow(0):
-            return False  # blocks taken for some lanes stay theirs: the next step needs them
-        rows = kernel.build_ahead(plan.inputs, landed, 0, gather, kv.padding_block_ahead())
-        if rows <= 0:
-            return False
-        plan.rows = rows
-        self._decodes_since_prefill += 1
-        self._prefills_since_decode = 0
-        return True
+        return self._build_ahead(plan, landed, 0, gather)
 
     def _only_decode(self) -> bool:
         """`schedule` would decode the busy lanes and admit, stage or prefill nothing: no queue,

@@ -75,6 +75,14 @@ def short_prompts(count: int, seed: int, longest: int = 16) -> list[list[int]]:
     return [p[:longest - i % 5] for i, p in enumerate(prompts(count, seed=seed))]
 
 
+def stem_prompts(seed: int, stems: int, count: int, longest_tail: int) -> list[list[int]]:
+    """`count` prompts, each one of `stems` shared 16-token stems and a tail of its own."""
+    rng = np.random.default_rng(seed)
+    heads = [rng.integers(1, 256, size=16).tolist() for _ in range(stems)]
+    return [heads[i % stems] + rng.integers(1, 256, size=int(rng.integers(2, longest_tail)))
+            .tolist() for i in range(count)]
+
+
 def staggered(count: int, base: int = 6) -> list[SamplingParams]:
     """Output limits that end the lanes at different steps (one lane frees at a time)."""
     return [greedy(base + (5 * i) % 13) for i in range(count)]
@@ -128,10 +136,7 @@ def test_a_host_cache_admission_runs_its_block_ops_before_its_chunk() -> None:
     spec = SPECS["llama"]
     art = ArtifactConfig(model=spec, batch_size=3, max_seq_len=96, block_size=8, num_blocks=20,
                          prefill_chunk_size=16)
-    rng = np.random.default_rng(12)
-    stems = [rng.integers(1, 256, size=16).tolist() for _ in range(6)]
-    work = [stems[i % 6] + rng.integers(1, 256, size=int(rng.integers(2, 12))).tolist()
-            for i in range(24)]
+    work = stem_prompts(12, stems=6, count=24, longest_tail=12)
     params = staggered(len(work), base=8)
     want = run_alone(art, work, params)
     over = Batcher(NumpyRuntime.random(art, SEED), prefix_cache=True, host_cache_bytes=1 << 24,
@@ -344,10 +349,7 @@ def test_staging_with_prefix_hits_and_evictions_inside_the_pipeline() -> None:
     spec = SPECS["qwen3"]
     art = ArtifactConfig(model=spec, batch_size=3, max_seq_len=96, block_size=8, num_blocks=40,
                          prefill_chunk_size=16, decoder_batch_sizes=(1, 2, 3))
-    rng = np.random.default_rng(5)
-    stems = [rng.integers(1, 256, size=16).tolist() for _ in range(3)]
-    work = [stems[i % 3] + rng.integers(1, 256, size=int(rng.integers(2, 8))).tolist()
-            for i in range(30)]
+    work = stem_prompts(5, stems=3, count=30, longest_tail=8)
     params = staggered(len(work), base=4)
     want = run_alone(art, work, params)
     over = Batcher(NumpyRuntime.random(art, SEED), prefix_cache=True, overlap=True)
