@@ -270,6 +270,7 @@ class Batcher:
         self._overlapped_prefills = 0                  # of which prefill chunks planned ahead
         self._prefill_flights: list[Flight] = []       # the pipeline's chunks (`_decide`)
         self._held: StepPlan | None = None             # planned ahead, runs at the next step
+        self._held_for: Request | None = None          # the request it was planned for
         # n > 1 without a prefix cache: choices 1..n-1 start from a device copy of choice 0's
         # prompt KV (see `_release_held`); hybrid models also need the runtime's `copy_slot`
         needed = ("_fetch_kv_cache", "_update_kv_cache") if self.spec.is_hybrid else ()
@@ -617,7 +618,10 @@ class Batcher:
             self._release_held(outputs, fork=True)
         if self._kv:
             self._poll_kv(outputs)
+        # a chunk held for its block ops runs for the request it was planned for (one aborted
+        # meanwhile may have its id taken by a new request already)
         plan, self._held = self._held, None
+        owner, self._held_for = self._held_for, None
         if plan is None:
             plan = self.scheduler.schedule(self.clock())
         self.idle = plan is None
@@ -626,9 +630,9 @@ class Batcher:
             self._flush_events()
             return outputs
         if plan.saves or plan.restores or plan.copies or plan.slot_saves or plan.slot_restores:
-            self._run_block_ops(plan, outputs)
+            self._run_block_ops(plan, outputs, owner)
         if plan.kind == "prefill":
-            self._run_prefill(plan, outputs)
+            self._run_prefill(plan, outputs, owner)
         elif plan.kind == "import":
             self._run_import(plan, outputs)
         else:
@@ -704,11 +708,13 @@ class Batcher:
         if not group.held:
             group.first_row = None
 
-    def _run_block_ops(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
+    def _run_block_ops(self, plan: StepPlan, outputs: list[RequestOutput],
+                       owner: Request | None = None) -> None:
         """Cache-management KV moves the plan needs before its device call, in a safe order:
         evicted blocks to the host first, then host restores, then device copies. A failed
-        restore or copy fails the request it was for (its KV would be garbage); a failed save
-        only loses that host copy."""
+        restore or copy fails the request it was for (its KV would be garbage; with `owner`,
+        the request a held plan was made for, only that one); a failed save only loses that
+        host copy."""
         runtime = self.runtime
         for entry in plan.saves:
             assert self.host_cache is not None
@@ -734,14 +740,15 @@ class Batcher:
                                               f"{exc}")
         for request_id, message in failed.items():
             request = self.scheduler.requests.get(request_id)
-            if request is not None:
+            if request is not None and (owner is None or request is owner):
                 self._fail(request, message, outputs)
 
-    def _run_prefill(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
+    def _run_prefill(self, plan: StepPlan, outputs: list[RequestOutput],
+                     owner: Request | None = None) -> None:
         scheduler = self.scheduler
         request = scheduler.requests.get(plan.request_id)
-        if request is None:  # failed by this plan's block ops: nothing to compute for it
-            return
+        if request is None or (owner is not None and request is not owner):
+            return  # failed by this plan's block ops (held: or aborted): nothing to compute
         try:
             collector = self._outputs.prompt_collector(request)
             if self._grammars is not None and plan.last_chunk and not request.recomputing:
@@ -971,12 +978,13 @@ class Batcher:
         plan = self.scheduler.plan_prefill_ahead(running.plan, self.clock(), self._prefills_ahead)
         if plan is None:
             return None
+        owner = self.scheduler.requests[plan.request_id]
         if plan.saves or plan.restores or plan.copies:
-            self._held = plan
+            self._held, self._held_for = plan, owner
             return None
         flights = self._prefill_flights
         flight = flights[1] if running is flights[0] else flights[0]
-        flight.plan = plan
+        flight.plan, flight.owner = plan, owner
         flight.index = running.index  # the decode before the chunks (landed once they land)
         return flight
 
@@ -1027,15 +1035,17 @@ class Batcher:
     def _land_prefill(self, flight: Flight, outputs: list[RequestOutput]) -> None:
         """A prefill flight's chunk, completed as `_run_prefill` completes one (the logits are
         still the runtime's: nothing ran after it)."""
-        plan, logits = flight.plan, flight.logits
-        flight.logits = None
+        plan, logits, owner = flight.plan, flight.logits, flight.owner
+        flight.logits = flight.owner = None
         if flight is self._dropped:  # its request prefills that chunk again
             self._dropped = None
             return
         if flight.error is not None and not isinstance(flight.error, Exception):
             raise flight.error
         request = self.scheduler.requests.get(plan.request_id)
-        if request is None:  # aborted while its chunk ran
+        if request is not owner:  # aborted while its chunk ran (its id may be a new request's)
+            request = None
+        if request is None:
             self.scheduler.complete_prefill(plan, None, self.clock())
             return
         if flight.error is not None:

@@ -83,6 +83,7 @@ class Flight:
         self.special: list[Any] = []
         self.drawn: tuple[Any, list[Any]] | None = None
         self.logits: Any = None           # the call's logits, until its rows are drawn
+        self.owner: Any = None            # a prefill flight's request (the one it was planned for)
 
 
 class DeviceThread:
