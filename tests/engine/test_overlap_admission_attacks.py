@@ -58,6 +58,32 @@ def test_soak_closed_loop_tokens_match_requests_alone(seed: int, batch: int, blo
     assert stats.lane_blocks == 0 and stats.staged_blocks == 0
 
 
+def loop_through(over: Batcher, work: list[list[int]], params: list[SamplingParams],
+                 first: int, error: type[BaseException]) -> tuple[list[Any], int]:
+    """A closed loop (`first` requests at once, a new one per finished one) whose steps may
+    raise `error`: the final outputs in request order, and how many steps raised."""
+    ids = [over.submit(p, sp) for p, sp in zip(work[:first], params[:first], strict=True)]
+    queue = list(range(first, len(work)))
+    finals: dict[str, Any] = {}
+    raised = 0
+    for _ in range(1000):
+        try:
+            outs = over.step()
+        except error:
+            raised += 1
+            outs = []
+        for out in outs:
+            if out.finished:
+                finals[out.request_id] = out
+                if queue:
+                    i = queue.pop(0)
+                    ids.append(over.submit(work[i], params[i]))
+        over.check_invariants()
+        if not over.has_unfinished() and not queue:
+            break
+    return [finals[i] for i in ids], raised
+
+
 def _sampled(max_tokens: int, seed: int) -> SamplingParams:
     return SamplingParams(temperature=0.9, seed=seed, max_tokens=max_tokens, ignore_eos=True)
 
@@ -174,28 +200,10 @@ def test_a_base_exception_from_a_chunk_ahead_leaves_step_and_the_engine_goes_on(
     runtime = InterruptedAhead.random(art, SEED)
     runtime.error = error
     over = Batcher(runtime, overlap=True)
-    first = 3 + queued  # one queued behind the full batch: its chunks are staged ahead
-    ids = [over.submit(p, sp) for p, sp in zip(work[:first], params[:first], strict=True)]
-    queue = list(range(first, len(work)))
-    finals: dict[str, Any] = {}
-    raised = 0
-    for _ in range(1000):
-        try:
-            outs = over.step()
-        except type(error):
-            raised += 1
-            outs = []
-        for out in outs:
-            if out.finished:
-                finals[out.request_id] = out
-                if queue:
-                    i = queue.pop(0)
-                    ids.append(over.submit(work[i], params[i]))
-        over.check_invariants()
-        if not over.has_unfinished() and not queue:
-            break
+    # one queued behind the full batch: its chunks are staged ahead
+    finals, raised = loop_through(over, work, params, 3 + queued, type(error))
     assert raised == 1 and runtime.fired == 1
-    assert tokens_of([finals[i] for i in ids]) == want
+    assert tokens_of(finals) == want
     stats = over.stats()
     assert stats.lane_blocks == 0 and stats.overlapped_prefills > 0
 
@@ -527,26 +535,8 @@ def test_an_interrupt_landing_the_decode_before_an_admitted_chunk_drops_the_chun
         land(flight, outputs)
 
     over._land = interrupted  # type: ignore[method-assign]
-    first = 3 + queued  # queued behind the full batch: its chunks are staged ahead
-    ids = [over.submit(p, sp) for p, sp in zip(work[:first], params[:first], strict=True)]
-    queue = list(range(first, len(work)))
-    finals: dict[str, Any] = {}
-    raised = 0
-    for _ in range(1000):
-        try:
-            outs = over.step()
-        except KeyboardInterrupt:
-            raised += 1
-            outs = []
-        for out in outs:
-            if out.finished:
-                finals[out.request_id] = out
-                if queue:
-                    i = queue.pop(0)
-                    ids.append(over.submit(work[i], params[i]))
-        over.check_invariants()
-        if not over.has_unfinished() and not queue:
-            break
+    # queued behind the full batch: its chunks are staged ahead
+    finals, raised = loop_through(over, work, params, 3 + queued, KeyboardInterrupt)
     assert raised == 1 and fired
-    assert tokens_of([finals[i] for i in ids]) == want
+    assert tokens_of(finals) == want
     assert over.stats().lane_blocks == 0
