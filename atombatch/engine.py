@@ -961,7 +961,8 @@ class Batcher:
                         candidate.special = self._sampled_rows(candidate.plan)
                         following = candidate
                 else:
-                    scheduler.rotate_ahead(running.plan, self.clock())  # a staged request's lane
+                    if scheduler.staging is not None:  # a staged request takes a freed lane
+                        scheduler.rotate_ahead(running.plan, self.clock())
                     if scheduler.plan_ahead(candidate.plan, running.plan, candidate.gather):
                         candidate.special = self._sampled_rows(candidate.plan)
                         following = candidate
@@ -1043,10 +1044,8 @@ class Batcher:
         if flight.error is not None and not isinstance(flight.error, Exception):
             raise flight.error
         request = self.scheduler.requests.get(plan.request_id)
-        if request is not owner:  # aborted while its chunk ran (its id may be a new request's)
-            request = None
-        if request is None:
-            self.scheduler.complete_prefill(plan, None, self.clock())
+        if request is None or request is not owner:  # aborted while its chunk ran (its id may
+            self.scheduler.chunk_ran(plan)           # be a new request's, even admitted)
             return
         if flight.error is not None:
             self._fail(request, f"prefill failed: {flight.error}", outputs)

@@ -655,9 +655,7 @@ class Scheduler:
         Returns the requests that produced output (a first token, or a finish).
         """
         request = self.requests.get(plan.request_id)
-        self._record("prefill", 1, plan.request_id)
-        self.counters.prefill_chunks += 1
-        self.counters.staged_chunks += plan.staged
+        self.chunk_ran(plan)
         if request is None or request.state not in (S.PREFILLING, S.STAGING):
             return []  # aborted while the chunk ran
         request.prefill_pos = plan.chunk_start + plan.chunk_len
@@ -673,6 +671,13 @@ class Scheduler:
         if token is None:
             raise StateError(f"last prefill chunk of {request.request_id} needs a sampled token")
         return self._first_token(request, token, now)
+
+    def chunk_ran(self, plan: StepPlan) -> None:
+        """Count a prefill chunk that ran (`complete_prefill` does; alone, for a chunk whose
+        request ended while it ran: its id may be a new request's by then)."""
+        self._record("prefill", 1, plan.request_id)
+        self.counters.prefill_chunks += 1
+        self.counters.staged_chunks += plan.staged
 
     def _first_token(self, request: Request, token: int, now: float) -> list[Request]:
         self._append_token(request, token, now)

@@ -108,7 +108,12 @@ def _reuse_after_abort(over: Batcher, work: list[list[int]], params: list[Sampli
                     over.submit(work[i], params[i], request_id=f"r{i}")
         over.check_invariants()
         if not reused and target(over):
-            plan = over._held if over._held is not None else over._flight.plan  # type: ignore[union-attr]
+            if over._held is not None:
+                plan = over._held
+            elif over._flight is not None and over._flight.prefill:
+                plan = over._flight.plan
+            else:  # decided: the chunk the device thread launches next
+                plan = next(f.plan for f in over._prefill_flights if f.owner is not None)
             assert over.abort(plan.request_id)
             over.submit(fresh, _sampled(8, 99), request_id=plan.request_id)
             reused.append(plan.request_id)
@@ -125,8 +130,8 @@ def _reuse_after_abort(over: Batcher, work: list[list[int]], params: list[Sampli
     return finals[reused[0]]
 
 
-@pytest.mark.parametrize("when", ["chunk in the air", "chunk held for its block ops",
-                                  "staged chunk in the air"])
+@pytest.mark.parametrize("when", ["chunk in the air", "chunk decided, not launched",
+                                  "chunk held for its block ops", "staged chunk in the air"])
 def test_an_id_reused_after_aborting_the_admitted_request_is_a_new_request(when: str) -> None:
     """The request admitted ahead is aborted while its chunk is in the air (or held for the
     next step), and a new request is submitted under the same id before the chunk lands: the
@@ -146,8 +151,13 @@ def test_an_id_reused_after_aborting_the_admitted_request_is_a_new_request(when:
         concurrency = 3 if staged else 2  # one queued behind the full batch: staged
 
         def target(over: Batcher) -> bool:
-            return over._flight is not None and over._flight.prefill and \
-                over._flight.plan.staged == staged
+            flight = over._flight
+            if when == "chunk decided, not launched":
+                # the decode on the device has a chunk after it: the new request, queued now,
+                # can be admitted ahead (its own chunk) before the aborted one's lands
+                return flight is not None and not flight.prefill and \
+                    any(f.owner is not None for f in over._prefill_flights)
+            return flight is not None and flight.prefill and flight.plan.staged == staged
     else:  # evicting for an admission saves blocks to the host: the chunk is held
         art = ArtifactConfig(model=spec, batch_size=3, max_seq_len=96, block_size=8,
                              num_blocks=20, prefill_chunk_size=16)
