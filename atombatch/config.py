@@ -23,6 +23,9 @@ FULL = "full_attention"
 SLIDING = "sliding_attention"
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# seconds an engine core process with requests in flight may send nothing before its front
+# counts it hung and kills it (`CoreClient(hang_timeout=)`, the server's --core-hang-timeout)
+DEFAULT_CORE_HANG_TIMEOUT = 60.0
 
 
 class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

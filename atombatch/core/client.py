@@ -37,7 +37,7 @@ import numpy.typing as npt
 import zmq
 
 from atombatch.aio import DEFAULT_MAX_UNCLAIMED, DEFAULT_MAX_UNCLAIMED_BYTES, OutputStreams
-from atombatch.config import ArtifactConfig
+from atombatch.config import DEFAULT_CORE_HANG_TIMEOUT, ArtifactConfig
 from atombatch.core.messages import (
     Abort,
     Failed,
@@ -63,6 +63,7 @@ log = logger("atombatch.core")
 
 READ_BATCH = 64   # core messages the event loop handles in one go before other callbacks run
 EXIT_GRACE = 0.2  # seconds the socket is still read after the core exits (its last messages)
+HANG_CHECK_S = 1.0  # how often the event loop checks that a core with requests in flight is heard
 
 
 class _Leftovers:
@@ -98,6 +99,11 @@ class CoreClient(PDFront, OutputStreams):
     Args:
         factory: picklable callable returning the `Batcher` to run; called in the child.
         startup_timeout: seconds the core may take to build its engine (weights, compilation).
+        hang_timeout: seconds a core with requests in flight (or asked to stop) may send
+            nothing at all (it sends every step, and a heartbeat while requests wait on
+            producers) before it counts as hung (a device call that never returns, a stopped
+            process) and is killed: its requests end with `finish_reason="error"` and
+            `on_core_exit` is called; `close()` waits no longer than that for a silent core.
         max_unclaimed, max_unclaimed_bytes, stream_interval: as `AsyncBatcher`'s.
         on_core_exit: called (in the event loop, with the exit code) when the core exits
             without being asked to.
@@ -109,6 +115,7 @@ class CoreClient(PDFront, OutputStreams):
     """
 
     def __init__(self, factory: Callable[[], Batcher] | None, *, startup_timeout: float = 600.0,
+                 hang_timeout: float = DEFAULT_CORE_HANG_TIMEOUT,
                  max_unclaimed: int = DEFAULT_MAX_UNCLAIMED,
                  max_unclaimed_bytes: int = DEFAULT_MAX_UNCLAIMED_BYTES,
                  stream_interval: int = 1,
@@ -121,6 +128,9 @@ class CoreClient(PDFront, OutputStreams):
         self.pd_options = pd
         self.factory = factory
         self.startup_timeout = startup_timeout
+        if not hang_timeout > 0:
+            raise ConfigError(f"hang_timeout={hang_timeout!r} must be a positive number of seconds")
+        self.hang_timeout = hang_timeout
         self.on_core_exit = on_core_exit
         self.ready: Ready | None = None
         self._stats: EngineStats | None = None
@@ -137,6 +147,9 @@ class CoreClient(PDFront, OutputStreams):
         self._in_flight_choices = 0
         self._closing = False
         self._dead = False
+        self._hung = False                    # the core went silent and was killed (hang_timeout)
+        self._frames = 0                      # messages read from the core (its liveness)
+        self._heard: tuple[int, float] = (0, 0.0)  # _frames when last changed, and when
         self._next_id = 0
         self._starting = threading.Lock()     # one start_process at a time: one core
 
@@ -265,6 +278,29 @@ class CoreClient(PDFront, OutputStreams):
         loop.add_reader(self._from_core.getsockopt(zmq.FD), self._read)
         loop.add_reader(self._process.sentinel, self._on_process_exit)
         self._read()  # what arrived before the reader was there (the descriptor signals edges)
+        if self.shared is None:
+            self._heard = (self._frames, loop.time())
+            loop.call_later(HANG_CHECK_S, self._check_alive)
+
+    def _check_alive(self) -> None:
+        """Event loop timer: a core with requests in flight sends a message every step (or a
+        heartbeat while they wait on producers); one silent for `hang_timeout` seconds is hung
+        (a device call that never returns, a stopped process). It is killed, and its exit then
+        fails what was in flight, as when a core dies (`on_core_exit`: the server stops)."""
+        loop = self._loop
+        if not self._reading or self._closing or loop is None or self._process is None:
+            return  # (close() watches the core itself)
+        frames, since = self._heard
+        now = loop.time()
+        if frames != self._frames or not self._in_flight_choices:
+            self._heard = (self._frames, now)  # heard from it, or nothing to hear: not silent
+        elif now - since > self.hang_timeout:
+            log.error("core.hung", pid=self.core_pid, silent_s=self.hang_timeout,
+                      in_flight=self._in_flight_choices)
+            self._hung = True
+            self._process.kill()  # its sentinel fires: _on_process_exit
+            return
+        loop.call_later(HANG_CHECK_S, self._check_alive)
 
     def _loop_closed(self) -> bool:
         loop = self._loop
@@ -281,19 +317,35 @@ class CoreClient(PDFront, OutputStreams):
         if not self._dead:
             with contextlib.suppress(zmq.ZMQError):
                 self._send_to_core(Shutdown(drain=drain))
-            # the loop delivers the last outputs, then reads Stopped
+            # the loop delivers the last outputs, then reads Stopped; a core that sends nothing
+            # for `hang_timeout` seconds meanwhile is hung (a stopped process, a device call
+            # that never returns) and is killed below
+            loop = asyncio.get_running_loop()
+            heard, heard_at = self._frames, loop.time()
             while self._reading and not self._stopped:
                 await asyncio.sleep(0.01)
-            if self.shared is None:  # a shared core serves on: its launcher stops it
-                await asyncio.to_thread(self._process.join, 30)
+                if self._frames != heard:
+                    heard, heard_at = self._frames, loop.time()
+                elif loop.time() - heard_at > self.hang_timeout:
+                    log.error("core.hung", pid=self.core_pid, silent_s=self.hang_timeout,
+                              in_flight=self._in_flight_choices)
+                    self._hung = True
+                    break
+            if self.shared is None and not self._hung:  # a shared core serves on: its
+                await asyncio.to_thread(self._process.join, 30)  # launcher stops it
         self._stop_reading()
-        self._kill()
+        self._kill(hard=self._hung)
+        if self._hung:  # what was in flight ends as when a core dies (finish_reason "error")
+            self._fail_in_flight("the engine core stopped answering while closing (no "
+                                 f"message for {self.hang_timeout:g} s): killed")
 
-    def _kill(self) -> None:
-        """End the core this client spawned (a shared core is left to its launcher)."""
+    def _kill(self, hard: bool = False) -> None:
+        """End the core this client spawned (a shared core is left to its launcher); `hard`:
+        SIGKILL at once (a hung core would not act on SIGTERM)."""
         if self._process is not None and self.shared is None and self._process.is_alive():
-            self._process.terminate()
-            self._process.join(5)
+            if not hard:
+                self._process.terminate()
+                self._process.join(5)
             if self._process.is_alive():
                 self._process.kill()
                 self._process.join(5)
@@ -426,6 +478,7 @@ class CoreClient(PDFront, OutputStreams):
             except zmq.Again:
                 return
             count += 1
+            self._frames += 1
             try:
                 message = core_decoder.decode(frame)
                 if isinstance(message, Step):
@@ -501,15 +554,20 @@ class CoreClient(PDFront, OutputStreams):
         n = self._choices.pop(request_id, 0)
         self._in_flight_choices -= n
 
+    def _fail_in_flight(self, error: str) -> None:
+        """Every request in flight ends with `finish_reason="error"` and `error`."""
+        for request_id in list(self._queues):
+            self._finish(request_id)
+            self._deliver(RequestOutput(request_id=request_id, new_token_ids=(), finished=True,
+                                        finish_reason="error", error=error))
+
     def _core_exited(self, code: int | None) -> None:
         self._dead = True
         if self._leftovers is not None:  # nobody will connect to these sockets again
             self._leftovers.remove_directory()
         log.error("core.exited", exit_code=code, in_flight=len(self._queues))
-        for request_id in list(self._queues):
-            self._finish(request_id)
-            self._deliver(RequestOutput(request_id=request_id, new_token_ids=(), finished=True,
-                                        finish_reason="error",
-                                        error=f"the engine core exited (code {code})"))
+        self._fail_in_flight(f"the engine core sent nothing for {self.hang_timeout:g} s with "
+                             "requests in flight and was killed (hung)" if self._hung else
+                             f"the engine core exited (code {code})")
         if self.on_core_exit is not None and not self._closing:
             self.on_core_exit(code)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from atombatch import logs
-from atombatch.config import PRESETS, ArtifactConfig, ModelSpec
+from atombatch.config import DEFAULT_CORE_HANG_TIMEOUT, PRESETS, ArtifactConfig, ModelSpec
 from atombatch.engine import Batcher
 from atombatch.errors import ConfigError
 from atombatch.policy import DEFAULT_POLICY
@@ -207,6 +207,13 @@ def parser() -> argparse.ArgumentParser:
                    help="process: the engine steps in its own process and this one serves HTTP, "
                    "tokenizes and streams (default; docs/architecture.md); inline: both share "
                    "one interpreter (an AsyncBatcher)")
+    p.add_argument("--core-hang-timeout", type=float, default=DEFAULT_CORE_HANG_TIMEOUT,
+                   metavar="SECONDS",
+                   help="--engine-core process: a core that sends nothing for this long while "
+                   "requests are in flight (it sends every step, and a heartbeat while they wait "
+                   "on producers) is hung: it is killed, its requests end with an error and the "
+                   "server exits non-zero, as when the core dies; a shutdown waits no longer for "
+                   f"it either (default {DEFAULT_CORE_HANG_TIMEOUT:g})")
     p.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="front processes (HTTP, tokenization, streaming) sharing one engine core "
                    "and the listening socket; a front that dies is started again, its requests "
@@ -525,7 +532,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
             codec = codec_from_args(args, _model_dir(args))
             factory = None if shared is not None else functools.partial(core_batcher, args)
             engine = CoreClient(factory, stream_interval=args.stream_interval,
-                                pd=pd_options(args), shared=shared)
+                                hang_timeout=args.core_hang_timeout, pd=pd_options(args),
+                                shared=shared)
             ready = engine.start_process()
             name = args.served_model_name or ready.rules.artifact.model.name
             art, policy = ready.rules.artifact, ready.policy

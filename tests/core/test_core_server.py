@@ -97,3 +97,33 @@ def test_queue_bound_disconnect_and_a_dying_core() -> None:
             assert time.monotonic() < deadline, "the front did not exit"
             time.sleep(0.1)
         assert os.waitstatus_to_exitcode(done[1]) == 1
+
+
+def test_a_hung_core_is_killed_and_the_server_exits() -> None:
+    """SIGSTOP the core mid-stream: after --core-hang-timeout seconds of silence the front
+    kills it, the stream ends with engine_unavailable, and the server stops non-zero (a
+    supervisor starts it again), rather than holding the stream open for good."""
+    with served("--runtime", "null", "--null-step-ms", "20", "--batch-size", "2",
+                "--core-hang-timeout", "1") as (url, pid):
+        core_pid = card(url)["engine_core"]["pid"]
+        long = {"prompt": [5, 6], "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, timeout=60) as doomed:
+            lines = doomed.iter_lines()
+            next(lines)
+            os.kill(core_pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            rest = "\n".join(lines)
+        assert time.monotonic() - stopped < 6
+        assert "hung" in rest and '"code":"engine_unavailable"' in rest
+        deadline = time.monotonic() + 20
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            assert time.monotonic() < deadline, "the front did not exit"
+            time.sleep(0.1)
+        assert os.waitstatus_to_exitcode(done[1]) == 1
+        try:
+            os.kill(core_pid, 0)
+            alive = True
+        except ProcessLookupError:
+            alive = False
+        assert not alive, "the hung core outlived its front"

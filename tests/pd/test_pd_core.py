@@ -263,3 +263,21 @@ def test_static_producer_endpoints_are_checked() -> None:
         static_producers(["http://a:1"])
     with pytest.raises(ConfigError, match="probe_s"):
         PDOptions(probe_s=-1)
+
+
+@pytest.mark.parametrize("producers", [{"p0": {"layer_delay": 2.5}}], indirect=True)
+async def test_a_core_waiting_on_a_slow_producer_is_not_taken_for_hung(
+        producers: ProducerProcesses) -> None:
+    """Every unfinished request waits for its producer's layers, seconds longer than the
+    front's `hang_timeout`: the core has no device work and no output, but its heartbeats say
+    it is alive, so nothing is killed and the request gets its native tokens."""
+    work = prompts(1, seed=4)[0]
+    want = alone(work, GREEDY)
+    registry = dict(producers.endpoints)
+    async with CoreClient(functools.partial(pd_decoder, "llama"), hang_timeout=1.0,
+                          pd=PDOptions(producers=registry)) as client:
+        started = time.monotonic()
+        ids, reason, error = await tokens_of(client, work, GREEDY)
+        assert (ids, reason, error) == (want, "length", None)
+        assert time.monotonic() - started > 2.5    # the wait outlasted hang_timeout
+        assert client.running and pool(client)["p0"].opened == 1

@@ -234,6 +234,7 @@ class AtomReplica:
         codec = codec_from_args(args, _model_dir(args))
         client = CoreClient(functools.partial(core_batcher, args),
                             stream_interval=args.stream_interval,
+                            hang_timeout=args.core_hang_timeout,
                             pd=PDOptions(mode=args.pd_mode) if pd else pd_options(args))
         ready = await asyncio.to_thread(client.start_process)
         self.core = client
