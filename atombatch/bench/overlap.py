@@ -62,6 +62,7 @@ import numpy as np
 from atombatch.bench import admission, provenance
 from atombatch.bench.admission import AdmissionGap
 from atombatch.bench.progress import CellProgress
+from atombatch.bench.send_floor import EVENT_BYTES, SendFloor, send_floor
 from atombatch.bench.sse_client import Stream, http_request, receive
 
 Path_ = Literal["engine", "server"]
@@ -146,6 +147,9 @@ class Report(msgspec.Struct, frozen=True):
     # --admission-stalls: the device's idle time around an admitted chunk, pipeline on and off
     # (atombatch/bench/admission.py)
     pipeline_admission: list[AdmissionGap] | None = None
+    # per B x step of the server cases: a bare loopback writer's CPU per write, the least a
+    # front streaming each token as it comes spends per token (atombatch/bench/send_floor.py)
+    send_floors: list[SendFloor] | None = None
 
 
 MID_WINDOW = (0.25, 0.75)  # shares of a round's tokens between which the front's streaming CPU is read
@@ -712,6 +716,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
     commit = provenance.git_commit()  # what runs: taken before any case
     load_before = _load()
     cases: list[Case] = []
+    floors: dict[tuple[int, float], SendFloor] = {}
 
     def finish(what: str, case: Case) -> None:
         cases.append(case)
@@ -748,6 +753,8 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
                                   median=_figures(rounds), overlap=overlap))
             if args.no_server:
                 continue
+            if (batch, step) not in floors:
+                floors[(batch, step)] = send_floor(batch, step)
             for mode in args.tokenizers:
                 for core in cores:
                     what = f"B{batch} step {step:g} ms server tokenizer {mode}" + \
@@ -824,7 +831,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
     return Report(command=shlex.join(["python", "-m", "atombatch.bench", "overlap", *args.argv]),
                   commit=commit, machine=provenance.machine(), params=params,
                   engine_core_flag=engine_core_flag, load_before=load_before,
-                  load_after=_load(), cases=cases)
+                  load_after=_load(), cases=cases, send_floors=list(floors.values()) or None)
 
 
 def format_table(report: Report) -> str:
@@ -906,6 +913,13 @@ def format_table(report: Report) -> str:
     for c in restarted:
         lines.append(f"B{c.batch_size} step {c.step_ms:g} ms tokenizer "
                      f"{'wl' if c.tokenizer else 'ids'}: {c.error}")
+    if report.send_floors:
+        lines += ["", f"send floor (a bare loopback writer, one {EVENT_BYTES}-byte write per "
+                  "stream per step, read as the client reads: the least CPU a front streaming "
+                  "each token as it comes spends per token here; `mid` less this is the "
+                  "front's own): " + "; ".join(
+                      f"B{f.batch_size} x {f.step_ms:g} ms {f.us_per_write:.1f} us"
+                      for f in report.send_floors)]
     if report.admission:
         from types import SimpleNamespace
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from atombatch.bench import overlap
+from atombatch.bench import overlap, send_floor
 from atombatch.bench.overlap import Report
 from atombatch.bench.sse_client import Stream
 
@@ -126,6 +126,18 @@ def test_table_shows_the_figures(report: Report) -> None:
     if server.median.mid_front_us_per_token is not None:
         assert f"{server.median.mid_front_us_per_token:.1f}" in table
     assert f"commit {report.commit}" in table and "load average" in table
+    [floor] = report.send_floors or []
+    assert f"B{B} x 5 ms {floor.us_per_write:.1f} us" in table
+
+
+def test_the_send_floor_is_one_write_per_stream_per_step(report: Report) -> None:
+    """Measured once per B x step of the server cases; every write was made and read."""
+    [floor] = report.send_floors or []
+    assert (floor.batch_size, floor.step_ms) == (B, 5.0)
+    assert floor.writes == B * max(send_floor.MIN_STEPS, min(
+        send_floor.MAX_STEPS, int(send_floor.FLOOR_SECONDS / 0.005)))
+    # a write costs something, and far less than a step's worth of CPU
+    assert 0 < floor.us_per_write < 5_000
 
 
 SSE = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
