@@ -100,8 +100,8 @@ class CoreClient(PDFront, OutputStreams):
         factory: picklable callable returning the `Batcher` to run; called in the child.
         startup_timeout: seconds the core may take to build its engine (weights, compilation).
         hang_timeout: seconds a core with requests in flight (or asked to stop) may send
-            nothing at all (it sends every step, and a heartbeat while requests wait on
-            producers) before it counts as hung (a device call that never returns, a stopped
+            nothing at all (between device calls it sends at least one message a second)
+            before it counts as hung (a device call that never returns, a stopped
             process) and is killed: its requests end with `finish_reason="error"` and
             `on_core_exit` is called; `close()` waits no longer than that for a silent core.
         max_unclaimed, max_unclaimed_bytes, stream_interval: as `AsyncBatcher`'s.
@@ -283,10 +283,11 @@ class CoreClient(PDFront, OutputStreams):
             loop.call_later(HANG_CHECK_S, self._check_alive)
 
     def _check_alive(self) -> None:
-        """Event loop timer: a core with requests in flight sends a message every step (or a
-        heartbeat while they wait on producers); one silent for `hang_timeout` seconds is hung
-        (a device call that never returns, a stopped process). It is killed, and its exit then
-        fails what was in flight, as when a core dies (`on_core_exit`: the server stops)."""
+        """Event loop timer: a core with requests in flight sends a message at least every
+        second (a heartbeat between its steps' outputs); one silent for `hang_timeout` seconds
+        is hung (a device call that never returns, a stopped process). It is killed, and its
+        exit then fails what was in flight, as when a core dies (`on_core_exit`: the server
+        stops)."""
         loop = self._loop
         if not self._reading or self._closing or loop is None or self._process is None:
             return  # (close() watches the core itself)
@@ -294,7 +295,8 @@ class CoreClient(PDFront, OutputStreams):
         now = loop.time()
         if frames != self._frames or not self._in_flight_choices:
             self._heard = (self._frames, now)  # heard from it, or nothing to hear: not silent
-        elif now - since > self.hang_timeout:
+        elif now - since > self.hang_timeout and not self._from_core.poll(0):
+            # (messages waiting unread: this loop was what stood still, not the core)
             log.error("core.hung", pid=self.core_pid, silent_s=self.hang_timeout,
                       in_flight=self._in_flight_choices)
             self._hung = True

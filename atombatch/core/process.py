@@ -74,7 +74,7 @@ STATS_INTERVAL = 0.05     # seconds between the engine stats a Step carries
 IDLE_WAIT_MS = 100        # how long an idle core waits for a message before checking its parent
 RECEIVE_POLL_MS = 50      # how often the receiver thread checks whether the loop has stopped
 PD_POLL_MS = 2            # while every unfinished request waits on a KV producer
-HEARTBEAT_S = 1.0         # a core with requests but no device work (PD waits) says so this often
+HEARTBEAT_S = 1.0         # a core with requests sends a stats-only Step at least this often
 _NO_TOKENS = np.zeros(0, np.int64)   # a Step without plain tokens (allocated once)
 SOCKET_DIR_PREFIX = "atombatch-core-"  # the temporary directory of a client's IPC sockets
 
@@ -476,11 +476,11 @@ class CoreLoop:
                     self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
                     stale = False
                 continue
-            if batcher.idle:  # requests, no device work (they wait on producers): tell the
-                now = time.monotonic()  # front this loop is alive (CoreClient hang_timeout)
-                if now - self.beat_at >= HEARTBEAT_S:
-                    self.beat_at = now
-                    self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
+            now = time.monotonic()
+            if now - self.beat_at >= HEARTBEAT_S:  # with requests, tell the front this loop
+                self.beat_at = now  # runs, whatever the steps send (a long prompt's chunks and
+                # waits on producers send nothing): CoreClient's hang_timeout counts silence
+                self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
             stale = True
             try:
                 result = batcher.step_arrays()

@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from support.engines import numpy_batcher
+from support.engines import numpy_batcher, slow_prefill_batcher
 
 from atombatch import SamplingParams
 from atombatch.core import CoreClient
@@ -68,6 +68,22 @@ async def test_a_core_that_keeps_stepping_is_not_hung() -> None:
         assert client.running
 
 
+async def test_a_long_prompt_whose_chunks_send_nothing_is_not_hung() -> None:
+    """A 1 600-token prompt in 32-token chunks of 60 ms each: 3 s without an output, three
+    times `hang_timeout`; the core's heartbeats between the chunks keep it alive."""
+    client = CoreClient(functools.partial(slow_prefill_batcher, 60.0), hang_timeout=1.0)
+    async with client:
+        started = time.monotonic()
+        tokens: list[int] = []
+        reason = None
+        async for out in client.stream([3 + i % 250 for i in range(1600)], SamplingParams(
+                temperature=0, max_tokens=4, ignore_eos=True)):
+            tokens.extend(out.new_token_ids)
+            reason = out.finish_reason or reason
+        assert len(tokens) == 4 and reason == "length"
+        assert time.monotonic() - started > 2.5 and client.running
+
+
 @pytest.mark.parametrize("drain", [True, False])
 async def test_close_does_not_wait_forever_for_a_stopped_core(drain: bool) -> None:
     client = CoreClient(functools.partial(numpy_batcher), hang_timeout=HANG)
@@ -101,3 +117,36 @@ async def test_close_of_an_idle_stopped_core_returns() -> None:
 def test_hang_timeout_must_be_positive(value: float) -> None:
     with pytest.raises(ConfigError, match="hang_timeout"):
         CoreClient(functools.partial(numpy_batcher), hang_timeout=value)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_front_whose_loop_stood_still_does_not_kill_a_live_core(loop: str) -> None:
+    """Another callback holds the front's event loop for longer than `hang_timeout`, right
+    after a check, while the core goes on sending: the silence was the loop's, not the core's
+    (what it sent waits unread; the check also looks at the socket before it kills), so the
+    core lives and the request ends normally, on asyncio's loop and on uvloop (the server's)."""
+    factory = asyncio.new_event_loop
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")  # the server's loop when installed (uvicorn)
+        factory = uvloop.new_event_loop
+
+    async def main() -> None:  # decode steps of 50 ms: the request lives 6 s
+        client = CoreClient(functools.partial(slow_prefill_batcher, 1.0, step_ms=50.0),
+                            hang_timeout=HANG)
+        check, blocked = client._check_alive, []
+
+        def check_then_stand_still() -> None:  # the worst moment: right after a check,
+            check()                              # another callback holds the loop
+            if not blocked and client._in_flight_choices:
+                blocked.append(True)  # the loop stands still; the core decodes on
+                asyncio.get_running_loop().call_soon(time.sleep, HANG + 1.5)
+
+        client._check_alive = check_then_stand_still  # type: ignore[method-assign]
+        async with client:
+            tokens: list[int] = []
+            async for out in client.stream([5, 6, 7], LONG):
+                tokens.extend(out.new_token_ids)
+            assert blocked and len(tokens) == 120 and out.finish_reason == "length"
+            assert client.running
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main())
