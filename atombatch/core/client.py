@@ -289,20 +289,37 @@ class CoreClient(PDFront, OutputStreams):
         exit then fails what was in flight, as when a core dies (`on_core_exit`: the server
         stops)."""
         loop = self._loop
-        if not self._reading or self._closing or loop is None or self._process is None:
-            return  # (close() watches the core itself)
+        if not self._reading or self._closing or loop is None or self._process is None or \
+                self._hung:
+            return  # (close() watches the core itself; a hung one was killed already)
         frames, since = self._heard
         now = loop.time()
         if frames != self._frames or not self._in_flight_choices:
             self._heard = (self._frames, now)  # heard from it, or nothing to hear: not silent
         elif now - since > self.hang_timeout and not self._from_core.poll(0):
             # (messages waiting unread: this loop was what stood still, not the core)
-            log.error("core.hung", pid=self.core_pid, silent_s=self.hang_timeout,
-                      in_flight=self._in_flight_choices)
-            self._hung = True
-            self._process.kill()  # its sentinel fires: _on_process_exit
+            self._kill_hung()
             return
         loop.call_later(HANG_CHECK_S, self._check_alive)
+
+    def _kill_hung(self, **why: Any) -> None:
+        """SIGKILL a core found hung; its sentinel fires: `_on_process_exit` fails what was in
+        flight."""
+        assert self._process is not None
+        log.error("core.hung", pid=self.core_pid, silent_s=self.hang_timeout,
+                  in_flight=self._in_flight_choices, **why)
+        self._hung = True
+        self._process.kill()
+
+    def _send_stalled(self, waited: float) -> bool:
+        """A core that took no message off its socket for `hang_timeout` seconds (its queue is
+        full: a stopped process takes nothing) is hung: killed, rather than the event loop
+        waiting in the send for good, where no hang check runs."""
+        if self.shared is not None or waited <= self.hang_timeout:
+            return False
+        if not self._hung:  # (killed already: its exit is on its way)
+            self._kill_hung(send_refused_s=round(waited, 1))
+        return True
 
     def _loop_closed(self) -> bool:
         loop = self._loop
