@@ -294,12 +294,17 @@ class CoreClient(PDFront, OutputStreams):
             return  # (close() watches the core itself; a hung one was killed already)
         frames, since = self._heard
         now = loop.time()
+        if frames == self._frames and self._in_flight_choices and \
+                now - since > self.hang_timeout:
+            # what waits unread is read first: then this loop was what stood still, not the
+            # core (read, not polled: a poll takes the descriptor's signal, and the reader
+            # would not run again for what waits)
+            self._read()
+            if frames == self._frames:
+                self._kill_hung()
+                return
         if frames != self._frames or not self._in_flight_choices:
             self._heard = (self._frames, now)  # heard from it, or nothing to hear: not silent
-        elif now - since > self.hang_timeout and not self._from_core.poll(0):
-            # (messages waiting unread: this loop was what stood still, not the core)
-            self._kill_hung()
-            return
         loop.call_later(HANG_CHECK_S, self._check_alive)
 
     def _kill_hung(self, **why: Any) -> None:

@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 
-from support.engines import numpy_batcher
+from support.engines import numpy_batcher, slow_prefill_batcher
 
 from atombatch import SamplingParams
 from atombatch.core import CoreClient
@@ -67,3 +67,34 @@ async def test_submits_to_a_stopped_core_do_not_freeze_the_front() -> None:
     await client.close()
     await asyncio.sleep(0.2)
     assert gone(pid)
+
+
+async def test_a_check_that_finds_messages_waiting_reads_them() -> None:
+    """The core is silent in a 1.9 s prefill chunk (shorter than `hang_timeout`), and the check
+    that follows two silent seconds runs after another callback of the same loop iteration held
+    the loop past `hang_timeout`: the chunk's messages arrived meanwhile, unread. Asking the
+    socket whether something waits (a ZeroMQ poll) consumed the descriptor's signal, so the
+    reader never ran again: the stream stalled for good, the core alive, and no later check
+    killed it (something always waited). The check reads instead."""
+    client = CoreClient(functools.partial(slow_prefill_batcher, 1900.0, step_ms=50.0),
+                        hang_timeout=3.0)
+    check, seen, blocked = client._check_alive, [-1], []
+
+    def check_after_a_stall() -> None:
+        if not blocked and client._in_flight_choices and client._frames == seen[0]:
+            blocked.append(True)  # nothing read since the last check: the core is in a chunk
+            time.sleep(3.5)       # another callback holds the loop first (no select between)
+        seen[0] = client._frames
+        check()
+
+    client._check_alive = check_after_a_stall  # type: ignore[method-assign]
+    async with client:
+        tokens: list[int] = []
+
+        async def consume() -> str | None:
+            async for out in client.stream(list(range(3, 99)), SHORT):
+                tokens.extend(out.new_token_ids)
+            return out.finish_reason
+
+        reason = await asyncio.wait_for(consume(), 30)
+        assert blocked and reason == "length" and len(tokens) == 4 and client.running
