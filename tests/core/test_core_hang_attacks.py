@@ -11,10 +11,14 @@ import signal
 import threading
 import time
 
+import pytest
 from support.engines import numpy_batcher, slow_prefill_batcher
+from support.structured import batcher as structured_batcher
 
 from atombatch import SamplingParams
 from atombatch.core import CoreClient
+from atombatch.errors import CapacityError
+from atombatch.structured import StructuredOutput
 
 HANG = 1.0
 SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -98,3 +102,56 @@ async def test_a_check_that_finds_messages_waiting_reads_them() -> None:
 
         reason = await asyncio.wait_for(consume(), 30)
         assert blocked and reason == "length" and len(tokens) == 4 and client.running
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_a_decode_call_that_never_returns_is_found(overlap: bool) -> None:
+    """Not a stopped process: the core runs, and its decode call (on the loop's thread, or on
+    the pipeline's device thread while the loop waits to land it) never returns. The sender and
+    receiver threads live on but have nothing to say: the core is silent, found, killed."""
+    exited: list[int | None] = []
+    client = CoreClient(functools.partial(slow_prefill_batcher, 1.0, step_ms=1e8,
+                                          overlap=overlap),
+                        hang_timeout=HANG, on_core_exit=exited.append)
+    async with client:
+        pid = client.core_pid
+        assert pid is not None
+        started = time.monotonic()
+        outs = [out async for out in client.stream([5, 6, 7], SHORT)]
+        waited = time.monotonic() - started
+        assert outs[0].new_token_ids and outs[-1].finish_reason == "error"  # the first token
+        assert "hung" in (outs[-1].error or "") and HANG <= waited < HANG + 5, waited
+        assert exited == [-signal.SIGKILL]
+    await asyncio.sleep(0.2)
+    assert gone(pid)
+
+
+async def test_an_idle_core_is_never_killed_after_refusals_aborts_and_groups() -> None:
+    """The check counts silence only while choices are in flight: every way a request can end
+    (a grammar the core fails to compile, an n > 1 group aborted twice, submits refused for
+    capacity, requests aborted while queued) brings the count back to zero, so an idle core
+    outlives `hang_timeout` several times over."""
+    client = CoreClient(functools.partial(structured_batcher, max_waiting=2), hang_timeout=HANG)
+    async with client:
+        bad = client.submit([5, 6], SamplingParams(max_tokens=8,
+                                                   structured=StructuredOutput.regex("a(")))
+        last = [out async for out in client.outputs(bad)][-1]
+        assert last.finish_reason == "error" and "regex" in (last.error or "")
+        group = client.submit([5, 6], SamplingParams(max_tokens=50, n=3, ignore_eos=True))
+        stream = client.outputs(group)
+        await stream.__anext__()
+        client.abort(group)
+        client.abort(group)
+        assert [out async for out in stream][-1].finish_reason == "abort"
+        ids = []
+        with pytest.raises(CapacityError):
+            for _ in range(20):
+                ids.append(client.submit([5, 6], SamplingParams(max_tokens=50, ignore_eos=True)))
+        assert len(ids) == 4 + 2  # lanes + max_waiting
+        for request_id in ids:
+            client.abort(request_id)
+        for request_id in ids:
+            assert [out async for out in client.outputs(request_id)][-1].finished
+        assert client._in_flight_choices == 0
+        await asyncio.sleep(3 * HANG + 0.5)
+        assert client.running
