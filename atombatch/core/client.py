@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -100,10 +101,11 @@ class CoreClient(PDFront, OutputStreams):
         factory: picklable callable returning the `Batcher` to run; called in the child.
         startup_timeout: seconds the core may take to build its engine (weights, compilation).
         hang_timeout: seconds a core with requests in flight (or asked to stop) may send
-            nothing at all (between device calls it sends at least one message a second)
-            before it counts as hung (a device call that never returns, a stopped
-            process) and is killed: its requests end with `finish_reason="error"` and
-            `on_core_exit` is called; `close()` waits no longer than that for a silent core.
+            nothing at all (between device calls it sends a message at least every quarter
+            second: keep this above the longest device call) before it counts as hung (a
+            device call that never returns, a stopped process) and is killed: its requests end
+            with `finish_reason="error"` and `on_core_exit` is called; `close()` waits no
+            longer than that for a silent core.
         max_unclaimed, max_unclaimed_bytes, stream_interval: as `AsyncBatcher`'s.
         on_core_exit: called (in the event loop, with the exit code) when the core exits
             without being asked to.
@@ -149,7 +151,8 @@ class CoreClient(PDFront, OutputStreams):
         self._dead = False
         self._hung = False                    # the core went silent and was killed (hang_timeout)
         self._frames = 0                      # messages read from the core (its liveness)
-        self._heard: tuple[int, float] = (0, 0.0)  # _frames when last changed, and when
+        self._heard_at = 0.0                  # time.monotonic() of the last message read (or
+                                              #   of the last check with nothing in flight)
         self._next_id = 0
         self._starting = threading.Lock()     # one start_process at a time: one core
 
@@ -279,32 +282,30 @@ class CoreClient(PDFront, OutputStreams):
         loop.add_reader(self._process.sentinel, self._on_process_exit)
         self._read()  # what arrived before the reader was there (the descriptor signals edges)
         if self.shared is None:
-            self._heard = (self._frames, loop.time())
+            self._heard_at = time.monotonic()
             loop.call_later(HANG_CHECK_S, self._check_alive)
 
     def _check_alive(self) -> None:
-        """Event loop timer: a core with requests in flight sends a message at least every
-        second (a heartbeat between its steps' outputs); one silent for `hang_timeout` seconds
-        is hung (a device call that never returns, a stopped process). It is killed, and its
-        exit then fails what was in flight, as when a core dies (`on_core_exit`: the server
-        stops)."""
+        """Event loop timer: a core with requests in flight sends a message between any two
+        device calls at least every quarter second (a heartbeat between its steps' outputs);
+        one silent for `hang_timeout` seconds since the last message read is hung (a device
+        call that never returns, a stopped process). It is killed, and its exit then fails what
+        was in flight, as when a core dies (`on_core_exit`: the server stops)."""
         loop = self._loop
         if not self._reading or self._closing or loop is None or self._process is None or \
                 self._hung:
             return  # (close() watches the core itself; a hung one was killed already)
-        frames, since = self._heard
-        now = loop.time()
-        if frames == self._frames and self._in_flight_choices and \
-                now - since > self.hang_timeout:
+        now = time.monotonic()
+        if not self._in_flight_choices:
+            self._heard_at = now  # nothing to hear: not silent
+        elif now - self._heard_at > self.hang_timeout:
             # what waits unread is read first: then this loop was what stood still, not the
             # core (read, not polled: a poll takes the descriptor's signal, and the reader
             # would not run again for what waits)
             self._read()
-            if frames == self._frames:
+            if now - self._heard_at > self.hang_timeout:
                 self._kill_hung()
                 return
-        if frames != self._frames or not self._in_flight_choices:
-            self._heard = (self._frames, now)  # heard from it, or nothing to hear: not silent
         loop.call_later(HANG_CHECK_S, self._check_alive)
 
     def _kill_hung(self, **why: Any) -> None:
@@ -473,6 +474,8 @@ class CoreClient(PDFront, OutputStreams):
                 f"creq-{self.shared.front}.{os.getpid()}-{self._next_id}"
             self._next_id += 1
         self._open(request_id)
+        if not self._in_flight_choices:  # silence counts from here (the hang check)
+            self._heard_at = time.monotonic()
         self._choices[request_id] = params.n
         self._in_flight_choices += params.n
         pd = self.pd_options is not None and pd_eligible(params)
@@ -496,10 +499,13 @@ class CoreClient(PDFront, OutputStreams):
                 # still more, and the descriptor will not signal again for it (edges only)
                 assert self._loop is not None
                 self._loop.call_soon(self._read)
+                self._heard_at = time.monotonic()
                 return
             try:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
+                if count:
+                    self._heard_at = time.monotonic()  # (the hang check's silence ends)
                 return
             count += 1
             self._frames += 1

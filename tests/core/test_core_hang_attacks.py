@@ -155,3 +155,44 @@ async def test_an_idle_core_is_never_killed_after_refusals_aborts_and_groups() -
         assert client._in_flight_choices == 0
         await asyncio.sleep(3 * HANG + 0.5)
         assert client.running
+
+
+def test_sigterm_to_a_server_whose_core_hangs_exits_within_the_timeout() -> None:
+    """uvicorn waits for open streams on SIGTERM (no graceful timeout): a stream on a hung core
+    would hold the shutdown for good, but the check runs on during it, so the stream ends with
+    the error and the server exits, its core gone, about `--core-hang-timeout` after."""
+    import httpx
+    from support.served import served
+
+    with served("--runtime", "null", "--null-step-ms", "20", "--batch-size", "2",
+                "--core-hang-timeout", "2") as (url, pid):
+        core_pid = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0][
+            "atombatch"]["engine_core"]["pid"]
+        body = {"prompt": [5, 6], "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as doomed:
+            lines = doomed.iter_lines()
+            next(lines)
+            os.kill(core_pid, signal.SIGSTOP)
+            assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # not yet found
+            os.kill(pid, signal.SIGTERM)
+            stopped = time.monotonic()
+            rest = "\n".join(lines)
+        assert "hung" in rest and '"code":"engine_unavailable"' in rest
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            assert time.monotonic() - stopped < 2 + 10, "the server did not exit"
+            time.sleep(0.1)
+        assert gone(core_pid)
+
+
+async def test_chunks_shorter_than_the_timeout_are_never_taken_for_hung() -> None:
+    """Every prefill chunk of a 600-token prompt takes 400 ms, well under `hang_timeout` = 1 s:
+    a healthy core. Its heartbeat went out at the first step at least a second after the last
+    one (every 1.2 s here), and the check counted silence from the check that last heard it:
+    one check interval without a message (bound to come) killed it. The heartbeat now goes out
+    every quarter second, and silence counts from the last message read."""
+    client = CoreClient(functools.partial(slow_prefill_batcher, 400.0), hang_timeout=HANG)
+    async with client:
+        outs = [out async for out in client.stream([3 + i % 250 for i in range(600)], SHORT)]
+        assert outs[-1].finish_reason == "length", outs[-1].error
+        assert client.running
