@@ -130,7 +130,8 @@ class CoreClient(PDFront, OutputStreams):
         self.pd_options = pd
         self.factory = factory
         self.startup_timeout = startup_timeout
-        if not hang_timeout > 0:
+        if isinstance(hang_timeout, bool) or not isinstance(hang_timeout, int | float) or \
+                not hang_timeout > 0:  # (a bool or a string would pass, or raise TypeError)
             raise ConfigError(f"hang_timeout={hang_timeout!r} must be a positive number of seconds")
         self.hang_timeout = hang_timeout
         self.on_core_exit = on_core_exit

@@ -17,7 +17,7 @@ from support.structured import batcher as structured_batcher
 
 from atombatch import SamplingParams
 from atombatch.core import CoreClient
-from atombatch.errors import CapacityError
+from atombatch.errors import CapacityError, ConfigError
 from atombatch.structured import StructuredOutput
 
 HANG = 1.0
@@ -196,3 +196,10 @@ async def test_chunks_shorter_than_the_timeout_are_never_taken_for_hung() -> Non
         outs = [out async for out in client.stream([3 + i % 250 for i in range(600)], SHORT)]
         assert outs[-1].finish_reason == "length", outs[-1].error
         assert client.running
+
+
+@pytest.mark.parametrize("value", [True, "5", None])
+def test_hang_timeout_must_be_a_number(value: object) -> None:
+    """`True` was taken for one second, and a string or None raised a bare TypeError."""
+    with pytest.raises(ConfigError, match="hang_timeout"):
+        CoreClient(functools.partial(numpy_batcher), hang_timeout=value)  # type: ignore[arg-type]
