@@ -185,17 +185,27 @@ def test_sigterm_to_a_server_whose_core_hangs_exits_within_the_timeout() -> None
         assert gone(core_pid)
 
 
-async def test_chunks_shorter_than_the_timeout_are_never_taken_for_hung() -> None:
-    """Every prefill chunk of a 600-token prompt takes 400 ms, well under `hang_timeout` = 1 s:
-    a healthy core. Its heartbeat went out at the first step at least a second after the last
-    one (every 1.2 s here), and the check counted silence from the check that last heard it:
-    one check interval without a message (bound to come) killed it. The heartbeat now goes out
-    every quarter second, and silence counts from the last message read."""
-    client = CoreClient(functools.partial(slow_prefill_batcher, 400.0), hang_timeout=HANG)
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_chunks_shorter_than_the_timeout_are_never_taken_for_hung(overlap: bool) -> None:
+    """Every device call (a 400-token prompt's chunks, a companion's decode steps; with
+    `overlap`, decodes pipelined on the device thread and chunks planned ahead) takes 400 ms,
+    well under `hang_timeout` = 1 s: a healthy core. Its heartbeat went out at the first step
+    at least a second after the last (every 1.2 s here), and the check counted silence from
+    the check that last heard it: one check interval without a message (bound to come) killed
+    it. The heartbeat now goes out every quarter second, and silence counts from the last
+    message read."""
+    client = CoreClient(functools.partial(slow_prefill_batcher, 400.0, step_ms=400.0,
+                                          overlap=overlap), hang_timeout=HANG)
     async with client:
-        outs = [out async for out in client.stream([3 + i % 250 for i in range(600)], SHORT)]
-        assert outs[-1].finish_reason == "length", outs[-1].error
+        long = client.submit([3 + i % 250 for i in range(400)], SHORT)
+        companion = client.submit([5, 6], SamplingParams(temperature=0, max_tokens=6,
+                                                         ignore_eos=True))
+        for request_id in (long, companion):
+            outs = [out async for out in client.outputs(request_id)]
+            assert outs[-1].finish_reason == "length", outs[-1].error
         assert client.running
+        if overlap:
+            assert client.stats().overlapped_steps > 0
 
 
 @pytest.mark.parametrize("value", [True, "5", None])
