@@ -322,10 +322,13 @@ class CoreClient(PDFront, OutputStreams):
         """A core that took no message off its socket for `hang_timeout` seconds (its queue is
         full: a stopped process takes nothing) is hung: killed, rather than the event loop
         waiting in the send for good, where no hang check runs."""
-        if self.shared is not None or waited <= self.hang_timeout:
+        if self.shared is not None:
             return False
-        if not self._hung:  # (killed already: its exit is on its way)
-            self._kill_hung(send_refused_s=round(waited, 1))
+        if self._hung:  # killed already: its exit is on its way
+            return True
+        if waited <= self.hang_timeout:
+            return False
+        self._kill_hung(send_refused_s=round(waited, 1))
         return True
 
     def _loop_closed(self) -> bool:
@@ -413,7 +416,8 @@ class CoreClient(PDFront, OutputStreams):
 
     @property
     def running(self) -> bool:
-        return self._reading and not self._dead and not self._closing and not self._loop_closed()
+        return self._reading and not self._dead and not self._closing and not self._hung and \
+            not self._loop_closed()
 
     @property
     def dead(self) -> bool:
