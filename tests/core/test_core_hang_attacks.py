@@ -216,3 +216,22 @@ def test_hang_timeout_must_be_a_number(value: object) -> None:
     """`True` was taken for one second, and a string or None raised a bare TypeError."""
     with pytest.raises(ConfigError, match="hang_timeout"):
         CoreClient(functools.partial(numpy_batcher), hang_timeout=value)  # type: ignore[arg-type]
+
+
+async def test_a_core_paused_for_less_than_the_timeout_carries_on() -> None:
+    """SIGSTOP, then SIGCONT 1 s later with `hang_timeout` = 2 s: the silence stays under the
+    timeout, so nothing is killed, and the stream's tokens are those of a run never paused."""
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    async with CoreClient(functools.partial(numpy_batcher), hang_timeout=2.0) as client:
+        want = [t async for out in client.stream([5, 6, 7], params) for t in out.new_token_ids]
+        pid = client.core_pid
+        assert pid is not None
+        got: list[int] = []
+        started = time.monotonic()
+        async for out in client.stream([5, 6, 7], params):
+            if not got:
+                os.kill(pid, signal.SIGSTOP)
+                asyncio.get_running_loop().call_later(1.0, os.kill, pid, signal.SIGCONT)
+            got.extend(out.new_token_ids)
+        assert time.monotonic() - started > 1.0  # it was paused mid-stream
+        assert got == want and len(got) == 60 and client.running
