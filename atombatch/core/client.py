@@ -278,9 +278,8 @@ class CoreClient(PDFront, OutputStreams):
         loop.add_reader(self._from_core.getsockopt(zmq.FD), self._read)
         loop.add_reader(self._process.sentinel, self._on_process_exit)
         self._read()  # what arrived before the reader was there (the descriptor signals edges)
-        if self.shared is None:
-            self._heard = (self._frames, loop.time())
-            loop.call_later(HANG_CHECK_S, self._check_alive)
+        self._heard = (self._frames, loop.time())
+        loop.call_later(HANG_CHECK_S, self._check_alive)
 
     def _check_alive(self) -> None:
         """Event loop timer: a core with requests in flight sends a message at least every
@@ -300,8 +299,8 @@ class CoreClient(PDFront, OutputStreams):
             log.error("core.hung", pid=self.core_pid, silent_s=self.hang_timeout,
                       in_flight=self._in_flight_choices)
             self._hung = True
-            self._process.kill()  # its sentinel fires: _on_process_exit
-            return
+            self._process.kill()  # its sentinel fires: _on_process_exit (a shared core: its
+            return                # launcher then stops every front, as when a core dies)
         loop.call_later(HANG_CHECK_S, self._check_alive)
 
     def _loop_closed(self) -> bool:
@@ -336,18 +335,18 @@ class CoreClient(PDFront, OutputStreams):
             if self.shared is None and not self._hung:  # a shared core serves on: its
                 await asyncio.to_thread(self._process.join, 30)  # launcher stops it
         self._stop_reading()
-        self._kill(hard=self._hung)
+        if self._hung:
+            self._process.kill()  # (a shared core too: it is hung for every front)
+        self._kill()
         if self._hung:  # what was in flight ends as when a core dies (finish_reason "error")
             self._fail_in_flight("the engine core stopped answering while closing (no "
                                  f"message for {self.hang_timeout:g} s): killed")
 
-    def _kill(self, hard: bool = False) -> None:
-        """End the core this client spawned (a shared core is left to its launcher); `hard`:
-        SIGKILL at once (a hung core would not act on SIGTERM)."""
+    def _kill(self) -> None:
+        """End the core this client spawned (a shared core is left to its launcher)."""
         if self._process is not None and self.shared is None and self._process.is_alive():
-            if not hard:
-                self._process.terminate()
-                self._process.join(5)
+            self._process.terminate()
+            self._process.join(5)
             if self._process.is_alive():
                 self._process.kill()
                 self._process.join(5)
