@@ -3,7 +3,7 @@
 This file is run as a script by the Python of a separate virtual environment that holds vLLM
 (`$ATOMBATCH_VLLM_PYTHON`, see docs/prefix-cache.md for how it is built), with `-P` so that
 this directory (whose `http.py` would shadow the standard library's) is not on `sys.path`:
-`$ATOMBATCH_VLLM_PYTHON -P atombatch/bench/vllm_scheduler_probe.py [--lanes 4,16] ...`.
+`$ATOMBATCH_VLLM_PYTHON -P atombatch/bench/vllm_scheduler_probe.py [--full 4:30000] ...`.
 `bench micro` starts it with `subprocess` (`atombatch.bench.vllm_scheduler`) and reads the JSON
 it prints. It imports vLLM, NumPy and the standard library
 only, never atombatch, and it imports vLLM inside functions, so that this module can be linted
@@ -28,7 +28,7 @@ process CPU time):
   scheduled), then `get_grammar_bitmask` + `update_from_output` of that step (its first token).
   Aborting it (its blocks back to the cache) and the steps after are untimed.
 - `full`: B requests decoding at a full prefix cache that must evict: the pool
-  (`--cached` + B × max_model_len / 16 + 200 blocks, as `bench micro`'s `prefix_admit`) is
+  (cached + B × max_model_len / 16 + 200 blocks, as `bench micro`'s `prefix_admit`) is
   filled with the cached blocks of finished 2 000-token requests until no free block is left
   that is not a cached one, so every block taken evicts one. One admission: a running request
   is aborted and one step runs (untimed), a new 128-token request (a miss) is created and added,
@@ -69,9 +69,9 @@ class Clock:
         self.wall = 0
         self.cpu = 0
 
-    def time(self, call: Callable[[], Any]) -> Any:
+    def time(self, call: Callable[..., Any], *args: Any) -> Any:
         wall, cpu = time.perf_counter_ns(), time.process_time_ns()
-        out = call()
+        out = call(*args)
         self.cpu += time.process_time_ns() - cpu
         self.wall += time.perf_counter_ns() - wall
         return out
@@ -213,28 +213,29 @@ def hit_case(prompt_tokens: int, max_model_len: int, repeats: int, loops: int,
     _freeze()
     parts = ("request", "add_request", "schedule", "finish")
     samples: dict[str, list[tuple[float, float]]] = {p: [] for p in parts}
-    samples["add_request+schedule"] = []
-    samples["total"] = []
+    samples["add_request_schedule"] = []
+    samples["step"] = []  # add_request + schedule + the rest of the step (not the Request)
     for _ in range(repeats):
         clocks = {p: Clock() for p in parts}
         for _ in range(loops):
-            request = clocks["request"].time(lambda: driver.request(prompt, 16))
-            clocks["add_request"].time(lambda r=request: scheduler.add_request(r))
+            request = clocks["request"].time(driver.request, prompt, 16)
+            clocks["add_request"].time(scheduler.add_request, request)
             scheduled = clocks["schedule"].time(scheduler.schedule)
             if request.num_computed_tokens - scheduled.num_scheduled_tokens[
                     request.request_id] != expect:
                 raise RuntimeError(f"expected a hit of {expect} tokens, got "
                                    f"{request.num_cached_tokens}")
-            clocks["finish"].time(lambda s=scheduled: driver.finish(s))
+            clocks["finish"].time(driver.finish, scheduled)
             driver.abort(request.request_id)  # its blocks back to the cache (untimed)
             run_to_end()
         for p in parts:
             samples[p].append((clocks[p].wall / loops, clocks[p].cpu / loops))
         both = (clocks["add_request"], clocks["schedule"])
-        samples["add_request+schedule"].append((sum(c.wall for c in both) / loops,
+        samples["add_request_schedule"].append((sum(c.wall for c in both) / loops,
                                                 sum(c.cpu for c in both) / loops))
-        samples["total"].append((sum(c.wall for c in clocks.values()) / loops,
-                                 sum(c.cpu for c in clocks.values()) / loops))
+        step = (clocks["add_request"], clocks["schedule"], clocks["finish"])
+        samples["step"].append((sum(c.wall for c in step) / loops,
+                                sum(c.cpu for c in step) / loops))
     return {"case": "hit", "lanes": 1, "prompt_tokens": prompt_tokens,
             "hit_tokens": expect, "num_blocks": max_model_len // BLOCK_SIZE + 1,
             "loops": loops, **{name: summary(s) for name, s in samples.items()}}
@@ -294,7 +295,7 @@ def full_case(lanes: int, cached: int, max_model_len: int, prompt_tokens: int, r
                 renew()
             for _ in range(2):  # steady decode steps, every request decoding
                 scheduled = clocks["steady_schedule"].time(scheduler.schedule)
-                clocks["steady_finish"].time(lambda s=scheduled: driver.finish(s))
+                clocks["steady_finish"].time(driver.finish, scheduled)
             driver.abort(running.pop(0))
             driver.step()                  # drains the abort (untimed)
             request = fresh()              # hashed at creation (untimed, as bench micro's)
@@ -302,7 +303,7 @@ def full_case(lanes: int, cached: int, max_model_len: int, prompt_tokens: int, r
             before = driver.cached_ids()
             scheduler.add_request(request)
             scheduled = clocks["admit_schedule"].time(scheduler.schedule)
-            clocks["admit_finish"].time(lambda s=scheduled: driver.finish(s))
+            clocks["admit_finish"].time(driver.finish, scheduled)
             if scheduled.num_scheduled_tokens.get(request.request_id) != prompt_tokens:
                 raise RuntimeError("the admitting step did not schedule the new prompt")
             evicted.append(len(before & set(driver.block_ids(request.request_id))))
@@ -331,9 +332,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hit-tokens", type=int, default=8192,
                         help="the cached prompt of the hit case (0: skip it)")
     parser.add_argument("--hit-max-model-len", type=int, default=9216)
-    parser.add_argument("--lanes", default="4,16",
-                        help="comma-separated B of the full-cache case (empty: skip it)")
-    parser.add_argument("--cached", type=int, default=30_000)
+    parser.add_argument("--full", default="4:30000,16:30000",
+                        help="comma-separated B:cached-blocks of the full-cache case "
+                             "(empty: skip it)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=7)
@@ -351,8 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.append(hit_case(args.hit_tokens, args.hit_max_model_len, args.repeats,
                                 args.loops, log_stats))
         print("hit case done", file=sys.stderr)
-    for lanes in [int(x) for x in args.lanes.split(",") if x.strip()]:
-        results.append(full_case(lanes, args.cached, args.max_model_len, args.prompt_tokens,
+    for item in [x for x in args.full.split(",") if x.strip()]:
+        lanes, cached = (int(v) for v in item.split(":"))
+        results.append(full_case(lanes, cached, args.max_model_len, args.prompt_tokens,
                                  args.repeats, args.loops, log_stats))
         print(f"full case B={lanes} done", file=sys.stderr)
     import torch
