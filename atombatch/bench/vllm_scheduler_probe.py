@@ -256,7 +256,7 @@ def full_case(lanes: int, cached: int, max_model_len: int, prompt_tokens: int, r
     while driver.uncached_free_blocks() > 0:  # every free block a cached one
         for _ in range(lanes):
             scheduler.add_request(driver.request(
-                rng.integers(1, 256, size=FILL_PROMPT).tolist(), 1))
+                rng.integers(1, 256, size=min(FILL_PROMPT, max_model_len - 16)).tolist(), 1))
         while scheduler.has_requests():
             driver.step()
     fill_s = time.perf_counter() - started
