@@ -195,7 +195,8 @@ def _cpu(records: Sequence[Any], op: str, shape: str, lanes: int) -> float | Non
 
 
 def _us(ns: float) -> str:
-    return f"{ns / 1000:.0f} µs" if abs(ns) >= 10_000 else f"{ns / 1000:.1f} µs"
+    return f"{ns / 1000:,.0f} µs".replace(",", " ") if abs(ns) >= 10_000 else \
+        f"{ns / 1000:.1f} µs"
 
 
 HIT_PAIRS = (  # (ours, theirs, what is compared)
@@ -214,25 +215,32 @@ class FullRow(NamedTuple):
 
     lanes: int
     shape: str
-    ours: float | None         # atombatch: admitting step − steady step
-    theirs: float              # vLLM's scheduler: the same
-    ours_steady: float | None
-    theirs_steady: float
+    ours_admit: float | None      # atombatch: the admitting step (a prefill step of its own)
+    ours_steady: float | None     # atombatch: a steady decode step
+    theirs_admit: float           # vLLM's scheduler: the admitting step (prefill + B − 1 decodes)
+    theirs_steady: float          # vLLM's scheduler: a steady decode step
+
+    @property
+    def theirs(self) -> float:
+        """What one admission adds to vLLM's scheduler: its admitting step − a steady one."""
+        return self.theirs_admit - self.theirs_steady
 
 
 def full_rows(records: Sequence[Any]) -> list[FullRow]:
-    """Every B and cache vLLM's scheduler was measured at, beside atombatch's where it was."""
+    """Every B and cache vLLM's scheduler was measured at, beside atombatch's where it was.
+
+    The two admissions differ in kind: atombatch's prefill runs in a step of its own (the
+    device's prefill is its own batch-1 graph; the lanes decode in the steps before and after),
+    so what one admission adds is that whole step; vLLM schedules the new prompt's tokens into
+    a decode step, so what it adds is that step minus a steady one."""
     rows = []
     keys = sorted({(r.lanes, r.shape) for r in records if r.op == "prefix_admit_vllm_step"})
     for lanes, shape in keys:
         ours, ours_steady, theirs, theirs_steady = (
             _cpu(records, op, shape, lanes) for op in
             ("prefix_admit", "prefix_steady", "prefix_admit_vllm_step", "prefix_steady_vllm_step"))
-        if theirs is None or theirs_steady is None:
-            continue
-        extra = ours - ours_steady if ours is not None and ours_steady is not None else None
-        rows.append(FullRow(lanes, shape, extra, theirs - theirs_steady, ours_steady,
-                            theirs_steady))
+        if theirs is not None and theirs_steady is not None:
+            rows.append(FullRow(lanes, shape, ours, ours_steady, theirs, theirs_steady))
     return rows
 
 
@@ -245,24 +253,28 @@ def ratio_lines(records: Sequence[Any]) -> list[str]:
     if hit:
         out.append("a cached 8 192-token prompt beside vLLM's own scheduler (CPU): "
                    + "; ".join(hit) + ".")
-    full = [f"B{row.lanes} {_us(row.ours)} vs {_us(row.theirs)}"
-            + (f" ({row.theirs / row.ours:.1f}×)" if row.ours > 0 else "")
-            for row in full_rows(records) if row.ours is not None]
+    full = [f"B{row.lanes} {_us(row.ours_admit)} vs {_us(row.theirs)} "
+            f"({row.theirs / row.ours_admit:.1f}×)"
+            for row in full_rows(records) if row.ours_admit]
     if full:
-        out.append("one admission at a full cache that must evict, admitting − steady step "
-                   "(CPU), here vs vLLM's scheduler: " + ", ".join(full) + ".")
+        out.append("one admission at a full cache that must evict (CPU), the whole admitting "
+                   "step here (its own prefill step) vs vLLM's admitting step minus its steady "
+                   "step: " + ", ".join(full) + ".")
     return out
 
 
 def section(records: Sequence[Any]) -> str:
     """docs/prefix-cache.md's table of the full-cache admission beside vLLM's scheduler."""
-    lines = ["| B | cached blocks | atombatch: admitting − steady step | vLLM scheduler: "
-             "admitting − steady step | vLLM ÷ atombatch | atombatch steady step | vLLM "
-             "steady step (schedule + update) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| B | cached blocks | atombatch: admitting step (its own prefill step) | "
+             "atombatch: steady step | vLLM scheduler: admitting step | vLLM: steady step | "
+             "vLLM: admitting − steady | vLLM's admission ÷ ours |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in full_rows(records):
-        ours = _us(row.ours) if row.ours is not None else "- (does not fit int16 tables)"
-        ratio = f"{row.theirs / row.ours:.1f}×" if row.ours else "-"
+        ours = _us(row.ours_admit) if row.ours_admit is not None else \
+            "- (does not fit int16 tables)"
         steady = _us(row.ours_steady) if row.ours_steady is not None else "-"
-        lines.append(f"| {row.lanes} | {row.shape.removeprefix('cached')} | {ours} | "
-                     f"{_us(row.theirs)} | {ratio} | {steady} | {_us(row.theirs_steady)} |")
+        ratio = f"{row.theirs / row.ours_admit:.1f}×" if row.ours_admit else "-"
+        lines.append(f"| {row.lanes} | {row.shape.removeprefix('cached')} | {ours} | {steady} | "
+                     f"{_us(row.theirs_admit)} | {_us(row.theirs_steady)} | {_us(row.theirs)} | "
+                     f"{ratio} |")
     return "\n".join(lines)
