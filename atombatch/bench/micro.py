@@ -288,9 +288,14 @@ LEGEND = (
     "prefix_admit_hit_vllm vLLM's own BlockPool admitting it; prefix_admit = the step admitting "
     "a 128-token request at a full 1k/10k/30k-block cache; prefix_admit_nocache = that step "
     "without a cache; prefix_steady = a steady decode step at that cache;",
-    "  *_vllm_schedule / *_vllm_step (impl vllm, with $ATOMBATCH_VLLM_PYTHON) = vLLM's own "
-    "Scheduler on the same workloads: its schedule() alone, and add_request + schedule() + "
-    "update_from_output(); prefix_admit_hit_vllm_request = making the Request (its block hashes).",
+    "  impl vllm (with $ATOMBATCH_VLLM_PYTHON) = vLLM's own Scheduler on the same workloads: "
+    "prefix_admit_hit_vllm_schedule = its schedule() admitting the cached prompt, "
+    "prefix_admit_hit_vllm_add_schedule = add_request + that schedule(), "
+    "prefix_admit_hit_vllm_step = add_request + schedule() + update_from_output(), "
+    "prefix_admit_hit_vllm_request = making the Request (its block hashes); "
+    "prefix_admit_vllm_step / prefix_admit_vllm_schedule = the step admitting a 128-token "
+    "request at a full cache / its schedule() alone, prefix_steady_vllm_step / "
+    "prefix_steady_vllm_schedule = a steady decode step / its schedule().",
 )
 
 
