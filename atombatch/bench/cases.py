@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from atombatch import _blocks_py
+from atombatch.bench import vllm_scheduler
 
 try:
     from atombatch import _blocks as _blocks_c  # type: ignore[attr-defined]
@@ -97,7 +98,9 @@ PREFIX_SCALE_OPS = (
     "prefix_admit_nocache",   # the same admitting step with the prefix cache off
     "prefix_steady",          # a steady decode step of the same Batcher (every lane decoding)
 )
-PREFIX_OPS = PREFIX_8K_OPS + PREFIX_SCALE_OPS
+# vLLM's own Scheduler (a subprocess in its own venv, $ATOMBATCH_VLLM_PYTHON; bench/vllm_scheduler.py)
+VLLM_SCHEDULER_OPS = vllm_scheduler.OPS
+PREFIX_OPS = PREFIX_8K_OPS + PREFIX_SCALE_OPS + VLLM_SCHEDULER_OPS
 VLLM_SOURCE_OPS = ("prefix_admit_hit_vllm",)  # measured only with $ATOMBATCH_VLLM_SRC
 OPS = BLOCK_OPS + ENGINE_OPS + PREFIX_OPS
 
@@ -559,6 +562,11 @@ def prefix_scale_shapes() -> list[tuple[str, str, int, int]]:
             out += [(op, f"cached{cached // 1000}k", b, admit_num_blocks(b, cached))
                     for op in ("prefix_admit", "prefix_steady")]
         out += [("prefix_admit_nocache", "nocache", b, admit_num_blocks(b, ADMIT_CACHED))]
+    extra = vllm_scheduler.EXTRA_CACHED  # beside vLLM's scheduler at larger B, when it runs
+    for b in vllm_scheduler.extra_lanes():
+        if admit_num_blocks(b, extra) <= np.iinfo(np.int16).max:  # what block tables can hold
+            out += [(op, f"cached{extra // 1000}k", b, admit_num_blocks(b, extra))
+                    for op in ("prefix_admit", "prefix_steady")]
     return out
 
 
@@ -767,7 +775,11 @@ def prefix_admit_hit_vllm_time_func() -> TimeFunc:
 def full_cache_batcher(impl: ModuleType, lanes: int, prefix_cache: bool = True,
                        num_blocks: int = ADMIT_NUM_BLOCKS) -> Any:
     """A Batcher on a null device (16-token blocks, 2 048-token context) whose prefix cache
-    holds all but a few of its `num_blocks` blocks, from finished 2 000-token requests."""
+    holds every block but the spare and a few partial ones, from finished 2 000-token requests
+    (filled until it evicts): the free list is dry, so nearly every block a request takes
+    (admitted or growing) evicts the LRU cached one. (Leaving
+    the lanes' room free, as this did before, made the first few hundred admissions evict
+    nothing, and `prefix_admit` at B16 none in a quick run.)"""
     from atombatch.config import ArtifactConfig
     from atombatch.structs import SamplingParams
 
@@ -779,8 +791,7 @@ def full_cache_batcher(impl: ModuleType, lanes: int, prefix_cache: bool = True,
         return batcher
     scheduler, rng = batcher.scheduler, np.random.default_rng(0)
     once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    room = lanes * art.blocks_per_seq + 200   # what the lanes below will hold, and some
-    while len(scheduler.prefix) < num_blocks - room:
+    while scheduler.counters.evictions == 0:  # then the free list holds the partial blocks
         for _ in range(lanes):
             batcher.submit(rng.integers(1, ENGINE_VOCAB, size=2000).tolist(), once)
         while scheduler.has_work():

@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import msgspec
 
 from atombatch.bench import cases as case_defs
-from atombatch.bench import provenance
+from atombatch.bench import provenance, vllm_scheduler
 from atombatch.bench.cases import OPS, TimeFunc, implementations, shapes  # noqa: F401 (re-exported)
 
 _blocks_c = case_defs._blocks_c
@@ -77,6 +77,8 @@ class MicroRun(msgspec.Struct, frozen=True):
     load_after: tuple[float, float, float]   # ... and at the end
     records: list[MicroRecord]
     processes: int = 1                  # fresh processes the records are the median of
+    vllm_probe: vllm_scheduler.ProbeRun | None = None  # vLLM's scheduler, when it ran (the first
+                                        # process's with --processes)
 
 
 def _load() -> tuple[float, float, float]:
@@ -135,14 +137,35 @@ def run(lanes: Iterable[int] = (1, 4, 16, 64, 256), json_path: str | None = None
                                    num_blocks=case.num_blocks, ns_per_op=round(ns, 1),
                                    shape=case.shape, cpu_ns_per_op=round(cpu_ns, 1),
                                    load1=_load()[0]))
+    probe = _vllm_scheduler(ops, quick, repeats) if os.environ.get(vllm_scheduler.ENV) else None
+    if probe is not None:
+        records += [MicroRecord(op=m.op, impl="vllm", lanes=m.lanes, num_blocks=m.num_blocks,
+                                ns_per_op=m.wall_ns, shape=m.shape, cpu_ns_per_op=m.cpu_ns,
+                                load1=_load()[0]) for m in vllm_scheduler.measured(probe)]
     if json_path is not None:
         result = MicroRun(commit=provenance.git_commit(), machine=provenance.machine(),
                           started=started, quick=quick, repeats=repeats,
                           load_before=load_before,
-                          load_after=_load(), records=records)
+                          load_after=_load(), records=records, vllm_probe=probe)
         with open(json_path, "wb") as f:
             f.write(msgspec.json.format(msgspec.json.encode(result), indent=2))
     return records
+
+
+def _vllm_scheduler(ops: Iterable[str], quick: bool,
+                    repeats: int) -> vllm_scheduler.ProbeRun | None:
+    """vLLM's own scheduler on micro's admission workloads, run by `$ATOMBATCH_VLLM_PYTHON`."""
+    hit, full = vllm_scheduler.wanted(ops)
+    if not (hit or full):
+        return None
+    c = case_defs
+    return vllm_scheduler.run_probe(vllm_scheduler.probe_argv(
+        os.environ[vllm_scheduler.ENV], hit_tokens=c.PREFIX_TOKENS if hit else 0,
+        hit_max_model_len=c.PREFIX_MAX_SEQ_LEN,
+        full=[(b, c.ADMIT_CACHED) for b in c.ADMIT_LANES] +
+        [(b, vllm_scheduler.EXTRA_CACHED) for b in vllm_scheduler.EXTRA_LANES] if full else [],
+        max_model_len=c.ADMIT_MAX_SEQ_LEN, prompt_tokens=c.ADMIT_PROMPT,
+        repeats=repeats, loops=3 if quick else 20))
 
 
 def run_processes(processes: int, lanes: Sequence[int], json_path: str | None, quick: bool,
@@ -182,7 +205,8 @@ def run_processes(processes: int, lanes: Sequence[int], json_path: str | None, q
     if json_path is not None:
         result = MicroRun(commit=runs[0].commit, machine=runs[0].machine, started=started,
                           quick=quick, repeats=runs[0].repeats, load_before=load_before,
-                          load_after=_load(), records=records, processes=processes)
+                          load_after=_load(), records=records, processes=processes,
+                          vllm_probe=runs[0].vllm_probe)
         with open(json_path, "wb") as f:
             f.write(msgspec.json.format(msgspec.json.encode(result), indent=2))
     return records
@@ -219,8 +243,9 @@ def format_table(records: Sequence[MicroRecord]) -> str:
                      f"{'wall us':>20}{'cpu us':>10}")
         for r in prefix:
             shape = r.shape if r.lanes == 1 else f"{r.shape}/B{r.lanes}"
-            lines.append(f"  {shape:<16}{r.op:<26}{r.ns_per_op / 1000:10.1f}"
+            lines.append(f"  {shape:<16}{r.op:<36}{r.ns_per_op / 1000:10.1f}"
                          f"{r.cpu_ns_per_op / 1000:10.1f}")
+    lines += vllm_scheduler.ratio_lines(records)
     if any(r.op == "prefix_admit" for r in records):
         lines += ["", "admission stalls (the step admitting one request vs a steady step, "
                   "wall / CPU):", admission_section(SimpleNamespace(records=list(records)))]  # type: ignore[arg-type]
@@ -262,7 +287,15 @@ LEGEND = (
     "admitting the cached prompt, prefix_admit_hit_schedule its schedule() alone, "
     "prefix_admit_hit_vllm vLLM's own BlockPool admitting it; prefix_admit = the step admitting "
     "a 128-token request at a full 1k/10k/30k-block cache; prefix_admit_nocache = that step "
-    "without a cache; prefix_steady = a steady decode step at that cache.",
+    "without a cache; prefix_steady = a steady decode step at that cache;",
+    "  impl vllm (with $ATOMBATCH_VLLM_PYTHON) = vLLM's own Scheduler on the same workloads: "
+    "prefix_admit_hit_vllm_schedule = its schedule() admitting the cached prompt, "
+    "prefix_admit_hit_vllm_add_schedule = add_request + that schedule(), "
+    "prefix_admit_hit_vllm_step = add_request + schedule() + update_from_output(), "
+    "prefix_admit_hit_vllm_request = making the Request (its block hashes); "
+    "prefix_admit_vllm_step / prefix_admit_vllm_schedule = the step admitting a 128-token "
+    "request at a full cache / its schedule() alone, prefix_steady_vllm_step / "
+    "prefix_steady_vllm_schedule = a steady decode step / its schedule().",
 )
 
 
@@ -460,6 +493,14 @@ SCALE_ROWS = (  # (op, shape, lanes, what, target) of docs/prefix-cache.md's sca
     ("prefix_admit_hit_vllm", "bs16-vllm", 1, "vLLM's own `BlockPool` admitting it (probes, "
      "`touch`, `get_new_blocks`, `cache_full_blocks`; a lower bound of its scheduler)",
      "baseline"),
+    ("prefix_admit_hit_vllm_schedule", "bs16", 1, "vLLM's own `Scheduler.schedule()` admitting it",
+     "baseline"),
+    ("prefix_admit_hit_vllm_add_schedule", "bs16", 1, "vLLM's `add_request` + that `schedule()`",
+     "baseline"),
+    ("prefix_admit_hit_vllm_step", "bs16", 1, "vLLM's `add_request` + `schedule()` + "
+     "`update_from_output()` (its scheduler's whole admitting step)", "baseline"),
+    ("prefix_admit_hit_vllm_request", "bs16", 1, "vLLM making the `Request` (its block hashes, "
+     "at arrival; not in the figures above)", "-"),
 )
 
 
@@ -495,8 +536,12 @@ def prefix_scale_section(run: MicroRun, json_path: str) -> str:
         ratios.append(f"a miss at 30k cached blocks {miss30 / miss1:.1f}× the miss at 1k")
     if ratios:
         lines += ["", "In CPU time: " + "; ".join(ratios) + "."]
+    lines += [line for text in vllm_scheduler.ratio_lines(run.records)
+              for line in ("", text[0].upper() + text[1:])]
     if _has(run, ("prefix_admit", "prefix_steady")):
         lines += ["", admission_section(run)]
+    if _has(run, vllm_scheduler.FULL_OPS):
+        lines += ["", vllm_scheduler.section(run.records)]
     return "\n".join(lines)
 
 

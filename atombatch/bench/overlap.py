@@ -17,9 +17,11 @@ throughput is a full batch every step, `B / step` tokens per second; a serving p
 
 One round is B requests submitted at once (concurrency c = B), each an `--prompt-len`-token prompt
 with `max_tokens=--max-tokens`, greedy, `ignore_eos`, streamed; delivered tok/s = tokens received /
-(first send -> last `[DONE]`). A round needs B prefill chunks and `max_tokens - 1` decode steps, so
-with the default `--prefill-ms 0` the best possible ratio is `max_tokens / (max_tokens - 1)`
-(column `bound`); a positive `--prefill-ms` lowers the bound by the prefill time the ideal ignores.
+(first send -> last `[DONE]`). A round needs B prefill chunks and `max_tokens - 1` decode steps,
+plus the decode steps the policy runs before the last prefill when all B arrive at once (the
+default stall-free:8 admits 8 chunks per step: `ramp_steps`), so with the default `--prefill-ms
+0` the best possible ratio is `max_tokens / (max_tokens - 1 + ramp)` (column `bound`); a
+positive `--prefill-ms` lowers the bound by the prefill time the ideal ignores.
 Each case runs one short warm-up round, then `--repeats` rounds; the table shows medians.
 
 CPU per delivered token is read from /proc (`schedstat`, nanoseconds; `stat` ticks where that is
@@ -124,7 +126,8 @@ class Case(msgspec.Struct, frozen=True):
     tokenizer: bool                     # the server detokenized (WordLevel tokenizer.json)
     engine_core: str | None             # --engine-core value (None: the flag was not passed)
     ideal_tok_s: float                  # B / step
-    bound_ratio: float                  # best ratio a round allows (prefill and the first token)
+    bound_ratio: float                  # best ratio a round allows (prefill, the first token and
+    #   the policy's admission ramp: `bound_ratio`)
     rounds: list[Round]
     median: Figures | None              # None: no round completed (see error)
     command: str | None = None          # the server's command line
@@ -505,10 +508,32 @@ def _figures(rounds: list[Round]) -> Figures:
 
 
 def bound_ratio(batch_size: int, step_ms: float, prefill_ms: float, prompt_len: int,
-                chunk: int, max_tokens: int) -> float:
-    """The best `ratio` a round allows: B prompts' prefill chunks, then max_tokens - 1 steps."""
-    best = batch_size * -(-prompt_len // chunk) * prefill_ms + (max_tokens - 1) * step_ms
+                chunk: int, max_tokens: int, policy: str | None = None) -> float:
+    """The best `ratio` a round allows: B prompts' prefill chunks, then max_tokens - 1 steps,
+    plus the decode steps the policy runs before the round's last prefill (`ramp_steps`)."""
+    chunks = batch_size * -(-prompt_len // chunk)
+    steps = max_tokens - 1 + ramp_steps(policy, chunks, max_tokens)
+    best = chunks * prefill_ms + steps * step_ms
     return float("inf") if best <= 0 else (batch_size * max_tokens / best) / (batch_size / step_ms)
+
+
+def ramp_steps(policy: str | None, chunks: int, max_tokens: int) -> int:
+    """Decode steps a round's B requests, all there before the first step, wait through before
+    the last one's prefill has run, under `policy` (None: the engine's default; docs/
+    scheduling.md): none for prefill-first and fill-first (a lane's own prefill runs at once),
+    one per `prefill_chunks` chunks after the first group for stall-free, `decode_steps` per
+    chunk after the first for interleave, and every earlier request's whole decode for
+    decode-first (a prefill only when no lane decodes)."""
+    from atombatch.policy import DEFAULT_POLICY, Policy
+
+    rule = Policy.parse(policy or DEFAULT_POLICY)
+    if rule.kind == "stall-free":
+        return -(-chunks // rule.prefill_chunks) - 1
+    if rule.kind == "interleave":
+        return (chunks - 1) * rule.decode_steps
+    if rule.kind == "decode-first":
+        return (chunks - 1) * (max_tokens - 1)
+    return 0
 
 
 def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: list[list[int]],
@@ -734,7 +759,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
             ideal = batch * 1e3 / step
             tag = " overlap" if overlap else " no-overlap"
             bound = bound_ratio(batch, step, args.prefill_ms, args.prompt_len, chunk,
-                                args.max_tokens)
+                                args.max_tokens, args.policy)
             prompts = _prompts(batch, args.prompt_len, spec.vocab_size, args.seed)
             timeout = args.timeout or 10 * (args.max_tokens * step / 1e3 + batch *
                                             args.prefill_ms / 1e3) + 60
@@ -890,7 +915,9 @@ def format_table(report: Report) -> str:
     lb, la = report.load_before, report.load_after
     lines += ["",
               "ideal = B / step (tok/s); bound = the best ratio a round allows (B prefills, "
-              "max_tokens - 1 steps); steady = median over requests of (tokens - 1) x step / "
+              "max_tokens - 1 steps, and the decode steps the policy runs before the last "
+              "prefill when all B arrive at once: stall-free:K admits K chunks per step); "
+              "steady = median over requests of (tokens - 1) x step / "
               "(last - first token time): 1.0 when no decode step waited for the host (the round "
               "ratio also pays the admission ramp the policy sets)",
               "engine = in-process Batcher.step_arrays(): cpu = its process CPU (us/token), "

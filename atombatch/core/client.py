@@ -282,9 +282,8 @@ class CoreClient(PDFront, OutputStreams):
         loop.add_reader(self._from_core.getsockopt(zmq.FD), self._read)
         loop.add_reader(self._process.sentinel, self._on_process_exit)
         self._read()  # what arrived before the reader was there (the descriptor signals edges)
-        if self.shared is None:
-            self._heard_at = time.monotonic()
-            loop.call_later(HANG_CHECK_S, self._check_alive)
+        self._heard_at = time.monotonic()
+        loop.call_later(HANG_CHECK_S, self._check_alive)
 
     def _check_alive(self) -> None:
         """Event loop timer: a core with requests in flight sends a message between any two
@@ -311,7 +310,7 @@ class CoreClient(PDFront, OutputStreams):
 
     def _kill_hung(self, **why: Any) -> None:
         """SIGKILL a core found hung; its sentinel fires: `_on_process_exit` fails what was in
-        flight."""
+        flight (a shared core: its launcher then stops every front, as when a core dies)."""
         assert self._process is not None
         log.error("core.hung", pid=self.core_pid, silent_s=self.hang_timeout,
                   in_flight=self._in_flight_choices, **why)
@@ -321,9 +320,8 @@ class CoreClient(PDFront, OutputStreams):
     def _send_stalled(self, waited: float) -> bool:
         """A core that took no message off its socket for `hang_timeout` seconds (its queue is
         full: a stopped process takes nothing) is hung: killed, rather than the event loop
-        waiting in the send for good, where no hang check runs."""
-        if self.shared is not None:
-            return False
+        waiting in the send for good, where no hang check runs (a shared core's receiver
+        drains every front's socket: one refused that long is hung for every front)."""
         if self._hung:  # killed already: its exit is on its way
             return True
         if waited <= self.hang_timeout:
@@ -363,18 +361,18 @@ class CoreClient(PDFront, OutputStreams):
             if self.shared is None and not self._hung:  # a shared core serves on: its
                 await asyncio.to_thread(self._process.join, 30)  # launcher stops it
         self._stop_reading()
-        self._kill(hard=self._hung)
+        if self._hung:
+            self._process.kill()  # (a shared core too: it is hung for every front)
+        self._kill()
         if self._hung:  # what was in flight ends as when a core dies (finish_reason "error")
             self._fail_in_flight("the engine core stopped answering while closing (no "
                                  f"message for {self.hang_timeout:g} s): killed")
 
-    def _kill(self, hard: bool = False) -> None:
-        """End the core this client spawned (a shared core is left to its launcher); `hard`:
-        SIGKILL at once (a hung core would not act on SIGTERM)."""
+    def _kill(self) -> None:
+        """End the core this client spawned (a shared core is left to its launcher)."""
         if self._process is not None and self.shared is None and self._process.is_alive():
-            if not hard:
-                self._process.terminate()
-                self._process.join(5)
+            self._process.terminate()
+            self._process.join(5)
             if self._process.is_alive():
                 self._process.kill()
                 self._process.join(5)

@@ -31,9 +31,11 @@ evenly: each front admits `ceil((lanes + max_waiting) / N)` choices in flight.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import select
+import signal
 from typing import Any
 
 import msgspec
@@ -105,7 +107,7 @@ def split_step(step: Step, routes: dict[str, int], fronts: int) -> list[tuple[in
 class CorePeer:
     """A front's view of a shared core process it did not start: what `CoreClient` uses of a
     `multiprocessing.Process` (a readable `sentinel` when it exits, `is_alive`, `join`), over a
-    pidfd. A front never stops the shared core (its launcher does)."""
+    pidfd. A front never stops the shared core (its launcher does), but kills a hung one."""
 
     exitcode = None   # not this process's child: its exit code is the launcher's to read
 
@@ -121,6 +123,13 @@ class CorePeer:
 
     def join(self, timeout: float | None = None) -> None:
         select.select([self.sentinel], [], [], timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the core (a hung one: `CoreClient.hang_timeout`); its launcher then stops the
+        server as when the core dies. Through the pidfd, so a reused pid is never hit."""
+        if self.sentinel >= 0:
+            with contextlib.suppress(OSError):  # (gone meanwhile)
+                signal.pidfd_send_signal(self.sentinel, signal.SIGKILL)
 
     def close(self) -> None:
         if self.sentinel >= 0:

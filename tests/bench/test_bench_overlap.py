@@ -104,6 +104,24 @@ def test_figures_are_consistent(report: Report) -> None:
             assert m.client_us_per_token > 0
 
 
+@pytest.mark.parametrize("policy", [None, "stall-free:3", "prefill-first", "fill-first:4",
+                                    "interleave:2", "decode-first"])
+@pytest.mark.parametrize("batch", [1, 5, 20])
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_the_bound_counts_the_decode_steps_the_policy_runs(policy: str | None, batch: int,
+                                                           pipeline: bool) -> None:
+    """`bound`'s ramp is what the scheduler does: the engine's round of B requests submitted at
+    once runs max_tokens - 1 + ramp_steps decode calls, synchronous or pipelined."""
+    from atombatch.serve.cli import DEFAULT_SPEC
+
+    prompts = overlap._prompts(batch, 8, DEFAULT_SPEC.vocab_size, 0)
+    r = overlap.engine_round(batch, 0.5, 0.0, prompts, 6, 1024, 128, policy, DEFAULT_SPEC,
+                             None, pipeline)
+    assert r.decode_steps == 5 + overlap.ramp_steps(policy, batch, 6)
+    assert overlap.bound_ratio(batch, 0.5, 0.0, 8, 128, 6, policy) == \
+        pytest.approx(6 / r.decode_steps)
+
+
 def test_steady_ratio_is_each_requests_rate_against_one_token_per_step() -> None:
     step = 0.01
     on_time = (1.0, 1.0 + 15 * step, 16)       # 16 tokens in 15 steps: no step waited

@@ -783,6 +783,8 @@ def test_micro_bench_quick_writes_records(tmp_path) -> None:
                                                                ("py", 145)}
     vllm_only = set() if os.environ.get("ATOMBATCH_VLLM_SRC") else \
         set(micro.case_defs.VLLM_SOURCE_OPS)  # vLLM's own code, when its source is given
+    if not os.environ.get("ATOMBATCH_VLLM_PYTHON"):  # vLLM's scheduler, when its venv is given
+        vllm_only |= set(micro.case_defs.VLLM_SCHEDULER_OPS)
     assert {r.op for r in records} == set(micro.OPS) - vllm_only
     assert {(r.op, r.shape) for r in records if r.op == "engine_step"} == {
         ("engine_step", "eager"), ("engine_step", "partitioned")}

@@ -172,10 +172,19 @@ def test_the_layers_are_the_documented_ones() -> None:
 
 
 def test_optional_dependencies_stay_out_of_a_plain_import() -> None:
-    optional = ["ray", "rebel", "transformers", "torch", "matplotlib"]
+    optional = ["ray", "rebel", "transformers", "torch", "matplotlib", "vllm"]
     code = ("import sys, atombatch, atombatch.runtime, atombatch.serve, atombatch.pd, "
             "atombatch.core, atombatch.cluster, atombatch.bench, atombatch.rbln_config; "
             f"print(sorted(m for m in {optional!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT)
     assert out.stdout.strip() == "[]", "a plain import of atombatch imports " + out.stdout
+
+
+def test_the_vllm_scheduler_probe_imports_nothing_of_atombatch() -> None:
+    """bench/vllm_scheduler_probe.py runs in vLLM's own venv, where atombatch is not installed;
+    bench/vllm_scheduler.py, which micro and the cases import, imports none of atombatch either."""
+    edges = graph()
+    assert edges["atombatch.bench.vllm_scheduler_probe"] == {}
+    assert edges["atombatch.bench.vllm_scheduler"] == {}
+    assert "atombatch.bench.vllm_scheduler" in edges["atombatch.bench.cases"]

@@ -351,3 +351,28 @@ def test_a_bad_front_count_is_refused_before_anything_starts(flags: tuple[str, .
     done = subprocess.run([sys.executable, "-m", "atombatch.serve", "--port", "0", *NULL, *flags],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_hung_core_stops_the_server_and_leaves_nothing() -> None:
+    """SIGSTOP the shared core mid-stream: a front with the stream in flight hears nothing for
+    --core-hang-timeout seconds, kills the core (through its pidfd), and the launcher stops as
+    when the core dies: the stream ends, exit status 1, no child left."""
+    with launched(*NULL, "--core-hang-timeout", "1") as server:
+        core_pid = httpx.get(f"{server.url}/v1/models").json()["data"][0]["atombatch"][
+            "engine_core"]["pid"]
+        children = server.children()
+        started = threading.Event()
+        with httpx.Client(timeout=60) as client:
+            runner = threading.Thread(target=_swallow, args=(
+                lambda: stream_tokens(client, server.url, [5, 6], 5000, started),))
+            runner.start()
+            assert started.wait(20)
+            os.kill(core_pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            assert server.proc.wait(30) == 1
+            assert time.monotonic() - stopped < 15
+            runner.join(30)
+            assert not runner.is_alive()
+        lines = "".join(server.lines)
+        assert "core.hung" in lines and "the engine core exited" in lines
+        _none_outlive(children)
