@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -100,10 +101,11 @@ class CoreClient(PDFront, OutputStreams):
         factory: picklable callable returning the `Batcher` to run; called in the child.
         startup_timeout: seconds the core may take to build its engine (weights, compilation).
         hang_timeout: seconds a core with requests in flight (or asked to stop) may send
-            nothing at all (between device calls it sends at least one message a second)
-            before it counts as hung (a device call that never returns, a stopped
-            process) and is killed: its requests end with `finish_reason="error"` and
-            `on_core_exit` is called; `close()` waits no longer than that for a silent core.
+            nothing at all (between device calls it sends a message at least every quarter
+            second: keep this above the longest device call) before it counts as hung (a
+            device call that never returns, a stopped process) and is killed: its requests end
+            with `finish_reason="error"` and `on_core_exit` is called; `close()` waits no
+            longer than that for a silent core.
         max_unclaimed, max_unclaimed_bytes, stream_interval: as `AsyncBatcher`'s.
         on_core_exit: called (in the event loop, with the exit code) when the core exits
             without being asked to.
@@ -128,7 +130,8 @@ class CoreClient(PDFront, OutputStreams):
         self.pd_options = pd
         self.factory = factory
         self.startup_timeout = startup_timeout
-        if not hang_timeout > 0:
+        if isinstance(hang_timeout, bool) or not isinstance(hang_timeout, int | float) or \
+                not hang_timeout > 0:  # (a bool or a string would pass, or raise TypeError)
             raise ConfigError(f"hang_timeout={hang_timeout!r} must be a positive number of seconds")
         self.hang_timeout = hang_timeout
         self.on_core_exit = on_core_exit
@@ -149,7 +152,8 @@ class CoreClient(PDFront, OutputStreams):
         self._dead = False
         self._hung = False                    # the core went silent and was killed (hang_timeout)
         self._frames = 0                      # messages read from the core (its liveness)
-        self._heard: tuple[int, float] = (0, 0.0)  # _frames when last changed, and when
+        self._heard_at = 0.0                  # time.monotonic() of the last message read (or
+                                              #   of the last check with nothing in flight)
         self._next_id = 0
         self._starting = threading.Lock()     # one start_process at a time: one core
 
@@ -278,30 +282,52 @@ class CoreClient(PDFront, OutputStreams):
         loop.add_reader(self._from_core.getsockopt(zmq.FD), self._read)
         loop.add_reader(self._process.sentinel, self._on_process_exit)
         self._read()  # what arrived before the reader was there (the descriptor signals edges)
-        self._heard = (self._frames, loop.time())
+        self._heard_at = time.monotonic()
         loop.call_later(HANG_CHECK_S, self._check_alive)
 
     def _check_alive(self) -> None:
-        """Event loop timer: a core with requests in flight sends a message at least every
-        second (a heartbeat between its steps' outputs); one silent for `hang_timeout` seconds
-        is hung (a device call that never returns, a stopped process). It is killed, and its
-        exit then fails what was in flight, as when a core dies (`on_core_exit`: the server
-        stops)."""
+        """Event loop timer: a core with requests in flight sends a message between any two
+        device calls at least every quarter second (a heartbeat between its steps' outputs);
+        one silent for `hang_timeout` seconds since the last message read is hung (a device
+        call that never returns, a stopped process). It is killed, and its exit then fails what
+        was in flight, as when a core dies (`on_core_exit`: the server stops)."""
         loop = self._loop
-        if not self._reading or self._closing or loop is None or self._process is None:
-            return  # (close() watches the core itself)
-        frames, since = self._heard
-        now = loop.time()
-        if frames != self._frames or not self._in_flight_choices:
-            self._heard = (self._frames, now)  # heard from it, or nothing to hear: not silent
-        elif now - since > self.hang_timeout and not self._from_core.poll(0):
-            # (messages waiting unread: this loop was what stood still, not the core)
-            log.error("core.hung", pid=self.core_pid, silent_s=self.hang_timeout,
-                      in_flight=self._in_flight_choices)
-            self._hung = True
-            self._process.kill()  # its sentinel fires: _on_process_exit (a shared core: its
-            return                # launcher then stops every front, as when a core dies)
+        if not self._reading or self._closing or loop is None or self._process is None or \
+                self._hung:
+            return  # (close() watches the core itself; a hung one was killed already)
+        now = time.monotonic()
+        if not self._in_flight_choices:
+            self._heard_at = now  # nothing to hear: not silent
+        elif now - self._heard_at > self.hang_timeout:
+            # what waits unread is read first: then this loop was what stood still, not the
+            # core (read, not polled: a poll takes the descriptor's signal, and the reader
+            # would not run again for what waits)
+            self._read()
+            if now - self._heard_at > self.hang_timeout:
+                self._kill_hung()
+                return
         loop.call_later(HANG_CHECK_S, self._check_alive)
+
+    def _kill_hung(self, **why: Any) -> None:
+        """SIGKILL a core found hung; its sentinel fires: `_on_process_exit` fails what was in
+        flight (a shared core: its launcher then stops every front, as when a core dies)."""
+        assert self._process is not None
+        log.error("core.hung", pid=self.core_pid, silent_s=self.hang_timeout,
+                  in_flight=self._in_flight_choices, **why)
+        self._hung = True
+        self._process.kill()
+
+    def _send_stalled(self, waited: float) -> bool:
+        """A core that took no message off its socket for `hang_timeout` seconds (its queue is
+        full: a stopped process takes nothing) is hung: killed, rather than the event loop
+        waiting in the send for good, where no hang check runs (a shared core's receiver
+        drains every front's socket: one refused that long is hung for every front)."""
+        if self._hung:  # killed already: its exit is on its way
+            return True
+        if waited <= self.hang_timeout:
+            return False
+        self._kill_hung(send_refused_s=round(waited, 1))
+        return True
 
     def _loop_closed(self) -> bool:
         loop = self._loop
@@ -388,7 +414,8 @@ class CoreClient(PDFront, OutputStreams):
 
     @property
     def running(self) -> bool:
-        return self._reading and not self._dead and not self._closing and not self._loop_closed()
+        return self._reading and not self._dead and not self._closing and not self._hung and \
+            not self._loop_closed()
 
     @property
     def dead(self) -> bool:
@@ -450,6 +477,8 @@ class CoreClient(PDFront, OutputStreams):
                 f"creq-{self.shared.front}.{os.getpid()}-{self._next_id}"
             self._next_id += 1
         self._open(request_id)
+        if not self._in_flight_choices:  # silence counts from here (the hang check)
+            self._heard_at = time.monotonic()
         self._choices[request_id] = params.n
         self._in_flight_choices += params.n
         pd = self.pd_options is not None and pd_eligible(params)
@@ -473,10 +502,13 @@ class CoreClient(PDFront, OutputStreams):
                 # still more, and the descriptor will not signal again for it (edges only)
                 assert self._loop is not None
                 self._loop.call_soon(self._read)
+                self._heard_at = time.monotonic()
                 return
             try:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
+                if count:
+                    self._heard_at = time.monotonic()  # (the hang check's silence ends)
                 return
             count += 1
             self._frames += 1

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
@@ -234,14 +235,22 @@ class PDFront:
         if self._dead or sock is None:
             return False
         frame = front_encoder.encode(message)
+        refused_at = None
         while True:
             try:
                 sock.send(frame, zmq.NOBLOCK)
                 return True
             except zmq.Again:  # no peer, or its queue is full: wait while the core lives
-                if self._process is None or not self._process.is_alive():
+                refused_at = time.monotonic() if refused_at is None else refused_at
+                if self._process is None or not self._process.is_alive() or \
+                        self._send_stalled(time.monotonic() - refused_at):
                     return False
                 sock.poll(100, zmq.POLLOUT)
+
+    def _send_stalled(self, waited: float) -> bool:
+        """Whether a send the core's socket has refused for `waited` seconds gives up (the
+        core is then killed as hung: `CoreClient`); here, never."""
+        return False
 
     @property
     def producers(self) -> list[ProducerState]:

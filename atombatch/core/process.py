@@ -74,7 +74,7 @@ STATS_INTERVAL = 0.05     # seconds between the engine stats a Step carries
 IDLE_WAIT_MS = 100        # how long an idle core waits for a message before checking its parent
 RECEIVE_POLL_MS = 50      # how often the receiver thread checks whether the loop has stopped
 PD_POLL_MS = 2            # while every unfinished request waits on a KV producer
-HEARTBEAT_S = 1.0         # a core with requests sends a stats-only Step at least this often
+HEARTBEAT_S = 0.25        # a core with requests sends a stats-only Step this often between steps
 _NO_TOKENS = np.zeros(0, np.int64)   # a Step without plain tokens (allocated once)
 SOCKET_DIR_PREFIX = "atombatch-core-"  # the temporary directory of a client's IPC sockets
 

@@ -210,9 +210,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--core-hang-timeout", type=float, default=DEFAULT_CORE_HANG_TIMEOUT,
                    metavar="SECONDS",
                    help="--engine-core process: a core that sends nothing for this long while "
-                   "requests are in flight (between device calls it sends at least one message a "
-                   "second) is hung: it is killed, its requests end with an error and the "
-                   "server exits non-zero, as when the core dies; a shutdown waits no longer for "
+                   "requests are in flight (between device calls it sends a message at least "
+                   "every quarter second: keep this above the longest device call) is hung: it "
+                   "is killed, its requests end with an error and the server exits non-zero, as "
+                   "when the core dies; a shutdown waits no longer for "
                    f"it either (default {DEFAULT_CORE_HANG_TIMEOUT:g})")
     p.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="front processes (HTTP, tokenization, streaming) sharing one engine core "

@@ -19,14 +19,15 @@ def numpy_batcher(seed: int = 7, max_waiting: int | None = 64, **options: Any) -
     return Batcher(NumpyRuntime.random(ART, seed=seed), max_waiting=max_waiting, **options)
 
 
-def slow_prefill_batcher(prefill_ms: float, step_ms: float = 1.0) -> Batcher:
+def slow_prefill_batcher(prefill_ms: float, step_ms: float = 1.0, **options: Any) -> Batcher:
     """A null device (atombatch/runtime/null.py) whose every prefill chunk waits `prefill_ms`:
-    a long prompt's chunks, none of which has an output, take long in all."""
+    a long prompt's chunks, none of which has an output, take long in all (`options`: the
+    Batcher's, e.g. overlap=True)."""
     from atombatch.runtime.null import NullRuntime
 
     art = ArtifactConfig(model=SPEC, batch_size=2, max_seq_len=2048, block_size=32,
                          num_blocks=2 * 64 + 1, prefill_chunk_size=32, kv_dtype="float32")
-    return Batcher(NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms))
+    return Batcher(NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms), **options)
 
 
 def failing_factory(message: str) -> Batcher:
