@@ -481,6 +481,7 @@ class CoreLoop:
                 self.beat_at = now  # runs, whatever the steps send (a long prompt's chunks and
                 # waits on producers send nothing): CoreClient's hang_timeout counts silence
                 self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
+                self.hand_over()  # now: steps without a device call (KV imports) hand nothing
             stale = True
             try:
                 result = batcher.step_arrays()
