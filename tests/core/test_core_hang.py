@@ -13,6 +13,7 @@ import time
 
 import pytest
 from support.engines import numpy_batcher, slow_prefill_batcher
+from support.served import running
 
 from atombatch import SamplingParams
 from atombatch.core import CoreClient
@@ -21,13 +22,6 @@ from atombatch.errors import ConfigError
 HANG = 1.0
 LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
 
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 async def test_a_core_that_stops_answering_is_killed_and_its_requests_fail() -> None:
@@ -51,7 +45,7 @@ async def test_a_core_that_stops_answering_is_killed_and_its_requests_fail() -> 
         assert HANG <= waited < HANG + 5, waited
         assert exited == [-signal.SIGKILL] and not client.running
         await asyncio.sleep(0.2)
-        assert gone(pid)
+        assert not running(pid)
 
 
 async def test_a_core_that_keeps_stepping_is_not_hung() -> None:
@@ -99,7 +93,7 @@ async def test_close_does_not_wait_forever_for_a_stopped_core(drain: bool) -> No
     rest = [out async for out in stream]
     assert rest[-1].finish_reason == "error" and "stopped answering" in (rest[-1].error or "")
     await asyncio.sleep(0.2)
-    assert gone(pid)
+    assert not running(pid)
 
 
 async def test_close_of_an_idle_stopped_core_returns() -> None:
@@ -110,7 +104,7 @@ async def test_close_of_an_idle_stopped_core_returns() -> None:
     os.kill(pid, signal.SIGSTOP)
     await asyncio.wait_for(client.close(), HANG + 10)
     await asyncio.sleep(0.2)
-    assert gone(pid)
+    assert not running(pid)
 
 
 @pytest.mark.parametrize("value", [0, -1.0, float("nan")])

@@ -13,6 +13,7 @@ import time
 
 import pytest
 from support.engines import numpy_batcher, slow_prefill_batcher
+from support.served import running
 from support.structured import batcher as structured_batcher
 
 from atombatch import SamplingParams
@@ -23,13 +24,6 @@ from atombatch.structured import StructuredOutput
 HANG = 1.0
 SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def kill_after(pid: int, seconds: float) -> threading.Event:
@@ -73,7 +67,7 @@ async def test_submits_to_a_stopped_core_do_not_freeze_the_front() -> None:
     assert exited == [-signal.SIGKILL]
     await client.close()
     await asyncio.sleep(0.2)
-    assert gone(pid)
+    assert not running(pid)
 
 
 async def test_a_check_that_finds_messages_waiting_reads_them() -> None:
@@ -126,7 +120,7 @@ async def test_a_decode_call_that_never_returns_is_found(overlap: bool) -> None:
         assert "hung" in (outs[-1].error or "") and HANG <= waited < HANG + 5, waited
         assert exited == [-signal.SIGKILL]
     await asyncio.sleep(0.2)
-    assert gone(pid)
+    assert not running(pid)
 
 
 async def test_an_idle_core_is_never_killed_after_refusals_aborts_and_groups() -> None:
@@ -185,7 +179,7 @@ def test_sigterm_to_a_server_whose_core_hangs_exits_within_the_timeout() -> None
         while os.waitpid(pid, os.WNOHANG)[0] == 0:
             assert time.monotonic() - stopped < 2 + 10, "the server did not exit"
             time.sleep(0.1)
-        assert gone(core_pid)
+        assert not running(core_pid)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.served import free_port
+from support.served import free_port, running
 
 NULL = ("--runtime", "null", "--null-step-ms", "5", "--batch-size", "4", "--max-seq-len", "8192",
         "--log-level", "warning")
@@ -211,13 +211,13 @@ def test_a_dying_core_stops_the_server_and_leaves_nothing() -> None:
 
 def test_a_killed_launcher_takes_the_core_and_the_fronts_with_it(tmp_path: Path) -> None:
     with launched(*NULL, tmp=tmp_path) as server:
-        children = [pid for pid in server.children() if _running(pid)]
+        children = [pid for pid in server.children() if running(pid)]
         assert len(children) >= 3
         [directory] = tmp_path.glob("atombatch-core-*")
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(10)
         # the core sees its parent gone and exits; each front sees the core gone and exits
-        wait_until(lambda: not any(_running(pid) for pid in children), timeout=20,
+        wait_until(lambda: not any(running(pid) for pid in children), timeout=20,
                    what="a child outlived its launcher")
         # and the core removed the socket directory the launcher can no longer remove
         assert not directory.exists(), sorted(p.name for p in directory.iterdir())
@@ -283,20 +283,9 @@ def _none_outlive(children: list[int]) -> None:
     """None of the launcher's children outlives it by more than a moment (multiprocessing's
     resource tracker, a child of the launcher too, exits once the launcher's end of its pipe
     closes: just after the launcher)."""
-    wait_until(lambda: not any(_running(pid) for pid in children), timeout=5,
-               what=f"children outlived the server: {[p for p in children if _running(p)]}")
+    wait_until(lambda: not any(running(pid) for pid in children), timeout=5,
+               what=f"children outlived the server: {[p for p in children if running(p)]}")
 
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for our purposes
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.served import free_port
+from support.served import free_port, running
 
 
 def start(engine_core: str) -> tuple[subprocess.Popen[str], int]:
@@ -71,10 +71,3 @@ def test_a_stop_is_quiet_and_leaves_nothing(how: str, engine_core: str, code: in
     assert not alive, [Path(f"/proc/{c}/cmdline").read_text() for c in alive]
 
 
-def running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:  # reparented and not yet reaped counts as gone
-        return stat.read().split(")")[-1].split()[0] != "Z"

@@ -92,3 +92,16 @@ class ServerThread:
         self.thread.join(60)
         self.sock.close()
         assert not self.thread.is_alive(), "uvicorn did not shut down"
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed and not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
