@@ -532,6 +532,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
             from atombatch.core import CoreClient
             codec = codec_from_args(args, _model_dir(args))
             factory = None if shared is not None else functools.partial(core_batcher, args)
+            if not args.core_hang_timeout > 0:  # (NaN too)
+                raise ConfigError(f"--core-hang-timeout {args.core_hang_timeout} must be a "
+                                  "positive number of seconds")
             engine = CoreClient(factory, stream_interval=args.stream_interval,
                                 hang_timeout=args.core_hang_timeout, pd=pd_options(args),
                                 shared=shared)

@@ -9,6 +9,8 @@ import asyncio
 import functools
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -144,3 +146,12 @@ def test_a_front_whose_loop_stood_still_does_not_kill_a_live_core(loop: str) -> 
             assert client.running
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main())
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+def test_the_server_refuses_a_hang_timeout_that_is_not_positive(value: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "atombatch.serve", "--runtime", "null",
+                           "--port", "0", "--core-hang-timeout", value],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "--core-hang-timeout" in done.stderr and "must be a positive number" in done.stderr
