@@ -115,39 +115,6 @@ def test_hang_timeout_must_be_positive(value: float) -> None:
         CoreClient(functools.partial(numpy_batcher), hang_timeout=value)
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_a_front_whose_loop_stood_still_does_not_kill_a_live_core(loop: str) -> None:
-    """Another callback holds the front's event loop for longer than `hang_timeout`, right
-    after a check, while the core goes on sending: the silence was the loop's, not the core's
-    (what it sent waits unread; the check also looks at the socket before it kills), so the
-    core lives and the request ends normally, on asyncio's loop and on uvloop (the server's)."""
-    factory = asyncio.new_event_loop
-    if loop == "uvloop":
-        uvloop = pytest.importorskip("uvloop")  # the server's loop when installed (uvicorn)
-        factory = uvloop.new_event_loop
-
-    async def main() -> None:  # decode steps of 50 ms: the request lives 6 s
-        client = CoreClient(functools.partial(slow_prefill_batcher, 1.0, step_ms=50.0),
-                            hang_timeout=HANG)
-        check, blocked = client._check_alive, []
-
-        def check_then_stand_still() -> None:  # the worst moment: right after a check,
-            check()                              # another callback holds the loop
-            if not blocked and client._in_flight_choices:
-                blocked.append(True)  # the loop stands still; the core decodes on
-                asyncio.get_running_loop().call_soon(time.sleep, HANG + 1.5)
-
-        client._check_alive = check_then_stand_still  # type: ignore[method-assign]
-        async with client:
-            tokens: list[int] = []
-            async for out in client.stream([5, 6, 7], LONG):
-                tokens.extend(out.new_token_ids)
-            assert blocked and len(tokens) == 120 and out.finish_reason == "length"
-            assert client.running
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(main())
-
-
 @pytest.mark.parametrize("value", ["0", "-5", "nan"])
 def test_the_server_refuses_a_hang_timeout_that_is_not_positive(value: str) -> None:
     done = subprocess.run([sys.executable, "-m", "atombatch.serve", "--runtime", "null",
