@@ -61,11 +61,12 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from atombatch.bench import admission, provenance
+from atombatch.bench import admission, provenance, sustained
 from atombatch.bench.admission import AdmissionGap
 from atombatch.bench.progress import CellProgress
 from atombatch.bench.send_floor import EVENT_BYTES, SendFloor, send_floor
-from atombatch.bench.sse_client import Stream, http_request, receive
+from atombatch.bench.sse_client import Stream, closed_loop, http_request, receive
+from atombatch.bench.sustained import Span, Sustained
 
 Path_ = Literal["engine", "server"]
 Load = tuple[float, float, float]
@@ -135,6 +136,7 @@ class Case(msgspec.Struct, frozen=True):
     #   or, prefixed "recovered by a restart:", why its server was started again (all rounds ran)
     overlap: bool | None = None         # Batcher(overlap=) / --overlap, --no-overlap (None: the
     #   server has no such flag, or a report from before it)
+    sustained: Sustained | None = None  # --sustained G: B in flight, G x B requests
 
 
 class Report(msgspec.Struct, frozen=True):
@@ -536,13 +538,12 @@ def ramp_steps(policy: str | None, chunks: int, max_tokens: int) -> int:
     return 0
 
 
-def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: list[list[int]],
-                 max_tokens: int, max_seq_len: int, chunk: int,
-                 policy: str | None = None, spec: Any = None,
-                 argmax_threads: int | None = None, overlap: bool = False) -> Round:
-    """One round on an in-process Batcher over a NullRuntime (no HTTP): `step_arrays()`;
-    `spec` is the model (its vocabulary sizes the logits; default the server's tiny spec)."""
-    from atombatch import ArtifactConfig, Batcher, SamplingParams
+def _engine(batch_size: int, step_ms: float, prefill_ms: float, max_seq_len: int, chunk: int,
+            policy: str | None, spec: Any, argmax_threads: int | None,
+            overlap: bool) -> tuple[Any, Any]:
+    """A `Batcher` over a fresh NullRuntime (no HTTP), and the runtime; `spec` is the model (its
+    vocabulary sizes the logits; default the server's tiny spec)."""
+    from atombatch import ArtifactConfig, Batcher
     from atombatch.policy import DEFAULT_POLICY
     from atombatch.runtime.null import NullRuntime
     from atombatch.serve.cli import DEFAULT_SPEC
@@ -551,8 +552,19 @@ def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: li
                          block_size=max_seq_len, num_blocks=batch_size + 1,
                          prefill_chunk_size=chunk)
     runtime = NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms)
-    batcher = Batcher(runtime, max_waiting=None, policy=policy or DEFAULT_POLICY,
-                      argmax_threads=argmax_threads, overlap=overlap)
+    return Batcher(runtime, max_waiting=None, policy=policy or DEFAULT_POLICY,
+                   argmax_threads=argmax_threads, overlap=overlap), runtime
+
+
+def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: list[list[int]],
+                 max_tokens: int, max_seq_len: int, chunk: int,
+                 policy: str | None = None, spec: Any = None,
+                 argmax_threads: int | None = None, overlap: bool = False) -> Round:
+    """One round on an in-process Batcher over a NullRuntime (no HTTP): `step_arrays()`."""
+    from atombatch import SamplingParams
+
+    batcher, runtime = _engine(batch_size, step_ms, prefill_ms, max_seq_len, chunk, policy, spec,
+                               argmax_threads, overlap)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     load_before = _load()
     cpu0, started = time.process_time(), time.perf_counter()
@@ -586,6 +598,48 @@ def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: li
                  steady=steady_ratio(spans, step_ms / 1e3))
 
 
+def engine_sustained(batch_size: int, step_ms: float, prefill_ms: float, prompts: list[list[int]],
+                     max_tokens: int, max_seq_len: int, chunk: int, policy: str | None = None,
+                     spec: Any = None, argmax_threads: int | None = None,
+                     overlap: bool = False) -> Sustained:
+    """`prompts` (G x B of them) on an in-process Batcher, B in flight: each request that ends
+    is replaced by the next at once (atombatch/bench/sustained.py)."""
+    from atombatch import SamplingParams
+
+    batcher, _ = _engine(batch_size, step_ms, prefill_ms, max_seq_len, chunk, policy, spec,
+                         argmax_threads, overlap)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    spans: dict[str, list[float]] = {}   # request id -> [sent, first, ended, tokens]
+    order: list[str] = []
+
+    def submit() -> None:
+        request_id = batcher.submit(prompts[len(order)], params)
+        order.append(request_id)
+        spans[request_id] = [time.perf_counter(), 0.0, 0.0, 0]
+
+    cpu0 = time.process_time()
+    while len(order) < min(batch_size, len(prompts)):
+        submit()
+    ok = 0
+    while batcher.has_unfinished():
+        result = batcher.step_arrays()
+        now = time.perf_counter()
+        for out in result.outputs:  # (a plain row's token is not counted: not read per row,
+            span = spans[out.request_id]  # as it would add to the host time measured)
+            if not span[1]:
+                span[1] = now
+            if out.finished:
+                span[2] = now
+                if out.finish_reason == "length":  # ignore_eos: every token was generated
+                    span[3] = max_tokens
+                    ok += 1
+                if len(order) < len(prompts):
+                    submit()
+    cpu = time.process_time() - cpu0
+    return sustained.summarize([Span(*spans[r][:3], int(spans[r][3])) for r in order],
+                               batch_size, step_ms, ok, core_cpu_s=cpu)
+
+
 def fronts_cpu(pid: int, core_pid: int) -> ServerCpu:
     """CPU seconds of a launcher's tree (`--api-server-count N`): `main` is every front (every
     process below it but the core), `children` the core."""
@@ -606,47 +660,55 @@ def core_pid_of(server: Server) -> int:
     return int(card["data"][0]["atombatch"]["engine_core"]["pid"])
 
 
+class _ServerSplit:
+    """The server's CPU split into front and core by `split` (fronts: a launcher with several
+    front processes on one core)."""
+
+    def __init__(self, server: Server, split: Literal["thread", "process", "fronts"]) -> None:
+        self.pid, self.split = server.pid, split
+        self.core_pid = core_pid_of(server) if split == "fronts" else 0
+
+    def now(self) -> ServerCpu:
+        return fronts_cpu(self.pid, self.core_pid) if self.split == "fronts" else \
+            server_cpu(self.pid)
+
+    def front(self, cpu: ServerCpu) -> float:
+        # inline core: the step thread(s) are the core; a core process: the server is the front
+        return cpu.main if self.split in ("thread", "fronts") else cpu.main + cpu.threads
+
+    def core(self, cpu: ServerCpu) -> float:
+        return cpu.threads + cpu.children if self.split == "thread" else cpu.children
+
+    def front_sys(self) -> float:
+        if self.split == "fronts":
+            return _fronts_sys(self.pid, self.core_pid)
+        return _task_sys(self.pid, self.pid) if self.split == "thread" else \
+            sum(_task_sys(self.pid, t) for t in _threads(self.pid))
+
+
 def server_round(server: Server, bodies: list[bytes], max_tokens: int, batch_size: int,
                  step_ms: float, split: Literal["thread", "process", "fronts"],
                  timeout: float) -> Round:
-    """One round of B streamed requests against the server; its CPU split by `split` (fronts:
-    a launcher with several front processes on one core)."""
+    """One round of B streamed requests against the server; its CPU split by `split`."""
     load_before = _load()
-    pid = server.pid
-    core_pid = core_pid_of(server) if split == "fronts" else 0
-
-    def cpu_now() -> ServerCpu:
-        return fronts_cpu(pid, core_pid) if split == "fronts" else server_cpu(pid)
-
-    def front_of(cpu: ServerCpu) -> float:
-        # inline core: the step thread(s) are the core; a core process: the server is the front
-        return cpu.main if split in ("thread", "fronts") else cpu.main + cpu.threads
-
-    def front_sys() -> float:
-        if split == "fronts":
-            return _fronts_sys(pid, core_pid)
-        return _task_sys(pid, pid) if split == "thread" else \
-            sum(_task_sys(pid, t) for t in _threads(pid))
-
+    cpus = _ServerSplit(server, split)
     marks: list[tuple[int, float, float]] = []   # (tokens received, front CPU, its kernel part)
     mid: dict[str, Any] = {}
 
     def mark(tokens: int) -> None:
-        marks.append((tokens, front_of(cpu_now()), front_sys()))
+        marks.append((tokens, cpus.front(cpus.now()), cpus.front_sys()))
 
     gaps_before = host_gaps(server.host, server.port)
-    cpu_before = cpu_now()
+    cpu_before = cpus.now()
     client0 = time.process_time()
     streams, duration = client_round(server.host, server.port, bodies, timeout, max_tokens,
                                      step_ms / 1e3, marks=MID_WINDOW, on_mark=mark)
     client = time.process_time() - client0
-    cpu = cpu_now() - cpu_before
+    cpu = cpus.now() - cpu_before
     gaps_after = host_gaps(server.host, server.port, wait_for_more=gaps_before)
     if gaps_before is not None and gaps_after is not None:
         mid["host_gap_s"] = gaps_after[0] - gaps_before[0]
         mid["host_gaps"] = int(gaps_after[1] - gaps_before[1])
-    front = front_of(cpu)
-    core = cpu.threads + cpu.children if split == "thread" else cpu.children  # (fronts: the core)
     if len(marks) == 2 and marks[1][0] > marks[0][0]:
         (t0, c0, s0), (t1, c1, s1) = marks
         mid |= {"mid_tokens": t1 - t0, "mid_front_cpu_s": c1 - c0, "mid_front_sys_s": s1 - s0}
@@ -655,11 +717,31 @@ def server_round(server: Server, bodies: list[bytes], max_tokens: int, batch_siz
     errors = tuple(s.error for s in streams if s.error is not None)[:5]
     return Round(requests=len(bodies), ok=sum(s.finished and s.error is None for s in streams),
                  tokens=tokens, events=sum(s.events for s in streams), duration_s=duration,
-                 tok_per_s=tok_s, ratio=tok_s / (batch_size * 1e3 / step_ms), front_cpu_s=front,
-                 core_cpu_s=core, client_cpu_s=client, load_before=load_before,
-                 load_after=_load(), errors=errors,
+                 tok_per_s=tok_s, ratio=tok_s / (batch_size * 1e3 / step_ms),
+                 front_cpu_s=cpus.front(cpu), core_cpu_s=cpus.core(cpu), client_cpu_s=client,
+                 load_before=load_before, load_after=_load(), errors=errors,
                  steady=steady_ratio([(s.first, s.ended, s.tokens) for s in streams
                                       if s.finished and s.error is None], step_ms / 1e3), **mid)
+
+
+def server_sustained(server: Server, bodies: list[bytes], max_tokens: int, batch_size: int,
+                     step_ms: float, split: Literal["thread", "process", "fronts"],
+                     timeout: float) -> Sustained:
+    """`bodies` (G x B) against the server with B in flight, each stream that ends replaced by
+    the next request at once (`closed_loop`, atombatch/bench/sustained.py)."""
+    cpus = _ServerSplit(server, split)
+    cpu_before = cpus.now()
+    client0 = time.process_time()
+    streams = closed_loop(server.host, server.port, "/v1/completions", bodies, batch_size,
+                          timeout, tokens_each=max_tokens)
+    client = time.process_time() - client0
+    cpu = cpus.now() - cpu_before
+    ok = sum(s.finished and s.error is None and s.tokens == max_tokens for s in streams)
+    return sustained.summarize([Span(s.sent, s.first, s.ended, s.tokens) for s in streams],
+                               batch_size, step_ms, ok,
+                               tuple(s.error for s in streams if s.error is not None),
+                               front_cpu_s=cpus.front(cpu), core_cpu_s=cpus.core(cpu),
+                               client_cpu_s=client)
 
 
 @contextlib.contextmanager
@@ -694,6 +776,10 @@ def parser() -> argparse.ArgumentParser:
                    help="comma list of on (Batcher(overlap=True), the server's --overlap) and off "
                    "(synchronous steps, --no-overlap), each a row (default on,off; off alone when "
                    "the server has no --overlap)")
+    p.add_argument("--sustained", type=int, default=0, metavar="G",
+                   help="also run each case under sustained load: B requests in flight, each "
+                   "one that ends replaced at once, G x B in all (G >= "
+                   f"{sustained.MIN_GENERATIONS}; default 0: off)")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine cases")
     p.add_argument("--no-server", action="store_true", help="skip the HTTP server cases")
     p.add_argument("--admission-stalls", action="store_true",
@@ -761,6 +847,8 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
             bound = bound_ratio(batch, step, args.prefill_ms, args.prompt_len, chunk,
                                 args.max_tokens, args.policy)
             prompts = _prompts(batch, args.prompt_len, spec.vocab_size, args.seed)
+            many = _prompts(batch * args.sustained, args.prompt_len, spec.vocab_size,
+                            args.seed) if args.sustained else []
             timeout = args.timeout or 10 * (args.max_tokens * step / 1e3 + batch *
                                             args.prefill_ms / 1e3) + 60
             if not args.no_engine:
@@ -772,10 +860,13 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
                                        max_seq_len, chunk, args.policy, spec, args.argmax_threads,
                                        overlap)
                           for _ in range(args.repeats)]
+                held = engine_sustained(batch, step, args.prefill_ms, many, args.max_tokens,
+                                        max_seq_len, chunk, args.policy, spec,
+                                        args.argmax_threads, overlap) if many else None
                 finish(what, Case(path="engine", batch_size=batch, step_ms=step,
                                   prefill_ms=args.prefill_ms, tokenizer=False, engine_core=None,
                                   ideal_tok_s=ideal, bound_ratio=bound, rounds=rounds,
-                                  median=_figures(rounds), overlap=overlap))
+                                  median=_figures(rounds), overlap=overlap, sustained=held))
             if args.no_server:
                 continue
             if (batch, step) not in floors:
@@ -809,6 +900,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
                         argv += ["--api-server-count", str(args.api_server_count)]
                         split = "fronts"
                     rounds = []
+                    held = None
                     error: str | None = None
                     restarts = 0
                     while len(rounds) < args.repeats and restarts <= 1:
@@ -821,6 +913,11 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
                             while len(rounds) < args.repeats:
                                 rounds.append(server_round(server, bodies, args.max_tokens,
                                                            batch, step, split, timeout))
+                            if many and held is None:
+                                held = server_sustained(
+                                    server, request_bodies(spec.name, many, args.max_tokens),
+                                    args.max_tokens, batch, step, split,
+                                    timeout)
                         except (OSError, RuntimeError) as exc:  # did not start, or went away
                             time.sleep(0.5)
                             status = None if server is None else server.proc.poll()
@@ -840,11 +937,13 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
                                       engine_core=core, ideal_tok_s=ideal, bound_ratio=bound,
                                       rounds=rounds, median=_figures(rounds) if rounds else None,
                                       command=shlex.join(["python", *argv[1:]]), error=error,
-                                      overlap=overlap if overlap_flag else None))
+                                      overlap=overlap if overlap_flag else None,
+                                      sustained=held))
     progress.close()
     params = {"batch_sizes": list(args.batch_sizes), "step_ms": list(args.step_ms),
               "prefill_ms": args.prefill_ms, "max_tokens": args.max_tokens,
               "prompt_len": args.prompt_len, "repeats": args.repeats,
+              "sustained": args.sustained,
               "tokenizers": list(args.tokenizers), "engine_cores": cores, "seed": args.seed,
               "overlap": overlaps,
               "policy": args.policy or "stall-free:8 (default)",
@@ -940,6 +1039,9 @@ def format_table(report: Report) -> str:
     for c in restarted:
         lines.append(f"B{c.batch_size} step {c.step_ms:g} ms tokenizer "
                      f"{'wl' if c.tokenizer else 'ids'}: {c.error}")
+    held = [c for c in report.cases if c.sustained is not None]
+    if held:
+        lines += ["", sustained_table(report, held)]
     if report.send_floors:
         lines += ["", f"send floor (a bare loopback writer, one {EVENT_BYTES}-byte write per "
                   "stream per step, read as the client reads: the least CPU a front streaming "
@@ -962,6 +1064,36 @@ def format_table(report: Report) -> str:
     return "\n".join(lines)
 
 
+def sustained_table(report: Report, cases: list[Case]) -> str:
+    """`--sustained`: one row per case that ran it."""
+    g = report.params.get("sustained", "?")
+    head = f"{'B':>4} {'step':>5} {'path':<24} {'ov':<3} | {'ratio':>6} {'decode':>6} " \
+        f"{'ttft':>6} {'front':>6} {'core':>6} {'client':>6} {'window':>6}"
+    lines = [f"sustained load: B requests in flight, each one that ends replaced at once, {g} x B "
+             "in all; ratio = tokens delivered in the window (from the last of the first B "
+             "requests' ends to the last send) / window / (B / step); decode = median per request "
+             "of (tokens - 1) x step / decode time; ttft = median send -> first token (ms); CPU "
+             "in us per delivered token over the whole run; window in s", head, "-" * len(head)]
+    for c in sorted(cases, key=lambda c: (c.batch_size, c.step_ms, c.path, c.tokenizer,
+                                           c.engine_core or "", not c.overlap)):
+        h = c.sustained
+        assert h is not None
+        path = "engine" if c.path == "engine" else \
+            f"server {'wl' if c.tokenizer else 'ids'}" + (f" {c.engine_core}" if c.engine_core
+                                                         else "")
+        def per(cpu_s: float, tokens: int = h.total_tokens) -> str:
+            return f"{1e6 * cpu_s / tokens:>6.1f}" if tokens else f"{'-':>6}"
+
+        bad = "!" if h.ok < h.requests else ""
+        lines.append(f"{c.batch_size:>4} {c.step_ms:>5g} {path:<24} "
+                     f"{'on' if c.overlap else 'off':<3} | {h.ratio:>6.3f}{bad} "
+                     f"{_ratio(h.decode_share)} "
+                     f"{_ms1(h.ttft_ms)} "
+                     f"{per(h.front_cpu_s)} {per(h.core_cpu_s)} {per(h.client_cpu_s)} "
+                     f"{h.window_s:>6.2f}")
+    return "\n".join(lines)
+
+
 def _failed(case: Case) -> bool:
     """The case did not run all its rounds (a restart that recovered is not a failure)."""
     return case.error is not None and not case.error.startswith("recovered by a restart")
@@ -969,6 +1101,10 @@ def _failed(case: Case) -> bool:
 
 def _ratio(value: float | None) -> str:
     return f"{'-':>6}" if value is None else f"{value:>6.3f}"
+
+
+def _ms1(value: float | None) -> str:
+    return f"{'-':>6}" if value is None else f"{value:>6.1f}"
 
 
 def _us(value: float | None) -> str:
@@ -1025,6 +1161,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.prefill_ms < 0:
         print("bench overlap: --prefill-ms must be >= 0", file=sys.stderr)
+        return 2
+    if args.sustained and args.sustained < sustained.MIN_GENERATIONS:
+        print(f"bench overlap: --sustained {args.sustained}: G must be 0 (off) or >= "
+              f"{sustained.MIN_GENERATIONS} (a window in which every stream in flight is a "
+              "refill)", file=sys.stderr)
         return 2
     flag = False if args.no_server else server_has_engine_core()
     if args.engine_cores and not flag:
