@@ -26,7 +26,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
     # in a child process, as a user runs it (the module's main owns the server's lifetime)
     done = subprocess.run([sys.executable, "-m", "atombatch.bench", "overlap", "--batch-sizes",
                            str(B), "--step-ms", "5", "--max-tokens", str(MAX_TOKENS),
-                           "--repeats", "1", "--json", str(path)],
+                           "--repeats", "1", "--sustained", "3", "--json", str(path)],
                           capture_output=True, text=True, timeout=480)
     assert done.returncode == 0, done.stdout + done.stderr
     # progress per case
@@ -146,6 +146,23 @@ def test_table_shows_the_figures(report: Report) -> None:
     assert f"commit {report.commit}" in table and "load average" in table
     [floor] = report.send_floors or []
     assert f"B{B} x 5 ms {floor.us_per_write:.1f} us" in table
+
+
+def test_every_case_ran_under_sustained_load_and_the_table_shows_it(report: Report) -> None:
+    """--sustained 3: 3 x B requests with B in flight, every one complete, on every path."""
+    assert report.params["sustained"] == 3
+    table = overlap.format_table(report)
+    assert "sustained load: B requests in flight" in table
+    for case in report.cases:
+        held = case.sustained
+        assert held is not None, (case.path, case.tokenizer, case.overlap)
+        assert held.errors == ()
+        assert held.requests == held.ok == 3 * B
+        assert held.total_tokens == 3 * B * MAX_TOKENS
+        assert held.window_s > 0 and 0 < held.ratio
+        if case.path == "server":
+            assert held.front_cpu_s > 0 and held.client_cpu_s > 0
+        assert f"{held.ratio:.3f}" in table
 
 
 def test_the_send_floor_is_one_write_per_stream_per_step(report: Report) -> None:
