@@ -929,10 +929,12 @@ class StepKernel:
         With `previous_rows` 0 this is `build` into `out`. A lane that stops on a stop id in the
         step on the device still has a row here (its output is already complete: the caller
         drops the row when it lands). Padding rows are those of `build`, with the sliding slots
-        of lanes that do not decode or finish in the step on the device. A lane's flags do not
-        matter here: the caller samples the rows it must before it writes the tokens in.
+        of lanes that do not decode or finish in the step on the device; with sliding slots
+        (hybrid) never that of a lane that prefills (a chunk planned ahead may run just before
+        this step): the first other such slot serves the padding rows left over. A lane's flags
+        do not matter here: the caller samples the rows it must before it writes the tokens in.
         Returns the rows that decode; 0 when no lane goes on; -1 when the step cannot be built
-        ahead (padding rows and no `padding_block`). `self.inputs` and `num_rows` stay those of
+        ahead (padding rows and no `padding_block`, or no slot they may write). `self.inputs` and `num_rows` stay those of
         the last step."""
         lanes = self.lanes
         b, bps = lanes._b, lanes._bps
@@ -971,6 +973,19 @@ class StepKernel:
         if rows > decoding and not 0 <= padding_block <= MAX_TABLE_BLOCK:
             return -1  # padding rows and no block to point them at (no eviction ahead)
         goes = set(going)
+        # A hybrid lane that prefills may have a chunk on the device before this step (its
+        # window is being built, or just was): a padding row writes its slot at position 0, so
+        # padding takes only the slots of lanes that are idle or end in the step on the device,
+        # the first of them again when they are fewer than the padding rows
+        hybrid = self.slots is not None
+        spare_slot = -1
+        if rows > decoding and hybrid:
+            for lane in range(b):
+                if lane not in goes and lanes._state[lane] != LANE_PREFILLING:
+                    spare_slot = lane
+                    break
+            if spare_slot < 0:
+                return -1  # every lane without a row prefills: no slot padding may write
         row = 0
         pad_row = decoding
         for lane in range(b):
@@ -983,10 +998,14 @@ class StepKernel:
                     out._lane_row(row, lanes, lane, 0, int(lanes._seq_len[lane]) + 1)
                     gather[row] = source[lane]
                 row += 1
-            elif pad_row < rows:
+            elif pad_row < rows and not (hybrid and lanes._state[lane] == LANE_PREFILLING):
                 out._pad_row(pad_row, lane, padding_block)
                 gather[pad_row] = -1
                 pad_row += 1
+        while pad_row < rows:  # hybrid: fewer free slots than padding rows
+            out._pad_row(pad_row, spare_slot, padding_block)
+            gather[pad_row] = -1
+            pad_row += 1
         out._select(index)
         return decoding
 
