@@ -632,7 +632,9 @@ class DecodeInputs:
         A DECODING lane feeds its next token at position `seq_len` through its own blocks, the tail
         entries repeating its last block, with its own sliding slot. Padding rows take token 0,
         position 0, a table row that points only at `padding_block`, and the sliding slot of a lane
-        that does not decode (idle, or prefilling a non-hybrid model). Every lane is validated
+        that does not decode (idle or prefilling: the scheduler runs no decode step while a hybrid
+        lane's window is half built, and its first chunk writes the window from position 0; a
+        step built ahead after a chunk is `StepKernel.build_ahead`'s). Every lane is validated
         before anything is written, so a failed build leaves the buffers as they were.
         """
         b, bps = lanes._b, lanes._bps
@@ -934,8 +936,8 @@ class StepKernel:
         this step): the first other such slot serves the padding rows left over. A lane's flags
         do not matter here: the caller samples the rows it must before it writes the tokens in.
         Returns the rows that decode; 0 when no lane goes on; -1 when the step cannot be built
-        ahead (padding rows and no `padding_block`, or no slot they may write). `self.inputs` and `num_rows` stay those of
-        the last step."""
+        ahead (padding rows and no `padding_block`, or no slot they may write). `self.inputs`
+        and `num_rows` stay those of the last step."""
         lanes = self.lanes
         b, bps = lanes._b, lanes._bps
         if out._b != b or out._bps != bps or previous._b != b or previous._bps != bps:
