@@ -1274,7 +1274,7 @@ cdef class StepKernel:
         cdef LaneTable lanes = self.lanes
         cdef Py_ssize_t b = lanes._b, bps = lanes._bps
         cdef Py_ssize_t lane, held, decoding = 0, index = 0, rows, row = 0, pad_row, position
-        cdef Py_ssize_t spare_slot = -1
+        cdef Py_ssize_t padding_slot = -1
         cdef bint hybrid
         cdef int16_t pad
         cdef int8_t[::1] state = lanes._state_v
@@ -1326,9 +1326,9 @@ cdef class StepKernel:
                 if state[lane] == C_LANE_DECODING and (
                         source[lane] < 0 or self._num_out_v[lane] + 1 < self._max_out_v[lane]):
                     continue  # it goes on
-                spare_slot = lane
+                padding_slot = lane
                 break
-            if spare_slot < 0:
+            if padding_slot < 0:
                 return -1  # every lane without a row prefills: no slot padding may write
         pad = <int16_t>padding_block
         pad_row = decoding
@@ -1349,7 +1349,7 @@ cdef class StepKernel:
                 gather_v[pad_row] = -1
                 pad_row += 1
         while pad_row < rows:  # hybrid: fewer free slots than padding rows
-            out._pad_row(pad_row, spare_slot, pad)
+            out._pad_row(pad_row, padding_slot, pad)
             gather_v[pad_row] = -1
             pad_row += 1
         out._select(index)

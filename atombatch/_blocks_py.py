@@ -980,13 +980,13 @@ class StepKernel:
         # padding takes only the slots of lanes that are idle or end in the step on the device,
         # the first of them again when they are fewer than the padding rows
         hybrid = self.slots is not None
-        spare_slot = -1
+        padding_slot = -1
         if rows > decoding and hybrid:
             for lane in range(b):
                 if lane not in goes and lanes._state[lane] != LANE_PREFILLING:
-                    spare_slot = lane
+                    padding_slot = lane
                     break
-            if spare_slot < 0:
+            if padding_slot < 0:
                 return -1  # every lane without a row prefills: no slot padding may write
         row = 0
         pad_row = decoding
@@ -1005,7 +1005,7 @@ class StepKernel:
                 gather[pad_row] = -1
                 pad_row += 1
         while pad_row < rows:  # hybrid: fewer free slots than padding rows
-            out._pad_row(pad_row, spare_slot, padding_block)
+            out._pad_row(pad_row, padding_slot, padding_block)
             gather[pad_row] = -1
             pad_row += 1
         out._select(index)
