@@ -13,7 +13,7 @@ from array import array
 
 import atombatch._blocks as c_impl
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from support.twins import Twin, admit_lane, twin
 
@@ -23,7 +23,7 @@ PREFILLING = py_impl.LANE_PREFILLING
 INPUTS = ("input_ids", "cache_position", "block_tables", "local_block_tables", "row_lanes")
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_padding_rows_built_ahead_never_name_a_prefilling_lanes_slot(
         data: st.DataObject) -> None:
@@ -75,6 +75,7 @@ def test_padding_rows_built_ahead_never_name_a_prefilling_lanes_slot(
     free_slots = [lane for lane in range(b) if lane not in going and lane not in prefilling]
     if bucket > len(going) and not free_slots:
         assert built[0] == -1  # every lane without a row prefills: back to the host
+        event("no slot for padding")
         return
     assert built[0] == len(going) and ahead.c.num_rows == bucket
     for name in INPUTS:
@@ -86,6 +87,8 @@ def test_padding_rows_built_ahead_never_name_a_prefilling_lanes_slot(
     # free slots in lane order, then the first of them again
     want = (free_slots + free_slots[:1] * bucket)[:bucket - len(going)]
     assert padding == want
+    event("a slot padded twice" if len(set(padding)) < len(padding) else
+          "padding beside a prefilling lane" if prefilling and padding else "other")
     assert not set(padding) & (prefilling | set(going))
     assert (ahead.c.cache_position[len(going):bucket] == 0).all()
     assert (gathers[0][len(going):bucket] == -1).all()
