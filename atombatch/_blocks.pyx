@@ -856,7 +856,9 @@ cdef class DecodeInputs:
         A DECODING lane feeds its next token at position `seq_len` through its own blocks, the tail
         entries repeating its last block, with its own sliding slot. Padding rows take token 0,
         position 0, a table row that points only at `padding_block`, and the sliding slot of a lane
-        that does not decode (idle, or prefilling a non-hybrid model). Every lane is validated
+        that does not decode (idle or prefilling: the scheduler runs no decode step while a hybrid
+        lane's window is half built, and its first chunk writes the window from position 0; a
+        step built ahead after a chunk is `StepKernel.build_ahead`'s). Every lane is validated
         before anything is written, so a failed build leaves the buffers as they were.
         """
         cdef Py_ssize_t b = lanes._b, bps = lanes._bps
@@ -1262,14 +1264,18 @@ cdef class StepKernel:
         With `previous_rows` 0 this is `build` into `out`. A lane that stops on a stop id in the
         step on the device still has a row here (its output is already complete: the caller
         drops the row when it lands). Padding rows are those of `build`, with the sliding slots
-        of lanes that do not decode or finish in the step on the device. A lane's flags do not
-        matter here: the caller samples the rows it must before it writes the tokens in.
+        of lanes that do not decode or finish in the step on the device; with sliding slots
+        (hybrid) never that of a lane that prefills (a chunk planned ahead may run just before
+        this step): the first other such slot serves the padding rows left over. A lane's flags
+        do not matter here: the caller samples the rows it must before it writes the tokens in.
         Returns the rows that decode; 0 when no lane goes on; -1 when the step cannot be built
-        ahead (padding rows and no `padding_block`). `self.inputs` and `num_rows` stay those of
-        the last step."""
+        ahead (padding rows and no `padding_block`, or no slot they may write). `self.inputs`
+        and `num_rows` stay those of the last step."""
         cdef LaneTable lanes = self.lanes
         cdef Py_ssize_t b = lanes._b, bps = lanes._bps
         cdef Py_ssize_t lane, held, decoding = 0, index = 0, rows, row = 0, pad_row, position
+        cdef Py_ssize_t padding_slot = -1
+        cdef bint hybrid
         cdef int16_t pad
         cdef int8_t[::1] state = lanes._state_v
         cdef int32_t[::1] num_held = lanes._num_held_v
@@ -1308,6 +1314,22 @@ cdef class StepKernel:
         rows = out._buckets_v[index]
         if rows > decoding and not 0 <= padding_block <= C_MAX_TABLE_BLOCK:
             return -1  # padding rows and no block to point them at (no eviction ahead)
+        # A hybrid lane that prefills may have a chunk on the device before this step (its
+        # window is being built, or just was): a padding row writes its slot at position 0, so
+        # padding takes only the slots of lanes that are idle or end in the step on the device,
+        # the first of them again when they are fewer than the padding rows
+        hybrid = self.slots is not None
+        if rows > decoding and hybrid:
+            for lane in range(b):
+                if state[lane] == C_LANE_PREFILLING:
+                    continue
+                if state[lane] == C_LANE_DECODING and (
+                        source[lane] < 0 or self._num_out_v[lane] + 1 < self._max_out_v[lane]):
+                    continue  # it goes on
+                padding_slot = lane
+                break
+            if padding_slot < 0:
+                return -1  # every lane without a row prefills: no slot padding may write
         pad = <int16_t>padding_block
         pad_row = decoding
         row = 0
@@ -1322,10 +1344,14 @@ cdef class StepKernel:
                 out._lane_row(row, lanes, lane, 0, seq_len[lane] + 1)
                 gather_v[row] = source[lane]
                 row += 1
-            elif pad_row < rows:
+            elif pad_row < rows and not (hybrid and state[lane] == C_LANE_PREFILLING):
                 out._pad_row(pad_row, lane, pad)
                 gather_v[pad_row] = -1
                 pad_row += 1
+        while pad_row < rows:  # hybrid: fewer free slots than padding rows
+            out._pad_row(pad_row, padding_slot, pad)
+            gather_v[pad_row] = -1
+            pad_row += 1
         out._select(index)
         return decoding
 

@@ -632,7 +632,9 @@ class DecodeInputs:
         A DECODING lane feeds its next token at position `seq_len` through its own blocks, the tail
         entries repeating its last block, with its own sliding slot. Padding rows take token 0,
         position 0, a table row that points only at `padding_block`, and the sliding slot of a lane
-        that does not decode (idle, or prefilling a non-hybrid model). Every lane is validated
+        that does not decode (idle or prefilling: the scheduler runs no decode step while a hybrid
+        lane's window is half built, and its first chunk writes the window from position 0; a
+        step built ahead after a chunk is `StepKernel.build_ahead`'s). Every lane is validated
         before anything is written, so a failed build leaves the buffers as they were.
         """
         b, bps = lanes._b, lanes._bps
@@ -929,11 +931,13 @@ class StepKernel:
         With `previous_rows` 0 this is `build` into `out`. A lane that stops on a stop id in the
         step on the device still has a row here (its output is already complete: the caller
         drops the row when it lands). Padding rows are those of `build`, with the sliding slots
-        of lanes that do not decode or finish in the step on the device. A lane's flags do not
-        matter here: the caller samples the rows it must before it writes the tokens in.
+        of lanes that do not decode or finish in the step on the device; with sliding slots
+        (hybrid) never that of a lane that prefills (a chunk planned ahead may run just before
+        this step): the first other such slot serves the padding rows left over. A lane's flags
+        do not matter here: the caller samples the rows it must before it writes the tokens in.
         Returns the rows that decode; 0 when no lane goes on; -1 when the step cannot be built
-        ahead (padding rows and no `padding_block`). `self.inputs` and `num_rows` stay those of
-        the last step."""
+        ahead (padding rows and no `padding_block`, or no slot they may write). `self.inputs`
+        and `num_rows` stay those of the last step."""
         lanes = self.lanes
         b, bps = lanes._b, lanes._bps
         if out._b != b or out._bps != bps or previous._b != b or previous._bps != bps:
@@ -971,6 +975,19 @@ class StepKernel:
         if rows > decoding and not 0 <= padding_block <= MAX_TABLE_BLOCK:
             return -1  # padding rows and no block to point them at (no eviction ahead)
         goes = set(going)
+        # A hybrid lane that prefills may have a chunk on the device before this step (its
+        # window is being built, or just was): a padding row writes its slot at position 0, so
+        # padding takes only the slots of lanes that are idle or end in the step on the device,
+        # the first of them again when they are fewer than the padding rows
+        hybrid = self.slots is not None
+        padding_slot = -1
+        if rows > decoding and hybrid:
+            for lane in range(b):
+                if lane not in goes and lanes._state[lane] != LANE_PREFILLING:
+                    padding_slot = lane
+                    break
+            if padding_slot < 0:
+                return -1  # every lane without a row prefills: no slot padding may write
         row = 0
         pad_row = decoding
         for lane in range(b):
@@ -983,10 +1000,14 @@ class StepKernel:
                     out._lane_row(row, lanes, lane, 0, int(lanes._seq_len[lane]) + 1)
                     gather[row] = source[lane]
                 row += 1
-            elif pad_row < rows:
+            elif pad_row < rows and not (hybrid and lanes._state[lane] == LANE_PREFILLING):
                 out._pad_row(pad_row, lane, padding_block)
                 gather[pad_row] = -1
                 pad_row += 1
+        while pad_row < rows:  # hybrid: fewer free slots than padding rows
+            out._pad_row(pad_row, padding_slot, padding_block)
+            gather[pad_row] = -1
+            pad_row += 1
         out._select(index)
         return decoding
 

@@ -28,8 +28,11 @@ has a row for, with blocks from the free list or evicted CACHED ones, never by p
 first prefill chunk is the flight after step N (the next arrival's chunk may follow it, planned
 while it runs), and the decode of the other lanes the flight after the last chunk
 (`Scheduler.plan_after_prefill`: built once step N has landed, from tokens that are known);
-the requests join the decode after that. Behind a full batch the queue's head is
-staged into the spare the same way, and a request fully staged takes a lane that freed
+the requests join the decode after that. A hybrid model (sliding slots) admits the same way:
+the decode built after a chunk gives the chunk's lane no padding row (it would write the fresh
+window's position 0), or is not built when no other slot is free for its padding rows; its
+prefix cache (slot checkpoints) keeps the whole pipeline off. Behind a full batch the queue's
+head is staged into the spare the same way, and a request fully staged takes a lane that freed
 (`Scheduler.rotate_ahead`) and joins the next step built. Later chunks, block ops, a grammar
 or any step that is not one of these waits until the pipeline is empty (the engine then schedules
 as usual, one device call per `step()`).

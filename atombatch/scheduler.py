@@ -545,12 +545,16 @@ class Scheduler:
         landed) is on the device, when it is what `schedule` would do next and nothing it does
         can touch what `running` computes: the head of the queue admitted to an idle lane that
         has no row in `running` (`_lane_is_clear`), or, behind a full batch, staged into the
-        spare (its first chunk, or its next one). Every busy lane decodes, no sliding slots, no
-        block op due, and the pool holds the whole prefill without preempting anyone (a
-        preempted lane may have a row in the air). Evicting CACHED blocks is safe: no row of
-        `running` writes a cached block, and the chunk's own writes run after `running` (device
-        calls run in order); so is staging into the spare, which `running`'s padding rows may
-        write: they too run before the chunk.
+        spare (its first chunk, or its next one). Every busy lane decodes, no sliding-slot
+        checkpoints (their saves and restores are slot ops), no block op due, and the pool holds
+        the whole prefill without preempting anyone (a preempted lane may have a row in the
+        air). Evicting CACHED blocks is safe: no row of `running` writes a cached block, and the
+        chunk's own writes run after `running` (device calls run in order); so is staging into
+        the spare, which `running`'s padding rows may write: they too run before the chunk.
+        A hybrid lane's sliding slot likewise: `running`'s padding rows may write it at position
+        0, before the chunk writes its window from position 0; no decode step runs between the
+        chunk and the end of that prefill (a later chunk is not planned ahead, and the decode
+        after a last chunk gives the slot no padding row: `StepKernel.build_ahead`).
 
         `accept(request)`: the engine's own conditions (no prompt logprobs, no grammar). Returns
         the plan (with the block ops it needs, which the engine then runs before the prefill),
@@ -561,7 +565,7 @@ class Scheduler:
         # its lane is the one busy lane that may not decode; its next chunk waits for it
         in_air = self.requests.get(running.request_id) if running.kind == "prefill" else None
         prefilling = in_air is not None and in_air.state is S.PREFILLING and in_air.lane >= 0
-        if kv.has_ops or kv.checkpoints is not None or kv.slots is not None or \
+        if kv.has_ops or kv.checkpoints is not None or \
                 lanes.num_busy != lanes.num_decoding() + prefilling or \
                 (in_air is not None and not running.last_chunk):  # its own next chunk is first
             return None
@@ -609,8 +613,9 @@ class Scheduler:
         choose once the chunk lands: the chunk ends its request's prefill, every other busy lane
         decodes and nothing is admitted, staged or prefilled, no block op is due, and the free
         list has the blocks. The chunk's request is not in it (its first token is not known
-        yet): it joins the step after (`StepKernel.build_ahead`). `landed`: a decode buffer
-        other than `plan`'s (not read). False: not built."""
+        yet): it joins the step after (`StepKernel.build_ahead`, whose padding rows leave a
+        hybrid lane's fresh window alone, or give up). `landed`: a decode buffer other than
+        `plan`'s (not read). False: not built."""
         kv = self.kv
         lanes = kv.lanes
         request = self.requests.get(prefill.request_id)
