@@ -636,7 +636,8 @@ def engine_sustained(batch_size: int, step_ms: float, prefill_ms: float, prompts
                 if len(order) < len(prompts):
                     submit()
     cpu = time.process_time() - cpu0
-    return sustained.summarize([Span(*spans[r][:3], int(spans[r][3])) for r in order],
+    return sustained.summarize([Span(spans[r][0], spans[r][1], spans[r][2], int(spans[r][3]))
+                                for r in order],
                                batch_size, step_ms, ok, core_cpu_s=cpu)
 
 
