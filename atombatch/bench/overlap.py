@@ -904,7 +904,9 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
                     held = None
                     error: str | None = None
                     restarts = 0
-                    while len(rounds) < args.repeats and restarts <= 1:
+                    # (a case is done with every round and, if asked, its sustained run)
+                    while (len(rounds) < args.repeats or (many and held is None)) and \
+                            restarts <= 1:
                         server: Server | None = None
                         try:
                             server = Server(argv)
@@ -931,7 +933,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
                         finally:
                             if server is not None:
                                 server.stop()
-                    if len(rounds) == args.repeats:
+                    if len(rounds) == args.repeats and (not many or held is not None):
                         error = None if error is None else f"recovered by a restart: {error}"
                     finish(what, Case(path="server", batch_size=batch, step_ms=step,
                                       prefill_ms=args.prefill_ms, tokenizer=mode == "wordlevel",
