@@ -1250,7 +1250,8 @@ cdef class StepKernel:
     @cython.wraparound(ATOMBATCH_DEBUG)
     @cython.initializedcheck(ATOMBATCH_DEBUG)
     def build_ahead(self, DecodeInputs out not None, DecodeInputs previous not None,
-                    Py_ssize_t previous_rows, gather, Py_ssize_t padding_block):
+                    Py_ssize_t previous_rows, gather, Py_ssize_t padding_block,
+                    Py_ssize_t join_lane=-1, Py_ssize_t join_position=0):
         """The inputs of the decode step after the one on the device now (built from `previous`,
         whose rows `0..previous_rows-1` decode), into `out`, before that step's tokens are known.
 
@@ -1270,7 +1271,11 @@ cdef class StepKernel:
         do not matter here: the caller samples the rows it must before it writes the tokens in.
         Returns the rows that decode; 0 when no lane goes on; -1 when the step cannot be built
         ahead (padding rows and no `padding_block`, or no slot they may write). `self.inputs`
-        and `num_rows` stay those of the last step."""
+        and `num_rows` stay those of the last step.
+
+        `join_lane` (>= 0): a lane that prefills, whose last chunk runs just before this step,
+        joins it too: a row at `join_position` (its prompt's length) through its blocks and its
+        own slot, token 0 and `gather[row]` -2 (the caller writes the chunk's first token in)."""
         cdef LaneTable lanes = self.lanes
         cdef Py_ssize_t b = lanes._b, bps = lanes._bps
         cdef Py_ssize_t lane, held, decoding = 0, index = 0, rows, row = 0, pad_row, position
@@ -1292,11 +1297,20 @@ cdef class StepKernel:
             raise StateError(f"previous_rows={previous_rows} is outside 0..{previous.num_rows}")
         if gather_v.shape[0] < b:
             raise StateError(f"gather has {gather_v.shape[0]} entries, fewer than {b} lanes")
+        if join_lane >= 0:
+            if join_lane >= b or state[join_lane] != C_LANE_PREFILLING:
+                raise StateError(f"join_lane={join_lane} is not a lane that prefills")
+            if join_position < 0 or lanes._blocks_for(join_position + 1) > num_held[join_lane]:
+                raise StateError(f"join_lane={join_lane} holds {num_held[join_lane]} blocks, too "
+                                 f"few for position {join_position}")
         for lane in range(b):
             source[lane] = -1
         for row in range(previous_rows):
             source[previous_lanes[row]] = <int32_t>row
         for lane in range(b):
+            if lane == join_lane:
+                decoding += 1
+                continue
             if state[lane] != C_LANE_DECODING:
                 continue
             if source[lane] >= 0 and self._num_out_v[lane] + 1 >= self._max_out_v[lane]:
@@ -1334,7 +1348,11 @@ cdef class StepKernel:
         pad_row = decoding
         row = 0
         for lane in range(b):
-            if state[lane] == C_LANE_DECODING and source[lane] < 0:
+            if lane == join_lane:  # its first token comes from the chunk before this step
+                out._lane_row(row, lanes, lane, 0, join_position)
+                gather_v[row] = -2
+                row += 1
+            elif state[lane] == C_LANE_DECODING and source[lane] < 0:
                 # joins: its own token, at its own length
                 out._lane_row(row, lanes, lane, lanes._next_token_v[lane], seq_len[lane])
                 gather_v[row] = -2

@@ -917,7 +917,8 @@ class StepKernel:
         self.num_rows = num_rows
 
     def build_ahead(self, out: DecodeInputs, previous: DecodeInputs, previous_rows: int,
-                    gather: npt.NDArray[np.int32], padding_block: int) -> int:
+                    gather: npt.NDArray[np.int32], padding_block: int, join_lane: int = -1,
+                    join_position: int = 0) -> int:
         """The inputs of the decode step after the one on the device now (built from `previous`,
         whose rows `0..previous_rows-1` decode), into `out`, before that step's tokens are known.
 
@@ -937,7 +938,11 @@ class StepKernel:
         do not matter here: the caller samples the rows it must before it writes the tokens in.
         Returns the rows that decode; 0 when no lane goes on; -1 when the step cannot be built
         ahead (padding rows and no `padding_block`, or no slot they may write). `self.inputs`
-        and `num_rows` stay those of the last step."""
+        and `num_rows` stay those of the last step.
+
+        `join_lane` (>= 0): a lane that prefills, whose last chunk runs just before this step,
+        joins it too: a row at `join_position` (its prompt's length) through its blocks and its
+        own slot, token 0 and `gather[row]` -2 (the caller writes the chunk's first token in)."""
         lanes = self.lanes
         b, bps = lanes._b, lanes._bps
         if out._b != b or out._bps != bps or previous._b != b or previous._bps != bps:
@@ -949,11 +954,21 @@ class StepKernel:
             raise StateError(f"previous_rows={previous_rows} is outside 0..{previous.num_rows}")
         if gather.shape[0] < b:
             raise StateError(f"gather has {gather.shape[0]} entries, fewer than {b} lanes")
+        if join_lane >= 0:
+            if join_lane >= b or lanes._state[join_lane] != LANE_PREFILLING:
+                raise StateError(f"join_lane={join_lane} is not a lane that prefills")
+            if join_position < 0 or \
+                    lanes.blocks_for(join_position + 1) > int(lanes._num_held[join_lane]):
+                raise StateError(f"join_lane={join_lane} holds {int(lanes._num_held[join_lane])} "
+                                 f"blocks, too few for position {join_position}")
         source = np.full(b, -1, dtype=np.int32)
         for row in range(previous_rows):
             source[previous._row_lanes[row]] = row
         going = []
         for lane in range(b):
+            if lane == join_lane:
+                going.append(lane)
+                continue
             if lanes._state[lane] != LANE_DECODING:
                 continue
             joins = source[lane] < 0
@@ -991,7 +1006,11 @@ class StepKernel:
         row = 0
         pad_row = decoding
         for lane in range(b):
-            if lane in goes:
+            if lane == join_lane:  # its first token comes from the chunk before this step
+                out._lane_row(row, lanes, lane, 0, join_position)
+                gather[row] = -2
+                row += 1
+            elif lane in goes:
                 if source[lane] < 0:  # joins: its own token, at its own length
                     out._lane_row(row, lanes, lane, int(lanes._next_token[lane]),
                                   int(lanes._seq_len[lane]))

@@ -118,9 +118,12 @@ class EngineStats(msgspec.Struct, frozen=True):
     host_gaps: int = 0
     # device calls the device thread launched right after the step before it, their inputs
     # built while that one ran (`Batcher(overlap=True)`, atombatch/overlap.py); of which prefill
-    # chunks of requests admitted while a decode ran
+    # chunks of requests admitted while a decode ran; and decodes right after such a chunk
+    # that its request joined (its first token the chunk's greedy pick, written in on the device
+    # thread)
     overlapped_steps: int = 0
     overlapped_prefills: int = 0
+    overlapped_joins: int = 0
 
 
 class StepResult:
@@ -265,9 +268,10 @@ class Batcher:
         self._flights: list[Flight] | None = None     # built on the first take-off
         self._device_thread: DeviceThread | None = None
         self._flight: Flight | None = None             # the pipeline's flight on the device
-        self._dropped: Flight | None = None            # lands unreported (see `_land_flight`)
+        self._dropped: list[Flight] = []               # land unreported (see `_land_flight`)
         self._overlapped = 0                           # flights launched after a flight
         self._overlapped_prefills = 0                  # of which prefill chunks planned ahead
+        self._overlapped_joins = 0                     # decodes its chunk's request joined
         self._prefill_flights: list[Flight] = []       # the pipeline's chunks (`_decide`)
         self._held: StepPlan | None = None             # planned ahead, runs at the next step
         self._held_for: Request | None = None          # the request it was planned for
@@ -953,12 +957,16 @@ class Batcher:
             if self._can_fly():
                 assert self._flights is not None
                 candidate = self._flights[(running.index + 1) % NUM_FLIGHTS]
+                candidate.source, candidate.join_row = None, -1
                 scheduler = self.scheduler
                 if running.prefill:  # the decode before it landed: the lanes' tokens are known
                     landed = self._flights[running.index].plan.inputs
-                    if scheduler.plan_after_prefill(candidate.plan, landed, running.plan,
-                                                    candidate.gather):
+                    row = scheduler.plan_after_prefill(candidate.plan, landed, running.plan,
+                                                       candidate.gather,
+                                                       self._joins(running.owner))
+                    if row > -2:
                         candidate.special = self._sampled_rows(candidate.plan)
+                        candidate.join_row = row
                         following = candidate
                 else:
                     if scheduler.staging is not None:  # a staged request takes a freed lane
@@ -968,9 +976,31 @@ class Batcher:
                         following = candidate
                 if following is None and (scheduler.waiting or scheduler.staging is not None):
                     following = self._chunk_ahead(running)
+                    if following is not None and not running.prefill:
+                        self._chain(running, following, candidate)
         finally:  # exactly once per flight, even when building failed: the thread waits for it
             assert self._device_thread is not None
             self._device_thread.decide(following)
+
+    def _chain(self, running: Flight, chunk: Flight, candidate: Flight) -> None:
+        """Decide the decode after `chunk` (planned ahead to run after `running`, a decode on the
+        device now) together with it, when the scheduler can build it now
+        (`Scheduler.plan_chunk_decode`): the thread then runs chunk and decode back to back,
+        whether or not the engine has landed `running` by then."""
+        row = self.scheduler.plan_chunk_decode(candidate.plan, running.plan, chunk.plan,
+                                               candidate.gather, self._joins(chunk.owner))
+        if row == -2:
+            return
+        candidate.special = self._sampled_rows(candidate.plan)
+        candidate.source, candidate.join_row = running, row
+        chunk.then = candidate
+
+    def _joins(self, request: Request | None) -> bool:
+        """Whether the first token of `request` (its last chunk on the device) is the chunk's
+        greedy pick, which the device thread can write into the decode after it: no sampler
+        (no temperature, penalties, bias, grammar or minimum length) and no prompt logprobs."""
+        return request is not None and \
+            (not self._samplers or request.request_id not in self._samplers)
 
     def _chunk_ahead(self, running: Flight) -> Flight | None:
         """The next prefill chunk, planned while `running` is on the device, as a flight (the
@@ -985,7 +1015,7 @@ class Batcher:
             return None
         flights = self._prefill_flights
         flight = flights[1] if running is flights[0] else flights[0]
-        flight.plan, flight.owner = plan, owner
+        flight.plan, flight.owner, flight.then = plan, owner, None
         flight.index = running.index  # the decode before the chunks (landed once they land)
         return flight
 
@@ -1009,9 +1039,13 @@ class Batcher:
             hook()
         flight = device.land()
         self._flight = flight.next
+        if flight.then is not None and flight.next is not flight.then and \
+                flight.then in self._dropped:  # (dropped with it, never launched)
+            self._dropped.remove(flight.then)
         if flight.next is not None:
             self._overlapped += 1
             self._overlapped_prefills += flight.next.prefill
+            self._overlapped_joins += flight.prefill and flight.next.join_row >= 0
         try:
             if flight.prefill:
                 self._land_prefill(flight, outputs)
@@ -1019,13 +1053,21 @@ class Batcher:
                 self._land(flight, outputs)
         except BaseException:
             # the step did not land whole: nothing is built on it, and the step on the device,
-            # fed from its tokens, lands unreported (its lanes run those positions again)
-            if self._flight is not None:
-                self._dropped = self._flight
-                device.decide(None)
+            # fed from its tokens, lands unreported (its lanes run those positions again), with
+            # the decode decided with it when it is a chunk (`_chain`)
+            running = self._flight
+            if running is not None:
+                self._dropped.append(running)
+                if running.then is not None:
+                    self._dropped.append(running.then)
+                else:
+                    device.decide(None)
             raise
-        if self._flight is not None:
-            self._decide(self._flight)
+        running = self._flight
+        if running is not None and running in self._dropped:
+            device.decide(None)  # (decided with a chunk that was dropped)
+        elif running is not None and running.then is None:
+            self._decide(running)
         self.idle = False
         if self.scheduler.events:
             self._flush_events()
@@ -1038,8 +1080,8 @@ class Batcher:
         still the runtime's: nothing ran after it)."""
         plan, logits, owner = flight.plan, flight.logits, flight.owner
         flight.logits = flight.owner = None
-        if flight is self._dropped:  # its request prefills that chunk again
-            self._dropped = None
+        if flight in self._dropped:  # its request prefills that chunk again
+            self._dropped.remove(flight)
             return
         if flight.error is not None and not isinstance(flight.error, Exception):
             raise flight.error
@@ -1058,8 +1100,8 @@ class Batcher:
         scheduler = self.scheduler
         kernel = self._kernel
         plan = flight.plan
-        if flight is self._dropped:
-            self._dropped = None
+        if flight in self._dropped:
+            self._dropped.remove(flight)
             kernel.use(plan.inputs, 0)
             return
         kernel.use(plan.inputs, plan.rows)
@@ -1275,7 +1317,8 @@ class Batcher:
             checkpoint_bytes=s.kv.checkpoints.store.used_bytes if s.kv.checkpoints else 0,
             lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps),
             device_s=self._device_s, host_gap_s=self._host_gap_s, host_gaps=self._host_gaps,
-            overlapped_steps=self._overlapped, overlapped_prefills=self._overlapped_prefills)
+            overlapped_steps=self._overlapped, overlapped_prefills=self._overlapped_prefills,
+            overlapped_joins=self._overlapped_joins)
 
     def check_invariants(self) -> None:
         """Raise `StateError` if any ownership invariant of docs/rules.md is broken."""

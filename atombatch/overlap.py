@@ -26,9 +26,12 @@ A request that arrives while the pipeline runs, with an idle lane for it, is adm
 step N is on the device (`Scheduler.plan_prefill_ahead`: only onto a lane no flight in the air
 has a row for, with blocks from the free list or evicted CACHED ones, never by preempting); its
 first prefill chunk is the flight after step N (the next arrival's chunk may follow it, planned
-while it runs), and the decode of the other lanes the flight after the last chunk
-(`Scheduler.plan_after_prefill`: built once step N has landed, from tokens that are known);
-the requests join the decode after that. A hybrid model (sliding slots) admits the same way:
+while it runs), and the decode of the other lanes the flight after the last chunk: decided with
+the chunk while step N is still on the device when nothing else waits (`then`,
+`Scheduler.plan_chunk_decode`: its rows take step N's tokens, gathered in after the chunk), else
+built once step N has landed (`Scheduler.plan_after_prefill`, from tokens that are known). A
+greedy request decodes in that step too, its token the chunk's argmax, written in by the device
+thread (`join_row`); one that samples joins the decode after that. A hybrid model (sliding slots) admits the same way:
 the decode built after a chunk gives the chunk's lane no padding row (it would write the fresh
 window's position 0), or is not built when no other slot is free for its padding rows; its
 prefix cache (slot checkpoints) keeps the whole pipeline off. Behind a full batch the queue's
@@ -37,8 +40,8 @@ head is staged into the spare the same way, and a request fully staged takes a l
 or any step that is not one of these waits until the pipeline is empty (the engine then schedules
 as usual, one device call per `step()`).
 
-The thread hand-offs are bare locks (a `threading.Event` or `Condition` costs the critical path
-~20 us more), and the device thread does everything the critical path needs itself: the engine
+The thread hand-offs are bare locks and a C queue of the landed flights (a `threading.Event` or
+`Condition` costs the critical path ~20 us more), and the device thread does everything the critical path needs itself: the engine
 thread, which holds the interpreter lock for its Python, is never between two device calls.
 """
 
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import queue
 import threading
 import weakref
 from collections.abc import Callable
@@ -87,15 +91,24 @@ class Flight:
         self.drawn: tuple[Any, list[Any]] | None = None
         self.logits: Any = None           # the call's logits, until its rows are drawn
         self.owner: Any = None            # a prefill flight's request (the one it was planned for)
+        # a prefill flight's decode, decided with it (the thread runs it next without waiting
+        # for `decide`): built while the decode before the chunk was on the device
+        self.then: Flight | None = None
+        # a decode flight after a chunk: the decode before the chunk, whose tokens feed its rows
+        # (None: those are known), and the row of the chunk's request (-1: none), whose token
+        # is the chunk's greedy pick
+        self.source: Flight | None = None
+        self.join_row = -1
 
 
 class DeviceThread:
     """The thread that makes the pipeline's device calls (see the module docstring).
 
     The protocol, for every flight the thread runs: the engine calls `decide` exactly once (with
-    the flight to launch after it, or None) and `land` exactly once (which waits for it and
-    returns it; `flight.next` is the flight the thread launched after it, if any). `launch`
-    starts a pipeline when none runs."""
+    the flight to launch after it, or None), unless it is a prefill flight whose `then` was set
+    before it was decided (the thread launches that after it), and `land` exactly once (which
+    waits for it and returns it; `flight.next` is the flight the thread launched after it, if
+    any). `launch` starts a pipeline when none runs."""
 
     def __init__(self, decode: Callable[[Any], Any], argmax: Callable[[Any, Any], None],
                  vocab_size: int, draw: Callable[[Any, list[Any]], Any],
@@ -111,12 +124,14 @@ class DeviceThread:
         self._stopped = False
         self._start = _thread.allocate_lock()    # released: a flight to run (`launch`)
         self._decided = _thread.allocate_lock()  # released: `decide` said what comes next
-        self._landed = _thread.allocate_lock()   # released: `_done` finished
-        for lock in (self._start, self._decided, self._landed):
+        # the flights the thread finished, in order, until `land` takes them: after a chunk
+        # with its decode decided (`then`) the thread may finish the chunk before the engine has
+        # taken the decode before it (a C queue: a put or a get costs what a bare lock does)
+        self._landed: queue.SimpleQueue[Flight] = queue.SimpleQueue()
+        for lock in (self._start, self._decided):
             lock.acquire()
         self._first: Flight | None = None
         self._next: Flight | None = None
-        self._done: Flight | None = None
         self.running = False     # a flight was launched and not landed yet
         self._thread = threading.Thread(target=self._run, name="atombatch-device", daemon=True)
         self._thread.start()
@@ -148,10 +163,7 @@ class DeviceThread:
 
     def land(self) -> Flight:
         """Wait for the flight on the device; returns it (its `next` runs now, if any)."""
-        self._landed.acquire()
-        done = self._done
-        assert done is not None
-        self._done = None
+        done = self._landed.get()
         self.running = done.next is not None
         return done
 
@@ -163,20 +175,23 @@ class DeviceThread:
             flight = self._first
             while flight is not None:
                 self._call(flight)
-                self._decided.acquire()  # (the engine has landed the step before this one)
+                after = flight.then
+                if after is None:
+                    self._decided.acquire()  # (the engine has landed the step before this one)
+                    after, self._next = self._next, None
                 if self._stopped:
                     return
                 if flight.special and flight.error is None:
                     self._sample(flight)
                 if not flight.prefill:  # a prefill's logits are the landing's (none runs next)
                     flight.logits = None
-                after, self._next = self._next, None
                 if flight.error is not None:
                     after = None
                 elif after is not None:
                     try:
                         if flight.prefill:  # the next call may write the runtime's buffer
                             flight.logits = np.array(flight.logits)
+                            self._after_chunk(flight, after)
                         elif not after.prefill:  # this call's tokens feed the next call's rows
                             core.gather_tokens(flight.greedy, after.gather,
                                                after.plan.inputs.input_ids)
@@ -184,9 +199,19 @@ class DeviceThread:
                         flight.error = _bare(exc)
                         after = None
                 flight.next = after
-                self._done = flight
-                self._landed.release()
+                self._landed.put(flight)
                 flight = after
+
+    @staticmethod
+    def _after_chunk(chunk: Flight, after: Flight) -> None:
+        """The tokens of the decode after a chunk: those of the decode before the chunk (when
+        that was still on the device as the step was built), and the chunk's greedy pick for
+        its request's row (what `Batcher._complete_prefill` picks when the chunk lands)."""
+        ids = after.plan.inputs.input_ids
+        if after.source is not None:
+            core.gather_tokens(after.source.greedy, after.gather, ids)
+        if after.join_row >= 0:
+            ids[after.join_row, 0] = int(np.argmax(chunk.logits))
 
     def _sample(self, flight: Flight) -> None:
         """Draw the flight's sampled rows (their outputs hold every token before this step:

@@ -497,15 +497,23 @@ class Scheduler:
         return self._build_ahead(plan, running.inputs, running.rows, gather)
 
     def _build_ahead(self, plan: StepPlan, previous: Any, previous_rows: int,
-                     gather: Any) -> bool:
+                     gather: Any, join: Request | None = None) -> bool:
         """Grow the decoding lanes from the free list (a step on the device: one position
-        further, unless `previous_rows` is 0) and build the step into `plan`."""
+        further, unless `previous_rows` is 0) and build the step into `plan`; `join`: the
+        request of the chunk that runs just before it, which decodes its first token in it
+        (`StepKernel.build_ahead`'s `join_lane`)."""
         kv = self.kv
         kernel = kv.kernel
         if kernel.grow(1 if previous_rows else 0):
             return False  # blocks taken for some lanes stay theirs: the next step needs them
+        join_lane, join_position = -1, 0
+        if join is not None:
+            join_position = len(join.prompt)  # where its first token goes (`_start_decode`)
+            if join_position < self.artifact.max_seq_len and \
+                    not kernel.grow_lane(join.lane, join_position + 1):
+                join_lane = join.lane
         rows = kernel.build_ahead(plan.inputs, previous, previous_rows, gather,
-                                  kv.padding_block_ahead())
+                                  kv.padding_block_ahead(), join_lane, join_position)
         if rows <= 0:
             return False
         plan.rows = rows
@@ -607,28 +615,68 @@ class Scheduler:
         return plan
 
     def plan_after_prefill(self, plan: StepPlan, landed: Any, prefill: StepPlan,
-                           gather: Any) -> bool:
+                           gather: Any, join: bool = False) -> int:
         """Build into `plan` the decode step after `prefill` (a chunk planned ahead, on the
         device now; every decode step before it has landed) when it is the step `schedule` would
         choose once the chunk lands: the chunk ends its request's prefill, every other busy lane
         decodes and nothing is admitted, staged or prefilled, no block op is due, and the free
-        list has the blocks. The chunk's request is not in it (its first token is not known
-        yet): it joins the step after (`StepKernel.build_ahead`, whose padding rows leave a
-        hybrid lane's fresh window alone, or give up). `landed`: a decode buffer other than
-        `plan`'s (not read). False: not built."""
+        list has the blocks. `landed`: a decode buffer other than `plan`'s (not read).
+        `plan_chunk_decode` is this with a decode step still on the device before the chunk.
+
+        With `join` (the engine's word that the chunk's first token is its greedy pick), the
+        chunk's request decodes in the step too, at its prompt's length, when its lane takes
+        the block that needs from the free list: its row's token is the chunk's argmax, which
+        the caller writes in once the chunk has run (before the step runs). Otherwise it joins
+        the step after (`StepKernel.build_ahead`, whose padding rows leave a hybrid lane's fresh
+        window alone, or give up). Returns the row the request joins at, -1 when built without
+        it, -2 when not built."""
+        if not self._after_chunk(prefill, self.requests.get(prefill.request_id)):
+            return -2
+        return self._build_joined(plan, landed, 0, gather, prefill, join)
+
+    def plan_chunk_decode(self, plan: StepPlan, running: StepPlan, prefill: StepPlan,
+                          gather: Any, join: bool = False) -> int:
+        """`plan_after_prefill` for a chunk planned ahead while `running` (a decode step) is
+        still on the device: the chunk runs after `running` and the step built here after the
+        chunk, so the device goes from one to the next without waiting for the host to land
+        `running` (its rows' tokens are gathered in as `plan_ahead`'s are: `gather[row]` is
+        their row in `running`). Returns as `plan_after_prefill` does."""
+        if running.kind != "decode" or \
+                not self._after_chunk(prefill, self.requests.get(prefill.request_id)):
+            return -2
+        return self._build_joined(plan, running.inputs, running.rows, gather, prefill, join)
+
+    def _after_chunk(self, prefill: StepPlan, request: Request | None) -> bool:
+        """Whether the step after `prefill` (a chunk planned ahead) may be built before the
+        chunk lands: the chunk ends its request's prefill, every other busy lane decodes and
+        nothing is admitted, staged or prefilled, no block op is due."""
         kv = self.kv
         lanes = kv.lanes
-        request = self.requests.get(prefill.request_id)
         if kv.has_ops or kv.checkpoints is not None or not prefill.last_chunk or \
                 request is None or not lanes.num_decoding():
             return False
         if request.state is S.PREFILLING:  # its lane is the one busy lane that does not decode
-            if lanes.num_busy != lanes.num_decoding() + 1 or not self._only_decode():
-                return False
-        elif request is not self.staging or request.state is not S.STAGING or \
-                lanes.num_busy != lanes.num_decoding() or lanes.num_idle:
-            return False  # (once staged, it waits for a lane while the others decode)
-        return self._build_ahead(plan, landed, 0, gather)
+            return lanes.num_busy == lanes.num_decoding() + 1 and self._only_decode()
+        # once staged, it waits for a lane while the others decode
+        return request is self.staging and request.state is S.STAGING and \
+            lanes.num_busy == lanes.num_decoding() and not lanes.num_idle
+
+    def _build_joined(self, plan: StepPlan, previous: Any, previous_rows: int, gather: Any,
+                      prefill: StepPlan, join: bool) -> int:
+        request = self.requests[prefill.request_id]
+        joins = join and request.state is S.PREFILLING and request.lane >= 0 and \
+            not request.recomputing and request.max_tokens > 1
+        if not self._build_ahead(plan, previous, previous_rows, gather,
+                                 request if joins else None):
+            return -2
+        if not joins:
+            return -1
+        lane = request.lane
+        row_lanes = plan.inputs.row_lanes
+        for row in range(plan.rows):
+            if row_lanes[row] == lane:
+                return row
+        return -1  # (its lane could not take the block for its first position)
 
     def _only_decode(self) -> bool:
         """`schedule` would decode the busy lanes and admit, stage or prefill nothing: no queue,

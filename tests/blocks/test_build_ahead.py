@@ -76,11 +76,24 @@ def test_a_step_built_ahead_is_the_step_built_after_the_one_on_the_device(
     admit("join")  # lanes that start decoding while it runs (a prefill after it)
     joined = [lane for lane in range(b) if lanes.state(lane) == DECODING and
               lane not in decoding]
+    # a lane whose last chunk runs between the two steps joins at its prompt's length, its
+    # first token written in from the chunk's logits (`join_lane`)
+    join, join_position = -1, 0
+    if data.draw(st.booleans(), label="a chunk's lane joins") and lanes.num_idle:
+        join = lanes.assign()
+        join_position = data.draw(st.integers(0, bps * block_size - 1), label="prompt length")
+        while lanes.num_held(join) * block_size <= join_position and pool.first_free() >= 0:
+            lanes.push_block(join, pool.allocate(LANE, join))
+        if lanes.num_held(join) * block_size <= join_position:
+            for block in lanes.release(join):
+                pool.free(block)
+            join = -1
     short = kernel.grow(1)
     assert_same_arrays(lanes, LANE_ARRAYS)
     limits = {lane: int(kernel.c._max_out[lane]) for lane in decoding + joined}
     # limit 1: finishes on the device; a lane that joins decodes its own token in the step
-    going = sorted([lane for lane in decoding if limits[lane] > 1] + joined)
+    going = sorted([lane for lane in decoding if limits[lane] > 1] + joined +
+                   ([join] if join >= 0 else []))
     if short:  # a lane the free list could not serve: the caller does not build ahead
         for lane in kernel.c.attention[:short].tolist():
             assert lane in going and limits[lane] > 1
@@ -88,7 +101,8 @@ def test_a_step_built_ahead_is_the_step_built_after_the_one_on_the_device(
         return
     gathers = (np.full(b, 7, dtype=np.int32), np.full(b, 7, dtype=np.int32))
     padding = data.draw(st.sampled_from([spare, -1]), label="padding block")
-    built = [impl.build_ahead(out, prev, rows, gather, padding) for impl, out, prev, gather in
+    built = [impl.build_ahead(out, prev, rows, gather, padding, join, join_position)
+             for impl, out, prev, gather in
              ((kernel.c, ahead.c, first.c, gathers[0]), (kernel.py, ahead.py, first.py,
                                                         gathers[1]))]
     assert built[0] == built[1]
@@ -105,13 +119,21 @@ def test_a_step_built_ahead_is_the_step_built_after_the_one_on_the_device(
         assert np.array_equal(getattr(ahead.c, name), getattr(ahead.py, name)), name
     assert np.array_equal(gathers[0][:n], gathers[1][:n])
     assert [gathers[0][row] == -2 for row in range(len(going))] == \
-        [lane in joined for lane in going]
+        [lane in joined or lane == join for lane in going]
     # the step on the device completes: each row's token is 10 + its row
     tokens = np.arange(10, 10 + first.c.num_rows, dtype=np.int64)
     fed = [ahead.c.input_ids.copy(), ahead.py.input_ids.copy()]  # the thread writes in place
     assert c_impl.gather_tokens(tokens, gathers[0], fed[0]) == \
         py_impl.gather_tokens(tokens, gathers[1], fed[1]) == n
     assert np.array_equal(fed[0], fed[1])
+    if join >= 0:  # the chunk lands: the lane decodes its first token (the thread wrote it in)
+        first_token = data.draw(st.integers(0, vocab - 1), label="first token")
+        for ids in fed:
+            ids[going.index(join), 0] = first_token
+        lanes.start_decode(join, join_position, first_token)
+        outputs[join] = (array("q"), array("q"))
+        kernel.c.bind(join, f"r{join}", outputs[join][0], array("d"), 4, (), 0)
+        kernel.py.bind(join, f"r{join}", outputs[join][1], array("d"), 4, (), 0)
     for impl in (kernel.c, kernel.py):
         impl.tokens[:rows] = tokens[:rows]
         impl.status[:rows] = py_impl.ROW_OK
@@ -174,3 +196,29 @@ def test_build_ahead_refuses_its_own_buffer_and_a_short_lane(impl: Any) -> None:
     assert kernel.grow(1) == 0
     assert kernel.build_ahead(other, inputs, rows, gather, pool.first_free()) == 1
     assert other.cache_position[0, 0] == 2 and gather[0] == 0
+
+
+@pytest.mark.parametrize("impl", [c_impl, py_impl], ids=["c", "py"])
+def test_build_ahead_refuses_a_join_lane_that_does_not_prefill_or_lacks_its_block(
+        impl: Any) -> None:
+    pool, lanes = impl.BlockPool(6), impl.LaneTable(3, 2, 2)
+    inputs, other = impl.DecodeInputs(3, 2), impl.DecodeInputs(3, 2)
+    kernel = impl.StepKernel(pool, lanes, inputs, None)
+    lane = lanes.assign()
+    lanes.push_block(lane, pool.allocate(LANE, lane))
+    lanes.start_decode(lane, 0, 3)
+    kernel.bind(lane, "r", array("q"), array("d"), 5, (), 0)
+    rows = kernel.build(pool.first_free())
+    gather = np.zeros(3, dtype=np.int32)
+    with pytest.raises(StateError, match="join_lane=0 is not a lane that prefills"):
+        kernel.build_ahead(other, inputs, rows, gather, pool.first_free(), lane, 1)
+    with pytest.raises(StateError, match="join_lane=1 is not a lane that prefills"):
+        kernel.build_ahead(other, inputs, rows, gather, pool.first_free(), 1, 1)  # idle
+    chunk = lanes.assign()
+    lanes.push_block(chunk, pool.allocate(LANE, chunk))  # positions 0..1: its prompt is 2 long
+    with pytest.raises(StateError, match=f"join_lane={chunk} holds 1 blocks, too few for "
+                                         "position 2"):
+        kernel.build_ahead(other, inputs, rows, gather, pool.first_free(), chunk, 2)
+    assert kernel.build_ahead(other, inputs, rows, gather, pool.first_free(), chunk, 1) == 2
+    assert other.row_lanes[:2].tolist() == [lane, chunk]
+    assert other.cache_position[:2, 0].tolist() == [1, 1] and gather[:2].tolist() == [0, -2]

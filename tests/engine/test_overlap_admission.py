@@ -426,3 +426,55 @@ def test_a_burst_of_arrivals_is_admitted_chunk_after_chunk_inside_the_pipeline(
     stats = over.stats()
     assert chained[0] >= 6 and stats.overlapped_prefills >= chained[0]
     assert stats.lane_blocks == 0 and stats.staged_blocks == 0
+
+
+class CallLog(NumpyRuntime):
+    """Records every device call: ("prefill", lane, end) with `end` the chunk's last real
+    position + 1, ("decode", {lane: position}) for a decode's rows (a padding row: its slot's
+    lane at position 0)."""
+
+    log: list[Any]
+
+    def prefill(self, inputs: Any, **kw: Any) -> Any:
+        start = int(inputs.cache_position[0, 0])
+        self.log.append(("prefill", int(inputs.local_block_tables[0]),
+                         start + int(inputs.query_position) + 1))
+        return super().prefill(inputs, **kw)
+
+    def decode(self, inputs: Any) -> Any:
+        rows = inputs.input_ids.shape[0]
+        self.log.append(("decode", dict(zip(inputs.local_block_tables[:rows, 0].tolist(),
+                                            inputs.cache_position[:rows, 0].tolist(),
+                                            strict=True))))
+        return super().decode(inputs)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_greedy_request_admitted_ahead_decodes_in_the_step_right_after_its_chunk(
+        family: str) -> None:
+    """The decode after a chunk planned ahead is built before the chunk's token exists; a
+    greedy request's row in it takes the chunk's argmax, written in by the device thread, so
+    the request decodes its second token in the very next device call (a request that samples
+    joins the step after). Tokens are those of each request alone, sampled ones included."""
+    spec = SPECS[family]
+    art = artifact(spec, 4, 64, block_size=8, chunk=16, max_seq_len=96)
+    work = short_prompts(16, seed=41)
+    params = [greedy(6 + (5 * i) % 13) if i % 4 != 3 else
+              SamplingParams(temperature=0.8, seed=i, max_tokens=6 + (5 * i) % 13,
+                             ignore_eos=True) for i in range(len(work))]
+    want = run_alone(art, work, params)
+    runtime = CallLog.random(art, SEED)
+    runtime.log = []
+    over = Batcher(runtime, overlap=True)
+    assert tokens_of(closed_loop(over, work, params, 4)) == want
+    log = runtime.log
+    joined = [i for i, call in enumerate(log[:-1]) if call[0] == "prefill" and
+              log[i + 1][0] == "decode" and log[i + 1][1].get(call[1]) == call[2]]
+    late = [i for i, call in enumerate(log[:-1]) if call[0] == "prefill" and
+            log[i + 1][0] == "decode" and log[i + 1][1].get(call[1]) != call[2]]
+    stats = over.stats()
+    assert stats.overlapped_prefills >= 8
+    # most greedy admissions after the first batch join at once (the sampled ones cannot)
+    assert stats.overlapped_joins >= 6 and len(joined) >= stats.overlapped_joins
+    if family == "llama":  # (a hybrid decode after a sampled chunk of a full batch has no slot
+        assert late      # for its padding: the host schedules it once the chunk lands)

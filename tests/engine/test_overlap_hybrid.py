@@ -77,6 +77,12 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def sampled(max_tokens: int, seed: int) -> SamplingParams:
+    """A request whose first token the engine draws when its chunk lands: it cannot join the
+    decode right after its chunk (a greedy one does, with the chunk's argmax)."""
+    return SamplingParams(temperature=0.8, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+
+
 Arrivals = list[tuple[int, list[int], SamplingParams]]  # (the step it arrives before, prompt, params)
 
 
@@ -118,16 +124,18 @@ def staggered_arrivals(count: int, seed: int) -> Arrivals:
     for i in range(count):
         length = int(rng.choice([3, 7, 12, 16, 24, 40])) if i % 4 else 5
         prompt = rng.integers(1, 256, size=length).tolist()
-        out.append((step, prompt, greedy(4 + (7 * i) % 11)))
+        limit = 4 + (7 * i) % 11
+        out.append((step, prompt, sampled(limit, i) if i % 3 == 2 else greedy(limit)))
         if i:
             step += int(rng.integers(1, 5))
     return out
 
 
-def check_ahead(art: ArtifactConfig, arrivals: Arrivals) -> tuple[int, int]:
+def check_ahead(art: ArtifactConfig, arrivals: Arrivals) -> tuple[int, int, int, int]:
     """Overlapped, synchronous and alone agree; no decode right after a chunk pads into its
     slot. Returns (chunks that went ahead, decodes of other lanes right after a chunk, without
-    its lane, with padding rows, those of them whose padding rows share a slot)."""
+    its lane, with padding rows, those of them whose padding rows share a slot, decodes right
+    after a chunk that its lane joined)."""
     want = alone(art, arrivals)
     sync = Batcher(NumpyRuntime.random(art, SEED))
     assert run(sync, arrivals) == want
@@ -142,15 +150,17 @@ def check_ahead(art: ArtifactConfig, arrivals: Arrivals) -> tuple[int, int]:
     # the case at stake: other lanes decode right after the chunk, its lane not yet, padding too
     at_stake = [padding for slot, real, padding in after if real and padding and slot not in real]
     reused = sum(1 for padding in at_stake if len(set(padding)) < len(padding))
-    return stats.overlapped_prefills, len(at_stake), reused
+    joined = sum(1 for slot, real, _ in after if slot in real)
+    return stats.overlapped_prefills, len(at_stake), reused, joined
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_hybrid_admissions_go_ahead_and_keep_their_tokens(name: str, core: str) -> None:
     art = LAYOUTS[name]
-    ahead, padded, reused = check_ahead(art, staggered_arrivals(12, seed=5))
+    ahead, padded, reused, joined = check_ahead(art, staggered_arrivals(12, seed=5))
     assert ahead >= 4  # of the 10 requests that arrive while the pipeline runs
-    assert padded >= 2  # decodes built after a chunk, with padding rows
+    assert padded >= 1  # decodes built after a sampled request's chunk, with padding rows
+    assert joined >= 2  # greedy requests decode right after their chunk
     if name != "B4 buckets 1,3,4":  # one free slot for two padding rows, some of the time
         assert reused >= 1
 
@@ -158,14 +168,15 @@ def test_hybrid_admissions_go_ahead_and_keep_their_tokens(name: str, core: str) 
 def test_with_no_slot_for_padding_the_decode_after_the_chunk_waits() -> None:
     """B2, one bucket: one lane decodes, the other is admitted ahead. The decode after its
     chunk has one padding row and no slot it may write (the only other lane is the new one), so
-    it is not built ahead: the chunk goes ahead, the decode after it is scheduled by the host."""
+    for a sampled request it is not built ahead: the chunk goes ahead, the decode after it is
+    scheduled by the host. A greedy request joins that decode (no padding row at all)."""
     art = layout(2)
     rng = np.random.default_rng(11)
     arrivals: Arrivals = [(0, rng.integers(1, 256, size=9).tolist(), greedy(30))]
-    arrivals += [(3 + 6 * i, rng.integers(1, 256, size=6 + i).tolist(), greedy(4))
-                 for i in range(3)]
-    ahead, padded, _ = check_ahead(art, arrivals)
-    assert ahead >= 2 and padded == 0
+    arrivals += [(3 + 6 * i, rng.integers(1, 256, size=6 + i).tolist(),
+                  sampled(4, i) if i % 2 else greedy(4)) for i in range(3)]
+    ahead, padded, _, joined = check_ahead(art, arrivals)
+    assert ahead >= 2 and padded == 0 and joined >= 1
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -176,5 +187,7 @@ def test_random_arrivals_into_a_hybrid_pipeline(seed: int) -> None:
     arrivals: Arrivals = []
     for _ in range(int(rng.integers(5, 10))):
         prompt = rng.integers(1, 256, size=int(rng.integers(1, 45))).tolist()
-        arrivals.append((int(rng.integers(0, 25)), prompt, greedy(int(rng.integers(2, 14)))))
+        limit = int(rng.integers(2, 14))
+        arrivals.append((int(rng.integers(0, 25)), prompt,
+                         sampled(limit, len(arrivals)) if rng.random() < 0.3 else greedy(limit)))
     check_ahead(art, arrivals)
