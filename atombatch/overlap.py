@@ -31,9 +31,10 @@ the chunk while step N is still on the device when nothing else waits (`then`,
 `Scheduler.plan_chunk_decode`: its rows take step N's tokens, gathered in after the chunk), else
 built once step N has landed (`Scheduler.plan_after_prefill`, from tokens that are known). A
 greedy request decodes in that step too, its token the chunk's argmax, written in by the device
-thread (`join_row`); one that samples joins the decode after that. A hybrid model (sliding slots) admits the same way:
-the decode built after a chunk gives the chunk's lane no padding row (it would write the fresh
-window's position 0), or is not built when no other slot is free for its padding rows; its
+thread (`join_row`); one that samples joins the decode after that. A hybrid model (sliding
+slots) admits the same way: the decode built after a chunk gives the chunk's lane no padding
+row (it would write the fresh window's position 0), or is not built when no other slot is free
+for its padding rows (a greedy request joining it needs none in a full batch); its
 prefix cache (slot checkpoints) keeps the whole pipeline off. Behind a full batch the queue's
 head is staged into the spare the same way, and a request fully staged takes a lane that freed
 (`Scheduler.rotate_ahead`) and joins the next step built. Later chunks, block ops, a grammar
@@ -41,8 +42,9 @@ or any step that is not one of these waits until the pipeline is empty (the engi
 as usual, one device call per `step()`).
 
 The thread hand-offs are bare locks and a C queue of the landed flights (a `threading.Event` or
-`Condition` costs the critical path ~20 us more), and the device thread does everything the critical path needs itself: the engine
-thread, which holds the interpreter lock for its Python, is never between two device calls.
+`Condition` costs the critical path ~20 us more), and the device thread does everything the
+critical path needs itself: the engine thread, which holds the interpreter lock for its Python,
+is never between two device calls.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ objects cost there) and exposed in the same shape when scraped.
 |  |  | two device calls while work was pending, and how many such gaps |
 | atombatch_overlapped_steps_total | counter | decode steps launched straight after the one before |
 | atombatch_overlapped_prefills_total | counter | of those, chunks of requests admitted while a decode ran |
-| atombatch_overlapped_joins_total | counter | of those, decodes right after such a chunk that its request joined |
+| atombatch_overlapped_joins_total | counter | decodes right after such a chunk that its request joined |
 |  |  | (their inputs built while it ran: `--overlap`) |
 | atombatch_requests_in_flight | gauge | HTTP requests between accept and last byte |
 | atombatch_requests_finished_total | counter | reason = stop, length, abort, error, disconnect |
