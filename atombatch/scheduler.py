@@ -649,14 +649,16 @@ class Scheduler:
     def _after_chunk(self, prefill: StepPlan, request: Request | None) -> bool:
         """Whether the step after `prefill` (a chunk planned ahead) may be built before the
         chunk lands: the chunk ends its request's prefill, every other busy lane decodes and
-        nothing is admitted, staged or prefilled, no block op is due."""
+        nothing is admitted, staged or prefilled (or what waits has no prefill turn before a
+        decode: `_decode_due`), no block op is due."""
         kv = self.kv
         lanes = kv.lanes
         if kv.has_ops or kv.checkpoints is not None or not prefill.last_chunk or \
                 request is None or not lanes.num_decoding():
             return False
         if request.state is S.PREFILLING:  # its lane is the one busy lane that does not decode
-            return lanes.num_busy == lanes.num_decoding() + 1 and self._only_decode()
+            return lanes.num_busy == lanes.num_decoding() + 1 and \
+                (self._only_decode() or self._decode_due())
         # once staged, it waits for a lane while the others decode
         return request is self.staging and request.state is S.STAGING and \
             lanes.num_busy == lanes.num_decoding() and not lanes.num_idle
@@ -691,6 +693,15 @@ class Scheduler:
             return False
         head = self._first_ready()
         return staging is not None or head is None or not self._can_stage(head)
+
+    def _decode_due(self) -> bool:
+        """Requests wait for a lane, but `schedule` would decode now: the policy gives the head
+        of the queue no prefill turn yet (stall-free after its chunks per decode), or nothing
+        waiting is ready to prefill."""
+        if self.staging is not None:
+            return False
+        head = self._first_ready()
+        return head is None or not self._prefill_turn(head, self.kv.lanes.num_decoding())
 
     def decode_requests(self, plan: StepPlan) -> list[Request]:
         """The requests of a decode plan's rows that are still running, in row order."""
