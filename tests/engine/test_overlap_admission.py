@@ -478,3 +478,25 @@ def test_a_greedy_request_admitted_ahead_decodes_in_the_step_right_after_its_chu
     assert stats.overlapped_joins >= 6 and len(joined) >= stats.overlapped_joins
     if family == "llama":  # (a hybrid decode after a sampled chunk of a full batch has no slot
         assert late      # for its padding: the host schedules it once the chunk lands)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_wave_of_arrivals_runs_in_the_pipeline_at_the_policys_pace(chunks: int) -> None:
+    """Lanes that end together are refilled together; with stall-free:k the policy runs at
+    most k chunks between two decodes: the pipeline builds the decode after the k-th chunk
+    (the queue has no prefill turn before it) and goes on admitting after it, instead of
+    draining to the synchronous engine. Tokens are those of each request alone."""
+    spec = SPECS["llama"]
+    art = artifact(spec, 5, 64, block_size=8, chunk=16, max_seq_len=96)
+    work = short_prompts(25, seed=43)
+    params = [greedy(70 if i == 0 else 8) for i in range(len(work))]  # waves of four
+    want = run_alone(art, work, params)
+    runtime = CallLog.random(art, SEED)
+    runtime.log = []
+    over = Batcher(runtime, overlap=True, policy=f"stall-free:{chunks}")
+    assert tokens_of(closed_loop(over, work, params, 5)) == want
+    kinds = "".join(call[0][0] for call in runtime.log)  # "p" and "d"
+    runs = [len(run) for run in kinds[kinds.index("d"):].split("d") if run]
+    assert runs and max(runs) <= chunks, runs  # (before the first decode: no lane decodes)
+    later = len(work) - 5  # the first five are admitted before the pipeline runs
+    assert over.stats().overlapped_prefills >= later - 2, (over.stats().overlapped_prefills, later)
