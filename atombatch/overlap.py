@@ -27,7 +27,7 @@ step N is on the device (`Scheduler.plan_prefill_ahead`: only onto a lane no fli
 has a row for, with blocks from the free list or evicted CACHED ones, never by preempting); its
 first prefill chunk is the flight after step N (the next arrival's chunk may follow it, planned
 while it runs), and the decode of the other lanes the flight after the last chunk: decided with
-the chunk while step N is still on the device when nothing else waits (`then`,
+the chunk while step N is still on the device when nothing else may prefill first (`then`,
 `Scheduler.plan_chunk_decode`: its rows take step N's tokens, gathered in after the chunk), else
 built once step N has landed (`Scheduler.plan_after_prefill`, from tokens that are known). A
 greedy request decodes in that step too, its token the chunk's argmax, written in by the device
