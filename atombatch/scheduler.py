@@ -485,14 +485,15 @@ class Scheduler:
     def plan_ahead(self, plan: StepPlan, running: StepPlan, gather: Any) -> bool:
         """Build into `plan` the decode step after `running` (on the device now, its tokens not
         known yet) when it is the step `schedule` would choose then: every busy lane decodes,
-        nothing is admitted, staged or prefilled (`_only_decode`), no block op is due, and the
+        nothing is admitted, staged or prefilled (`_only_decode`, or what waits has no prefill
+        turn before a decode: `_decode_due`), no block op is due, and the
         free list (no eviction) has the blocks the lanes' next positions need. `gather[row]`: the row
         of `running` whose token feeds the row (`StepKernel.build_ahead`). False: not built (the
         engine lands `running` and schedules as usual)."""
         kv = self.kv
         lanes = kv.lanes
         if kv.has_ops or not lanes.num_busy or lanes.num_busy != lanes.num_decoding() or \
-                kv.checkpoints is not None or not self._only_decode():
+                kv.checkpoints is not None or not (self._only_decode() or self._decode_due()):
             return False
         return self._build_ahead(plan, running.inputs, running.rows, gather)
 

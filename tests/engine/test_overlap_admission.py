@@ -480,12 +480,15 @@ def test_a_greedy_request_admitted_ahead_decodes_in_the_step_right_after_its_chu
         assert late      # for its padding: the host schedules it once the chunk lands)
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_a_wave_of_arrivals_runs_in_the_pipeline_at_the_policys_pace(chunks: int) -> None:
-    """Lanes that end together are refilled together; with stall-free:k the policy runs at
-    most k chunks between two decodes: the pipeline builds the decode after the k-th chunk
-    (the queue has no prefill turn before it) and goes on admitting after it, instead of
-    draining to the synchronous engine. Tokens are those of each request alone."""
+@pytest.mark.parametrize(("policy", "chunks", "decodes"),
+                         [("stall-free:1", 1, 1), ("stall-free:2", 2, 1), ("interleave:2", 1, 2)])
+def test_a_wave_of_arrivals_runs_in_the_pipeline_at_the_policys_pace(
+        policy: str, chunks: int, decodes: int) -> None:
+    """Lanes that end together are refilled together; stall-free:k runs at most k chunks
+    between two decodes, interleave:n at least n decodes between two chunks: the pipeline
+    builds the decodes the policy wants while requests wait (the queue has no prefill turn
+    before them) and goes on admitting after them, instead of draining to the synchronous
+    engine. Tokens are those of each request alone."""
     spec = SPECS["llama"]
     art = artifact(spec, 5, 64, block_size=8, chunk=16, max_seq_len=96)
     work = short_prompts(25, seed=43)
@@ -493,10 +496,13 @@ def test_a_wave_of_arrivals_runs_in_the_pipeline_at_the_policys_pace(chunks: int
     want = run_alone(art, work, params)
     runtime = CallLog.random(art, SEED)
     runtime.log = []
-    over = Batcher(runtime, overlap=True, policy=f"stall-free:{chunks}")
+    over = Batcher(runtime, overlap=True, policy=policy)
     assert tokens_of(closed_loop(over, work, params, 5)) == want
     kinds = "".join(call[0][0] for call in runtime.log)  # "p" and "d"
-    runs = [len(run) for run in kinds[kinds.index("d"):].split("d") if run]
-    assert runs and max(runs) <= chunks, runs  # (before the first decode: no lane decodes)
+    steady = kinds[kinds.index("d"):]  # (before the first decode: no lane decodes)
+    runs = [len(run) for run in steady.split("d") if run]
+    assert runs and max(runs) <= chunks, runs
+    gaps = [len(run) for run in steady.strip("d").split("p") if run]
+    assert gaps and min(gaps) >= decodes, gaps
     later = len(work) - 5  # the first five are admitted before the pipeline runs
     assert over.stats().overlapped_prefills >= later - 2, (over.stats().overlapped_prefills, later)
