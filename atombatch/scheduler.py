@@ -631,7 +631,7 @@ class Scheduler:
         the step after (`StepKernel.build_ahead`, whose padding rows leave a hybrid lane's fresh
         window alone, or give up). Returns the row the request joins at, -1 when built without
         it, -2 when not built."""
-        if not self._after_chunk(prefill, self.requests.get(prefill.request_id)):
+        if not self._decode_may_follow(prefill, self.requests.get(prefill.request_id)):
             return -2
         return self._build_joined(plan, landed, 0, gather, prefill, join)
 
@@ -643,11 +643,11 @@ class Scheduler:
         `running` (its rows' tokens are gathered in as `plan_ahead`'s are: `gather[row]` is
         their row in `running`). Returns as `plan_after_prefill` does."""
         if running.kind != "decode" or \
-                not self._after_chunk(prefill, self.requests.get(prefill.request_id)):
+                not self._decode_may_follow(prefill, self.requests.get(prefill.request_id)):
             return -2
         return self._build_joined(plan, running.inputs, running.rows, gather, prefill, join)
 
-    def _after_chunk(self, prefill: StepPlan, request: Request | None) -> bool:
+    def _decode_may_follow(self, prefill: StepPlan, request: Request | None) -> bool:
         """Whether the step after `prefill` (a chunk planned ahead) may be built before the
         chunk lands: the chunk ends its request's prefill, every other busy lane decodes and
         nothing is admitted, staged or prefilled (or what waits has no prefill turn before a
@@ -674,12 +674,9 @@ class Scheduler:
             return -2
         if not joins:
             return -1
-        lane = request.lane
-        row_lanes = plan.inputs.row_lanes
-        for row in range(plan.rows):
-            if row_lanes[row] == lane:
-                return row
-        return -1  # (its lane could not take the block for its first position)
+        lanes = plan.inputs.row_lanes[:plan.rows].tolist()
+        # (no row: its lane could not take the block for its first position)
+        return lanes.index(request.lane) if request.lane in lanes else -1
 
     def _only_decode(self) -> bool:
         """`schedule` would decode the busy lanes and admit, stage or prefill nothing: no queue,
