@@ -273,6 +273,14 @@ class Batcher:
         self._overlapped_prefills = 0                  # of which prefill chunks planned ahead
         self._overlapped_joins = 0                     # decodes its chunk's request joined
         self._prefill_flights: list[Flight] = []       # the pipeline's chunks (`_decide`)
+        # With `decide_late`, what follows the flight on the device is decided at the start of
+        # the next `step()` instead of right after the landing, so that requests submitted
+        # between the two steps (a closed loop's next request, once its predecessor's last
+        # token is out) are admitted in the step after the one on the device, not one later.
+        # Only for a consumer that steps again at once (the engine core's loop, a benchmark's):
+        # the device idles from the end of the flight on it until the next `step()` decides.
+        self.decide_late = False
+        self._undecided: Flight | None = None
         self._held: StepPlan | None = None             # planned ahead, runs at the next step
         self._held_for: Request | None = None          # the request it was planned for
         # n > 1 without a prefix cache: choices 1..n-1 start from a device copy of choice 0's
@@ -607,6 +615,9 @@ class Batcher:
     def _step(self) -> list[RequestOutput]:
         self._decoded = False
         outputs, self._pending = self._pending, []
+        running, self._undecided = self._undecided, None
+        if running is not None:  # `decide_late`: with what was submitted since the landing
+            self._decide(running)
         # the pipeline runs: land its flight, launch the next; when it ended with a prefill (no
         # decode rows to report), the next call starts now, in this step
         if self._flight is not None and (not self._land_flight(outputs) or
@@ -1067,7 +1078,10 @@ class Batcher:
         if running is not None and running in self._dropped:
             device.decide(None)  # (decided with a chunk that was dropped)
         elif running is not None and running.then is None:
-            self._decide(running)
+            if self.decide_late:
+                self._undecided = running
+            else:
+                self._decide(running)
         self.idle = False
         if self.scheduler.events:
             self._flush_events()

@@ -552,8 +552,10 @@ def _engine(batch_size: int, step_ms: float, prefill_ms: float, max_seq_len: int
                          block_size=max_seq_len, num_blocks=batch_size + 1,
                          prefill_chunk_size=chunk)
     runtime = NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms)
-    return Batcher(runtime, max_waiting=None, policy=policy or DEFAULT_POLICY,
-                   argmax_threads=argmax_threads, overlap=overlap), runtime
+    batcher = Batcher(runtime, max_waiting=None, policy=policy or DEFAULT_POLICY,
+                      argmax_threads=argmax_threads, overlap=overlap)
+    batcher.decide_late = overlap  # the loop below steps again at once, as the engine core's
+    return batcher, runtime
 
 
 def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: list[list[int]],

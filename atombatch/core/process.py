@@ -406,6 +406,7 @@ class CoreLoop:
         self.outbox = outbox
         self.held: list[Any] = []             # messages for the sender, until a device call
         batcher.on_device_call = self.hand_over
+        batcher.decide_late = True  # this loop steps again at once
         batcher.on_events = self.log_events
         self.parent_pid = parent_pid
         self.live: set[str] = set()           # ids the front submitted that have not finished

@@ -206,7 +206,9 @@ def test_requests_that_end_at_their_first_token_mid_pipeline() -> None:
 
 
 @pytest.mark.parametrize("when", ["prefill in the air", "decode after it in the air"])
-def test_an_abort_while_the_admitted_chunk_or_the_decode_after_it_runs(when: str) -> None:
+@pytest.mark.parametrize("late", [False, True])
+def test_an_abort_while_the_admitted_chunk_or_the_decode_after_it_runs(when: str,
+                                                                       late: bool) -> None:
     """The request admitted ahead is aborted while its chunk is on the device (or while the
     decode after it is): it ends with finish_reason abort, its lane and blocks go back, and
     every other request's tokens are those it gets alone."""
@@ -216,6 +218,7 @@ def test_an_abort_while_the_admitted_chunk_or_the_decode_after_it_runs(when: str
     params = staggered(len(work))
     want = run_alone(art, work, params)
     over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    over.decide_late = late  # (late: the abort comes before the next step is decided)
     aborted: list[str] = []
     last: list[Any] = [None]  # the flight in the air after the step before
 
@@ -506,3 +509,42 @@ def test_a_wave_of_arrivals_runs_in_the_pipeline_at_the_policys_pace(
     assert gaps and min(gaps) >= decodes, gaps
     later = len(work) - 5  # the first five are admitted before the pipeline runs
     assert over.stats().overlapped_prefills >= later - 2, (over.stats().overlapped_prefills, later)
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_deciding_late_gives_a_refill_the_step_after_the_one_on_the_device(late: bool) -> None:
+    """A closed loop submits the next request once its predecessor's last token is out, while
+    the step after that one is on the device. Decided at the landing, the step after it is
+    built before the submit, so the lane idles two steps; with `decide_late` the next `step()`
+    builds it with the refill's chunk first, so the lane idles only the step on the device
+    (the refill decodes in the step after its chunk). Tokens are those of each request alone,
+    with aborts between steps mixed in."""
+    spec = SPECS["llama"]
+    art = artifact(spec, 4, 64, block_size=8, chunk=16, max_seq_len=96)
+    work = short_prompts(20, seed=47)
+    params = staggered(len(work))
+    want = run_alone(art, work, params)
+    runtime = CallLog.random(art, SEED)
+    runtime.log = []
+    over = Batcher(runtime, overlap=True)
+    over.decide_late = late
+    assert tokens_of(closed_loop(over, work, params, 4)) == want
+    log = runtime.log
+    idle: list[int] = []  # per refill: decodes between the lane's last row and its chunk
+    first_decode = next(i for i, call in enumerate(log) if call[0] == "decode")
+    for i, call in enumerate(log):
+        if call[0] != "prefill" or i < first_decode:
+            continue
+        lane, between = call[1], 0
+        for before in reversed(log[:i]):
+            if before[0] == "decode":
+                if before[1].get(lane, 0) > 0:
+                    break
+                between += 1
+        idle.append(between)
+    assert len(idle) >= len(work) - 4 - 2, idle
+    if late:
+        assert max(idle) == 1, idle
+    else:  # (a refill behind a drained pipeline goes through the synchronous step: 1)
+        assert sum(steps >= 2 for steps in idle) >= len(idle) // 2, idle
+    assert over.stats().lane_blocks == 0
