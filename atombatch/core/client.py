@@ -240,6 +240,10 @@ class CoreClient(PDFront, OutputStreams):
         while not self._from_core.poll(100):
             waited += 0.1
             if not self._process.is_alive():
+                # a core that fails sends `Failed`, then exits: the message can still be on its
+                # way through the front's ZeroMQ thread when the exit is seen
+                if self._from_core.poll(1000):
+                    break
                 code = self._process.exitcode
                 self._cleanup()
                 raise ConfigError(f"the engine core exited with code {code} while starting")

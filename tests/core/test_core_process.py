@@ -114,6 +114,42 @@ def test_a_factory_config_error_is_raised_at_start() -> None:
         client.start_process()
 
 
+def test_a_config_error_that_arrives_after_the_exit_is_seen_is_still_the_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core sends `Failed` and exits at once; the front can see the exit before its ZeroMQ
+    thread has the message (it answered "exited with code 0 while starting" once under load).
+    Here the front's socket shows nothing while the core lives and for 0.3 s after its exit was
+    first seen, as when the message is still in transit."""
+    import zmq
+    from support.engines import failing_factory
+
+    client = CoreClient(functools.partial(failing_factory, "--max-seq-len 9 breaks rule X"))
+    real_poll = zmq.Socket.poll
+    exit_seen: list[float] = []
+
+    def late_poll(self: zmq.Socket, timeout: int | None = None, flags: int = zmq.POLLIN) -> int:
+        process = client._process
+        if self is not client._from_core or process is None:
+            return real_poll(self, timeout, flags)
+        wait = (timeout or 0) / 1000
+        if process.is_alive():
+            time.sleep(wait)
+            return 0
+        if not exit_seen:
+            exit_seen.append(time.monotonic())
+        hidden = exit_seen[0] + 0.3 - time.monotonic()
+        if hidden >= wait:
+            time.sleep(wait)
+            return 0
+        time.sleep(max(hidden, 0.0))
+        return real_poll(self, int(1000 * (wait - max(hidden, 0.0))), flags)
+
+    monkeypatch.setattr(zmq.Socket, "poll", late_poll)
+    with pytest.raises(ConfigError, match="breaks rule X"):
+        client.start_process()
+    assert exit_seen
+
+
 async def test_a_core_that_dies_fails_its_requests_and_stops_taking_new_ones() -> None:
     exited: list[int | None] = []
     client = CoreClient(functools.partial(numpy_batcher), on_core_exit=exited.append)
