@@ -211,20 +211,36 @@ class _Generation:
 
     def fast_lane(self, template: PlainChunk, writer: DirectWriter) -> None:
         """From now on, while the stream waits, write each plain token's event directly from
-        the callback that delivers it (`Mailbox.sink`, `DirectWriter`): the same accounting and
-        bytes as `run()` and the stream's plain branch, without waking the stream's task. Only
-        for one generation of one choice whose stream takes plain chunks (the caller's rule)."""
+        the callback that delivers it (`Mailbox.sink`, `DirectWriter.lane`): the same accounting
+        and bytes as `run()` and the stream's plain branch (`_took`, written out here: this is
+        the per-token path), without waking the stream's task. Only for one generation of one
+        choice whose stream takes plain chunks (the caller's rule)."""
+        lane = writer.lane(template)
+        if lane is None:
+            return
+        ready, put = lane
         choice = self.choices[0]
-        direct = self.server.metrics.direct_events
+        ids, texts, step = choice.token_ids, choice.text, choice.decoder.step
+        metrics = self.server.metrics
+        direct, generated = metrics.direct_events, metrics.generation_tokens
+        gap, first = metrics.inter_token.observe, metrics.ttft.observe
+        clock = time.perf_counter
 
         def sink(token: int) -> bool:
-            if self.finish_reason is not None or not writer.ready():
+            if self.finish_reason is not None or not ready():
                 return False
-            new = [token]
-            self._took(choice, new)
-            text = choice.decoder.step(new)
-            choice.text.append(text)
-            writer.write(template(text, new))
+            now = clock()
+            if self.generated:
+                gap(now - self.last_token_at)
+            else:
+                first(now - self.accepted)
+            self.last_token_at = now
+            ids.append(token)
+            self.generated += 1
+            generated.inc()
+            text = step((token,))
+            texts.append(text)
+            put(text, token)
             direct.inc()
             return True
 
