@@ -283,8 +283,23 @@ def _client_work() -> tuple[ArtifactConfig, list[list[int]], list[SamplingParams
     return art, work, params
 
 
+class PacedDecode(NumpyRuntime):
+    """A decode takes at least `step_s` (a sleep, releasing the GIL as a device wait does): a
+    client's next request reaches the engine while the other lanes decode however slow the
+    machine's clients are today (the tiny model's own step is far shorter than a round trip
+    through the engine core's sockets on a loaded machine)."""
+
+    step_s = 0.02
+
+    def decode(self, inputs: Any) -> Any:
+        import time
+
+        time.sleep(self.step_s)
+        return super().decode(inputs)
+
+
 def _client_batcher(art: ArtifactConfig) -> Batcher:
-    return Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    return Batcher(PacedDecode.random(art, SEED), overlap=True)
 
 
 @pytest.mark.parametrize("offload", [True, False])
