@@ -399,11 +399,27 @@ def test_metrics_say_where_the_device_time_went(server: ServerThread) -> None:
     assert overlapped == 4
 
 
+class PacedDecode(NumpyRuntime):
+    """A decode takes at least 5 ms (a sleep, as a device wait): the stream below is still
+    decoding when the second request arrives, however loaded the machine is."""
+
+    def decode(self, inputs: Any) -> Any:
+        time.sleep(0.005)
+        return super().decode(inputs)
+
+
+@pytest.fixture(scope="module")
+def paced() -> Iterator[ServerThread]:
+    with make_server(runtime=PacedDecode.random(ART, seed=WEIGHT_SEED)) as s:
+        yield s
+
+
 def test_a_request_arriving_mid_stream_is_admitted_inside_the_pipeline(
-        server: ServerThread) -> None:
+        paced: ServerThread) -> None:
     """While one stream decodes, a second request arrives with a lane free for it: its prefill
     chunk is launched by the device thread right after the decode on the device (counted in
     atombatch_overlapped_prefills_total), and both get the tokens of a synchronous engine."""
+    server = paced
     before = metrics(server.url)
     first: list[int] = []
     seen = threading.Event()
