@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.paced import PacedDecode
 from support.pd_models import SEED, SPECS
 from test_overlap_admission import closed_loop, greedy, run_alone, tokens_of
 
@@ -281,21 +282,6 @@ def _client_work() -> tuple[ArtifactConfig, list[list[int]], list[SamplingParams
     work = [rng.integers(1, 256, size=int(rng.integers(5, 17))).tolist() for _ in range(12)]
     params = [greedy(6 + (5 * i) % 11) if i % 4 else _sampled(7, i) for i in range(len(work))]
     return art, work, params
-
-
-class PacedDecode(NumpyRuntime):
-    """A decode takes at least `step_s` (a sleep, releasing the GIL as a device wait does): a
-    client's next request reaches the engine while the other lanes decode however slow the
-    machine's clients are today (the tiny model's own step is far shorter than a round trip
-    through the engine core's sockets on a loaded machine)."""
-
-    step_s = 0.02
-
-    def decode(self, inputs: Any) -> Any:
-        import time
-
-        time.sleep(self.step_s)
-        return super().decode(inputs)
 
 
 def _client_batcher(art: ArtifactConfig) -> Batcher:

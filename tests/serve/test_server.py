@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from support.paced import PacedDecode
 from support.served import ServerThread
 from support.serving import (
     ART,
@@ -399,18 +400,11 @@ def test_metrics_say_where_the_device_time_went(server: ServerThread) -> None:
     assert overlapped == 4
 
 
-class PacedDecode(NumpyRuntime):
-    """A decode takes at least 5 ms (a sleep, as a device wait): the stream below is still
-    decoding when the second request arrives, however loaded the machine is."""
-
-    def decode(self, inputs: Any) -> Any:
-        time.sleep(0.005)
-        return super().decode(inputs)
-
-
 @pytest.fixture(scope="module")
 def paced() -> Iterator[ServerThread]:
-    with make_server(runtime=PacedDecode.random(ART, seed=WEIGHT_SEED)) as s:
+    runtime = PacedDecode.random(ART, seed=WEIGHT_SEED)
+    runtime.step_s = 0.005  # the stream below still decodes when the second request arrives
+    with make_server(runtime=runtime) as s:
         yield s
 
 
