@@ -11,10 +11,10 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-import zmq
 from driving import run_to_end
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.zmq_peers import bound_router
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, RequestError, SamplingParams
 from atombatch.pd import (
@@ -170,10 +170,8 @@ def test_hostile_in_process_streams_fail_only_their_request(spec: list[tuple[str
 
 @pytest.fixture(scope="module")
 def router() -> Any:
-    socket = zmq.Context.instance().socket(zmq.ROUTER)
-    socket.setsockopt(zmq.LINGER, 0)
-    port = socket.bind_to_random_port("tcp://127.0.0.1")
-    yield socket, f"tcp://127.0.0.1:{port}"
+    socket, endpoint = bound_router()
+    yield socket, endpoint
     socket.close()
 
 

@@ -18,6 +18,7 @@ import pytest
 import zmq
 from driving import run_to_end
 from support.rss import MiB, rss_bytes
+from support.zmq_peers import bound_router
 
 from atombatch import ArtifactConfig, Batcher, KVTransferError, ModelSpec, SamplingParams
 from atombatch.pd import (
@@ -54,10 +55,7 @@ class FakeProducer:
     """A ROUTER in the test that answers a source's request with whatever frames a case needs."""
 
     def __init__(self) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.socket, self.endpoint = bound_router()
 
     def answer(self, messages: list[list[Any]], copy: bool = True) -> None:
         assert self.socket.poll(5000)

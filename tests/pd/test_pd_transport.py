@@ -14,9 +14,9 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-import zmq
 from support.numerics import assert_f32_close, assert_same_argmax, reduction_length
 from support.producers import run_producer_process
+from support.zmq_peers import bound_router
 
 from atombatch.blocks import PrefillInputs
 from atombatch.config import FULL, SLIDING, ArtifactConfig, ModelSpec
@@ -633,10 +633,7 @@ class FakeProducer:
     """A ROUTER socket in the test that answers with whatever frames a case needs."""
 
     def __init__(self) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.socket, self.endpoint = bound_router()
 
     def answer(self, messages: Iterable[list[Any]]) -> None:
         assert self.socket.poll(5000)
