@@ -1613,6 +1613,150 @@ def gather_tokens(const int64_t[::1] tokens, const int32_t[::1] gather, int64_t[
     return rows
 
 
+cdef extern from *:
+    """
+    #include <stddef.h>
+    #include <stdint.h>
+    #include <string.h>
+    /* Vectors of eight floats (GCC/clang vector extensions: SIMD where the target has it,
+       scalar code where not); on x86-64 Linux an AVX2 clone is picked at load time. */
+    typedef float atombatch_vf __attribute__((vector_size(32)));
+    typedef int32_t atombatch_vi __attribute__((vector_size(32)));
+    #define ATOMBATCH_L 8
+    #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || __GNUC__ >= 6)
+    #define ATOMBATCH_CLONES __attribute__((target_clones("avx2", "default")))
+    #else
+    #define ATOMBATCH_CLONES
+    #endif
+    /* one accumulator: its lanes keep the largest value seen and the first index it was at */
+    #define ATOMBATCH_ACC(a, idx, off) do { \
+            atombatch_vf v_; atombatch_vi gt_; \
+            memcpy(&v_, x + i + (off), sizeof v_); \
+            gt_ = v_ > a; \
+            a = (atombatch_vf)(((atombatch_vi)v_ & gt_) | ((atombatch_vi)a & ~gt_)); \
+            idx = ((lane + (int32_t)(i + (off))) & gt_) | (idx & ~gt_); \
+            nan |= v_ != v_; } while (0)
+
+    /* numpy's argmax of one float32 row of n >= 1 entries (n < 2^31): the first NaN if it
+       holds one, else the first index of its maximum. One pass over the row, four vectors of
+       eight per iteration, each lane keeping its own maximum and where it was. */
+    ATOMBATCH_CLONES
+    static Py_ssize_t atombatch_row_argmax(const float *x, Py_ssize_t n) {
+        float m;
+        Py_ssize_t i = 0, j, k, at = 0;
+        int any = 0;
+        if (n >= 4 * ATOMBATCH_L) {
+            atombatch_vf a0, a1, a2, a3;
+            atombatch_vi i0, i1, i2, i3, nan, lane;
+            for (k = 0; k < ATOMBATCH_L; k++) lane[k] = (int32_t)k;
+            memcpy(&a0, x, sizeof a0);
+            memcpy(&a1, x + ATOMBATCH_L, sizeof a1);
+            memcpy(&a2, x + 2 * ATOMBATCH_L, sizeof a2);
+            memcpy(&a3, x + 3 * ATOMBATCH_L, sizeof a3);
+            nan = (a0 != a0) | (a1 != a1) | (a2 != a2) | (a3 != a3);
+            i0 = lane;
+            i1 = lane + ATOMBATCH_L;
+            i2 = lane + 2 * ATOMBATCH_L;
+            i3 = lane + 3 * ATOMBATCH_L;
+            for (i = 4 * ATOMBATCH_L; i + 4 * ATOMBATCH_L <= n; i += 4 * ATOMBATCH_L) {
+                ATOMBATCH_ACC(a0, i0, 0);
+                ATOMBATCH_ACC(a1, i1, ATOMBATCH_L);
+                ATOMBATCH_ACC(a2, i2, 2 * ATOMBATCH_L);
+                ATOMBATCH_ACC(a3, i3, 3 * ATOMBATCH_L);
+            }
+            for (k = 0; k < ATOMBATCH_L; k++) any |= nan[k];
+            {
+                atombatch_vf values[4] = {a0, a1, a2, a3};
+                atombatch_vi where[4] = {i0, i1, i2, i3};
+                m = a0[0];
+                at = i0[0];
+                for (j = 0; j < 4; j++) {
+                    for (k = 0; k < ATOMBATCH_L; k++) {
+                        float e = values[j][k];
+                        if (e > m || (e == m && where[j][k] < at)) { m = e; at = where[j][k]; }
+                    }
+                }
+            }
+        } else {
+            m = x[0];
+            any = m != m;
+            i = 1;
+        }
+        for (; i < n; i++) {  /* the tail: indices above every vector's */
+            float v = x[i];
+            if (v > m) { m = v; at = i; }
+            any |= v != v;
+        }
+        if (any) {
+            for (i = 0; x[i] == x[i]; i++) {}
+            return i;
+        }
+        return at;
+    }
+    """
+    Py_ssize_t atombatch_row_argmax(const float *x, Py_ssize_t n) nogil
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+@cython.initializedcheck(False)
+def argmax_rows(const float[:, ::1] logits, int64_t[::1] greedy, float[::1] best=None):
+    """`greedy[row] = numpy.argmax(logits[row])` for every row (the first NaN of a row that holds
+    one, else the first index of its maximum) and, with `best`, `best[row]` the logit it picked;
+    returns the rows. One compiled pass per row, without the interpreter lock."""
+    cdef Py_ssize_t rows = logits.shape[0], vocab = logits.shape[1], row, pick
+    cdef bint keep = best is not None
+    if vocab < 1 or vocab >= 2 ** 31 or greedy.shape[0] < rows or \
+            (keep and best.shape[0] < rows):
+        raise StateError(f"logits of shape {(rows, vocab)} for greedy {greedy.shape[0]}"
+                         + (f", best {best.shape[0]}" if keep else "")
+                         + " (rows need an entry each, and 1 <= vocab < 2**31)")
+    with nogil:
+        for row in range(rows):
+            pick = atombatch_row_argmax(&logits[row, 0], vocab)
+            greedy[row] = pick
+            if keep:
+                best[row] = logits[row, pick]
+    return rows
+
+
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBuffer_Release, PyObject_GetBuffer
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def argmax_call(object raw, Py_ssize_t rows, Py_ssize_t vocab, Py_ssize_t limit,
+                int64_t[::1] greedy, float[::1] best):
+    """`argmax_rows(raw, greedy, best)` when `raw` (a decode call's result) is a plain
+    C-contiguous float32 ndarray of shape `(rows, vocab)` with fewer than `limit` entries:
+    returns True. Otherwise False, and nothing is written (the caller converts and checks it).
+    What a device thread runs right after a decode call, in one call."""
+    cdef Py_buffer view
+    cdef const float* x
+    cdef Py_ssize_t row, pick
+    if type(raw) is not np.ndarray or rows * vocab >= limit or vocab < 1 or \
+            greedy.shape[0] < rows or best.shape[0] < rows:
+        return False
+    try:
+        PyObject_GetBuffer(raw, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)
+    except (BufferError, ValueError):  # a strided array
+        return False
+    try:
+        if view.ndim != 2 or view.shape[0] != rows or view.shape[1] != vocab or \
+                view.itemsize != 4 or view.format == NULL or view.format[0] != b"f" or \
+                view.format[1] != 0:
+            return False
+        x = <const float*>view.buf
+        with nogil:
+            for row in range(rows):
+                pick = atombatch_row_argmax(x + row * vocab, vocab)
+                greedy[row] = pick
+                best[row] = x[row * vocab + pick]
+        return True
+    finally:
+        PyBuffer_Release(&view)
+
+
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def common_prefix(const int64_t[::1] a, const int64_t[::1] b):

@@ -1191,6 +1191,37 @@ def gather_tokens(tokens: npt.NDArray[np.int64], gather: npt.NDArray[np.int32],
     return int(rows)
 
 
+def argmax_rows(logits: npt.NDArray[np.float32], greedy: npt.NDArray[np.int64],
+                best: npt.NDArray[np.float32] | None = None) -> int:
+    """`greedy[row] = numpy.argmax(logits[row])` for every row (the first NaN of a row that holds
+    one, else the first index of its maximum) and, with `best`, `best[row]` the logit it picked;
+    returns the rows."""
+    rows, vocab = logits.shape
+    if vocab < 1 or vocab >= 2 ** 31 or greedy.shape[0] < rows or \
+            (best is not None and best.shape[0] < rows):
+        raise StateError(f"logits of shape {(rows, vocab)} for greedy {greedy.shape[0]}"
+                         + (f", best {best.shape[0]}" if best is not None else "")
+                         + " (rows need an entry each, and 1 <= vocab < 2**31)")
+    np.argmax(logits, axis=1, out=greedy[:rows])
+    if best is not None:
+        best[:rows] = logits[np.arange(rows), greedy[:rows]]
+    return int(rows)
+
+
+def argmax_call(raw: Any, rows: int, vocab: int, limit: int, greedy: npt.NDArray[np.int64],
+                best: npt.NDArray[np.float32]) -> bool:
+    """`argmax_rows(raw, greedy, best)` when `raw` (a decode call's result) is a plain
+    C-contiguous float32 ndarray of shape `(rows, vocab)` with fewer than `limit` entries:
+    returns True. Otherwise False, and nothing is written (the caller converts and checks it)."""
+    if type(raw) is not np.ndarray or rows * vocab >= limit or vocab < 1 or \
+            greedy.shape[0] < rows or best.shape[0] < rows:
+        return False
+    if raw.dtype != np.dtype("=f4") or not raw.flags.c_contiguous or raw.shape != (rows, vocab):
+        return False
+    argmax_rows(raw, greedy, best)
+    return True
+
+
 # -- prefix digests and token comparison ----------------------------------------------------------
 
 _ROOT_INPUT = bytes(16)

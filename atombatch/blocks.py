@@ -28,6 +28,8 @@ chain_digests = _impl.chain_digests  # the same, written into a chain's digest a
 PrefixTable = _impl.PrefixTable      # the device prefix index's blocks, in arrays
 common_prefix = _impl.common_prefix  # leading tokens two int64 arrays share
 match_digests = _impl.match_digests  # the run of a chain's digests a dict holds
+argmax_call = _impl.argmax_call      # the same on a decode call's result, when it can
+argmax_rows = _impl.argmax_rows      # numpy's argmax of every row (and its logit), compiled
 picked_logits = _impl.picked_logits  # the logit each row's token picked, in one call
 gather_tokens = _impl.gather_tokens  # one step's tokens into the next step's input ids
 IMPLEMENTATION: str = _impl.IMPLEMENTATION
@@ -86,6 +88,8 @@ __all__ = [
     "PrefixTable",
     "SlidingSlots",
     "StepKernel",
+    "argmax_call",
+    "argmax_rows",
     "block_digests",
     "chain_digests",
     "common_prefix",

@@ -13,7 +13,9 @@ prefill, no grammar) runs as a pipeline of `Flight`s on a `DeviceThread`:
   once the engine has landed step N-1: their penalties count every token before), writes those
   tokens into step N+1's `input_ids` (each row's source row is in the flight's `gather`) and
   calls the device again at once: what stands between two device calls is the argmax (the
-  draws) and that copy.
+  draws) and that copy. For a float32 step below `RowArgmax.min_elements` logits the argmax and
+  the picked logits are one compiled call on the runtime's array (`blocks.argmax_call`): the
+  checks, numpy's dispatch and a second pass cost 40-50 us more after a device wait.
 
 A lane that stops on a stop id in step N has already been given a row in step N+1: the device
 computes it (the KV of the request's last token, in its own blocks) and the landing drops it
@@ -60,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from atombatch import blocks as core
+from atombatch.argmax import RowArgmax
 from atombatch.errors import RequestError, StateError
 from atombatch.request import StepPlan
 
@@ -112,7 +115,7 @@ class DeviceThread:
     waits for it and returns it; `flight.next` is the flight the thread launched after it, if
     any). `launch` starts a pipeline when none runs."""
 
-    def __init__(self, decode: Callable[[Any], Any], argmax: Callable[[Any, Any], None],
+    def __init__(self, decode: Callable[[Any], Any], argmax: RowArgmax,
                  vocab_size: int, draw: Callable[[Any, list[Any]], Any],
                  prefill: Callable[[Any], Any]) -> None:
         # `decode`, `prefill` and `draw` are the engine's methods, held weakly: the running
@@ -257,9 +260,12 @@ class DeviceThread:
                 raise StateError("the engine is gone")
             raw = decode(inputs)
             del decode
+            if core.argmax_call(raw, inputs.num_rows, self._vocab, self._argmax.min_elements,
+                                flight.greedy, flight.best):
+                flight.logits = raw  # (a small float32 step, picked in one compiled call)
+                return
             logits, source = decode_logits(raw, inputs.num_rows, self._vocab)
-            self._argmax(source, flight.greedy[:inputs.num_rows])
-            core.picked_logits(logits, flight.greedy, flight.best, flight.plan.rows)
+            self._argmax.pick(logits, source, flight.greedy, flight.best, flight.plan.rows)
             flight.logits = logits
         except BaseException as exc:  # not only Exceptions: the engine raises it again on landing
             flight.error = _bare(exc)

@@ -98,3 +98,46 @@ def test_the_default_counts_the_cores_this_process_may_use(monkeypatch: pytest.M
     assert auto_threads() == 1 and RowArgmax().threads == 1
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(12)))
     assert auto_threads() == 4
+
+
+class _Counted(np.ndarray):
+    """Logits that count the calls of their own `argmax` (numpy's path, not the compiled one)."""
+
+    calls = 0
+
+    def argmax(self, axis=None, out=None, **kwargs):  # type: ignore[no-untyped-def, override]
+        _Counted.calls += 1
+        return np.asarray(self).argmax(axis=axis, out=out)
+
+
+def test_below_the_threshold_only_a_plain_float32_step_takes_the_compiled_kernel() -> None:
+    """A subclass keeps its own `argmax`, a wider array numpy's (a float32 copy would tie what it
+    tells apart); a plain float32 step is `argmax_rows`, with the same result."""
+    argmax = RowArgmax(1)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 300)).astype(np.float32)
+    out = np.zeros(8, dtype=np.int64)
+    _Counted.calls = 0
+    argmax(x.view(_Counted), out)
+    assert _Counted.calls == 1 and out.tolist() == np.argmax(x, axis=1).tolist()
+    argmax(x, out)
+    assert _Counted.calls == 1 and out.tolist() == np.argmax(x, axis=1).tolist()
+    wide = np.zeros((2, 5), dtype=np.float64)
+    wide[:, 1] = 1.0
+    wide[:, 3] = 1.0 + 1e-12                       # equal once rounded to float32
+    argmax(wide, out[:2])
+    assert out[:2].tolist() == [3, 3]
+
+
+def test_pick_takes_the_token_from_the_wide_array_and_the_logit_from_the_float32_one() -> None:
+    argmax = RowArgmax(1)
+    wide = np.zeros((2, 5), dtype=np.float64)
+    wide[:, 1] = 1.0
+    wide[:, 3] = 1.0 + 1e-12
+    logits = wide.astype(np.float32)
+    out = np.zeros(4, dtype=np.int64)
+    best = np.zeros(4, dtype=np.float32)
+    argmax.pick(logits, wide, out, best, 2)
+    assert out[:2].tolist() == [3, 3] and best[:2].tolist() == [1.0, 1.0]
+    argmax.pick(logits, logits, out, best, 2)     # the float32 array itself: its first maximum
+    assert out[:2].tolist() == [1, 1]

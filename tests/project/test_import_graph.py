@@ -23,9 +23,9 @@ PACKAGE = ROOT / "atombatch"
 #: under `atombatch` (a module or a subpackage). Keep this table and docs/architecture.md in step.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("errors", "codes", "logs", "structured")),
-    ("values", ("structs", "config", "plan", "rbln_config", "grammar", "sampling", "argmax",
+    ("values", ("structs", "config", "plan", "rbln_config", "grammar", "sampling",
                 "mailbox", "policy", "detokenizer", "validation")),
-    ("kernel", ("_blocks", "_blocks_py", "blocks", "prefix")),
+    ("kernel", ("_blocks", "_blocks_py", "blocks", "argmax", "prefix")),
     ("device", ("pd", "runtime")),
     ("engine", ("request", "checkpoints", "groups", "outputs", "kv_manager", "scheduler",
                 "pd_intake", "overlap", "engine", "aio")),
