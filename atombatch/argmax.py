@@ -13,9 +13,9 @@ Why compiled below the threshold: the first numpy call after a device wait pays 
 code's cold start as well as the cold logits. Alternated against `np.argmax` (followed by
 `picked_logits`) with a 5 ms sleep before each call, on the two-vCPU AMD EPYC VM the
 benchmarks run on (AVX2): 64 x 1 024 logits 146 -> 82 us, 256 x 1 024 235 -> 186 us,
-64 x 4 096 231 -> 179 us, 1 x 151 936 143 -> 89 us, 8 x 151 936 644 -> 587 us, even at
-64 x 32 768 and 64 x 65 536; at 64 x 151 936 (9.7M logits, above the threshold) numpy's is
-3-5 % faster, memory bound, and stays.
+64 x 4 096 231 -> 179 us, 1 x 151 936 143 -> 89 us, 8 x 151 936 644 -> 587 us, about even
+at 64 x 32 768 and 64 x 65 536 (936 -> 912 and 1 728 -> 1 744 us); at 64 x 151 936 (9.7M
+logits, above the threshold) numpy's is 3-5 % faster, memory bound, and stays.
 
 The result is numpy's argmax of each row either way (a NaN or +inf anywhere in a row is where
 it lands, which the step kernel relies on: `StepKernel.pick`).

@@ -22,6 +22,8 @@ DESCRIPTIONS = {
                "inline vs engine-core process, with and without the decode pipeline (--overlap), "
                "CPU per token of front, core and client",
     "stalls": "how long decoding streams wait behind a burst of prompts, per policy (simulator)",
+    "argmax": "a decode step's greedy pick after a device wait: numpy's argmax against the "
+              "compiled argmax_rows, per shape of logits",
     "structured": "structured-output grammar masks per step at B = 4..256 with a 152k vocabulary, "
                   "next to the unconstrained greedy and sampled step",
 }

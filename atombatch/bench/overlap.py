@@ -42,6 +42,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import gc
 import os
 import select
 import shlex
@@ -558,18 +559,10 @@ def _engine(batch_size: int, step_ms: float, prefill_ms: float, max_seq_len: int
     return batcher, runtime
 
 
-def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: list[list[int]],
-                 max_tokens: int, max_seq_len: int, chunk: int,
-                 policy: str | None = None, spec: Any = None,
-                 argmax_threads: int | None = None, overlap: bool = False) -> Round:
-    """One round on an in-process Batcher over a NullRuntime (no HTTP): `step_arrays()`."""
-    from atombatch import SamplingParams
-
-    batcher, runtime = _engine(batch_size, step_ms, prefill_ms, max_seq_len, chunk, policy, spec,
-                               argmax_threads, overlap)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    load_before = _load()
-    cpu0, started = time.process_time(), time.perf_counter()
+def _drive_round(batcher: Any, prompts: list[list[int]], params: Any, max_tokens: int
+                 ) -> tuple[int, int, int, list[tuple[float, float, int]]]:
+    """Submit every prompt, then step until all end: (tokens, finished with every token,
+    events, (first token, end, tokens) of each)."""
     for prompt in prompts:
         batcher.submit(prompt, params)
     tokens = events = finished = 0
@@ -588,7 +581,38 @@ def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: li
             if out.finished and out.finish_reason == "length":
                 finished += 1
                 spans.append((first[out.request_id], now, max_tokens))
-    duration, cpu = time.perf_counter() - started, time.process_time() - cpu0
+    return tokens, finished, events, spans
+
+
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """Run the engine alone as the core process runs it: with the heap built so far frozen out
+    of the collector's scans (`freeze_heap`), unfrozen after (so this case's engine can be
+    collected once it is garbage)."""
+    from atombatch.core.process import freeze_heap
+
+    freeze_heap()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: list[list[int]],
+                 max_tokens: int, max_seq_len: int, chunk: int,
+                 policy: str | None = None, spec: Any = None,
+                 argmax_threads: int | None = None, overlap: bool = False) -> Round:
+    """One round on an in-process Batcher over a NullRuntime (no HTTP): `step_arrays()`."""
+    from atombatch import SamplingParams
+
+    batcher, runtime = _engine(batch_size, step_ms, prefill_ms, max_seq_len, chunk, policy, spec,
+                               argmax_threads, overlap)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    load_before = _load()
+    with _frozen_heap():
+        cpu0, started = time.process_time(), time.perf_counter()
+        tokens, finished, events, spans = _drive_round(batcher, prompts, params, max_tokens)
+        duration, cpu = time.perf_counter() - started, time.process_time() - cpu0
     tok_s = tokens / duration
     stats = batcher.stats()
     return Round(host_gap_s=stats.host_gap_s, host_gaps=stats.host_gaps,
@@ -619,25 +643,26 @@ def engine_sustained(batch_size: int, step_ms: float, prefill_ms: float, prompts
         order.append(request_id)
         spans[request_id] = [time.perf_counter(), 0.0, 0.0, 0]
 
-    cpu0 = time.process_time()
-    while len(order) < min(batch_size, len(prompts)):
-        submit()
     ok = 0
-    while batcher.has_unfinished():
-        result = batcher.step_arrays()
-        now = time.perf_counter()
-        for out in result.outputs:  # (a plain row's token is not counted: not read per row,
-            span = spans[out.request_id]  # as it would add to the host time measured)
-            if not span[1]:
-                span[1] = now
-            if out.finished:
-                span[2] = now
-                if out.finish_reason == "length":  # ignore_eos: every token was generated
-                    span[3] = max_tokens
-                    ok += 1
-                if len(order) < len(prompts):
-                    submit()
-    cpu = time.process_time() - cpu0
+    with _frozen_heap():
+        cpu0 = time.process_time()
+        while len(order) < min(batch_size, len(prompts)):
+            submit()
+        while batcher.has_unfinished():
+            result = batcher.step_arrays()
+            now = time.perf_counter()
+            for out in result.outputs:  # (a plain row's token is not counted: not read per
+                span = spans[out.request_id]  # row, as it would add to the host time measured)
+                if not span[1]:
+                    span[1] = now
+                if out.finished:
+                    span[2] = now
+                    if out.finish_reason == "length":  # ignore_eos: every token was generated
+                        span[3] = max_tokens
+                        ok += 1
+                    if len(order) < len(prompts):
+                        submit()
+        cpu = time.process_time() - cpu0
     return sustained.summarize([Span(spans[r][0], spans[r][1], spans[r][2], int(spans[r][3]))
                                 for r in order],
                                batch_size, step_ms, ok, core_cpu_s=cpu)

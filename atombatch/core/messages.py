@@ -53,6 +53,7 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
     max_waiting: int | None
     stats: EngineStats
     pid: int
+    frozen: int = 0                # objects the core moved out of the collector's reach at start
 
 
 class Failed(msgspec.Struct, frozen=True, tag=True):

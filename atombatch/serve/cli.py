@@ -605,6 +605,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             if self.started:  # bound, listening, and the engine's loop runs
+                from atombatch.core.process import freeze_heap
+                freeze_heap()  # what startup built is out of the collector's scans
                 print(banner, file=sys.stderr, flush=True)
                 if started is not None:
                     started.set()

@@ -65,6 +65,17 @@ async def test_core_outputs_equal_each_request_run_alone() -> None:
         assert stats.finished.get("length", 0) >= 8 and stats.occupied_lanes == 0
 
 
+async def test_the_core_freezes_its_startup_heap_out_of_the_collectors_scans() -> None:
+    """A full collection of the startup heap holds the interpreter lock for tens of
+    milliseconds, which the device thread would wait out: the core freezes what it built
+    before its loop runs, and its `Ready` says how much (`freeze_heap`)."""
+    async with CoreClient(functools.partial(numpy_batcher)) as client:
+        assert client.ready is not None
+        assert client.ready.frozen > 10_000  # numpy, zmq, msgspec, the engine: tens of thousands
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        assert len((await client.generate([4, 5], params)).token_ids) == 5
+
+
 async def test_front_validates_and_bounds_before_the_core_sees_anything() -> None:
     async with CoreClient(functools.partial(numpy_batcher, max_waiting=2)) as client:
         with pytest.raises(RequestError, match="vocabulary 0..255"):
