@@ -10,12 +10,11 @@ workers would cost more than it saves) it is one compiled pass per row
 (`atombatch.blocks.argmax_rows`), which also keeps the logit each row picked when asked.
 
 Why compiled below the threshold: the first numpy call after a device wait pays its dispatch
-code's cold start as well as the cold logits. Alternated against `np.argmax` (followed by
-`picked_logits`) with a 5 ms sleep before each call, on the two-vCPU AMD EPYC VM the
-benchmarks run on (AVX2): 64 x 1 024 logits 146 -> 82 us, 256 x 1 024 235 -> 186 us,
-64 x 4 096 231 -> 179 us, 1 x 151 936 143 -> 89 us, 8 x 151 936 644 -> 587 us, about even
-at 64 x 32 768 and 64 x 65 536 (936 -> 912 and 1 728 -> 1 744 us); at 64 x 151 936 (9.7M
-logits, above the threshold) numpy's is 3-5 % faster, memory bound, and stays.
+code's cold start as well as the cold logits. `python -m atombatch.bench argmax` alternates the
+two after a 5 ms sleep: on the two-vCPU AMD EPYC VM the benchmarks run on (AVX2) the compiled
+pass is 1.3-1.8x faster at 64-256 x 1 024, 1.1-1.4x at one to eight rows of 151 936, and even
+with numpy's (or 3-5 % slower) at 64 x 151 936, above the threshold, where numpy's stays
+(docs/overlap.md, "The argmax in one compiled call").
 
 The result is numpy's argmax of each row either way (a NaN or +inf anywhere in a row is where
 it lands, which the step kernel relies on: `StepKernel.pick`).
