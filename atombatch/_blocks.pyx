@@ -1734,7 +1734,7 @@ def argmax_call(object raw, Py_ssize_t rows, Py_ssize_t vocab, Py_ssize_t limit,
     cdef Py_buffer view
     cdef const float* x
     cdef Py_ssize_t row, pick
-    if type(raw) is not np.ndarray or rows * vocab >= limit or vocab < 1 or \
+    if type(raw) is not np.ndarray or rows * vocab >= limit or not 1 <= vocab < 2 ** 31 or \
             greedy.shape[0] < rows or best.shape[0] < rows:
         return False
     try:

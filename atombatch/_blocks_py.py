@@ -1213,7 +1213,7 @@ def argmax_call(raw: Any, rows: int, vocab: int, limit: int, greedy: npt.NDArray
     """`argmax_rows(raw, greedy, best)` when `raw` (a decode call's result) is a plain
     C-contiguous float32 ndarray of shape `(rows, vocab)` with fewer than `limit` entries:
     returns True. Otherwise False, and nothing is written (the caller converts and checks it)."""
-    if type(raw) is not np.ndarray or rows * vocab >= limit or vocab < 1 or \
+    if type(raw) is not np.ndarray or rows * vocab >= limit or not 1 <= vocab < 2 ** 31 or \
             greedy.shape[0] < rows or best.shape[0] < rows:
         return False
     if raw.dtype != np.dtype("=f4") or not raw.flags.c_contiguous or raw.shape != (rows, vocab):

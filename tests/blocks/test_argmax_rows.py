@@ -102,6 +102,7 @@ def test_argmax_call_declines_what_it_cannot_read_as_it_is(impl: Any) -> None:
         (x.view(np.matrix), 4, 100, 1 << 22),  # a subclass
         (x.reshape(4, 10, 10), 4, 100, 1 << 22),
         (x.tolist(), 4, 100, 1 << 22),
+        (np.zeros((0, 2**31), dtype=np.float32), 0, 2**31, 1 << 40),  # indices past int32
     ]
     for raw, rows, vocab, limit in declined:
         assert impl.argmax_call(raw, rows, vocab, limit, greedy, best) is False
