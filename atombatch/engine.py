@@ -34,6 +34,7 @@ from atombatch.errors import (
 )
 from atombatch.grammar import ConstraintFailed, Grammars, RequestGrammar
 from atombatch.groups import Group, Move, num_held
+from atombatch.kv_manager import MAX_CHAIN
 from atombatch.logs import enabled as log_enabled
 from atombatch.logs import log
 from atombatch.outputs import Extras, OutputBuilder
@@ -120,10 +121,12 @@ class EngineStats(msgspec.Struct, frozen=True):
     # built while that one ran (`Batcher(overlap=True)`, atombatch/overlap.py); of which prefill
     # chunks of requests admitted while a decode ran; and decodes right after such a chunk
     # that its request joined (its first token the chunk's greedy pick, written in on the device
-    # thread)
+    # thread); and chunks launched right after another chunk, decided with it (a wave of
+    # arrivals planned as one chain: `Batcher._chain_wave`)
     overlapped_steps: int = 0
     overlapped_prefills: int = 0
     overlapped_joins: int = 0
+    chained_chunks: int = 0
 
 
 class StepResult:
@@ -273,6 +276,8 @@ class Batcher:
         self._overlapped_prefills = 0                  # of which prefill chunks planned ahead
         self._overlapped_joins = 0                     # decodes its chunk's request joined
         self._prefill_flights: list[Flight] = []       # the pipeline's chunks (`_decide`)
+        self._max_chain = MAX_CHAIN                    # chunks a wave chains at once (`_decide`)
+        self._chained = 0                              # chunks launched in a wave's chain
         # With `decide_late`, what follows the flight on the device is decided at the start of
         # the next `step()` instead of right after the landing, so that requests submitted
         # between the two steps (a closed loop's next request, once its predecessor's last
@@ -941,7 +946,7 @@ class Batcher:
                                                self.spec.vocab_size, self._draw,
                                                self._prefill_call)
             self._prefill_flights = [Flight(-1, plan, artifact.batch_size, prefill=True)
-                                     for _ in range(2)]
+                                     for _ in range(MAX_CHAIN + 1)]
             weakref.finalize(self, self._device_thread.stop)  # the thread ends with the engine
         flight = self._flights[0]
         if flight.plan is not plan:
@@ -989,22 +994,48 @@ class Batcher:
                     following = self._chunk_ahead(running)
                     if following is not None and not running.prefill:
                         self._chain(running, following, candidate)
+                        if following.then is None:
+                            self._chain_wave(running, following, candidate)
         finally:  # exactly once per flight, even when building failed: the thread waits for it
             assert self._device_thread is not None
             self._device_thread.decide(following)
 
-    def _chain(self, running: Flight, chunk: Flight, candidate: Flight) -> None:
+    def _chain(self, running: Flight, chunk: Flight, candidate: Flight,
+               chained: int = 1) -> None:
         """Decide the decode after `chunk` (planned ahead to run after `running`, a decode on the
-        device now) together with it, when the scheduler can build it now
-        (`Scheduler.plan_chunk_decode`): the thread then runs chunk and decode back to back,
-        whether or not the engine has landed `running` by then."""
+        device now, the last of `chained` chunks that do) together with it, when the scheduler
+        can build it now (`Scheduler.plan_chunk_decode`): the thread then runs chunk and decode
+        back to back, whether or not the engine has landed `running` by then."""
         row = self.scheduler.plan_chunk_decode(candidate.plan, running.plan, chunk.plan,
-                                               candidate.gather, self._joins(chunk.owner))
+                                               candidate.gather, self._joins(chunk.owner),
+                                               chained)
         if row == -2:
             return
         candidate.special = self._sampled_rows(candidate.plan)
         candidate.source, candidate.join_row = running, row
         chunk.then = candidate
+
+    def _chain_wave(self, running: Flight, first: Flight, candidate: Flight) -> None:
+        """A wave of arrivals (lanes that ended together, refilled together) as one chain:
+        while requests wait, idle lanes are clear of `running` (the decode on the device) and
+        the policy gives them prefill turns, the next request's chunk is planned to run right
+        after the last one (`then`), up to `_max_chain` chunks, and the decode of the other
+        lanes after the last of them when the scheduler can build it then (`_chain`: only the
+        last chunk's request joins it, the others decode from the step after). The device
+        thread runs the whole chain without waiting for the host, which lands the chunks while
+        that decode runs; a chunk at a time, each would wait for the engine thread to land the
+        one before it, on a host whose cores the front and its clients keep busy."""
+        chain = [first]
+        while len(chain) < self._max_chain and self.scheduler.waiting and \
+                self._held is None and chain[-1].owner.lane >= 0:
+            chunk = self._chunk_ahead(chain[-1], running, chain)
+            if chunk is None:
+                return
+            chain[-1].then = chunk
+            chain.append(chunk)
+            self._chain(running, chunk, candidate, len(chain))
+            if chunk.then is not None:
+                return
 
     def _joins(self, request: Request | None) -> bool:
         """Whether the first token of `request` (its last chunk on the device) is the chunk's
@@ -1013,19 +1044,23 @@ class Batcher:
         return request is not None and \
             (not self._samplers or request.request_id not in self._samplers)
 
-    def _chunk_ahead(self, running: Flight) -> Flight | None:
-        """The next prefill chunk, planned while `running` is on the device, as a flight (the
-        prefill flight `running` is not); None when there is none, or when its block ops are due
-        (then it is held for the next `step()`)."""
-        plan = self.scheduler.plan_prefill_ahead(running.plan, self.clock(), self._prefills_ahead)
+    def _chunk_ahead(self, running: Flight, decode: Flight | None = None,
+                     chain: Sequence[Flight] = ()) -> Flight | None:
+        """The next prefill chunk, planned while `running` is on the device, as a flight (a
+        prefill flight not in the air); None when there is none, or when its block ops are due
+        (then it is held for the next `step()`). With a `chain`, the chunks planned to run
+        after `decode` (`_chain_wave`), `running` is the last of them."""
+        plan = self.scheduler.plan_prefill_ahead(running.plan, self.clock(), self._prefills_ahead,
+                                                 None if decode is None else decode.plan,
+                                                 len(chain))
         if plan is None:
             return None
         owner = self.scheduler.requests[plan.request_id]
         if plan.saves or plan.restores or plan.copies:
             self._held, self._held_for = plan, owner
             return None
-        flights = self._prefill_flights
-        flight = flights[1] if running is flights[0] else flights[0]
+        flight = next(f for f in self._prefill_flights
+                      if f is not running and all(f is not t for t in chain))
         flight.plan, flight.owner, flight.then = plan, owner, None
         flight.index = running.index  # the decode before the chunks (landed once they land)
         return flight
@@ -1050,13 +1085,20 @@ class Batcher:
             hook()
         flight = device.land()
         self._flight = flight.next
-        if flight.then is not None and flight.next is not flight.then and \
-                flight.then in self._dropped:  # (dropped with it, never launched)
-            self._dropped.remove(flight.then)
+        if flight.then is not None and flight.next is not flight.then:
+            # the thread stopped the chain (this flight failed): what was decided with it never
+            # launched, and lands no more (dropped with it or not)
+            unlaunched: Flight | None = flight.then
+            while unlaunched is not None:
+                if unlaunched in self._dropped:
+                    self._dropped.remove(unlaunched)
+                unlaunched = unlaunched.then
         if flight.next is not None:
             self._overlapped += 1
             self._overlapped_prefills += flight.next.prefill
             self._overlapped_joins += flight.prefill and flight.next.join_row >= 0
+            self._chained += flight.prefill and flight.next.prefill and \
+                flight.next is flight.then
         try:
             if flight.prefill:
                 self._land_prefill(flight, outputs)
@@ -1069,14 +1111,17 @@ class Batcher:
             running = self._flight
             if running is not None:
                 self._dropped.append(running)
-                if running.then is not None:
-                    self._dropped.append(running.then)
-                else:
+                if running.then is None:
                     device.decide(None)
+                decided = running.then  # and what was decided with it (a chunk, a chain)
+                while decided is not None:
+                    self._dropped.append(decided)
+                    decided = decided.then
             raise
         running = self._flight
         if running is not None and running in self._dropped:
-            device.decide(None)  # (decided with a chunk that was dropped)
+            if running.then is None:  # (decided with a chunk that was dropped)
+                device.decide(None)
         elif running is not None and running.then is None:
             if self.decide_late:
                 self._undecided = running
@@ -1332,7 +1377,7 @@ class Batcher:
             lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps),
             device_s=self._device_s, host_gap_s=self._host_gap_s, host_gaps=self._host_gaps,
             overlapped_steps=self._overlapped, overlapped_prefills=self._overlapped_prefills,
-            overlapped_joins=self._overlapped_joins)
+            overlapped_joins=self._overlapped_joins, chained_chunks=self._chained)
 
     def check_invariants(self) -> None:
         """Raise `StateError` if any ownership invariant of docs/rules.md is broken."""

@@ -44,6 +44,9 @@ from atombatch.prefix import Entry, HostCache, Match, PrefixIndex, TokenChain
 from atombatch.request import Counters, Request, StepPlan, stop_ids
 from atombatch.request import RequestState as S
 
+MAX_CHAIN = 8                  # chunks a wave of arrivals chains into the pipeline at once
+PREFILL_BUFFERS = MAX_CHAIN + 1  # prefill input buffers (`KVManager.swap_prefill_inputs`)
+
 
 class KVManager:
     """Blocks, lanes, sliding slots, input buffers, the step kernel and the prefix/host caches."""
@@ -63,7 +66,9 @@ class KVManager:
         self.decode_inputs = core.DecodeInputs(artifact.batch_size, bps,
                                                artifact.decoder_batch_sizes)
         self.prefill_inputs = core.PrefillInputs(artifact.prefill_chunk_size, bps)
-        self._other_prefill_inputs: Any = None  # a second buffer, for chunks planned back to back
+        # the buffers chunks planned back to back take in turn (`swap_prefill_inputs`)
+        self._prefill_ring: list[Any] = [self.prefill_inputs]
+        self._prefill_at = 0
         self.kernel = core.StepKernel(self.pool, self.lanes, self.decode_inputs, self.slots)
         self.single_block = artifact.single_block
         self.spare = -1 if self.single_block else self.pool.reserve_spare()
@@ -325,13 +330,19 @@ class KVManager:
         return self.pool.first_free()
 
     def swap_prefill_inputs(self) -> None:
-        """Build the next chunk into the other prefill buffer (the current one is on the device:
-        the pipeline plans a chunk while the one before it runs)."""
-        if self._other_prefill_inputs is None:
-            self._other_prefill_inputs = core.PrefillInputs(self.artifact.prefill_chunk_size,
-                                                            self.artifact.blocks_per_seq)
-        self.prefill_inputs, self._other_prefill_inputs = \
-            self._other_prefill_inputs, self.prefill_inputs
+        """Build the next chunk into another prefill buffer (the current one is on the device,
+        or planned to run: the pipeline plans a chunk while the one before it runs, and a wave
+        of arrivals as a chain of chunks decided at once). The buffers form a ring of
+        `PREFILL_BUFFERS`: a chain holds at most `PREFILL_BUFFERS - 1` chunks in the air, and
+        the first of them is built into the current buffer only when no chunk is in the air."""
+        ring = self._prefill_ring
+        if len(ring) < PREFILL_BUFFERS:
+            ring.append(core.PrefillInputs(self.artifact.prefill_chunk_size,
+                                           self.artifact.blocks_per_seq))
+            self._prefill_at = len(ring) - 1
+        else:
+            self._prefill_at = (self._prefill_at + 1) % len(ring)
+        self.prefill_inputs = ring[self._prefill_at]
 
     def build_decode(self) -> int:
         """The decode inputs of every decoding lane, in place; returns the rows that decode."""

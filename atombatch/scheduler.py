@@ -549,7 +549,8 @@ class Scheduler:
         return lane not in running.inputs.row_lanes[:running.rows].tolist()
 
     def plan_prefill_ahead(self, running: StepPlan, now: float,
-                           accept: Callable[[Request], bool]) -> StepPlan | None:
+                           accept: Callable[[Request], bool], decode: StepPlan | None = None,
+                           chained: int = 0) -> StepPlan | None:
         """Plan the next prefill chunk while `running` (a decode step built before the last one
         landed) is on the device, when it is what `schedule` would do next and nothing it does
         can touch what `running` computes: the head of the queue admitted to an idle lane that
@@ -565,6 +566,11 @@ class Scheduler:
         chunk and the end of that prefill (a later chunk is not planned ahead, and the decode
         after a last chunk gives the slot no padding row: `StepKernel.build_ahead`).
 
+        A wave of arrivals is planned as a chain (`chained` > 0: that many last chunks, each on
+        its own lane, are planned to run after `decode`, the decode step on the device, and
+        `running` is the last of them): the next request is admitted to an idle lane that has
+        no row in `decode` (never staged), as the head of the queue would be once they landed.
+
         `accept(request)`: the engine's own conditions (no prompt logprobs, no grammar). Returns
         the plan (with the block ops it needs, which the engine then runs before the prefill),
         or None, changing nothing."""
@@ -573,15 +579,18 @@ class Scheduler:
         # `running` may itself be a chunk planned ahead (every decode before it has landed):
         # its lane is the one busy lane that may not decode; its next chunk waits for it
         in_air = self.requests.get(running.request_id) if running.kind == "prefill" else None
-        prefilling = in_air is not None and in_air.state is S.PREFILLING and in_air.lane >= 0
+        prefilling = chained if chained else \
+            in_air is not None and in_air.state is S.PREFILLING and in_air.lane >= 0
         if kv.has_ops or kv.checkpoints is not None or \
                 lanes.num_busy != lanes.num_decoding() + prefilling or \
-                (in_air is not None and not running.last_chunk):  # its own next chunk is first
+                (in_air is not None and not running.last_chunk) or \
+                (chained and (decode is None or not lanes.num_idle)):
             return None
         staging = self.staging
         if lanes.num_idle:  # admission to a lane (a staged request would take it first)
             request = self._first_ready()
-            if staging is not None or request is None or not self._lane_is_clear(running):
+            if staging is not None or request is None or \
+                    not self._lane_is_clear(decode if decode is not None and chained else running):
                 return None
         elif staging is not None:  # its next chunk into the spare and its STAGED blocks
             request = staging if staging.state is S.STAGING and staging is not in_air else None
@@ -636,18 +645,23 @@ class Scheduler:
         return self._build_joined(plan, landed, 0, gather, prefill, join)
 
     def plan_chunk_decode(self, plan: StepPlan, running: StepPlan, prefill: StepPlan,
-                          gather: Any, join: bool = False) -> int:
+                          gather: Any, join: bool = False, chained: int = 1) -> int:
         """`plan_after_prefill` for a chunk planned ahead while `running` (a decode step) is
         still on the device: the chunk runs after `running` and the step built here after the
         chunk, so the device goes from one to the next without waiting for the host to land
         `running` (its rows' tokens are gathered in as `plan_ahead`'s are: `gather[row]` is
-        their row in `running`). Returns as `plan_after_prefill` does."""
+        their row in `running`). `chained`: the chunks planned to run between `running` and
+        this step, `prefill` the last of them (a wave's chain, each of them the last chunk of
+        its request on a lane of its own); only `prefill`'s request joins this step, the
+        others decode from the step after it. Returns as `plan_after_prefill` does."""
         if running.kind != "decode" or \
-                not self._decode_may_follow(prefill, self.requests.get(prefill.request_id)):
+                not self._decode_may_follow(prefill, self.requests.get(prefill.request_id),
+                                            chained):
             return -2
         return self._build_joined(plan, running.inputs, running.rows, gather, prefill, join)
 
-    def _decode_may_follow(self, prefill: StepPlan, request: Request | None) -> bool:
+    def _decode_may_follow(self, prefill: StepPlan, request: Request | None,
+                           chained: int = 1) -> bool:
         """Whether the step after `prefill` (a chunk planned ahead) may be built before the
         chunk lands: the chunk ends its request's prefill, every other busy lane decodes and
         nothing is admitted, staged or prefilled (or what waits has no prefill turn before a
@@ -657,8 +671,9 @@ class Scheduler:
         if kv.has_ops or kv.checkpoints is not None or not prefill.last_chunk or \
                 request is None or not lanes.num_decoding():
             return False
-        if request.state is S.PREFILLING:  # its lane is the one busy lane that does not decode
-            return lanes.num_busy == lanes.num_decoding() + 1 and \
+        if request.state is S.PREFILLING:  # its lane (and those of the chunks chained before
+            # it) are the busy lanes that do not decode
+            return lanes.num_busy == lanes.num_decoding() + chained and \
                 (self._only_decode() or self._decode_due())
         # once staged, it waits for a lane while the others decode
         return request is self.staging and request.state is S.STAGING and \

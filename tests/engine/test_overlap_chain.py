@@ -1,0 +1,238 @@
+"""A wave of arrivals decided as one chain (`Batcher._chain_wave`, atombatch/overlap.py): lanes
+that end together are refilled together, and while a decode is on the device the engine plans
+every refill's chunk to run right after the one before it (`Flight.then`), then the decode of
+the other lanes after the last of them, so the device thread runs the whole wave without
+waiting for the host. Only the last chunk's request joins that decode; the others decode from
+the step after it.
+
+Every request's tokens are compared with the same request run alone on a fresh synchronous
+engine (NumPy runtime: real decoder math, KV written for every row it is given).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from support.pd_models import SEED, SPECS, artifact
+from test_overlap_admission import (
+    CallLog,
+    FaultyPrefill,
+    closed_loop,
+    greedy,
+    run_alone,
+    short_prompts,
+    tokens_of,
+)
+from test_overlap_admission_attacks import loop_through
+
+from atombatch import Batcher, SamplingParams
+from atombatch.runtime import NumpyRuntime
+
+pytestmark = pytest.mark.numerics
+
+LANES = 5
+
+
+def waves(count: int, seed: int, sampled: bool = True) -> tuple[list[list[int]], list[Any]]:
+    """One long request and short ones that end four at a time (each wave refilled at once);
+    every fifth short one samples (it cannot join the decode after its chunk)."""
+    work = short_prompts(count, seed=seed)
+    params: list[Any] = []
+    for i in range(count):
+        if i == 0:
+            params.append(greedy(70))
+        elif sampled and i % 5 == 3:
+            params.append(SamplingParams(temperature=0.8, seed=i, max_tokens=8,
+                                         ignore_eos=True))
+        else:
+            params.append(greedy(8))
+    return work, params
+
+
+def chains_in(log: list[Any]) -> list[tuple[list[Any], Any, Any]]:
+    """(chunks, the decode after them, the decode after that) for every run of two or more
+    chunks between two decodes in a `CallLog` whose earlier chunks' lanes have no row in the
+    decode after them (a padding row sits at position 0): chunks decided together, before any
+    of them landed (chunks decided one at a time land before the decode after the last is
+    built, and their lanes decode in it)."""
+    found = []
+    i = next(i for i, call in enumerate(log) if call[0] == "decode")  # (the first fill)
+    while i < len(log):
+        if log[i][0] != "prefill":
+            i += 1
+            continue
+        j = i
+        while j < len(log) and log[j][0] == "prefill":
+            j += 1
+        if j - i >= 2 and j + 1 < len(log) and log[j + 1][0] == "decode" and \
+                not any(log[j][1].get(lane, 0) for _, lane, _ in log[i:j - 1]):
+            found.append((log[i:j], log[j][1], log[j + 1][1]))
+        i = j
+    return found
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_a_wave_of_refills_runs_as_one_chain_and_gets_the_tokens_alone(family: str,
+                                                                       core: str) -> None:
+    """Waves of four refills run chunk after chunk with no host decision between them, then the
+    lanes' decode: the last chunk's greedy request has its row there (at its prompt's length),
+    the earlier ones in the decode after. Tokens are those of each request alone, sampled
+    requests included; with chains off (`_max_chain` 1) the same workload chains nothing."""
+    spec = SPECS[family]
+    art = artifact(spec, LANES, 64, block_size=8, chunk=16, max_seq_len=96)
+    work, params = waves(25, seed=43)
+    want = run_alone(art, work, params)
+    runtime = CallLog.random(art, SEED)
+    runtime.log = []
+    over = Batcher(runtime, overlap=True)
+    assert tokens_of(closed_loop(over, work, params, LANES)) == want
+    stats = over.stats()
+    assert stats.chained_chunks >= 3 * 4, stats.chained_chunks  # of five waves of four
+    chains = chains_in(runtime.log)
+    # (a hybrid model's single decode bucket: the decode after a chain would need padding rows,
+    # and every slot they may write is a chained lane's fresh window, so the host builds that
+    # decode once the chunks have landed; the chunks still run back to back)
+    assert len(chains) >= (0 if spec.is_hybrid else 4), chains
+    joined_last = 0 if chains else 2
+    for chunks, after, then in chains:
+        lanes = [lane for _, lane, _ in chunks]
+        assert len(set(lanes)) == len(lanes)  # a lane of its own each
+        *earlier, (_, last_lane, last_end) = chunks
+        for _, lane, end in earlier:  # they decode from the step after, at their prompt's end
+            assert then.get(lane) == end, (chunks, after, then)
+        joined_last += after.get(last_lane) == last_end
+    assert joined_last >= 2  # (a last chunk that samples joins the step after)
+
+    control = Batcher(CallLog.random(art, SEED), overlap=True)
+    control.runtime.log = []  # type: ignore[attr-defined]
+    control._max_chain = 1
+    assert tokens_of(closed_loop(control, work, params, LANES)) == want
+    assert control.stats().chained_chunks == 0
+    assert not chains_in(control.runtime.log)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("fault", ["nan", "error", "transient"])
+def test_a_fault_in_a_chunk_inside_a_chain_ends_only_its_request(fault: str) -> None:
+    """The second chunk of a wave's chain returns NaN or raises: its request alone fails
+    (finish_reason error, blocks back) or, for a transient fault, is run again; the chunks
+    after it in the chain never launch (the thread stops at a failed call) and prefill later,
+    and every other request gets the tokens it gets alone."""
+    from atombatch.errors import TransientDeviceError
+
+    spec = SPECS["llama"]
+    art = artifact(spec, LANES, 64, block_size=8, chunk=16, max_seq_len=96)
+    work, params = waves(21, seed=47, sampled=False)
+    want = run_alone(art, work, params)
+    runtime = FaultyPrefill.random(art, SEED)
+    runtime.at = LANES + 2  # the first wave's second chunk (the first five fill the batch)
+    runtime.error = {"nan": None, "error": RuntimeError("device hung"),
+                     "transient": TransientDeviceError("link reset")}[fault]
+    over = Batcher(runtime, overlap=True)
+    finals = closed_loop(over, work, params, LANES)
+    got = tokens_of(finals)
+    failed = [i for i, f in enumerate(finals) if f.finish_reason == "error"]
+    if fault == "transient":
+        assert got == want and not failed
+    else:
+        assert len(failed) == 1, failed
+        message = finals[failed[0]].error or ""
+        assert ("non-finite" in message) if fault == "nan" else ("device hung" in message)
+        assert [g for i, g in enumerate(got) if i not in failed] == \
+            [w for i, w in enumerate(want) if i not in failed]
+    stats = over.stats()
+    assert stats.chained_chunks >= 4 and stats.lane_blocks == 0 and stats.staged_blocks == 0
+
+
+@pytest.mark.parametrize("at", ["the decode before the chain", "the chain's first chunk"])
+def test_an_interrupt_landing_inside_a_chain_drops_the_rest_of_it(at: str) -> None:
+    """A BaseException while the engine lands the decode a chain follows (or the chain's first
+    chunk): `step()` raises it, and every flight decided with what it landed (the rest of the
+    chain, the decode after it) lands unreported; their requests prefill again, and every
+    request gets the tokens it gets alone."""
+    spec = SPECS["llama"]
+    art = artifact(spec, LANES, 64, block_size=8, chunk=16, max_seq_len=96)
+    work, params = waves(21, seed=53, sampled=False)
+    want = run_alone(art, work, params)
+    over = Batcher(CallLog.random(art, SEED), overlap=True)
+    over.runtime.log = []  # type: ignore[attr-defined]
+    fired: list[str] = []
+    land, land_prefill = over._land, over._land_prefill
+
+    def chained(flight: Any) -> bool:
+        return flight is not None and flight.prefill and flight.then is not None and \
+            flight.then.prefill
+
+    def interrupted_decode(flight: Any, outputs: Any) -> None:
+        if at == "the decode before the chain" and not fired and chained(over._flight):
+            fired.append(over._flight.plan.request_id)  # type: ignore[union-attr]
+            raise KeyboardInterrupt
+        land(flight, outputs)
+
+    def interrupted_chunk(flight: Any, outputs: Any) -> None:
+        if at == "the chain's first chunk" and not fired and chained(flight):
+            fired.append(flight.plan.request_id)
+            raise KeyboardInterrupt
+        land_prefill(flight, outputs)
+
+    over._land = interrupted_decode  # type: ignore[method-assign]
+    over._land_prefill = interrupted_chunk  # type: ignore[method-assign]
+    finals, raised = loop_through(over, work, params, LANES, KeyboardInterrupt)
+    assert raised == 1 and fired
+    assert tokens_of(finals) == want
+    stats = over.stats()
+    assert stats.lane_blocks == 0 and stats.staged_blocks == 0
+
+
+def test_aborting_a_request_whose_chunk_waits_in_a_chain() -> None:
+    """The request of a chain's third chunk is aborted while the chain is in the air (its chunk
+    planned, maybe run): it ends with finish_reason abort, its lane and blocks go back, and the
+    chain's other requests and every later one get the tokens they get alone."""
+    spec = SPECS["llama"]
+    art = artifact(spec, LANES, 64, block_size=8, chunk=16, max_seq_len=96)
+    work, params = waves(21, seed=59, sampled=False)
+    want = run_alone(art, work, params)
+    over = Batcher(CallLog.random(art, SEED), overlap=True)
+    over.runtime.log = []  # type: ignore[attr-defined]
+    aborted: list[str] = []
+
+    def between(batcher: Batcher, ids: dict[int, str], step: int) -> None:
+        flight = batcher._flight
+        if aborted or flight is None or not flight.prefill or flight.then is None or \
+                not flight.then.prefill or flight.then.then is None:
+            return
+        request_id = flight.then.then.plan.request_id  # (the chain's third chunk, or later)
+        if request_id in batcher.scheduler.requests and batcher.abort(request_id):
+            aborted.append(request_id)
+
+    finals = closed_loop(over, work, params, LANES, between)
+    assert len(aborted) == 1
+    got = tokens_of(finals)
+    for i, final in enumerate(finals):
+        if final.request_id == aborted[0]:
+            assert final.finish_reason == "abort"
+        else:
+            assert got[i] == want[i]
+    stats = over.stats()
+    assert stats.chained_chunks >= 4 and stats.lane_blocks == 0 and stats.staged_blocks == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_waves_that_stop_on_an_id_with_refills_decided_late(family: str) -> None:
+    """Half of each wave stops on an id (such a lane keeps a row in the decode built before
+    the stop landed) as the other half reaches its limit, and the refills are decided late,
+    while that decode is on the device: a chain takes only lanes that decode has no row for,
+    and every request's tokens are those it gets alone."""
+    spec = SPECS[family]
+    art = artifact(spec, LANES, 64, block_size=8, chunk=16, max_seq_len=96)
+    work, _ = waves(25, seed=61, sampled=False)
+    probe = run_alone(art, work, [greedy(8) for _ in work])
+    params = [greedy(70)] + [greedy(12, stop_token_ids=[probe[i][0][7]]) if i % 2 else
+                             greedy(8) for i in range(1, len(work))]
+    want = run_alone(art, work, params)
+    assert sum(reason == "stop" for _, reason in want) >= 8
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    over.decide_late = True
+    assert tokens_of(closed_loop(over, work, params, LANES)) == want
+    stats = over.stats()
+    assert stats.overlapped_prefills >= 5 and stats.lane_blocks == 0
