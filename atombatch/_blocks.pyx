@@ -1250,8 +1250,7 @@ cdef class StepKernel:
     @cython.wraparound(ATOMBATCH_DEBUG)
     @cython.initializedcheck(ATOMBATCH_DEBUG)
     def build_ahead(self, DecodeInputs out not None, DecodeInputs previous not None,
-                    Py_ssize_t previous_rows, gather, Py_ssize_t padding_block,
-                    Py_ssize_t join_lane=-1, Py_ssize_t join_position=0):
+                    Py_ssize_t previous_rows, gather, Py_ssize_t padding_block, joins=None):
         """The inputs of the decode step after the one on the device now (built from `previous`,
         whose rows `0..previous_rows-1` decode), into `out`, before that step's tokens are known.
 
@@ -1273,9 +1272,11 @@ cdef class StepKernel:
         ahead (padding rows and no `padding_block`, or no slot they may write). `self.inputs`
         and `num_rows` stay those of the last step.
 
-        `join_lane` (>= 0): a lane that prefills, whose last chunk runs just before this step,
-        joins it too: a row at `join_position` (its prompt's length) through its blocks and its
-        own slot, token 0 and `gather[row]` -2 (the caller writes the chunk's first token in)."""
+        `joins` (int32, one entry per lane, or None): `joins[lane]` >= 0 for a lane that
+        prefills, whose last chunk runs before this step (a wave's chain: several of them),
+        joins it too: a row at `joins[lane]` (its prompt's length) through its blocks and its
+        own slot, token 0 and `gather[row]` -2 (the caller writes the chunk's first token in);
+        -1 for every other lane."""
         cdef LaneTable lanes = self.lanes
         cdef Py_ssize_t b = lanes._b, bps = lanes._bps
         cdef Py_ssize_t lane, held, decoding = 0, index = 0, rows, row = 0, pad_row, position
@@ -1288,6 +1289,8 @@ cdef class StepKernel:
         cdef int32_t[::1] source = self._source_v
         cdef int32_t[::1] previous_lanes = previous._row_lanes_v
         cdef int32_t[::1] gather_v = gather
+        cdef int32_t[::1] join_at
+        cdef bint joining = joins is not None
         if out._b != b or out._bps != bps or previous._b != b or previous._bps != bps:
             raise StateError(f"decode buffers are {(out._b, out._bps)} and "
                              f"{(previous._b, previous._bps)}, lanes are {(b, bps)}")
@@ -1297,18 +1300,25 @@ cdef class StepKernel:
             raise StateError(f"previous_rows={previous_rows} is outside 0..{previous.num_rows}")
         if gather_v.shape[0] < b:
             raise StateError(f"gather has {gather_v.shape[0]} entries, fewer than {b} lanes")
-        if join_lane >= 0:
-            if join_lane >= b or state[join_lane] != C_LANE_PREFILLING:
-                raise StateError(f"join_lane={join_lane} is not a lane that prefills")
-            if join_position < 0 or lanes._blocks_for(join_position + 1) > num_held[join_lane]:
-                raise StateError(f"join_lane={join_lane} holds {num_held[join_lane]} blocks, too "
-                                 f"few for position {join_position}")
+        if joining:
+            join_at = joins
+            if join_at.shape[0] < b:
+                raise StateError(f"joins has {join_at.shape[0]} entries, fewer than {b} lanes")
+            for lane in range(b):
+                if join_at[lane] < 0:
+                    continue
+                if state[lane] != C_LANE_PREFILLING:
+                    raise StateError(f"joins[{lane}]={join_at[lane]}: lane {lane} does not "
+                                     f"prefill")
+                if lanes._blocks_for(join_at[lane] + 1) > num_held[lane]:
+                    raise StateError(f"joins[{lane}]={join_at[lane]}: lane {lane} holds "
+                                     f"{num_held[lane]} blocks, too few for that position")
         for lane in range(b):
             source[lane] = -1
         for row in range(previous_rows):
             source[previous_lanes[row]] = <int32_t>row
         for lane in range(b):
-            if lane == join_lane:
+            if joining and join_at[lane] >= 0:
                 decoding += 1
                 continue
             if state[lane] != C_LANE_DECODING:
@@ -1348,8 +1358,8 @@ cdef class StepKernel:
         pad_row = decoding
         row = 0
         for lane in range(b):
-            if lane == join_lane:  # its first token comes from the chunk before this step
-                out._lane_row(row, lanes, lane, 0, join_position)
+            if joining and join_at[lane] >= 0:  # its first token comes from its chunk
+                out._lane_row(row, lanes, lane, 0, join_at[lane])
                 gather_v[row] = -2
                 row += 1
             elif state[lane] == C_LANE_DECODING and source[lane] < 0:

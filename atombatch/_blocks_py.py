@@ -917,8 +917,8 @@ class StepKernel:
         self.num_rows = num_rows
 
     def build_ahead(self, out: DecodeInputs, previous: DecodeInputs, previous_rows: int,
-                    gather: npt.NDArray[np.int32], padding_block: int, join_lane: int = -1,
-                    join_position: int = 0) -> int:
+                    gather: npt.NDArray[np.int32], padding_block: int,
+                    joins: npt.NDArray[np.int32] | None = None) -> int:
         """The inputs of the decode step after the one on the device now (built from `previous`,
         whose rows `0..previous_rows-1` decode), into `out`, before that step's tokens are known.
 
@@ -940,9 +940,11 @@ class StepKernel:
         ahead (padding rows and no `padding_block`, or no slot they may write). `self.inputs`
         and `num_rows` stay those of the last step.
 
-        `join_lane` (>= 0): a lane that prefills, whose last chunk runs just before this step,
-        joins it too: a row at `join_position` (its prompt's length) through its blocks and its
-        own slot, token 0 and `gather[row]` -2 (the caller writes the chunk's first token in)."""
+        `joins` (int32, one entry per lane, or None): `joins[lane]` >= 0 for a lane that
+        prefills, whose last chunk runs before this step (a wave's chain: several of them),
+        joins it too: a row at `joins[lane]` (its prompt's length) through its blocks and its
+        own slot, token 0 and `gather[row]` -2 (the caller writes the chunk's first token in);
+        -1 for every other lane."""
         lanes = self.lanes
         b, bps = lanes._b, lanes._bps
         if out._b != b or out._bps != bps or previous._b != b or previous._bps != bps:
@@ -954,19 +956,27 @@ class StepKernel:
             raise StateError(f"previous_rows={previous_rows} is outside 0..{previous.num_rows}")
         if gather.shape[0] < b:
             raise StateError(f"gather has {gather.shape[0]} entries, fewer than {b} lanes")
-        if join_lane >= 0:
-            if join_lane >= b or lanes._state[join_lane] != LANE_PREFILLING:
-                raise StateError(f"join_lane={join_lane} is not a lane that prefills")
-            if join_position < 0 or \
-                    lanes.blocks_for(join_position + 1) > int(lanes._num_held[join_lane]):
-                raise StateError(f"join_lane={join_lane} holds {int(lanes._num_held[join_lane])} "
-                                 f"blocks, too few for position {join_position}")
+        join_at: dict[int, int] = {}
+        if joins is not None:
+            if joins.shape[0] < b:
+                raise StateError(f"joins has {joins.shape[0]} entries, fewer than {b} lanes")
+            for lane in range(b):
+                at = int(joins[lane])
+                if at < 0:
+                    continue
+                if lanes._state[lane] != LANE_PREFILLING:
+                    raise StateError(f"joins[{lane}]={at}: lane {lane} does not prefill")
+                held = int(lanes._num_held[lane])
+                if lanes.blocks_for(at + 1) > held:
+                    raise StateError(f"joins[{lane}]={at}: lane {lane} holds {held} blocks, too "
+                                     f"few for that position")
+                join_at[lane] = at
         source = np.full(b, -1, dtype=np.int32)
         for row in range(previous_rows):
             source[previous._row_lanes[row]] = row
         going = []
         for lane in range(b):
-            if lane == join_lane:
+            if lane in join_at:
                 going.append(lane)
                 continue
             if lanes._state[lane] != LANE_DECODING:
@@ -1006,8 +1016,8 @@ class StepKernel:
         row = 0
         pad_row = decoding
         for lane in range(b):
-            if lane == join_lane:  # its first token comes from the chunk before this step
-                out._lane_row(row, lanes, lane, 0, join_position)
+            if lane in join_at:  # its first token comes from its chunk
+                out._lane_row(row, lanes, lane, 0, join_at[lane])
                 gather[row] = -2
                 row += 1
             elif lane in goes:

@@ -973,16 +973,16 @@ class Batcher:
             if self._can_fly():
                 assert self._flights is not None
                 candidate = self._flights[(running.index + 1) % NUM_FLIGHTS]
-                candidate.source, candidate.join_row = None, -1
+                candidate.source = None
                 scheduler = self.scheduler
                 if running.prefill:  # the decode before it landed: the lanes' tokens are known
                     landed = self._flights[running.index].plan.inputs
-                    row = scheduler.plan_after_prefill(candidate.plan, landed, running.plan,
-                                                       candidate.gather,
-                                                       self._joins(running.owner))
-                    if row > -2:
+                    joins = [running.owner] if self._joins(running.owner) else []
+                    rows = scheduler.plan_after_prefill(candidate.plan, landed, running.plan,
+                                                        candidate.gather, joins)
+                    if rows is not None:
                         candidate.special = self._sampled_rows(candidate.plan)
-                        candidate.join_row = row
+                        running.join_into, running.join_row = candidate, rows[0] if rows else -1
                         following = candidate
                 else:
                     if scheduler.staging is not None:  # a staged request takes a freed lane
@@ -993,38 +993,43 @@ class Batcher:
                 if following is None and (scheduler.waiting or scheduler.staging is not None):
                     following = self._chunk_ahead(running)
                     if following is not None and not running.prefill:
-                        self._chain(running, following, candidate)
+                        self._chain(running, [following], candidate)
                         if following.then is None:
                             self._chain_wave(running, following, candidate)
         finally:  # exactly once per flight, even when building failed: the thread waits for it
             assert self._device_thread is not None
             self._device_thread.decide(following)
 
-    def _chain(self, running: Flight, chunk: Flight, candidate: Flight,
-               chained: int = 1) -> None:
-        """Decide the decode after `chunk` (planned ahead to run after `running`, a decode on the
-        device now, the last of `chained` chunks that do) together with it, when the scheduler
-        can build it now (`Scheduler.plan_chunk_decode`): the thread then runs chunk and decode
-        back to back, whether or not the engine has landed `running` by then."""
-        row = self.scheduler.plan_chunk_decode(candidate.plan, running.plan, chunk.plan,
-                                               candidate.gather, self._joins(chunk.owner),
-                                               chained)
-        if row == -2:
+    def _chain(self, running: Flight, chain: list[Flight], candidate: Flight) -> None:
+        """Decide the decode after `chain` (chunks planned ahead to run after `running`, a decode
+        on the device now) together with it, when the scheduler can build it now
+        (`Scheduler.plan_chunk_decode`): the thread then runs the chunks and the decode back to
+        back, whether or not the engine has landed `running` by then. Each greedy request of
+        the chain decodes in it (`join_row`: the device thread writes its chunk's argmax in)."""
+        joins = [chunk.owner for chunk in chain if self._joins(chunk.owner)]
+        rows = self.scheduler.plan_chunk_decode(candidate.plan, running.plan, chain[-1].plan,
+                                                candidate.gather, joins, len(chain))
+        if rows is None:
             return
         candidate.special = self._sampled_rows(candidate.plan)
-        candidate.source, candidate.join_row = running, row
-        chunk.then = candidate
+        candidate.source = running
+        row_of = {id(owner): row for owner, row in zip(joins, rows, strict=True)}
+        for chunk in chain:
+            row = row_of.get(id(chunk.owner), -1)
+            if row >= 0:
+                chunk.join_into, chunk.join_row = candidate, row
+        chain[-1].then = candidate
 
     def _chain_wave(self, running: Flight, first: Flight, candidate: Flight) -> None:
         """A wave of arrivals (lanes that ended together, refilled together) as one chain:
         while requests wait, idle lanes are clear of `running` (the decode on the device) and
         the policy gives them prefill turns, the next request's chunk is planned to run right
         after the last one (`then`), up to `_max_chain` chunks, and the decode of the other
-        lanes after the last of them when the scheduler can build it then (`_chain`: only the
-        last chunk's request joins it, the others decode from the step after). The device
-        thread runs the whole chain without waiting for the host, which lands the chunks while
-        that decode runs; a chunk at a time, each would wait for the engine thread to land the
-        one before it, on a host whose cores the front and its clients keep busy."""
+        lanes after the last of them when the scheduler can build it then (`_chain`, which the
+        chain's greedy requests join). The device thread runs the whole chain without waiting
+        for the host, which lands the chunks while that decode runs; a chunk at a time, each
+        would wait for the engine thread to land the one before it, on a host whose cores the
+        front and its clients keep busy."""
         chain = [first]
         while len(chain) < self._max_chain and self.scheduler.waiting and \
                 self._held is None and chain[-1].owner.lane >= 0:
@@ -1033,7 +1038,7 @@ class Batcher:
                 return
             chain[-1].then = chunk
             chain.append(chunk)
-            self._chain(running, chunk, candidate, len(chain))
+            self._chain(running, chain, candidate)
             if chunk.then is not None:
                 return
 
@@ -1062,6 +1067,7 @@ class Batcher:
         flight = next(f for f in self._prefill_flights
                       if f is not running and all(f is not t for t in chain))
         flight.plan, flight.owner, flight.then = plan, owner, None
+        flight.join_into, flight.join_row = None, -1
         flight.index = running.index  # the decode before the chunks (landed once they land)
         return flight
 
@@ -1096,7 +1102,8 @@ class Batcher:
         if flight.next is not None:
             self._overlapped += 1
             self._overlapped_prefills += flight.next.prefill
-            self._overlapped_joins += flight.prefill and flight.next.join_row >= 0
+            self._overlapped_joins += flight.prefill and flight.join_into is not None and \
+                flight.join_row >= 0
             self._chained += flight.prefill and flight.next.prefill and \
                 flight.next is flight.then
         try:

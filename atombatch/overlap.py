@@ -107,9 +107,11 @@ class Flight:
         # for `decide`): built while the decode before the chunk was on the device
         self.then: Flight | None = None
         # a decode flight after a chunk: the decode before the chunk, whose tokens feed its rows
-        # (None: those are known), and the row of the chunk's request (-1: none), whose token
-        # is the chunk's greedy pick
+        # (None: those are known)
         self.source: Flight | None = None
+        # a prefill flight whose request decodes in the decode after it (its chain's): that
+        # flight and the request's row there (-1: none), whose token is the chunk's greedy pick
+        self.join_into: Flight | None = None
         self.join_row = -1
 
 
@@ -216,14 +218,16 @@ class DeviceThread:
 
     @staticmethod
     def _after_chunk(chunk: Flight, after: Flight) -> None:
-        """The tokens of the decode after a chunk: those of the decode before the chunk (when
-        that was still on the device as the step was built), and the chunk's greedy pick for
-        its request's row (what `Batcher._complete_prefill` picks when the chunk lands)."""
-        ids = after.plan.inputs.input_ids
-        if after.source is not None:
-            core.gather_tokens(after.source.greedy, after.gather, ids)
-        if after.join_row >= 0:
-            ids[after.join_row, 0] = int(np.argmax(chunk.logits))
+        """The tokens a chunk gives the decode after it (after its chain's last chunk, when it is
+        one of a chain): the chunk's greedy pick for its request's row (what
+        `Batcher._complete_prefill` picks when the chunk lands), and, right before that decode,
+        the tokens of the decode before the chunks (when that was still on the device as the
+        step was built)."""
+        joined = chunk.join_into
+        if joined is not None and chunk.join_row >= 0:
+            joined.plan.inputs.input_ids[chunk.join_row, 0] = int(np.argmax(chunk.logits))
+        if not after.prefill and after.source is not None:
+            core.gather_tokens(after.source.greedy, after.gather, after.plan.inputs.input_ids)
 
     def _sample(self, flight: Flight) -> None:
         """Draw the flight's sampled rows (their outputs hold every token before this step:

@@ -42,8 +42,10 @@ native prefill at the chunk boundary below the covered length.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 from atombatch import blocks as core
 from atombatch.config import ArtifactConfig
@@ -94,6 +96,7 @@ class Scheduler:
         self._admit_counter = 0
         self._decodes_since_prefill = 0
         self._prefills_since_decode = 0
+        self._join_at = np.full(artifact.batch_size, -1, dtype=np.int32)  # `_build_ahead`'s
         self._step_time = 0.0
         self._decode_plan = StepPlan(kind="decode", inputs=self.kv.decode_inputs)
 
@@ -498,23 +501,30 @@ class Scheduler:
         return self._build_ahead(plan, running.inputs, running.rows, gather)
 
     def _build_ahead(self, plan: StepPlan, previous: Any, previous_rows: int,
-                     gather: Any, join: Request | None = None) -> bool:
+                     gather: Any, joins: Sequence[Request] = ()) -> bool:
         """Grow the decoding lanes from the free list (a step on the device: one position
-        further, unless `previous_rows` is 0) and build the step into `plan`; `join`: the
-        request of the chunk that runs just before it, which decodes its first token in it
-        (`StepKernel.build_ahead`'s `join_lane`)."""
+        further, unless `previous_rows` is 0) and build the step into `plan`; `joins`: requests
+        whose last chunk runs before it (a wave's chain: several), which decode their first
+        token in it (`StepKernel.build_ahead`'s `joins`) when their lane takes the block for
+        that position."""
         kv = self.kv
         kernel = kv.kernel
         if kernel.grow(1 if previous_rows else 0):
             return False  # blocks taken for some lanes stay theirs: the next step needs them
-        join_lane, join_position = -1, 0
-        if join is not None:
-            join_position = len(join.prompt)  # where its first token goes (`_start_decode`)
-            if join_position < self.artifact.max_seq_len and \
-                    not kernel.grow_lane(join.lane, join_position + 1):
-                join_lane = join.lane
-        rows = kernel.build_ahead(plan.inputs, previous, previous_rows, gather,
-                                  kv.padding_block_ahead(), join_lane, join_position)
+        join_at = None
+        if joins:
+            join_at = self._join_at
+            for join in joins:
+                position = len(join.prompt)  # where its first token goes (`_start_decode`)
+                if position < self.artifact.max_seq_len and \
+                        not kernel.grow_lane(join.lane, position + 1):
+                    join_at[join.lane] = position
+        try:
+            rows = kernel.build_ahead(plan.inputs, previous, previous_rows, gather,
+                                      kv.padding_block_ahead(), join_at)
+        finally:
+            if join_at is not None:
+                join_at.fill(-1)
         if rows <= 0:
             return False
         plan.rows = rows
@@ -625,7 +635,7 @@ class Scheduler:
         return plan
 
     def plan_after_prefill(self, plan: StepPlan, landed: Any, prefill: StepPlan,
-                           gather: Any, join: bool = False) -> int:
+                           gather: Any, joins: Sequence[Request] = ()) -> list[int] | None:
         """Build into `plan` the decode step after `prefill` (a chunk planned ahead, on the
         device now; every decode step before it has landed) when it is the step `schedule` would
         choose once the chunk lands: the chunk ends its request's prefill, every other busy lane
@@ -633,32 +643,33 @@ class Scheduler:
         list has the blocks. `landed`: a decode buffer other than `plan`'s (not read).
         `plan_chunk_decode` is this with a decode step still on the device before the chunk.
 
-        With `join` (the engine's word that the chunk's first token is its greedy pick), the
-        chunk's request decodes in the step too, at its prompt's length, when its lane takes
-        the block that needs from the free list: its row's token is the chunk's argmax, which
-        the caller writes in once the chunk has run (before the step runs). Otherwise it joins
-        the step after (`StepKernel.build_ahead`, whose padding rows leave a hybrid lane's fresh
-        window alone, or give up). Returns the row the request joins at, -1 when built without
-        it, -2 when not built."""
+        `joins`: the requests the engine says may decode in the step (their first token is
+        their chunk's greedy pick): each does, at its prompt's length, when its lane takes the
+        block that needs from the free list: its row's token is the chunk's argmax, which the
+        caller writes in once the chunk has run (before the step runs). A request that does not
+        joins the step after (`StepKernel.build_ahead`, whose padding rows leave a hybrid lane's
+        fresh window alone, or give up). Returns each of `joins`' rows in the step (-1: none),
+        or None when the step was not built."""
         if not self._decode_may_follow(prefill, self.requests.get(prefill.request_id)):
-            return -2
-        return self._build_joined(plan, landed, 0, gather, prefill, join)
+            return None
+        return self._build_joined(plan, landed, 0, gather, joins)
 
     def plan_chunk_decode(self, plan: StepPlan, running: StepPlan, prefill: StepPlan,
-                          gather: Any, join: bool = False, chained: int = 1) -> int:
+                          gather: Any, joins: Sequence[Request] = (),
+                          chained: int = 1) -> list[int] | None:
         """`plan_after_prefill` for a chunk planned ahead while `running` (a decode step) is
         still on the device: the chunk runs after `running` and the step built here after the
         chunk, so the device goes from one to the next without waiting for the host to land
         `running` (its rows' tokens are gathered in as `plan_ahead`'s are: `gather[row]` is
         their row in `running`). `chained`: the chunks planned to run between `running` and
         this step, `prefill` the last of them (a wave's chain, each of them the last chunk of
-        its request on a lane of its own); only `prefill`'s request joins this step, the
-        others decode from the step after it. Returns as `plan_after_prefill` does."""
+        its request on a lane of its own; `joins` may name any of their requests). Returns as
+        `plan_after_prefill` does."""
         if running.kind != "decode" or \
                 not self._decode_may_follow(prefill, self.requests.get(prefill.request_id),
                                             chained):
-            return -2
-        return self._build_joined(plan, running.inputs, running.rows, gather, prefill, join)
+            return None
+        return self._build_joined(plan, running.inputs, running.rows, gather, joins)
 
     def _decode_may_follow(self, prefill: StepPlan, request: Request | None,
                            chained: int = 1) -> bool:
@@ -680,18 +691,17 @@ class Scheduler:
             lanes.num_busy == lanes.num_decoding() and not lanes.num_idle
 
     def _build_joined(self, plan: StepPlan, previous: Any, previous_rows: int, gather: Any,
-                      prefill: StepPlan, join: bool) -> int:
-        request = self.requests[prefill.request_id]
-        joins = join and request.state is S.PREFILLING and request.lane >= 0 and \
-            not request.recomputing and request.max_tokens > 1
-        if not self._build_ahead(plan, previous, previous_rows, gather,
-                                 request if joins else None):
-            return -2
-        if not joins:
-            return -1
-        lanes = plan.inputs.row_lanes[:plan.rows].tolist()
+                      joins: Sequence[Request]) -> list[int] | None:
+        joining = [request for request in joins if request.state is S.PREFILLING and
+                   request.lane >= 0 and not request.recomputing and request.max_tokens > 1]
+        if not self._build_ahead(plan, previous, previous_rows, gather, joining):
+            return None
+        if not joining:
+            return [-1] * len(joins)
+        rows = {lane: row for row, lane in enumerate(plan.inputs.row_lanes[:plan.rows].tolist())}
+        joined = {id(request) for request in joining}
         # (no row: its lane could not take the block for its first position)
-        return lanes.index(request.lane) if request.lane in lanes else -1
+        return [rows.get(request.lane, -1) if id(request) in joined else -1 for request in joins]
 
     def _only_decode(self) -> bool:
         """`schedule` would decode the busy lanes and admit, stage or prefill nothing: no queue,

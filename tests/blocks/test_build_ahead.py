@@ -76,24 +76,27 @@ def test_a_step_built_ahead_is_the_step_built_after_the_one_on_the_device(
     admit("join")  # lanes that start decoding while it runs (a prefill after it)
     joined = [lane for lane in range(b) if lanes.state(lane) == DECODING and
               lane not in decoding]
-    # a lane whose last chunk runs between the two steps joins at its prompt's length, its
-    # first token written in from the chunk's logits (`join_lane`)
-    join, join_position = -1, 0
-    if data.draw(st.booleans(), label="a chunk's lane joins") and lanes.num_idle:
+    # lanes whose last chunk runs between the two steps (a wave's chain: several) join at
+    # their prompt's length, their first token written in from their chunk's logits (`joins`)
+    join_at: dict[int, int] = {}
+    while lanes.num_idle and data.draw(st.booleans(), label="a chunk's lane joins"):
         join = lanes.assign()
-        join_position = data.draw(st.integers(0, bps * block_size - 1), label="prompt length")
-        while lanes.num_held(join) * block_size <= join_position and pool.first_free() >= 0:
+        position = data.draw(st.integers(0, bps * block_size - 1), label="prompt length")
+        while lanes.num_held(join) * block_size <= position and pool.first_free() >= 0:
             lanes.push_block(join, pool.allocate(LANE, join))
-        if lanes.num_held(join) * block_size <= join_position:
+        if lanes.num_held(join) * block_size <= position:
             for block in lanes.release(join):
                 pool.free(block)
-            join = -1
+            break
+        join_at[join] = position
+    joins = np.full(b, -1, dtype=np.int32)
+    for join, position in join_at.items():
+        joins[join] = position
     short = kernel.grow(1)
     assert_same_arrays(lanes, LANE_ARRAYS)
     limits = {lane: int(kernel.c._max_out[lane]) for lane in decoding + joined}
     # limit 1: finishes on the device; a lane that joins decodes its own token in the step
-    going = sorted([lane for lane in decoding if limits[lane] > 1] + joined +
-                   ([join] if join >= 0 else []))
+    going = sorted([lane for lane in decoding if limits[lane] > 1] + joined + list(join_at))
     if short:  # a lane the free list could not serve: the caller does not build ahead
         for lane in kernel.c.attention[:short].tolist():
             assert lane in going and limits[lane] > 1
@@ -101,7 +104,9 @@ def test_a_step_built_ahead_is_the_step_built_after_the_one_on_the_device(
         return
     gathers = (np.full(b, 7, dtype=np.int32), np.full(b, 7, dtype=np.int32))
     padding = data.draw(st.sampled_from([spare, -1]), label="padding block")
-    built = [impl.build_ahead(out, prev, rows, gather, padding, join, join_position)
+    built = [impl.build_ahead(out, prev, rows, gather, padding,
+                              joins if join_at or data.draw(st.booleans(), label="array") else
+                              None)
              for impl, out, prev, gather in
              ((kernel.c, ahead.c, first.c, gathers[0]), (kernel.py, ahead.py, first.py,
                                                         gathers[1]))]
@@ -119,18 +124,18 @@ def test_a_step_built_ahead_is_the_step_built_after_the_one_on_the_device(
         assert np.array_equal(getattr(ahead.c, name), getattr(ahead.py, name)), name
     assert np.array_equal(gathers[0][:n], gathers[1][:n])
     assert [gathers[0][row] == -2 for row in range(len(going))] == \
-        [lane in joined or lane == join for lane in going]
+        [lane in joined or lane in join_at for lane in going]
     # the step on the device completes: each row's token is 10 + its row
     tokens = np.arange(10, 10 + first.c.num_rows, dtype=np.int64)
     fed = [ahead.c.input_ids.copy(), ahead.py.input_ids.copy()]  # the thread writes in place
     assert c_impl.gather_tokens(tokens, gathers[0], fed[0]) == \
         py_impl.gather_tokens(tokens, gathers[1], fed[1]) == n
     assert np.array_equal(fed[0], fed[1])
-    if join >= 0:  # the chunk lands: the lane decodes its first token (the thread wrote it in)
-        first_token = data.draw(st.integers(0, vocab - 1), label="first token")
-        for ids in fed:
+    for join, position in join_at.items():  # the chunks land: each lane decodes its first
+        first_token = data.draw(st.integers(0, vocab - 1), label="first token")  # token
+        for ids in fed:  # (the thread wrote it in)
             ids[going.index(join), 0] = first_token
-        lanes.start_decode(join, join_position, first_token)
+        lanes.start_decode(join, position, first_token)
         outputs[join] = (array("q"), array("q"))
         kernel.c.bind(join, f"r{join}", outputs[join][0], array("d"), 4, (), 0)
         kernel.py.bind(join, f"r{join}", outputs[join][1], array("d"), 4, (), 0)
@@ -201,24 +206,39 @@ def test_build_ahead_refuses_its_own_buffer_and_a_short_lane(impl: Any) -> None:
 @pytest.mark.parametrize("impl", [c_impl, py_impl], ids=["c", "py"])
 def test_build_ahead_refuses_a_join_lane_that_does_not_prefill_or_lacks_its_block(
         impl: Any) -> None:
-    pool, lanes = impl.BlockPool(6), impl.LaneTable(3, 2, 2)
-    inputs, other = impl.DecodeInputs(3, 2), impl.DecodeInputs(3, 2)
+    pool, lanes = impl.BlockPool(8), impl.LaneTable(4, 2, 2)
+    inputs, other = impl.DecodeInputs(4, 2), impl.DecodeInputs(4, 2)
     kernel = impl.StepKernel(pool, lanes, inputs, None)
     lane = lanes.assign()
     lanes.push_block(lane, pool.allocate(LANE, lane))
     lanes.start_decode(lane, 0, 3)
     kernel.bind(lane, "r", array("q"), array("d"), 5, (), 0)
     rows = kernel.build(pool.first_free())
-    gather = np.zeros(3, dtype=np.int32)
-    with pytest.raises(StateError, match="join_lane=0 is not a lane that prefills"):
-        kernel.build_ahead(other, inputs, rows, gather, pool.first_free(), lane, 1)
-    with pytest.raises(StateError, match="join_lane=1 is not a lane that prefills"):
-        kernel.build_ahead(other, inputs, rows, gather, pool.first_free(), 1, 1)  # idle
+    gather = np.zeros(4, dtype=np.int32)
+
+    def joins(**at: int) -> np.ndarray:
+        out = np.full(4, -1, dtype=np.int32)
+        for name, position in at.items():
+            out[int(name[1:])] = position
+        return out
+
+    with pytest.raises(StateError, match="joins has 3 entries, fewer than 4 lanes"):
+        kernel.build_ahead(other, inputs, rows, gather, pool.first_free(),
+                           np.full(3, -1, dtype=np.int32))
+    with pytest.raises(StateError, match=r"joins\[0\]=1: lane 0 does not prefill"):
+        kernel.build_ahead(other, inputs, rows, gather, pool.first_free(), joins(l0=1))
+    with pytest.raises(StateError, match=r"joins\[1\]=1: lane 1 does not prefill"):
+        kernel.build_ahead(other, inputs, rows, gather, pool.first_free(), joins(l1=1))  # idle
     chunk = lanes.assign()
     lanes.push_block(chunk, pool.allocate(LANE, chunk))  # positions 0..1: its prompt is 2 long
-    with pytest.raises(StateError, match=f"join_lane={chunk} holds 1 blocks, too few for "
-                                         "position 2"):
-        kernel.build_ahead(other, inputs, rows, gather, pool.first_free(), chunk, 2)
-    assert kernel.build_ahead(other, inputs, rows, gather, pool.first_free(), chunk, 1) == 2
-    assert other.row_lanes[:2].tolist() == [lane, chunk]
-    assert other.cache_position[:2, 0].tolist() == [1, 1] and gather[:2].tolist() == [0, -2]
+    with pytest.raises(StateError, match=rf"joins\[{chunk}\]=2: lane {chunk} holds 1 blocks, "
+                                         "too few for that position"):
+        kernel.build_ahead(other, inputs, rows, gather, pool.first_free(), joins(**{
+            f"l{chunk}": 2}))
+    second = lanes.assign()  # a wave's chain: two chunks' lanes join the same step
+    lanes.push_block(second, pool.allocate(LANE, second))
+    assert kernel.build_ahead(other, inputs, rows, gather, pool.first_free(),
+                              joins(**{f"l{chunk}": 1, f"l{second}": 0})) == 3
+    assert other.row_lanes[:3].tolist() == [lane, chunk, second]
+    assert other.cache_position[:3, 0].tolist() == [1, 1, 0]
+    assert gather[:3].tolist() == [0, -2, -2]

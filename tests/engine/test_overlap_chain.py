@@ -2,8 +2,8 @@
 that end together are refilled together, and while a decode is on the device the engine plans
 every refill's chunk to run right after the one before it (`Flight.then`), then the decode of
 the other lanes after the last of them, so the device thread runs the whole wave without
-waiting for the host. Only the last chunk's request joins that decode; the others decode from
-the step after it.
+waiting for the host. Each greedy request of the chain joins that decode (`build_ahead`'s
+`joins`); one that samples decodes from the step after it.
 
 Every request's tokens are compared with the same request run alone on a fresh synchronous
 engine (NumPy runtime: real decoder math, KV written for every row it is given).
@@ -50,14 +50,31 @@ def waves(count: int, seed: int, sampled: bool = True) -> tuple[list[list[int]],
     return work, params
 
 
-def chains_in(log: list[Any]) -> list[tuple[list[Any], Any, Any]]:
-    """(chunks, the decode after them, the decode after that) for every run of two or more
-    chunks between two decodes in a `CallLog` whose earlier chunks' lanes have no row in the
-    decode after them (a padding row sits at position 0): chunks decided together, before any
-    of them landed (chunks decided one at a time land before the decode after the last is
-    built, and their lanes decode in it)."""
+def record_chains(batcher: Batcher) -> list[tuple[int, dict[int, int]]]:
+    """Every decode the scheduler builds after a chain of two or more chunks, while the decode
+    before them is on the device: (the chain's length, {lane: position} of the requests that
+    join it)."""
+    decided: list[tuple[int, dict[int, int]]] = []
+    plan = batcher.scheduler.plan_chunk_decode
+
+    def spy(step: Any, running: Any, prefill: Any, gather: Any, joins: Any = (),
+            chained: int = 1) -> Any:
+        rows = plan(step, running, prefill, gather, joins, chained)
+        if rows is not None and chained >= 2:
+            decided.append((chained, {request.lane: len(request.prompt)
+                                      for request, row in zip(joins, rows, strict=True)
+                                      if row >= 0}))
+        return rows
+
+    batcher.scheduler.plan_chunk_decode = spy  # type: ignore[method-assign]
+    return decided
+
+
+def runs_of_chunks(log: list[Any]) -> list[tuple[list[Any], Any]]:
+    """(chunks, the decode right after them) for every run of chunks in a `CallLog` after the
+    first decode (the batch's first fill comes before it)."""
     found = []
-    i = next(i for i, call in enumerate(log) if call[0] == "decode")  # (the first fill)
+    i = next(i for i, call in enumerate(log) if call[0] == "decode")
     while i < len(log):
         if log[i][0] != "prefill":
             i += 1
@@ -65,9 +82,8 @@ def chains_in(log: list[Any]) -> list[tuple[list[Any], Any, Any]]:
         j = i
         while j < len(log) and log[j][0] == "prefill":
             j += 1
-        if j - i >= 2 and j + 1 < len(log) and log[j + 1][0] == "decode" and \
-                not any(log[j][1].get(lane, 0) for _, lane, _ in log[i:j - 1]):
-            found.append((log[i:j], log[j][1], log[j + 1][1]))
+        if j < len(log):
+            found.append((log[i:j], log[j][1]))
         i = j
     return found
 
@@ -75,10 +91,12 @@ def chains_in(log: list[Any]) -> list[tuple[list[Any], Any, Any]]:
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 def test_a_wave_of_refills_runs_as_one_chain_and_gets_the_tokens_alone(family: str,
                                                                        core: str) -> None:
-    """Waves of four refills run chunk after chunk with no host decision between them, then the
-    lanes' decode: the last chunk's greedy request has its row there (at its prompt's length),
-    the earlier ones in the decode after. Tokens are those of each request alone, sampled
-    requests included; with chains off (`_max_chain` 1) the same workload chains nothing."""
+    """Waves of four refills are decided as one chain with the lanes' decode after it, while
+    the decode before them is on the device: the device runs the chunks back to back and then
+    that decode, in which every greedy request of the chain has its row at its prompt's length
+    (its first token its chunk's argmax, written in on the device thread; one that samples
+    decodes from the step after). Tokens are those of each request alone; with chains off
+    (`_max_chain` 1) the same workload chains nothing."""
     spec = SPECS[family]
     art = artifact(spec, LANES, 64, block_size=8, chunk=16, max_seq_len=96)
     work, params = waves(25, seed=43)
@@ -86,30 +104,28 @@ def test_a_wave_of_refills_runs_as_one_chain_and_gets_the_tokens_alone(family: s
     runtime = CallLog.random(art, SEED)
     runtime.log = []
     over = Batcher(runtime, overlap=True)
+    decided = record_chains(over)
     assert tokens_of(closed_loop(over, work, params, LANES)) == want
     stats = over.stats()
-    assert stats.chained_chunks >= 3 * 4, stats.chained_chunks  # of five waves of four
-    chains = chains_in(runtime.log)
-    # (a hybrid model's single decode bucket: the decode after a chain would need padding rows,
-    # and every slot they may write is a chained lane's fresh window, so the host builds that
-    # decode once the chunks have landed; the chunks still run back to back)
-    assert len(chains) >= (0 if spec.is_hybrid else 4), chains
-    joined_last = 0 if chains else 2
-    for chunks, after, then in chains:
-        lanes = [lane for _, lane, _ in chunks]
-        assert len(set(lanes)) == len(lanes)  # a lane of its own each
-        *earlier, (_, last_lane, last_end) = chunks
-        for _, lane, end in earlier:  # they decode from the step after, at their prompt's end
-            assert then.get(lane) == end, (chunks, after, then)
-        joined_last += after.get(last_lane) == last_end
-    assert joined_last >= 2  # (a last chunk that samples joins the step after)
+    assert stats.chained_chunks >= 8, stats.chained_chunks  # (five waves of four: up to 15)
+    # (a hybrid model's single decode bucket: a chain with a sampled request would need a
+    # padding row, and every slot it may write is a chained lane's fresh window, so the host
+    # builds that decode once the chunks have landed; the chunks still run back to back)
+    assert len(decided) >= (1 if spec.is_hybrid else 4), decided
+    assert sum(len(joined) == chained for chained, joined in decided) >= 1, decided
+    runs = runs_of_chunks(runtime.log)
+    for chained, joined in decided:  # each ran as decided: its chunks, then its decode
+        assert any(len(chunks) == chained and
+                   {lane for _, lane, _ in chunks} >= set(joined) and
+                   all(after.get(lane) == position for lane, position in joined.items())
+                   for chunks, after in runs), (chained, joined, runs)
 
     control = Batcher(CallLog.random(art, SEED), overlap=True)
-    control.runtime.log = []  # type: ignore[attr-defined]
     control._max_chain = 1
+    control.runtime.log = []  # type: ignore[attr-defined]
+    none = record_chains(control)
     assert tokens_of(closed_loop(control, work, params, LANES)) == want
-    assert control.stats().chained_chunks == 0
-    assert not chains_in(control.runtime.log)  # type: ignore[attr-defined]
+    assert control.stats().chained_chunks == 0 and not none
 
 
 @pytest.mark.parametrize("fault", ["nan", "error", "transient"])
