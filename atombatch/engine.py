@@ -964,10 +964,11 @@ class Batcher:
     def _decide(self, running: Flight) -> None:
         """Tell the device thread what follows `running`: the next decode step, built ahead,
         when the pipeline may go on; else the first prefill chunk of the request the scheduler
-        admits now (`Scheduler.plan_prefill_ahead`); else nothing (it lands `running` and
-        stops). After a prefill chunk, the decode of the lanes that decode (the request joins
-        at the step after, `Scheduler.plan_after_prefill`). A chunk whose block ops are due is
-        held for the next `step()`, which runs the ops and then the chunk."""
+        admits now (`Scheduler.plan_prefill_ahead`; a wave of them as one chain, `_chain_wave`);
+        else nothing (it lands `running` and stops). After a prefill chunk, the decode of the
+        lanes that decode (`Scheduler.plan_after_prefill`; a greedy request joins it, one that
+        samples joins the step after). A chunk whose block ops are due is held for the next
+        `step()`, which runs the ops and then the chunk."""
         following = None
         try:
             if self._can_fly():
@@ -1142,8 +1143,8 @@ class Batcher:
         return flight.prefill
 
     def _land_prefill(self, flight: Flight, outputs: list[RequestOutput]) -> None:
-        """A prefill flight's chunk, completed as `_run_prefill` completes one (the logits are
-        still the runtime's: nothing ran after it)."""
+        """A prefill flight's chunk, completed as `_run_prefill` completes one (from its logits:
+        the runtime's when nothing ran after it, else the device thread's copy)."""
         plan, logits, owner = flight.plan, flight.logits, flight.owner
         flight.logits = flight.owner = None
         if flight in self._dropped:  # its request prefills that chunk again

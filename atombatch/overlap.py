@@ -38,9 +38,9 @@ chunk (the chain) while step N is still on the device when nothing else may pref
 (`then`,
 `Scheduler.plan_chunk_decode`: its rows take step N's tokens, gathered in after the chunk), else
 built once step N has landed (`Scheduler.plan_after_prefill`, from tokens that are known). A
-greedy request decodes in that step too, its token the chunk's argmax, written in by the device
-thread (`join_row`); one that samples joins the decode after that, and so do the requests of a
-chain's earlier chunks (a decode has one join row). A hybrid model (sliding
+greedy request decodes in that step too (every greedy request of a chain), its token its chunk's
+argmax, written in by the device thread (`join_row`); one that samples joins the decode after
+that. A hybrid model (sliding
 slots) admits the same way: the decode built after a chunk gives the chunk's lane no padding
 row (it would write the fresh window's position 0), or is not built when no other slot is free
 for its padding rows (a greedy request joining it needs none in a full batch); its
@@ -83,9 +83,9 @@ class Flight:
     its rows takes (-1: padding, token 0).
 
     A `prefill` flight is a request's prefill chunk planned while a decode was on the device
-    (`Scheduler.plan_prefill_ahead`): the thread calls it after that decode and keeps its
-    logits for the landing (a copy, when a decode of the other lanes runs after it: their
-    tokens are known, nothing is gathered). Its `index` is that of the decode before it."""
+    (`Scheduler.plan_prefill_ahead`): the thread calls it after that decode (or after the chunk
+    before it in a wave's chain) and keeps its logits for the landing (a copy, whenever another
+    call runs after it). Its `index` is that of the decode before the chunks."""
 
     def __init__(self, index: int, plan: StepPlan, batch_size: int,
                  prefill: bool = False) -> None:
@@ -103,8 +103,9 @@ class Flight:
         self.drawn: tuple[Any, list[Any]] | None = None
         self.logits: Any = None           # the call's logits, until its rows are drawn
         self.owner: Any = None            # a prefill flight's request (the one it was planned for)
-        # a prefill flight's decode, decided with it (the thread runs it next without waiting
-        # for `decide`): built while the decode before the chunk was on the device
+        # what follows a prefill flight, decided with it (the thread runs it next without
+        # waiting for `decide`): the next chunk of a wave's chain, or the decode after the
+        # chunks, built while the decode before them was on the device
         self.then: Flight | None = None
         # a decode flight after a chunk: the decode before the chunk, whose tokens feed its rows
         # (None: those are known)

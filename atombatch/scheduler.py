@@ -562,9 +562,10 @@ class Scheduler:
                            accept: Callable[[Request], bool], decode: StepPlan | None = None,
                            chained: int = 0) -> StepPlan | None:
         """Plan the next prefill chunk while `running` (a decode step built before the last one
-        landed) is on the device, when it is what `schedule` would do next and nothing it does
-        can touch what `running` computes: the head of the queue admitted to an idle lane that
-        has no row in `running` (`_lane_is_clear`), or, behind a full batch, staged into the
+        landed, or the last chunk of a chain planned after one: `chained`) is on the device,
+        when it is what `schedule` would do next and nothing it does can touch what `running`
+        computes: the head of the queue admitted to an idle lane that has no row in `running`
+        (`_lane_is_clear`), or, behind a full batch, staged into the
         spare (its first chunk, or its next one). Every busy lane decodes, no sliding-slot
         checkpoints (their saves and restores are slot ops), no block op due, and the pool holds
         the whole prefill without preempting anyone (a preempted lane may have a row in the

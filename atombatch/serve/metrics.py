@@ -22,8 +22,8 @@ objects cost there) and exposed in the same shape when scraped.
 | atombatch_overlapped_steps_total | counter | decode steps launched straight after the one before |
 | atombatch_overlapped_prefills_total | counter | of those, chunks of requests admitted while a decode ran |
 | atombatch_overlapped_joins_total | counter | decodes right after such a chunk that its request joined |
-| atombatch_chained_chunks_total | counter | chunks launched right after a chunk, decided with it (a wave) |
 |  |  | (their inputs built while it ran: `--overlap`) |
+| atombatch_chained_chunks_total | counter | chunks launched right after a chunk, decided with it (a wave) |
 | atombatch_requests_in_flight | gauge | HTTP requests between accept and last byte |
 | atombatch_requests_finished_total | counter | reason = stop, length, abort, error, disconnect |
 | atombatch_requests_rejected_total | counter | status = 400, 404, 413, 429, 503 |

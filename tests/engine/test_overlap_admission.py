@@ -406,9 +406,9 @@ def test_aborting_the_staged_request_inside_the_pipeline() -> None:
 def test_a_burst_of_arrivals_is_admitted_chunk_after_chunk_inside_the_pipeline(
         family: str, core: str) -> None:
     """Lanes that end in the same step free together and the client sends that many requests
-    at once: the first chunk is planned while a decode runs, each next one while the chunk
-    before it runs (two prefill buffers in turn), then the lanes' decode; every request's tokens
-    are those it gets alone."""
+    at once: the first chunk is planned while a decode runs, each next one right after the
+    chunk before it (a chain, or while that chunk runs; a ring of prefill buffers in turn), then
+    the lanes' decode; every request's tokens are those it gets alone."""
     spec = SPECS[family]
     art = artifact(spec, 4, 64, block_size=8, chunk=16, max_seq_len=96)
     work = short_prompts(24, seed=41)
