@@ -18,6 +18,7 @@ from support.pd_models import SEED, SPECS, artifact
 from test_overlap_admission import (
     CallLog,
     FaultyPrefill,
+    assert_only_aborted_differs,
     closed_loop,
     greedy,
     run_alone,
@@ -48,6 +49,15 @@ def waves(count: int, seed: int, sampled: bool = True) -> tuple[list[list[int]],
         else:
             params.append(greedy(8))
     return work, params
+
+
+def greedy_waves(seed: int) -> tuple[list[list[int]], list[Any], list[Any], Batcher]:
+    """Greedy `waves` of 21 requests on llama: the work, its params, each request's tokens
+    alone, and a pipelined `Batcher` to run them on."""
+    art = artifact(SPECS["llama"], LANES, 64, block_size=8, chunk=16, max_seq_len=96)
+    work, params = waves(21, seed=seed, sampled=False)
+    return work, params, run_alone(art, work, params), \
+        Batcher(NumpyRuntime.random(art, SEED), overlap=True)
 
 
 def record_chains(batcher: Batcher) -> list[tuple[int, dict[int, int]]]:
@@ -166,12 +176,7 @@ def test_an_interrupt_landing_inside_a_chain_drops_the_rest_of_it(at: str) -> No
     chunk): `step()` raises it, and every flight decided with what it landed (the rest of the
     chain, the decode after it) lands unreported; their requests prefill again, and every
     request gets the tokens it gets alone."""
-    spec = SPECS["llama"]
-    art = artifact(spec, LANES, 64, block_size=8, chunk=16, max_seq_len=96)
-    work, params = waves(21, seed=53, sampled=False)
-    want = run_alone(art, work, params)
-    over = Batcher(CallLog.random(art, SEED), overlap=True)
-    over.runtime.log = []  # type: ignore[attr-defined]
+    work, params, want, over = greedy_waves(seed=53)
     fired: list[str] = []
     land, land_prefill = over._land, over._land_prefill
 
@@ -204,12 +209,7 @@ def test_aborting_a_request_whose_chunk_waits_in_a_chain() -> None:
     """The request of a chain's third chunk is aborted while the chain is in the air (its chunk
     planned, maybe run): it ends with finish_reason abort, its lane and blocks go back, and the
     chain's other requests and every later one get the tokens they get alone."""
-    spec = SPECS["llama"]
-    art = artifact(spec, LANES, 64, block_size=8, chunk=16, max_seq_len=96)
-    work, params = waves(21, seed=59, sampled=False)
-    want = run_alone(art, work, params)
-    over = Batcher(CallLog.random(art, SEED), overlap=True)
-    over.runtime.log = []  # type: ignore[attr-defined]
+    work, params, want, over = greedy_waves(seed=59)
     aborted: list[str] = []
 
     def between(batcher: Batcher, ids: dict[int, str], step: int) -> None:
@@ -222,13 +222,7 @@ def test_aborting_a_request_whose_chunk_waits_in_a_chain() -> None:
             aborted.append(request_id)
 
     finals = closed_loop(over, work, params, LANES, between)
-    assert len(aborted) == 1
-    got = tokens_of(finals)
-    for i, final in enumerate(finals):
-        if final.request_id == aborted[0]:
-            assert final.finish_reason == "abort"
-        else:
-            assert got[i] == want[i]
+    assert_only_aborted_differs(finals, want, aborted)
     stats = over.stats()
     assert stats.chained_chunks >= 4 and stats.lane_blocks == 0 and stats.staged_blocks == 0
 
