@@ -24,31 +24,29 @@ Nothing the host does while a flight is in the air lets the device read what ano
 wrote: blocks a finished or aborted request gives back while its row is in the air are only
 written again by later device calls (device calls run in order).
 
-A request that arrives while the pipeline runs, with an idle lane for it, is admitted while
-step N is on the device (`Scheduler.plan_prefill_ahead`: only onto a lane no flight in the air
-has a row for, with blocks from the free list or evicted CACHED ones, never by preempting); its
-first prefill chunk is the flight after step N. Arrivals that wait together (a wave: lanes
-that ended in one step, refilled at once) are decided together, as a chain: each next one's
-chunk is planned to run right after the one before it (`then`, up to kv_manager.MAX_CHAIN)
-while step N is still on the device, so the thread runs the wave's chunks back to back with no
-decision of the host between them (`Batcher._chain_wave`; a chunk at a time, each waited for
-the engine thread to land the one before it, on a host whose cores the front and its clients
-keep busy). The decode of the other lanes is the flight after the last chunk: decided with the
-chunk (the chain) while step N is still on the device when nothing else may prefill first
-(`then`,
+A request that arrives while the pipeline runs, with an idle lane for it, is admitted while step
+N is on the device (`Scheduler.plan_prefill_ahead`: only onto a lane no flight in the air has a
+row for, with blocks from the free list or evicted CACHED ones, never by preempting); its first
+prefill chunk is the flight after step N. Arrivals that wait together (a wave: lanes that ended
+in one step, refilled at once) are decided together, as a chain: each next one's chunk is
+planned to run right after the one before it (`then`, up to kv_manager.MAX_CHAIN) while step N
+is still on the device, so the thread runs the wave's chunks back to back with no decision of
+the host between them (`Batcher._chain_wave`; a chunk at a time, each waited for the engine
+thread to land the one before it, on a host whose cores the front and its clients keep busy).
+The decode of the other lanes is the flight after the last chunk: decided with the chunk (the
+chain) while step N is still on the device when nothing else may prefill first (`then`,
 `Scheduler.plan_chunk_decode`: its rows take step N's tokens, gathered in after the chunk), else
 built once step N has landed (`Scheduler.plan_after_prefill`, from tokens that are known). A
 greedy request decodes in that step too (every greedy request of a chain), its token its chunk's
 argmax, written in by the device thread (`join_row`); one that samples joins the decode after
-that. A hybrid model (sliding
-slots) admits the same way: the decode built after a chunk gives the chunk's lane no padding
-row (it would write the fresh window's position 0), or is not built when no other slot is free
-for its padding rows (a greedy request joining it needs none in a full batch); its
-prefix cache (slot checkpoints) keeps the whole pipeline off. Behind a full batch the queue's
-head is staged into the spare the same way, and a request fully staged takes a lane that freed
-(`Scheduler.rotate_ahead`) and joins the next step built. Later chunks, block ops, a grammar
-or any step that is not one of these waits until the pipeline is empty (the engine then schedules
-as usual, one device call per `step()`).
+that. A hybrid model (sliding slots) admits the same way: the decode built after a chunk gives
+the chunk's lane no padding row (it would write the fresh window's position 0), or is not built
+when no other slot is free for its padding rows (a greedy request joining it needs none in a
+full batch); its prefix cache (slot checkpoints) keeps the whole pipeline off. Behind a full
+batch the queue's head is staged into the spare the same way, and a request fully staged takes a
+lane that freed (`Scheduler.rotate_ahead`) and joins the next step built. Later chunks, block
+ops, a grammar or any step that is not one of these waits until the pipeline is empty (the
+engine then schedules as usual, one device call per `step()`).
 
 The thread hand-offs are bare locks and a C queue of the landed flights (a `threading.Event` or
 `Condition` costs the critical path ~20 us more), and the device thread does everything the

@@ -601,7 +601,7 @@ class Scheduler:
         if lanes.num_idle:  # admission to a lane (a staged request would take it first)
             request = self._first_ready()
             if staging is not None or request is None or \
-                    not self._lane_is_clear(decode if decode is not None and chained else running):
+                    not self._lane_is_clear(running if decode is None else decode):
                 return None
         elif staging is not None:  # its next chunk into the spare and its STAGED blocks
             request = staging if staging.state is S.STAGING and staging is not in_air else None
