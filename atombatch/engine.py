@@ -1114,8 +1114,9 @@ class Batcher:
                 self._land(flight, outputs)
         except BaseException:
             # the step did not land whole: nothing is built on it, and the step on the device,
-            # fed from its tokens, lands unreported (its lanes run those positions again), with
-            # the decode decided with it when it is a chunk (`_chain`)
+            # fed from its tokens, lands unreported (its lanes run those positions again; on a
+            # hybrid model they recompute: `_recompute_dropped`), with the decode decided with
+            # it when it is a chunk (`_chain`)
             running = self._flight
             if running is not None:
                 self._dropped.append(running)
@@ -1149,6 +1150,7 @@ class Batcher:
         flight.logits = flight.owner = None
         if flight in self._dropped:  # its request prefills that chunk again
             self._dropped.remove(flight)
+            self._recompute_dropped(flight, owner)
             return
         if flight.error is not None and not isinstance(flight.error, Exception):
             raise flight.error
@@ -1161,6 +1163,29 @@ class Batcher:
             return
         self._complete_prefill(plan, request, np.asarray(logits).reshape(-1), outputs)
 
+    def _recompute_dropped(self, flight: Flight, owner: Request | None) -> None:
+        """A dropped flight ran anyway: its lanes run its positions again, which a full-attention
+        layer simply writes over. A sliding-window layer keeps a lane's window in a ring of
+        `sliding_window` slots, so the dropped step's write at position p overwrote position
+        p - window, which the run again of the positions before p still reads: on a hybrid
+        model every request the flight wrote for (its chunk's owner, its rows' lanes) is
+        preempted without keeping its KV, and recomputes from its prompt and tokens."""
+        if not self.spec.is_hybrid:
+            return
+        scheduler = self.scheduler
+        if flight.prefill:
+            live = scheduler.requests.get(flight.plan.request_id)
+            victims = [live] if live is not None and live is owner else []
+        else:
+            plan = flight.plan
+            victims = [scheduler.by_lane[lane]
+                       for lane in plan.inputs.row_lanes[:plan.rows].tolist()]
+        for request in victims:
+            if request is not None and request.state in (RequestState.PREFILLING,
+                                                         RequestState.DECODING,
+                                                         RequestState.STAGING):
+                scheduler.preempt(request, keep_kv=False)
+
     def _land(self, flight: Flight, outputs: list[RequestOutput]) -> None:
         """A flight's step, completed as `_run_decode` completes one (from the argmax and the
         picked logits the device thread kept: the logits are the next call's now)."""
@@ -1170,6 +1195,7 @@ class Batcher:
         if flight in self._dropped:
             self._dropped.remove(flight)
             kernel.use(plan.inputs, 0)
+            self._recompute_dropped(flight, None)
             return
         kernel.use(plan.inputs, plan.rows)
         if flight.error is not None:

@@ -877,15 +877,15 @@ class Scheduler:
     def fail(self, request: Request, error: str) -> None:
         self.finish(request, "error", error)
 
-    def preempt(self, request: Request) -> None:
+    def preempt(self, request: Request, keep_kv: bool = True) -> None:
         """Free a running request's lane and blocks; it goes back to the queue head to recompute.
 
-        Its computed KV stays in the prefix cache, unless a restore or copy for it is still
-        pending in this step: those blocks do not hold their KV yet, so they are dropped with
-        their ops instead of being cached (and possibly evicted and saved before they are
-        written)."""
+        Its computed KV stays in the prefix cache, unless `keep_kv` is False (the caller knows
+        the lane's KV is wrong) or a restore or copy for it is still pending in this step: those
+        blocks do not hold their KV yet, so they are dropped with their ops instead of being
+        cached (and possibly evicted and saved before they are written)."""
         pending = self.kv.drop_pending_ops(request.request_id)
-        self._release(request, keep_kv=not pending)
+        self._release(request, keep_kv=keep_kv and not pending)
         request.set_state(S.WAITING)
         request.prefill_pos = 0
         request.pd = None  # its imported KV is gone: recompute natively
