@@ -952,6 +952,7 @@ class Batcher:
         if flight.plan is not plan:
             raise StateError("the pipeline's first flight must run the scheduler's decode plan")
         flight.special = self._sampled_rows(plan)
+        flight.joins = 0
         device = self._device_thread
         assert device is not None
         hook = self.on_device_call
@@ -974,7 +975,7 @@ class Batcher:
             if self._can_fly():
                 assert self._flights is not None
                 candidate = self._flights[(running.index + 1) % NUM_FLIGHTS]
-                candidate.source = None
+                candidate.source, candidate.joins = None, 0
                 scheduler = self.scheduler
                 if running.prefill:  # the decode before it landed: the lanes' tokens are known
                     landed = self._flights[running.index].plan.inputs
@@ -984,6 +985,7 @@ class Batcher:
                     if rows is not None:
                         candidate.special = self._sampled_rows(candidate.plan)
                         running.join_into, running.join_row = candidate, rows[0] if rows else -1
+                        candidate.joins = len(rows)
                         following = candidate
                 else:
                     if scheduler.staging is not None:  # a staged request takes a freed lane
@@ -1019,6 +1021,7 @@ class Batcher:
             row = row_of.get(id(chunk.owner), -1)
             if row >= 0:
                 chunk.join_into, chunk.join_row = candidate, row
+                candidate.joins += 1
         chain[-1].then = candidate
 
     def _chain_wave(self, running: Flight, first: Flight, candidate: Flight) -> None:
@@ -1103,10 +1106,11 @@ class Batcher:
         if flight.next is not None:
             self._overlapped += 1
             self._overlapped_prefills += flight.next.prefill
-            self._overlapped_joins += flight.prefill and flight.join_into is not None and \
-                flight.join_row >= 0
             self._chained += flight.prefill and flight.next.prefill and \
                 flight.next is flight.then
+        if not flight.prefill:  # (a chain's decode counts its joins once it ran)
+            self._overlapped_joins += flight.joins if flight not in self._dropped else 0
+            flight.joins = 0
         try:
             if flight.prefill:
                 self._land_prefill(flight, outputs)

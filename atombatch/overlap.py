@@ -112,6 +112,9 @@ class Flight:
         # flight and the request's row there (-1: none), whose token is the chunk's greedy pick
         self.join_into: Flight | None = None
         self.join_row = -1
+        # a decode flight: how many requests of the chunks before it joined it (a stat, counted
+        # when it lands: `EngineStats.overlapped_joins`)
+        self.joins = 0
 
 
 class DeviceThread:

@@ -80,6 +80,22 @@ def record_chains(batcher: Batcher) -> list[tuple[int, dict[int, int]]]:
     return decided
 
 
+def count_joins_that_ran(batcher: Batcher) -> list[int]:
+    """For every decode the device thread calls, how many requests of the chunks before it
+    were decided to join it (filled in as the engine runs)."""
+    ran: list[int] = []
+    runtime = batcher.runtime
+    call = runtime.decode
+
+    def spy(inputs: Any) -> Any:
+        flights = [f for f in batcher._flights or () if f.plan.inputs is inputs]
+        ran.append(flights[0].joins if flights else 0)  # (none: a synchronous step)
+        return call(inputs)
+
+    runtime.decode = spy  # type: ignore[method-assign]
+    return ran
+
+
 def runs_of_chunks(log: list[Any]) -> list[tuple[list[Any], Any]]:
     """(chunks, the decode right after them) for every run of chunks in a `CallLog` after the
     first decode (the batch's first fill comes before it)."""
@@ -155,6 +171,7 @@ def test_a_fault_in_a_chunk_inside_a_chain_ends_only_its_request(fault: str) -> 
     runtime.error = {"nan": None, "error": RuntimeError("device hung"),
                      "transient": TransientDeviceError("link reset")}[fault]
     over = Batcher(runtime, overlap=True)
+    ran_joins = count_joins_that_ran(over)
     finals = closed_loop(over, work, params, LANES)
     got = tokens_of(finals)
     failed = [i for i, f in enumerate(finals) if f.finish_reason == "error"]
@@ -168,6 +185,8 @@ def test_a_fault_in_a_chunk_inside_a_chain_ends_only_its_request(fault: str) -> 
             [w for i, w in enumerate(want) if i not in failed]
     stats = over.stats()
     assert stats.chained_chunks >= 4 and stats.lane_blocks == 0 and stats.staged_blocks == 0
+    # a join counts once its decode ran: not the failed chain's, which never launched
+    assert stats.overlapped_joins == sum(ran_joins) > 0, (stats.overlapped_joins, ran_joins)
 
 
 @pytest.mark.parametrize("at", ["the decode before the chain", "the chain's first chunk"])
@@ -225,6 +244,8 @@ def test_aborting_a_request_whose_chunk_waits_in_a_chain() -> None:
     assert_only_aborted_differs(finals, want, aborted)
     stats = over.stats()
     assert stats.chained_chunks >= 4 and stats.lane_blocks == 0 and stats.staged_blocks == 0
+    # a join counts once its decode ran: not the failed chain's, which never launched
+    assert stats.overlapped_joins == sum(ran_joins) > 0, (stats.overlapped_joins, ran_joins)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
