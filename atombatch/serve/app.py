@@ -220,7 +220,7 @@ class _Generation:
             return
         ready, put = lane
         choice = self.choices[0]
-        ids, texts, step = choice.token_ids, choice.text, choice.decoder.step
+        ids, texts, step = choice.token_ids, choice.text, choice.decoder.step_one
         metrics = self.server.metrics
         direct, generated = metrics.direct_events, metrics.generation_tokens
         gap, first = metrics.inter_token.observe, metrics.ttft.observe
@@ -237,11 +237,11 @@ class _Generation:
             self.last_token_at = now
             ids.append(token)
             self.generated += 1
-            generated.inc()
-            text = step((token,))
+            generated.value += 1     # (`_TokenCounter.inc`, without the call: per token)
+            text = step(token)
             texts.append(text)
             put(text, token)
-            direct.inc()
+            direct.value += 1
             return True
 
         self.outputs.sink = sink

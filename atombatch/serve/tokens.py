@@ -58,6 +58,8 @@ class Codec(Protocol):
 class Decoder(Protocol):
     def step(self, token_ids: Sequence[int]) -> str: ...
 
+    def step_one(self, token: int) -> str: ...  # `step((token,))`: the per-token path
+
     def flush(self) -> str: ...  # at the end: whatever step() held back
 
 
@@ -113,6 +115,11 @@ class _IdDecoder:
         if len(token_ids) == 1:  # the streamed case: one token per event
             return f"<{token_ids[0]}>"
         return "".join([f"<{t}>" for t in token_ids])
+
+    @staticmethod
+    def step_one(token: int) -> str:
+        """`step((token,))`, for the per-token path (`_Generation.fast_lane`)."""
+        return f"<{token}>"
 
     def flush(self) -> str:
         return ""
@@ -240,6 +247,13 @@ class _HFDecoder:
             if piece:
                 pieces.append(piece)
         text = "".join(pieces)
+        self.sent += len(text)
+        return text
+
+    def step_one(self, token: int) -> str:
+        """`step((token,))`, for the per-token path (`_Generation.fast_lane`)."""
+        self.ids.append(token)
+        text = self._stream.step(self.tokenizer, token) or ""
         self.sent += len(text)
         return text
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from support.sampling_models import piece_tokenizer
 from support.structured import byte_tokenizer
 
-from atombatch.serve.tokens import HFCodec
+from atombatch.serve.tokens import HFCodec, IdCodec
 
 
 def metaspace_tokenizer() -> Any:
@@ -54,6 +54,30 @@ def test_streamed_pieces_join_to_the_whole_decode(kind: str, data: st.DataObject
     assert "".join(pieces) + decoder.flush() == whole
     # nothing sent early is ever taken back: every prefix of pieces is a prefix of the decode
     assert whole.startswith("".join(pieces))
+
+
+@pytest.mark.parametrize("kind", [*sorted(TOKENIZERS), "ids"])
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_one_token_steps_mixed_with_steps_of_several_give_the_same_pieces(
+        kind: str, data: st.DataObject) -> None:
+    """`step_one(t)` (the per-token path of a plain stream) is `step((t,))`, interleaved with
+    steps of several tokens (a stream that fell behind) on the same decoder."""
+    made = (lambda: IdCodec().decoder()) if kind == "ids" else \
+        (lambda: codec(TOKENIZERS[kind]).decoder())
+    size = 1024 if kind == "ids" else TOKENIZERS[kind].get_vocab_size()
+    ids = data.draw(st.lists(st.integers(0, size - 1), max_size=40))
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(ids)), max_size=12))))
+    one, many = made(), made()
+    at = 0
+    for cut in [*cuts, len(ids)]:
+        part = ids[at:cut]
+        if len(part) == 1:
+            assert one.step_one(part[0]) == many.step(part)
+        else:
+            assert one.step(part) == many.step(part)
+        at = cut
+    assert one.flush() == many.flush()
 
 
 def test_a_split_utf8_sequence_is_held_back_until_it_completes() -> None:
