@@ -274,7 +274,8 @@ class Batcher:
         self._dropped: list[Flight] = []               # land unreported (see `_land_flight`)
         self._overlapped = 0                           # flights launched after a flight
         self._overlapped_prefills = 0                  # of which prefill chunks planned ahead
-        self._overlapped_joins = 0                     # decodes its chunk's request joined
+        self._overlapped_joins = 0                     # requests that joined the decode after
+                                                       # their chunk (counted as it lands)
         self._prefill_flights: list[Flight] = []       # the pipeline's chunks (`_decide`)
         self._max_chain = MAX_CHAIN                    # chunks a wave chains at once (`_decide`)
         self._chained = 0                              # chunks launched in a wave's chain

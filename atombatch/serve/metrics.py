@@ -21,7 +21,7 @@ objects cost there) and exposed in the same shape when scraped.
 |  |  | two device calls while work was pending, and how many such gaps |
 | atombatch_overlapped_steps_total | counter | decode steps launched straight after the one before |
 | atombatch_overlapped_prefills_total | counter | of those, chunks of requests admitted while a decode ran |
-| atombatch_overlapped_joins_total | counter | decodes right after such a chunk that its request joined |
+| atombatch_overlapped_joins_total | counter | requests of such chunks that joined the decode after them |
 |  |  | (their inputs built while it ran: `--overlap`) |
 | atombatch_chained_chunks_total | counter | chunks launched right after a chunk, decided with it (a wave) |
 | atombatch_requests_in_flight | gauge | HTTP requests between accept and last byte |
@@ -114,10 +114,10 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("atombatch_overlapped_prefills", "Of those, prefill chunks of "
                                   "requests admitted while a decode ran (--overlap).",
                                   value=s.overlapped_prefills)
-        yield CounterMetricFamily("atombatch_overlapped_joins", "Of those, decodes right after "
-                                  "such a chunk that its request joined, its first token written "
-                                  "in on the device thread (--overlap).",
-                                  value=s.overlapped_joins)
+        yield CounterMetricFamily("atombatch_overlapped_joins", "Requests of those chunks that "
+                                  "joined the decode right after them, their first token written "
+                                  "in on the device thread; counted when that decode lands "
+                                  "(--overlap).", value=s.overlapped_joins)
         yield CounterMetricFamily("atombatch_chained_chunks", "Prefill chunks launched right "
                                   "after another chunk, decided with it: a wave of arrivals "
                                   "planned as one chain (--overlap).", value=s.chained_chunks)
