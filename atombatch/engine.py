@@ -771,6 +771,15 @@ class Batcher:
         if request is None or (owner is not None and request is not owner):
             return  # failed by this plan's block ops (held: or aborted): nothing to compute
         try:
+            self._prefill_and_complete(plan, request, outputs)
+        except BaseException:  # the chunk runs again (`_recompute_spoiled`)
+            self._recompute_spoiled(plan, request)
+            raise
+
+    def _prefill_and_complete(self, plan: StepPlan, request: Request,
+                              outputs: list[RequestOutput]) -> None:
+        """`_run_prefill`'s device call and its completion."""
+        try:
             collector = self._outputs.prompt_collector(request)
             if self._grammars is not None and plan.last_chunk and not request.recomputing:
                 self._prefetch_masks(plan, request)
@@ -877,13 +886,21 @@ class Batcher:
         """One decode step. The kernel picks every greedy row and checks every row's logits in
         one call, and appends every token in another; Python touches only the rows it hands
         back (sampled requests, failures, finishes, requests whose outputs carry extras)."""
-        scheduler = self.scheduler
-        kernel = self._kernel
         if self.overlap and self._can_fly():
             self._take_off(plan)
             return
         if self._grammars is not None:
             self._prefetch_masks(plan)
+        try:
+            self._decode_and_complete(plan, outputs)
+        except BaseException:  # the step's lanes run it again (`_recompute_spoiled`)
+            self._recompute_spoiled(plan)
+            raise
+
+    def _decode_and_complete(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
+        """`_run_decode`'s device call and its completion."""
+        scheduler = self.scheduler
+        kernel = self._kernel
         try:
             raw = self._device_call(self.runtime.decode, plan.inputs)
             logits, source = decode_logits(raw, plan.inputs.num_rows, self.spec.vocab_size)
@@ -986,7 +1003,7 @@ class Batcher:
                     if rows is not None:
                         candidate.special = self._sampled_rows(candidate.plan)
                         running.join_into, running.join_row = candidate, rows[0] if rows else -1
-                        candidate.joins = len(rows)
+                        candidate.joins = sum(row >= 0 for row in rows)
                         following = candidate
                 else:
                     if scheduler.staging is not None:  # a staged request takes a freed lane
@@ -1112,6 +1129,7 @@ class Batcher:
         if not flight.prefill:  # (a chain's decode counts its joins once it ran)
             self._overlapped_joins += flight.joins if flight not in self._dropped else 0
             flight.joins = 0
+        owner = flight.owner
         try:
             if flight.prefill:
                 self._land_prefill(flight, outputs)
@@ -1119,9 +1137,11 @@ class Batcher:
                 self._land(flight, outputs)
         except BaseException:
             # the step did not land whole: nothing is built on it, and the step on the device,
-            # fed from its tokens, lands unreported (its lanes run those positions again; on a
-            # hybrid model they recompute: `_recompute_dropped`), with the decode decided with
-            # it when it is a chunk (`_chain`)
+            # fed from its tokens, lands unreported (its lanes run those positions again, and
+            # this step's too; on a hybrid model they recompute: `_recompute_spoiled`), with the
+            # decode decided with it when it is a chunk (`_chain`)
+            if flight not in self._dropped:
+                self._recompute_spoiled(flight.plan, owner)
             running = self._flight
             if running is not None:
                 self._dropped.append(running)
@@ -1155,7 +1175,7 @@ class Batcher:
         flight.logits = flight.owner = None
         if flight in self._dropped:  # its request prefills that chunk again
             self._dropped.remove(flight)
-            self._recompute_dropped(flight, owner)
+            self._recompute_spoiled(flight.plan, owner)
             return
         if flight.error is not None and not isinstance(flight.error, Exception):
             raise flight.error
@@ -1168,23 +1188,28 @@ class Batcher:
             return
         self._complete_prefill(plan, request, np.asarray(logits).reshape(-1), outputs)
 
-    def _recompute_dropped(self, flight: Flight, owner: Request | None) -> None:
-        """A dropped flight ran anyway: its lanes run its positions again, which a full-attention
-        layer simply writes over. A sliding-window layer keeps a lane's window in a ring of
-        `sliding_window` slots, so the dropped step's write at position p overwrote position
-        p - window, which the run again of the positions before p still reads: on a hybrid
-        model every request the flight wrote for (its chunk's owner, its rows' lanes) is
-        preempted without keeping its KV, and recomputes from its prompt and tokens."""
+    def _recompute_spoiled(self, plan: StepPlan, owner: Request | None = None) -> None:
+        """`plan` ran on the device (or may have) and its positions will run again: a step that
+        raised (synchronous, or a flight whose landing raised) or a flight dropped after it.
+        Full-attention layers write a position in place, so running it again changes nothing.
+        A sliding-window layer keeps a lane's window in a shift buffer of the newest
+        `sliding_window` positions (as the device does), and writing a position again shifts
+        out one the window still needs: on a hybrid model every request whose slot the step
+        wrote (a chunk's owner; a decode's rows, padding rows included, which write the slot of
+        a lane ending in the step before) is preempted without keeping its KV, and recomputes
+        from its prompt and tokens."""
         if not self.spec.is_hybrid:
             return
         scheduler = self.scheduler
-        if flight.prefill:
-            live = scheduler.requests.get(flight.plan.request_id)
-            victims = [live] if live is not None and live is owner else []
-        else:
-            plan = flight.plan
+        if plan.kind == "prefill":
+            live = scheduler.requests.get(plan.request_id)
+            victims = [live] if live is not None and (owner is None or live is owner) else []
+        elif plan.kind == "decode":
+            inputs = plan.inputs
             victims = [scheduler.by_lane[lane]
-                       for lane in plan.inputs.row_lanes[:plan.rows].tolist()]
+                       for lane in inputs.row_lanes[:inputs.num_rows].tolist()]
+        else:
+            return
         for request in victims:
             if request is not None and request.state in (RequestState.PREFILLING,
                                                          RequestState.DECODING,
@@ -1200,7 +1225,7 @@ class Batcher:
         if flight in self._dropped:
             self._dropped.remove(flight)
             kernel.use(plan.inputs, 0)
-            self._recompute_dropped(flight, None)
+            self._recompute_spoiled(plan)
             return
         kernel.use(plan.inputs, plan.rows)
         if flight.error is not None:

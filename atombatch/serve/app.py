@@ -155,6 +155,10 @@ def _SSEResponse(content: AsyncIterator[bytes], generations: list[_Generation],
 _PLAIN = RequestOutput(request_id="", new_token_ids=(), finished=False)
 
 
+def _step_one(step: Callable[[Sequence[int]], str], token: int) -> str:
+    return step((token,))
+
+
 class _Choice:
     """What one of a request's n choices produced so far."""
 
@@ -220,7 +224,10 @@ class _Generation:
             return
         ready, put = lane
         choice = self.choices[0]
-        ids, texts, step = choice.token_ids, choice.text, choice.decoder.step_one
+        ids, texts, decoder = choice.token_ids, choice.text, choice.decoder
+        step = getattr(decoder, "step_one", None)  # (a codec's decoder written without it:)
+        if step is None:
+            step = functools.partial(_step_one, decoder.step)
         metrics = self.server.metrics
         direct, generated = metrics.direct_events, metrics.generation_tokens
         gap, first = metrics.inter_token.observe, metrics.ttft.observe

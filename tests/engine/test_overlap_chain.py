@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from support.pd_models import SEED, SPECS, artifact
 from test_overlap_admission import (
@@ -28,6 +29,7 @@ from test_overlap_admission import (
 from test_overlap_admission_attacks import loop_through
 
 from atombatch import Batcher, SamplingParams
+from atombatch.overlap import DeviceThread
 from atombatch.runtime import NumpyRuntime
 
 pytestmark = pytest.mark.numerics
@@ -51,10 +53,11 @@ def waves(count: int, seed: int, sampled: bool = True) -> tuple[list[list[int]],
     return work, params
 
 
-def greedy_waves(seed: int) -> tuple[list[list[int]], list[Any], list[Any], Batcher]:
-    """Greedy `waves` of 21 requests on llama: the work, its params, each request's tokens
-    alone, and a pipelined `Batcher` to run them on."""
-    art = artifact(SPECS["llama"], LANES, 64, block_size=8, chunk=16, max_seq_len=96)
+def greedy_waves(seed: int, family: str = "llama"
+                 ) -> tuple[list[list[int]], list[Any], list[Any], Batcher]:
+    """Greedy `waves` of 21 requests (on llama unless `family` says): the work, its params,
+    each request's tokens alone, and a pipelined `Batcher` to run them on."""
+    art = artifact(SPECS[family], LANES, 64, block_size=8, chunk=16, max_seq_len=96)
     work, params = waves(21, seed=seed, sampled=False)
     return work, params, run_alone(art, work, params), \
         Batcher(NumpyRuntime.random(art, SEED), overlap=True)
@@ -189,13 +192,16 @@ def test_a_fault_in_a_chunk_inside_a_chain_ends_only_its_request(fault: str) -> 
     assert stats.overlapped_joins == sum(ran_joins) > 0, (stats.overlapped_joins, ran_joins)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("at", ["the decode before the chain", "the chain's first chunk"])
-def test_an_interrupt_landing_inside_a_chain_drops_the_rest_of_it(at: str) -> None:
+def test_an_interrupt_landing_inside_a_chain_drops_the_rest_of_it(at: str, family: str
+                                                                   ) -> None:
     """A BaseException while the engine lands the decode a chain follows (or the chain's first
     chunk): `step()` raises it, and every flight decided with what it landed (the rest of the
-    chain, the decode after it) lands unreported; their requests prefill again, and every
-    request gets the tokens it gets alone."""
-    work, params, want, over = greedy_waves(seed=53)
+    chain, the decode after it) lands unreported; their requests prefill again (on a hybrid
+    model, the lanes those flights wrote recompute), and every request gets the tokens it
+    gets alone."""
+    work, params, want, over = greedy_waves(seed=53, family=family)
     fired: list[str] = []
     land, land_prefill = over._land, over._land_prefill
 
@@ -269,3 +275,37 @@ def test_waves_that_stop_on_an_id_with_refills_decided_late(family: str) -> None
     assert tokens_of(closed_loop(over, work, params, LANES)) == want
     stats = over.stats()
     assert stats.overlapped_prefills >= 5 and stats.lane_blocks == 0
+
+
+def count_written_joins(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every join the device thread really writes in (a chunk's argmax into its row of the
+    decode after it)."""
+    written: list[int] = []
+    after_chunk = DeviceThread._after_chunk
+
+    def spy(chunk: Any, after: Any) -> None:
+        if chunk.join_into is not None and chunk.join_row >= 0:
+            written.append(1)
+        after_chunk(chunk, after)
+
+    monkeypatch.setattr(DeviceThread, "_after_chunk", staticmethod(spy))
+    return written
+
+
+@pytest.mark.parametrize("seed", [3, 8])
+def test_overlapped_joins_counts_only_requests_that_joined(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy requests of one token are admitted ahead but never join the decode after their
+    chunk: the stat equals the joins the device thread wrote in."""
+    art = artifact(SPECS["gemma3"], 4, 64, block_size=8, chunk=16, max_seq_len=96)
+    work = short_prompts(16, seed=41 + seed)
+    rng = np.random.default_rng(seed)
+    # some greedy requests of one token: admitted ahead, they never join the decode after
+    params = [greedy(60) if i == 0 else greedy(int(rng.choice([1, 1, 2, 5, 7])))
+              for i in range(len(work))]
+    want = run_alone(art, work, params)
+    written = count_written_joins(monkeypatch)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    assert tokens_of(closed_loop(over, work, params, 4)) == want
+    stats = over.stats()
+    assert stats.overlapped_joins == len(written), (stats.overlapped_joins, len(written))
