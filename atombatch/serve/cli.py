@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -601,7 +602,13 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
               ") listening on "
               f"http://{host if ':' not in host else f'[{host}]'}:{port}")
 
+    stopped_by: list[int] = []   # the signals uvicorn caught (it re-raises them at the end)
+
     class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            stopped_by.append(sig)
+            super().handle_exit(sig, frame)
+
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             if self.started:  # bound, listening, and the engine's loop runs
@@ -633,6 +640,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
         return 130
     finally:
         _stop_engine(engine)
+    if signal.SIGINT in stopped_by:  # re-raised into an inherited SIG_IGN (a background job
+        return 130                   # of a script): Ctrl-C's status all the same
     return 1 if died else 0
 
 
