@@ -38,6 +38,35 @@ def _setup(spec_name: str, batch: int = 4, seed: int = 5
     return art, work, params
 
 
+def interrupt_once(over: Batcher, when: Any, error: type[BaseException] = KeyboardInterrupt
+                   ) -> list[Any]:
+    """The first decode landing for which `when(flight, running)` holds (`running`: the flight
+    on the device after it) raises `error` before it lands anything. Returns the flights that
+    raised (one, once it fired)."""
+    land = over._land
+    fired: list[Any] = []
+
+    def interrupted(flight: Any, outputs: Any) -> None:
+        if not fired and when(flight, over._flight):
+            fired.append(flight)
+            raise error
+        land(flight, outputs)
+
+    over._land = interrupted  # type: ignore[method-assign]
+    return fired
+
+
+def run_interrupted(over: Batcher, fired: list[Any], work: list[list[int]], params: list[Any],
+                    first: int, want: list[Any],
+                    error: type[BaseException] = KeyboardInterrupt) -> None:
+    """`loop_through` on `over`, whose landings raise once (`interrupt_once`): it raised once,
+    every request's tokens are those alone, and no lane keeps a block."""
+    finals, raised = loop_through(over, work, params, first, error)
+    assert raised == 1 and fired
+    assert tokens_of(finals) == want
+    assert over.stats().lane_blocks == 0
+
+
 @pytest.mark.parametrize("spec_name", ["llama", "gemma3"])
 @pytest.mark.parametrize(("after", "nth", "seed"), [("nothing", 1, 2),
                                                     ("a chunk and no decode", 1, 5)])
@@ -49,12 +78,9 @@ def test_an_interrupt_landing_a_decode_whose_lanes_no_dropped_decode_holds(
     art, work, params = _setup(spec_name, seed=seed)
     want = run_alone(art, work, params)
     over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
-    land = over._land
-    fired: list[int] = []
     seen: list[int] = []
 
-    def interrupted(flight: Any, outputs: Any) -> None:
-        nxt = over._flight
+    def when(flight: Any, nxt: Any) -> bool:
         if nxt is None:
             kind = "nothing"
         elif nxt.prefill and nxt.then is None and nxt not in over._dropped:
@@ -62,18 +88,48 @@ def test_an_interrupt_landing_a_decode_whose_lanes_no_dropped_decode_holds(
         else:
             kind = ""
         positions = flight.plan.inputs.cache_position[:flight.plan.rows, 0]
-        if not fired and kind == after and positions.max() >= 8:  # past the window
+        if kind == after and positions.max() >= 8:  # past the window
             seen.append(1)
-        if not fired and len(seen) == nth:
-            fired.append(int(flight.plan.rows))
-            raise KeyboardInterrupt
-        land(flight, outputs)
+        return len(seen) == nth
 
-    over._land = interrupted  # type: ignore[method-assign]
-    finals, raised = loop_through(over, work, params, 5, KeyboardInterrupt)
-    assert raised == 1 and fired
-    assert tokens_of(finals) == want
-    assert over.stats().lane_blocks == 0
+    fired = interrupt_once(over, when)
+    run_interrupted(over, fired, work, params, 5, want)
+
+
+@pytest.mark.parametrize("spec_name", ["llama", "gemma3"])
+@pytest.mark.parametrize("running", ["decode", "chunk"])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_landing_a_decode_with_the_next_step_on_the_device(
+        spec_name: str, running: str, error: type[BaseException]) -> None:
+    """Landing decode N raises with the step fed from N's tokens on the device (the next
+    decode, or a chunk admitted ahead): that step lands unreported, and N's lanes and its own
+    run their positions again, so on a hybrid model they recompute (preempted, their KV not
+    kept). (A hybrid model with the prefix cache steps synchronously: its slot checkpoints keep
+    any step from running ahead.)"""
+    spec = SPECS[spec_name]
+    art = ArtifactConfig(model=spec, batch_size=3, max_seq_len=48, block_size=8, num_blocks=19,
+                         prefill_chunk_size=16, decoder_batch_sizes=(1, 2, 3))
+    rng = np.random.default_rng(29)
+    # prompts of one chunk and of two (only one-chunk prompts are admitted ahead)
+    work = [rng.integers(1, 256, size=int(rng.integers(9, 30))).tolist() for _ in range(8)]
+    params = [greedy(min(10 + (5 * i) % 9, 48 - len(p))) for i, p in enumerate(work)]
+    want = run_alone(art, work, params)
+    over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
+    landed: list[int] = []
+    rows: list[int] = []   # the rows of the decode whose landing raised
+
+    def when(flight: Any, nxt: Any) -> bool:
+        landed.append(1)
+        if nxt is not None and nxt not in over._dropped and \
+                nxt.prefill == (running == "chunk") and len(landed) > 6:
+            rows.append(int(flight.plan.rows))
+            return True
+        return False
+
+    fired = interrupt_once(over, when, error)
+    run_interrupted(over, fired, work, params, 3 + (running == "chunk"), want, error)
+    if spec.is_hybrid:  # its lanes recomputed
+        assert over.stats().preemptions >= rows[0] >= 1
 
 
 class InterruptAfterDecode(NumpyRuntime):
@@ -145,59 +201,18 @@ def test_an_interrupt_when_the_dropped_decode_pads_on_a_finishing_lane(seed: int
     params = [greedy(min(12 + 3 * i, 48 - len(p))) for i, p in enumerate(work)]
     want = run_alone(art, work, params)
     over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
-    land = over._land
-    fired: list[int] = []
 
-    def interrupted(flight: Any, outputs: Any) -> None:
-        nxt = over._flight
-        if not fired and nxt is not None and not nxt.prefill and nxt not in over._dropped:
-            inputs = nxt.plan.inputs
-            real = set(inputs.row_lanes[:nxt.plan.rows].tolist())
-            padded = set(inputs.row_lanes[nxt.plan.rows:inputs.num_rows].tolist())
-            landing = set(flight.plan.inputs.row_lanes[:flight.plan.rows].tolist())
-            finishing = (landing - real) & padded  # in the step landing, padded in the next
-            if finishing:
-                fired.append(finishing.pop())
-                raise KeyboardInterrupt
-        land(flight, outputs)
+    def when(flight: Any, nxt: Any) -> bool:
+        if nxt is None or nxt.prefill or nxt in over._dropped:
+            return False
+        inputs = nxt.plan.inputs
+        real = set(inputs.row_lanes[:nxt.plan.rows].tolist())
+        padded = set(inputs.row_lanes[nxt.plan.rows:inputs.num_rows].tolist())
+        landing = set(flight.plan.inputs.row_lanes[:flight.plan.rows].tolist())
+        return bool((landing - real) & padded)  # in the step landing, padded in the next
 
-    over._land = interrupted  # type: ignore[method-assign]
-    finals, raised = loop_through(over, work, params, 4, KeyboardInterrupt)
-    assert raised == 1 and fired
-    assert tokens_of(finals) == want
-    assert over.stats().lane_blocks == 0
-
-
-def _run(over: Batcher, work: list[list[int]], params: list[Any], first: int,
-         fire: Any, abort_after: bool) -> tuple[dict[str, Any], list[str], list[str], int]:
-    ids = [over.submit(p, sp) for p, sp in zip(work[:first], params[:first], strict=True)]
-    queue = list(range(first, len(work)))
-    finals: dict[str, Any] = {}
-    aborted: list[str] = []
-    raised = 0
-    for _ in range(3000):
-        try:
-            outs = over.step()
-        except KeyboardInterrupt:
-            raised += 1
-            outs = []
-            if abort_after:  # one request aborted between the raising step and the next
-                live = [r for r in ids if r in over.scheduler.requests]
-                if live:
-                    victim = live[len(live) // 2]
-                    assert over.abort(victim)
-                    aborted.append(victim)
-        for out in outs:
-            assert out.request_id not in finals, out.request_id
-            if out.finished:
-                finals[out.request_id] = out
-                if queue:
-                    i = queue.pop(0)
-                    ids.append(over.submit(work[i], params[i]))
-        over.check_invariants()
-        if not over.has_unfinished() and not queue:
-            break
-    return finals, ids, aborted, raised
+    fired = interrupt_once(over, when)
+    run_interrupted(over, fired, work, params, 4, want)
 
 
 # (a chain on the device: tests/engine/test_overlap_chain.py, which makes waves of refills)
@@ -270,14 +285,22 @@ def _interrupt_once(where: str, seed: int, abort_after: bool) -> bool:
 
     over._land = interrupted  # type: ignore[method-assign]
     over._land_prefill = interrupted_chunk  # type: ignore[method-assign]
-    finals, ids, aborted, raised = _run(over, work, params, batch + 1, fire=None,
-                                         abort_after=abort_after)
+    aborted: list[int] = []
+
+    def abort_one(over: Batcher, ids: list[str]) -> None:  # between the raise and the next step
+        live = [i for i, r in enumerate(ids) if r in over.scheduler.requests]
+        if abort_after and live:
+            victim = live[len(live) // 2]
+            assert over.abort(ids[victim])
+            aborted.append(victim)
+
+    finals, raised = loop_through(over, work, params, batch + 1, KeyboardInterrupt, abort_one)
     if not fired:
         return False
     assert raised == 1
-    got = [(finals[i].completion.token_ids, finals[i].finish_reason) for i in ids]
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        if ids[i] in aborted:
+    for i, (final, w) in enumerate(zip(finals, want, strict=True)):
+        g = (final.completion.token_ids, final.finish_reason)
+        if i in aborted:
             assert g[1] == "abort" and w[0][:len(g[0])] == g[0]
         else:
             assert g == w, (i, g, w)

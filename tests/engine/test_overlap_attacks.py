@@ -279,8 +279,9 @@ async def test_engine_core_process_with_the_pipeline() -> None:
 
 class FailingClock:
     """A clock that raises once, the `at`-th time the engine reads it while completing a decode
-    step (in `_land` for the pipeline, `_run_decode` for a synchronous step): an exception in
-    the engine thread after the step came back and before its tokens were appended."""
+    step (in `_land` for the pipeline, `_decode_and_complete` for a synchronous step): an
+    exception in the engine thread after the step came back and before its tokens were
+    appended."""
 
     def __init__(self, at: int) -> None:
         self.at = at
@@ -292,7 +293,7 @@ class FailingClock:
         import time
 
         caller = sys._getframe(1).f_code.co_name
-        if caller in ("_land", "_run_decode") and not self.raised:
+        if caller in ("_land", "_decode_and_complete") and not self.raised:
             self.reads += 1
             if self.reads == self.at:
                 self.raised = True
