@@ -2,10 +2,15 @@
 
 Theory of operation:
 
-- **Compile, off the hot path.** `Grammars.compile` turns a `StructuredOutput` into an
-  llguidance grammar (cheap, at submit: a schema that is not JSON is a `RequestError` there)
-  and builds its `LLMatcher` on a compile thread (llguidance drops the GIL while it builds the
-  lexer and parser). The request waits in the queue meanwhile (`Request.compiling`: the
+- **Compile, off the hot path.** `Grammars.compile` only checks, at submit, what is cheap and
+  bounded (a JSON schema's nesting and syntax: a `RequestError` there); lowering the constraint
+  to an llguidance grammar (`grammar_text`: the GBNF conversion is pure Python, quadratic in a
+  chain of rules) and building its `LLMatcher` run on the compile thread, whose stack is
+  `COMPILE_STACK_BYTES` (llguidance parses grammars recursively: a long chain of rules overflows
+  an ordinary thread's stack). A server hands the engine constraints its grammar workers have
+  already lowered and compiled in a process of their own (`StructuredOutput.lowered`,
+  atombatch/grammar_check.py): the engine then converts nothing, and compiles text that compiled
+  on a smaller stack. The request waits in the queue meanwhile (`Request.compiling`: the
   scheduler admits it only once its matcher is ready); the engine polls the compile at the start
   of every step. The tokenizer llguidance needs (`LLTokenizer`, about a second for a 152k
   vocabulary) is built once, on that thread, by the first compile.
@@ -30,10 +35,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import json
+import queue
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -49,8 +56,13 @@ class ConstraintFailed(RequestError):
     the request, not the engine."""
 
 # compiled constraints an engine keeps to copy: each holds the lexer its first mask built (up to
-# ~32 MiB at INITIAL_LEXER_FUEL for a pathological regex; 64 of them held 1.4 GiB and more)
+# ~32 MiB at INITIAL_LEXER_FUEL for a pathological regex; 64 of them held 1.4 GiB and more), and
+# their grammar text at most COMPILED_CACHE_CHARS characters together
 COMPILED_CACHE = 16
+COMPILED_CACHE_CHARS = 8 << 20
+# the compile thread's stack: four times a grammar worker's (grammar_check.CHECK_STACK_BYTES), so
+# what a worker compiled compiles here too (llguidance needs ~2.5 KiB per chained Lark rule)
+COMPILE_STACK_BYTES = 256 << 20
 # llguidance's budget for building a constraint's lexer and its first mask (its default is
 # 1 000 000): a 15-character regex such as `(a{1000}){1000}` spent 3 s and 250 MiB of it before
 # failing; at this budget it fails in 0.3 s and 25 MiB, while real schemas (128 tools of a
@@ -150,6 +162,42 @@ def check_matcher(matcher: Any, structured: StructuredOutput, vocab_size: int) -
                            f"matches the {structured.kind}{detail}", param=param)
 
 
+def compile_matcher(tokenizer: Any, text: str, structured: StructuredOutput,
+                    vocab_size: int) -> Any:
+    """The `LLMatcher` of grammar `text` (`grammar_text`'s) for `tokenizer`, checked and reset,
+    within `INITIAL_LEXER_FUEL`.
+
+    Raises:
+        RequestError: see `check_matcher`.
+    """
+    llg = _llguidance()
+    matcher = llg.LLMatcher(tokenizer, text, log_level=0,
+                            limits=llg.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL))
+    check_matcher(matcher, structured, vocab_size)
+    matcher.reset()  # check_matcher computed a mask; the copies start from the beginning
+    return matcher
+
+
+def check_schema_text(structured: StructuredOutput) -> None:
+    """A JSON schema constraint's text parses as a JSON object or boolean (its nesting was
+    bounded when the value was built: `structured.MAX_SCHEMA_DEPTH`).
+
+    Raises:
+        RequestError: naming the field.
+    """
+    if structured.kind != "json_schema" or structured.lowered:
+        return
+    param = structured.param
+    try:
+        schema = msgspec.json.decode(structured.value)
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"{param}: the JSON schema is not valid JSON: {exc}",
+                           param=param) from None
+    if not isinstance(schema, dict | bool):
+        raise RequestError(f"{param}: a JSON schema must be an object (or true), got "
+                           f"{type(schema).__name__}", param=param)
+
+
 def _first_lines(text: str, lines: int = 3, chars: int = 400) -> str:
     out = " ".join(line.strip() for line in text.strip().splitlines()[:lines])
     return out if len(out) <= chars else out[:chars] + "..."
@@ -246,7 +294,7 @@ class Grammars:
         self.threads = threads
         self._tokenizer: Any = None
         self._tokenizer_lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="atombatch-grammar")
+        self._pool = _CompileThread(COMPILE_STACK_BYTES)
         self._executor: Any = None
         self.words = (vocab_size + 31) // 32
         self.bitmask = np.zeros((0, self.words), dtype=np.int32)  # grown to the rows a step needs
@@ -258,6 +306,7 @@ class Grammars:
         # the last COMPILED_CACHE constraints compiled, as untouched matchers to copy: a client
         # that sends the same schema with every request compiles it once
         self._compiled: collections.OrderedDict[StructuredOutput, Any] = collections.OrderedDict()
+        self._compiled_chars = 0
         self._compiled_lock = threading.Lock()
 
     @property
@@ -274,7 +323,7 @@ class Grammars:
         `RequestError` naming what is wrong.
 
         Raises:
-            RequestError: at once, for what is wrong before compiling (see `grammar_text`).
+            RequestError: at once, for what is cheap to check (see `check_schema_text`).
         """
         with self._compiled_lock:
             template = self._compiled.get(structured)
@@ -284,30 +333,33 @@ class Grammars:
             done: concurrent.futures.Future[Any] = concurrent.futures.Future()
             done.set_result(template.deep_copy())
             return done
-        text = grammar_text(structured)
-        return self._pool.submit(self._build, text, structured)
+        check_schema_text(structured)
+        return self._pool.submit(self._build, structured)
 
-    def _build(self, text: str, structured: StructuredOutput, keep: bool = True) -> Any:
-        llg = _llguidance()
-        matcher = llg.LLMatcher(self.tokenizer, text, log_level=0,
-                                limits=llg.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL))
-        check_matcher(matcher, structured, self.vocab_size)
-        matcher.reset()  # check_matcher computed a mask; the copies start from the beginning
+    def _build(self, structured: StructuredOutput, keep: bool = True) -> Any:
+        text = structured.lowered or grammar_text(structured)
+        matcher = compile_matcher(self.tokenizer, text, structured, self.vocab_size)
         if not keep:
             return matcher
+        size = len(text) + structured.chars
         with self._compiled_lock:
-            self._compiled[structured] = matcher.deep_copy()
-            if len(self._compiled) > COMPILED_CACHE:
-                self._compiled.popitem(last=False)
+            if structured not in self._compiled:
+                self._compiled[structured] = matcher.deep_copy()
+                self._compiled_chars += size
+            while self._compiled and (len(self._compiled) > COMPILED_CACHE or
+                                      self._compiled_chars > COMPILED_CACHE_CHARS):
+                old, _ = self._compiled.popitem(last=False)
+                self._compiled_chars -= len(old.lowered or "") + old.chars
         return matcher
 
     def matcher_now(self, structured: StructuredOutput) -> Any:
-        """Compile on this thread (tests, and the front's 400 check); the matcher is not kept
-        for later requests to copy (the front checks, it never masks)."""
-        return self._build(grammar_text(structured), structured, keep=False)
+        """Compile on the compile thread and wait (tests and benchmarks); the matcher is not
+        kept for later requests to copy."""
+        check_schema_text(structured)
+        return self._pool.submit(self._build, structured, False).result()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         self._masker.shutdown(wait=True)
 
     def prefetch(self, grammars: Sequence[RequestGrammar]) -> None:
@@ -381,3 +433,58 @@ def apply_bitmask(x: npt.NDArray[np.float32], rows: Sequence[int],
     sub = x[index]
     np.putmask(sub, banned, _NEG_INF)
     x[index] = sub
+
+
+class _CompileThread:
+    """One daemon thread with a stack of its own size that runs jobs in order (a
+    `ThreadPoolExecutor` cannot set its threads' stack); started on the first job."""
+
+    def __init__(self, stack_bytes: int) -> None:
+        self.stack_bytes = stack_bytes
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((future, fn, args))
+        with self._start_lock:
+            if self._thread is None:
+                with _STACK_SIZE_LOCK:
+                    previous = threading.stack_size(self.stack_bytes)
+                    try:
+                        self._thread = threading.Thread(target=self._run, daemon=True,
+                                                        name="atombatch-grammar")
+                        self._thread.start()
+                    finally:
+                        threading.stack_size(previous)
+        return future
+
+    def shutdown(self) -> None:
+        """Cancel the jobs not started; the thread ends after the one it runs."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # the future carries it to whoever waits
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+
+_STACK_SIZE_LOCK = threading.Lock()   # threading.stack_size is process-wide

@@ -12,9 +12,11 @@ grammar compiles, and whether the model's tokenizer can satisfy it, is checked a
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
 
 from atombatch.errors import RequestError
 
@@ -26,6 +28,10 @@ STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_CHARS = 1 << 20
 MAX_CHOICES = 1024                         # strings in a `choice` constraint at most
 MAX_AFTER_IDS = 64                         # ids in `after` (the end of a preamble) at most
+# Nesting of a JSON schema's text (arrays and objects), at most: checked before anything parses
+# it recursively (a string nested 3 000 deep raised RecursionError in the JSON parsers)
+MAX_SCHEMA_DEPTH = 128
+MAX_LOWERED_CHARS = 4 * MAX_STRUCTURED_CHARS   # `lowered` grammar text at most
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -55,6 +61,9 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
                                                #   not cover (a reasoning block's `</think>`):
                                                #   it applies to the output after their first
                                                #   occurrence; () = from the first token
+    lowered: str = ""                          # the llguidance grammar it compiles to, as a
+                                               #   checker made it (atombatch/grammar_check.py;
+                                               #   "": the engine makes it on its compile thread)
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -97,6 +106,16 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
             raise RequestError(f"{self.param}: {self.chars} characters of {self.kind}, at most "
                                f"{MAX_STRUCTURED_CHARS}", param=self.param,
                                limit=MAX_STRUCTURED_CHARS)
+        if not isinstance(self.lowered, str) or len(self.lowered) > MAX_LOWERED_CHARS:
+            raise RequestError(f"{self.param}: the lowered grammar must be a string of at most "
+                               f"{MAX_LOWERED_CHARS} characters", param=self.param,
+                               limit=MAX_LOWERED_CHARS)
+        if self.kind == "json_schema":
+            depth = json_depth(self.value)
+            if depth > MAX_SCHEMA_DEPTH:
+                raise RequestError(f"{self.param}: the JSON schema nests {depth} arrays and "
+                                   f"objects deep, at most {MAX_SCHEMA_DEPTH}", param=self.param,
+                                   limit=MAX_SCHEMA_DEPTH)
 
     @property
     def chars(self) -> int:
@@ -147,3 +166,19 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
                 after: tuple[int, ...] = ()) -> StructuredOutput:
         """Output is derived from the grammar's `start` rule (Lark, or GBNF with `root ::=`)."""
         return cls(kind="grammar", value=text, param=param, after=after)
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?')
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """How deep arrays and objects nest in JSON `text` (strings skipped), without a recursive
+    parse: what may be handed to one is bounded by this first. Malformed text gets a number too
+    (its parser then says what is wrong)."""
+    brackets = "".join(_BRACKET.findall(_JSON_STRING.sub("", text)))
+    if not brackets:
+        return 0
+    steps = np.frombuffer(brackets.encode(), dtype=np.uint8)
+    opens = (steps == ord("[")) | (steps == ord("{"))
+    return int(np.cumsum(np.where(opens, 1, -1)).max())

@@ -376,7 +376,7 @@ class _Server:
         self.structured = StructuredRequests(
             getattr(codec, "tokenizer", None), self.artifact.model.vocab_size,
             self.artifact.model.eos_token_ids, max_structured_chars)
-        self.constraints = ChatConstraints(self.structured.grammars, reasoning_parser,
+        self.constraints = ChatConstraints(self.structured, reasoning_parser,
                                            getattr(codec, "tokenizer", None))
         self.metrics = ServerMetrics(ab.stats, self.artifact.batch_size,
                                      shared=getattr(ab, "shared", None))
@@ -537,6 +537,8 @@ class _Server:
             structured = self.structured.resolve(body)
         except RequestError as exc:
             raise ApiError(400, str(exc), param=exc.param, code="invalid_value") from None
+        except CapacityError as exc:
+            raise self.busy(exc) from None
         try:
             return SamplingParams(
                 n=body.n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,

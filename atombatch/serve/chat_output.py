@@ -9,10 +9,8 @@ same parsers over the whole text at once.
 
 from __future__ import annotations
 
-import collections
-import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -28,9 +26,9 @@ from atombatch.serve.protocol import (
 from atombatch.serve.reasoning import make_reasoning_parser, reasoning_end_ids
 from atombatch.serve.tools import CallDelta, Delta, ToolParser, ToolPlan
 from atombatch.structs import SamplingParams
-from atombatch.structured import StructuredOutput
 
-MAX_CHECKED = 64        # constraints built here whose compile check is remembered
+if TYPE_CHECKING:
+    from atombatch.serve.structured import StructuredRequests
 
 
 class UnservableConstraint(RequestError):
@@ -39,26 +37,23 @@ class UnservableConstraint(RequestError):
 
 class ChatConstraints:
     """The constraints a chat request gets besides its own `response_format`: a `required` or
-    named tool choice's JSON schema (compile-checked once; the last `MAX_CHECKED` are
-    remembered), and with a reasoning parser the room to think before any constraint
+    named tool choice's JSON schema (checked and lowered by the grammar workers, which remember
+    it), and with a reasoning parser the room to think before any constraint
     (`StructuredOutput.after`: the constraint starts after `</think>`)."""
 
-    def __init__(self, grammars: Any | None, reasoning_parser: str | None,
+    def __init__(self, structured: StructuredRequests, reasoning_parser: str | None,
                  tokenizer: Any | None) -> None:
-        self.grammars = grammars          # atombatch.grammar.Grammars, None without a tokenizer
+        self.structured = structured      # the server's checker of constraints
         self.reasoning_parser = reasoning_parser
         self.tokenizer = tokenizer
-        self.checked: collections.OrderedDict[StructuredOutput, None] = \
-            collections.OrderedDict()
-        self.lock = threading.Lock()      # `checked`: checks run on worker threads
 
     def needs_check(self, plan: ToolPlan) -> bool:
         """Whether `apply` may compile (then run it off the event loop)."""
         constraint = plan.constraint() if plan.mode in ("required", "named") else None
-        if constraint is None:
+        checker = self.structured.checker
+        if constraint is None or checker is None:
             return False
-        with self.lock:
-            return constraint not in self.checked
+        return checker.known(constraint) is None
 
     def apply(self, params: SamplingParams, plan: ToolPlan, prompt: Sequence[int]
               ) -> SamplingParams:
@@ -69,13 +64,17 @@ class ChatConstraints:
                 raise RequestError(f"tool_choice={plan.mode} constrains the output to tool "
                                    f"calls, and {params.structured.param} constrains it too: "
                                    "send one", param="tool_choice")
-            if self.grammars is None:
+            if self.structured.checker is None:
                 raise UnservableConstraint(f"tool_choice={plan.mode} needs constrained "
                                            "decoding, which needs a tokenizer (this server "
                                            "serves token ids)", param="tool_choice")
-            self._check(constraint, f"tool_choice={plan.mode}: the tools' schema cannot be "
-                        "enforced", "tools")
-            params = msgspec.structs.replace(params, structured=constraint)
+            try:
+                checked = self.structured.check(constraint)
+            except RequestError as exc:
+                raise RequestError(f"tool_choice={plan.mode}: the tools' schema cannot be "
+                                   f"enforced: {exc}", param="tools",
+                                   limit=exc.limit) from None
+            params = msgspec.structs.replace(params, structured=checked)
         if self.reasoning_parser is None or params.structured is None:
             return params
         after = reasoning_end_ids(self.tokenizer, prompt)
@@ -83,21 +82,6 @@ class ChatConstraints:
             return params
         return msgspec.structs.replace(
             params, structured=msgspec.structs.replace(params.structured, after=after))
-
-    def _check(self, constraint: StructuredOutput, what: str, param: str) -> None:
-        with self.lock:
-            if constraint in self.checked:
-                self.checked.move_to_end(constraint)
-                return
-        assert self.grammars is not None
-        try:
-            self.grammars.matcher_now(constraint)
-        except RequestError as exc:
-            raise RequestError(f"{what}: {exc}", param=param) from None
-        with self.lock:
-            self.checked[constraint] = None
-            if len(self.checked) > MAX_CHECKED:
-                self.checked.popitem(last=False)
 
 
 class Piece(msgspec.Struct):

@@ -13,33 +13,32 @@ Three spellings, on chat and completions alike (docs/server.md lists the deviati
   `guided_whitespace_pattern` (and `guided_decoding_backend`, ignored).
 
 At most one of them may constrain a request. The front checks the constraint before the request
-reaches the engine: its size (`max_chars`, 400 naming the field and the limit), its shape, and
-that it compiles against the model's tokenizer and can start with one of its tokens (a 400
-naming the field); the engine compiles it again on its own thread. Compiled checks are kept for
-the last `CHECK_CACHE` constraints, so a client that sends the same schema every time pays once;
-a new one is compiled on the server's one check thread, off its event loop, with llguidance's
-budget (`grammar.INITIAL_LEXER_FUEL`) bounding each compile. At most `MAX_PENDING_CHECKS` new
-constraints wait for that thread; past it a request is answered 429 (a client sending a stream of
-distinct schemas cannot queue unbounded CPU and memory, nor delay others' checks without bound).
+reaches the engine: its size (`max_chars`, 400 naming the field and the limit) and a JSON
+schema's nesting (`structured.MAX_SCHEMA_DEPTH`) on the event loop, before anything parses it;
+then its lowering and compile against the model's tokenizer in a grammar worker process
+(atombatch/grammar_check.py: a grammar that overflows the compiler's stack, exhausts its memory
+or outlasts its time budget kills that worker and is a 400 naming the budget; the server runs
+on). The checked constraint carries its lowered grammar to the engine, which only compiles it,
+on its compile thread. Checks are remembered (`grammar_check.CHECKED_COUNT`), so a client that
+sends the same schema every time pays once. At most `MAX_PENDING_CHECKS` new constraints wait
+for the workers; past it a request is answered 429 (a client sending a stream of distinct
+schemas cannot queue unbounded work, nor delay others' checks without bound).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from atombatch.errors import CapacityError, ConfigError, RequestError
-from atombatch.grammar import Grammars
+from atombatch.grammar_check import GrammarWorkers
 from atombatch.logs import logger
 from atombatch.structured import StructuredOutput
 
 DEFAULT_MAX_STRUCTURED_CHARS = 64 * 1024   # characters of one schema / regex / grammar / choices
-CHECK_CACHE = 64                           # constraints whose compile check is remembered
-MAX_PENDING_CHECKS = 16                    # new constraints waiting for the check thread
+MAX_PENDING_CHECKS = 16                    # new constraints waiting for the grammar workers
 # JSON whitespace when a client asks for vLLM's default (`disable_any_whitespace: false`)
 ANY_WHITESPACE = r"[\x20\x0A\x0D\x09]+"
 
@@ -60,76 +59,89 @@ class StructuredRequests:
             then a 400, there is no text to constrain).
         vocab_size, eos_token_ids: the model's (what the engine masks with).
         max_chars: bound on a constraint's size, checked before it is parsed or compiled.
+        workers: grammar worker processes (`GrammarWorkers`), and threads that wait for them.
+        worker_target: the workers' check function (`GrammarWorkers`'s `target`: tests).
     """
 
     def __init__(self, tokenizer: Any | None, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 max_chars: int = DEFAULT_MAX_STRUCTURED_CHARS) -> None:
-        self.grammars = Grammars(tokenizer, vocab_size, eos_token_ids) \
-            if tokenizer is not None else None
+                 max_chars: int = DEFAULT_MAX_STRUCTURED_CHARS, workers: int = 1,
+                 worker_target: str | None = None) -> None:
+        self.checker: GrammarWorkers | None = None
+        self.unavailable: str | None = None     # why structured output cannot be served here
+        if tokenizer is not None:
+            try:
+                self.checker = GrammarWorkers(tokenizer, vocab_size, eos_token_ids,
+                                              workers=workers, target=worker_target)
+            except ConfigError as exc:
+                self.unavailable = str(exc)
         self.max_chars = max_chars
-        self._checked: collections.OrderedDict[StructuredOutput, None] = \
-            collections.OrderedDict()
-        self._lock = threading.Lock()           # `_checked`: the event loop and check threads
-        # compile checks: one thread (each compile is bounded by llguidance's budget), and a
-        # bound on how many wait for it
-        self._checker = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="atombatch-structured-check")
+        self._waiters = concurrent.futures.ThreadPoolExecutor(
+            workers, thread_name_prefix="atombatch-structured-check")
         self.pending = 0                        # checks queued or running (event loop only)
 
     def warm(self) -> None:
-        """Build llguidance's tokenizer on a background thread (about a second for a 152k
-        vocabulary), so the first constrained request does not wait for it on the event loop."""
-        if self.grammars is not None:
-            threading.Thread(target=self._build_tokenizer, name="atombatch-llg-tokenizer",
-                             daemon=True).start()
-
-    def _build_tokenizer(self) -> None:
-        assert self.grammars is not None
-        try:
-            self.grammars.tokenizer  # noqa: B018 (built and kept on first access)
-        except ConfigError as exc:  # answered as a 400 by the first constrained request
-            log.warning("structured.unavailable", error=str(exc))
+        """Start the grammar workers in the background (each builds llguidance's tokenizer:
+        about a second for a 152k vocabulary), so the first constrained request does not wait."""
+        if self.checker is not None:
+            self.checker.warm()
 
     def resolve(self, body: Any) -> StructuredOutput | None:
-        """The checked constraint of a request body (a Completion- or ChatCompletionRequest).
+        """The checked constraint of a body (`check_off_loop` checked it first), lowered.
 
         Raises:
             RequestError: naming the field (`param`) and the rule.
+            CapacityError: its check was forgotten since (a storm of distinct constraints):
+                answered 429, the client retries.
         """
         structured = read(body, self.max_chars)
         if structured is None:
             return None
-        if self.grammars is None:
+        checker = self._checker(structured)
+        checked = checker.known(structured)
+        if checked is None:  # never compiled on the event loop: the client asks again
+            raise CapacityError(f"{structured.param}: too many new structured-output "
+                                "constraints were checked at once; retry")
+        return checked
+
+    def _checker(self, structured: StructuredOutput) -> GrammarWorkers:
+        if self.checker is None:
+            if self.unavailable is not None:
+                raise RequestError(f"{structured.param}: structured output is unavailable on "
+                                   f"this server: {self.unavailable}", param=structured.param)
             raise RequestError(f"{structured.param}: structured output needs a tokenizer and "
                                "this server serves token ids (start it with a checkpoint that "
                                "has tokenizer.json, or --tokenizer)", param=structured.param)
-        if self._known(structured):
-            return structured
-        try:
-            self.grammars.matcher_now(structured)  # RequestError naming it if it does not compile
-        except ConfigError as exc:
-            raise RequestError(f"{structured.param}: structured output is unavailable on this "
-                               f"server: {exc}", param=structured.param) from None
-        with self._lock:
-            self._checked[structured] = None
-            if len(self._checked) > CHECK_CACHE:
-                self._checked.popitem(last=False)
-        return structured
+        return self.checker
 
     async def check_off_loop(self, body: Any) -> None:
-        """`resolve` in a worker thread when the body's constraint was not checked yet (a
+        """Check the body's constraint in a grammar worker unless it was checked lately (a
         compile may take a while; the event loop keeps streaming meanwhile).
 
         Raises:
-            RequestError: as `resolve`.
+            RequestError: as `resolve`; GrammarBudgetError: past a check's budget.
+            CapacityError: as `run_check`.
         """
         structured = read(body, self.max_chars)
-        if structured is None or self.grammars is None or self._known(structured):
+        if structured is None:
             return
-        await self.run_check(self.resolve, body)
+        checker = self._checker(structured)
+        if checker.known(structured) is None:
+            await self.run_check(self.check, structured)
+
+    def check(self, structured: StructuredOutput) -> StructuredOutput:
+        """`structured` checked and lowered, in a grammar worker (blocking: a waiter thread's).
+
+        Raises:
+            RequestError: naming the field and the rule (or the budget).
+        """
+        try:
+            return self._checker(structured).check(structured)
+        except ConfigError as exc:
+            raise RequestError(f"{structured.param}: structured output is unavailable on this "
+                               f"server: {exc}", param=structured.param) from None
 
     async def run_check(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` (a compile check) on the check thread.
+        """`fn(*args)` (a compile check) on a waiter thread.
 
         Raises:
             CapacityError: `MAX_PENDING_CHECKS` checks already wait (answered 429).
@@ -140,19 +152,14 @@ class StructuredRequests:
                                 "retry later (a constraint already seen is not compiled again)")
         self.pending += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._checker, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._waiters, fn, *args)
         finally:
             self.pending -= 1
 
     def close(self) -> None:
-        self._checker.shutdown(wait=False, cancel_futures=True)
-
-    def _known(self, structured: StructuredOutput) -> bool:
-        with self._lock:
-            if structured in self._checked:
-                self._checked.move_to_end(structured)
-                return True
-        return False
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+        if self.checker is not None:
+            self.checker.close()
 
 
 def read(body: Any, max_chars: int) -> StructuredOutput | None:

@@ -405,9 +405,9 @@ def test_a_repeated_constraint_compiles_once(monkeypatch: pytest.MonkeyPatch) ->
     built: list[StructuredOutput] = []
     build = Grammars._build
 
-    def counting(self: Grammars, text: str, spec: StructuredOutput) -> Any:
+    def counting(self: Grammars, spec: StructuredOutput) -> Any:
         built.append(spec)
-        return build(self, text, spec)
+        return build(self, spec)
     monkeypatch.setattr(Grammars, "_build", counting)
     again = b.generate([PROMPT, PROMPT], params)
     assert built == []                          # copies of the compiled matcher
