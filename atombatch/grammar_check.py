@@ -53,7 +53,8 @@ CHECKED_COUNT = 256                 # checks remembered (a constraint seen again
 CHECKED_CHARS = 16 << 20            # ... and their constraint and grammar text, in characters
 START_SECONDS = 120.0               # a worker's start-up (imports, llguidance's tokenizer) at most
 
-# what a worker answers: ("ok", lowered grammar) or ("error", message, param, limit)
+# what a worker answers: ("ok", lowered grammar) or ("error", message, param, limit, kind), kind
+# "request" (the constraint is wrong), "budget" (it costs too much) or "config" (the server's)
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder().decode
 
@@ -197,9 +198,12 @@ class GrammarWorkers:
                 param=param, limit=self.seconds)
         if reply[0] == "ok":
             return msgspec.structs.replace(structured, lowered=reply[1])
-        _, message, error_param, limit, config = reply
-        if config:
+        _, message, error_param, limit, kind = reply
+        if kind == "config":
             raise ConfigError(message)
+        if kind == "budget":
+            self.refused += 1
+            raise GrammarBudgetError(message, param=error_param, limit=limit)
         raise RequestError(message, param=error_param, limit=limit)
 
     def close(self) -> None:
@@ -285,6 +289,7 @@ def _worker_main(conn: Any) -> None:
     """A worker's main: read its setup, build the tokenizer, then check constraints one at a
     time on a thread with the setup's stack."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # its parent decides when it stops
+    _name_process(b"atombatch-gramm")
     with contextlib.suppress(OSError):
         os.nice(10)
     setup = msgspec.msgpack.decode(conn.recv_bytes(), type=_Setup)
@@ -314,23 +319,25 @@ def _serve(conn: Any, setup: _Setup) -> None:
             frame = conn.recv_bytes()
         except (EOFError, OSError):  # the parent closed it
             return
+        param = "structured"
         try:
             structured = msgspec.msgpack.decode(frame, type=StructuredOutput)
+            param = structured.param
             reply: tuple[Any, ...] = ("ok", check(tokenizer, structured, setup.vocab_size))
         except RequestError as exc:
-            reply = ("error", str(exc), exc.param, exc.limit, False)
+            reply = ("error", str(exc), exc.param, exc.limit, "request")
         except ConfigError as exc:
-            reply = ("error", str(exc), None, None, True)
+            reply = ("error", str(exc), None, None, "config")
         except MemoryError:
-            reply = ("error", "compiling it needed more than a check's memory of "
-                     f"{setup.memory_bytes >> 20} MiB; simplify it", "structured",
-                     setup.memory_bytes, False)
+            reply = ("error", f"{param}: compiling it needed more than a check's memory of "
+                     f"{setup.memory_bytes >> 20} MiB; simplify it", param, setup.memory_bytes,
+                     "budget")
         except RecursionError:
-            reply = ("error", "it nests deeper than the grammar converter can follow; "
-                     "simplify it", "structured", None, False)
+            reply = ("error", f"{param}: it nests deeper than the grammar converter can follow; "
+                     "simplify it", param, None, "budget")
         except Exception as exc:  # a library's error on a client's input: that input's fault
-            reply = ("error", f"it does not compile: {type(exc).__name__}: {exc}"[:600],
-                     "structured", None, False)
+            reply = ("error", f"{param}: it does not compile: {type(exc).__name__}: {exc}"[:600],
+                     param, None, "request")
         conn.send_bytes(_encode(reply))
 
 
@@ -356,6 +363,14 @@ def _target(name: str) -> Any:
 
     module, _, function = name.partition(":")
     return getattr(importlib.import_module(module), function)
+
+
+def _name_process(name: bytes) -> None:
+    """Name this process for `ps -o comm` and /proc/PID/comm (Linux; 15 bytes at most)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name, 0, 0, 0)  # PR_SET_NAME
 
 
 def _limit_memory(extra: int) -> None:

@@ -355,7 +355,8 @@ class _Server:
                  body_timeout: float = 30.0, bounds: schema.Bounds = schema.DEFAULT_BOUNDS,
                  max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
                  max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS,
-                 tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+                 tool_parser: str | None = None, reasoning_parser: str | None = None,
+                 grammar_check: str | None = None) -> None:
         self.ab = ab
         self.tool_parser = tool_parser            # --tool-call-parser (tool_choice auto)
         self.reasoning_parser = reasoning_parser  # --reasoning-parser
@@ -375,7 +376,8 @@ class _Server:
         self.artifact = ab.artifact
         self.structured = StructuredRequests(
             getattr(codec, "tokenizer", None), self.artifact.model.vocab_size,
-            self.artifact.model.eos_token_ids, max_structured_chars)
+            self.artifact.model.eos_token_ids, max_structured_chars,
+            worker_target=grammar_check)
         self.constraints = ChatConstraints(self.structured, reasoning_parser,
                                            getattr(codec, "tokenizer", None))
         self.metrics = ServerMetrics(ab.stats, self.artifact.batch_size,
@@ -1375,7 +1377,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
                max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS,
                api_keys: Sequence[str] = (), tool_parser: str | None = None,
-               reasoning_parser: str | None = None) -> Starlette:
+               reasoning_parser: str | None = None,
+               grammar_check: str | None = None) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
     Args:
@@ -1406,6 +1409,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         tool_parser: `hermes` or `llama3_json`: parse tool calls for `tool_choice` auto
             (atombatch/serve/tools.py); None: auto answers 400.
         reasoning_parser: `qwen3`: split `<think>...</think>` into `reasoning_content`.
+        grammar_check: `module:function` the grammar workers check constraints with instead of
+            `atombatch.grammar_check.check_in_worker` (fault-injection tests).
 
     Returns:
         A Starlette app to run with uvicorn; `atombatch.serve.limits.uvicorn_config(app, ...)`
@@ -1437,7 +1442,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         codec.bound(ab.artifact.max_seq_len)  # text that cannot fit is refused untokenized
     server = _Server(ab, model_name, codec, max_body_bytes, retry_after, strict_protocol,
                      body_timeout, bounds, max_response_bytes, max_structured_chars,
-                     tool_parser, reasoning_parser)
+                     tool_parser, reasoning_parser, grammar_check)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

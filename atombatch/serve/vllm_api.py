@@ -27,8 +27,10 @@ from typing import Any
 import msgspec
 
 from atombatch.errors import RequestError
+from atombatch.serve.chat_template import check_template_kwargs
 from atombatch.serve.protocol import ChatMessage
 from atombatch.serve.tokens import Codec, HFCodec
+from atombatch.serve.tools import check_tools
 
 # configuration keys that name files on the server (vLLM drops them too)
 _PATH_KEYS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
@@ -80,11 +82,13 @@ def tokenize(codec: Codec, body: TokenizeRequest, messages: list[dict[str, Any]]
         if body.add_special_tokens:
             raise RequestError("add_special_tokens=true with messages is not served: the chat "
                                "template adds the special tokens", param="add_special_tokens")
+        # the chat route's checks: the same keywords refused, the same tool bounds
+        check_template_kwargs(body.chat_template_kwargs or {})
         template: dict[str, Any] = dict(body.chat_template_kwargs or {})
         template.update(add_generation_prompt=body.add_generation_prompt,
                         continue_final_message=body.continue_final_message)
         if body.tools is not None:
-            template["tools"] = body.tools
+            template["tools"] = check_tools(body.tools)
         ids = codec.render_chat(messages, **template)
     elif body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens

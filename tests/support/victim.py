@@ -27,25 +27,34 @@ RSS_BOUND = 320 * MiB
 
 
 class Victim:
-    """A streamed completion that runs while attacks are sent; records its event times."""
+    """A streamed completion that runs while attacks are sent; records its event times.
 
-    def __init__(self, url: str, tokens: int = 400) -> None:
+    With `until_exit`, a stream that ends is followed by another until the `with` block exits,
+    so the times cover the whole attack however long it takes (a new stream's first token
+    counts as one more gap)."""
+
+    def __init__(self, url: str, tokens: int = 400, until_exit: bool = False) -> None:
         self.url, self.tokens = url, tokens
         self.times: list[float] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.started = threading.Event()
         self.error: BaseException | None = None
+        self.until_exit = until_exit
+        self.exiting = threading.Event()
 
     def _run(self) -> None:
         body = {"model": NAME, "prompt": "w1 w2", "max_tokens": self.tokens, "ignore_eos": True,
                 "stream": True}
         try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=body,
-                              timeout=120) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        self.times.append(time.perf_counter())
-                        self.started.set()
+            while True:
+                with httpx.stream("POST", self.url + "/v1/completions", json=body,
+                                  timeout=120) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            self.times.append(time.perf_counter())
+                            self.started.set()
+                if not self.until_exit or self.exiting.is_set():
+                    return
         except BaseException as exc:  # reported by the test
             self.error = exc
             self.started.set()
@@ -56,6 +65,7 @@ class Victim:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.exiting.set()
         self.thread.join(120)
 
     def gap_during(self, start: float, end: float) -> float:

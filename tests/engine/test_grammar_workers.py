@@ -1,0 +1,248 @@
+"""Issue 38: client constraints are lowered and compiled in worker processes
+(atombatch/grammar_check.py), never on the engine's loop thread, and a grammar that crashes,
+hangs or hogs the grammar library costs one request a `GrammarBudgetError`, not the process.
+
+What failed on 4a5a9db: a Lark chain of ~4 500 rules (58 KB) segfaulted the server; a GBNF chain
+of ~3 500 rules was converted in pure Python on the core's loop thread (every stream stopped
+7-20 s); a JSON schema string nested 3 000 deep raised RecursionError (a 500).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from driving import run_to_end
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import grammar_faults
+from support.structured import SPEC, batcher, byte_tokenizer
+
+from atombatch import RequestError, SamplingParams, StructuredOutput
+from atombatch import grammar as grammar_module
+from atombatch.grammar_check import GrammarBudgetError, GrammarWorkers
+from atombatch.structured import MAX_SCHEMA_DEPTH, json_depth
+
+PROMPT = [1, 40, 41, 42, 43]
+FAULTS = "support.grammar_faults:check"
+
+
+def lark_chain(n: int) -> str:
+    """`start` -> r0 -> r1 -> ... -> rn -> "a": what overflowed an 8 MiB stack at n ~ 4 000."""
+    return "\n".join(["start: r0", *(f"r{i}: r{i + 1}" for i in range(n)), f'r{n}: "a"'])
+
+
+def gbnf_chain(n: int) -> str:
+    return "\n".join(["root ::= r0", *(f"r{i} ::= r{i + 1}" for i in range(n)), f'r{n} ::= "a"'])
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[GrammarWorkers]:
+    w = GrammarWorkers(byte_tokenizer(), SPEC.vocab_size, SPEC.eos_token_ids, target=FAULTS,
+                       seconds=3.0)
+    yield w
+    w.close()
+
+
+def test_a_checked_constraint_runs_as_the_unchecked_one(workers: GrammarWorkers) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    raw = StructuredOutput.json_schema(schema, param="guided_json")
+    checked = workers.check(raw)
+    assert checked.lowered and checked.value == raw.value and checked.param == "guided_json"
+    assert workers.known(raw) == checked
+    params = [SamplingParams(max_tokens=120, temperature=0.0, structured=s)
+              for s in (raw, checked)]
+    a, b = batcher().generate([PROMPT, PROMPT], params)
+    assert a.token_ids == b.token_ids and b.finish_reason == "stop"
+    assert isinstance(json.loads(b.text or "")["n"], int)
+
+
+def test_a_chain_that_overflowed_the_server_compiles_in_a_worker_and_in_the_engine(
+        workers: GrammarWorkers) -> None:
+    structured = StructuredOutput.grammar(lark_chain(4500), param="guided_grammar")
+    checked = workers.check(structured)
+    b = batcher()
+    out = b.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0,
+                                              structured=checked))[0]
+    assert out.text == "a" and out.finish_reason == "stop"
+    gbnf = workers.check(StructuredOutput.grammar(gbnf_chain(3500), param="guided_grammar"))
+    assert gbnf.lowered and gbnf.lowered != gbnf.value  # converted to Lark in the worker
+    assert b.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0,
+                                               structured=gbnf))[0].text == "a"
+
+
+def test_a_native_stack_overflow_kills_the_worker_not_the_caller() -> None:
+    """A real overflow (no injection): a worker with a 1 MiB stack cannot parse 1 000 chained
+    rules; the request is refused naming the budget and the next check gets a new worker."""
+    small = GrammarWorkers(byte_tokenizer(), SPEC.vocab_size, SPEC.eos_token_ids,
+                           stack_bytes=1 << 20)
+    try:
+        with pytest.raises(GrammarBudgetError, match="stack of 1 MiB") as info:
+            small.check(StructuredOutput.grammar(lark_chain(1000), param="guided_grammar"))
+        assert info.value.param == "guided_grammar" and "SIGSEGV" in str(info.value)
+        assert small.restarts == 1 and small.refused == 1
+        assert small.check(StructuredOutput.regex("[0-9]+")).lowered
+    finally:
+        small.close()
+
+
+@pytest.mark.parametrize(("marker", "budget"), [(grammar_faults.CRASH, "worker process"),
+                                                (grammar_faults.HANG, "budget of 3 s"),
+                                                (grammar_faults.HOG, "memory of 1024 MiB")])
+def test_a_faulty_grammar_library_costs_one_check(workers: GrammarWorkers, marker: str,
+                                                  budget: str) -> None:
+    restarts = workers.restarts
+    with pytest.raises(RequestError, match=budget) as info:
+        workers.check(StructuredOutput.regex(f"x{marker}", param="structured_outputs"))
+    assert info.value.param == "structured_outputs"
+    assert workers.restarts - restarts == (0 if marker == grammar_faults.HOG else 1)
+    assert workers.check(StructuredOutput.choice(["yes", "no"])).lowered  # served again
+    with pytest.raises(RequestError, match="does not compile"):  # and still a real checker
+        workers.check(StructuredOutput.regex("(ab"))
+
+
+def test_checks_run_concurrently_from_many_threads(workers: GrammarWorkers) -> None:
+    specs = [StructuredOutput.regex(f"[a-z]{{{i}}}") for i in range(1, 25)]
+    results: list[Any] = [None] * len(specs)
+
+    def run(i: int) -> None:
+        results[i] = workers.check(specs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.value for r in results] == [s.value for s in specs]
+    assert all(r.lowered for r in results)
+
+
+def test_a_deep_schema_string_is_refused_before_any_recursive_parse() -> None:
+    deep = '{"type": "array", "items": ' * 3000 + "{}" + "}" * 3000
+    assert json_depth(deep) == 3001
+    for param in ("guided_json", "structured_outputs", "response_format"):
+        with pytest.raises(RequestError, match=f"at most {MAX_SCHEMA_DEPTH}") as info:
+            StructuredOutput.json_schema(deep, param=param)
+        assert info.value.param == param and info.value.limit == MAX_SCHEMA_DEPTH
+    # strings do not count, and a schema at the bound still compiles
+    assert json_depth('{"description": "[[[[{{{{", "type": "string"}') == 1
+    nested: Any = {"type": "string"}
+    for _ in range(MAX_SCHEMA_DEPTH // 2 - 1):
+        nested = {"type": "array", "items": nested}
+    structured = StructuredOutput.json_schema(nested)
+    assert json_depth(structured.value) <= MAX_SCHEMA_DEPTH
+    batcher().grammars().matcher_now(structured)
+
+
+def test_the_engine_lowers_on_its_compile_thread_not_the_callers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[str] = []
+    lower = grammar_module.grammar_text
+
+    def recording(structured: StructuredOutput) -> str:
+        threads.append(threading.current_thread().name)
+        return lower(structured)
+
+    monkeypatch.setattr(grammar_module, "grammar_text", recording)
+    b = batcher()
+    rid = b.submit(PROMPT, SamplingParams(max_tokens=4, temperature=0.0,
+                                          structured=StructuredOutput.grammar(gbnf_chain(200))))
+    assert threads in ([], ["atombatch-grammar"])  # never the submitting thread
+    finals = run_to_end(b)
+    assert threads == ["atombatch-grammar"] and finals[rid].finish_reason == "stop"
+
+
+# -- hypothesis: grammars, regexes and schemas, deep, chained, ambiguous and recursive ------------
+_TERMINAL = st.sampled_from(['"a"', '"b"', '"ab"', '/[0-9]+/', '"{"', '"}"'])
+
+
+@st.composite
+def lark_grammars(draw: st.DrawFn) -> str:
+    rules = draw(st.integers(1, 40))
+
+    def expression(depth: int) -> st.SearchStrategy[str]:
+        atom = st.one_of(_TERMINAL, st.integers(0, rules - 1).map(lambda r: f"r{r}"))
+        if depth == 0:
+            return atom
+        inner = expression(depth - 1)
+        return st.one_of(
+            atom,
+            st.lists(inner, min_size=1, max_size=3).map(" ".join),
+            st.lists(inner, min_size=2, max_size=3).map(lambda xs: "(" + " | ".join(xs) + ")"),
+            st.tuples(inner, st.sampled_from("*+?")).map(lambda t: f"({t[0]}){t[1]}"))
+
+    body = [draw(expression(draw(st.integers(0, 4)))) for _ in range(rules)]
+    nest = draw(st.integers(0, 300))  # deeply nested parentheses around the start
+    return "\n".join(["start: " + "(" * nest + "r0" + ")" * nest,
+                      *(f"r{i}: {b}" for i, b in enumerate(body))])
+
+
+_REGEX = st.recursive(
+    st.sampled_from(["a", "b", "[0-9]", "[a-z]", r"\d", ".", "x"]),
+    lambda inner: st.one_of(
+        st.tuples(inner, inner).map("".join),
+        st.tuples(inner, inner).map(lambda t: f"({t[0]}|{t[1]})"),
+        st.tuples(inner, st.integers(0, 1200), st.integers(0, 1200)).map(
+            lambda t: f"({t[0]}){{{min(t[1], t[2])},{max(t[1], t[2])}}}"),
+        inner.map(lambda r: f"({r})*")),
+    max_leaves=12)
+
+
+_SCHEMA = st.recursive(
+    st.sampled_from([{"type": "string"}, {"type": "integer", "minimum": 0}, {"type": "boolean"},
+                     {"enum": ["x", "y"]}, {"type": "string", "pattern": "^[a-c]{2,4}$"},
+                     {"$ref": "#"}]),
+    lambda inner: st.one_of(
+        st.dictionaries(st.sampled_from("abcdef"), inner, max_size=4).map(
+            lambda p: {"type": "object", "properties": p}),
+        inner.map(lambda i: {"type": "array", "items": i, "maxItems": 3}),
+        st.lists(inner, min_size=2, max_size=3).map(lambda xs: {"anyOf": xs})),
+    max_leaves=15)
+
+
+def _served_or_refused(workers: GrammarWorkers, structured: StructuredOutput) -> None:
+    """The worker answers (checked, or a RequestError naming the field); what it passed
+    compiles in the engine's Grammars too, from its lowered text."""
+    try:
+        checked = workers.check(structured)
+    except RequestError as exc:
+        assert exc.param == structured.param, exc
+        return
+    grammars = _engine_grammars()
+    assert grammars.matcher_now(checked) is not None
+
+
+_GRAMMARS: list[Any] = []
+
+
+def _engine_grammars() -> Any:
+    if not _GRAMMARS:
+        _GRAMMARS.append(batcher().grammars())
+    return _GRAMMARS[0]
+
+
+_HYPOTHESIS = settings(max_examples=25, deadline=None,
+                       suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                              HealthCheck.too_slow])
+
+
+@_HYPOTHESIS
+@given(text=lark_grammars())
+def test_generated_grammars_are_checked_or_refused(workers: GrammarWorkers, text: str) -> None:
+    _served_or_refused(workers, StructuredOutput.grammar(text, param="guided_grammar"))
+
+
+@_HYPOTHESIS
+@given(pattern=_REGEX)
+def test_generated_regexes_are_checked_or_refused(workers: GrammarWorkers, pattern: str) -> None:
+    _served_or_refused(workers, StructuredOutput.regex(pattern, param="guided_regex"))
+
+
+@_HYPOTHESIS
+@given(schema=_SCHEMA)
+def test_generated_schemas_are_checked_or_refused(workers: GrammarWorkers,
+                                                  schema: dict[str, Any]) -> None:
+    _served_or_refused(workers, StructuredOutput.json_schema(schema, param="guided_json"))

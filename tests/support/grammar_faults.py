@@ -1,0 +1,34 @@
+"""Faults injected into the grammar library, as a grammar worker's check function
+(`GrammarWorkers(target="support.grammar_faults:check")`, `create_app(grammar_check=...)`).
+
+A constraint whose text holds one of the markers below makes the worker misbehave the way a
+native library can; any other is checked for real (`atombatch.grammar_check.check_in_worker`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from atombatch.grammar_check import check_in_worker
+from atombatch.structured import StructuredOutput
+
+CRASH = "FAULT_CRASH"      # the worker dies of SIGSEGV, as on a native stack overflow
+HANG = "FAULT_HANG"        # the worker never answers (a library stuck in a loop)
+HOG = "FAULT_HOG"          # the worker allocates until its memory limit stops it
+
+
+def check(tokenizer: Any, structured: StructuredOutput, vocab_size: int) -> str:
+    text = structured.value + "".join(structured.choices)
+    if CRASH in text:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if HANG in text:
+        while True:
+            time.sleep(1)
+    if HOG in text:
+        hoard = []
+        while True:  # 64 MiB at a time, touched, until the address-space limit refuses one
+            hoard.append(bytearray(64 << 20))
+    return check_in_worker(tokenizer, structured, vocab_size)
