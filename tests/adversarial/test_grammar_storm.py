@@ -15,6 +15,7 @@ What failed on 4a5a9db (tiny Llama checkpoint, default `python -m atombatch.serv
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,24 +106,30 @@ def test_one_grammar_cannot_kill_or_stall_the_server(server: tuple[str, int],
 
 def test_a_storm_of_distinct_costly_grammars_neither_stalls_nor_stops_the_server(
         server: tuple[str, int]) -> None:
-    """Nine distinct 56 KB GBNF chains, each first made known with a wrong model name (the
-    trick that put their conversion on the core's loop), sent at once."""
+    """Nine distinct 56 KB GBNF chains sent at once, new to the server (their conversion runs
+    in the grammar workers meanwhile); then nine more, each first made known with a wrong model
+    name (the trick that put their conversion on the core's loop at 4a5a9db)."""
     url, pid = server
-    grammars = [gbnf_chain(3300, f"g{i}") for i in range(9)]
-    for text in grammars:
+    fresh = [gbnf_chain(3300, f"f{i}") for i in range(9)]
+    known = [gbnf_chain(3300, f"k{i}") for i in range(9)]
+    for text in known:
         assert _completion(url, {"guided_grammar": text}, model="nope").status_code in (404, 429)
-    with Victim(url, tokens=200, until_exit=True) as victim, concurrent.futures.ThreadPoolExecutor(9) as pool:
-        time.sleep(0.2)
-        start = time.perf_counter()
-        storm = [pool.submit(_completion, url, {"guided_grammar": g}) for g in grammars]
-        answers = [f.result() for f in storm]
-        end = time.perf_counter()
-    assert victim.error is None, victim.error
-    statuses = [a.status_code for a in answers]
-    assert all(s in (200, 400, 429) for s in statuses), statuses  # never a 500
-    assert all(a.json()["choices"][0]["text"] == "a" for a in answers if a.status_code == 200)
-    gap = victim.gap_during(start, end)
-    assert gap < VICTIM_GAP, f"the victim stream paused {gap:.2f} s ({statuses})"
+    for grammars in (fresh, known):
+        with Victim(url, tokens=200, until_exit=True) as victim, \
+                concurrent.futures.ThreadPoolExecutor(9) as pool:
+            time.sleep(0.2)
+            start = time.perf_counter()
+            storm = [pool.submit(_completion, url, {"guided_grammar": g}) for g in grammars]
+            answers = [f.result() for f in storm]
+            end = time.perf_counter()
+        assert victim.error is None, victim.error
+        statuses = [a.status_code for a in answers]
+        assert all(s in (200, 400, 429) for s in statuses), statuses  # never a 500
+        assert all(a.json()["choices"][0]["text"] == "a"
+                   for a in answers if a.status_code == 200)
+        assert statuses.count(200) >= 1, statuses
+        gap = victim.gap_during(start, end)
+        assert gap < VICTIM_GAP, f"the victim stream paused {gap:.2f} s ({statuses})"
     _assert_alive_and_serving(url, pid)
 
 
@@ -175,7 +182,8 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
 
     from atombatch.serve.app import create_app
 
-    app = create_app(batcher(), NAME, byte_tokenizer(), grammar_check="support.grammar_faults:check")
+    app = create_app(batcher(), NAME, byte_tokenizer(),
+                     grammar_check="support.grammar_faults:check")
     with ServerThread(app) as s:
         yield s
 
@@ -183,7 +191,8 @@ def faulty(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
 def test_a_worker_that_dies_or_hangs_costs_its_request_only(faulty: ServerThread) -> None:
     url = faulty.url
     honest = {"structured_outputs": {"regex": "[0-9]{3}"}}
-    with Victim(url, tokens=100, until_exit=True) as victim, concurrent.futures.ThreadPoolExecutor(6) as pool:
+    with Victim(url, tokens=100, until_exit=True) as victim, \
+            concurrent.futures.ThreadPoolExecutor(6) as pool:
         start = time.perf_counter()
         crash = pool.submit(_completion, url, {"guided_regex": f"a{grammar_faults.CRASH}"})
         hang = pool.submit(_completion, url,
@@ -197,6 +206,5 @@ def test_a_worker_that_dies_or_hangs_costs_its_request_only(faulty: ServerThread
     assert crashed.json()["error"]["param"] == "guided_regex"
     assert hung.status_code == 400 and "budget of 10 s" in hung.json()["error"]["message"]
     assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
-    import re
     assert all(re.fullmatch("[0-9]{3}", a.json()["choices"][0]["text"]) for a in answers)
     assert victim.times[-1] > end and victim.gap_during(start, end) < VICTIM_GAP
