@@ -3,6 +3,11 @@
 `python -m atombatch.bench structured [--batch 4,16,64,256] [--vocab 151936] [--steps 16]
 [--threads N] [--json PATH]`
 
+`python -m atombatch.bench structured --storm [--clients 9] [--seconds 20] [--step-ms 10]
+[--repeats 3]` instead measures what clients' grammars cost: compile time per grammar kind and
+size, and a victim stream's worst gap while clients send distinct worst-case grammars
+(atombatch/bench/grammar_storm.py).
+
 For every batch size B, B rows of random logits of a Qwen3-sized vocabulary are sampled step
 after step through the engine's sampler (`sample_rows`), each row with its own llguidance matcher
 for a JSON schema (strings, integers, enums, an array: the masks of string content allow most of
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -209,7 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="LLExecutor threads (default: llguidance's, 80%% of the CPUs)")
     p.add_argument("--json", help="write the records here")
+    p.add_argument("--storm", action="store_true",
+                   help="measure grammar compile times and a victim stream under a storm of "
+                   "distinct worst-case grammars instead (atombatch/bench/grammar_storm.py)")
+    p.add_argument("--clients", type=int, default=9, help="--storm: clients sending grammars")
+    p.add_argument("--seconds", type=float, default=20.0, help="--storm: the storm's length")
+    p.add_argument("--step-ms", type=float, default=10.0,
+                   help="--storm: the null device's milliseconds per step")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="--storm: distinct grammars timed per kind and size")
     args = p.parse_args(argv)
+    if args.storm:
+        return _storm_main(args)
     batches = [int(b) for b in args.batch.split(",") if b]
     if not batches or min(batches) < 1 or args.vocab < 512 or args.steps < 1:
         print("error: --batch needs positive ints, --vocab >= 512, --steps >= 1", file=sys.stderr)
@@ -222,3 +239,27 @@ def main(argv: list[str] | None = None) -> int:
                        "params": vars(args),
                        "records": msgspec.to_builtins(records)}, f, indent=2)
     return 0
+
+
+def _storm_main(args: argparse.Namespace) -> int:
+    from atombatch.bench import grammar_storm
+
+    if args.clients < 1 or args.seconds <= 0 or args.step_ms <= 0 or args.repeats < 1:
+        print("error: --clients, --seconds, --step-ms and --repeats must be positive",
+              file=sys.stderr)
+        return 2
+    load_before = os.getloadavg()
+    tokenizer = synthetic_tokenizer(args.vocab)
+    eos = min(args.vocab - 1, EOS_ID)
+    compiles = grammar_storm.compile_times(tokenizer, args.vocab, eos, args.repeats,
+                                           progress=True)
+    print(grammar_storm.format_compile_table(compiles))
+    record = grammar_storm.storm(args.clients, args.seconds, args.step_ms, args.vocab)
+    print(grammar_storm.format_storm(record))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"commit": provenance.git_commit(), "machine": provenance.machine(),
+                       "load_before": load_before, "load_after": os.getloadavg(),
+                       "params": vars(args), "compiles": msgspec.to_builtins(compiles),
+                       "storm": msgspec.to_builtins(record)}, f, indent=2)
+    return 0 if record.server_alive else 1
