@@ -600,8 +600,11 @@ class CoreLoop:
                  f"core's messages: {behind} unread, none acknowledged for "
                  f"{self.stall_after:g} s (--front-stall-timeout); its requests were aborted so "
                  "the other fronts' requests get their lanes")
+        mine = [request_id for request_id in self.live if routes.get(request_id) == front]
+        if not mine and front not in self.stalled:  # it holds nothing (a front still starting,
+            return                                  # with the stats queued): nothing to say
         aborted = 0
-        for request_id in [rid for rid in self.live if routes.get(rid) == front]:
+        for request_id in mine:
             if self.batcher.abort(request_id):
                 self.stall_errors[request_id] = error
                 aborted += 1
