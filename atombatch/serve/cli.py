@@ -513,6 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     # resolved once here, so the engine core process logs in the front's format
     args.log_format = logs.setup(args.log_level, args.log_format)
+    if not args.front_stall_timeout > 0:  # (NaN too)
+        print(f"atombatch.serve: --front-stall-timeout {args.front_stall_timeout:g} must be a "
+              "positive number of seconds", file=sys.stderr)
+        return 2
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:

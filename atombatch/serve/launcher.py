@@ -134,11 +134,6 @@ def launch(args: argparse.Namespace, sock: socket.socket, serve: Callable[..., i
         print("atombatch.serve: --api-server-count > 1 needs --engine-core process (the fronts "
               "share one engine core process)", file=sys.stderr)
         return 2
-    stall_after = args.front_stall_timeout
-    if not stall_after > 0:  # (NaN too)
-        print(f"atombatch.serve: --front-stall-timeout {stall_after} must be a positive number "
-              "of seconds", file=sys.stderr)
-        return 2
     try:
         options = pd()
         check()
@@ -150,7 +145,7 @@ def launch(args: argparse.Namespace, sock: socket.socket, serve: Callable[..., i
     report, report_child = spawn.Pipe(duplex=False)
     core = spawn.Process(target=run_shared_core, name="atombatch-core",
                          args=(factory, directory, count, os.getpid(), report_child, options,
-                               stall_after))
+                               args.front_stall_timeout))
     stop: list[int] = []
 
     def on_signal(signum: int, frame: Any) -> None:

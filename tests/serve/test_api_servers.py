@@ -334,7 +334,11 @@ def test_each_front_admits_its_share_of_the_queue() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (("--api-server-count", "0"), "--api-server-count 0 must be in 1..256"),
     (("--api-server-count", "100000"), "--api-server-count 100000 must be in 1..256"),
-    (("--api-server-count", "2", "--engine-core", "inline"), "needs --engine-core process")])
+    (("--api-server-count", "2", "--engine-core", "inline"), "needs --engine-core process"),
+    (("--api-server-count", "2", "--front-stall-timeout", "0"),
+     "--front-stall-timeout 0 must be a positive number of seconds"),
+    (("--api-server-count", "2", "--front-stall-timeout", "nan"),
+     "--front-stall-timeout nan must be a positive number of seconds")])
 def test_a_bad_front_count_is_refused_before_anything_starts(flags: tuple[str, ...],
                                                              message: str) -> None:
     done = subprocess.run([sys.executable, "-m", "atombatch.serve", "--port", "0", *NULL, *flags],
