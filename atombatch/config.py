@@ -26,6 +26,10 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # seconds an engine core process with requests in flight may send nothing before its front
 # counts it hung and kills it (`CoreClient(hang_timeout=)`, the server's --core-hang-timeout)
 DEFAULT_CORE_HANG_TIMEOUT = 60.0
+# seconds a front of a shared engine core may read nothing, more than a window of the core's
+# messages waiting, before the core aborts its requests (atombatch/core/shared.py, the server's
+# --front-stall-timeout)
+DEFAULT_FRONT_STALL_TIMEOUT = 5.0
 
 
 class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

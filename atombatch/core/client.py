@@ -41,6 +41,7 @@ from atombatch.aio import DEFAULT_MAX_UNCLAIMED, DEFAULT_MAX_UNCLAIMED_BYTES, Ou
 from atombatch.config import DEFAULT_CORE_HANG_TIMEOUT, ArtifactConfig
 from atombatch.core.messages import (
     Abort,
+    Consumed,
     Failed,
     Hello,
     Ready,
@@ -53,7 +54,14 @@ from atombatch.core.messages import (
 )
 from atombatch.core.pd import PDFront, PDOptions, pd_eligible
 from atombatch.core.process import SOCKET_DIR_PREFIX, run_core
-from atombatch.core.shared import HELLO_INTERVAL, CorePeer, SharedCore, endpoints
+from atombatch.core.shared import (
+    ACK_EVERY,
+    ACK_INTERVAL,
+    HELLO_INTERVAL,
+    CorePeer,
+    SharedCore,
+    endpoints,
+)
 from atombatch.engine import Batcher, EngineStats, KVSource
 from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
 from atombatch.logs import logger
@@ -154,6 +162,9 @@ class CoreClient(PDFront, OutputStreams):
         self._frames = 0                      # messages read from the core (its liveness)
         self._heard_at = 0.0                  # time.monotonic() of the last message read (or
                                               #   of the last check with nothing in flight)
+        self._acks = shared is not None       # tell the (shared) core what was read: Consumed
+        self._acked = 0                       # `_frames` as last told the core
+        self._acked_at = 0.0
         self._next_id = 0
         self._starting = threading.Lock()     # one start_process at a time: one core
 
@@ -506,20 +517,18 @@ class CoreClient(PDFront, OutputStreams):
                 # still more, and the descriptor will not signal again for it (edges only)
                 assert self._loop is not None
                 self._loop.call_soon(self._read)
-                self._heard_at = time.monotonic()
+                self._heard(count)
                 return
             # drained: asked before the read, not learnt from a raised zmq.Again (whose making
             # cost ~4 % of a streaming front's CPU, once per wakeup); reading EVENTS also re-arms
             # the descriptor's edge, as a failed read does
             if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                if count:
-                    self._heard_at = time.monotonic()  # (the hang check's silence ends)
+                self._heard(count)  # (the hang check's silence ends)
                 return
             try:
                 frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:  # (EVENTS said there was one: not expected, handled as drained)
-                if count:
-                    self._heard_at = time.monotonic()
+                self._heard(count)
                 return
             count += 1
             self._frames += 1
@@ -535,6 +544,19 @@ class CoreClient(PDFront, OutputStreams):
             except Exception:  # a bug; raised out of here, it would strand the messages behind
                 # it (the descriptor signals no edge for what is already queued)
                 log.exception("core.output_failed", size=len(frame))
+
+    def _heard(self, count: int) -> None:
+        """After a read of `count` messages: the hang check's silence ends, and a shared core
+        hears what this front has read (`Consumed`, every `ACK_EVERY` messages or on a read
+        `ACK_INTERVAL` after the last one; core/shared.py), which tells a front that reads
+        from one that stopped."""
+        if not count:
+            return
+        now = self._heard_at = time.monotonic()
+        if self._acks and (self._frames - self._acked >= ACK_EVERY or
+                           now - self._acked_at >= ACK_INTERVAL):
+            self._acked, self._acked_at = self._frames, now
+            self._send_to_core(Consumed(self._frames))
 
     def _on_process_exit(self) -> None:
         """Event loop: the core process ended. Its last messages first, then, unless it was

@@ -1,6 +1,7 @@
 """What the front and the engine core say to each other (msgpack, one message per frame).
 
-Front to core: `Submit` (a validated request), `Abort` (ids), `Shutdown`. Core to front: `Ready`
+Front to core: `Submit` (a validated request), `Abort` (ids), `Shutdown` (and, to a shared core,
+`Hello` and `Consumed`). Core to front: `Ready`
 (or `Failed`) once at startup (a core shared by several fronts answers each front's `Hello`
 with it instead: atombatch/core/shared.py), then one `Step` per engine step that produced anything, and
 `Stopped` last. A `Step` carries the step's plain decode tokens (requests that are simply decoding
@@ -41,6 +42,13 @@ class Hello(msgspec.Struct, frozen=True, tag=True):
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
     request_ids: list[str]
+
+
+class Consumed(msgspec.Struct, frozen=True, tag=True):
+    """A front of a shared core has read `count` of the core's messages since its `Ready` (sent
+    every `ACK_EVERY` messages read, or on a read `ACK_INTERVAL` after the last one: the core
+    compares it with what it sent to find a front that stopped reading, core/process.py)."""
+    count: int
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag=True):
@@ -103,7 +111,7 @@ class Summary(msgspec.Struct, frozen=True, tag=True):
     summary: CacheSummary | None   # None: the engine has no prefix cache (or the request was bad)
 
 
-FrontMessage = Submit | Abort | Shutdown | Hello | Producers | ProducerVerdicts | SummaryRequest
+FrontMessage = Submit | Abort | Consumed | Shutdown | Hello | Producers | ProducerVerdicts | SummaryRequest
 CoreMessage = Ready | Failed | Step | Stopped | Summary
 
 front_encoder = msgspec.msgpack.Encoder()

@@ -46,6 +46,7 @@ import zmq
 from atombatch.aio import fail_all
 from atombatch.core.messages import (
     Abort,
+    Consumed,
     Failed,
     Hello,
     Producers,
@@ -61,7 +62,7 @@ from atombatch.core.messages import (
 )
 from atombatch.core.pd import CorePD, PDOptions
 from atombatch.core.routing import CoreSummaries
-from atombatch.core.shared import endpoints, split_step
+from atombatch.core.shared import FRONT_STALL_SECONDS, STALL_WINDOW, endpoints, split_step
 from atombatch.engine import Batcher, log_events
 from atombatch.errors import ConfigError
 from atombatch.logs import logger
@@ -166,6 +167,9 @@ class _Sender:
         self.outbox = outbox
         self.routes = routes
         self.front_pids = {} if front_pids is None else front_pids
+        # messages each front was sent since its last `Ready` (a shared core: the loop compares
+        # them with what the front says it read, `Consumed`)
+        self.sent = [0] * len(outbox) if routes is not None else []
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._failed = False
         self._thread = threading.Thread(target=self._run, name="atombatch-core-sender",
@@ -181,7 +185,7 @@ class _Sender:
 
     def _run(self) -> None:
         deliver = self._send if self.routes is None else \
-            routed_delivery(self.outbox, self.routes, self.front_pids)
+            routed_delivery(self.outbox, self.routes, self.front_pids, self.sent)
         while True:
             message = self._queue.get()
             if message is None:
@@ -409,12 +413,14 @@ class CoreLoop:
     (a shared core: `inbox` is a list of sockets, one per front) the loop records which front
     submitted each request there, answers each front on its own (`To`) and lets a front leave
     (its `Shutdown`) or vanish (`FrontGone`) while the others go on; the sender routes each
-    Step's rows by `routes` (atombatch/core/shared.py).
+    Step's rows by `routes` (atombatch/core/shared.py). A front that stops reading for
+    `stall_after` seconds has its requests aborted (`check_stalls`).
     """
 
     def __init__(self, batcher: Batcher, inbox: Any, outbox: Any, parent_pid: int,
                  pd: CorePD | None = None, routes: dict[str, int] | None = None,
-                 front_pids: dict[int, int] | None = None) -> None:
+                 front_pids: dict[int, int] | None = None,
+                 stall_after: float = FRONT_STALL_SECONDS) -> None:
         self.batcher = batcher
         self.pd = pd                          # the producer pool (PD on), else None
         self.summaries = CoreSummaries()
@@ -436,6 +442,14 @@ class CoreLoop:
                                                #   the sender removes a finished id)
         self.leaving: dict[int, bool] = {}     # fronts that said Shutdown (shared core)
         self.reported_max_waiting = batcher.max_waiting   # what Ready says
+        # a shared core's watch on fronts that stop reading (check_stalls)
+        fronts = len(inbox) if routes is not None else 0
+        self.sent: list[int] = getattr(outbox, "sent", [0] * fronts)  # the sender's counts
+        self.acked = [0] * fronts              # what each front said it read (`Consumed`)
+        self.moved_at = [0.0] * fronts         # when each last read, or was within the window
+        self.stall_after = stall_after
+        self.stalled: set[int] = set()         # fronts found stalled that have not read since
+        self.stall_errors: dict[str, str] = {}  # requests aborted for their front's stall
 
     def ready(self) -> Ready:
         """What a front validates requests against (sent once it is up)."""
@@ -500,6 +514,8 @@ class CoreLoop:
                 # waits on producers send nothing): CoreClient's hang_timeout counts silence
                 self.send(self.step_message([], [], _NO_TOKENS, force_stats=True))
                 self.hand_over()  # now: steps without a device call (KV imports) hand nothing
+                if self.acked:
+                    self.check_stalls(now)
             stale = True
             try:
                 result = batcher.step_arrays()
@@ -539,10 +555,63 @@ class CoreLoop:
         if self.errors:
             outputs = self.errors + outputs
             self.errors = []
+        if self.stall_errors:
+            outputs = [self._stall_end(out) for out in outputs]
         for out in outputs:
             if out.finished:
                 self.live.discard(out.request_id)
         return outputs
+
+    def _stall_end(self, out: RequestOutput) -> RequestOutput:
+        """A request aborted because its front stalled ends with an error that says so."""
+        error = self.stall_errors.get(out.request_id)
+        if error is None:
+            return out
+        if out.finished:
+            del self.stall_errors[out.request_id]
+        if out.finish_reason != "abort":
+            return out
+        completion = out.completion
+        if completion is not None:
+            completion = msgspec.structs.replace(completion, finish_reason="error", error=error)
+        return msgspec.structs.replace(out, finish_reason="error", error=error,
+                                       completion=completion)
+
+    def check_stalls(self, now: float) -> None:
+        """A shared core's fronts that stopped reading (a stopped process, a hung event loop):
+        more than `STALL_WINDOW` of the messages sent to a live front unacknowledged, and no
+        `Consumed` from it for `stall_after` seconds. Its requests are aborted (lanes and blocks
+        free for the other fronts' requests) and end with an error naming the stall; it is
+        logged once, until it reads again. A front that reads at all is never stalled: each
+        read of it moves its count within `ACK_INTERVAL`."""
+        sent, acked, moved_at, pids = self.sent, self.acked, self.moved_at, self.receiver.pids
+        for front in range(len(acked)):
+            behind = sent[front] - acked[front]
+            if front not in pids or behind <= STALL_WINDOW:
+                moved_at[front] = now
+            elif now - moved_at[front] >= self.stall_after:
+                moved_at[front] = now  # (what it submits meanwhile gets as long)
+                self._stall(front, behind)
+
+    def _stall(self, front: int, behind: int) -> None:
+        routes = self.routes
+        assert routes is not None
+        error = (f"the front serving this request (front {front}) stopped reading the engine "
+                 f"core's messages: {behind} unread, none acknowledged for "
+                 f"{self.stall_after:g} s (--front-stall-timeout); its requests were aborted so "
+                 "the other fronts' requests get their lanes")
+        mine = [request_id for request_id in self.live if routes.get(request_id) == front]
+        if not mine and front not in self.stalled:  # it holds nothing (a front still starting,
+            return                                  # with the stats queued): nothing to say
+        aborted = 0
+        for request_id in mine:
+            if self.batcher.abort(request_id):
+                self.stall_errors[request_id] = error
+                aborted += 1
+        if front not in self.stalled:
+            self.stalled.add(front)
+            log.error("core.front_stalled", front=front, pid=self.receiver.pids.get(front),
+                      unread=behind, silent_s=self.stall_after, aborted=aborted)
 
     def _stats(self, force: bool) -> Any:
         """The engine's stats when due (every STATS_INTERVAL, and when going idle), else None."""
@@ -589,6 +658,12 @@ class CoreLoop:
             for request_id in message.request_ids:
                 if routes is None or routes.get(request_id) == front:  # its own requests only
                     self.batcher.abort(request_id)
+        elif isinstance(message, Consumed):
+            self.acked[front] = message.count
+            self.moved_at[front] = time.monotonic()
+            if front in self.stalled:
+                self.stalled.discard(front)
+                log.warning("core.front_resumed", front=front)
         elif isinstance(message, Shutdown):
             if routes is not None:  # one front leaves; the core serves the others
                 self.leaving[front] = message.drain
@@ -601,10 +676,12 @@ class CoreLoop:
                     self.batcher.abort(request_id)
         elif isinstance(message, Hello):
             self.leaving.pop(front, None)
+            self._unwatch(front)  # its count restarts at the Ready sent now
             self.send(To(front, self.ready()))
         elif isinstance(message, FrontGone):
             log.warning("core.front_gone", front=message.front)
             self.leaving.pop(message.front, None)
+            self._unwatch(message.front)
             self._abort_front(message.front)
         elif isinstance(message, Producers | ProducerVerdicts):
             if self.pd is not None:  # answered with the pool's new state
@@ -620,6 +697,13 @@ class CoreLoop:
                 self.errors.append(error)
             else:
                 self._refuse(front, error)
+
+    def _unwatch(self, front: int) -> None:
+        """Front `front`'s stall watch starts again (a new front there, or none)."""
+        if self.acked:
+            self.acked[front] = 0
+            self.moved_at[front] = time.monotonic()
+            self.stalled.discard(front)
 
     def _refuse(self, front: int, error: RequestOutput) -> None:
         """A shared core's answer to a submit it did not take, to the front that sent it."""
@@ -679,10 +763,12 @@ class CoreLoop:
 
 # -- a core shared by several fronts (atombatch/core/shared.py) --------------------------------------
 def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int, parent_pid: int,
-                    report: Any, pd: PDOptions | None = None) -> None:
+                    report: Any, pd: PDOptions | None = None,
+                    stall_after: float = FRONT_STALL_SECONDS) -> None:
     """The shared core process's main function: bind every front's pair, build the engine, send
     the launcher `Ready` or `Failed` (msgpack bytes on the `report` pipe), then run the loop
-    until the launcher stops it or exits (killed: the core removes `directory` itself)."""
+    until the launcher stops it or exits (killed: the core removes `directory` itself). A front
+    that reads nothing for `stall_after` seconds has its requests aborted (`check_stalls`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides (drain, then stop)
     ctx = zmq.Context()
     inboxes, outboxes = [], []
@@ -710,7 +796,7 @@ def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int,
         sender = _Sender(outboxes, routes, pids)
         try:
             loop = CoreLoop(batcher, inboxes, sender, parent_pid, pd=core_pd, routes=routes,
-                            front_pids=pids)
+                            front_pids=pids, stall_after=stall_after)
             batcher.max_waiting = None  # each front bounds its own share (Ready says the total)
             frozen = freeze_heap()
             report.send_bytes(core_encoder.encode(msgspec.structs.replace(loop.ready(),
@@ -730,8 +816,8 @@ def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int,
         ctx.term()
 
 
-def routed_delivery(outboxes: list[Any], routes: dict[str, int],
-                    front_pids: dict[int, int]) -> Callable[[Any], None]:
+def routed_delivery(outboxes: list[Any], routes: dict[str, int], front_pids: dict[int, int],
+                    sent: list[int] | None = None) -> Callable[[Any], None]:
     """A shared core sender's delivery (`_Sender` with routes): send each message to the fronts
     it is for (a `To` to its front, a `Step` split by `routes`, anything else to every front).
 
@@ -739,9 +825,15 @@ def routed_delivery(outboxes: list[Any], routes: dict[str, int],
     dropped), or a live front has `FRONT_QUEUE` messages unread: it stopped reading (a hung
     event loop). Its streams could only lose tokens from there, and its queue would grow in this
     process for good, so after `STUCK_SENDS` such sends in a row the front is killed: the core
-    aborts its requests when its pidfd fires and the launcher starts it again."""
+    aborts its requests when its pidfd fires and the launcher starts it again (long before, the
+    loop found it stalled and aborted its requests: `CoreLoop.check_stalls`).
+
+    `sent[front]` counts the messages that front's socket took since its last `Ready` (the front
+    counts what it reads from there on)."""
     encode = core_encoder.encode
     dropped = [0] * len(outboxes)
+    if sent is None:
+        sent = [0] * len(outboxes)
 
     def send(front: int, message: Any) -> None:
         try:
@@ -760,6 +852,7 @@ def routed_delivery(outboxes: list[Any], routes: dict[str, int],
             log.warning("core.send_failed", front=front, error=str(exc))
         else:
             dropped[front] = 0
+            sent[front] = 0 if type(message) is Ready else sent[front] + 1
 
     def deliver(message: Any) -> None:
         if isinstance(message, To):

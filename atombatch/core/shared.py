@@ -22,10 +22,17 @@ The wire is the single front's (atombatch/core/messages.py) with three differenc
   its own requests are done); the core stops when the launcher stops it or exits.
 
 Sends to a front never block the sender: a front that is gone (or not yet connected) drops what
-was meant for it (`zmq.Again` on a bound PUSH without a peer). A live front that stops reading
-(its `FRONT_QUEUE` messages unread, one per step) is killed by the core, which then aborts its
-requests; the launcher starts it again (`routed_delivery`). Its queue is bounded, and its streams
-never silently lose a token. The queue bound (lanes + `max_waiting` choices) is split
+was meant for it (`zmq.Again` on a bound PUSH without a peer). A PUSH socket tells nothing of
+what its peer has read, so a front says it: `Consumed(count)`, the messages it has read since
+its `Ready`, every `ACK_EVERY` messages (or on a read `ACK_INTERVAL` after its last one). A live
+front more than `STALL_WINDOW` messages behind that acknowledges nothing for
+`FRONT_STALL_SECONDS` (`--front-stall-timeout`) is stalled (a stopped process, a hung event
+loop): the core aborts its requests so the other fronts' requests get their lanes, and each of
+them ends with `finish_reason="error"` naming the stall when the front reads again; a front that
+reads again serves on. A slow front is never stalled: anything it reads moves its count. One
+that still reads nothing until `FRONT_QUEUE` messages wait unread is killed by the core (the
+later, harsher step), and the launcher starts it again (`routed_delivery`). Its queue is
+bounded, and its streams never silently lose a token. The queue bound (lanes + `max_waiting` choices) is split
 evenly: each front admits `ceil((lanes + max_waiting) / N)` choices in flight.
 """
 
@@ -41,10 +48,16 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from atombatch.config import DEFAULT_FRONT_STALL_TIMEOUT
 from atombatch.core.messages import Step
 from atombatch.errors import ConfigError
 
 HELLO_INTERVAL = 0.2   # seconds between a front's Hellos until the core answers
+ACK_EVERY = 32         # core messages a front reads between two `Consumed`...
+ACK_INTERVAL = 0.5     # ...or, on a read, seconds since its last one (a front reading slowly)
+STALL_WINDOW = 128     # messages a front may leave unacknowledged before it can count as stalled
+FRONT_STALL_SECONDS = DEFAULT_FRONT_STALL_TIMEOUT  # that far behind, acknowledging nothing
+                                                  #   this long: stalled (a float: seconds)
 
 
 class SharedCore(msgspec.Struct, frozen=True):

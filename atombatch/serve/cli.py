@@ -34,7 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from atombatch import logs
-from atombatch.config import DEFAULT_CORE_HANG_TIMEOUT, PRESETS, ArtifactConfig, ModelSpec
+from atombatch.config import (
+    DEFAULT_CORE_HANG_TIMEOUT,
+    DEFAULT_FRONT_STALL_TIMEOUT,
+    PRESETS,
+    ArtifactConfig,
+    ModelSpec,
+)
 from atombatch.engine import Batcher
 from atombatch.errors import ConfigError
 from atombatch.policy import DEFAULT_POLICY
@@ -221,6 +227,14 @@ def parser() -> argparse.ArgumentParser:
                    "and the listening socket; a front that dies is started again, its requests "
                    "aborted in the core (default 1; N > 1 needs --engine-core process; "
                    "docs/architecture.md)")
+    p.add_argument("--front-stall-timeout", type=float, default=DEFAULT_FRONT_STALL_TIMEOUT,
+                   metavar="SECONDS",
+                   help="--api-server-count N > 1: a front that reads none of the engine core's "
+                   "messages for this long while more than a window of them wait (a stopped "
+                   "process, a hung event loop) has its requests aborted, so the other fronts' "
+                   "requests get their lanes; they end with an error naming the stall, and the "
+                   "front serves on when it reads again. A slow front is never stalled: any read "
+                   f"moves its count (default {DEFAULT_FRONT_STALL_TIMEOUT:g})")
     p.add_argument("--pd-producer", action="append", metavar="ENDPOINT",
                    help="prefill/decode disaggregation: take prompts' KV from the "
                    "ZmqProducerServer at this ZeroMQ endpoint (tcp://HOST:PORT or ipc:///PATH; "
@@ -499,6 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     # resolved once here, so the engine core process logs in the front's format
     args.log_format = logs.setup(args.log_level, args.log_format)
+    if not args.front_stall_timeout > 0:  # (NaN too)
+        print(f"atombatch.serve: --front-stall-timeout {args.front_stall_timeout:g} must be a "
+              "positive number of seconds", file=sys.stderr)
+        return 2
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:

@@ -14,6 +14,9 @@ Supervision:
   `MAX_RESTARTS` restarts within `RESTART_WINDOW` seconds stop the server (status 1): a front
   that keeps dying is a bug, not bad luck. A front that exits before it listens stops the
   server with its status (a flag the fronts refuse, e.g. a bad --chat-template, is status 2).
+* A front that stops reading (a stopped process, a hung event loop) for `--front-stall-timeout`
+  seconds has its requests aborted by the core (atombatch/core/shared.py); it serves on when it
+  reads again, and is killed (then started again) if it stays stopped until its queue is full.
 * The core exiting stops the server (status 1): every front answers 503 and fails what it holds
   in flight, then exits; the launcher waits `FRONT_EXIT_TIMEOUT` for them, then kills them.
 * SIGINT or SIGTERM stops the server gracefully (status 0): each front gets one SIGTERM (they
@@ -141,7 +144,8 @@ def launch(args: argparse.Namespace, sock: socket.socket, serve: Callable[..., i
     spawn = multiprocessing.get_context("spawn")
     report, report_child = spawn.Pipe(duplex=False)
     core = spawn.Process(target=run_shared_core, name="atombatch-core",
-                         args=(factory, directory, count, os.getpid(), report_child, options))
+                         args=(factory, directory, count, os.getpid(), report_child, options,
+                               args.front_stall_timeout))
     stop: list[int] = []
 
     def on_signal(signum: int, frame: Any) -> None:

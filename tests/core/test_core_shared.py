@@ -25,6 +25,7 @@ from support.engines import submit_message as submit
 from atombatch import ArtifactConfig, Batcher, SamplingParams
 from atombatch.core.messages import (
     Abort,
+    Consumed,
     Hello,
     Ready,
     Shutdown,
@@ -34,7 +35,14 @@ from atombatch.core.messages import (
     front_encoder,
 )
 from atombatch.core.process import FRONT_QUEUE, CoreLoop, _Sender
-from atombatch.core.shared import endpoints, split_step
+from atombatch.core.shared import (
+    ACK_EVERY,
+    ACK_INTERVAL,
+    FRONT_STALL_SECONDS,
+    STALL_WINDOW,
+    endpoints,
+    split_step,
+)
 from atombatch.engine import EngineStats
 from atombatch.runtime.null import NullRuntime
 from atombatch.structs import RequestOutput
@@ -44,7 +52,8 @@ LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)  # (contex
 
 
 class Front:
-    """The two sockets of one front."""
+    """The two sockets of one front. It tells the core what it read (`Consumed`) as CoreClient
+    does (every ACK_EVERY messages, or on a read ACK_INTERVAL after the last time)."""
 
     def __init__(self, ctx: Any, directory: str, front: int, queue: int | None = None) -> None:
         to_core, from_core = endpoints(directory, front)
@@ -58,6 +67,8 @@ class Front:
         self.tokens: dict[str, list[int]] = {}
         self.done: dict[str, RequestOutput] = {}
         self.stopped = False
+        self.count = 0                  # messages read since Ready
+        self.acked, self.acked_at = 0, 0.0
 
     def send(self, message: Any) -> None:
         self.to_core.send(front_encoder.encode(message))
@@ -81,6 +92,11 @@ class Front:
                 self.take(core_decoder.decode(self.from_core.recv()))
 
     def take(self, message: Any) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if self.count - self.acked >= ACK_EVERY or now - self.acked_at >= ACK_INTERVAL:
+            self.acked, self.acked_at = self.count, now
+            self.send(Consumed(self.count))
         if isinstance(message, Stopped):
             self.stopped = True
             return
@@ -104,7 +120,7 @@ class SharedCore:
     """`run_shared_core`'s loop on a thread, bound where two fronts connect."""
 
     def __init__(self, directory: Path, fronts: int = 2, batcher: Batcher | None = None,
-                 queue: int = FRONT_QUEUE) -> None:
+                 queue: int = FRONT_QUEUE, stall_after: float = FRONT_STALL_SECONDS) -> None:
         self.ctx = zmq.Context()
         self.inboxes, self.outboxes = [], []
         for front in range(fronts):
@@ -121,7 +137,7 @@ class SharedCore:
         pids: dict[int, int] = {}
         self.sender = _Sender(self.outboxes, self.routes, pids)
         self.loop = CoreLoop(batcher or numpy_batcher(), self.inboxes, self.sender, os.getppid(),
-                             routes=self.routes, front_pids=pids)
+                             routes=self.routes, front_pids=pids, stall_after=stall_after)
         self.runner = threading.Thread(target=self.loop.run, daemon=True)
         self.runner.start()
         small = queue if queue < FRONT_QUEUE else None
@@ -277,6 +293,123 @@ def test_a_live_front_that_stops_reading_is_killed_and_its_requests_aborted(
             stand_in.kill()
             stand_in.wait(10)
         shared.close()
+
+
+def stall_batcher(step_ms: float = 2.0) -> Batcher:
+    """Four lanes and contexts of 8192: a 6000-token request holds its lane 12 s at 2 ms a step."""
+    art = ArtifactConfig(model=ART.model, batch_size=4, max_seq_len=8192, block_size=8192,
+                         num_blocks=5, prefill_chunk_size=128)
+    return Batcher(NullRuntime(art, step_ms=step_ms), max_waiting=None)
+
+
+def test_a_front_that_stops_reading_has_its_requests_aborted_and_serves_again(
+        tmp_path: Path) -> None:
+    """Front a (alive) submits 12 requests that would hold every lane for 36 s, then reads
+    nothing: 1 s later (stall_after) the core aborts them, so front b's request gets a lane at
+    once; when a reads again it finds each of its requests ended with an error naming the stall,
+    and its next request is served."""
+    shared = SharedCore(tmp_path, batcher=stall_batcher(), stall_after=1.0)
+    try:
+        _stalls(shared)
+    finally:
+        shared.close()
+
+
+def _stalls(shared: SharedCore) -> None:
+    held = SamplingParams(temperature=0, max_tokens=6000, ignore_eos=True)
+    a, b = shared.fronts
+    a.hello(os.getpid())
+    b.hello(os.getpid())
+    doomed = [f"a{k}" for k in range(12)]
+    for k, request_id in enumerate(doomed):
+        a.send(submit(request_id, [5, 6, k], held))
+    batcher = shared.loop.batcher
+    deadline = time.monotonic() + 10
+    while batcher.stats().occupied_lanes < 4:  # a's requests hold every lane (a reads nothing)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert batcher.num_waiting == 8 and not shared.loop.stalled
+    b.send(submit("victim", [2, 7, 1], GREEDY))
+    b.read({"victim"}, timeout=20)  # else: 36 s of a's requests first (3 rounds of 12 s)
+    assert b.done["victim"].finish_reason == "length"
+    assert b.tokens["victim"] == list(stall_batcher().generate([[2, 7, 1]], GREEDY)[0].token_ids)
+    assert shared.loop.stalled == {0}  # a only: b reads
+    stats = batcher.stats()
+    assert stats.finished.get("abort") == 12 and stats.occupied_lanes == 0
+    assert stats.queue_length == 0 and not shared.loop.live
+    # a reads again: every request of its own ended with an error that names the stall
+    a.read(set(doomed), timeout=20)
+    for request_id in doomed:
+        out = a.done[request_id]
+        assert out.finish_reason == "error" and "stopped reading" in (out.error or ""), out
+        assert len(a.tokens[request_id]) < 6000
+    deadline = time.monotonic() + 10
+    while shared.loop.stalled:  # its Consumed reached the core
+        assert time.monotonic() < deadline, "the front that reads again is still stalled"
+        a.drain(0.05)
+    a.send(submit("again", [5, 6, 7], GREEDY))
+    a.read({"again"})
+    assert a.done["again"].finish_reason == "length"
+    assert a.tokens["again"] == list(stall_batcher().generate([[5, 6, 7]], GREEDY)[0].token_ids)
+    assert set(b.done) == {"victim"}  # b saw nothing of a's
+
+
+async def test_a_slow_front_that_reads_is_never_stalled(tmp_path: Path) -> None:
+    """A CoreClient whose event loop is busy 0.5 s at a time (a front with more work than one
+    CPU) falls hundreds of messages behind the core for seconds, but every read it makes says so
+    (`Consumed`): with stall_after=1.5 s none of its requests is aborted."""
+    import asyncio
+
+    from atombatch.core import CoreClient
+    from atombatch.core.shared import SharedCore as Where
+
+    core = SharedCore(tmp_path, batcher=stall_batcher(step_ms=1.0), stall_after=1.5)
+    for front in core.fronts:  # the client below is front 0
+        front.to_core.close(linger=0)
+        front.from_core.close(linger=0)
+    core.fronts = []
+    client = CoreClient(None, shared=Where(directory=str(tmp_path), fronts=2, front=0,
+                                           core_pid=os.getpid()))
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True, n=2)
+    busy = True
+    behind_for = 0.0  # the longest time it stayed more than STALL_WINDOW messages behind
+
+    def watch() -> None:
+        nonlocal behind_for
+        since = None
+        while busy:
+            now = time.monotonic()
+            if core.sender.sent[0] - core.loop.acked[0] > STALL_WINDOW:
+                since = now if since is None else since
+                behind_for = max(behind_for, now - since)
+            else:
+                since = None
+            time.sleep(0.02)
+
+    def hog() -> None:  # the event loop does nothing else for 0.5 s
+        time.sleep(0.5)
+        if busy:
+            loop.call_later(0.001, hog)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+
+    try:
+        await client.start()
+        loop = asyncio.get_running_loop()
+        ids = [client.submit([5, 6, k], params) for k in range(4)]  # 8 choices on 4 lanes
+        watcher.start()
+        loop.call_soon(hog)
+        outs = [[out async for out in client.outputs(request_id)] for request_id in ids]
+    finally:
+        busy = False
+        watcher.join(5)
+        await client.close()
+        core.close()
+    for got in outs:  # served to the end...
+        ends = [out.finish_reason for out in got if out.finish_reason is not None]
+        assert ends == ["length", "length"], [out.error for out in got]
+    assert core.loop.batcher.stats().finished.get("abort", 0) == 0 and not core.loop.stalled
+    assert behind_for > 1.5  # ...though more than the window behind for longer than stall_after
 
 
 def _stats() -> EngineStats:

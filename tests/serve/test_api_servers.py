@@ -334,7 +334,11 @@ def test_each_front_admits_its_share_of_the_queue() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (("--api-server-count", "0"), "--api-server-count 0 must be in 1..256"),
     (("--api-server-count", "100000"), "--api-server-count 100000 must be in 1..256"),
-    (("--api-server-count", "2", "--engine-core", "inline"), "needs --engine-core process")])
+    (("--api-server-count", "2", "--engine-core", "inline"), "needs --engine-core process"),
+    (("--api-server-count", "2", "--front-stall-timeout", "0"),
+     "--front-stall-timeout 0 must be a positive number of seconds"),
+    (("--api-server-count", "2", "--front-stall-timeout", "nan"),
+     "--front-stall-timeout nan must be a positive number of seconds")])
 def test_a_bad_front_count_is_refused_before_anything_starts(flags: tuple[str, ...],
                                                              message: str) -> None:
     done = subprocess.run([sys.executable, "-m", "atombatch.serve", "--port", "0", *NULL, *flags],
@@ -365,3 +369,65 @@ def test_a_hung_core_stops_the_server_and_leaves_nothing() -> None:
         lines = "".join(server.lines)
         assert "core.hung" in lines and "the engine core exited" in lines
         _none_outlive(children)
+
+
+def stream_lines(client: httpx.Client, url: str, request: dict, lines: list[str]) -> None:
+    """Every data line of a streamed completion (error events too), into `lines`."""
+    with client.stream("POST", f"{url}/v1/completions", json=request) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line[6:])
+
+
+def test_a_front_that_stops_reading_frees_its_lanes_for_the_other_front() -> None:
+    """SIGSTOP a front holding 32 streamed choices (every lane, the rest queued: 200 s of work
+    at 5 ms a step). Within --front-stall-timeout (2 s) the core aborts them, so a request
+    through the other front is served at once; before, it waited until the core killed the
+    stopped front (10 000 messages unread: ~50 s). The stopped front is not killed: SIGCONT, and
+    its streams end with an error naming the stall, and it serves new requests."""
+    with launched(*NULL, "--max-waiting", "60", "--front-stall-timeout", "2") as server:
+        held = clients_on_front(server.url, 0, 4)
+        stalled_pid = front_of(held[0], server.url)["front_pid"]
+        lines: list[list[str]] = [[] for _ in held]
+        request = {**body([8, 9], 5000), "n": 8}   # front 0's whole share: 32 choices
+        runners = [threading.Thread(target=_swallow, args=(
+            lambda c=client, got=got: stream_lines(c, server.url, request, got),))
+            for client, got in zip(held, lines, strict=True)]
+        for runner in runners:
+            runner.start()
+        try:
+            wait_until(lambda: metric(server.url, "atombatch_occupied_lanes") == 4 and
+                       metric(server.url, "atombatch_queue_length") == 28, timeout=20,
+                       what="front 0's choices on every lane and queued")
+            os.kill(stalled_pid, signal.SIGSTOP)
+            # a new connection: front 0 cannot accept it
+            with httpx.Client(timeout=30, limits=httpx.Limits(max_connections=1)) as fresh:
+                assert front_of(fresh, server.url)["front"] == 1
+                victim = stream_tokens(fresh, server.url, [3, 4], 12)
+                assert len(victim) == 12
+            # it got a lane because the stopped front's choices were aborted (each on a lane
+            # counted; the choices held for their request's first prefill are not), and the
+            # engine holds nothing of them any more
+            assert metric(server.url, "atombatch_engine_requests_finished_total",
+                          '{reason="abort"}') >= 4
+            wait_until(lambda: metric(server.url, "atombatch_occupied_lanes") == 0 and
+                       metric(server.url, "atombatch_queue_length") == 0, timeout=5,
+                       what="the stopped front's choices still hold lanes or wait")
+            assert running(stalled_pid)  # stopped, not killed
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stalled_pid, signal.SIGCONT)
+        for runner in runners:
+            runner.join(30)
+            assert not runner.is_alive()
+        for got in lines:  # each stream ended with the error that names the stall
+            assert got[-1] == "[DONE]", got[-3:]
+            assert "stopped reading" in json.loads(got[-2])["error"]["message"], got[-2]
+        [again] = clients_on_front(server.url, 0, 1)  # the same process serves on
+        assert front_of(again, server.url)["front_pid"] == stalled_pid
+        assert stream_tokens(again, server.url, [3, 4], 12) == victim
+        for client in [*held, again]:
+            client.close()
+        text = "".join(server.lines)
+        assert text.count("core.front_stalled") == 1 and "core.front_stuck" not in text
