@@ -196,8 +196,8 @@ def add_argument_calls(src: Sources, function: ast.AST, flags: list[Flag]) -> No
         spread = [kw.value for kw in node.keywords if kw.arg is None]
         for value in list(spread):  # **{**x_kwargs["field"], "default": None}
             if isinstance(value, ast.Dict):
-                spread += [v for k, v in zip(value.keys, value.values) if k is None]
-                stated = {str(k.value): ast.unparse(v) for k, v in zip(value.keys, value.values)
+                spread += [v for k, v in zip(value.keys, value.values, strict=True) if k is None]
+                stated = {str(k.value): ast.unparse(v) for k, v in zip(value.keys, value.values, strict=True)
                           if isinstance(k, ast.Constant) and k.value in ("action", "nargs")}
                 if stated:
                     arity = apply_overrides(arity or "value", stated)
