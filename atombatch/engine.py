@@ -1453,17 +1453,29 @@ class Batcher:
         return self.scheduler.trace
 
 
+_request_events = True   # see log_request_events
+
+
+def log_request_events(on: bool) -> None:
+    """Whether a request's info events (`request.finished` with its timings, `request.preempted`
+    ...) are logged in this process: on by default (an embedder's choice); a server turns them
+    off unless `--enable-log-requests`, as vLLM's are. A failed request is logged either way."""
+    global _request_events
+    _request_events = on
+
+
 def log_events(events: list[tuple[str, dict[str, Any]]]) -> None:
     """Log the scheduler's events (name, fields) at their levels; a level `log` does not render
     costs one check per flush, not one filtered event each."""
     info, debug = log_enabled(logging.INFO), log_enabled(logging.DEBUG)
+    requests = _request_events
     for name, fields in events:
         if name in _WARN_EVENTS:
             log.warning(name, **fields)
         elif name in _DEBUG_EVENTS:
             if debug:
                 log.debug(name, **fields)
-        elif info:
+        elif info and (requests or not name.startswith("request.")):
             log.info(name, **fields)
 
 
