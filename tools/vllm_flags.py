@@ -15,6 +15,10 @@ A vllm-rbln wheel gives its `--rbln-*` flags (the fields of its config classes).
 
 One line per option string: `FLAG ARITY DEST`, sorted; ARITY is `switch` (no value), `value`,
 `values` (one or more) or `optional` (zero or one). `#` lines carry the source.
+
+    python tools/vllm_flags.py --table docs/from-vllm.md
+
+rewrites docs/from-vllm.md's flag table from atombatch/serve/vllm_flags.py (each flag's fate).
 """
 
 from __future__ import annotations
@@ -311,11 +315,67 @@ def lines(flags: list[Flag]) -> list[str]:
     return [out[name] for name in sorted(out)]
 
 
+FLAGS_DIR = Path(__file__).resolve().parents[1] / "docs" / "vllm-flags"
+TABLE_START, TABLE_END = "<!-- flags:start -->", "<!-- flags:end -->"
+FATE_WORDS = {"honoured": "honoured", "warn": "accepted, one warning", "refused": "refused"}
+
+
+def listed() -> dict[str, list[str]]:
+    """flag -> the lists of docs/vllm-flags/ that hold it (by version)."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(FLAGS_DIR.glob("*.txt")):
+        version = path.stem
+        for line in path.read_text().splitlines():
+            if line and not line.startswith("#"):
+                found.setdefault(line.split()[0], []).append(version)
+    return found
+
+
+def table() -> str:
+    """docs/from-vllm.md's flag table: every row of atombatch.serve.vllm_flags, its fate, why."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from atombatch.serve.cli import parser
+    from atombatch.serve.vllm_flags import FLAGS, REASONS
+
+    ours = parser()._option_string_actions
+    where = listed()
+    rows = ["| flag | in | fate | why |", "|---|---|---|---|"]
+    for flag in sorted(FLAGS, key=lambda f: f.lstrip("-")):
+        row = FLAGS[flag]
+        versions = ", ".join(where.get(flag, ["earlier vLLM"]))
+        if row.fate == "values":
+            fate = f"honoured: {', '.join(f'`{v}`' for v in row.allowed)}; else refused"
+            why = REASONS[row.reason]
+        elif row.fate == "honoured" and not row.reason:
+            fate = "honoured"
+            main_spelling = ours[flag].option_strings[0]
+            why = f"as `{main_spelling}`" if main_spelling != flag else "the same flag"
+        else:
+            fate, why = FATE_WORDS[row.fate], REASONS[row.reason]
+        rows.append(f"| `{flag}` | {versions} | {fate} | {why} |")
+    return "\n".join(rows)
+
+
+def write_table(path: Path) -> None:
+    text = path.read_text()
+    head, rest = text.split(TABLE_START, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    path.write_text(f"{head}{TABLE_START}\n{table()}\n{TABLE_END}{tail}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("wheel", type=Path)
+    p.add_argument("wheel", type=Path, nargs="?")
     p.add_argument("-o", "--output", type=Path, help="default: standard output")
+    p.add_argument("--table", type=Path, metavar="MD",
+                   help="instead: rewrite the flag table between the flags:start/end markers of "
+                   "MD (docs/from-vllm.md) from atombatch.serve.vllm_flags")
     args = p.parse_args(argv)
+    if args.table:
+        write_table(args.table)
+        return 0
+    if args.wheel is None:
+        p.error("give a wheel, or --table")
     with zipfile.ZipFile(args.wheel) as archive:
         src = Sources(archive)
         rbln = any(n.startswith("vllm_rbln/") for n in archive.namelist())

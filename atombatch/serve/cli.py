@@ -131,7 +131,8 @@ def parser() -> argparse.ArgumentParser:
                    help="context (default: the model's max_position_embeddings, capped at "
                    f"{DEFAULT_CONTEXT_CAP} on the NumPy and sim runtimes, whose KV lives in "
                    "host memory; with --runtime rebel the compiled shapes decide)")
-    p.add_argument("--block-size", type=int, help="tokens per KV block (default: --max-seq-len)")
+    p.add_argument("--block-size", type=int, action=_Typed,
+                   help="tokens per KV block (default: --max-seq-len)")
     p.add_argument("--num-blocks", "--num-gpu-blocks-override", type=int, action=_Typed,
                    help="KV blocks (default: B x blocks/seq + 1); --num-gpu-blocks-override is "
                    "vLLM's name")
@@ -304,7 +305,7 @@ class _Typed(argparse.Action):
 
 
 # artifact fields, as ArtifactConfig's messages name them, that an option of the same dest sets
-_FIELDS = ("max_seq_len", "batch_size", "num_blocks", "prefill_chunk_size")
+_FIELDS = ("max_seq_len", "batch_size", "block_size", "num_blocks", "prefill_chunk_size")
 
 
 def typed_flag(args: argparse.Namespace, dest: str, default: str) -> str:
@@ -770,14 +771,14 @@ def tls_options(args: argparse.Namespace) -> dict[str, Any]:
         context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(f"--ssl-certfile {args.ssl_certfile} / --ssl-keyfile "
-                          f"{args.ssl_keyfile}: {getattr(exc, 'strerror', None) or exc}"
+                          f"{args.ssl_keyfile}: {_why(exc)}"
                           ) from None
     if args.ssl_ca_certs:
         try:
             context.load_verify_locations(args.ssl_ca_certs)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"--ssl-ca-certs {args.ssl_ca_certs}: "
-                              f"{getattr(exc, 'strerror', None) or exc}") from None
+                              f"{_why(exc)}") from None
     if args.ssl_ciphers:
         try:
             context.set_ciphers(args.ssl_ciphers)
@@ -791,6 +792,12 @@ def tls_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.ssl_ciphers:
         options["ssl_ciphers"] = args.ssl_ciphers
     return options
+
+
+def _why(exc: Exception) -> str:
+    """An OSError's reason as the other startup errors say it (lower case), else the error."""
+    reason = getattr(exc, "strerror", None)
+    return reason.lower() if isinstance(reason, str) else str(exc)
 
 
 def _stop_engine(engine: Any) -> None:
