@@ -317,6 +317,7 @@ def lines(flags: list[Flag]) -> list[str]:
 
 FLAGS_DIR = Path(__file__).resolve().parents[1] / "docs" / "vllm-flags"
 TABLE_START, TABLE_END = "<!-- flags:start -->", "<!-- flags:end -->"
+ORIGIN = {"-O": "vLLM's parser (`-O3`)"}  # flags of no list, and where they come from
 FATE_WORDS = {"honoured": "honoured", "warn": "accepted, one warning", "refused": "refused"}
 
 
@@ -342,7 +343,7 @@ def table() -> str:
     rows = ["| flag | in | fate | why |", "|---|---|---|---|"]
     for flag in sorted(FLAGS, key=lambda f: f.lstrip("-")):
         row = FLAGS[flag]
-        versions = ", ".join(where.get(flag, ["earlier vLLM"]))
+        versions = ", ".join(where.get(flag, [ORIGIN.get(flag, "earlier vLLM")]))
         if row.fate == "values":
             fate = f"honoured: {', '.join(f'`{v}`' for v in row.allowed)}; else refused"
             why = REASONS[row.reason]

@@ -3,7 +3,8 @@ or refused at startup naming why.
 
 `TABLE` holds every flag of `vllm serve` in vLLM 0.34.0 and 0.30.0 (the version vllm-rbln 0.12
 pins) and vllm-rbln 0.12.0's `--rbln-*` flags, as listed from the wheels by tools/vllm_flags.py
-(docs/vllm-flags/), plus `--disable-log-requests` (the spelling of earlier vLLMs). Each line is
+(docs/vllm-flags/), plus `--disable-log-requests` (the spelling of earlier vLLMs) and `-O`
+(`-O3`, vLLM's shorthand for --optimization-level). Each line is
 `FLAG ARITY FATE [DETAIL]`:
 
 - `honoured`: the flag means here what it means in vLLM. Without DETAIL, atombatch's own parser
@@ -159,6 +160,7 @@ TABLE = """\
 --disable-fastapi-docs switch honoured docs
 --disable-hybrid-kv-cache-manager switch warn gpu
 --disable-log-requests switch honoured
+-O optional warn eager
 --disable-log-stats switch honoured stats
 --disable-nccl-for-dp-synchronization switch warn gpu
 --disable-sliding-window switch refused window
