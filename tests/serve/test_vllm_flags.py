@@ -262,3 +262,20 @@ def test_requests_are_logged_only_when_asked(tmp_path: Path, logged: bool) -> No
         assert bool(access) == logged, (mode, fronts, names)
         if logged:
             assert any("/v1/completions" in e["event"] for e in access)
+
+
+def test_uvicorn_log_level_is_uvicorns_alone(tmp_path: Path) -> None:
+    """--uvicorn-log-level warning silences uvicorn's info records (its startup lines, the access
+    lines) and leaves atombatch's events at --log-level."""
+    log = tmp_path / "server.log"
+    with log.open("w") as sink, served("--max-model-len", "64", "--max-num-seqs", "1",
+                                       "--engine-core", "inline", "--enable-log-requests",
+                                       "--uvicorn-log-level", "warning", "--log-level", "info",
+                                       "--log-format", "json", stderr=sink) as (url, _):
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    assert [e["event"] for e in events if e["event"] == "request.finished"] == \
+        ["request.finished"]
+    assert not [e for e in events if str(e.get("logger", "")).startswith("uvicorn")]
