@@ -239,6 +239,9 @@ class Batcher:
         # Given each step's scheduler events instead of logging them here: the engine core
         # renders them on its sender thread (a rendered event costs the loop ~37 us).
         self.on_events: Callable[[list[tuple[str, dict[str, Any]]]], None] | None = None
+        # a request's info events are logged (False: quiet_requests; a server's default, as
+        # vLLM's without --enable-log-requests)
+        self.log_requests = True
         # Wall time in device calls, and between one call's end and the next call's start while
         # work was pending (0.0: none pending since the last call); see `EngineStats.device_s`.
         self._device_s = self._host_gap_s = self._device_end = 0.0
@@ -1380,10 +1383,11 @@ class Batcher:
         events = self.scheduler.events
         if not events:
             return
+        kept = events[:] if self.log_requests else quiet_requests(events)
         if self.on_events is not None:
-            self.on_events(events[:])
+            self.on_events(kept)
         else:
-            log_events(events)
+            log_events(kept)
         events.clear()
 
     # -- conveniences -------------------------------------------------------------------------------
@@ -1453,29 +1457,25 @@ class Batcher:
         return self.scheduler.trace
 
 
-_request_events = True   # see log_request_events
-
-
-def log_request_events(on: bool) -> None:
-    """Whether a request's info events (`request.finished` with its timings, `request.preempted`
-    ...) are logged in this process: on by default (an embedder's choice); a server turns them
-    off unless `--enable-log-requests`, as vLLM's are. A failed request is logged either way."""
-    global _request_events
-    _request_events = on
+def quiet_requests(events: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """`events` without a request's info events (`request.finished` with its timings,
+    `request.preempted`, ...): what `Batcher.log_requests = False` logs. A failed request
+    (a warning) and the debug events stay."""
+    return [(name, fields) for name, fields in events
+            if not name.startswith("request.") or name in _WARN_EVENTS or name in _DEBUG_EVENTS]
 
 
 def log_events(events: list[tuple[str, dict[str, Any]]]) -> None:
     """Log the scheduler's events (name, fields) at their levels; a level `log` does not render
     costs one check per flush, not one filtered event each."""
     info, debug = log_enabled(logging.INFO), log_enabled(logging.DEBUG)
-    requests = _request_events
     for name, fields in events:
         if name in _WARN_EVENTS:
             log.warning(name, **fields)
         elif name in _DEBUG_EVENTS:
             if debug:
                 log.debug(name, **fields)
-        elif info and (requests or not name.startswith("request.")):
+        elif info:
             log.info(name, **fields)
 
 

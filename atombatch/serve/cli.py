@@ -41,7 +41,7 @@ from typing import Any
 
 from atombatch import logs
 from atombatch.config import DEFAULT_CORE_HANG_TIMEOUT, PRESETS, ArtifactConfig, ModelSpec
-from atombatch.engine import Batcher, log_request_events
+from atombatch.engine import Batcher
 from atombatch.errors import ConfigError
 from atombatch.policy import DEFAULT_POLICY
 from atombatch.sampling import LogprobsMode
@@ -485,8 +485,8 @@ def core_batcher(args: argparse.Namespace) -> Batcher:
     It keeps the tokenizer for stop strings and bad words only (`detokenize=False`): every other
     request's text is decoded by the front."""
     logs.setup(args.log_level, args.log_format)
-    log_request_events(getattr(args, "enable_log_requests", True))
     batcher, _, codec = build_engine(args)
+    batcher.log_requests = getattr(args, "enable_log_requests", True)
     if args.runtime == "numpy" and args.blas_threads > 0:
         from threadpoolctl import threadpool_limits
         threadpool_limits(limits=args.blas_threads, user_api="blas")
@@ -640,8 +640,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
             if args.pd_producer:
                 raise ConfigError("--pd-producer needs --engine-core process (the engine core "
                                   "connects to the producers; docs/pd.md)")
-            log_request_events(args.enable_log_requests)
             batcher, name, codec = build_engine(args)
+            batcher.log_requests = args.enable_log_requests
             art, policy = batcher.artifact, batcher.policy.label
             engine = AsyncBatcher(batcher, offload=True, stream_interval=args.stream_interval)
             if args.runtime == "numpy" and args.blas_threads > 0:
