@@ -586,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     args.log_format = logs.setup(args.log_level, args.log_format)
     for flag, why in vllm_flags.warnings(args).items():
         logs.log.warning("flag.ignored", flag=flag, reason=why)
+    for name in vllm_flags.ignored_environment(os.environ):
+        logs.log.warning("env.ignored", name=name, reason=vllm_flags.RBLN_ENV_REASON)
     try:
         tls_options(args)
     except ConfigError as exc:

@@ -24,6 +24,7 @@ docs/from-vllm.md#flags is this table as prose (`python tools/vllm_flags.py --ta
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -651,6 +652,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(row.flag, action=action, nargs=ARITIES[row.arity],
                             dest="vllm_flag_" + row.flag.lstrip("-").replace("-", "_"),
                             default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+RBLN_ENV_REASON = ("vllm-rbln's environment knobs are not read: the compiled directory's "
+                   "rbln_config.json decides (docs/from-vllm.md)")
+
+
+def ignored_environment(environ: Mapping[str, str]) -> list[str]:
+    """The vllm-rbln environment variables set (`VLLM_RBLN_*`): each is warned about once."""
+    return sorted(name for name in environ if name.startswith("VLLM_RBLN_"))
 
 
 def warnings(args: argparse.Namespace) -> dict[str, str]:

@@ -119,9 +119,12 @@ def test_the_parser_does_what_the_table_says(flag: str, capsys: Any, tmp_path: P
         assert f"error: {flag} {other}: " in err and why in err
 
 
-def test_a_vllm_rbln_launch_line_starts_with_three_warnings(capsys: Any, caplog: Any) -> None:
+def test_a_vllm_rbln_launch_line_starts_with_three_warnings(capsys: Any, caplog: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The launch line of a vllm-rbln 0.12 script parses as vLLM reads it; its three flags with
-    no meaning here warn once each, at startup, in the log."""
+    no meaning here warn once each, at startup, in the log, and so does a VLLM_RBLN_* variable
+    of its environment."""
+    monkeypatch.setenv("VLLM_RBLN_USE_VLLM_MODEL", "1")
     argv = ["--max-model-len", "128", "--block-size", "128", "--max-num-seqs", "2",
             "--max-num-batched-tokens", "64", "--enable-chunked-prefill",
             "--gpu-memory-utilization", "0.9", "--dtype", "auto", "--trust-remote-code",
@@ -145,10 +148,10 @@ def test_a_vllm_rbln_launch_line_starts_with_three_warnings(capsys: Any, caplog:
     lines = capsys.readouterr().err.strip().splitlines()
     events = [json.loads(r.getMessage()) for r in caplog.records
               if r.getMessage().startswith("{")]
-    events = [e for e in events if e["event"] == "flag.ignored"]
-    assert [(e["event"], e["flag"]) for e in events] == [
+    events = [e for e in events if e["event"] in ("flag.ignored", "env.ignored")]
+    assert [(e["event"], e.get("flag", e.get("name"))) for e in events] == [
         ("flag.ignored", "--gpu-memory-utilization"), ("flag.ignored", "--trust-remote-code"),
-        ("flag.ignored", "--enforce-eager")]
+        ("flag.ignored", "--enforce-eager"), ("env.ignored", "VLLM_RBLN_USE_VLLM_MODEL")]
     assert events[0]["reason"] == TABLE["--gpu-memory-utilization"][1]
     assert lines[-1].startswith("atombatch.serve: cannot listen on")
 
