@@ -282,3 +282,21 @@ def test_uvicorn_log_level_is_uvicorns_alone(tmp_path: Path) -> None:
     assert [e["event"] for e in events if e["event"] == "request.finished"] == \
         ["request.finished"]
     assert not [e for e in events if str(e.get("logger", "")).startswith("uvicorn")]
+
+
+def test_logprobs_mode_reaches_the_engine() -> None:
+    """--logprobs-mode processed_logprobs reports the distribution sampled from: at temperature
+    2 the sampled token's logprob differs from the raw one, while the token is the same."""
+    from atombatch import SamplingParams
+    from atombatch.serve.cli import build_engine
+
+    params = SamplingParams(temperature=2.0, seed=5, logprobs=0, max_tokens=1, ignore_eos=True)
+    found = {}
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        batcher, _, _ = build_engine(parse("--max-model-len", "64", "--logprobs-mode", mode))
+        (done,) = batcher.generate([[5, 6, 7]], params)
+        assert done.logprobs is not None
+        found[mode] = done.logprobs[0]
+    raw, processed = found["raw_logprobs"], found["processed_logprobs"]
+    assert raw.token_id == processed.token_id
+    assert abs(raw.logprob - processed.logprob) > 1e-3
