@@ -239,6 +239,9 @@ class Batcher:
         # Given each step's scheduler events instead of logging them here: the engine core
         # renders them on its sender thread (a rendered event costs the loop ~37 us).
         self.on_events: Callable[[list[tuple[str, dict[str, Any]]]], None] | None = None
+        # a request's info events are logged (False: quiet_requests; a server's default, as
+        # vLLM's without --enable-log-requests)
+        self.log_requests = True
         # Wall time in device calls, and between one call's end and the next call's start while
         # work was pending (0.0: none pending since the last call); see `EngineStats.device_s`.
         self._device_s = self._host_gap_s = self._device_end = 0.0
@@ -1380,10 +1383,11 @@ class Batcher:
         events = self.scheduler.events
         if not events:
             return
+        kept = events[:] if self.log_requests else quiet_requests(events)
         if self.on_events is not None:
-            self.on_events(events[:])
+            self.on_events(kept)
         else:
-            log_events(events)
+            log_events(kept)
         events.clear()
 
     # -- conveniences -------------------------------------------------------------------------------
@@ -1451,6 +1455,14 @@ class Batcher:
         """Start recording a `StepRecord` per device call; returns the list that fills up."""
         self.scheduler.trace = []
         return self.scheduler.trace
+
+
+def quiet_requests(events: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """`events` without a request's info events (`request.finished` with its timings,
+    `request.preempted`, ...): what `Batcher.log_requests = False` logs. A failed request
+    (a warning) and the debug events stay."""
+    return [(name, fields) for name, fields in events
+            if not name.startswith("request.") or name in _WARN_EVENTS or name in _DEBUG_EVENTS]
 
 
 def log_events(events: list[tuple[str, dict[str, Any]]]) -> None:

@@ -19,8 +19,14 @@ exit with status 2. The line `atombatch.serve: ... listening on http://HOST:PORT
 the port is bound and the engine runs (with `--port 0` it names the port the system picked).
 
 The server bounds what one client can cost (body size and time, header time, open connections;
-docs/security.md). It speaks plain HTTP with no authentication: put a TLS-terminating proxy with
-authentication in front of it before exposing it beyond a trusted network.
+docs/security.md). `--api-key` requires a shared bearer key on /v1/* (not per user), and
+`--ssl-keyfile`/`--ssl-certfile` serve HTTPS (`--ssl-ca-certs` with `--ssl-cert-reqs 2` asks for
+client certificates); without them it speaks plain HTTP to anyone who can connect. Beyond a
+trusted network, put a proxy with per-user authentication in front of it.
+
+Every flag of `vllm serve` (vLLM 0.30 and 0.34, vllm-rbln's `--rbln-*`) parses: honoured, accepted
+with one warning line when it has no meaning on ATOM, or refused naming why
+(docs/from-vllm.md#flags). Request logs and access lines are off unless --enable-log-requests.
 """
 
 from __future__ import annotations
@@ -44,8 +50,9 @@ from atombatch.config import (
 from atombatch.engine import Batcher
 from atombatch.errors import ConfigError
 from atombatch.policy import DEFAULT_POLICY
+from atombatch.sampling import LogprobsMode
 from atombatch.scheduler import POLICY_KINDS, Policy
-from atombatch.serve import schema
+from atombatch.serve import schema, vllm_flags
 from atombatch.serve.chat_template import template_from_argument
 from atombatch.serve.limits import DEFAULT_MAX_RESPONSE_BYTES, ServerLimits
 from atombatch.serve.reasoning import REASONING_PARSER_NAMES
@@ -67,6 +74,10 @@ DEFAULT_SPEC = ModelSpec(
     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, bos_token_id=1, eos_token_ids=(2,),
     dtype="float32")
 
+
+# vLLM's --logprobs-mode values and the Batcher's
+LOGPROBS_MODES: dict[str, LogprobsMode] = {"raw_logprobs": "raw",
+                                           "processed_logprobs": "processed"}
 
 # The default context of the host-memory runtimes: a checkpoint's own context (often 32k-128k)
 # would size eager KV blocks of that many tokens per lane on the CPU.
@@ -120,15 +131,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
                    help="vLLM's flag: --runtime rebel on devices 0..N-1 (N must match the "
                    "compiled tensor_parallel_size); the host runtimes take only 1")
-    p.add_argument("--batch-size", "--max-num-seqs", type=int, default=4,
+    p.add_argument("--batch-size", "--max-num-seqs", type=int, default=4, action=_Typed,
                    help="decode lanes B (default 4); --max-num-seqs is vLLM's name")
-    p.add_argument("--max-seq-len", "--max-model-len", type=int,
+    p.add_argument("--max-seq-len", "--max-model-len", type=int, action=_Typed,
                    help="context (default: the model's max_position_embeddings, capped at "
                    f"{DEFAULT_CONTEXT_CAP} on the NumPy and sim runtimes, whose KV lives in "
                    "host memory; with --runtime rebel the compiled shapes decide)")
-    p.add_argument("--block-size", type=int, help="tokens per KV block (default: --max-seq-len)")
-    p.add_argument("--num-blocks", type=int, help="KV blocks (default: B x blocks/seq + 1)")
-    p.add_argument("--prefill-chunk-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, action=_Typed,
+                   help="tokens per KV block (default: --max-seq-len)")
+    p.add_argument("--num-blocks", "--num-gpu-blocks-override", type=int, action=_Typed,
+                   help="KV blocks (default: B x blocks/seq + 1); --num-gpu-blocks-override is "
+                   "vLLM's name")
+    p.add_argument("--prefill-chunk-size", "--max-num-batched-tokens", type=int, default=128,
+                   action=_Typed,
+                   help="tokens per prefill chunk (default 128); --max-num-batched-tokens is "
+                   "vLLM's name, which vllm-rbln uses for the compiled prefill chunk")
     p.add_argument("--decoder-batch-sizes", type=_batch_sizes, default=(),
                    help="compiled decode batches, e.g. 1,2,4 (default: --batch-size only); each "
                         "decode step runs the smallest that holds the decoding lanes")
@@ -138,8 +155,9 @@ def parser() -> argparse.ArgumentParser:
                                                           for k, v in POLICY_HELP.items()))
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queue bound: requests without a lane past it answer 429 (default 256)")
-    p.add_argument("--prefix-cache", "--enable-prefix-caching", action="store_true",
-                   help="keep finished sequences' KV for requests sharing a prefix")
+    p.add_argument("--prefix-cache", "--enable-prefix-caching",
+                   action=argparse.BooleanOptionalAction, default=False,
+                   help="keep finished sequences' KV for requests sharing a prefix (default off)")
     p.add_argument("--host-cache-bytes", type=int, default=0,
                    help="host memory for KV blocks evicted from the prefix cache (default 0)")
     p.add_argument("--seed", type=int, default=0, help="random weights and engine sampling seed")
@@ -158,9 +176,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                    help="chat template to use instead of the tokenizer's (a file, or the jinja "
                    "text itself)")
-    p.add_argument("--api-key", action="append", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise; repeat "
-                   "for several keys; default: $VLLM_API_KEY when set, else no authentication)")
+    p.add_argument("--api-key", action="extend", nargs="+", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise; several "
+                   "keys: --api-key K1 K2, or the flag repeated; default: $VLLM_API_KEY when "
+                   "set, else no authentication)")
     p.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES,
                    help="parse the model's tool calls into message.tool_calls (hermes: Qwen3's "
                    "<tool_call>{...}</tool_call>; llama3_json: Llama 3.1 / KONI JSON); without "
@@ -222,7 +241,7 @@ def parser() -> argparse.ArgumentParser:
                    "is killed, its requests end with an error and the server exits non-zero, as "
                    "when the core dies; a shutdown waits no longer for "
                    f"it either (default {DEFAULT_CORE_HANG_TIMEOUT:g})")
-    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+    p.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
                    help="front processes (HTTP, tokenization, streaming) sharing one engine core "
                    "and the listening socket; a front that dies is started again, its requests "
                    "aborted in the core (default 1; N > 1 needs --engine-core process; "
@@ -255,8 +274,71 @@ def parser() -> argparse.ArgumentParser:
                    "docs/security.md")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (named at startup)")
+    p.add_argument("--root-path", default="",
+                   help="the path prefix a proxy serves this server under (uvicorn's root_path)")
+    p.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this private key "
+                   "(PEM; with --ssl-certfile)")
+    p.add_argument("--ssl-certfile", metavar="FILE", help="the certificate chain of "
+                   "--ssl-keyfile (PEM)")
+    p.add_argument("--ssl-ca-certs", metavar="FILE",
+                   help="CA certificates that client certificates are checked against")
+    p.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+                   help="client certificates: 0 not asked for (default), 1 optional, 2 required "
+                   "(the ssl module's CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED)")
+    p.add_argument("--ssl-ciphers", metavar="CIPHERS",
+                   help="OpenSSL cipher list for TLS 1.2 and below (default: uvicorn's)")
+    p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each request's finish (request.finished, with its timings) and an "
+                   "access line per HTTP request; off by default, as in vLLM")
+    p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                   help="the default (vLLM's earlier spelling, accepted for old launch scripts)")
+    p.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction,
+                   default=False, help="no access lines even with --enable-log-requests")
+    p.add_argument("--uvicorn-log-level", choices=(*logs.LEVELS, "trace"), default=None,
+                   help="level of uvicorn's own records (default: --log-level)")
+    p.add_argument("--logprobs-mode", choices=("raw_logprobs", "processed_logprobs"),
+                   default="raw_logprobs",
+                   help="raw_logprobs: log-softmax of the model's logits (default, as vLLM); "
+                   "processed_logprobs: of the distribution sampled from (docs/sampling.md)")
     logs.add_arguments(p)
+    vllm_flags.add_arguments(p)
     return p
+
+
+class _Typed(argparse.Action):
+    """Stores the value and which of the option's spellings the user typed (`typed_flag`), so
+    that a message about the value names the flag the user wrote (--max-model-len, not
+    --max-seq-len or max_seq_len)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        typed = dict(getattr(namespace, "typed_flags", None) or {})
+        typed[self.dest] = option_string
+        namespace.typed_flags = typed
+
+
+# artifact fields, as ArtifactConfig's messages name them, that an option of the same dest sets
+_FIELDS = ("max_seq_len", "batch_size", "block_size", "num_blocks", "prefill_chunk_size")
+
+
+def typed_flag(args: argparse.Namespace, dest: str, default: str) -> str:
+    """The spelling of option `dest` the user typed, else `default`."""
+    return str((getattr(args, "typed_flags", None) or {}).get(dest, default))
+
+
+def in_users_words(args: argparse.Namespace, message: str) -> str:
+    """`message` with the artifact fields the user set through a flag named as typed:
+    `max_seq_len=256` becomes `--max-model-len 256` for a user who passed --max-model-len."""
+    import re
+
+    typed = getattr(args, "typed_flags", None) or {}
+    for field_name in _FIELDS:
+        flag = typed.get(field_name)
+        if flag:
+            message = re.sub(rf"(?<![\w-]){field_name}=", f"{flag} ", message)
+            message = re.sub(rf"(?<![\w-]){field_name}(?![\w=])", flag, message)
+    return message
 
 
 def resolve_vllm_aliases(args: argparse.Namespace) -> argparse.Namespace:
@@ -333,7 +415,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
     else:
         spec = DEFAULT_SPEC
     if _context(args, spec) > spec.max_position_embeddings:
-        raise ConfigError(f"--max-seq-len {args.max_seq_len} exceeds the model's "
+        raise ConfigError(f"{typed_flag(args, 'max_seq_len', '--max-seq-len')} "
+                          f"{args.max_seq_len} exceeds the model's "
                           f"max_position_embeddings={spec.max_position_embeddings}: positions "
                           "past it were never trained")
     artifact = _artifact(args, spec)
@@ -399,7 +482,8 @@ def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,
                       prefix_cache=args.prefix_cache, host_cache_bytes=args.host_cache_bytes,
                       pd_timeout=getattr(args, "pd_timeout", 300.0),
                       argmax_threads=getattr(args, "argmax_threads", None),
-                      overlap=getattr(args, "overlap", False))
+                      overlap=getattr(args, "overlap", False),
+                      logprobs_mode=LOGPROBS_MODES[getattr(args, "logprobs_mode", "raw_logprobs")])
     return batcher, args.served_model_name or spec.name, codec_from_args(args, model_dir)
 
 
@@ -416,6 +500,7 @@ def core_batcher(args: argparse.Namespace) -> Batcher:
     request's text is decoded by the front."""
     logs.setup(args.log_level, args.log_format)
     batcher, _, codec = build_engine(args)
+    batcher.log_requests = getattr(args, "enable_log_requests", True)
     if args.runtime == "numpy" and args.blas_threads > 0:
         from threadpoolctl import threadpool_limits
         threadpool_limits(limits=args.blas_threads, user_api="blas")
@@ -517,6 +602,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"atombatch.serve: --front-stall-timeout {args.front_stall_timeout:g} must be a "
               "positive number of seconds", file=sys.stderr)
         return 2
+    for flag, why in vllm_flags.warnings(args).items():
+        logs.log.warning("flag.ignored", flag=flag, reason=why)
+    for name in vllm_flags.ignored_environment(os.environ):
+        logs.log.warning("env.ignored", name=name, reason=vllm_flags.RBLN_ENV_REASON)
+    try:
+        tls_options(args)
+    except ConfigError as exc:
+        print(f"atombatch.serve: {exc}", file=sys.stderr)
+        return 2
     try:
         sock = bind(args.host, args.port)
     except OSError as exc:
@@ -567,13 +661,14 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
                 raise ConfigError("--pd-producer needs --engine-core process (the engine core "
                                   "connects to the producers; docs/pd.md)")
             batcher, name, codec = build_engine(args)
+            batcher.log_requests = args.enable_log_requests
             art, policy = batcher.artifact, batcher.policy.label
             engine = AsyncBatcher(batcher, offload=True, stream_interval=args.stream_interval)
             if args.runtime == "numpy" and args.blas_threads > 0:
                 from threadpoolctl import threadpool_limits
                 threadpool_limits(limits=args.blas_threads, user_api="blas")
     except ConfigError as exc:
-        print(f"atombatch.serve: {exc}", file=sys.stderr)
+        print(f"atombatch.serve: {in_users_words(args, str(exc))}", file=sys.stderr)
         return 2
     import uvicorn
 
@@ -586,7 +681,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
                               keep_alive_timeout=args.keep_alive_timeout,
                               max_connections=args.max_connections).resolved()
     except ConfigError as exc:
-        print(f"atombatch.serve: {exc}", file=sys.stderr)
+        print(f"atombatch.serve: {in_users_words(args, str(exc))}", file=sys.stderr)
         _stop_engine(engine)
         return 2
     try:
@@ -600,7 +695,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
                          api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser)
     except ConfigError as exc:
-        print(f"atombatch.serve: {exc}", file=sys.stderr)
+        print(f"atombatch.serve: {in_users_words(args, str(exc))}", file=sys.stderr)
         _stop_engine(engine)
         return 2
     if args.engine_core == "process" and engine.pd_options is not None:
@@ -618,7 +713,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
               f"{f', tool parser {args.tool_call_parser}' if args.tool_call_parser else ''}"
               f"{f', reasoning parser {args.reasoning_parser}' if args.reasoning_parser else ''}"
               ") listening on "
-              f"http://{host if ':' not in host else f'[{host}]'}:{port}")
+              f"{'https' if args.ssl_certfile else 'http'}://"
+              f"{host if ':' not in host else f'[{host}]'}:{port}")
 
     stopped_by: list[int] = []   # the signals uvicorn caught (it re-raises them at the end)
 
@@ -639,8 +735,12 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
     # timeout_graceful_shutdown=None: on SIGINT/SIGTERM uvicorn stops accepting and waits for
     # in-flight streams; then the lifespan drains the engine (close(drain=True)).
     # log_config=None: uvicorn's records go through logs.setup's handler, in the chosen format
-    config = uvicorn_config(app, limits, http=args.http, log_level=args.log_level,
-                            log_config=None, timeout_graceful_shutdown=None)
+    config = uvicorn_config(app, limits, http=args.http,
+                            log_level=args.uvicorn_log_level or args.log_level,
+                            log_config=None, timeout_graceful_shutdown=None,
+                            access_log=args.enable_log_requests
+                            and not args.disable_uvicorn_access_log,
+                            root_path=args.root_path, **tls_options(args))
     server = Server(config)
     died: list[int | None] = []
 
@@ -661,6 +761,63 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
     if signal.SIGINT in stopped_by:  # re-raised into an inherited SIG_IGN (a background job
         return 130                   # of a script): Ctrl-C's status all the same
     return 1 if died else 0
+
+
+def tls_options(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's TLS settings from the --ssl-* flags ({} without --ssl-certfile), checked by
+    loading them once, so a missing or mismatched file is a one-line error at startup.
+
+    Raises:
+        ConfigError: a key without a certificate (or the reverse), or files TLS cannot load.
+    """
+    if not (args.ssl_keyfile or args.ssl_certfile):
+        for flag, value in (("--ssl-ca-certs", args.ssl_ca_certs),
+                            ("--ssl-cert-reqs", args.ssl_cert_reqs or None),
+                            ("--ssl-ciphers", args.ssl_ciphers)):
+            if value is not None:
+                raise ConfigError(f"{flag} needs --ssl-keyfile and --ssl-certfile (HTTPS)")
+        return {}
+    if not (args.ssl_keyfile and args.ssl_certfile):
+        given, missing = (("--ssl-keyfile", "--ssl-certfile") if args.ssl_keyfile else
+                          ("--ssl-certfile", "--ssl-keyfile"))
+        raise ConfigError(f"{given} needs {missing}: HTTPS takes a key and its certificate")
+    if args.ssl_cert_reqs and not args.ssl_ca_certs:
+        raise ConfigError(f"--ssl-cert-reqs {args.ssl_cert_reqs} needs --ssl-ca-certs (the CAs "
+                          "client certificates are checked against)")
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"--ssl-certfile {args.ssl_certfile} / --ssl-keyfile "
+                          f"{args.ssl_keyfile}: {_why(exc)}"
+                          ) from None
+    if args.ssl_ca_certs:
+        try:
+            context.load_verify_locations(args.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"--ssl-ca-certs {args.ssl_ca_certs}: "
+                              f"{_why(exc)}") from None
+    if args.ssl_ciphers:
+        try:
+            context.set_ciphers(args.ssl_ciphers)
+        except ssl.SSLError:
+            raise ConfigError(f"--ssl-ciphers {args.ssl_ciphers}: no cipher matches") from None
+    options: dict[str, Any] = {"ssl_keyfile": args.ssl_keyfile,
+                               "ssl_certfile": args.ssl_certfile,
+                               "ssl_cert_reqs": args.ssl_cert_reqs}
+    if args.ssl_ca_certs:
+        options["ssl_ca_certs"] = args.ssl_ca_certs
+    if args.ssl_ciphers:
+        options["ssl_ciphers"] = args.ssl_ciphers
+    return options
+
+
+def _why(exc: Exception) -> str:
+    """An OSError's reason as the other startup errors say it (lower case), else the error."""
+    reason = getattr(exc, "strerror", None)
+    return reason.lower() if isinstance(reason, str) else str(exc)
 
 
 def _stop_engine(engine: Any) -> None:

@@ -140,11 +140,12 @@ def test_setup_leaves_an_embedders_handlers_alone() -> None:
 
 
 def serve_and_reject(flags: list[str], env: dict[str, str]) -> list[str]:
-    """Start the server, send one request it rejects, stop it: its stderr lines after the banner."""
+    """Start the server (access lines on: --enable-log-requests), send one request it rejects,
+    stop it: its stderr lines after the banner."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "atombatch.serve", "--port", str(port), "--max-seq-len", "128",
-         "--batch-size", "1", "--log-level", "info", *flags],
+         "--batch-size", "1", "--log-level", "info", "--enable-log-requests", *flags],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
     try:
         assert proc.stderr is not None

@@ -26,9 +26,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def served(*flags: str, nofile: int | None = None) -> Iterator[tuple[str, int]]:
-    """Run the server with `flags`; yields its base URL and pid. `nofile` caps its descriptors."""
+def served(*flags: str, nofile: int | None = None, verify: Any = True,
+           stderr: Any = None) -> Iterator[tuple[str, int]]:
+    """Run the server with `flags`; yields its base URL and pid. `nofile` caps its descriptors.
+    With `--ssl-certfile` among the flags the URL is https and `verify` (httpx's: a CA file, an
+    `ssl.SSLContext`) checks the server; `stderr`, an open file, receives the server's log."""
     port = free_port()
+    scheme = "https" if "--ssl-certfile" in flags else "http"
 
     def limit() -> None:
         if nofile is not None:
@@ -37,14 +41,15 @@ def served(*flags: str, nofile: int | None = None) -> Iterator[tuple[str, int]]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(
         [sys.executable, "-m", "atombatch.serve", "--port", str(port), "--log-level", "error",
-         *flags], preexec_fn=limit, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+         *flags], preexec_fn=limit, env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE if stderr is None else stderr)
+    url = f"{scheme}://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
         while True:
             assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{url}/health", timeout=2, verify=verify).status_code == 200:
                     break
             except httpx.TransportError:
                 pass

@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from atombatch.serve import vllm_flags
     from atombatch.serve.cli import parser as engine_parser
 
     args, engine_args = _parser().parse_known_args(argv)
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     # resolved here (a terminal: console), and handed to every replica and producer, whose own
     # standard error is a file Ray forwards to this one
     engine.log_format = logs.setup(engine.log_level, engine.log_format)
+    for flag, why in vllm_flags.warnings(engine).items():
+        logs.log.warning("flag.ignored", flag=flag, reason=why)
     engine_args = [*engine_args, "--log-format", engine.log_format]
     if args.address:
         ray.init(address=args.address)
