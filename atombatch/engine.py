@@ -1453,6 +1453,20 @@ class Batcher:
         return self.scheduler.trace
 
 
+def prefix_cache_refusal(runtime: Runtime, *, host_cache_bytes: int = 0) -> str | None:
+    """Why `Batcher(runtime, prefix_cache=True, host_cache_bytes=...)` would be refused (the
+    message of its `ConfigError`), or None when the prefix cache can run there: what a server's
+    default (on wherever supported, as vLLM) asks before building its engine."""
+    artifact: ArtifactConfig = runtime.artifact
+    try:
+        memory_plan.check_serving(artifact, prefix_cache=True, host_cache_bytes=host_cache_bytes)
+        if artifact.model.is_hybrid:
+            slot_ops_supported(runtime, Capabilities(runtime))
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def log_events(events: list[tuple[str, dict[str, Any]]]) -> None:
     """Log the scheduler's events (name, fields) at their levels; a level `log` does not render
     costs one check per flush, not one filtered event each."""

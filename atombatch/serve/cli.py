@@ -35,7 +35,7 @@ from typing import Any
 
 from atombatch import logs
 from atombatch.config import DEFAULT_CORE_HANG_TIMEOUT, PRESETS, ArtifactConfig, ModelSpec
-from atombatch.engine import Batcher
+from atombatch.engine import Batcher, prefix_cache_refusal
 from atombatch.errors import ConfigError
 from atombatch.policy import DEFAULT_POLICY
 from atombatch.scheduler import POLICY_KINDS, Policy
@@ -46,6 +46,8 @@ from atombatch.serve.reasoning import REASONING_PARSER_NAMES
 from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS
 from atombatch.serve.tokens import Codec, HFCodec
 from atombatch.serve.tools import TOOL_PARSER_NAMES
+
+log = logs.logger("atombatch.serve")
 
 POLICY_HELP = {
     "stall-free:K": "prefill-first, but a decode step at least every K prefill chunks while "
@@ -132,8 +134,11 @@ def parser() -> argparse.ArgumentParser:
                                                           for k, v in POLICY_HELP.items()))
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queue bound: requests without a lane past it answer 429 (default 256)")
-    p.add_argument("--prefix-cache", "--enable-prefix-caching", action="store_true",
-                   help="keep finished sequences' KV for requests sharing a prefix")
+    p.add_argument("--enable-prefix-caching", "--prefix-cache", dest="prefix_cache",
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="keep finished sequences' KV for requests sharing a prefix (default: on "
+                   "wherever the artifact and runtime support it, as vLLM; "
+                   "--no-enable-prefix-caching turns it off)")
     p.add_argument("--host-cache-bytes", type=int, default=0,
                    help="host memory for KV blocks evicted from the prefix cache (default 0)")
     p.add_argument("--seed", type=int, default=0, help="random weights and engine sampling seed")
@@ -381,8 +386,14 @@ def _null_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
 
 def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,
              spec: ModelSpec) -> tuple[Batcher, str, Codec | None]:
+    prefix_cache = args.prefix_cache
+    if prefix_cache is None:  # the default: on wherever it can be (vLLM's), quietly off elsewhere
+        reason = prefix_cache_refusal(runtime, host_cache_bytes=args.host_cache_bytes)
+        prefix_cache = reason is None
+        if reason is not None:
+            log.info("prefix_cache.default_off", reason=reason)
     batcher = Batcher(runtime, policy=args.policy, seed=args.seed, max_waiting=args.max_waiting,
-                      prefix_cache=args.prefix_cache, host_cache_bytes=args.host_cache_bytes,
+                      prefix_cache=prefix_cache, host_cache_bytes=args.host_cache_bytes,
                       pd_timeout=getattr(args, "pd_timeout", 300.0),
                       argmax_threads=getattr(args, "argmax_threads", None),
                       overlap=getattr(args, "overlap", False))

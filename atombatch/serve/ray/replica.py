@@ -169,7 +169,7 @@ class AtomReplica:
         self.pool = None
         self.summarizer = CacheSummarizer(route_block, max_blocks, bits=summary_bits)
         self._summary_args = (route_block, max_blocks, summary_bits)
-        self._prefix_cache = bool(args.prefix_cache)
+        self._prefix_cache = args.prefix_cache is not False  # None: the default (on where supported)
         self._loop = asyncio.get_running_loop()
         self._stats_seq = 0
         self._stats_held = (0, 0)
