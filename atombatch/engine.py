@@ -127,6 +127,12 @@ class EngineStats(msgspec.Struct, frozen=True):
     overlapped_prefills: int = 0
     overlapped_joins: int = 0
     chained_chunks: int = 0
+    # vLLM's prefix-cache queries (tokens of every lookup; the hits are `prefix_hit_tokens`), and
+    # device calls by the tokens they computed: counts over `request.ITERATION_TOKEN_BUCKETS`
+    # (the last: above every bound) and their sum (`vllm:iteration_tokens_total`)
+    prefix_query_tokens: int = 0
+    iteration_tokens: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
 
 class StepResult:
@@ -1441,7 +1447,10 @@ class Batcher:
             lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps),
             device_s=self._device_s, host_gap_s=self._host_gap_s, host_gaps=self._host_gaps,
             overlapped_steps=self._overlapped, overlapped_prefills=self._overlapped_prefills,
-            overlapped_joins=self._overlapped_joins, chained_chunks=self._chained)
+            overlapped_joins=self._overlapped_joins, chained_chunks=self._chained,
+            prefix_query_tokens=c.prefix_query_tokens,
+            iteration_tokens=tuple(c.iteration_tokens),
+            iteration_tokens_sum=c.iteration_tokens_sum)
 
     def check_invariants(self) -> None:
         """Raise `StateError` if any ownership invariant of docs/rules.md is broken."""
