@@ -131,6 +131,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     # device calls by the tokens they computed: counts over `request.ITERATION_TOKEN_BUCKETS`
     # (the last: above every bound) and their sum (`vllm:iteration_tokens_total`)
     prefix_query_tokens: int = 0
+    prefix_cache: bool = False          # the engine runs a prefix cache
     iteration_tokens: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
 
@@ -1448,7 +1449,7 @@ class Batcher:
             device_s=self._device_s, host_gap_s=self._host_gap_s, host_gaps=self._host_gaps,
             overlapped_steps=self._overlapped, overlapped_prefills=self._overlapped_prefills,
             overlapped_joins=self._overlapped_joins, chained_chunks=self._chained,
-            prefix_query_tokens=c.prefix_query_tokens,
+            prefix_query_tokens=c.prefix_query_tokens, prefix_cache=s.prefix is not None,
             iteration_tokens=tuple(c.iteration_tokens),
             iteration_tokens_sum=c.iteration_tokens_sum)
 

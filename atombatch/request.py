@@ -98,11 +98,10 @@ class PDImport:
 class Request:
     """The scheduler's mutable record of one request."""
 
-    __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "chain", "compiling", "error",
-                 "error_param",
+    __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "cached_tokens", "chain",
+                 "compiling", "error", "error_param",
                  "finish_reason", "first_token_at", "lane", "lane_flags", "max_tokens", "output",
                  "params", "pd", "preemptions", "prefill_pos", "prompt", "request_id", "rng",
-                 "cached_tokens",
                  "shared", "state", "stop_token_ids", "token_times")
 
     def __init__(self, request_id: str, prompt: npt.NDArray[np.int64], params: SamplingParams,

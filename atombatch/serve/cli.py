@@ -172,6 +172,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES,
                    help="split the model's <think>...</think> into message.reasoning_content "
                    "(qwen3)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="vLLM's flag: a response's usage carries prompt_tokens_details."
+                   "cached_tokens (prompt tokens the prefix cache saved)")
     p.add_argument("--strict-protocol", action="store_true",
                    help="reject request fields the server does not read (400 unknown_parameter) "
                    "instead of ignoring them (default: ignored, logged once, listed in the "
@@ -591,7 +594,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
                          bounds=bounds, max_response_bytes=args.max_response_bytes,
                          max_structured_chars=args.max_structured_chars,
                          api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
-                         reasoning_parser=args.reasoning_parser)
+                         reasoning_parser=args.reasoning_parser,
+                         enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     except ConfigError as exc:
         print(f"atombatch.serve: {exc}", file=sys.stderr)
         _stop_engine(engine)

@@ -31,6 +31,8 @@ objects cost there) and exposed in the same shape when scraped.
 | atombatch_time_to_first_token_seconds | histogram | accept -> first token out |
 | atombatch_inter_token_latency_seconds | histogram | gap between consecutive tokens out |
 | atombatch_e2e_request_latency_seconds | histogram | accept -> finish |
+
+Beside them, vLLM's `vllm:` families (atombatch/serve/vllm_metrics.py).
 """
 
 from __future__ import annotations
@@ -53,9 +55,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from atombatch.config import ArtifactConfig
 from atombatch.engine import EngineStats
 from atombatch.logs import logger
 from atombatch.serve.metrics_merge import exposition, sum_metrics
+from atombatch.serve.vllm_metrics import VllmEngineFamilies, VllmRequestMetrics
 
 log = logger("atombatch.serve")
 
@@ -248,9 +252,11 @@ class ServerMetrics:
     over every front (`_FrontFamilies`) and the engine's are the core's, as every front sees
     them."""
 
-    def __init__(self, stats: Callable[[], EngineStats], lanes: int, shared: Any = None) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], artifact: ArtifactConfig,
+                 model_name: str, shared: Any = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(stats, lanes))
+        self.registry.register(_EngineCollector(stats, artifact.batch_size))
+        self.registry.register(VllmEngineFamilies(stats, artifact, model_name))
         self.front_registry = registry = CollectorRegistry(auto_describe=True)
         self.in_flight = Gauge("atombatch_requests_in_flight",
                                "HTTP generation requests being served.", registry=registry)
@@ -279,6 +285,8 @@ class ServerMetrics:
         self.e2e = Histogram("atombatch_e2e_request_latency_seconds",
                              "Request accepted -> finished.", buckets=_LATENCY_BUCKETS,
                              registry=registry)
+        self.vllm = VllmRequestMetrics(registry, model_name, artifact.max_seq_len,
+                                       lambda: self.generation_tokens.value)
         self.fronts = _FrontFamilies(registry, shared)
         self.registry.register(self.fronts)
         if shared is not None:

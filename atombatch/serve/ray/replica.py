@@ -205,7 +205,8 @@ class AtomReplica:
                               max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                               max_structured_chars=args.max_structured_chars,
                               api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
-                              reasoning_parser=args.reasoning_parser)  # headers are forwarded
+                              reasoning_parser=args.reasoning_parser,  # headers are forwarded
+                              enable_prompt_tokens_details=args.enable_prompt_tokens_details)
         core, pool = self.core, self.pool
         if core is not None and core.pd_options is not None:  # the pool on /metrics
             from atombatch.serve.pd_metrics import add_pd_metrics
