@@ -12,7 +12,9 @@ finds a cached block and the cache can only cost (lookups, digests, blocks kept 
 
 Reported: the medians of delivered tok/s and of front and core CPU per token for each side, and
 the ratios on / off of those medians (1.0: no cost), with the commit and the load average before
-and after the run.
+and after the run; then the engine alone on the same prompts (a `Batcher` on a null device that
+does not sleep, this process's CPU per generated token, alternating sides): the figure least
+moved by other processes on a shared machine.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import shlex
 import statistics
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any, Literal
@@ -59,6 +62,10 @@ class CacheCost(msgspec.Struct, frozen=True):
     tok_per_s_ratio: float
     front_cpu_ratio: float
     core_cpu_ratio: float
+    # the engine alone (a Batcher on a null device that does not sleep, this process's CPU per
+    # generated token over the same rounds, alternating): medians off and on, and on / off
+    engine_us_per_token: dict[str, float] | None = None
+    engine_cpu_ratio: float | None = None
 
 
 def unshared_prompts(rounds: int, batch_size: int, prompt_len: int, vocab_size: int,
@@ -108,6 +115,32 @@ def _side(cache: str, argv: list[str], rounds: list[Round],
                 front_us_per_token=per_token(lambda r: r.front_cpu_s),
                 core_us_per_token=per_token(lambda r: r.core_cpu_s),
                 queried_tokens=counters[0], hit_tokens=counters[1])
+
+
+def engine_cpu(args: argparse.Namespace, prompts: list[list[list[int]]]) -> dict[str, list[float]]:
+    """CPU microseconds per generated token of the engine alone, cache off and on, each round's
+    prompts on both (alternating which goes first), the first round a warm-up."""
+    from atombatch import ArtifactConfig, Batcher, SamplingParams
+    from atombatch.runtime.null import NullRuntime
+    from atombatch.serve.cli import DEFAULT_SPEC
+
+    bps = args.max_seq_len // args.block_size
+    art = ArtifactConfig(model=DEFAULT_SPEC, batch_size=args.batch_size,
+                         max_seq_len=args.max_seq_len, block_size=args.block_size,
+                         num_blocks=args.batch_size * bps + 1,
+                         prefill_chunk_size=args.prefill_chunk_size)
+    engines = {side: Batcher(NullRuntime(art, step_ms=0.0, prefill_ms=0.0),
+                             prefix_cache=side == "on") for side in SIDES}
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    out: dict[str, list[float]] = {side: [] for side in SIDES}
+    for index, batch in enumerate(prompts):
+        for side in SIDES if index % 2 == 0 else SIDES[::-1]:
+            started = time.process_time()
+            engines[side].generate(batch, params)
+            if index:
+                out[side].append(1e6 * (time.process_time() - started) /
+                                 (len(batch) * args.max_tokens))
+    return out
 
 
 def parser() -> argparse.ArgumentParser:
@@ -166,6 +199,7 @@ def run(args: argparse.Namespace) -> CacheCost:
             server.stop()
     sides = [_side(side, argvs[side], rounds[side], counters[side]) for side in SIDES]
     off, on = sides
+    engine = {side: _median(values) for side, values in engine_cpu(args, prompts).items()}
     params = {key: value for key, value in vars(args).items() if key != "json"}
     return CacheCost(command=shlex.join(["python", "-m", "atombatch.bench", "cache_cost",
                                          *sys.argv[2:]]),
@@ -173,7 +207,8 @@ def run(args: argparse.Namespace) -> CacheCost:
                      load_before=load_before, load_after=_load(), sides=sides,
                      tok_per_s_ratio=on.tok_per_s / off.tok_per_s,
                      front_cpu_ratio=on.front_us_per_token / off.front_us_per_token,
-                     core_cpu_ratio=on.core_us_per_token / off.core_us_per_token)
+                     core_cpu_ratio=on.core_us_per_token / off.core_us_per_token,
+                     engine_us_per_token=engine, engine_cpu_ratio=engine["on"] / engine["off"])
 
 
 def format_table(report: CacheCost) -> str:
@@ -188,6 +223,10 @@ def format_table(report: CacheCost) -> str:
     lines.append(f"on/off {report.tok_per_s_ratio:>9.3f} {report.front_cpu_ratio:>13.3f} "
                  f"{report.core_cpu_ratio:>12.3f}")
     failed = sum(r.ok != r.requests for side in report.sides for r in side.rounds)
+    if report.engine_us_per_token is not None and report.engine_cpu_ratio is not None:
+        lines.append(f"engine alone (no device time): {report.engine_us_per_token['off']:.1f} "
+                     f"us/token off, {report.engine_us_per_token['on']:.1f} on, on/off "
+                     f"{report.engine_cpu_ratio:.3f}")
     on = report.sides[1]
     lines.append(f"cache on: {on.queried_tokens:.0f} prompt tokens looked up, "
                  f"{on.hit_tokens:.0f} found (no shared prefixes: 0)")

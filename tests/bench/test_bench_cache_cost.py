@@ -46,4 +46,7 @@ def test_cache_cost_runs_both_sides_on_unshared_prompts(tmp_path: Path) -> None:
     assert off.queried_tokens == 0 and off.hit_tokens == 0
     assert report.tok_per_s_ratio == pytest.approx(on.tok_per_s / off.tok_per_s)
     assert report.front_cpu_ratio == pytest.approx(on.front_us_per_token / off.front_us_per_token)
-    assert "on/off" in done.stdout and "load average" in done.stdout
+    assert report.engine_us_per_token is not None and report.engine_cpu_ratio is not None
+    assert report.engine_cpu_ratio == pytest.approx(
+        report.engine_us_per_token["on"] / report.engine_us_per_token["off"])
+    assert "on/off" in done.stdout and "load average" in done.stdout and "engine alone" in done.stdout
