@@ -88,14 +88,16 @@ def complete(url: str, body: dict[str, Any], path: str = "/v1/completions") -> d
     return dict(usage)
 
 
-def wait_for(url: str, name: str, want: float, **labels: str) -> dict[str, list[Any]]:
-    """The scrape once `name` reached `want` (another front's share is written every second)."""
+def wait_for(url: str, want: dict[str, float], **labels: str) -> dict[str, list[Any]]:
+    """The scrape once every name in `want` reached its value (another front's share is written
+    every second; the core's counts come with its steps)."""
     deadline = time.monotonic() + 20
     while True:
         samples = scrape(url)
-        if name in samples and value(samples, name, **labels) == want:
+        if all(name in samples and value(samples, name, **labels) == v
+               for name, v in want.items()):
             return samples
-        assert time.monotonic() < deadline, (name, labels, samples.get(name))
+        assert time.monotonic() < deadline, (want, labels, {n: samples.get(n) for n in want})
         time.sleep(0.1)
 
 
@@ -122,7 +124,9 @@ def test_vllm_metrics_and_cached_tokens_in_every_mode(mode: str) -> None:
                      "/v1/chat/completions"),
         ]
         n = len(usages)
-        samples = wait_for(url, "vllm:request_success_total", n, finished_reason="length",
+        prompts = sum(u["prompt_tokens"] for u in usages)
+        samples = wait_for(url, {"vllm:request_success_total": n,
+                                 "vllm:prefix_cache_queries_total": prompts},
                            model_name=NAME, engine="0")
     cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
     # the first sight of a prompt finds nothing; the second resumes at the last chunk boundary
@@ -130,7 +134,6 @@ def test_vllm_metrics_and_cached_tokens_in_every_mode(mode: str) -> None:
     assert cached[0] == 0 and cached[2] == 0 and cached[3] == 0
     assert cached[1] == (len(prompt) - 1) // CHUNK * CHUNK
     assert cached[4] == (usages[4]["prompt_tokens"] - 1) // CHUNK * CHUNK > 0
-    prompts = sum(u["prompt_tokens"] for u in usages)
     generated = sum(u["completion_tokens"] for u in usages)
     labels = {"model_name": NAME, "engine": "0"}
     # the engine's prefix-cache counters agree with what each response said
@@ -153,6 +156,7 @@ def test_vllm_metrics_and_cached_tokens_in_every_mode(mode: str) -> None:
                  "request_decode_time_seconds", "request_inference_time_seconds",
                  "request_time_per_output_token_seconds"):
         assert value(samples, f"vllm:{name}_count", **labels) == n, name
+    assert value(samples, "vllm:request_success_total", finished_reason="length") == n
     for reason in ("stop", "abort", "error"):
         assert value(samples, "vllm:request_success_total", finished_reason=reason) == 0
     assert value(samples, "vllm:num_requests_running", **labels) == 0
@@ -179,16 +183,25 @@ def test_vllm_metrics_and_cached_tokens_in_every_mode(mode: str) -> None:
                 assert all(part.strip() in s.labels for s in samples[name]), (part, name)
 
 
-def test_bucket_bounds_the_flag_off_and_the_cache_off() -> None:
+def test_bucket_bounds_the_flag_off_the_cache_off_and_a_hang_up() -> None:
     """Without --enable-prompt-tokens-details usage has no prompt_tokens_details (as vLLM);
     --no-enable-prefix-caching leaves the cache off (nothing queried, the info label says so);
-    the histograms carry vLLM's bounds."""
+    a client that hangs up mid-stream is vLLM's abort; the histograms carry vLLM's bounds."""
     prompt = list(range(10, 60))
     with served(*FLAGS, "--engine-core", "inline", "--no-enable-prefix-caching") as (url, _):
         usages = [complete(url, {"model": NAME, "prompt": prompt, "max_tokens": 3}),
                   complete(url, {"model": NAME, "prompt": prompt, "max_tokens": 3,
                                  "stream": True, "stream_options": {"include_usage": True}})]
-        samples = wait_for(url, "vllm:request_success_total", 2, finished_reason="length")
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 150, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    break  # hang up after the first event
+        samples = wait_for(url, {"vllm:request_success_total": 3})
+    assert value(samples, "vllm:request_success_total", finished_reason="abort") == 1
+    assert value(samples, "vllm:request_success_total", finished_reason="length") == 2
+    assert value(samples, "vllm:e2e_request_latency_seconds_count") == 3
+    assert value(samples, "vllm:request_params_n_count") == 3
     assert all("prompt_tokens_details" not in usage for usage in usages)
     assert value(samples, "vllm:prefix_cache_queries_total") == 0
     assert value(samples, "vllm:prefix_cache_hits_total") == 0
