@@ -132,6 +132,7 @@ class EngineStats(msgspec.Struct, frozen=True):
     # (the last: above every bound) and their sum (`vllm:iteration_tokens_total`)
     prefix_query_tokens: int = 0
     prefix_cache: bool = False          # the engine runs a prefix cache
+    evictable_blocks: int = 0           # of the cached blocks, those no request holds (refcount 0)
     iteration_tokens: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
 
@@ -1450,6 +1451,7 @@ class Batcher:
             overlapped_steps=self._overlapped, overlapped_prefills=self._overlapped_prefills,
             overlapped_joins=self._overlapped_joins, chained_chunks=self._chained,
             prefix_query_tokens=c.prefix_query_tokens, prefix_cache=s.prefix is not None,
+            evictable_blocks=s.pool.num_evictable,
             iteration_tokens=tuple(c.iteration_tokens),
             iteration_tokens_sum=c.iteration_tokens_sum)
 

@@ -103,10 +103,11 @@ class VllmEngineFamilies(Collector):
                     "batches (atombatch: lanes holding a request).", s.occupied_lanes)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed "
                     "(atombatch: requests without a lane).", s.queue_length)
-        usage = (s.lane_blocks + s.staged_blocks) / art.num_blocks if art.num_blocks else 0.0
+        held = s.lane_blocks + s.staged_blocks + s.cached_blocks - s.evictable_blocks
+        usage = held / art.num_blocks if art.num_blocks else 0.0
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage "
-                    "(blocks held by lanes or staged requests; cached blocks count as free).",
-                    usage)
+                    "(blocks a request holds: its own, staged, or cached ones it shares; cached "
+                    "blocks nobody holds count as free).", usage)
         yield gauge("vllm:gpu_cache_usage_perc", "vLLM's older name of vllm:kv_cache_usage_perc "
                     "(its Grafana dashboard still queries it).", usage)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number "

@@ -192,12 +192,19 @@ def test_bucket_bounds_the_flag_off_the_cache_off_and_a_hang_up() -> None:
         usages = [complete(url, {"model": NAME, "prompt": prompt, "max_tokens": 3}),
                   complete(url, {"model": NAME, "prompt": prompt, "max_tokens": 3,
                                  "stream": True, "stream_options": {"include_usage": True}})]
-        body = {"model": NAME, "prompt": prompt, "max_tokens": 150, "stream": True}
+        long = list(range(200, 240))                       # 3 blocks of 16 when it decodes
+        body = {"model": NAME, "prompt": long, "max_tokens": 200, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
-                    break  # hang up after the first event
+                    running = scrape(url)  # while it streams
+                    break  # then hang up (leaving the loop closes the response)
         samples = wait_for(url, {"vllm:request_success_total": 3})
+    assert value(running, "vllm:num_requests_running") == 1
+    blocks = value(running, "vllm:cache_config_info")  # (one sample, value 1)
+    num_blocks = float(running["vllm:cache_config_info"][0].labels["num_gpu_blocks"])
+    assert blocks == 1 and value(running, "vllm:kv_cache_usage_perc") >= 3 / num_blocks
+    assert value(samples, "vllm:kv_cache_usage_perc") == 0
     assert value(samples, "vllm:request_success_total", finished_reason="abort") == 1
     assert value(samples, "vllm:request_success_total", finished_reason="length") == 2
     assert value(samples, "vllm:e2e_request_latency_seconds_count") == 3
