@@ -1361,21 +1361,27 @@ class Batcher:
         outputs.append(self._final_output(request, ()))
 
     def _output(self, request: Request) -> RequestOutput:
-        """The output of a request's last token (its final one if it finished)."""
+        """The output of a request's last token (its final one if it finished); a first token's
+        carries the prompt tokens the prefix cache saved (`cached_tokens`)."""
         new = (request.output[-1],)
         outputs = self._outputs
         extras = outputs.extras.get(request.request_id) if outputs.extras else None
         if extras is None:
             if request.state is RequestState.FINISHED:
                 return self._final_output(request, new)
-            return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=False)
+            return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=False,
+                                 cached_tokens=max(request.cached_tokens, 0)
+                                 if len(request.output) == 1 else None)
         text, stopped = outputs.text(request, extras)
         if stopped:  # the stop rule with a stop string: wins over max_tokens and EOS (as in vLLM)
             self.scheduler.stop_string(request)
             outputs.stopped_by_string(request, extras)
         if request.state is RequestState.FINISHED:
             return self._final_output(request, new, text)
-        return outputs.running(request, extras, text)
+        out = outputs.running(request, extras, text)
+        if len(request.output) == 1:
+            out = msgspec.structs.replace(out, cached_tokens=max(request.cached_tokens, 0))
+        return out
 
     def _final_output(self, request: Request, new: tuple[int, ...],
                       text: str | None = None) -> RequestOutput:

@@ -280,3 +280,5 @@ class RequestOutput(msgspec.Struct, frozen=True):
                                           #   constraint or masks left nothing to sample, or a
                                           #   structured-output constraint past its limits): the
                                           #   client's error (HTTP 400), not the engine's
+    cached_tokens: int | None = None      # on a choice's first output: prompt tokens its first
+                                          #   prefix-cache lookup saved (vLLM's num_cached_tokens)

@@ -332,6 +332,8 @@ class _Generation:
                         choice.logprobs.extend(out.logprobs)
                     if out.prompt_logprobs is not None:
                         self.prompt_logprobs = out.prompt_logprobs
+                    if out.cached_tokens is not None and out.index == 0:
+                        self.cached_tokens = out.cached_tokens
                     if out.text is not None:  # the engine detokenized (stop strings held back)
                         text = out.text
                     else:
@@ -366,9 +368,13 @@ class _Generation:
                                           max(len(c.token_ids) for c in self.choices))
 
     def usage(self) -> Usage:
+        """A continuous-usage chunk's usage (with `prompt_tokens_details` once the first token
+        said how many prompt tokens were cached, as vLLM)."""
         n = self.generated
+        details = PromptTokensDetails(cached_tokens=self.cached_tokens) \
+            if self.server.prompt_tokens_details and self.cached_tokens is not None else None
         return Usage(prompt_tokens=self.prompt_len, completion_tokens=n,
-                     total_tokens=self.prompt_len + n)
+                     total_tokens=self.prompt_len + n, prompt_tokens_details=details)
 
     def error_event(self) -> bytes:
         if self.error_param is not None:  # the client's constraint failed it, not the engine

@@ -70,8 +70,9 @@ def value(samples: dict[str, list[Any]], name: str, **labels: str) -> float:
     return float(sum(found))
 
 
-def complete(url: str, body: dict[str, Any], path: str = "/v1/completions") -> dict[str, Any]:
-    """A response's usage, streamed (the last usage chunk) or not."""
+def complete(url: str, body: dict[str, Any], path: str = "/v1/completions",
+             every: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A response's usage, streamed (the last usage chunk; `every` gets each chunk's) or not."""
     if not body.get("stream"):
         response = httpx.post(url + path, json=body, timeout=60)
         assert response.status_code == 200, response.text
@@ -84,6 +85,8 @@ def complete(url: str, body: dict[str, Any], path: str = "/v1/completions") -> d
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                    if every is not None:
+                        every.append(usage)
     assert usage is not None
     return dict(usage)
 
@@ -112,11 +115,14 @@ def test_vllm_metrics_and_cached_tokens_in_every_mode(mode: str) -> None:
     other = list(range(100, 137))
     chat = {"model": NAME, "messages": [{"role": "user", "content": "<7><8><9>" * 12}],
             "max_tokens": 3}
+    continuous: list[dict[str, Any]] = []
     with served(*FLAGS, *MODES[mode], "--enable-prompt-tokens-details") as (url, _):
         usages = [
             complete(url, {"model": NAME, "prompt": prompt, "max_tokens": 5}),
             complete(url, {"model": NAME, "prompt": prompt, "max_tokens": 4, "stream": True,
-                           "stream_options": {"include_usage": True}}),
+                           "stream_options": {"include_usage": True,
+                                              "continuous_usage_stats": True}},
+                     every=continuous),
             complete(url, {"model": NAME, "prompt": other, "max_tokens": 6, "stream": True,
                            "stream_options": {"include_usage": True}}),
             complete(url, chat, "/v1/chat/completions"),
@@ -133,6 +139,10 @@ def test_vllm_metrics_and_cached_tokens_in_every_mode(mode: str) -> None:
     # before its last token (docs/prefix-cache.md), streamed or not, chat or completions
     assert cached[0] == 0 and cached[2] == 0 and cached[3] == 0
     assert cached[1] == (len(prompt) - 1) // CHUNK * CHUNK
+    # every continuous-usage chunk says it, from the first token's on (as vLLM; a stream that
+    # fell behind merges events, so at least the first and the usage chunk)
+    assert len(continuous) >= 2 and \
+        all(u["prompt_tokens_details"] == {"cached_tokens": cached[1]} for u in continuous)
     assert cached[4] == (usages[4]["prompt_tokens"] - 1) // CHUNK * CHUNK > 0
     generated = sum(u["completion_tokens"] for u in usages)
     labels = {"model_name": NAME, "engine": "0"}
@@ -189,9 +199,12 @@ def test_bucket_bounds_the_flag_off_the_cache_off_and_a_hang_up() -> None:
     a client that hangs up mid-stream is vLLM's abort; the histograms carry vLLM's bounds."""
     prompt = list(range(10, 60))
     with served(*FLAGS, "--engine-core", "inline", "--no-enable-prefix-caching") as (url, _):
+        continuous: list[dict[str, Any]] = []
         usages = [complete(url, {"model": NAME, "prompt": prompt, "max_tokens": 3}),
                   complete(url, {"model": NAME, "prompt": prompt, "max_tokens": 3,
-                                 "stream": True, "stream_options": {"include_usage": True}})]
+                                 "stream": True, "stream_options": {
+                                     "include_usage": True, "continuous_usage_stats": True}},
+                           every=continuous)]
         long = list(range(200, 240))                       # 3 blocks of 16 when it decodes
         body = {"model": NAME, "prompt": long, "max_tokens": 200, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
@@ -209,7 +222,8 @@ def test_bucket_bounds_the_flag_off_the_cache_off_and_a_hang_up() -> None:
     assert value(samples, "vllm:request_success_total", finished_reason="length") == 2
     assert value(samples, "vllm:e2e_request_latency_seconds_count") == 3
     assert value(samples, "vllm:request_params_n_count") == 3
-    assert all("prompt_tokens_details" not in usage for usage in usages)
+    assert continuous and \
+        all("prompt_tokens_details" not in usage for usage in [*usages, *continuous])
     assert value(samples, "vllm:prefix_cache_queries_total") == 0
     assert value(samples, "vllm:prefix_cache_hits_total") == 0
     (info,) = samples["vllm:cache_config_info"]
