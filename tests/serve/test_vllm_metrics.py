@@ -149,6 +149,10 @@ def test_vllm_metrics_and_cached_tokens_in_every_mode(mode: str) -> None:
     # the engine's prefix-cache counters agree with what each response said
     assert value(samples, "vllm:prefix_cache_hits_total", **labels) == sum(cached)
     assert value(samples, "vllm:prefix_cache_queries_total", **labels) == prompts
+    assert value(samples, "atombatch_engine_prefix_hit_tokens_total") == sum(cached)
+    assert value(samples, "atombatch_engine_prefix_query_tokens_total") == prompts
+    assert value(samples, "atombatch_engine_prefix_hits_total") == sum(c > 0 for c in cached)
+    assert value(samples, "atombatch_engine_prefix_misses_total") == sum(c == 0 for c in cached)
     # tokens the device computed: the prompts less what the cache held, and every generated
     # token after each request's first (that one comes from its last prefill chunk)
     assert value(samples, "vllm:iteration_tokens_total_sum", **labels) == \
