@@ -507,6 +507,8 @@ def compact_outputs(outs: list[RequestOutput]) -> RequestOutput:
         tuple(lp for o in outs for lp in o.logprobs or ())
     prompt_logprobs = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None),
                            None)
+    cached = next((o.cached_tokens for o in outs if o.cached_tokens is not None), None)
     return msgspec.structs.replace(last, new_token_ids=tuple(t for o in outs
                                                              for t in o.new_token_ids),
-                                   text=text, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                   text=text, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                   cached_tokens=cached)

@@ -127,6 +127,14 @@ class EngineStats(msgspec.Struct, frozen=True):
     overlapped_prefills: int = 0
     overlapped_joins: int = 0
     chained_chunks: int = 0
+    # vLLM's prefix-cache queries (tokens of every lookup; the hits are `prefix_hit_tokens`), and
+    # device calls by the tokens they computed: counts over `request.ITERATION_TOKEN_BUCKETS`
+    # (the last: above every bound) and their sum (`vllm:iteration_tokens_total`)
+    prefix_query_tokens: int = 0
+    prefix_cache: bool = False          # the engine runs a prefix cache
+    evictable_blocks: int = 0           # of the cached blocks, those no request holds (refcount 0)
+    iteration_tokens: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
 
 class StepResult:
@@ -1356,21 +1364,27 @@ class Batcher:
         outputs.append(self._final_output(request, ()))
 
     def _output(self, request: Request) -> RequestOutput:
-        """The output of a request's last token (its final one if it finished)."""
+        """The output of a request's last token (its final one if it finished); a first token's
+        carries the prompt tokens the prefix cache saved (`cached_tokens`)."""
         new = (request.output[-1],)
         outputs = self._outputs
         extras = outputs.extras.get(request.request_id) if outputs.extras else None
         if extras is None:
             if request.state is RequestState.FINISHED:
                 return self._final_output(request, new)
-            return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=False)
+            return RequestOutput(request_id=request.request_id, new_token_ids=new, finished=False,
+                                 cached_tokens=max(request.cached_tokens, 0)
+                                 if len(request.output) == 1 else None)
         text, stopped = outputs.text(request, extras)
         if stopped:  # the stop rule with a stop string: wins over max_tokens and EOS (as in vLLM)
             self.scheduler.stop_string(request)
             outputs.stopped_by_string(request, extras)
         if request.state is RequestState.FINISHED:
             return self._final_output(request, new, text)
-        return outputs.running(request, extras, text)
+        out = outputs.running(request, extras, text)
+        if len(request.output) == 1:
+            out = msgspec.structs.replace(out, cached_tokens=max(request.cached_tokens, 0))
+        return out
 
     def _final_output(self, request: Request, new: tuple[int, ...],
                       text: str | None = None) -> RequestOutput:
@@ -1445,7 +1459,11 @@ class Batcher:
             lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps),
             device_s=self._device_s, host_gap_s=self._host_gap_s, host_gaps=self._host_gaps,
             overlapped_steps=self._overlapped, overlapped_prefills=self._overlapped_prefills,
-            overlapped_joins=self._overlapped_joins, chained_chunks=self._chained)
+            overlapped_joins=self._overlapped_joins, chained_chunks=self._chained,
+            prefix_query_tokens=c.prefix_query_tokens, prefix_cache=s.prefix is not None,
+            evictable_blocks=s.pool.num_evictable,
+            iteration_tokens=tuple(c.iteration_tokens),
+            iteration_tokens_sum=c.iteration_tokens_sum)
 
     def check_invariants(self) -> None:
         """Raise `StateError` if any ownership invariant of docs/rules.md is broken."""
@@ -1463,6 +1481,20 @@ def quiet_requests(events: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, 
     (a warning) and the debug events stay."""
     return [(name, fields) for name, fields in events
             if not name.startswith("request.") or name in _WARN_EVENTS or name in _DEBUG_EVENTS]
+
+
+def prefix_cache_refusal(runtime: Runtime, *, host_cache_bytes: int = 0) -> str | None:
+    """Why `Batcher(runtime, prefix_cache=True, host_cache_bytes=...)` would be refused (the
+    message of its `ConfigError`), or None when the prefix cache can run there: what a server's
+    default (on wherever supported, as vLLM) asks before building its engine."""
+    artifact: ArtifactConfig = runtime.artifact
+    try:
+        memory_plan.check_serving(artifact, prefix_cache=True, host_cache_bytes=host_cache_bytes)
+        if artifact.model.is_hybrid:
+            slot_ops_supported(runtime, Capabilities(runtime))
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def log_events(events: list[tuple[str, dict[str, Any]]]) -> None:

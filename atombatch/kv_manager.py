@@ -464,6 +464,7 @@ class KVManager:
             checkpoints.begin(request, lane, resume, match.tokens, len(tokens), hit)
             if resume and self.slots is not None:
                 self.slots.advance(lane, resume)  # the restored slot holds that window
+        self._looked_up(request, len(tokens), resume)
         if resume == 0:
             self.counters.prefix_misses += 1
             return
@@ -512,6 +513,13 @@ class KVManager:
                     shared=request.shared, restored=restored,
                     blocks=len(self.lanes.blocks(lane)))  # a count: the list cost a render
 
+    def _looked_up(self, request: Request, queried: int, resume: int) -> None:
+        """A prefix-cache lookup of `queried` tokens saved `resume` of them: vLLM's queries (and,
+        in `prefix_hit_tokens`, its hits); the request's cached tokens from its first lookup."""
+        self.counters.prefix_query_tokens += queried
+        if request.cached_tokens < 0:
+            request.cached_tokens = resume
+
     def attach_prefix_staged(self, request: Request, spare: int) -> None:
         """Staging from a cached prefix: share the device blocks wholly before the resume
         position, restore host copies into fresh STAGED blocks, and fill the spare (the block the
@@ -523,6 +531,7 @@ class KVManager:
         resume = (min(match.tokens, len(tokens) - 1) // q) * q
         request.blocks = []
         self.staged_spare = spare
+        self._looked_up(request, len(tokens), resume)
         if resume == 0:
             self.counters.prefix_misses += 1
             request.blocks.append(spare)

@@ -170,14 +170,16 @@ class OutputBuilder:
             return Completion(request_id=request.request_id, prompt_len=len(request.prompt),
                               token_ids=tuple(request.output), finish_reason=request.finish_reason
                               or "error", error=request.error, timings=timings,
-                              preemptions=request.preemptions, stop_reason=stop_reason)
+                              preemptions=request.preemptions, stop_reason=stop_reason,
+                              cached_tokens=max(request.cached_tokens, 0))
         return Completion(request_id=extras.public_id, prompt_len=len(request.prompt),
                           token_ids=tuple(request.output), finish_reason=request.finish_reason or
                           "error", error=request.error, timings=timings,
                           preemptions=request.preemptions, index=extras.index,
                           text=extras.detok.text if extras.detok is not None else None,
                           logprobs=tuple(extras.logprobs) if extras.logprobs is not None else None,
-                          stop_reason=stop_reason, prompt_logprobs=self._prompt_result(extras))
+                          stop_reason=stop_reason, prompt_logprobs=self._prompt_result(extras),
+                          cached_tokens=max(request.cached_tokens, 0))
 
     def _prompt_logprobs_out(self, request: Request,
                              extras: Extras) -> tuple[TokenLogprobs | None, ...] | None:

@@ -98,8 +98,8 @@ class PDImport:
 class Request:
     """The scheduler's mutable record of one request."""
 
-    __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "chain", "compiling", "error",
-                 "error_param",
+    __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "cached_tokens", "chain",
+                 "compiling", "error", "error_param",
                  "finish_reason", "first_token_at", "lane", "lane_flags", "max_tokens", "output",
                  "params", "pd", "preemptions", "prefill_pos", "prompt", "request_id", "rng",
                  "shared", "state", "stop_token_ids", "token_times")
@@ -132,6 +132,8 @@ class Request:
         self.first_token_at: float | None = None
         self.token_times: array[float] = array("d")
         self.preemptions = 0
+        self.cached_tokens = -1          # prompt tokens its first prefix-cache lookup saved (-1:
+                                         #   not looked up; vLLM's `num_cached_tokens`)
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.error_param: str | None = None  # the request field whose value failed it (its
@@ -209,6 +211,11 @@ class StepRecord(msgspec.Struct, frozen=True):
     rows: int = 0                            # decode: rows of the compiled batch that ran
 
 
+# Upper bounds of the tokens-per-device-call histogram (`Counters.iteration_tokens`): vLLM's
+# `vllm:iteration_tokens_total` buckets (vllm/v1/metrics/buckets.py)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 class Counters(msgspec.Struct):
     """Monotonic counters a server can export."""
 
@@ -223,6 +230,7 @@ class Counters(msgspec.Struct):
     prefix_hits: int = 0
     prefix_misses: int = 0
     prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0            # tokens of every prefix-cache lookup (vLLM's queries)
     host_restores: int = 0
     evictions: int = 0
     prompt_forks: int = 0                   # n > 1 choices started from a copy of choice 0's KV
@@ -232,3 +240,8 @@ class Counters(msgspec.Struct):
     finished: dict[str, int] = msgspec.field(default_factory=dict)
     lane_histogram: list[int] = msgspec.field(default_factory=list)  # decode steps by busy lanes
     bucket_steps: dict[int, int] = msgspec.field(default_factory=dict)  # decode steps by rows run
+    # device calls by tokens they computed (a prefill chunk's tokens, a decode step's rows): a
+    # histogram over ITERATION_TOKEN_BUCKETS (the last count: above every bound), and the sum
+    iteration_tokens: list[int] = msgspec.field(
+        default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    iteration_tokens_sum: int = 0

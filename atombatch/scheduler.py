@@ -41,6 +41,7 @@ native prefill at the chunk boundary below the covered length.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -54,6 +55,7 @@ from atombatch.kv_manager import KVManager
 from atombatch.policy import DEFAULT_POLICY, POLICY_KINDS, Policy
 from atombatch.prefix import HostCache
 from atombatch.request import (
+    ITERATION_TOKEN_BUCKETS,
     TRANSITIONS,
     Counters,
     PDImport,
@@ -764,8 +766,11 @@ class Scheduler:
         """Count a prefill chunk that ran (`complete_prefill` does; alone, for a chunk whose
         request ended while it ran: its id may be a new request's by then)."""
         self._record("prefill", 1, plan.request_id)
-        self.counters.prefill_chunks += 1
-        self.counters.staged_chunks += plan.staged
+        counters = self.counters
+        counters.prefill_chunks += 1
+        counters.staged_chunks += plan.staged
+        counters.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, plan.chunk_len)] += 1
+        counters.iteration_tokens_sum += plan.chunk_len
 
     def _first_token(self, request: Request, token: int, now: float) -> list[Request]:
         self._append_token(request, token, now)
@@ -793,7 +798,10 @@ class Scheduler:
         counters.decode_steps += 1
         counters.lane_histogram[plan.rows] += 1
         counters.bucket_steps[bucket] = counters.bucket_steps.get(bucket, 0) + 1
-        counters.generated_tokens += kernel.completed
+        completed = kernel.completed
+        counters.generated_tokens += completed
+        counters.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, completed)] += 1
+        counters.iteration_tokens_sum += completed
         if self.kv.checkpoints is not None:
             self.kv.after_decode(self.by_lane)
         if not attention:

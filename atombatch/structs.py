@@ -252,6 +252,8 @@ class Completion(msgspec.Struct, frozen=True):
     stop_reason: str | int | None = None  # the stop string or stop/EOS id that ended it
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # per prompt token (the
                                           #   first is None), when asked for and computed
+    cached_tokens: int = 0                # prompt tokens its first prefix-cache lookup saved
+                                          #   (vLLM's `num_cached_tokens`)
 
 
 class RequestOutput(msgspec.Struct, frozen=True):
@@ -278,3 +280,5 @@ class RequestOutput(msgspec.Struct, frozen=True):
                                           #   constraint or masks left nothing to sample, or a
                                           #   structured-output constraint past its limits): the
                                           #   client's error (HTTP 400), not the engine's
+    cached_tokens: int | None = None      # on a choice's first output: prompt tokens its first
+                                          #   prefix-cache lookup saved (vLLM's num_cached_tokens)

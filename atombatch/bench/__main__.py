@@ -24,6 +24,8 @@ DESCRIPTIONS = {
     "stalls": "how long decoding streams wait behind a burst of prompts, per policy (simulator)",
     "argmax": "a decode step's greedy pick after a device wait: numpy's argmax against the "
               "compiled argmax_rows, per shape of logits",
+    "cache_cost": "the default prefix cache on a workload with no shared prefixes: server rounds "
+                  "cache on vs off side by side, ratio of medians (tok/s, CPU per token)",
     "structured": "structured-output grammar masks per step at B = 4..256 with a 152k vocabulary, "
                   "next to the unconstrained greedy and sampled step",
 }

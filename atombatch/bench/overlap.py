@@ -457,6 +457,12 @@ def server_has_overlap() -> bool:
     return "--overlap" in _server_help()
 
 
+def server_has_prefix_default() -> bool:
+    """Whether the server's prefix cache is on by default (it offers the flag that turns it
+    off)."""
+    return "--no-enable-prefix-caching" in _server_help()
+
+
 @functools.cache
 def _server_help() -> str:
     return subprocess.run([sys.executable, "-m", "atombatch.serve", "--help"],
@@ -922,6 +928,9 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
                         argv += ["--engine-core", core]
                     if overlap_flag:
                         argv += ["--overlap" if overlap else "--no-overlap"]
+                    if server_has_prefix_default():  # every round repeats its prompts: with
+                        #   the cache (the server's default) they would skip their prefill
+                        argv += ["--no-enable-prefix-caching"]
                     split: Literal["thread", "process", "fronts"] = \
                         "process" if core == "process" else "thread"
                     if core == "process" and args.api_server_count > 1:

@@ -88,6 +88,7 @@ from atombatch.serve.protocol import (
     ModelList,
     PromptLogprob,
     PromptLogprobsJSON,
+    PromptTokensDetails,
     StreamOptions,
     TopLogprob,
     Usage,
@@ -193,6 +194,9 @@ class _Generation:
         self.started = False                 # run() began (it then does its own accounting)
         self.abandoned = False
         self.last_token_at = accepted        # perf_counter of the last token (inter-token gaps)
+        self.max_tokens = 0                  # its resolved max_tokens (vLLM's metrics)
+        self.cached_tokens: int | None = None  # prompt tokens the prefix cache saved (the
+                                             #   engine's count, on choice 0's completion)
 
     @property
     def token_ids(self) -> list[int]:
@@ -205,6 +209,7 @@ class _Generation:
             self.server.ab.abort(self.request_id)
             if not self.started:  # hung up before the first byte of the body
                 self.server.metrics.finished.labels("disconnect").inc()
+                self._vllm_unfinished()
 
     def cancel(self) -> None:
         """Withdraw a request that was queued but will not be served (its batch was refused)."""
@@ -212,6 +217,7 @@ class _Generation:
             self.abandoned = True
             self.server.ab.abort(self.request_id)
             self.server.metrics.finished.labels("abort").inc()
+            self._vllm_unfinished()
 
     def fast_lane(self, template: PlainChunk, writer: DirectWriter) -> None:
         """From now on, while the stream waits, write each plain token's event directly from
@@ -230,7 +236,7 @@ class _Generation:
             step = functools.partial(_step_one, decoder.step)
         metrics = self.server.metrics
         direct, generated = metrics.direct_events, metrics.generation_tokens
-        gap, first = metrics.inter_token.observe, metrics.ttft.observe
+        gap, first = metrics.inter_token.observe, self._first_token
         clock = time.perf_counter
 
         def sink(token: int) -> bool:
@@ -240,7 +246,7 @@ class _Generation:
             if self.generated:
                 gap(now - self.last_token_at)
             else:
-                first(now - self.accepted)
+                first(now)
             self.last_token_at = now
             ids.append(token)
             self.generated += 1
@@ -261,11 +267,38 @@ class _Generation:
         if self.generated:
             metrics.inter_token.observe(now - self.last_token_at)
         else:
-            metrics.ttft.observe(now - self.accepted)
+            self._first_token(now)
         self.last_token_at = now
         choice.token_ids.extend(new)
         self.generated += len(new)
         metrics.generation_tokens.inc(len(new))
+
+    def _first_token(self, now: float) -> None:
+        """The request's first token reached the front at `now` (once per request)."""
+        metrics = self.server.metrics
+        ttft = now - self.accepted
+        metrics.ttft.observe(ttft)
+        metrics.vllm.first_token(self.prompt_len, ttft)
+
+    def _choice_done(self, choice: _Choice, out: RequestOutput) -> None:
+        """One choice ended: vLLM's per-request metrics (vLLM observes each choice of n > 1)."""
+        completion = out.completion
+        if completion is not None and out.index == 0:
+            self.cached_tokens = completion.cached_tokens
+        self.server.metrics.vllm.choice_done(
+            out.finish_reason, time.perf_counter() - self.accepted, self.prompt_len,
+            self.max_tokens, completion, len(choice.token_ids))
+
+    def _vllm_unfinished(self) -> None:
+        """The request ends with choices unfinished (the client left, or it never ran): vLLM
+        counts each as aborted."""
+        vllm = self.server.metrics.vllm
+        e2e = time.perf_counter() - self.accepted
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                vllm.choice_done("abort", e2e, self.prompt_len, self.max_tokens, None,
+                                 len(choice.token_ids))
+        vllm.request_done(len(self.choices), max(len(c.token_ids) for c in self.choices))
 
     async def run(self, index: int = 0
                   ) -> AsyncGenerator[tuple[int, tuple[list[int], str, RequestOutput]], None]:
@@ -299,6 +332,8 @@ class _Generation:
                         choice.logprobs.extend(out.logprobs)
                     if out.prompt_logprobs is not None:
                         self.prompt_logprobs = out.prompt_logprobs
+                    if out.cached_tokens is not None and out.index == 0:
+                        self.cached_tokens = out.cached_tokens
                     if out.text is not None:  # the engine detokenized (stop strings held back)
                         text = out.text
                     else:
@@ -308,6 +343,7 @@ class _Generation:
                     choice.text.append(text)
                     if out.finish_reason is not None:
                         choice.finish_reason = out.finish_reason
+                        self._choice_done(choice, out)
                         if out.completion is not None:
                             choice.stop_reason = out.completion.stop_reason
                         if out.finish_reason == "error" and self.error is None:
@@ -324,14 +360,21 @@ class _Generation:
                 self.abandoned = True
                 self.server.ab.abort(self.request_id)
                 metrics.finished.labels("disconnect").inc()
+                self._vllm_unfinished()
             else:
                 metrics.finished.labels(self.finish_reason).inc()
                 metrics.e2e.observe(time.perf_counter() - self.accepted)
+                metrics.vllm.request_done(len(self.choices),
+                                          max(len(c.token_ids) for c in self.choices))
 
     def usage(self) -> Usage:
+        """A continuous-usage chunk's usage (with `prompt_tokens_details` once the first token
+        said how many prompt tokens were cached, as vLLM)."""
         n = self.generated
+        details = PromptTokensDetails(cached_tokens=self.cached_tokens) \
+            if self.server.prompt_tokens_details and self.cached_tokens is not None else None
         return Usage(prompt_tokens=self.prompt_len, completion_tokens=n,
-                     total_tokens=self.prompt_len + n)
+                     total_tokens=self.prompt_len + n, prompt_tokens_details=details)
 
     def error_event(self) -> bytes:
         if self.error_param is not None:  # the client's constraint failed it, not the engine
@@ -380,9 +423,10 @@ class _Server:
             worker_target=grammar_check)
         self.constraints = ChatConstraints(self.structured, reasoning_parser,
                                            getattr(codec, "tokenizer", None))
-        self.metrics = ServerMetrics(ab.stats, self.artifact.batch_size,
+        self.metrics = ServerMetrics(ab.stats, self.artifact, model_name,
                                      shared=getattr(ab, "shared", None))
         self.accepting = False
+        self.prompt_tokens_details = False  # --enable-prompt-tokens-details
         self.created = int(time.time())
 
     # -- request parsing ---------------------------------------------------------------------------
@@ -592,6 +636,8 @@ class _Server:
         gen = _Generation(self, request_id, len(prompt), self.ab.output_box(request_id),
                           accepted, params.n)
         gen.prompt = prompt
+        gen.max_tokens = params.max_tokens if params.max_tokens is not None else \
+            self.artifact.max_seq_len - len(prompt)
         return gen
 
     def busy(self, exc: CapacityError) -> ApiError:
@@ -1247,13 +1293,24 @@ def _total_usage(gens: list[_Generation]) -> Usage:
     prompt = sum(g.prompt_len for g in gens)
     completion = sum(g.generated for g in gens)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                 total_tokens=prompt + completion)
+                 total_tokens=prompt + completion, prompt_tokens_details=_details(gens))
 
 
 def _prompt_usage(gens: list[_Generation]) -> Usage:
     """Usage of requests that generate nothing (echo with max_tokens=0)."""
     prompt = sum(g.prompt_len for g in gens)
-    return Usage(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt)
+    return Usage(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt,
+                 prompt_tokens_details=_details(gens))
+
+
+def _details(gens: list[_Generation]) -> PromptTokensDetails | None:
+    """`prompt_tokens_details` of a final usage (--enable-prompt-tokens-details): the prompt
+    tokens the prefix cache saved, summed over the body's prompts; None (left out) without the
+    flag, or when the engine reported none (no request ran)."""
+    if not gens or not gens[0].server.prompt_tokens_details:
+        return None
+    cached = [g.cached_tokens for g in gens if g.cached_tokens is not None]
+    return PromptTokensDetails(cached_tokens=sum(cached)) if cached else None
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
@@ -1378,7 +1435,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS,
                api_keys: Sequence[str] = (), tool_parser: str | None = None,
                reasoning_parser: str | None = None,
-               grammar_check: str | None = None) -> Starlette:
+               grammar_check: str | None = None,
+               enable_prompt_tokens_details: bool = False) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
     Args:
@@ -1411,6 +1469,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         reasoning_parser: `qwen3`: split `<think>...</think>` into `reasoning_content`.
         grammar_check: `module:function` the grammar workers check constraints with instead of
             `atombatch.grammar_check.check_in_worker` (fault-injection tests).
+        enable_prompt_tokens_details: a final `usage` carries `prompt_tokens_details`
+            (`cached_tokens`: prompt tokens the prefix cache saved), as vLLM's flag.
 
     Returns:
         A Starlette app to run with uvicorn; `atombatch.serve.limits.uvicorn_config(app, ...)`
@@ -1443,6 +1503,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
     server = _Server(ab, model_name, codec, max_body_bytes, retry_after, strict_protocol,
                      body_timeout, bounds, max_response_bytes, max_structured_chars,
                      tool_parser, reasoning_parser, grammar_check)
+    server.prompt_tokens_details = enable_prompt_tokens_details
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

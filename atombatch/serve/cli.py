@@ -47,7 +47,7 @@ from atombatch.config import (
     ArtifactConfig,
     ModelSpec,
 )
-from atombatch.engine import Batcher
+from atombatch.engine import Batcher, prefix_cache_refusal
 from atombatch.errors import ConfigError
 from atombatch.policy import DEFAULT_POLICY
 from atombatch.sampling import LogprobsMode
@@ -59,6 +59,8 @@ from atombatch.serve.reasoning import REASONING_PARSER_NAMES
 from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS
 from atombatch.serve.tokens import Codec, HFCodec
 from atombatch.serve.tools import TOOL_PARSER_NAMES
+
+log = logs.logger("atombatch.serve")
 
 POLICY_HELP = {
     "stall-free:K": "prefill-first, but a decode step at least every K prefill chunks while "
@@ -155,9 +157,11 @@ def parser() -> argparse.ArgumentParser:
                                                           for k, v in POLICY_HELP.items()))
     p.add_argument("--max-waiting", type=int, default=256,
                    help="queue bound: requests without a lane past it answer 429 (default 256)")
-    p.add_argument("--prefix-cache", "--enable-prefix-caching",
-                   action=argparse.BooleanOptionalAction, default=False,
-                   help="keep finished sequences' KV for requests sharing a prefix (default off)")
+    p.add_argument("--enable-prefix-caching", "--prefix-cache", dest="prefix_cache",
+                   action=argparse.BooleanOptionalAction, default=None,
+                   help="keep finished sequences' KV for requests sharing a prefix (default: on "
+                   "wherever the artifact and runtime support it, as vLLM; "
+                   "--no-enable-prefix-caching turns it off)")
     p.add_argument("--host-cache-bytes", type=int, default=0,
                    help="host memory for KV blocks evicted from the prefix cache (default 0)")
     p.add_argument("--seed", type=int, default=0, help="random weights and engine sampling seed")
@@ -192,6 +196,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", choices=REASONING_PARSER_NAMES,
                    help="split the model's <think>...</think> into message.reasoning_content "
                    "(qwen3)")
+    p.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
+                   default=False,
+                   help="vLLM's flag: a response's usage carries prompt_tokens_details."
+                   "cached_tokens (prompt tokens the prefix cache saved)")
     p.add_argument("--strict-protocol", action="store_true",
                    help="reject request fields the server does not read (400 unknown_parameter) "
                    "instead of ignoring them (default: ignored, logged once, listed in the "
@@ -478,8 +486,14 @@ def _null_engine(args: argparse.Namespace) -> tuple[Batcher, str, Codec | None]:
 
 def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,
              spec: ModelSpec) -> tuple[Batcher, str, Codec | None]:
+    prefix_cache = args.prefix_cache
+    if prefix_cache is None:  # the default: on wherever it can be (vLLM's), quietly off elsewhere
+        reason = prefix_cache_refusal(runtime, host_cache_bytes=args.host_cache_bytes)
+        prefix_cache = reason is None
+        if reason is not None:
+            log.info("prefix_cache.default_off", reason=reason)
     batcher = Batcher(runtime, policy=args.policy, seed=args.seed, max_waiting=args.max_waiting,
-                      prefix_cache=args.prefix_cache, host_cache_bytes=args.host_cache_bytes,
+                      prefix_cache=prefix_cache, host_cache_bytes=args.host_cache_bytes,
                       pd_timeout=getattr(args, "pd_timeout", 300.0),
                       argmax_threads=getattr(args, "argmax_threads", None),
                       overlap=getattr(args, "overlap", False),
@@ -693,7 +707,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
                          bounds=bounds, max_response_bytes=args.max_response_bytes,
                          max_structured_chars=args.max_structured_chars,
                          api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
-                         reasoning_parser=args.reasoning_parser)
+                         reasoning_parser=args.reasoning_parser,
+                         enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     except ConfigError as exc:
         print(f"atombatch.serve: {in_users_words(args, str(exc))}", file=sys.stderr)
         _stop_engine(engine)

@@ -14,7 +14,8 @@ objects cost there) and exposed in the same shape when scraped.
 | atombatch_queue_length | gauge | requests without a lane (waiting + staged) |
 | atombatch_blocks | gauge | state = free, spare, staged, lane, cached |
 | atombatch_engine_<counter>_total | counter | (steps, prefill_chunks, staged_chunks, imports |
-|  |  | (PD), decode_steps, generated_tokens, rotations, preemptions) |
+|  |  | (PD), decode_steps, generated_tokens, rotations, preemptions, prefix_hits, |
+|  |  | prefix_misses, prefix_hit_tokens, prefix_query_tokens, host_restores, evictions) |
 | atombatch_engine_requests_finished_total | counter | reason (engine view, all requests) |
 | atombatch_device_seconds_total | counter | wall time inside device calls |
 | atombatch_host_gap_seconds_total, atombatch_host_gaps_total | counter | the host's time between |
@@ -31,6 +32,8 @@ objects cost there) and exposed in the same shape when scraped.
 | atombatch_time_to_first_token_seconds | histogram | accept -> first token out |
 | atombatch_inter_token_latency_seconds | histogram | gap between consecutive tokens out |
 | atombatch_e2e_request_latency_seconds | histogram | accept -> finish |
+
+Beside them, vLLM's `vllm:` families (atombatch/serve/vllm_metrics.py).
 """
 
 from __future__ import annotations
@@ -53,9 +56,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from atombatch.config import ArtifactConfig
 from atombatch.engine import EngineStats
 from atombatch.logs import logger
 from atombatch.serve.metrics_merge import exposition, sum_metrics
+from atombatch.serve.vllm_metrics import VllmEngineFamilies, VllmRequestMetrics
 
 log = logger("atombatch.serve")
 
@@ -64,7 +69,9 @@ FRONT_WRITE_INTERVAL = 1.0   # seconds between a shared core's front writing its
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                     20.0, 40.0, 60.0, 120.0, 180.0, 300.0, 600.0)
 _ENGINE_COUNTERS = ("steps", "prefill_chunks", "staged_chunks", "imports", "decode_steps",
-                    "generated_tokens", "rotations", "preemptions")
+                    "generated_tokens", "rotations", "preemptions", "prefix_hits",
+                    "prefix_misses", "prefix_hit_tokens", "prefix_query_tokens", "host_restores",
+                    "evictions")
 
 
 class _EngineCollector(Collector):
@@ -248,9 +255,11 @@ class ServerMetrics:
     over every front (`_FrontFamilies`) and the engine's are the core's, as every front sees
     them."""
 
-    def __init__(self, stats: Callable[[], EngineStats], lanes: int, shared: Any = None) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], artifact: ArtifactConfig,
+                 model_name: str, shared: Any = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(stats, lanes))
+        self.registry.register(_EngineCollector(stats, artifact.batch_size))
+        self.registry.register(VllmEngineFamilies(stats, artifact, model_name))
         self.front_registry = registry = CollectorRegistry(auto_describe=True)
         self.in_flight = Gauge("atombatch_requests_in_flight",
                                "HTTP generation requests being served.", registry=registry)
@@ -279,6 +288,8 @@ class ServerMetrics:
         self.e2e = Histogram("atombatch_e2e_request_latency_seconds",
                              "Request accepted -> finished.", buckets=_LATENCY_BUCKETS,
                              registry=registry)
+        self.vllm = VllmRequestMetrics(registry, model_name, artifact.max_seq_len,
+                                       lambda: self.generation_tokens.value)
         self.fronts = _FrontFamilies(registry, shared)
         self.registry.register(self.fronts)
         if shared is not None:

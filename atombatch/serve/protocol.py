@@ -125,10 +125,16 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 
 # -- responses -------------------------------------------------------------------------------------
-class Usage(msgspec.Struct):
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int                   # prompt tokens whose prefill the prefix cache saved
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # with --enable-prompt-tokens-details only (as vLLM: absent otherwise)
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(msgspec.Struct):

@@ -210,7 +210,7 @@ TABLE = """\
 --enable-per-request-metrics switch warn obs
 --enable-prefix-caching switch honoured
 --enable-prompt-embeds switch refused embeds
---enable-prompt-tokens-details switch refused tokens_out
+--enable-prompt-tokens-details switch honoured
 --enable-request-id-headers switch warn obs
 --enable-return-routed-experts switch refused convertmodel
 --enable-scale-out switch refused kvconnector
@@ -378,7 +378,7 @@ TABLE = """\
 --no-enable-per-request-metrics switch warn obs
 --no-enable-prefix-caching switch honoured
 --no-enable-prompt-embeds switch honoured off
---no-enable-prompt-tokens-details switch honoured off
+--no-enable-prompt-tokens-details switch honoured
 --no-enable-request-id-headers switch warn obs
 --no-enable-return-routed-experts switch honoured off
 --no-enable-scale-out switch honoured off

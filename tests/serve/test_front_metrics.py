@@ -11,7 +11,7 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from support.engines import numpy_batcher
+from support.engines import ART, numpy_batcher
 
 from atombatch.core.shared import SharedCore
 from atombatch.serve.metrics import ServerMetrics, front_metrics_path
@@ -20,7 +20,7 @@ from atombatch.serve.metrics import ServerMetrics, front_metrics_path
 def front_metrics(directory: Path, front: int, fronts: int = 2) -> ServerMetrics:
     shared = SharedCore(directory=str(directory), fronts=fronts, front=front,
                         core_pid=os.getpid())
-    return ServerMetrics(numpy_batcher().stats, 4, shared=shared)
+    return ServerMetrics(numpy_batcher().stats, ART, "core-test", shared=shared)
 
 
 def finished(text: str) -> float:

@@ -169,7 +169,7 @@ class AtomReplica:
         self.pool = None
         self.summarizer = CacheSummarizer(route_block, max_blocks, bits=summary_bits)
         self._summary_args = (route_block, max_blocks, summary_bits)
-        self._prefix_cache = bool(args.prefix_cache)
+        self._prefix_cache = args.prefix_cache is not False  # None: the default (on where supported)
         self._loop = asyncio.get_running_loop()
         self._stats_seq = 0
         self._stats_held = (0, 0)
@@ -205,7 +205,8 @@ class AtomReplica:
                               max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                               max_structured_chars=args.max_structured_chars,
                               api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
-                              reasoning_parser=args.reasoning_parser)  # headers are forwarded
+                              reasoning_parser=args.reasoning_parser,  # headers are forwarded
+                              enable_prompt_tokens_details=args.enable_prompt_tokens_details)
         core, pool = self.core, self.pool
         if core is not None and core.pd_options is not None:  # the pool on /metrics
             from atombatch.serve.pd_metrics import add_pd_metrics
