@@ -1464,11 +1464,18 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
     ]
+    from atombatch.serve.responses import ResponsesAPI  # (it builds on this module)
+
+    responses = ResponsesAPI(server)
+    routes += [Route("/v1/responses", responses.create, methods=["POST"]),
+               Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+               Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"])]
     middleware = [Middleware(BearerAuth, keys=list(api_keys))] if api_keys else []
     app = App(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={ApiError: server.api_error,
                                         HTTPException: server.http_error})
     app.state.server = server
+    app.state.responses = responses
     app.state.async_batcher = ab
     app.state.metrics_registry = server.metrics.registry
     return app
