@@ -42,20 +42,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from atombatch.errors import RequestError
-from atombatch.serve.app import (
-    _PLAIN,
-    ApiError,
-    _clip,
-    _Generation,
-    _merged,
-    _owned,
-    _Server,
-    _SSEResponse,
-)
+from atombatch.serve.api_error import ApiError
 from atombatch.serve.chat_output import ChatOutput, Piece
 from atombatch.serve.chat_template import check_template_kwargs
 from atombatch.serve.protocol import ChatCompletionRequest
 from atombatch.serve.reasoning import Qwen3ReasoningParser
+from atombatch.serve.sse import SSEResponse
 from atombatch.serve.tools import MAX_TOOLS, ToolCallError, ToolPlan
 from atombatch.structs import SamplingParams
 
@@ -65,6 +57,11 @@ DEFAULT_MAX_STORED = 1024            # responses the store keeps (least recently
 DEFAULT_MAX_STORED_BYTES = 64 << 20  # bytes of JSON the store keeps (responses + conversations)
 
 _ENCODER = msgspec.json.Encoder()
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# The app's server and its generations (atombatch/serve/app.py's `_Server` and `_Generation`): not
+# imported, the app imports this module.
+Server = Any
+Generation = Any
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -531,7 +528,7 @@ class _Turn:
 class ResponsesAPI:
     """The Responses routes of one server (`create_app` registers them)."""
 
-    def __init__(self, server: _Server, store: ResponseStore | None = None) -> None:
+    def __init__(self, server: Server, store: ResponseStore | None = None) -> None:
         self.server = server
         self.store = store if store is not None else ResponseStore()
 
@@ -622,11 +619,16 @@ class ResponsesAPI:
         room = server.artifact.max_seq_len - len(prompts[0])
         turn = _Turn(body, params, plan, conversation, len(prompts[0]),
                      room if params.max_tokens is None else params.max_tokens)
-        with _owned(gens):
+        try:  # until a response owns them, a failure aborts the generations
             headers = server.headers(request)
             if body.stream:
-                return _SSEResponse(self._stream(gens[0], turn), gens, headers)
+                return SSEResponse(self._stream(gens[0], turn), gens,
+                                   {**_SSE_HEADERS, **(headers or {})})
             await server._collect(request, gens)
+        except BaseException:
+            for gen in gens:
+                gen.abandon()
+            raise
         gen = gens[0]
         response = await server.in_worker(self._whole, gen, turn)
         self._keep(turn, response)
@@ -636,7 +638,7 @@ class ResponsesAPI:
     def _output(self, turn: _Turn) -> ChatOutput:
         return ChatOutput(turn.plan, self.server.reasoning_parser)
 
-    def _whole(self, gen: _Generation, turn: _Turn) -> ResponseObject:
+    def _whole(self, gen: Generation, turn: _Turn) -> ResponseObject:
         """A finished non-streamed generation as its response (built on the text worker)."""
         output, items = self._output(turn), _Items()
         choice = gen.choices[0]
@@ -654,7 +656,7 @@ class ResponsesAPI:
         items.close(_item_status(choice.finish_reason))
         return self._response(turn, gen, items.items, choice.finish_reason)
 
-    def _response(self, turn: _Turn, gen: _Generation | None, items: list[OutputItem],
+    def _response(self, turn: _Turn, gen: Generation | None, items: list[OutputItem],
                   finish: str | None) -> ResponseObject:
         body, server = turn.body, self.server
         usage = None
@@ -705,7 +707,7 @@ class ResponsesAPI:
         if turn.body.store:
             self.store.put(response, turn.conversation + output_messages(response.output))
 
-    async def _stream(self, gen: _Generation, turn: _Turn) -> AsyncIterator[bytes]:
+    async def _stream(self, gen: Generation, turn: _Turn) -> AsyncIterator[bytes]:
         sequence = 0
 
         def event(data: dict[str, Any]) -> bytes:
@@ -719,9 +721,9 @@ class ResponsesAPI:
         yield event({"type": "response.created", "response": start})
         yield event({"type": "response.in_progress", "response": start})
         output, items = self._output(turn), _Items()
-        async with contextlib.aclosing(_merged([gen])) as events:
+        async with contextlib.aclosing(gen.run(0)) as events:
             async for _, (_new, text, out) in events:
-                finish = out.finish_reason if out is not _PLAIN else None
+                finish = out.finish_reason
                 if finish == "error":
                     yield event(self._error_event(gen))
                     return
@@ -746,7 +748,7 @@ class ResponsesAPI:
         kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
         yield event({"type": kind, "response": final})
 
-    def _error_event(self, gen: _Generation) -> dict[str, Any]:
+    def _error_event(self, gen: Generation) -> dict[str, Any]:
         if gen.error_param is not None:
             return {"type": "error", "code": "constraint_failed",
                     "message": gen.error or "request failed", "param": gen.error_param}
@@ -776,6 +778,11 @@ class ResponsesAPI:
             raise ApiError(404, f"Response with id {_clip(repr(response_id))} not found.",
                            param="response_id", code="not_found")
         return stored
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    """Client-supplied text quoted in an error, cut to `limit` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
 def _item_status(finish: str | None) -> str:
