@@ -420,7 +420,7 @@ class _Items:
             if call.id is not None:
                 events += self.close("completed")
                 events += self._open_call(call.id, call.name or "", call.index)
-            if call.arguments and self.open == "call":
+            if call.arguments and self.open == "call" and call.index == self.call_index:
                 self.text.append(call.arguments)
                 item = self.items[-1]
                 events.append({"type": "response.function_call_arguments.delta",

@@ -357,6 +357,28 @@ def test_openai_agents_runs_a_function_tool_agent(scripted: ServerThread) -> Non
     assert result.final_output == ANSWER
 
 
+def test_the_command_line_serves_responses_with_the_core_process(tmp_path: Path) -> None:
+    """`python -m atombatch.serve --model DIR` (the engine core in its own process, the default):
+    a constrained response, and a second one chained to it."""
+    from support.served import served
+
+    directory = model.checkpoint_dir(tmp_path / "ckpt")
+    schema = Person.model_json_schema()
+    with served("--model", str(directory), "--max-seq-len", "256", "--batch-size", "2",
+                "--served-model-name", NAME) as (url, _), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        first = client.responses.create(
+            model=NAME, input="Who are you?", max_output_tokens=80, temperature=0,
+            text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
+        jsonschema.validate(json.loads(first.output_text), schema)
+        second = client.responses.create(model=NAME, input="And then?", max_output_tokens=3,
+                                         previous_response_id=first.id, temperature=0)
+        assert second.usage is not None and first.usage is not None
+        assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+        card = httpx.get(f"{url}/v1/models").json()["data"][0]
+        assert card["atombatch"]["engine_core"]["mode"] == "process"
+
+
 # -- refusals --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("fields", "param"), [
     ({"input": [{"role": "user", "content": "hi"}] * (MAX_INPUT_ITEMS + 1)}, "input"),
