@@ -357,26 +357,35 @@ def test_openai_agents_runs_a_function_tool_agent(scripted: ServerThread) -> Non
     assert result.final_output == ANSWER
 
 
-def test_the_command_line_serves_responses_with_the_core_process(tmp_path: Path) -> None:
-    """`python -m atombatch.serve --model DIR` (the engine core in its own process, the default):
-    a constrained response, and a second one chained to it."""
+def test_the_command_line_gives_the_same_response_in_every_engine_core_mode(
+        tmp_path: Path) -> None:
+    """`python -m atombatch.serve --model DIR` with the engine inline, in its own core process
+    (the default) and behind two fronts: the same constrained response; chained to it, the next
+    one's prompt holds it (one front: the store is the front's)."""
     from support.served import served
 
     directory = model.checkpoint_dir(tmp_path / "ckpt")
     schema = Person.model_json_schema()
-    with served("--model", str(directory), "--max-seq-len", "256", "--batch-size", "2",
-                "--served-model-name", NAME) as (url, _), \
-            openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
-        first = client.responses.create(
-            model=NAME, input="Who are you?", max_output_tokens=80, temperature=0,
-            text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
-        jsonschema.validate(json.loads(first.output_text), schema)
-        second = client.responses.create(model=NAME, input="And then?", max_output_tokens=3,
-                                         previous_response_id=first.id, temperature=0)
-        assert second.usage is not None and first.usage is not None
-        assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
-        card = httpx.get(f"{url}/v1/models").json()["data"][0]
-        assert card["atombatch"]["engine_core"]["mode"] == "process"
+    texts = []
+    for flags in (("--engine-core", "inline"), (), ("--api-server-count", "2")):
+        with served("--model", str(directory), "--max-seq-len", "256", "--batch-size", "2",
+                    "--served-model-name", NAME, *flags) as (url, _), \
+                openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+            first = client.responses.create(
+                model=NAME, input="Who are you?", max_output_tokens=80, temperature=0,
+                text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
+            jsonschema.validate(json.loads(first.output_text), schema)
+            texts.append(first.output_text)
+            if flags == ():
+                second = client.responses.create(model=NAME, input="And then?",
+                                                 max_output_tokens=3, temperature=0,
+                                                 previous_response_id=first.id)
+                assert second.usage is not None and first.usage is not None
+                assert second.usage.input_tokens > \
+                    first.usage.input_tokens + first.usage.output_tokens
+                card = httpx.get(f"{url}/v1/models").json()["data"][0]
+                assert card["atombatch"]["engine_core"]["mode"] == "process"
+    assert texts[0] == texts[1] == texts[2]
 
 
 # -- refusals --------------------------------------------------------------------------------------
