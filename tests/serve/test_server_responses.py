@@ -421,6 +421,59 @@ def test_bad_requests_are_400s_naming_the_field(noise: ServerThread, fields: dic
     assert httpx.get(f"{noise.url}/health", timeout=5).status_code == 200
 
 
+def test_any_input_tools_and_format_answer_200_or_a_400_naming_a_field(
+        noise: ServerThread) -> None:
+    """Hypothesis sends arbitrary JSON as input items, tools, tool_choice and text: never a
+    5xx, and every refusal names the field at fault."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=3) |
+        st.dictionaries(st.sampled_from(["type", "role", "content", "text", "call_id", "name",
+                                         "arguments", "output", "summary", "x"]), inner,
+                        max_size=4),
+        max_leaves=10)
+    part = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text",
+                                                           "input_image", "reasoning_text"]),
+                                  "text": st.text(max_size=8) | json_values})
+    item = st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "x"]),
+                               "content": st.text(max_size=8) | st.lists(part, max_size=2)}),
+        st.fixed_dictionaries({"type": st.just("function_call"),
+                               "call_id": st.sampled_from(["c1", "c2"]) | json_values,
+                               "name": st.just("get_weather") | json_values,
+                               "arguments": st.just('{"city": "Seoul"}') | json_values}),
+        st.fixed_dictionaries({"type": st.just("function_call_output"),
+                               "call_id": st.sampled_from(["c1", "c2"]) | json_values,
+                               "output": st.text(max_size=8) | st.lists(part, max_size=2)}),
+        st.fixed_dictionaries({"type": st.just("reasoning"), "summary": st.just([]),
+                               "content": st.lists(part, max_size=2) | json_values}),
+        json_values)
+    tool = st.sampled_from([WEATHER, {"type": "function", "name": "f"},
+                            {"type": "web_search"}]) | json_values
+    choice = st.sampled_from(["none", "auto", "required", {"type": "function",
+                                                           "name": "get_weather"}]) | json_values
+    text = st.sampled_from([None, {"format": {"type": "json_object"}},
+                            {"format": {"type": "json_schema", "name": "p",
+                                        "schema": Person.model_json_schema()}}]) | json_values
+
+    @settings(max_examples=60, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(items=st.lists(item, min_size=1, max_size=4) | json_values,
+           tools=st.none() | st.lists(tool, max_size=2), tool_choice=choice, text=text)
+    def send(items: Any, tools: Any, tool_choice: Any, text: Any) -> None:
+        body = {"model": NAME, "input": items, "max_output_tokens": 4, "tools": tools,
+                "tool_choice": tool_choice, "text": text}
+        r = httpx.post(f"{noise.url}/v1/responses", json=body, timeout=60)
+        assert r.status_code in (200, 400), r.text
+        if r.status_code == 400:
+            assert r.json()["error"]["param"], r.text
+
+    send()
+
+
 def test_unknown_ids_on_get_and_cancel(noise: ServerThread) -> None:
     r = httpx.get(f"{noise.url}/v1/responses/resp_nowhere")
     assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
