@@ -55,6 +55,7 @@ from atombatch.errors import CapacityError, ConfigError, RequestError, Unavailab
 from atombatch.logs import logger
 from atombatch.mailbox import Mailbox, as_outputs
 from atombatch.serve import schema, vllm_api
+from atombatch.serve.api_error import ApiError
 from atombatch.serve.auth import BearerAuth
 from atombatch.serve.chat_output import (
     ChatConstraints,
@@ -94,6 +95,7 @@ from atombatch.serve.protocol import (
     Usage,
 )
 from atombatch.serve.reasoning import REASONING_PARSER_NAMES
+from atombatch.serve.responses import ResponsesAPI
 from atombatch.serve.sse import SSE_DONE, App, DirectWriter, PlainChunk, SSEResponse
 from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredRequests
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
@@ -120,18 +122,6 @@ def _owned(gens: list[_Generation]) -> Iterator[None]:
         for gen in gens:
             gen.abandon()
         raise
-
-
-class ApiError(Exception):
-    """An error answered with an OpenAI-style body."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = ErrorResponse(ErrorBody(message=message, type=type, param=param, code=code))
-        self.headers = headers
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -1532,11 +1522,16 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
     ]
+    responses = ResponsesAPI(server)
+    routes += [Route("/v1/responses", responses.create, methods=["POST"]),
+               Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+               Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"])]
     middleware = [Middleware(BearerAuth, keys=list(api_keys))] if api_keys else []
     app = App(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={ApiError: server.api_error,
                                         HTTPException: server.http_error})
     app.state.server = server
+    app.state.responses = responses
     app.state.async_batcher = ab
     app.state.metrics_registry = server.metrics.registry
     return app

@@ -133,7 +133,7 @@ def test_fuzzed_chat(url: str, body: dict[str, Any]) -> None:
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=st.one_of(st.binary(max_size=200), JSON.map(lambda v: json.dumps(v).encode()),
                      st.just(b"{" * 5000), st.just(b"[" * 100_000)),
-       path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+       path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses"]))
 def test_fuzzed_raw_bodies(url: str, raw: bytes, path: str) -> None:
     post(url, path, raw)
 
