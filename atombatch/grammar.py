@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import json
+import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -63,6 +65,7 @@ COMPILED_CACHE_CHARS = 8 << 20
 # the compile thread's stack: four times a grammar worker's (grammar_check.CHECK_STACK_BYTES), so
 # what a worker compiled compiles here too (llguidance needs ~2.5 KiB per chained Lark rule)
 COMPILE_STACK_BYTES = 256 << 20
+COMPILE_NICE = 10                      # the compile thread's niceness (the loop's is the process's)
 # llguidance's budget for building a constraint's lexer and its first mask (its default is
 # 1 000 000): a 15-character regex such as `(a{1000}){1000}` spent 3 s and 250 MiB of it before
 # failing; at this budget it fails in 0.3 s and 25 MiB, while real schemas (128 tools of a
@@ -472,6 +475,10 @@ class _CompileThread:
         self._jobs.put(None)
 
     def _run(self) -> None:
+        # below the engine's loop and mask threads: a storm of compiles (each bounded by the
+        # workers' budgets) takes the CPU the steps leave, not the steps' (Linux: per thread)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
         while True:
             job = self._jobs.get()
             if job is None:
