@@ -61,6 +61,7 @@ from atombatch.serve.chat_output import (
     ChatOutput,
     Piece,
     UnservableConstraint,
+    chat_finish_reason,
     delta_of,
     message_of,
 )
@@ -992,12 +993,10 @@ class _Server:
         for i, c in enumerate(gens[0].choices):
             output = ChatOutput(plan, self.reasoning_parser)
             try:
-                message = message_of(output, "".join(c.text))
+                message = message_of(output, "".join(c.text), c.finish_reason)
             except ToolCallError as exc:  # the calls the request asked for passed a bound
                 raise ApiError(400, str(exc), param="tools", code="tool_call_limit") from None
-            finish = c.finish_reason
-            if output.made_calls and finish != "error":
-                finish = "tool_calls"
+            finish = chat_finish_reason(c.finish_reason, output)
             choices.append(ChatChoice(
                 index=i, message=message, token_ids=c.token_ids, finish_reason=finish,
                 stop_reason=c.stop_reason,
@@ -1058,8 +1057,7 @@ class _Server:
                         tail.add(gen.error_event())
                         break
                     delta = delta_of(piece)
-                    if finish is not None and finish != "error" and output.made_calls:
-                        finish = "tool_calls"
+                    finish = chat_finish_reason(finish, output)
                 else:
                     delta = ChatDelta(content=text)
                 if out.finish_reason == "error":
@@ -1462,6 +1460,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         Route("/version", server.version, methods=["GET"]),
         Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
+        Route("/ping", server.health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) probe
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
     ]
     middleware = [Middleware(BearerAuth, keys=list(api_keys))] if api_keys else []
