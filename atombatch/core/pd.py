@@ -164,12 +164,10 @@ class CorePD:
         PD, not eligible, or no producer up: a native fallback).
 
         Raises:
-            RequestError: the request is invalid (checked before any producer is asked).
         """
         if not message.pd or not pd_eligible(message.params):
             return None
-        batcher.validate(tokens, message.params)
-        try:
+        try:  # (the front validated the request against this core's rules)
             return self.pool.open(message.request_id, tokens.tolist(), message.params)
         except AtomBatchError as exc:
             self.native_fallbacks += 1

@@ -666,7 +666,9 @@ class CoreLoop:
         try:
             if self.pd is not None:  # validated before any producer is asked
                 kv = self.pd.source(self.batcher, message, tokens)
-            self.batcher.submit(tokens, message.params, request_id=message.request_id, kv=kv)
+            # validated by the front against the rules this core reported: not again
+            self.batcher.submit(tokens, message.params, request_id=message.request_id, kv=kv,
+                                validated=True)
         except Exception as exc:  # one bad request must not stop the loop
             if kv is not None:
                 kv.close()
