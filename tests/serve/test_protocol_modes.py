@@ -286,3 +286,41 @@ def test_ping_answers_as_health(urls: dict[str, str]) -> None:
             ping = httpx.request(method, f"{url}/ping")
             assert (ping.status_code, ping.json()) == (health.status_code, health.json()) == \
                 (200, {"status": "ok"})
+
+
+# -- each request is validated once --------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["inline", "process"])
+def test_each_request_is_validated_once(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`validation.py` runs once per prompt, in the front: a batch's prompts before any is
+    queued, a single prompt at submit; neither the inline engine's loop nor the engine core
+    checks again (the core's own `validate` fails here, so a second check would fail the
+    request). A bad prompt is still refused, by the front."""
+    import functools
+
+    from support.engines import numpy_batcher, trusting_batcher
+    from support.served import ServerThread
+
+    from atombatch import validation
+    from atombatch.core.client import CoreClient
+    from atombatch.serve import create_app
+
+    calls: list[int] = []
+    real = validation.validate_request
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr("atombatch.engine.validate_request", counted)
+    monkeypatch.setattr("atombatch.core.client.validate_request", counted)
+    engine: Any = numpy_batcher() if mode == "inline" else \
+        CoreClient(functools.partial(trusting_batcher))
+    with ServerThread(create_app(engine, "core-test")) as server:
+        for prompt, count in (([5, 6, 7], 1), ([[5, 6], [7, 8, 9]], 2)):
+            calls.clear()
+            got = post(server.url, "/v1/completions",
+                       {"prompt": prompt, "max_tokens": 3, "temperature": 0})
+            assert [c["finish_reason"] for c in got["choices"]] == ["length"] * count
+            assert len(calls) == count, (prompt, len(calls))
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 9999]})
+        assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
