@@ -599,10 +599,8 @@ class _Server:
 
     # -- logprobs in OpenAI's shapes ------------------------------------------------------------
     def token_text(self, token: int) -> str:
-        codec = self.codec
-        if isinstance(codec, HFCodec):
-            return str(codec.tokenizer.decode([token], skip_special_tokens=False))
-        return f"<{token}>"
+        """A logprob entry's token string (the codec's, the same in every mode)."""
+        return self.codec.token_text(token)
 
     def completion_logprobs(self, logprobs: list[TokenLogprobs], start: int = 0
                             ) -> CompletionLogprobs:

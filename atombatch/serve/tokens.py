@@ -20,6 +20,8 @@ incomplete UTF-8 sequence is held back until it completes.
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,6 +60,8 @@ class Codec(Protocol):
                 params: SamplingParams = ...) -> Decoder: ...  # one choice's text
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def token_text(self, token: int) -> str: ...  # a logprob entry's token string
 
 
 class Decoder(Protocol):
@@ -117,6 +121,10 @@ class IdCodec:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return "".join(f"<{t}>" for t in token_ids)
+
+    @staticmethod
+    def token_text(token: int) -> str:
+        return f"<{token}>"
 
 
 class _IdDecoder:
@@ -233,6 +241,32 @@ class HFCodec:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token: int) -> str:
+        """A logprob entry's token string, as vLLM writes it: the id decoded alone with special
+        tokens shown, and with a Metaspace (SentencePiece) pre-tokenizer the leading spaces
+        that a lone decode strips put back (`"▁the"` is `" the"`, not `"the"`)."""
+        text = str(self.tokenizer.decode([token], skip_special_tokens=False))
+        marker = self._space_marker
+        if marker is None:
+            return text
+        raw = self.tokenizer.id_to_token(token) or ""
+        markers = len(raw) - len(raw.lstrip(marker))
+        missing = markers - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
+
+    @functools.cached_property
+    def _space_marker(self) -> str | None:
+        """The Metaspace pre-tokenizer's replacement character (None: another pre-tokenizer,
+        whose lone decodes keep their spaces)."""
+        try:
+            pre = json.loads(self.tokenizer.to_str()).get("pre_tokenizer") or {}
+        except (AttributeError, ValueError):
+            return None
+        for sub in [pre, *(pre.get("pretokenizers") or [])]:
+            if isinstance(sub, dict) and sub.get("type") == "Metaspace":
+                return str(sub.get("replacement", "\u2581"))
+        return None
 
 
 _LONG_TEXT = 4096  # characters: longer texts are tokenized with the GIL released

@@ -164,3 +164,17 @@ def test_the_stop_id_that_ends_a_request_is_not_text(include: bool) -> None:
         cut = codec(tok).decoder((), params)  # a request cut by max_tokens keeps its last id
         assert cut.step([3]) + cut.finish([4, stop], stop_id=False) == \
             tok.decode([3, 4, stop], skip_special_tokens=False)
+
+
+def test_logprob_token_strings_keep_a_metaspace_words_leading_space() -> None:
+    """vLLM's token strings: an id decoded alone with special tokens shown; a SentencePiece
+    (Metaspace) word keeps the leading space a lone decode strips; other tokenizers as decoded."""
+    tok = TOKENIZERS["metaspace"]
+    meta = codec(tok)
+    alone = [tok.decode([i], skip_special_tokens=False) for i in range(12)]
+    assert alone[3:5] == ["a", "bc"]  # what the lone decode strips
+    assert [meta.token_text(i) for i in range(12)] == \
+        ["<unk>", "</s>", " ", " a", " bc", "d", "e", " é", "ü", " 日本", "語", alone[11]]
+    wordpiece = codec(wordpiece_tokenizer())
+    assert [wordpiece.token_text(i) for i in (1, 3, 4)] == ["[CLS]", "hello", "##s"]
+    assert IdCodec().token_text(7) == "<7>"
