@@ -87,7 +87,7 @@ class OutputStreams(abc.ABC):
     @abc.abstractmethod
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                params: SamplingParams | None = None, request_id: str | None = None,
-               kv: KVSource | None = None) -> str:
+               kv: KVSource | None = None, *, validated: bool = False) -> str:
         """What the subclass does (see AsyncBatcher and CoreClient)."""
 
     @abc.abstractmethod
@@ -372,8 +372,10 @@ class AsyncBatcher(OutputStreams):
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                params: SamplingParams | None = None, request_id: str | None = None,
-               kv: KVSource | None = None) -> str:
+               kv: KVSource | None = None, *, validated: bool = False) -> str:
         """Validate and queue a request; its outputs arrive through `outputs(request_id)`.
+        `validated`: the caller checked it with `validate` already (it is not checked again;
+        the engine's loop never checks it: each request is validated once).
 
         `kv` is a PD source (see `Batcher.submit`): the KV and first token come from a producer.
 
@@ -384,7 +386,8 @@ class AsyncBatcher(OutputStreams):
         if self._task is None or self._closing:
             raise UnavailableError("AsyncBatcher is not running (call start() or use async with)")
         params = params or SamplingParams()
-        tokens = self.batcher.validate(prompt, params)
+        tokens = np.asarray(prompt, dtype=np.int64) if validated else \
+            self.batcher.validate(prompt, params)
         max_waiting = self.batcher.max_waiting
         if max_waiting is not None:
             waiting = self.batcher.num_waiting + \
@@ -442,7 +445,8 @@ class AsyncBatcher(OutputStreams):
             if kind == "submit":
                 tokens, params, request_id, kv = payload
                 try:
-                    self.batcher.submit(tokens, params, request_id=request_id, kv=kv)
+                    self.batcher.submit(tokens, params, request_id=request_id, kv=kv,
+                                        validated=True)
                 except Exception as exc:  # one bad request must not stop the loop
                     if kv is not None:  # the engine never took the source: release it here
                         with contextlib.suppress(Exception):

@@ -7,6 +7,16 @@ the longest tail of the text that could still become a stop string, so a stop st
 tokens is found and no part of it is ever streamed; when one matches, the text ends before it
 (or after it with `include_stop_str_in_output`) and the request finishes with reason "stop".
 Stop strings count only once `min_tokens` tokens were generated, as in vLLM.
+
+It is the one maker of a request's text, from that request's own params, wherever the text is
+made: in the engine (a Batcher built with a tokenizer; the engine core for requests with stop
+strings, whose match decides when the request ends) and in a server's front for every other
+request (`HFCodec.decoder`, atombatch/serve/tokens.py), in every engine-core mode. The params it
+reads, as vLLM's `FastIncrementalDetokenizer` does: `skip_special_tokens` (special tokens left
+out of the text), `spaces_between_special_tokens` (false, with special tokens shown: two added
+tokens in a row are written as their bare content, without the space a decoder may put before
+the second), `stop`, `include_stop_str_in_output`, `min_tokens`; and a request that ends on a
+stop id (EOS or `stop_token_ids`) does not decode that id unless `include_stop_str_in_output`.
 """
 
 from __future__ import annotations
@@ -32,8 +42,9 @@ class Detokenizer:
     length, and each automaton's state (the longest end of the text that begins its string) is
     exactly what must be held back."""
 
-    __slots__ = ("_context", "_failure", "_ids", "_pending", "_released", "_skip_special",
-                 "_states", "_stream", "include_stop", "min_tokens", "stop", "stopped", "tokenizer")
+    __slots__ = ("_added", "_context", "_failure", "_ids", "_last_added", "_pending",
+                 "_released", "_skip_special", "_states", "_stream", "include_stop", "min_tokens",
+                 "stop", "stopped", "tokenizer")
 
     def __init__(self, tokenizer: Any, prompt: Sequence[int] | npt.NDArray[np.integer],
                  params: SamplingParams) -> None:
@@ -44,6 +55,14 @@ class Detokenizer:
         self._stream = DecodeStream(ids=context, skip_special_tokens=params.skip_special_tokens)
         self._context = context
         self._skip_special = params.skip_special_tokens
+        # spaces_between_special_tokens=false with special tokens shown: the added tokens'
+        # contents by id (None otherwise: the per-token path then tests one attribute)
+        self._added: dict[int, str] | None = None
+        if not params.skip_special_tokens and not params.spaces_between_special_tokens:
+            added = {int(i): str(t.content)
+                     for i, t in tokenizer.get_added_tokens_decoder().items()}
+            self._added = added or None
+        self._last_added = False
         self._ids: list[int] = []         # generated ids (for the end-of-stream flush)
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
@@ -60,15 +79,18 @@ class Detokenizer:
         `include_stop_str_in_output`)."""
         return "".join(self._released) + self._pending
 
-    def add(self, token_ids: Sequence[int], generated: int) -> str:
+    def add(self, token_ids: Sequence[int], generated: int, stop_id: bool = False) -> str:
         """Decode new ids (`generated` = tokens generated so far, these included); returns the
-        text that may be streamed now. Sets `stopped` when a stop string matched."""
+        text that may be streamed now. Sets `stopped` when a stop string matched. `stop_id`:
+        the last id ended the request as a stop id (EOS or `stop_token_ids`); it is not
+        decoded unless `include_stop_str_in_output` (vLLM's rule)."""
         if self.stopped is not None:
             return ""
+        if stop_id and not self.include_stop and token_ids:
+            token_ids = token_ids[:-1]
         new = []
         for token in token_ids:
-            self._ids.append(int(token))
-            piece = self._stream.step(self.tokenizer, int(token))
+            piece = self._piece(int(token))
             if piece:
                 new.append(piece)
         added = "".join(new)
@@ -88,6 +110,46 @@ class Detokenizer:
                     end = base + offset + 1
                     return self._stop_at(j, end)
         return self._hold_back()
+
+    def _piece(self, token: int) -> str:
+        self._ids.append(token)
+        piece = self._stream.step(self.tokenizer, token)
+        if self._added is not None:
+            piece = self._spaced(token, piece)
+        return piece or ""
+
+    # -- a front's decoder (atombatch/serve/tokens.py `Decoder`): text without stop strings, which
+    # -- the engine matches (it sends that text itself) ------------------------------------------
+    def step(self, token_ids: Sequence[int]) -> str:
+        return self.add(token_ids, len(self._ids) + len(token_ids))
+
+    def step_one(self, token: int) -> str:
+        """`step((token,))`: the per-token path of a plain stream (`_Generation.fast_lane`)."""
+        if self.stop:
+            return self.add((token,), len(self._ids) + 1)
+        self._ids.append(token)
+        piece = self._stream.step(self.tokenizer, token)
+        if self._added is not None:
+            piece = self._spaced(token, piece)
+        if piece:
+            self._released.append(piece)
+            return piece  # type: ignore[no-any-return]
+        return ""
+
+    def _spaced(self, token: int, piece: str | None) -> str | None:
+        """spaces_between_special_tokens=false: an added token right after another is its bare
+        content (vLLM's rule)."""
+        assert self._added is not None
+        content = self._added.get(token)
+        if content is not None and self._last_added:
+            piece = content
+        self._last_added = content is not None
+        return piece
+
+    def finish(self, token_ids: Sequence[int], stop_id: bool) -> str:
+        """The last ids of a request that ended (`stop_id`: on a stop id) and whatever was held
+        back."""
+        return self.add(token_ids, len(self._ids) + len(token_ids), stop_id) + self.flush()
 
     def _add_long(self, base: int, counts: bool) -> str:
         """`add` for a long piece of text (a long token, or many at once): each stop string is

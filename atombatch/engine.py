@@ -357,8 +357,12 @@ class Batcher:
 
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                params: SamplingParams | None = None, request_id: str | None = None,
-               kv: KVSource | None = None) -> str:
+               kv: KVSource | None = None, *, validated: bool = False) -> str:
         """Queue a request; returns its id.
+
+        `validated`: the prompt and params already passed `validate` against this engine's
+        rules (a front's input processor checked them: an `AsyncBatcher`, the engine core
+        process); they are not checked again, so a request is validated once.
 
         With `kv`, a producer computes the prompt's KV and first token (prefill/decode
         disaggregation): the request is admitted once the source's header has arrived and matches
@@ -370,7 +374,8 @@ class Batcher:
             CapacityError: `max_waiting` requests are already waiting.
         """
         params = params or SamplingParams()
-        tokens = self.validate(prompt, params)
+        tokens = np.array(prompt, dtype=np.int64) if validated else \
+            self.validate(prompt, params)
         n = params.n
         if kv is not None and (n > 1 or params.logprobs is not None or params.bad_words):
             raise RequestError("n > 1, logprobs and bad_words need the engine to sample the first "

@@ -15,7 +15,7 @@ from typing import Any
 from atombatch.detokenizer import Detokenizer
 from atombatch.groups import Group
 from atombatch.logs import log
-from atombatch.request import Request
+from atombatch.request import Request, RequestState
 from atombatch.sampling import PromptLogprobs, RequestSampler
 from atombatch.structs import Completion, RequestOutput, RequestTimings, TokenLogprobs
 
@@ -101,7 +101,9 @@ class OutputBuilder:
         stop string matched with it (the text then ends before the stop string)."""
         if extras.detok is None:
             return None, False
-        text = extras.detok.add((request.output[-1],), len(request.output))
+        # finished "stop" before the text is read: by a stop id, which is not decoded (vLLM)
+        stop_id = request.state is RequestState.FINISHED and request.finish_reason == "stop"
+        text = extras.detok.add((request.output[-1],), len(request.output), stop_id)
         return text, extras.detok.stopped is not None
 
     @staticmethod

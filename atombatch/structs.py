@@ -54,6 +54,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
                                                #   it fits MAX_LOGPROBS): per prompt token, its
                                                #   logprob and the top k (raw logits)
     skip_special_tokens: bool = True           # leave special tokens out of the text
+    spaces_between_special_tokens: bool = True  # false (special tokens shown): no space
+                                               #   between two added tokens in a row
     structured: StructuredOutput | None = None  # the output must match this JSON schema /
                                                #   regex / choice / grammar (atombatch/structured.py)
 
@@ -71,7 +73,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         _check_float(self, "presence_penalty", -2.0, 2.0)
         _check_float(self, "frequency_penalty", -2.0, 2.0)
         _check_float(self, "repetition_penalty", 0.0, None, low_open=True)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name}={getattr(self, name)!r} must be a bool", param=name)
         if self.logprobs is not None:

@@ -454,8 +454,10 @@ class CoreClient(PDFront, OutputStreams):
     # -- requests -----------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                params: SamplingParams | None = None, request_id: str | None = None,
-               kv: KVSource | None = None) -> str:
+               kv: KVSource | None = None, *, validated: bool = False) -> str:
         """Validate and send a request to the core; outputs arrive through `outputs(id)`.
+        `validated`: the caller checked it with `validate` already. The core trusts what it is
+        sent and checks nothing again: each request is validated once.
 
         Raises:
             UnavailableError: not started, closing, or the core exited.
@@ -472,7 +474,8 @@ class CoreClient(PDFront, OutputStreams):
                                "itself (docs/pd.md)")
         params = params or SamplingParams()
         ready = self._rules_ready()
-        tokens = validate_request(ready.rules, prompt, params, "the engine core")
+        tokens = np.asarray(prompt, dtype=np.int64) if validated else \
+            validate_request(ready.rules, prompt, params, "the engine core")
         if ready.max_waiting is not None:
             limit = ready.rules.artifact.batch_size + ready.max_waiting
             if self.shared is not None:  # this front's share of the core's queue

@@ -10,9 +10,10 @@ messages crosses the process boundary:
   pacing mode and, for static producers, how often the core re-probes a suspect one.
 - The front marks each `Submit` that may take its KV from a producer (`pd_eligible`: one choice,
   no logprobs, no bad words, no prompt logprobs; the engine must sample the others' first token
-  itself). The core validates the request before it opens anything (a bad request costs no
-  producer work), opens a source from the least loaded live producer, and with none up prefills
-  the request itself and counts a native fallback.
+  itself). The front validated the request before sending it (a bad request costs no
+  producer work; the core trusts it and checks nothing again); the core opens a source from the
+  least loaded live producer, and with none up prefills the request itself and counts a native
+  fallback.
 - Registry changes (`Producers`) and liveness verdicts (`ProducerVerdicts`) come from the front:
   on Ray the replica follows the application's board and pings the producer actors (the core has
   no Ray). Each one is answered with a stats `Step`, whose `PDStats` (the pool's snapshot) the
@@ -164,12 +165,10 @@ class CorePD:
         PD, not eligible, or no producer up: a native fallback).
 
         Raises:
-            RequestError: the request is invalid (checked before any producer is asked).
         """
         if not message.pd or not pd_eligible(message.params):
             return None
-        batcher.validate(tokens, message.params)
-        try:
+        try:  # (the front validated the request against this core's rules)
             return self.pool.open(message.request_id, tokens.tolist(), message.params)
         except AtomBatchError as exc:
             self.native_fallbacks += 1

@@ -4,7 +4,8 @@
 `Batcher` with the factory it was given (so the weights load here, not in the front), reports
 `Ready`, and loops: take what the front sent (without waiting while there is work), run one engine
 step, send what it produced as one `Step`. It never parses HTTP, renders templates or formats
-logprobs; everything it receives was validated by the front against the rules it reported.
+logprobs; everything it receives was validated by the front against the rules it reported, and
+it checks none of it again (`Batcher.submit(..., validated=True)`: a request is validated once).
 
 The loop's own thread does only what the next step needs: the engine step, and picking the
 step's plain rows (three small array copies). Building the `Step` (a request id per plain token),
@@ -750,7 +751,9 @@ class CoreLoop:
         try:
             if self.pd is not None:  # validated before any producer is asked
                 kv = self.pd.source(self.batcher, message, tokens)
-            self.batcher.submit(tokens, message.params, request_id=message.request_id, kv=kv)
+            # validated by the front against the rules this core reported: not again
+            self.batcher.submit(tokens, message.params, request_id=message.request_id, kv=kv,
+                                validated=True)
         except Exception as exc:  # one bad request must not stop the loop
             if kv is not None:
                 kv.close()

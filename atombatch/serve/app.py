@@ -62,6 +62,7 @@ from atombatch.serve.chat_output import (
     ChatOutput,
     Piece,
     UnservableConstraint,
+    chat_finish_reason,
     delta_of,
     message_of,
 )
@@ -167,19 +168,20 @@ class _Choice:
 class _Generation:
     """One accepted request: its engine id, its output iterator and its timing for the metrics."""
 
-    def __init__(self, server: _Server, request_id: str, prompt_len: int,
-                 outputs: Mailbox, accepted: float, n: int = 1) -> None:
+    def __init__(self, server: _Server, request_id: str, prompt: list[int],
+                 outputs: Mailbox, accepted: float, params: SamplingParams) -> None:
         self.server = server
         self.request_id = request_id
-        self.prompt_len = prompt_len
+        self.prompt_len = len(prompt)
         self.outputs = outputs
         self.accepted = accepted
-        self.choices = [_Choice(server.codec.decoder()) for _ in range(n)]
+        # each choice's text from the request's own params (the engine's Detokenizer)
+        self.choices = [_Choice(server.codec.decoder(prompt, params)) for _ in range(params.n)]
         self.generated = 0
         self.finish_reason: str | None = None  # the whole request (an error in any choice wins)
         self.error: str | None = None
         self.error_param: str | None = None  # the request field that caused the error, if any
-        self.prompt: list[int] = []           # the prompt's ids (echo)
+        self.prompt = prompt                  # the prompt's ids (echo)
         self.prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # when asked for
         self.started = False                 # run() began (it then does its own accounting)
         self.abandoned = False
@@ -326,10 +328,11 @@ class _Generation:
                         self.cached_tokens = out.cached_tokens
                     if out.text is not None:  # the engine detokenized (stop strings held back)
                         text = out.text
+                    elif out.finish_reason is not None:  # "stop" here is a stop id: the
+                        # engine sends the text of a stop-string match itself
+                        text = choice.decoder.finish(new, out.finish_reason == "stop")
                     else:
                         text = choice.decoder.step(new) if new else ""
-                        if out.finish_reason is not None:
-                            text += choice.decoder.flush()
                     choice.text.append(text)
                     if out.finish_reason is not None:
                         choice.finish_reason = out.finish_reason
@@ -588,6 +591,7 @@ class _Server:
                 allowed_token_ids=None if body.allowed_token_ids is None else
                 tuple(body.allowed_token_ids),
                 bad_words=tuple(body.bad_words), skip_special_tokens=body.skip_special_tokens,
+                spaces_between_special_tokens=body.spaces_between_special_tokens,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
         except RequestError as exc:
             message, param = str(exc), exc.param   # the field SamplingParams checked
@@ -603,14 +607,14 @@ class _Server:
             raise ApiError(400, str(exc), param=param, code="invalid_value") from None
 
     def submit(self, prefix: str, prompt: list[int], params: SamplingParams,
-               prompt_param: str) -> _Generation:
+               prompt_param: str, validated: bool = False) -> _Generation:
         if not self.accepting:
             raise ApiError(503, "the server is shutting down", type="server_error",
                            code="shutting_down")
         accepted = time.perf_counter()
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         try:
-            self.ab.submit(prompt, params, request_id=request_id)
+            self.ab.submit(prompt, params, request_id=request_id, validated=validated)
         except CapacityError as exc:
             raise self.busy(exc) from None
         except UnavailableError as exc:
@@ -623,9 +627,8 @@ class _Server:
                            code="invalid_value") from None
         self.metrics.prompt_tokens.inc(len(prompt))
         # Take the output iterator now, before any await: the request may finish at once.
-        gen = _Generation(self, request_id, len(prompt), self.ab.output_box(request_id),
-                          accepted, params.n)
-        gen.prompt = prompt
+        gen = _Generation(self, request_id, prompt, self.ab.output_box(request_id), accepted,
+                          params)
         gen.max_tokens = params.max_tokens if params.max_tokens is not None else \
             self.artifact.max_seq_len - len(prompt)
         return gen
@@ -637,10 +640,8 @@ class _Server:
 
     # -- logprobs in OpenAI's shapes ------------------------------------------------------------
     def token_text(self, token: int) -> str:
-        codec = self.codec
-        if isinstance(codec, HFCodec):
-            return str(codec.tokenizer.decode([token], skip_special_tokens=False))
-        return f"<{token}>"
+        """A logprob entry's token string (the codec's, the same in every mode)."""
+        return self.codec.token_text(token)
 
     def completion_logprobs(self, logprobs: list[TokenLogprobs], start: int = 0
                             ) -> CompletionLogprobs:
@@ -743,8 +744,11 @@ class _Server:
 
     def submit_all(self, prefix: str, prompts: list[list[int]], params: SamplingParams,
                    prompt_param: str) -> list[_Generation]:
-        """Submit every prompt or none: a rejected one aborts those already queued."""
-        if len(prompts) > 1:
+        """Submit every prompt or none: a rejected one aborts those already queued. Each
+        prompt is validated once (a batch's before any is queued; the engine and the core do
+        not check again)."""
+        validated = len(prompts) > 1
+        if validated:
             for i, prompt in enumerate(prompts):
                 try:
                     self.ab.validate(prompt, params)
@@ -755,7 +759,7 @@ class _Server:
         gens: list[_Generation] = []
         try:
             for prompt in prompts:
-                gens.append(self.submit(prefix, prompt, params, prompt_param))
+                gens.append(self.submit(prefix, prompt, params, prompt_param, validated))
         except ApiError:
             for gen in gens:
                 gen.cancel()
@@ -1032,12 +1036,10 @@ class _Server:
         for i, c in enumerate(gens[0].choices):
             output = ChatOutput(plan, self.reasoning_parser)
             try:
-                message = message_of(output, "".join(c.text))
+                message = message_of(output, "".join(c.text), c.finish_reason)
             except ToolCallError as exc:  # the calls the request asked for passed a bound
                 raise ApiError(400, str(exc), param="tools", code="tool_call_limit") from None
-            finish = c.finish_reason
-            if output.made_calls and finish != "error":
-                finish = "tool_calls"
+            finish = chat_finish_reason(c.finish_reason, output)
             choices.append(ChatChoice(
                 index=i, message=message, token_ids=c.token_ids, finish_reason=finish,
                 stop_reason=c.stop_reason,
@@ -1098,8 +1100,7 @@ class _Server:
                         tail.add(gen.error_event())
                         break
                     delta = delta_of(piece)
-                    if finish is not None and finish != "error" and output.made_calls:
-                        finish = "tool_calls"
+                    finish = chat_finish_reason(finish, output)
                 else:
                     delta = ChatDelta(content=text)
                 if out.finish_reason == "error":
@@ -1480,8 +1481,11 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
     else:
         codec = HFCodec(tokenizer)
     if isinstance(codec, HFCodec) and isinstance(ab, AsyncBatcher) and ab.batcher.tokenizer is None:
-        # The engine detokenizes (stop strings, bad words, streamed text) with the same tokenizer.
+        # The engine gets the tokenizer for stop strings, bad words and structured output, and
+        # leaves every other request's text to the front, as the engine core process does
+        # (cli.core_batcher): inline or not, a request's text is made in the same place.
         ab.batcher.tokenizer = codec.tokenizer
+        ab.batcher.detokenize = False
     if tool_parser is not None and tool_parser not in TOOL_PARSER_NAMES:
         raise ConfigError(f"tool-call parser {tool_parser!r} is not one of "
                           f"{', '.join(TOOL_PARSER_NAMES)}")
@@ -1520,6 +1524,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         Route("/version", server.version, methods=["GET"]),
         Route("/tokenizer_info", server.tokenizer_info, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
+        Route("/ping", server.health, methods=["GET", "POST"]),  # vLLM's (SageMaker's) probe
         Route("/metrics", server.metrics_endpoint, methods=["GET"]),
     ]
     responses = ResponsesAPI(server)

@@ -96,6 +96,8 @@ class ChatOutput:
     def __init__(self, tools: ToolPlan | None, reasoning_parser: str | None) -> None:
         self.reasoning = make_reasoning_parser(reasoning_parser)
         self.tools: ToolParser | None = tools.parser_for_output() if tools is not None else None
+        self.mode = tools.mode if tools is not None else None
+        self.content: list[str] = []   # the text the tool parser read (past any reasoning)
         self.saw_reasoning = False
         # parallel_tool_calls=false: the model's first call only (later ones are dropped)
         self.keep = 1 if tools is not None and not tools.parallel else None
@@ -126,6 +128,7 @@ class ChatOutput:
             self.saw_reasoning = True
         if self.tools is None:
             return Piece(reasoning=reasoning, content=content)
+        self.content.append(content)
         delta: Delta = self.tools.feed(content) if content else Delta()
         if final:
             last = self.tools.finish()
@@ -146,15 +149,38 @@ def delta_of(piece: Piece) -> ChatDelta:
                      tool_calls=calls)
 
 
-def message_of(output: ChatOutput, text: str) -> ChatResponseMessage:
-    """The whole message of a finished choice whose text is `text`."""
+def chat_finish_reason(finish: str | None, output: ChatOutput) -> str | None:
+    """A chat choice's `finish_reason` as vLLM resolves it: "tool_calls" only when the choice
+    carries calls and the model stopped on its own; a cut by `max_tokens` stays "length" (a
+    client can tell a truncated call from a whole one), and a named `tool_choice` reports
+    "stop" (the call was forced, as OpenAI reports it)."""
+    if finish == "stop" and output.made_calls and output.mode != "named":
+        return "tool_calls"
+    return finish
+
+
+def message_of(output: ChatOutput, text: str, finish: str | None = None) -> ChatResponseMessage:
+    """The whole message of a finished choice whose text is `text` (ended with `finish`).
+
+    A call cut by `max_tokens` (`finish` "length", the parser ended inside a call) is returned
+    as vLLM returns it: `auto` gives no calls and the text as content, as written (vLLM's
+    parsers fail on the cut JSON); `required` gives no calls and empty content (the array does
+    not validate); a named choice keeps its one call with the arguments as far as written."""
     if not output.active:
         return ChatResponseMessage("assistant", text)
     first, last = output.feed(text), output.finish()
     reasoning = first.reasoning + last.reasoning
     content = first.content + last.content
+    raw = first.calls + last.calls
+    if finish == "length" and output.tools is not None and output.tools.unfinished and \
+            output.mode in ("auto", "required"):
+        content = "".join(output.content) if output.mode == "auto" else ""
+        return ChatResponseMessage(
+            "assistant", content if content or output.mode == "required" or
+            not output.saw_reasoning else None,
+            reasoning_content=reasoning if output.saw_reasoning else None)
     calls: list[ToolCall] = []
-    for call in first.calls + last.calls:
+    for call in raw:
         if call.id is not None:
             calls.append(ToolCall(id=call.id, function=FunctionCall(name=call.name or "",
                                                                     arguments=call.arguments)))

@@ -11,9 +11,10 @@ when set (`tools`, `suffix`, ...) and accepted when null or at their default. St
 Extensions beyond the OpenAI API (documented in docs/server.md):
 - request, with vLLM's names: `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
   `stop_token_ids`, `include_stop_str_in_output`, `allowed_token_ids`, `bad_words`,
-  `skip_special_tokens`; `prompt` may be a list of token ids, or a batch (a list of strings or of
-  token-id lists); vLLM's `stream_options.continuous_usage_stats` and chat template fields
-  (`chat_template_kwargs`, `documents`, `add_generation_prompt`, `continue_final_message`).
+  `skip_special_tokens`, `spaces_between_special_tokens`; `prompt` may be a list of token ids, or
+  a batch (a list of strings or of token-id lists); vLLM's `stream_options.continuous_usage_stats`
+  and chat template fields (`chat_template_kwargs`, `documents`, `add_generation_prompt`,
+  `continue_final_message`).
 - response: every choice (streamed chunk or whole response) carries `token_ids`, the generated
   token ids it covers, so a client can check ids when the server has no tokenizer.
 """
@@ -52,6 +53,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     allowed_token_ids: list[int] | None = None  # extension
     bad_words: list[str] = []            # extension (needs a tokenizer)
     skip_special_tokens: bool = True     # extension
+    spaces_between_special_tokens: bool = True  # extension (with skip_special_tokens false)
     prompt_logprobs: int | None = None   # extension: per prompt token, its logprob + the top k
     truncate_prompt_tokens: int | None = None  # extension: keep the last k prompt tokens
                                          #   (-1: the context length), as vLLM does

@@ -12,18 +12,22 @@ without one, with the simple template
 
     <role>: <content>\\n   (one line per message)   then   assistant:
 
-Streamed text is decoded incrementally: the whole generated text is decoded after each token and the
-new suffix is sent, holding back a trailing U+FFFD (an incomplete UTF-8 sequence) until it
-completes.
+Streamed text is decoded incrementally by `atombatch.detokenizer.Detokenizer`, the engine's own,
+from each request's params (`skip_special_tokens`, `spaces_between_special_tokens`, the stop id
+left out), so a request's text is made by one piece of code whichever engine core serves it; an
+incomplete UTF-8 sequence is held back until it completes.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from atombatch.detokenizer import Detokenizer
 from atombatch.errors import ConfigError, RequestError
 from atombatch.serve.chat_template import (
     ChatTemplate,
@@ -31,6 +35,7 @@ from atombatch.serve.chat_template import (
     read_json,
     special_tokens_of,
 )
+from atombatch.structs import SamplingParams
 
 # A token id is written with at most this many digits (ids are int32 on the device). A longer
 # digit run is refused before it reaches `int()`, so a hostile prompt costs linear time only.
@@ -38,6 +43,7 @@ MAX_ID_DIGITS = 10
 _PIECE = re.compile(rf"\s*<(\d{{1,{MAX_ID_DIGITS}}})>")
 _LONG_PIECE = re.compile(rf"\s*<\d{{{MAX_ID_DIGITS + 1}}}")
 _SPACE = re.compile(r"\s*")
+_DEFAULT_PARAMS = SamplingParams()
 
 
 class Codec(Protocol):
@@ -50,15 +56,21 @@ class Codec(Protocol):
 
     def render_chat(self, messages: Sequence[dict[str, Any]], **template: Any) -> list[int]: ...
 
-    def decoder(self) -> Decoder: ...
+    def decoder(self, prompt: Sequence[int] = (),
+                params: SamplingParams = ...) -> Decoder: ...  # one choice's text
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def token_text(self, token: int) -> str: ...  # a logprob entry's token string
 
 
 class Decoder(Protocol):
     def step(self, token_ids: Sequence[int]) -> str: ...
 
     def step_one(self, token: int) -> str: ...  # `step((token,))`: the per-token path
+
+    def finish(self, token_ids: Sequence[int], stop_id: bool) -> str: ...  # the last ids
+    #   (`stop_id`: the request ended on a stop id) and whatever step() held back
 
     def flush(self) -> str: ...  # at the end: whatever step() held back
 
@@ -103,11 +115,16 @@ class IdCodec:
                                    f"must fit max_seq_len={self.max_ids}")
         return ids
 
-    def decoder(self) -> _IdDecoder:
+    def decoder(self, prompt: Sequence[int] = (),
+                params: SamplingParams | None = None) -> _IdDecoder:
         return _IdDecoder()
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return "".join(f"<{t}>" for t in token_ids)
+
+    @staticmethod
+    def token_text(token: int) -> str:
+        return f"<{token}>"
 
 
 class _IdDecoder:
@@ -120,6 +137,11 @@ class _IdDecoder:
     def step_one(token: int) -> str:
         """`step((token,))`, for the per-token path (`_Generation.fast_lane`)."""
         return f"<{token}>"
+
+    def finish(self, token_ids: Sequence[int], stop_id: bool) -> str:
+        """Every id is written, the stop id too (its piece is its id: there is no text to keep
+        it out of)."""
+        return self.step(token_ids) if token_ids else ""
 
     def flush(self) -> str:
         return ""
@@ -210,58 +232,44 @@ class HFCodec:
                 "assistant:"
         return self.encode(text)
 
-    def decoder(self) -> _HFDecoder:
-        return _HFDecoder(self.tokenizer)
+    def decoder(self, prompt: Sequence[int] = (),
+                params: SamplingParams = _DEFAULT_PARAMS) -> Detokenizer:
+        """The text of one choice, made from its request's own params by the engine's
+        `Detokenizer` (atombatch/detokenizer.py: the one maker of a request's text in every
+        engine-core mode), primed with the end of `prompt`."""
+        return Detokenizer(self.tokenizer, prompt, params)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    def token_text(self, token: int) -> str:
+        """A logprob entry's token string, as vLLM writes it: the id decoded alone with special
+        tokens shown, and with a Metaspace (SentencePiece) pre-tokenizer the leading spaces
+        that a lone decode strips put back (`"▁the"` is `" the"`, not `"the"`)."""
+        text = str(self.tokenizer.decode([token], skip_special_tokens=False))
+        marker = self._space_marker
+        if marker is None:
+            return text
+        raw = self.tokenizer.id_to_token(token) or ""
+        markers = len(raw) - len(raw.lstrip(marker))
+        missing = markers - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text if missing > 0 else text
+
+    @functools.cached_property
+    def _space_marker(self) -> str | None:
+        """The Metaspace pre-tokenizer's replacement character (None: another pre-tokenizer,
+        whose lone decodes keep their spaces)."""
+        try:
+            pre = json.loads(self.tokenizer.to_str()).get("pre_tokenizer") or {}
+        except (AttributeError, ValueError):
+            return None
+        for sub in [pre, *(pre.get("pretokenizers") or [])]:
+            if isinstance(sub, dict) and sub.get("type") == "Metaspace":
+                return str(sub.get("replacement", "\u2581"))
+        return None
+
 
 _LONG_TEXT = 4096  # characters: longer texts are tokenized with the GIL released
-
-
-class _HFDecoder:
-    """A choice's text as its ids arrive, with `tokenizers`' `DecodeStream` (O(1) per token; a
-    whole decode per token made a stream's text O(n^2)). An incomplete UTF-8 sequence is held
-    back until it completes; `flush` gives what a whole decode of every id shows past the text
-    already sent (an incomplete sequence left at the end stays one U+FFFD, as in that decode).
-    The pieces joined equal `decode(ids, skip_special_tokens=True)` (tests/serve/test_tokens.py
-    checks that on byte-level BPE, Metaspace and glued-piece tokenizers)."""
-
-    __slots__ = ("_stream", "ids", "sent", "tokenizer")
-
-    def __init__(self, tokenizer: Any) -> None:
-        from tokenizers.decoders import DecodeStream
-
-        self.tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
-        self.ids: list[int] = []
-        self.sent = 0                      # characters handed out
-
-    def step(self, token_ids: Sequence[int]) -> str:
-        pieces = []
-        stream, tokenizer = self._stream, self.tokenizer
-        for token in token_ids:
-            self.ids.append(token)
-            piece = stream.step(tokenizer, token)
-            if piece:
-                pieces.append(piece)
-        text = "".join(pieces)
-        self.sent += len(text)
-        return text
-
-    def step_one(self, token: int) -> str:
-        """`step((token,))`, for the per-token path (`_Generation.fast_lane`)."""
-        self.ids.append(token)
-        text = self._stream.step(self.tokenizer, token) or ""
-        self.sent += len(text)
-        return text
-
-    def flush(self) -> str:
-        """The held-back tail once the generation ends."""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        new, self.sent = text[self.sent:], len(text)
-        return new
 
 
 def _clip(text: str, limit: int = 24) -> str:

@@ -13,7 +13,9 @@ model's chat template (transformers' `tools=` argument). `tool_choice` decides w
 - named (`{"type": "function", "function": {"name": N}}`): the output is constrained to N's
   parameters schema and becomes the arguments of one call to N.
 
-A message with calls has `finish_reason` "tool_calls" (unless the request failed).
+A message with calls has `finish_reason` "tool_calls" when the model stopped on its own (not for a
+named choice: "stop", as OpenAI and vLLM report it); a cut by `max_tokens` stays "length"
+(atombatch/serve/chat_output.py: `chat_finish_reason`, and what a cut call's message holds).
 
 Response side: a parser is an incremental state machine over the detokenized text. `feed(text)`
 takes whatever text arrived and returns a `Delta` (content text, and call deltas: a call's
@@ -267,6 +269,9 @@ class ToolParser(abc.ABC):
 
     def __init__(self) -> None:
         self.count = 0                  # calls started
+        # set by finish(): the output ended inside a call (its JSON is not whole), so a parser
+        # run over the whole text fails, as vLLM's does (a `length` cut: atombatch/serve/chat_output.py)
+        self.unfinished = False
 
     @abc.abstractmethod
     def feed(self, text: str) -> Delta:
@@ -536,6 +541,7 @@ class HermesParser(ToolParser):
         return self._delta()
 
     def finish(self) -> Delta:
+        self.unfinished = self.call is not None
         if self.call is not None:
             for ch in self.tag:
                 self.call.feed(ch)
@@ -630,6 +636,8 @@ class JsonCallsParser(ToolParser):
         return self._delta()
 
     def finish(self) -> Delta:
+        # an open object, or (`required`) an array not closed yet
+        self.unfinished = self.call is not None or (self.array and self.state == "between")
         if self.call is not None:
             self._close()
         if self.state in ("start", "tag"):

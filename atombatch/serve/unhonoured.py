@@ -24,8 +24,6 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "structured_outputs": ((None,), "structured output"),
     "response_format": ((None, {"type": "text"}), "structured output"),
     "return_tokens_as_token_ids": ((None, False), "token strings written as 'token_id:N'"),
-    "spaces_between_special_tokens": ((None, True), "detokenizing without spaces between "
-                                      "special tokens"),
     "add_special_tokens": ((None, False), "adding the tokenizer's special tokens to the chat "
                            "template's output (the template writes them)"),
     "logits_processors": ((None, []), "custom logits processors"),

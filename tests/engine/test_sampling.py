@@ -511,6 +511,27 @@ def test_stop_token_ids_report_the_stop_reason() -> None:
                                             base.token_ids.index(stop) + 1]
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_id_is_not_text_in_the_engine(include: bool) -> None:
+    """A request the engine detokenizes (it has a stop string) that ends on a stop id: the id is
+    the last of its tokens and, as vLLM has it, not text unless `include_stop_str_in_output`
+    (special tokens shown, so its piece would otherwise be written)."""
+    tok = piece_tokenizer()
+    art = artifact()
+    base = Batcher(NumpyRuntime.random(art, seed=5)).generate(
+        [[1, 2]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+    stop = base.token_ids[2]
+    done = Batcher(NumpyRuntime.random(art, seed=5), tokenizer=tok).generate(
+        [[1, 2]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                 stop_token_ids=(stop,), stop=["never-there"],
+                                 skip_special_tokens=False,
+                                 include_stop_str_in_output=include))[0]
+    assert done.finish_reason == "stop" and done.stop_reason == stop
+    ids = list(done.token_ids)
+    assert ids[-1] == stop
+    assert done.text == tok.decode(ids if include else ids[:-1], skip_special_tokens=False)
+
+
 # -- n > 1 ----------------------------------------------------------------------------------------------
 def test_n_choices_share_the_prompt_prefill() -> None:
     art = artifact(block_size=8, chunk=8)

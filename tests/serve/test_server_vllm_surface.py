@@ -116,7 +116,6 @@ def test_bad_keys_are_config_errors() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("return_tokens_as_token_ids", True),
-    ("spaces_between_special_tokens", False),
     ("logits_processors", ["my.module:Processor"]),
     ("vllm_xargs", {"k": 1}),
     ("reasoning_effort", "high"),

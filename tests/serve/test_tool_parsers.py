@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from atombatch.errors import RequestError
 from atombatch.serve import tools
-from atombatch.serve.chat_output import ChatOutput, message_of
+from atombatch.serve.chat_output import ChatOutput, chat_finish_reason, message_of
 from atombatch.serve.reasoning import Qwen3ReasoningParser
 from atombatch.serve.tools import (
     HermesParser,
@@ -309,3 +309,62 @@ def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
         output = ChatOutput(plan, None)
         streamed = [c.index for ch in text for c in output.feed(ch).calls]
         assert sorted(set(streamed)) == list(range(len(names)))
+
+
+NAMED_TIME = {"type": "function", "function": {"name": "get_time"}}
+WHOLE_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Seoul"}}</tool_call>'
+CUT_CALLS = {  # (tool_choice, reasoning parser, text cut by max_tokens)
+    "auto": ("auto", None, 'Let me look.<tool_call>{"name": "get_weather", '
+                           '"arguments": {"city": "Se'),
+    "auto parallel": ("auto", None, WHOLE_CALL + '\n<tool_call>{"name": "get_ti'),
+    "auto after reasoning": ("auto", "qwen3", '<think>sunny?</think>\n<tool_call>{"name": '),
+    "required": ("required", None, '[{"name": "get_weather", "parameters": {"city": "Seo'),
+    "required parallel": ("required", None, '[{"name": "get_time", "parameters": {}}, '
+                                            '{"name": "get_weather", "parame'),
+    "named": (NAMED_TIME, None, '{"zone": "Asia/Se'),
+}
+
+
+@pytest.mark.parametrize("case", CUT_CALLS)
+def test_a_call_cut_by_max_tokens_reports_length_with_vllms_message(case: str) -> None:
+    """vLLM: `finish_reason` "length" whatever was parsed; its parsers fail on the cut JSON, so
+    `auto` answers the text as content and no call, `required` no call and empty content, and
+    a named choice keeps its one call with the arguments as far as written."""
+    choice, reasoning, text = CUT_CALLS[case]
+    plan = ToolPlan.from_request([WEATHER, TIME], choice, None, "hermes")
+    output = ChatOutput(plan, reasoning)
+    message = message_of(output, text, "length")
+    assert chat_finish_reason("length", output) == "length"
+    if plan.mode == "named":
+        [call] = message.tool_calls or []
+        assert (call.function.name, call.function.arguments) == ("get_time", text)
+    elif plan.mode == "required":
+        assert message.tool_calls is None and message.content == ""
+    else:
+        assert message.tool_calls is None
+        assert message.content == text.split("</think>")[-1]  # (as written, its newline too)
+        assert message.reasoning_content == ("sunny?" if reasoning else None)
+    # the same text ending on its own keeps what was parsed ("stop" is not rewritten here)
+    streamed = ChatOutput(plan, reasoning)
+    made = [c for ch in text for c in streamed.feed(ch).calls] + streamed.finish().calls
+    assert bool(made) == streamed.made_calls
+    assert chat_finish_reason("length", streamed) == "length"
+
+
+def test_finish_reasons_of_whole_calls_as_vllm_resolves_them() -> None:
+    """A whole call that stopped on its own: "tool_calls", but "stop" for a named choice
+    (OpenAI's and vLLM's); no call: the engine's reason unchanged."""
+    cases = [("auto", WHOLE_CALL, "tool_calls"), ("auto", "just text", "stop"),
+             ("required", '[{"name": "get_time", "parameters": {}}]', "tool_calls"),
+             (NAMED_TIME, '{"zone": "UTC"}', "stop")]
+    for choice, text, expected in cases:
+        output = ChatOutput(ToolPlan.from_request([WEATHER, TIME], choice, None, "hermes"), None)
+        message = message_of(output, text, "stop")
+        assert chat_finish_reason("stop", output) == expected, (choice, text)
+        assert chat_finish_reason("abort", output) == "abort"
+        if expected != "stop" or choice != "auto":
+            assert message.tool_calls
+    whole = ChatOutput(ToolPlan.from_request([WEATHER], "auto", None, "hermes"), None)
+    # a whole call that happens to end at max_tokens is still cut by the budget: "length"
+    message = message_of(whole, WHOLE_CALL, "length")
+    assert message.tool_calls and chat_finish_reason("length", whole) == "length"

@@ -408,12 +408,15 @@ class _PooledAsyncBatcher(AsyncBatcher):
         self.native_fallbacks = 0       # requests prefilled here: no producer was available
 
     def submit(self, prompt: Any, params: SamplingParams | None = None,
-               request_id: str | None = None, kv: Any = None) -> str:
+               request_id: str | None = None, kv: Any = None, *,
+               validated: bool = False) -> str:
         params = params or SamplingParams()
         # n > 1, logprobs and bad_words need the engine to sample the first token, and
         # prompt_logprobs every prompt position's logits: prefilled here
         if kv is None and pd_eligible(params):
-            self.batcher.validate(prompt, params)   # a bad request costs no producer work
+            if not validated:  # a bad request costs no producer work
+                prompt = self.batcher.validate(prompt, params)
+                validated = True
             request_id = request_id or f"pd-{uuid.uuid4().hex[:16]}"
             try:
                 kv = self.pool.open(request_id, [int(t) for t in prompt], params)
@@ -421,7 +424,7 @@ class _PooledAsyncBatcher(AsyncBatcher):
                 self.native_fallbacks += 1
                 kv = None
         try:
-            return super().submit(prompt, params, request_id, kv)
+            return super().submit(prompt, params, request_id, kv, validated=validated)
         except BaseException:
             if kv is not None:
                 kv.close()
