@@ -23,7 +23,9 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
 from support import grammar_faults
+from support.grammars import LARK_GRAMMARS, REGEXES, SCHEMAS
 from support.served import ServerThread, running, served
 from support.victim import NAME, VICTIM_GAP, Victim
 
@@ -208,3 +210,47 @@ def test_a_worker_that_dies_or_hangs_costs_its_request_only(faulty: ServerThread
     assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
     assert all(re.fullmatch("[0-9]{3}", a.json()["choices"][0]["text"]) for a in answers)
     assert victim.times[-1] > end and victim.gap_during(start, end) < VICTIM_GAP
+
+
+# -- hypothesis against the server: generated grammars, regexes and schemas, a victim alongside ---
+_AGAINST_SERVER = settings(max_examples=20, deadline=None,
+                           suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                  HealthCheck.too_slow])
+
+
+def _never_a_500(url: str, pid: int, victim: Victim, constraint: dict[str, Any]) -> None:
+    start = time.perf_counter()
+    r = _completion(url, constraint)
+    end = time.perf_counter()
+    assert r.status_code in (200, 400), r.text[:400]
+    assert victim.error is None, victim.error
+    gap = victim.gap_during(start, end)
+    assert gap < VICTIM_GAP, f"the victim stream paused {gap:.2f} s"
+    assert running(pid)
+
+
+@pytest.fixture(scope="module")
+def victim(server: tuple[str, int]) -> Iterator[Victim]:
+    with Victim(server[0], tokens=200, until_exit=True) as v:
+        yield v
+
+
+@_AGAINST_SERVER
+@given(text=LARK_GRAMMARS)
+def test_generated_grammars_against_the_server(server: tuple[str, int], victim: Victim,
+                                               text: str) -> None:
+    _never_a_500(*server, victim, {"guided_grammar": text})
+
+
+@_AGAINST_SERVER
+@given(pattern=REGEXES)
+def test_generated_regexes_against_the_server(server: tuple[str, int], victim: Victim,
+                                              pattern: str) -> None:
+    _never_a_500(*server, victim, {"structured_outputs": {"regex": pattern}})
+
+
+@_AGAINST_SERVER
+@given(schema=SCHEMAS)
+def test_generated_schemas_against_the_server(server: tuple[str, int], victim: Victim,
+                                              schema: dict[str, Any]) -> None:
+    _never_a_500(*server, victim, {"guided_json": schema})

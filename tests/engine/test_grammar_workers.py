@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from driving import run_to_end
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from support import grammar_faults
+from support.grammars import LARK_GRAMMARS, REGEXES, SCHEMAS
 from support.structured import SPEC, batcher, byte_tokenizer
 
 from atombatch import RequestError, SamplingParams, StructuredOutput
@@ -156,53 +156,6 @@ def test_the_engine_lowers_on_its_compile_thread_not_the_callers(
 
 
 # -- hypothesis: grammars, regexes and schemas, deep, chained, ambiguous and recursive ------------
-_TERMINAL = st.sampled_from(['"a"', '"b"', '"ab"', '/[0-9]+/', '"{"', '"}"'])
-
-
-@st.composite
-def lark_grammars(draw: st.DrawFn) -> str:
-    rules = draw(st.integers(1, 40))
-
-    def expression(depth: int) -> st.SearchStrategy[str]:
-        atom = st.one_of(_TERMINAL, st.integers(0, rules - 1).map(lambda r: f"r{r}"))
-        if depth == 0:
-            return atom
-        inner = expression(depth - 1)
-        return st.one_of(
-            atom,
-            st.lists(inner, min_size=1, max_size=3).map(" ".join),
-            st.lists(inner, min_size=2, max_size=3).map(lambda xs: "(" + " | ".join(xs) + ")"),
-            st.tuples(inner, st.sampled_from("*+?")).map(lambda t: f"({t[0]}){t[1]}"))
-
-    body = [draw(expression(draw(st.integers(0, 4)))) for _ in range(rules)]
-    nest = draw(st.integers(0, 300))  # deeply nested parentheses around the start
-    return "\n".join(["start: " + "(" * nest + "r0" + ")" * nest,
-                      *(f"r{i}: {b}" for i, b in enumerate(body))])
-
-
-_REGEX = st.recursive(
-    st.sampled_from(["a", "b", "[0-9]", "[a-z]", r"\d", ".", "x"]),
-    lambda inner: st.one_of(
-        st.tuples(inner, inner).map("".join),
-        st.tuples(inner, inner).map(lambda t: f"({t[0]}|{t[1]})"),
-        st.tuples(inner, st.integers(0, 1200), st.integers(0, 1200)).map(
-            lambda t: f"({t[0]}){{{min(t[1], t[2])},{max(t[1], t[2])}}}"),
-        inner.map(lambda r: f"({r})*")),
-    max_leaves=12)
-
-
-_SCHEMA = st.recursive(
-    st.sampled_from([{"type": "string"}, {"type": "integer", "minimum": 0}, {"type": "boolean"},
-                     {"enum": ["x", "y"]}, {"type": "string", "pattern": "^[a-c]{2,4}$"},
-                     {"$ref": "#"}]),
-    lambda inner: st.one_of(
-        st.dictionaries(st.sampled_from("abcdef"), inner, max_size=4).map(
-            lambda p: {"type": "object", "properties": p}),
-        inner.map(lambda i: {"type": "array", "items": i, "maxItems": 3}),
-        st.lists(inner, min_size=2, max_size=3).map(lambda xs: {"anyOf": xs})),
-    max_leaves=15)
-
-
 def _served_or_refused(workers: GrammarWorkers, structured: StructuredOutput) -> None:
     """The worker answers (checked, or a RequestError naming the field); what it passed
     compiles in the engine's Grammars too, from its lowered text."""
@@ -230,19 +183,19 @@ _HYPOTHESIS = settings(max_examples=25, deadline=None,
 
 
 @_HYPOTHESIS
-@given(text=lark_grammars())
+@given(text=LARK_GRAMMARS)
 def test_generated_grammars_are_checked_or_refused(workers: GrammarWorkers, text: str) -> None:
     _served_or_refused(workers, StructuredOutput.grammar(text, param="guided_grammar"))
 
 
 @_HYPOTHESIS
-@given(pattern=_REGEX)
+@given(pattern=REGEXES)
 def test_generated_regexes_are_checked_or_refused(workers: GrammarWorkers, pattern: str) -> None:
     _served_or_refused(workers, StructuredOutput.regex(pattern, param="guided_regex"))
 
 
 @_HYPOTHESIS
-@given(schema=_SCHEMA)
+@given(schema=SCHEMAS)
 def test_generated_schemas_are_checked_or_refused(workers: GrammarWorkers,
                                                   schema: dict[str, Any]) -> None:
     _served_or_refused(workers, StructuredOutput.json_schema(schema, param="guided_json"))
