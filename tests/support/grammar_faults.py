@@ -32,6 +32,6 @@ def check(tokenizer: Any, structured: StructuredOutput, vocab_size: int) -> str:
             time.sleep(1)
     if HOG in text:
         hoard = []
-        while True:  # 64 MiB at a time, touched, until the address-space limit refuses one
-            hoard.append(bytearray(64 << 20))
+        while True:  # 256 MiB at a time (calloc'd: fast) until the address-space limit refuses one
+            hoard.append(bytes(256 << 20))
     return check_in_worker(tokenizer, structured, vocab_size)
