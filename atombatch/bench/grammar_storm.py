@@ -159,16 +159,16 @@ def compile_times(tokenizer: Any, vocab: int, eos: int, repeats: int,
 STORM_KINDS = ("gbnf_chain", "lark_chain", "lark_nesting", "json_schema", "regex")
 
 
-def storm(clients: int, seconds: float, step_ms: float, vocab: int,
+def storm(tokenizer: Any, clients: int, seconds: float, step_ms: float,
           kinds: tuple[str, ...] = STORM_KINDS, chars: int = 56 * 1024) -> StormRecord:
-    """The victim's gaps while `clients` send distinct worst-case grammars (module docstring)."""
+    """The victim's gaps while `clients` send distinct worst-case grammars (module docstring);
+    `tokenizer` is the server's (`bench.structured.synthetic_tokenizer`, the qwen3-0.6b vocabulary)."""
     import httpx
 
     from atombatch.bench.overlap import Server
-    from atombatch.bench.structured import synthetic_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
-        synthetic_tokenizer(vocab).save(str(Path(tmp) / "tokenizer.json"))
+        tokenizer.save(str(Path(tmp) / "tokenizer.json"))
         server = Server([sys.executable, "-m", "atombatch.serve", "--runtime", "null",
                          "--model", "qwen3-0.6b", "--null-step-ms", str(step_ms),
                          "--tokenizer", tmp, "--port", "0", "--max-model-len", "4096",

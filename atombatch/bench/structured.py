@@ -254,7 +254,7 @@ def _storm_main(args: argparse.Namespace) -> int:
     compiles = grammar_storm.compile_times(tokenizer, args.vocab, eos, args.repeats,
                                            progress=True)
     print(grammar_storm.format_compile_table(compiles))
-    record = grammar_storm.storm(args.clients, args.seconds, args.step_ms, args.vocab)
+    record = grammar_storm.storm(tokenizer, args.clients, args.seconds, args.step_ms)
     print(grammar_storm.format_storm(record))
     if args.json:
         with open(args.json, "w") as f:

@@ -23,7 +23,7 @@ PACKAGE = ROOT / "atombatch"
 #: under `atombatch` (a module or a subpackage). Keep this table and docs/architecture.md in step.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("errors", "codes", "logs", "structured")),
-    ("values", ("structs", "config", "plan", "rbln_config", "grammar", "sampling",
+    ("values", ("structs", "config", "plan", "rbln_config", "grammar", "grammar_check", "sampling",
                 "mailbox", "policy", "detokenizer", "validation")),
     ("kernel", ("_blocks", "_blocks_py", "blocks", "argmax", "prefix")),
     ("device", ("pd", "runtime")),
