@@ -437,6 +437,19 @@ class Batcher:
                       max_tokens=request.max_tokens, n=n)
         return request_id
 
+    def prepare_structured(self) -> None:
+        """Build what structured output needs now: llguidance's tokenizer takes about a second
+        for a 152k vocabulary with the interpreter lock held, which on first use would stall
+        the steps of every request in flight. A server calls this before it serves; nothing
+        happens without a tokenizer, and one llguidance cannot read is left for the first
+        constrained request to report."""
+        if self.tokenizer is None:
+            return
+        try:
+            self.grammars().tokenizer  # noqa: B018 (built and kept on first access)
+        except (ConfigError, RequestError) as exc:
+            log.warning("structured.unavailable", error=str(exc))
+
     def grammars(self) -> Grammars:
         """The structured-output compiler and masks (built with the first structured request).
 

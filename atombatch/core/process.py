@@ -116,6 +116,7 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
             outbox.send(core_encoder.encode(Failed(error=str(exc),
                                                    config=isinstance(exc, ConfigError))))
             return
+        batcher.prepare_structured()
         frozen = freeze_heap()
         outbox.send(core_encoder.encode(Ready(rules=batcher.rules(), policy=batcher.policy.label,
                                               max_waiting=batcher.max_waiting,
@@ -801,6 +802,7 @@ def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int,
             loop = CoreLoop(batcher, inboxes, sender, parent_pid, pd=core_pd, routes=routes,
                             front_pids=pids, stall_after=stall_after)
             batcher.max_waiting = None  # each front bounds its own share (Ready says the total)
+            batcher.prepare_structured()
             frozen = freeze_heap()
             report.send_bytes(core_encoder.encode(msgspec.structs.replace(loop.ready(),
                                                                           frozen=frozen)))

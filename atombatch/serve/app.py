@@ -1501,6 +1501,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if isinstance(ab, AsyncBatcher):  # (a core process prepares before it says Ready)
+            ab.batcher.prepare_structured()
         await ab.start()
         server.structured.warm()
         server.accepting = True
