@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from driving import run_to_end
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import grammar_faults
+from support.driving import run_to_end
 from support.structured import SPEC, batcher, byte_tokenizer
 
 from atombatch import RequestError, SamplingParams, StructuredOutput
