@@ -214,7 +214,7 @@ def test_an_interrupt_when_the_dropped_decode_pads_on_a_finishing_lane(seed: int
     run_interrupted(over, fired, work, params, 4, want)
 
 
-# (a chain on the device: tests/engine/test_overlap_chain.py, which makes waves of refills)
+# (a chain on the device: tests/engine/overlap/test_overlap_chain.py, which makes waves of refills)
 WHERE = ["decode>decode", "decode>chunk", "chunk>decode", "decode>none", "chunk>none"]
 
 
