@@ -11,9 +11,9 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from driving import run_to_end
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.driving import run_to_end
 from support.zmq_peers import bound_router
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, RequestError, SamplingParams

@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 import pytest
-from driving import run_to_end
+from support.driving import run_to_end
 from support.rss import MiB, rss_bytes
 
 from atombatch import (

@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from driving import run_to_end
+from support.driving import run_to_end
 from support.rss import MiB, rss_bytes
 from support.zmq_peers import bound_router
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 from fakerebel.compiler import compile_dir
-from hf_models import save_checkpoint
+from support.hf_models import save_checkpoint
 
 from atombatch.bench import device
 from atombatch.bench.__main__ import main as bench_main

@@ -16,47 +16,15 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
+from support.vllm_probe import full_result, hit_result, probe_json
 
 from atombatch.bench import cases, micro, vllm_scheduler
 from atombatch.bench import vllm_scheduler_probe as probe
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def figure(cpu: float) -> dict[str, Any]:
-    return {"wall_ns": cpu * 1.1, "cpu_ns": cpu, "cpu_ns_range": [cpu * 0.9, cpu * 1.2],
-            "repeats": 3}
-
-
-def hit_result(schedule: float) -> dict[str, Any]:
-    return {"case": "hit", "lanes": 1, "prompt_tokens": 8192, "hit_tokens": 8176,
-            "num_blocks": 577, "loops": 5, "request": figure(1_400_000.0),
-            "add_request": figure(10_000.0), "schedule": figure(schedule),
-            "finish": figure(200_000.0), "add_request_schedule": figure(schedule + 10_000.0),
-            "step": figure(schedule + 210_000.0)}
-
-
-def full_result(lanes: int, cached: int) -> dict[str, Any]:
-    steady = 50_000.0 * lanes
-    return {"case": "full", "lanes": lanes, "cached": cached,
-            "num_blocks": cached + lanes * 128 + 200, "prompt_tokens": 128,
-            "max_model_len": 2048, "loops": 5, "fill_seconds": 0.4,
-            "cached_blocks_at_end": cached, "evicted_per_admission": 7,
-            "admit_schedule": figure(steady * 0.7 + 100_000.0),
-            "admit_step": figure(steady + 150_000.0), "steady_schedule": figure(steady * 0.7),
-            "steady_step": figure(steady), "extra_schedule": figure(100_000.0),
-            "extra_step": figure(150_000.0)}
-
-
-def probe_json(results: list[dict[str, Any]]) -> str:
-    return json.dumps({"vllm": "0.33.0", "torch": "2.14.1", "python": "3.11.7",
-                       "log_stats": True, "hash_algo": "sha256",
-                       "load_before": [0.5, 0.4, 0.3], "load_after": [0.6, 0.4, 0.3],
-                       "results": results})
 
 
 def test_the_probes_json_is_parsed_into_typed_results() -> None:
@@ -121,7 +89,7 @@ FAKE_PYTHON = '''#!{python}
 """Stands in for vLLM's Python: checks micro's command line, prints figures derived from it."""
 import argparse, json, sys
 sys.path.insert(0, {tests!r})
-from test_bench_vllm_scheduler import full_result, hit_result, probe_json
+from support.vllm_probe import full_result, hit_result, probe_json
 assert sys.argv[1] == "-P" and sys.argv[2].endswith("vllm_scheduler_probe.py"), sys.argv
 parser = argparse.ArgumentParser()
 for flag in ("--hit-tokens", "--hit-max-model-len", "--max-model-len", "--prompt-tokens",
@@ -142,7 +110,7 @@ print(probe_json(results))
 @pytest.fixture
 def fake_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path, log = tmp_path / "python", tmp_path / "argv.log"
-    path.write_text(FAKE_PYTHON.format(python=sys.executable, tests=str(Path(__file__).parent),
+    path.write_text(FAKE_PYTHON.format(python=sys.executable, tests=str(Path(__file__).parents[1]),
                                        log=str(log)))
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv(vllm_scheduler.ENV, str(path))

@@ -8,7 +8,7 @@ import json
 import msgspec
 import pytest
 from fakerebel.compiler import compile_dir
-from hf_models import save_checkpoint
+from support.hf_models import save_checkpoint
 
 from atombatch import ConfigError, ModelSpec
 from atombatch.rbln_config import GraphInput, derive_inputs, load, load_artifact

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import support.pd_models as pd
-from driving import run_to_end
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ledger import LedgerRuntime
+from support.driving import run_to_end
+from support.ledger import LedgerRuntime
 from support.scheduling import (
     artifact,
     check_workload,

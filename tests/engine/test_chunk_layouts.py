@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from ledger import LedgerRuntime, ledger_spec, reference
+from support.ledger import LedgerRuntime, ledger_spec, reference
 
 from atombatch import ArtifactConfig, Batcher, ConfigError, SamplingParams
 

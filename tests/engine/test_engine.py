@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from driving import run_to_end
+from support.driving import run_to_end
 from support.pd_models import SEED, SPECS, artifact, producer_for, prompts
 
 from atombatch import AsyncBatcher, Batcher, SamplingParams
@@ -413,7 +413,7 @@ def test_rebel_runtime_sampling_n_choices_and_caches_with_buckets(fake_rebel: An
     choice samples exactly what it samples alone on a one-lane directory (seed + index)."""
     import msgspec
     from fakerebel.compiler import compile_dir
-    from hf_models import save_checkpoint
+    from support.hf_models import save_checkpoint
 
     from atombatch.runtime import RebelRuntime
 

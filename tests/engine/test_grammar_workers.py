@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from driving import run_to_end
 from hypothesis import HealthCheck, given, settings
 from support import grammar_faults
+from support.driving import run_to_end
 from support.grammars import LARK_GRAMMARS, REGEXES, SCHEMAS
 from support.structured import SPEC, batcher, byte_tokenizer
 

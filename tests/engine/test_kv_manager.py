@@ -15,8 +15,8 @@ import random
 
 import numpy as np
 import pytest
-from driving import run_to_end
-from ledger import LedgerRuntime, ledger_spec, reference
+from support.driving import run_to_end
+from support.ledger import LedgerRuntime, ledger_spec, reference
 
 from atombatch import ArtifactConfig, AsyncBatcher, Batcher, ModelSpec, RequestError, SamplingParams
 from atombatch.pd import InProcessSource, Producer

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from ledger import LedgerRuntime
+from support.ledger import LedgerRuntime
 from support.scheduling import artifact, drive, expected
 
 from atombatch import Batcher, SamplingParams

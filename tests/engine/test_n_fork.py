@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fakerebel.compiler import compile_dir
-from hf_models import FAMILIES, save_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.hf_models import FAMILIES, save_checkpoint
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.runtime import NumpyRuntime, RebelRuntime
@@ -222,7 +222,7 @@ def test_random_workloads_of_n_choices_fork_safely(shape, chunk, data, policy):
     """Greedy n > 1 requests among single ones, with aborts of whole requests and of single
     choices at random steps: invariants after every step, every choice's tokens the reference
     (aborted ones a prefix of it), every block back at the end."""
-    from ledger import LedgerRuntime, ledger_spec, reference
+    from support.ledger import LedgerRuntime, ledger_spec, reference
 
     shape = dict(shape)
     hybrid = shape.pop("hybrid", False)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ledger import LedgerRuntime, reference
+from support.ledger import LedgerRuntime, reference
 from support.scheduling import (
     artifact,
     check_workload,

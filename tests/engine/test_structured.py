@@ -17,9 +17,9 @@ import jsonschema
 import msgspec
 import numpy as np
 import pytest
-from driving import run_to_end
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.driving import run_to_end
 from support.structured import ART, SPEC, batcher, byte_tokenizer
 
 from atombatch import Batcher, RequestError, SamplingParams, StructuredOutput

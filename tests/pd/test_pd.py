@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from driving import run_to_end
+from support.driving import run_to_end
 from support.pd_models import (  # noqa: F401
     PARAMS,
     SEED,

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from driving import run_to_end
 from fakerebel.compiler import compile_dir
-from hf_models import SLIDING_WINDOW, build_model, hf_logits, save_checkpoint
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
-from ledger import LedgerRuntime, ledger_spec, reference
+from support.driving import run_to_end
+from support.hf_models import SLIDING_WINDOW, build_model, hf_logits, save_checkpoint
+from support.ledger import LedgerRuntime, ledger_spec, reference
 from support.numerics import greedy_reference
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams

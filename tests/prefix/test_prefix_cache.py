@@ -7,8 +7,8 @@ import logging
 
 import numpy as np
 import pytest
-from driving import run_to_end
-from ledger import LedgerRuntime, ledger_spec, reference
+from support.driving import run_to_end
+from support.ledger import LedgerRuntime, ledger_spec, reference
 
 from atombatch import ArtifactConfig, Batcher, ConfigError, ModelSpec, SamplingParams
 from atombatch.prefix import PrefixIndex

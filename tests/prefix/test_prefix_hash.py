@@ -8,10 +8,10 @@ import random
 
 import numpy as np
 import pytest
-from driving import run_to_end
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ledger import LedgerRuntime, ledger_spec, reference
+from support.driving import run_to_end
+from support.ledger import LedgerRuntime, ledger_spec, reference
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
 from atombatch.prefix import ROOT, BlockHasher, PrefixIndex, chain_digest

@@ -47,7 +47,7 @@ def test_readme_runtime_swaps_run_as_written(tmp_path: Path, capsys: Any) -> Non
     """The embedding section's inline swaps: a Hugging Face checkpoint's runtime, with its default
     artifact and with `artifact=` built from its own spec (the README elides the shape fields,
     filled here), and the asyncio form, on a tiny checkpoint saved here."""
-    from hf_models import save_checkpoint
+    from support.hf_models import save_checkpoint
 
     from atombatch import ArtifactConfig, AsyncBatcher, Batcher, ModelSpec, SamplingParams
     from atombatch.runtime import NumpyRuntime

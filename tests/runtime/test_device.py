@@ -14,9 +14,7 @@ import json
 
 import numpy as np
 import pytest
-from driving import run_to_end
 from fakerebel.compiler import compile_dir
-from hf_models import FAMILIES
 from support.device_cases import (  # noqa: F401
     _CASES,
     GREEDY,
@@ -25,6 +23,8 @@ from support.device_cases import (  # noqa: F401
     B,
     make_case,
 )
+from support.driving import run_to_end
+from support.hf_models import FAMILIES
 
 from atombatch import ArtifactConfig, Batcher, ConfigError, StateError
 from atombatch.blocks import PrefillInputs

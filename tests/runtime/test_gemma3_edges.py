@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from driving import run_to_end
+from support.driving import run_to_end
 from support.numerics import greedy_reference
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .c
 @pytest.fixture(scope="module")
 def gemma3_case(tmp_path_factory):
     pytest.importorskip("transformers")
-    from hf_models import SLIDING_WINDOW, build_model, hf_logits, save_checkpoint
+    from support.hf_models import SLIDING_WINDOW, build_model, hf_logits, save_checkpoint
 
     from atombatch import ModelSpec
 

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from driving import run_to_end
+from support.driving import run_to_end
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
 from atombatch.errors import ConfigError, StateError

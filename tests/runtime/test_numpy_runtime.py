@@ -1,6 +1,6 @@
 """NumpyRuntime: transformers parity, device-faithful tables and slots, padding, batch invariance.
 
-The tiny checkpoints are built by transformers (tests/hf_models.py) once per session. Everything the
+The tiny checkpoints are built by transformers (tests/support/hf_models.py) once per session. Everything the
 runtime is compared with is computed independently: transformers' logits and greedy tokens, and the
 runtime's own no-cache `reference_logits`.
 """
@@ -11,9 +11,9 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-import hf_models as hf
 import numpy as np
 import pytest
+from support import hf_models as hf
 from support.numerics import assert_f32_close, assert_same_argmax, f32_atol, reduction_length
 
 from atombatch._blocks_py import DecodeInputs, LaneTable, PrefillInputs

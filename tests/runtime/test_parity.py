@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hf_models import FAMILIES, build_model, hf_logits, save_checkpoint
+from support.hf_models import FAMILIES, build_model, hf_logits, save_checkpoint
 from support.numerics import greedy_reference
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams

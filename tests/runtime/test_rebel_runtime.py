@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from fakerebel.compiler import compile_dir
-from hf_models import save_checkpoint
+from support.hf_models import save_checkpoint
 
 from atombatch import ConfigError
 from atombatch.runtime import RebelRuntime

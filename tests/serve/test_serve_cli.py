@@ -150,7 +150,7 @@ def test_decoder_batch_sizes_flag_builds_a_bucketed_engine(capsys: Any) -> None:
 
 def test_the_context_defaults_to_the_models_and_a_larger_one_stays_an_error(
         tmp_path: Path, capsys: Any) -> None:
-    import hf_models
+    from support import hf_models
 
     checkpoint = hf_models.save_checkpoint("llama", tmp_path / "ckpt", "float32")
     assert json.loads((checkpoint / "config.json").read_text())["max_position_embeddings"] == 512

@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 from fakerebel.compiler import compile_dir
-from hf_models import build_model, hf_logits, save_checkpoint
+from support.hf_models import build_model, hf_logits, save_checkpoint
 from support.numerics import f32_logprob_atol
 from support.served import ServerThread
 

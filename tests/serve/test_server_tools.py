@@ -354,7 +354,7 @@ def test_the_command_line_serves_tools_with_the_core_process(tmp_path: Path) -> 
     transformers-written Qwen3 checkpoint with the tokenizer beside it, the engine in its own
     process; a required choice comes back as valid calls (thinking off: the random model would
     never close a think block, and the constraint waits for its end)."""
-    from hf_models import save_checkpoint as save_model
+    from support.hf_models import save_checkpoint as save_model
     from support.served import served
 
     save_model("qwen3", tmp_path)

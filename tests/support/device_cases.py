@@ -4,9 +4,9 @@ layouts, for the device-path tests (the emulated rebel)."""
 from __future__ import annotations
 
 import numpy as np
-from hf_models import build_model, hf_logits, save_checkpoint
 
 from atombatch import SamplingParams
+from support.hf_models import build_model, hf_logits, save_checkpoint
 
 NEW_TOKENS = 8
 

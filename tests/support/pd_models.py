@@ -4,13 +4,13 @@ prompts and the native reference."""
 from __future__ import annotations
 
 import numpy as np
-from driving import run_to_end
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.pd import (
     Producer,
 )
 from atombatch.runtime import NumpyRuntime
+from support.driving import run_to_end
 
 TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2,
             head_dim=8)

@@ -4,13 +4,13 @@ reference (the `core` fixture, both block cores, is in conftest.py)."""
 from __future__ import annotations
 
 from hypothesis import strategies as st
-from ledger import ledger_spec, reference
 
 from atombatch import (
     ArtifactConfig,
     Batcher,
     SamplingParams,
 )
+from support.ledger import ledger_spec, reference
 
 
 def artifact(batch_size=4, max_seq_len=64, block_size=64, num_blocks=None, chunk=8,

@@ -44,9 +44,9 @@ def byte_tokenizer(specials: tuple[str, ...] = (EOS, BOS)) -> Any:
 
 def checkpoint_dir(path: Path) -> Path:
     """A Qwen3 checkpoint directory `python -m atombatch.serve --model` reads: the suite's tiny
-    random transformers model (tests/hf_models.py: vocab 512, BOS 1, EOS 2) and a byte-level
+    random transformers model (tests/support/hf_models.py: vocab 512, BOS 1, EOS 2) and a byte-level
     tokenizer whose ids 0..2 are its pad, BOS and EOS."""
-    from hf_models import save_checkpoint
+    from support.hf_models import save_checkpoint
 
     save_checkpoint("qwen3", path)
     tok = byte_tokenizer(("<|pad|>", BOS, EOS))

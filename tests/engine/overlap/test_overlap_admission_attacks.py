@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.overlap import choices_loop, closed_loop, greedy, loop_through, run_alone, tokens_of
 from support.paced import PacedDecode
 from support.pd_models import SEED, SPECS
-from test_overlap_admission import closed_loop, greedy, run_alone, tokens_of
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
 from atombatch.runtime import NumpyRuntime
@@ -57,37 +57,6 @@ def test_soak_closed_loop_tokens_match_requests_alone(seed: int, batch: int, blo
     assert tokens_of(closed_loop(over, work, params, batch)) == want
     stats = over.stats()
     assert stats.lane_blocks == 0 and stats.staged_blocks == 0
-
-
-def loop_through(over: Batcher, work: list[list[int]], params: list[SamplingParams],
-                 first: int, error: type[BaseException],
-                 on_raise: Any = None) -> tuple[list[Any], int]:
-    """A closed loop (`first` requests at once, a new one per finished one) whose steps may
-    raise `error` (then `on_raise(over, ids)`, the ids submitted so far, if given): the final
-    outputs in request order, and how many steps raised."""
-    ids = [over.submit(p, sp) for p, sp in zip(work[:first], params[:first], strict=True)]
-    queue = list(range(first, len(work)))
-    finals: dict[str, Any] = {}
-    raised = 0
-    for _ in range(3000):
-        try:
-            outs = over.step()
-        except error:
-            raised += 1
-            outs = []
-            if on_raise is not None:
-                on_raise(over, ids)
-        for out in outs:
-            assert out.request_id not in finals, out.request_id
-            if out.finished:
-                finals[out.request_id] = out
-                if queue:
-                    i = queue.pop(0)
-                    ids.append(over.submit(work[i], params[i]))
-        over.check_invariants()
-        if not over.has_unfinished() and not queue:
-            break
-    return [finals[i] for i in ids], raised
 
 
 def _sampled(max_tokens: int, seed: int) -> SamplingParams:
@@ -421,44 +390,6 @@ def test_soak_random_aborts_leave_the_others_and_the_partial_outputs_right(
     assert stats.lane_blocks == 0 and stats.staged_blocks == 0
 
 
-def _choices_loop(batcher: Batcher, work: list[list[int]], params: list[SamplingParams],
-                  concurrency: int) -> list[Any]:
-    """A closed loop where a request ends once all its `n` choices have: per request, each
-    choice's (tokens, finish reason) in index order and its prompt logprobs."""
-    pending = list(range(len(work)))
-    ids: dict[str, int] = {}
-    tokens: dict[tuple[str, int], list[int]] = {}
-    ends: dict[tuple[str, int], Any] = {}
-    prompt: dict[str, Any] = {}
-
-    def submit() -> None:
-        i = pending.pop(0)
-        ids[batcher.submit(work[i], params[i])] = i
-
-    for _ in range(min(concurrency, len(work))):
-        submit()
-    for _ in range(10_000):
-        for out in batcher.step():
-            key = (out.request_id, out.index)
-            assert key not in ends, f"{key} produced output after its end"
-            tokens.setdefault(key, []).extend(out.new_token_ids)
-            if out.prompt_logprobs is not None:
-                prompt[out.request_id] = [None if lp is None else (lp.token_id, lp.logprob)
-                                          for lp in out.prompt_logprobs]
-            if out.finish_reason is not None:  # a choice's last output
-                ends[key] = out.finish_reason
-            if out.finished and pending:  # the request's last choice ended
-                submit()
-        batcher.check_invariants()
-        if not batcher.has_unfinished() and not pending:
-            break
-    out = []
-    for request_id, i in sorted(ids.items(), key=lambda item: item[1]):
-        out.append(([(tuple(tokens[(request_id, c)]), ends[(request_id, c)])
-                     for c in range(params[i].n)], prompt.get(request_id)))
-    return out
-
-
 def test_n_and_prompt_logprobs_requests_arriving_mid_pipeline_stay_correct() -> None:
     """n > 1 requests (seeded, sampled) and prompt-logprobs requests arrive while decodes run
     as a pipeline next to plain ones admitted ahead: they must not fly, and every request's
@@ -479,10 +410,10 @@ def test_n_and_prompt_logprobs_requests_arriving_mid_pipeline_stay_correct() -> 
             params.append(greedy(4 + (3 * i) % 7))
     want = []
     for p, sp in zip(work, params, strict=True):
-        want += _choices_loop(Batcher(NumpyRuntime.random(art, SEED)), [p], [sp], 1)
+        want += choices_loop(Batcher(NumpyRuntime.random(art, SEED)), [p], [sp], 1)
     for prefix in (False, True):
         over = Batcher(NumpyRuntime.random(art, SEED), prefix_cache=prefix, overlap=True)
-        assert _choices_loop(over, work, params, 3) == want
+        assert choices_loop(over, work, params, 3) == want
         stats = over.stats()
         assert stats.overlapped_prefills > 0 and stats.lane_blocks == 0
 

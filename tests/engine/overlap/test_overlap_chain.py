@@ -15,18 +15,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support.pd_models import SEED, SPECS, artifact
-from test_overlap_admission import (
+from support.overlap import (
     CallLog,
     FaultyPrefill,
     assert_only_aborted_differs,
     closed_loop,
     greedy,
+    loop_through,
     run_alone,
     short_prompts,
     tokens_of,
 )
-from test_overlap_admission_attacks import loop_through
+from support.pd_models import SEED, SPECS, artifact
 
 from atombatch import Batcher, SamplingParams
 from atombatch.overlap import DeviceThread

@@ -17,9 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.overlap import choices_loop, greedy, loop_through, run_alone, tokens_of
 from support.pd_models import SEED, SPECS
-from test_overlap_admission import greedy, run_alone, tokens_of
-from test_overlap_admission_attacks import _choices_loop, loop_through
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
 from atombatch.runtime import NumpyRuntime
@@ -215,7 +214,7 @@ def test_an_interrupt_when_the_dropped_decode_pads_on_a_finishing_lane(seed: int
     run_interrupted(over, fired, work, params, 4, want)
 
 
-# (a chain on the device: tests/engine/test_overlap_chain.py, which makes waves of refills)
+# (a chain on the device: tests/engine/overlap/test_overlap_chain.py, which makes waves of refills)
 WHERE = ["decode>decode", "decode>chunk", "chunk>decode", "decode>none", "chunk>none"]
 
 
@@ -332,7 +331,7 @@ def test_interrupts_with_groups_and_sampled(nth: int, spec_name: str, core: str)
             params.append(greedy(min(6 + (5 * i) % 11, 64 - len(work[i]))))
     want = []
     for p, sp in zip(work, params, strict=True):
-        want += _choices_loop(Batcher(NumpyRuntime.random(art, SEED)), [p], [sp], 1)
+        want += choices_loop(Batcher(NumpyRuntime.random(art, SEED)), [p], [sp], 1)
     over = Batcher(NumpyRuntime.random(art, SEED), overlap=True)
     landings: list[int] = []
 
@@ -352,7 +351,7 @@ def test_interrupts_with_groups_and_sampled(nth: int, spec_name: str, core: str)
             return []
 
     over.step = guarded  # type: ignore[method-assign]
-    got = _choices_loop(over, work, params, 5)
+    got = choices_loop(over, work, params, 5)
     assert raised[0] == 1
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert [e for _, e in g[0]] == [e for _, e in w[0]], i

@@ -16,63 +16,20 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.overlap import (
+    CallLog,
+    FaultyPrefill,
+    assert_only_aborted_differs,
+    closed_loop,
+    greedy,
+    run_alone,
+    short_prompts,
+    tokens_of,
+)
 from support.pd_models import SEED, SPECS, artifact, prompts
 
-from atombatch import ArtifactConfig, Batcher, RequestOutput, SamplingParams
+from atombatch import ArtifactConfig, Batcher, SamplingParams
 from atombatch.runtime import NumpyRuntime
-
-
-def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def closed_loop(batcher: Batcher, work: list[list[int]], params: list[SamplingParams],
-                concurrency: int, between: Any = None) -> list[RequestOutput]:
-    """Keep `concurrency` requests in flight: each final output submits the next request before
-    the next step (the pipeline is in the air then). `between(batcher, ids, step)` runs after
-    each step. Returns the final outputs in request order."""
-    pending = list(range(len(work)))
-    ids: dict[int, str] = {}
-
-    def submit_next() -> None:
-        i = pending.pop(0)
-        ids[i] = batcher.submit(work[i], params[i])
-
-    for _ in range(min(concurrency, len(work))):
-        submit_next()
-    finals: dict[str, RequestOutput] = {}
-    steps = 0
-    while batcher.has_unfinished() or pending:
-        for out in batcher.step():
-            assert out.request_id not in finals, f"{out.request_id} produced output after its end"
-            if out.finished:
-                finals[out.request_id] = out
-                if pending:
-                    submit_next()
-        batcher.check_invariants()
-        steps += 1
-        if between is not None:
-            between(batcher, ids, steps)
-        assert steps < 10_000
-    return [finals[ids[i]] for i in range(len(work))]
-
-
-def tokens_of(finals: list[RequestOutput]) -> list[tuple[tuple[int, ...], str | None]]:
-    return [(f.completion.token_ids, f.finish_reason) for f in finals]
-
-
-def run_alone(art: ArtifactConfig, work: list[list[int]], params: list[SamplingParams]
-              ) -> list[tuple[tuple[int, ...], str | None]]:
-    out = []
-    for p, sp in zip(work, params, strict=True):
-        solo = Batcher(NumpyRuntime.random(art, SEED))
-        out += tokens_of(closed_loop(solo, [p], [sp], 1))
-    return out
-
-
-def short_prompts(count: int, seed: int, longest: int = 16) -> list[list[int]]:
-    """Prompts of one 16-token chunk (the decode after the chunk follows it on the device)."""
-    return [p[:longest - i % 5] for i, p in enumerate(prompts(count, seed=seed))]
 
 
 def stem_prompts(seed: int, stems: int, count: int, longest_tail: int) -> list[list[int]]:
@@ -245,36 +202,6 @@ def test_an_abort_while_the_admitted_chunk_or_the_decode_after_it_runs(when: str
     assert stats.lane_blocks == 0 and stats.staged_blocks == 0
 
 
-def assert_only_aborted_differs(finals: list[RequestOutput],
-                                want: list[tuple[tuple[int, ...], str | None]],
-                                aborted: list[str]) -> None:
-    """One request was aborted and ended so; every other one got the tokens it gets alone."""
-    assert len(aborted) == 1
-    got = tokens_of(finals)
-    for i, final in enumerate(finals):
-        if final.request_id == aborted[0]:
-            assert final.finish_reason == "abort"
-        else:
-            assert got[i] == want[i]
-
-
-class FaultyPrefill(NumpyRuntime):
-    """Prefill call `at` (counting from 1) raises `error`, or (error None) returns NaN logits."""
-
-    at = 0
-    error: Exception | None = None
-    calls = 0
-
-    def prefill(self, inputs: Any, **kw: Any) -> Any:
-        self.calls += 1
-        if self.calls == self.at and self.error is not None:
-            raise self.error
-        logits = super().prefill(inputs, **kw)
-        if self.calls == self.at:
-            logits = np.full_like(np.asarray(logits), np.nan)
-        return logits
-
-
 @pytest.mark.parametrize("fault", ["nan", "error", "transient"])
 def test_a_fault_in_a_chunk_admitted_ahead_ends_only_its_request(fault: str) -> None:
     """A prefill chunk on the device thread that returns NaN or raises fails its request alone
@@ -436,27 +363,6 @@ def test_a_burst_of_arrivals_is_admitted_chunk_after_chunk_inside_the_pipeline(
     stats = over.stats()
     assert chained[0] >= 6 and stats.overlapped_prefills >= chained[0]
     assert stats.lane_blocks == 0 and stats.staged_blocks == 0
-
-
-class CallLog(NumpyRuntime):
-    """Records every device call: ("prefill", lane, end) with `end` the chunk's last real
-    position + 1, ("decode", {lane: position}) for a decode's rows (a padding row: its slot's
-    lane at position 0)."""
-
-    log: list[Any]
-
-    def prefill(self, inputs: Any, **kw: Any) -> Any:
-        start = int(inputs.cache_position[0, 0])
-        self.log.append(("prefill", int(inputs.local_block_tables[0]),
-                         start + int(inputs.query_position) + 1))
-        return super().prefill(inputs, **kw)
-
-    def decode(self, inputs: Any) -> Any:
-        rows = inputs.input_ids.shape[0]
-        self.log.append(("decode", dict(zip(inputs.local_block_tables[:rows, 0].tolist(),
-                                            inputs.cache_position[:rows, 0].tolist(),
-                                            strict=True))))
-        return super().decode(inputs)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

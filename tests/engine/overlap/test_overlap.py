@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from driving import run_to_end
+from support.driving import run_to_end
 from support.pd_models import SEED, SPECS, artifact, prompts
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams

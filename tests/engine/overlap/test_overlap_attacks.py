@@ -1,5 +1,5 @@
 """Attacks on `Batcher(overlap=True)` (atombatch/overlap.py): edges of the decode pipeline that
-tests/engine/test_overlap.py does not reach, each compared against the same requests run
+tests/engine/overlap/test_overlap.py does not reach, each compared against the same requests run
 synchronously or alone on a fresh engine (the NumPy runtime does real decoder math: a row fed
 the wrong token, position or block shows up as different tokens)."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from driving import run_to_end
+from support.driving import run_to_end
 from support.pd_models import SEED, SPECS, artifact, prompts
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
