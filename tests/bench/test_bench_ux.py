@@ -258,3 +258,41 @@ def test_bench_help_describes_every_subcommand(capsys) -> None:
     for name, text in DESCRIPTIONS.items():
         assert f"  {name:<11} {text}" in out
         assert callable(importlib.import_module(f"atombatch.bench.{name}").main)
+
+
+def test_default_run_without_matplotlib_says_so_and_verbose_prints_the_tables(
+        monkeypatch: Any, capsys: Any, tmp_path: Path) -> None:
+    """`python -m atombatch.bench --verbose --out DIR` with matplotlib missing: the run ends
+    well, the closing screen says why there is no picture, no PNG is written, and the tables
+    printed are the ones in bench-details.txt (a smaller micro and serve matrix here)."""
+    import functools
+
+    from atombatch.bench import __main__ as bench_main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setattr(micro, "run", functools.partial(
+        micro.run, lanes=(1, 4), ops=("engine_step", "decode_build", "allocate+free")))
+    monkeypatch.setattr(bench_main, "SHORT_SERVE", [*SMALL[:-2], "--no-progress"])
+    assert bench_main.main(["--verbose", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    tables, screen = out.split("\n\n== atombatch bench (short default)")
+    details = (tmp_path / "out" / "bench-details.txt").read_text()
+    assert tables.strip() == details.strip()
+    assert "== micro" in details and "== serve" in details
+    screen_lines = screen.strip().splitlines()
+    assert len(screen_lines) < 25
+    assert screen_lines[-1] == ("no picture: matplotlib is not installed "
+                                "(pip install 'atombatch[plot]')")
+    assert re.search(r"engine step +B1 \S+ \S+ vs \S+ \S+ \(\d+\.\dx\)$", screen, re.M), screen
+    assert "qwen3-0.6b B4/k1: not run (rejected)" in screen
+    assert not (tmp_path / "out" / "bench-summary.png").exists()
+
+
+def test_default_run_refuses_an_unwritable_folder(capsys: Any, tmp_path: Path) -> None:
+    from atombatch.bench.__main__ import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["--out", str(blocker / "sub")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "cannot write there" in captured.err

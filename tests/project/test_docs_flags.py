@@ -77,8 +77,9 @@ def program_flags(program: str) -> set[str]:
     elif program == "atombatch.serve.ray":
         from atombatch.serve.ray import _parser
         parsers = [_parser(), serve_parser()]
-    elif program == "atombatch.bench":
-        return {"-h", "--help"}
+    elif program == "atombatch.bench":  # the short default run (no subcommand)
+        from atombatch.bench.__main__ import default_parser
+        parsers = [default_parser()]
     else:
         built: list[argparse.ArgumentParser] = []
 
