@@ -382,8 +382,8 @@ def test_the_command_line_gives_the_same_response_in_every_engine_core_mode(
             jsonschema.validate(json.loads(first.output_text), schema)
             texts.append(first.output_text)
             again = client.responses.create(**request)
-            streamed = [e for e in client.responses.create(**request, stream=True)
-                        if e.type == "response.completed"][0].response
+            events = list(client.responses.create(**request, stream=True))
+            streamed = next(e for e in events if e.type == "response.completed").response
             assert first.usage is not None and again.usage is not None
             assert streamed.usage is not None
             assert first.usage.input_tokens_details.cached_tokens == 0
