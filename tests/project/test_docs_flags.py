@@ -16,7 +16,8 @@ from atombatch.bench.__main__ import SUBCOMMANDS
 from atombatch.serve.cli import parser as serve_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "docs" / "records").glob("*.md"))]
 
 
 def commands(text: str) -> list[list[str]]:
