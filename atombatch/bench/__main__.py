@@ -1,11 +1,20 @@
 """`python -m atombatch.bench [SUBCOMMAND] ...` (see DESCRIPTIONS); no subcommand runs a short
-micro + batch invariance + serve."""
+micro + batch invariance + serve, writes every table to bench-details.txt and a picture to
+bench-summary.png, and ends with one screen of the figures that matter (`summary.py`)."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib
+import io
+import os
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+import msgspec
 
 # What each subcommand measures (its own --help has the flags).
 DESCRIPTIONS = {
@@ -31,7 +40,9 @@ DESCRIPTIONS = {
 }
 SUBCOMMANDS = tuple(DESCRIPTIONS)
 USAGE = ("usage: python -m atombatch.bench [SUBCOMMAND] [options]\n"
-         "       python -m atombatch.bench            (short micro + invariance + serve)\n"
+         "       python -m atombatch.bench [--verbose] [--out DIR]\n"
+         "           (short micro + invariance + serve: one screen of figures at the end,\n"
+         "            every table in DIR/bench-details.txt, a picture in DIR/bench-summary.png)\n"
          "       python -m atombatch.bench SUBCOMMAND --help\n\nsubcommands:\n" +
          "\n".join(f"  {name:<11} {text}" for name, text in DESCRIPTIONS.items()))
 
@@ -41,35 +52,86 @@ SHORT_SERVE = ["--models", "qwen3-4b,koni-8b", "--routes", "native", "--inputs",
                "--policies", "stall-free:8", "--no-progress"]
 
 
-def _short_default() -> int:
-    status = 0
-    started = time.perf_counter()
-    print("== micro (quick) ==")
+def default_parser() -> argparse.ArgumentParser:
+    """The options of the short default run (no subcommand)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m atombatch.bench",
+        description="The short default: micro (quick) + batch invariance + a small serve "
+                    "matrix; ends with one screen of the figures that matter and a picture.")
+    parser.add_argument("--out", type=Path, default=Path("."), metavar="DIR",
+                        help="where bench-details.txt (every table) and bench-summary.png go "
+                             "(default: the current directory)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print every table as it is measured too (they always go to "
+                             "bench-details.txt)")
+    return parser
+
+
+def _load1() -> float:
     try:
-        micro = importlib.import_module("atombatch.bench.micro")
-    except ImportError as exc:
-        print(f"micro is not available yet ({exc}); skipped")
-    else:
-        result = micro.run(quick=True)
-        table = getattr(micro, "format_table", None)
-        print(table(result) if callable(table) and result is not None else result)
-    print()
-    print("== batch invariance (NumPy runtime, probe lane at B4 vs alone at B1) ==")
-    from atombatch.bench import invariance
-    print(invariance.format_table(invariance.run(steps=8)))
-    print()
-    print("== serve (short: " + " ".join(SHORT_SERVE) + ") ==")
-    from atombatch.bench import serve
-    status = serve.main(SHORT_SERVE) or status
-    print(f"\n(short default finished in {time.perf_counter() - started:.1f} s; "
-          "run a subcommand with --help for the full benchmarks)")
-    return status
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # pragma: no cover - platforms without a load average
+        return -1.0
+
+
+def _short_default(argv: list[str]) -> int:
+    from atombatch.bench import invariance, micro, provenance, serve, summary
+
+    args = default_parser().parse_args(argv)
+    details_path, picture_path = args.out / "bench-details.txt", args.out / "bench-summary.png"
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+        details_file = details_path.open("w", encoding="utf-8")
+    except OSError as exc:
+        print(f"error: {args.out}: cannot write there ({exc.strerror})", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    loads = [_load1()]
+
+    def show(text: str) -> None:
+        details_file.write(text + "\n")
+        if args.verbose:
+            print(text, flush=True)
+
+    with details_file, tempfile.TemporaryDirectory() as scratch:
+        print("python -m atombatch.bench: micro (quick), batch invariance, serve (short); "
+              "about a minute", file=sys.stderr, flush=True)
+        show("== micro (quick) ==")
+        records = micro.run(quick=True)
+        loads += [r.load1 for r in records]
+        show(micro.format_table(records))
+        show("\n== batch invariance (NumPy runtime, probe lane at B4 vs alone at B1) ==")
+        checks = invariance.run(steps=8)
+        show(invariance.format_table(checks))
+        show("\n== serve (short: " + " ".join(SHORT_SERVE) + ") ==")
+        report_path = Path(scratch) / "serve.json"
+        table = io.StringIO()
+        with contextlib.redirect_stdout(table):
+            status = serve.main([*SHORT_SERVE, "--json", str(report_path)])
+        show(table.getvalue().rstrip("\n"))
+        if status:
+            return status
+        report = msgspec.json.decode(report_path.read_bytes(), type=serve.ServeReport)
+    loads.append(_load1())
+    run = summary.Run(micro=records, invariance=checks, serve=report,
+                      commit=provenance.git_commit(), loads=loads, cpus=os.cpu_count(),
+                      seconds=time.perf_counter() - started)
+    picture: Path | None = picture_path
+    reason = None
+    try:
+        summary.write_picture(run, picture_path)
+    except ImportError:
+        picture, reason = None, "matplotlib is not installed (pip install 'atombatch[plot]')"
+    if args.verbose:
+        print()
+    print("\n".join(summary.lines(run, details_path, picture, reason)))
+    return 0 if all(r.tokens_equal for r in checks) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        return _short_default()
+    if not argv or (argv[0].startswith("--") and argv[0] != "--help"):
+        return _short_default(argv)
     command, rest = argv[0], argv[1:]
     if command in ("-h", "--help"):
         print(USAGE)

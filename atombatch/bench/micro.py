@@ -299,12 +299,12 @@ LEGEND = (
 )
 
 
-# -- the recorded run, as the README's and docs' figures ----------------------------------------
+# -- the recorded run, as the docs' figures ------------------------------------------------------
 
 # Targets of issue 10 (median, idle 2-core machine, null device, every lane decoding), in µs.
 ENGINE_TARGETS_US = {4: 6.0, 16: 10.0, 64: 25.0, 256: 80.0}
 PREFIX_TARGETS_US = {"prefix_lookup": 150.0, "prefix_insert": 300.0}
-README = "README.md"
+HOT_PATH_DOC = "docs/hot-path.md"
 PREFIX_DOC = "docs/prefix-cache.md"
 OVERLAP_DOC = "docs/overlap.md"
 
@@ -359,8 +359,9 @@ def _provenance(run: MicroRun, json_name: str) -> str:
             f"--repeats {run.repeats} --json PATH`; this text is `--report PATH` of that run.")
 
 
-def readme_section(run: MicroRun, json_path: str) -> str:
-    """The README's micro figures, from one recorded run."""
+def hot_path_section(run: MicroRun, json_path: str) -> str:
+    """docs/hot-path.md's figures (the engine step, the table build, the pool), from one recorded
+    run; `json_path` relative to docs/."""
     lanes = sorted({r.lanes for r in run.records if r.op == "engine_step"})
 
     def both(op: str, shape: str, b: int, impl: str, per: int = 1) -> str:
@@ -450,7 +451,7 @@ def readme_section(run: MicroRun, json_path: str) -> str:
     lines += ["", "Prefix cache, 8 192-token prompt in 128-token blocks: lookup with a full hit "
               f"{both('prefix_lookup', 'partitioned', 1, 'c')} (target ≤ 150 µs), caching the "
               f"finished request {both('prefix_insert', 'partitioned', 1, 'c')} (target ≤ 300 µs); "
-              "details in [docs/prefix-cache.md](docs/prefix-cache.md)."]
+              "details in [prefix-cache.md](prefix-cache.md)."]
     return "\n".join(lines)
 
 
@@ -574,17 +575,16 @@ def _replace_between(path: str, start: str, end: str, text: str) -> None:
 
 
 def write_report(json_path: str, root: str = ".") -> list[str]:
-    """Regenerate the README's, docs/prefix-cache.md's and docs/overlap.md's figures from a
+    """Regenerate docs/hot-path.md's, docs/prefix-cache.md's and docs/overlap.md's figures from a
     recorded run: each section whose cases the run measured. Returns what was rewritten."""
     with open(json_path, "rb") as f:
         run = msgspec.json.decode(f.read(), type=MicroRun)
-    rel = os.path.relpath(json_path, root)
     docs_rel = os.path.relpath(json_path, os.path.join(root, "docs"))
     done = []
     if _has(run, ("engine_step",)):
-        _replace_between(os.path.join(root, README), "<!-- micro:start -->",
-                         "<!-- micro:end -->", readme_section(run, rel))
-        done.append(README)
+        _replace_between(os.path.join(root, HOT_PATH_DOC), "<!-- micro:start -->",
+                         "<!-- micro:end -->", hot_path_section(run, docs_rel))
+        done.append(HOT_PATH_DOC)
     if _has(run, case_defs.PREFIX_8K_OPS):
         _replace_between(os.path.join(root, PREFIX_DOC), "<!-- prefix-results:start -->",
                          "<!-- prefix-results:end -->", prefix_section(run, docs_rel))
@@ -618,8 +618,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="measure the whole run in N fresh processes and keep each case's "
                              "median (a shared VM moves one process's figures by a quarter)")
     parser.add_argument("--report", metavar="JSON",
-                        help="measure nothing: rewrite the README's and docs/prefix-cache.md's "
-                             "figures from a recorded run")
+                        help="measure nothing: rewrite docs/hot-path.md's, docs/prefix-cache.md's "
+                             "and docs/overlap.md's figures from a recorded run")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.report:
         done = write_report(args.report)

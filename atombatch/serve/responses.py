@@ -152,7 +152,9 @@ OutputItem = MessageItem | ReasoningItem | FunctionCallItem
 
 
 class InputTokensDetails(msgspec.Struct):
-    cached_tokens: int = 0               # always 0: the engine does not report prefix hits
+    cached_tokens: int = 0               # prompt tokens whose prefill the prefix cache saved
+                                         #   (vLLM's num_cached_tokens; reported whatever
+                                         #   --enable-prompt-tokens-details says, as vLLM)
 
 
 class OutputTokensDetails(msgspec.Struct):
@@ -667,7 +669,7 @@ class ResponsesAPI:
             usage = ResponseUsage(
                 input_tokens=turn.prompt_len, output_tokens=gen.generated,
                 total_tokens=turn.prompt_len + gen.generated,
-                input_tokens_details=InputTokensDetails(),
+                input_tokens_details=InputTokensDetails(cached_tokens=gen.cached_tokens or 0),
                 output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning))
         return ResponseObject(
             id=turn.id, created_at=turn.created, model=server.model_name, output=items,

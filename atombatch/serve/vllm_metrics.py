@@ -1,6 +1,6 @@
 """vLLM's Prometheus metrics (the `vllm:` names of vLLM 0.34's `PrometheusStatLogger`), exported
 beside atombatch's own on `/metrics` so vLLM's Grafana dashboard and alerts work unchanged
-(docs/from-vllm-metrics.md lists every family, its source here and each deviation).
+(docs/from-vllm.md#metrics lists every family, its source here and each deviation).
 
 Every family carries vLLM's labels `model_name` (the served name) and `engine` ("0": one engine
 core per server). Two sources:

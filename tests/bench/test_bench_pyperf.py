@@ -48,17 +48,17 @@ def test_micro_report_regenerates_readme_and_docs_figures_from_a_recorded_run(tm
     from atombatch.bench import micro
 
     (tmp_path / "docs" / "bench").mkdir(parents=True)
-    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
-    shutil.copy(ROOT / "docs" / "prefix-cache.md", tmp_path / "docs" / "prefix-cache.md")
+    for name in ("docs/hot-path.md", "docs/prefix-cache.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
     recorded = tmp_path / "docs" / "bench" / "micro-test.json"
     micro.run(lanes=(4,), json_path=str(recorded), quick=True,
               ops=("engine_step", "decode_build", "prefix_lookup", "prefix_insert"))
     micro.write_report(str(recorded), root=str(tmp_path))
-    readme = (tmp_path / "README.md").read_text()
-    section = readme[readme.index("<!-- micro:start -->"):readme.index("<!-- micro:end -->")]
-    assert "docs/bench/micro-test.json" in section and "load average" in section
+    hot = (tmp_path / "docs" / "hot-path.md").read_text()
+    section = hot[hot.index("<!-- micro:start -->"):hot.index("<!-- micro:end -->")]
+    assert "(bench/micro-test.json)" in section and "load average" in section
     assert "| 4 | " in section and "≤ 6 µs" in section
-    assert readme.count("<!-- micro:start -->") == 1 and "Batch invariance" in readme
+    assert hot.count("<!-- micro:start -->") == 1 and "issue 10's targets" in hot
     doc = (tmp_path / "docs" / "prefix-cache.md").read_text()
     figures = doc[doc.index("<!-- prefix-results:start -->"):]
     assert "bench/micro-test.json" in figures and "full hit" in figures and "≤ 150 µs" in figures
@@ -66,15 +66,15 @@ def test_micro_report_regenerates_readme_and_docs_figures_from_a_recorded_run(tm
 
 def test_micro_report_writes_the_prefix_scale_and_admission_tables_it_measured(tmp_path):
     """A prefix-only run rewrites docs/prefix-cache.md's scale table and docs/overlap.md's
-    admission stalls, and leaves the README (whose cases it did not measure) alone."""
+    admission stalls, and leaves docs/hot-path.md (whose cases it did not measure) alone."""
     import shutil
 
     from atombatch.bench import micro
 
     (tmp_path / "docs" / "bench").mkdir(parents=True)
-    for name in ("README.md", "docs/prefix-cache.md", "docs/overlap.md"):
+    for name in ("docs/hot-path.md", "docs/prefix-cache.md", "docs/overlap.md"):
         shutil.copy(ROOT / name, tmp_path / name)
-    readme = (tmp_path / "README.md").read_text()
+    hot = (tmp_path / "docs" / "hot-path.md").read_text()
     recorded = tmp_path / "docs" / "bench" / "prefix-test.json"
     micro.run(lanes=(4,), json_path=str(recorded), quick=True, repeats=1,
               ops=("prefix_miss", "prefix_hash_lookup", "prefix_hash_lookup_vllm",
@@ -82,7 +82,7 @@ def test_micro_report_writes_the_prefix_scale_and_admission_tables_it_measured(t
     done = micro.write_report(str(recorded), root=str(tmp_path))
     assert done == ["docs/prefix-cache.md (the index at scale)",
                     "docs/overlap.md (admission stalls)"]
-    assert (tmp_path / "README.md").read_text() == readme
+    assert (tmp_path / "docs" / "hot-path.md").read_text() == hot
     doc = (tmp_path / "docs" / "prefix-cache.md").read_text()
     scale = doc[doc.index("<!-- prefix-scale:start -->"):doc.index("<!-- prefix-scale:end -->")]
     assert "bench/prefix-test.json" in scale and "miss, 30k cached blocks" in scale

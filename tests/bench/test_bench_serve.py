@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import msgspec
 import numpy as np
 import pytest
@@ -14,8 +9,6 @@ import pytest
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.bench import serve
 from atombatch.runtime.sim import ORIGIN_KONI_B1, CostModel, SimRuntime
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -178,15 +171,6 @@ def test_sim_and_numpy_runtimes_step_alike(policy: str) -> None:
     assert traces[0] == traces[1]
     if policy != "decode-first":  # decode-first prefills only while no lane decodes
         assert any(r.kind == "decode" and r.lanes == 2 for r in traces[0])
-
-
-def test_plain_python_m_atombatch_bench_runs() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "atombatch.bench"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "== micro" in result.stdout and "== serve" in result.stdout
-    assert "calibration:" in result.stdout
 
 
 def test_dispatcher_routes_subcommands(capsys) -> None:

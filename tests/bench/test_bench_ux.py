@@ -5,7 +5,9 @@ themselves in whole sentences."""
 from __future__ import annotations
 
 import io
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -258,3 +260,66 @@ def test_bench_help_describes_every_subcommand(capsys) -> None:
     for name, text in DESCRIPTIONS.items():
         assert f"  {name:<11} {text}" in out
         assert callable(importlib.import_module(f"atombatch.bench.{name}").main)
+
+
+def test_default_run_without_matplotlib_says_so_and_verbose_prints_the_tables(
+        monkeypatch: Any, capsys: Any, tmp_path: Path) -> None:
+    """`python -m atombatch.bench --verbose --out DIR` with matplotlib missing: the run ends
+    well, the closing screen says why there is no picture, no PNG is written, and the tables
+    printed are the ones in bench-details.txt (a smaller micro and serve matrix here)."""
+    import functools
+
+    from atombatch.bench import __main__ as bench_main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setattr(micro, "run", functools.partial(
+        micro.run, lanes=(1, 4), ops=("engine_step", "decode_build", "allocate+free")))
+    monkeypatch.setattr(bench_main, "SHORT_SERVE", [*SMALL[:-2], "--no-progress"])
+    assert bench_main.main(["--verbose", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    tables, screen = out.split("\n\n== atombatch bench (short default)")
+    details = (tmp_path / "out" / "bench-details.txt").read_text()
+    assert tables.strip() == details.strip()
+    assert "== micro" in details and "== serve" in details
+    screen_lines = screen.strip().splitlines()
+    assert len(screen_lines) < 25
+    assert screen_lines[-1] == ("no picture: matplotlib is not installed "
+                                "(pip install 'atombatch[plot]')")
+    assert re.search(r"engine step +B1 \S+ \S+ vs \S+ \S+ \(\d+\.\dx\)$", screen, re.M), screen
+    assert "qwen3-0.6b B4/k1: not run (rejected)" in screen
+    assert not (tmp_path / "out" / "bench-summary.png").exists()
+
+
+def test_default_run_refuses_an_unwritable_folder(capsys: Any, tmp_path: Path) -> None:
+    from atombatch.bench.__main__ import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["--out", str(blocker / "sub")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "cannot write there" in captured.err
+
+
+def test_plain_python_m_atombatch_bench_ends_with_one_screen_and_a_picture(
+        tmp_path: Path) -> None:
+    """The default run: every table in bench-details.txt, a PNG, and at most 25 lines on stdout
+    carrying the compiled-vs-twin ratio, the invariance verdict, B1 -> B4 and the provenance."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    result = subprocess.run([sys.executable, "-m", "atombatch.bench"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) <= 25, result.stdout
+    text = result.stdout
+    assert re.search(r"commit [0-9a-f]{7,}", text) and "1-minute load average" in text
+    assert re.search(r"engine step +B1 .* vs .* \(\d+\.\dx\)", text), text
+    assert "batch invariance" in text and "PASS: max |Δlogit| 0 over llama, qwen3, gemma3" in text
+    assert re.search(r"qwen3-4b +2048/128 +B1/k1 -> B4/k5 .* tok/s \(x\d\.\d\d\)", text), text
+    assert "koni-8b B4/k5: not run (does not fit: " in text
+    assert lines[-2:] == ["every table: bench-details.txt", "picture: bench-summary.png"]
+    details = (tmp_path / "bench-details.txt").read_text()
+    assert "== micro" in details and "== serve" in details and "calibration:" in details
+    assert "multi-lane vs single-lane" in details and "tokens equal" in details
+    head = (tmp_path / "bench-summary.png").read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")) == (1500, 520)

@@ -16,7 +16,8 @@ from atombatch.bench.__main__ import SUBCOMMANDS
 from atombatch.serve.cli import parser as serve_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "docs" / "records").glob("*.md"))]
 
 
 def commands(text: str) -> list[list[str]]:
@@ -77,8 +78,9 @@ def program_flags(program: str) -> set[str]:
     elif program == "atombatch.serve.ray":
         from atombatch.serve.ray import _parser
         parsers = [_parser(), serve_parser()]
-    elif program == "atombatch.bench":
-        return {"-h", "--help"}
+    elif program == "atombatch.bench":  # the short default run (no subcommand)
+        from atombatch.bench.__main__ import default_parser
+        parsers = [default_parser()]
     else:
         built: list[argparse.ArgumentParser] = []
 

@@ -360,22 +360,40 @@ def test_openai_agents_runs_a_function_tool_agent(scripted: ServerThread) -> Non
 def test_the_command_line_gives_the_same_response_in_every_engine_core_mode(
         tmp_path: Path) -> None:
     """`python -m atombatch.serve --model DIR` with the engine inline, in its own core process
-    (the default) and behind two fronts: the same constrained response; chained to it, the next
-    one's prompt holds it (one front: the store is the front's)."""
+    (the default) and behind two fronts: the same constrained response; the same request again
+    (whole and streamed) reports the prompt tokens the prefix cache (on by default) saved in
+    `input_tokens_details.cached_tokens` and answers the same; chained to it, the next one's
+    prompt holds it (one front: the store is the front's)."""
     from support.served import served
 
     directory = model.checkpoint_dir(tmp_path / "ckpt")
     schema = Person.model_json_schema()
-    texts = []
+    texts, cached = [], []
+    chunk = 16
     for flags in (("--engine-core", "inline"), (), ("--api-server-count", "2")):
         with served("--model", str(directory), "--max-seq-len", "256", "--batch-size", "2",
+                    "--block-size", "16", "--prefill-chunk-size", str(chunk),
                     "--served-model-name", NAME, *flags) as (url, _), \
                 openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
-            first = client.responses.create(
+            request: dict[str, Any] = dict(
                 model=NAME, input="Who are you?", max_output_tokens=80, temperature=0,
                 text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
+            first = client.responses.create(**request)
             jsonschema.validate(json.loads(first.output_text), schema)
             texts.append(first.output_text)
+            again = client.responses.create(**request)
+            events = list(client.responses.create(**request, stream=True))
+            streamed = next(e for e in events if e.type == "response.completed").response
+            assert first.usage is not None and again.usage is not None
+            assert streamed.usage is not None
+            assert first.usage.input_tokens_details.cached_tokens == 0
+            # a hit resumes at the last chunk boundary before the prompt's last token
+            prompt = first.usage.input_tokens
+            assert again.usage.input_tokens_details.cached_tokens == \
+                (prompt - 1) // chunk * chunk > 0
+            assert streamed.usage == again.usage
+            assert again.output_text == streamed.output_text == first.output_text
+            cached.append(again.usage.input_tokens_details.cached_tokens)
             if flags == ():
                 second = client.responses.create(model=NAME, input="And then?",
                                                  max_output_tokens=3, temperature=0,
@@ -385,7 +403,7 @@ def test_the_command_line_gives_the_same_response_in_every_engine_core_mode(
                     first.usage.input_tokens + first.usage.output_tokens
                 card = httpx.get(f"{url}/v1/models").json()["data"][0]
                 assert card["atombatch"]["engine_core"]["mode"] == "process"
-    assert texts[0] == texts[1] == texts[2]
+    assert texts[0] == texts[1] == texts[2] and cached[0] == cached[1] == cached[2]
 
 
 # -- refusals --------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """What vLLM's Grafana dashboard and alert rules ask Prometheus, recorded so a test can check
-that every series they query exists on atombatch's `/metrics` (docs/from-vllm-metrics.md).
+that every series they query exists on atombatch's `/metrics` (docs/from-vllm.md#metrics).
 
 `DASHBOARD`: every `expr` of vLLM's examples/online_serving/prometheus_grafana/grafana.json (at
 vLLM commit 004f771f3a6b49597546b05c7d83686d1e121fa0, `$model_name` and `$__rate_interval` as
