@@ -42,6 +42,7 @@ from atombatch.overlap import NUM_FLIGHTS, DeviceThread, Flight, decode_logits, 
 from atombatch.pd_intake import KVLink, KVSource, PDIntake
 from atombatch.policy import DEFAULT_POLICY
 from atombatch.prefix import HostCache
+from atombatch.reports import EngineStats
 from atombatch.runtime.base import Capabilities, Runtime
 from atombatch.sampling import (
     LOGPROBS_MODES,
@@ -74,67 +75,6 @@ _ALL_MASKED = ("every token is masked (structured output, allowed_token_ids, bad
 # Requests without a lane that a Batcher keeps by default; past it `submit` raises CapacityError.
 # Each waiting request holds its prompt (at most max_seq_len int64 ids) and a little bookkeeping.
 DEFAULT_MAX_WAITING = 4096
-
-
-class EngineStats(msgspec.Struct, frozen=True):
-    """A snapshot a server can export (gauges and counters)."""
-
-    occupied_lanes: int                 # lanes holding a request now
-    decoding_lanes: int                 # of those, decoding
-    queue_length: int                   # requests without a lane (waiting + staging/staged, and
-                                        #   n > 1 choices waiting for choice 0's prefill)
-    free_blocks: int
-    spare_blocks: int
-    staged_blocks: int
-    lane_blocks: int
-    cached_blocks: int
-    steps: int                          # device calls so far
-    imports: int                        # KV import steps (PD)
-    prefill_chunks: int
-    staged_chunks: int                  # prefill chunks or KV imports run into the spare
-    decode_steps: int
-    generated_tokens: int
-    rotations: int                      # staged requests that took over a finished lane's slot
-    preemptions: int
-    prefix_hits: int                    # lanes started from a cached prefix
-    prefix_misses: int
-    prefix_hit_tokens: int              # prompt tokens whose prefill the cache saved
-    host_restores: int                  # blocks written back from the host cache
-    evictions: int                      # CACHED blocks evicted from the device
-    prompt_forks: int                   # n > 1 choices started from a device copy of choice 0's
-                                        #   prompt KV (prefix cache off)
-    fork_saved_tokens: int              # prompt tokens those choices did not prefill
-    finished: dict[str, int]            # requests by finish reason
-    lane_histogram: tuple[int, ...]     # decode steps by number of decoding lanes (index = lanes)
-    bucket_steps: dict[int, int]        # decode steps by compiled decode batch size that ran
-    slot_saves: int = 0                 # sliding-slot checkpoints read to the host (hybrid)
-    slot_restores: int = 0              # sliding-slot checkpoints written into a lane (hybrid)
-    checkpoint_bytes: int = 0           # host bytes the sliding-slot checkpoints hold now (hybrid)
-    # Where the device's time went: wall seconds inside device calls, and between the end of
-    # one device call and the start of the next while work was pending (the host's critical
-    # path: sampling, scheduling, inputs, the embedder's loop); `host_gaps` such intervals.
-    # device_s / (device_s + host_gap_s) is the share of the busy time the device computed.
-    device_s: float = 0.0
-    host_gap_s: float = 0.0
-    host_gaps: int = 0
-    # device calls the device thread launched right after the step before it, their inputs
-    # built while that one ran (`Batcher(overlap=True)`, atombatch/overlap.py); of which prefill
-    # chunks of requests admitted while a decode ran; and decodes right after such a chunk
-    # that its request joined (its first token the chunk's greedy pick, written in on the device
-    # thread); and chunks launched right after another chunk, decided with it (a wave of
-    # arrivals planned as one chain: `Batcher._chain_wave`)
-    overlapped_steps: int = 0
-    overlapped_prefills: int = 0
-    overlapped_joins: int = 0
-    chained_chunks: int = 0
-    # vLLM's prefix-cache queries (tokens of every lookup; the hits are `prefix_hit_tokens`), and
-    # device calls by the tokens they computed: counts over `request.ITERATION_TOKEN_BUCKETS`
-    # (the last: above every bound) and their sum (`vllm:iteration_tokens_total`)
-    prefix_query_tokens: int = 0
-    prefix_cache: bool = False          # the engine runs a prefix cache
-    evictable_blocks: int = 0           # of the cached blocks, those no request holds (refcount 0)
-    iteration_tokens: tuple[int, ...] = ()
-    iteration_tokens_sum: int = 0
 
 
 class StepResult:

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import msgspec
 
-from atombatch.cluster.pd_pool import ProducerState
-from atombatch.cluster.summary import CacheSummary
-from atombatch.engine import EngineStats
+from atombatch.reports import CacheSummary, EngineStats, ProducerState
 from atombatch.structs import RequestOutput, SamplingParams
 from atombatch.validation import RequestRules
 
