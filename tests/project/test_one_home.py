@@ -3,8 +3,16 @@ names it was known by before still reach that one declaration (embedders import 
 
 from __future__ import annotations
 
-from atombatch import engine, pd, pd_intake, reports
+import numpy as np
+import pytest
+
+from atombatch import ArtifactConfig, engine, pd, pd_intake, reports
 from atombatch.cluster import pd_pool, summary
+from atombatch.errors import StateError
+from atombatch.runtime import NullRuntime
+from atombatch.runtime.base import check_decode_rows
+from atombatch.runtime.sim import SimRuntime
+from atombatch.serve.cli import DEFAULT_SPEC
 
 
 def test_the_reports_live_in_one_leaf_and_their_old_homes_reexport_them() -> None:
@@ -19,3 +27,30 @@ def test_the_reports_live_in_one_leaf_and_their_old_homes_reexport_them() -> Non
 def test_one_kv_source_protocol() -> None:
     assert engine.KVSource is pd_intake.KVSource is pd.KVSource
     assert engine.KVSource.__module__ == "atombatch.pd.source"
+
+
+class _Rows:
+    """Decode inputs of `n` padding rows."""
+
+    def __init__(self, n: int) -> None:
+        self.input_ids = np.zeros((n, 1), np.int64)
+        self.cache_position = np.zeros((n, 1), np.int32)
+        self.block_tables = np.zeros((n, 1), np.int16)
+        self.local_block_tables = np.zeros((n, 1), np.int16)
+
+
+def test_the_decode_bucket_guard_is_the_runtime_bases() -> None:
+    """The null and simulated runtimes refuse a row count that is no compiled decode batch with
+    the base's one message (the NumPy and rebel runtimes: tests/runtime/)."""
+    art = ArtifactConfig(model=DEFAULT_SPEC, batch_size=4, max_seq_len=256, block_size=256,
+                         num_blocks=5, prefill_chunk_size=16, decoder_batch_sizes=(1, 2, 4))
+    with pytest.raises(StateError) as expected:
+        check_decode_rows(3, art.decoder_batch_sizes)
+    assert str(expected.value) == ("decode inputs have 3 rows; the compiled decode batches are "
+                                   "(1, 2, 4)")
+    check_decode_rows(2, art.decoder_batch_sizes)
+    for runtime in (NullRuntime(art, step_ms=0.0), SimRuntime(art)):
+        with pytest.raises(StateError) as refused:
+            runtime.decode(_Rows(3))
+        assert str(refused.value) == str(expected.value)
+        assert runtime.decode(_Rows(2)).shape[0] == 2
