@@ -59,7 +59,7 @@ from atombatch.structs import (
     RequestOutput,
     SamplingParams,
 )
-from atombatch.validation import RequestRules, validate_request
+from atombatch.validation import RequestRules, queue_limit, validate_request
 
 __all__ = ["DEFAULT_MAX_WAITING", "Batcher", "EngineStats", "Extras", "Group", "KVLink",
            "KVSource", "StepResult"]
@@ -181,6 +181,8 @@ class Batcher:
                                         not isinstance(max_waiting, int) or max_waiting < 1):
             raise ConfigError(f"max_waiting={max_waiting!r} must be an int >= 1 (or None: unbounded)")
         self.max_waiting = max_waiting
+        # what submit admits without a lane (None: unbounded, or left to the core's fronts)
+        self._waiting_limit = queue_limit(0, max_waiting)
         # Called right before every device call: the engine core hands the previous step's
         # outputs to its sender thread there, so that work runs while the device does.
         self.on_device_call: Callable[[], None] | None = None
@@ -325,7 +327,7 @@ class Batcher:
             raise RequestError(f"prompt_logprobs={params.prompt_logprobs} needs the logits of "
                                "every prompt position, which a PD producer does not send: submit "
                                "the request without a KV source (docs/pd.md)")
-        if self.max_waiting is not None and self.num_waiting + n > self.max_waiting:
+        if self._waiting_limit is not None and self.num_waiting + n > self._waiting_limit:
             raise CapacityError(f"queue is full: {self.num_waiting} requests wait, "
                                 f"max_waiting={self.max_waiting}")
         if request_id is None:
@@ -510,6 +512,19 @@ class Batcher:
             self._pending.append(self._final_output(request, ()))
             self._flush_events()
         return True
+
+    @property
+    def waiting_limit(self) -> int | None:
+        """The choices without a lane `submit` admits (`queue_limit(0, max_waiting)`); None:
+        unbounded, or bounded by the engine core's fronts (`leave_queue_bound_to_fronts`)."""
+        return self._waiting_limit
+
+    def leave_queue_bound_to_fronts(self) -> None:
+        """The engine core's fronts bound the queue (lanes + `max_waiting` choices in flight,
+        split among them: `queue_limit`), so `submit` stops refusing on its own: a burst of
+        submits between two steps must not be refused for lanes not yet assigned.
+        `max_waiting` keeps saying the bound the fronts apply."""
+        self._waiting_limit = None
 
     @property
     def num_waiting(self) -> int:
@@ -1374,8 +1389,8 @@ class Batcher:
         want = sum(sp.n for sp in per_prompt)
         while len(done) < want:
             while len(ids) < len(prompts) and (
-                    self.max_waiting is None or self.num_waiting == 0 or
-                    self.num_waiting + per_prompt[len(ids)].n <= self.max_waiting):
+                    self._waiting_limit is None or self.num_waiting == 0 or
+                    self.num_waiting + per_prompt[len(ids)].n <= self._waiting_limit):
                 ids.append(self.submit(prompts[len(ids)], per_prompt[len(ids)]))
                 mine.add(ids[-1])
             for out in self.step():

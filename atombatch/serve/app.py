@@ -102,6 +102,7 @@ from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredR
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
 from atombatch.serve.tools import TOOL_PARSER_NAMES, NoToolParser, ToolCallError, ToolPlan
 from atombatch.structs import RequestOutput, SamplingParams, TokenLogprobs
+from atombatch.validation import queue_limit
 
 T = TypeVar("T")
 log = logger("atombatch.serve")
@@ -735,7 +736,7 @@ class _Server:
             raise ApiError(400, "prompt must be a string, a list of token ids, a list of strings "
                            "or a list of token-id lists, not a mix", param="prompt",
                            code="invalid_type")
-        limit = self.artifact.batch_size + (self.ab.max_waiting or 0)
+        limit = queue_limit(self.artifact.batch_size, self.ab.max_waiting or 0)
         if len(batch) * n > limit:  # each choice of each prompt is a request
             raise ApiError(400, f"a batch of {len(batch)} prompts x n={n} choices exceeds "
                            f"{limit} (lanes + --max-waiting): split it", param="prompt",

@@ -6,13 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from atombatch import ArtifactConfig, engine, pd, pd_intake, reports
+from atombatch import ArtifactConfig, Batcher, SamplingParams, engine, pd, pd_intake, reports
 from atombatch.cluster import pd_pool, summary
-from atombatch.errors import StateError
+from atombatch.core.shared import SharedCore
+from atombatch.errors import CapacityError, StateError
 from atombatch.runtime import NullRuntime
 from atombatch.runtime.base import check_decode_rows
 from atombatch.runtime.sim import SimRuntime
 from atombatch.serve.cli import DEFAULT_SPEC
+from atombatch.validation import queue_limit
 
 
 def test_the_reports_live_in_one_leaf_and_their_old_homes_reexport_them() -> None:
@@ -54,3 +56,27 @@ def test_the_decode_bucket_guard_is_the_runtime_bases() -> None:
             runtime.decode(_Rows(3))
         assert str(refused.value) == str(expected.value)
         assert runtime.decode(_Rows(2)).shape[0] == 2
+
+
+def test_one_queue_bound() -> None:
+    assert queue_limit(4, 2) == 6                    # a front: lanes + max_waiting in flight
+    assert queue_limit(0, 2) == 2                    # the engine: waiting choices only
+    assert queue_limit(4, 3, fronts=2) == 4          # each of two fronts: ceil(7 / 2)
+    assert queue_limit(4, None) is None and queue_limit(0, None, fronts=3) is None
+    shared = SharedCore(directory="/nonexistent", fronts=3, front=0, core_pid=1)
+    assert shared.choice_limit(4, 3) == queue_limit(4, 3, 3) == 3
+
+
+def test_the_core_leaves_the_queue_bound_to_its_fronts_without_forgetting_it() -> None:
+    art = ArtifactConfig(model=DEFAULT_SPEC, batch_size=1, max_seq_len=256, block_size=256,
+                         num_blocks=2, prefill_chunk_size=16)
+    batcher = Batcher(NullRuntime(art, step_ms=0.0), max_waiting=2)
+    assert batcher.waiting_limit == 2
+    params = SamplingParams(max_tokens=2)
+    batcher.submit([1, 2], params)
+    batcher.submit([1, 2], params)
+    with pytest.raises(CapacityError, match="max_waiting=2"):
+        batcher.submit([1, 2], params)
+    batcher.leave_queue_bound_to_fronts()
+    batcher.submit([1, 2], params)                   # the fronts bound it now
+    assert batcher.max_waiting == 2 and batcher.waiting_limit is None and batcher.num_waiting == 3
