@@ -469,6 +469,7 @@ class Batcher:
                 int(self._seed_seq.spawn(1)[0].generate_state(1)[0])
             rng = np.random.default_rng(seed)
         request = Request(internal_id, tokens, params, arrival, rng, self.artifact.max_seq_len)
+        request.resolve_stops(self.spec.eos_token_ids)
         extras = self._outputs.track(request, public_id, index, self.tokenizer, self.detokenize)
         if extras is None:
             return request
@@ -477,7 +478,8 @@ class Batcher:
             request.lane_flags |= core.LANE_SAMPLE
             words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
             extras.sampler = RequestSampler(params, tokens, self.spec.vocab_size,
-                                            self.spec.eos_token_ids, rng, words)
+                                            self.spec.eos_token_ids, rng, words,
+                                            stop_ids=request.stop_ids)
             self._samplers[internal_id] = extras.sampler
         return request
 

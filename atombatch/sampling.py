@@ -38,6 +38,7 @@ import numpy.typing as npt
 
 from atombatch.grammar import RequestGrammar, apply_masks
 from atombatch.structs import GREEDY_EPS, SamplingParams, TokenLogprob, TokenLogprobs
+from atombatch.structs import stop_ids as stop_id_tuple
 
 LogprobsMode = Literal["raw", "processed"]
 LOGPROBS_MODES = ("raw", "processed")
@@ -52,7 +53,8 @@ class RequestSampler:
 
     def __init__(self, params: SamplingParams, prompt: npt.NDArray[np.int64], vocab: int,
                  eos_token_ids: Sequence[int], rng: np.random.Generator,
-                 bad_words: Sequence[Sequence[int]] = ()) -> None:
+                 bad_words: Sequence[Sequence[int]] = (),
+                 stop_ids: Sequence[int] | None = None) -> None:
         self.params = params
         self.rng = rng
         self.vocab = vocab
@@ -65,9 +67,8 @@ class RequestSampler:
         if params.logit_bias:
             self.bias_ids = np.fromiter(params.logit_bias.keys(), dtype=np.intp)
             self.bias_values = np.fromiter(params.logit_bias.values(), dtype=np.float32)
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops.update(int(t) for t in eos_token_ids)
+        # what min_tokens masks: the request's stop ids (given once resolved on its Request)
+        stops = set(stop_ids if stop_ids is not None else stop_id_tuple(params, eos_token_ids))
         self.stop_ids = np.asarray(sorted(stops), dtype=np.intp)
         self.bad_words = [tuple(int(t) for t in word) for word in bad_words if len(word)]
         self.penalized = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or \

@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from atombatch.config import ArtifactConfig
 from atombatch.errors import RequestError
-from atombatch.structs import MAX_LOGPROBS, SamplingParams
+from atombatch.structs import MAX_LOGPROBS, SamplingParams, stop_ids
 
 
 class RequestRules(msgspec.Struct, frozen=True):
@@ -120,9 +120,7 @@ def _check_something_samplable(rules: RequestRules, params: SamplingParams) -> N
     allowed = params.allowed_token_ids
     if allowed is None or params.min_tokens == 0:
         return
-    stops = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        stops.update(rules.artifact.model.eos_token_ids)
+    stops = set(stop_ids(params, rules.artifact.model.eos_token_ids))
     if stops.issuperset(allowed):
         shown = sorted(set(allowed))[:8]
         raise RequestError(f"allowed_token_ids {shown}{'...' if len(set(allowed)) > 8 else ''} "

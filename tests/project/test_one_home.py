@@ -10,10 +10,12 @@ from atombatch import ArtifactConfig, Batcher, SamplingParams, engine, pd, pd_in
 from atombatch.cluster import pd_pool, summary
 from atombatch.core.shared import SharedCore
 from atombatch.errors import CapacityError, StateError
+from atombatch.request import Request, check_stop
 from atombatch.runtime import NullRuntime
 from atombatch.runtime.base import check_decode_rows
 from atombatch.runtime.sim import SimRuntime
 from atombatch.serve.cli import DEFAULT_SPEC
+from atombatch.structs import stop_ids
 from atombatch.validation import queue_limit
 
 
@@ -80,3 +82,25 @@ def test_the_core_leaves_the_queue_bound_to_its_fronts_without_forgetting_it() -
     batcher.leave_queue_bound_to_fronts()
     batcher.submit([1, 2], params)                   # the fronts bound it now
     assert batcher.max_waiting == 2 and batcher.waiting_limit is None and batcher.num_waiting == 3
+
+
+def test_stop_ids_are_resolved_once_per_request_and_read_everywhere() -> None:
+    params = SamplingParams(max_tokens=4, stop_token_ids=[9, 7], temperature=0.8, seed=1)
+    assert stop_ids(params, (2, 3)) == (9, 7, 2, 3)              # the client's ids, then EOS
+    ignoring = SamplingParams(stop_token_ids=[9], ignore_eos=True)
+    assert stop_ids(ignoring, (2, 3)) == (9,)
+    request = Request("r", np.arange(1, 4, dtype=np.int64), params, 0.0, None, 64)
+    assert request.stops is None
+    assert request.resolve_stops((2,)) == (9, 7, 2)
+    assert request.resolve_stops((5,)) == (9, 7, 2) == request.stop_ids   # once
+    assert check_stop(request, 2, (5,)) == "stop" and check_stop(request, 5, (5,)) is None
+
+    art = ArtifactConfig(model=DEFAULT_SPEC, batch_size=2, max_seq_len=256, block_size=256,
+                         num_blocks=3, prefill_chunk_size=16)
+    batcher = Batcher(NullRuntime(art, step_ms=0.0))
+    rid = batcher.submit([1, 4, 5], params)
+    (queued,) = batcher.scheduler.waiting
+    assert queued.stop_ids == (9, 7, *DEFAULT_SPEC.eos_token_ids)
+    sampler = next(iter(batcher._samplers.values()))           # what min_tokens masks
+    assert sampler.stop_ids.tolist() == sorted(queued.stop_ids)
+    assert batcher.abort(rid)
