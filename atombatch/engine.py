@@ -23,7 +23,7 @@ from atombatch import blocks as core
 from atombatch import plan as memory_plan
 from atombatch.argmax import RowArgmax
 from atombatch.checkpoints import run_slot_ops, slot_ops_supported
-from atombatch.config import ArtifactConfig
+from atombatch.config import ENGINE_DEFAULTS, ArtifactConfig, EngineOptions
 from atombatch.detokenizer import bad_word_ids
 from atombatch.errors import (
     CapacityError,
@@ -40,7 +40,6 @@ from atombatch.logs import log
 from atombatch.outputs import Extras, OutputBuilder
 from atombatch.overlap import NUM_FLIGHTS, DeviceThread, Flight, decode_logits, make_flights
 from atombatch.pd_intake import KVLink, KVSource, PDIntake
-from atombatch.policy import DEFAULT_POLICY
 from atombatch.prefix import HostCache
 from atombatch.reports import EngineStats
 from atombatch.runtime.base import Capabilities, Runtime
@@ -72,9 +71,9 @@ _ALL_MASKED = ("every token is masked (structured output, allowed_token_ids, bad
                "logit_bias and min_tokens exclude the whole vocabulary)")
 
 
-# Requests without a lane that a Batcher keeps by default; past it `submit` raises CapacityError.
-# Each waiting request holds its prompt (at most max_seq_len int64 ids) and a little bookkeeping.
-DEFAULT_MAX_WAITING = 4096
+# Requests without a lane that a Batcher keeps by default (its home: `EngineOptions`).
+DEFAULT_MAX_WAITING = ENGINE_DEFAULTS.max_waiting
+_D = ENGINE_DEFAULTS
 
 
 class StepResult:
@@ -147,14 +146,16 @@ class Batcher:
         ConfigError: the artifact and the options break a rule of docs/rules.md.
     """
 
-    def __init__(self, runtime: Runtime, *, prefix_cache: bool = False, host_cache_bytes: int = 0,
-                 policy: Policy | str = DEFAULT_POLICY, seed: int = 0,
+    def __init__(self, runtime: Runtime, *, prefix_cache: bool = _D.prefix_cache,
+                 host_cache_bytes: int = _D.host_cache_bytes,
+                 policy: Policy | str = _D.policy, seed: int = _D.seed,
                  clock: Callable[[], float] | None = None,
-                 max_waiting: int | None = DEFAULT_MAX_WAITING,
-                 pd_timeout: float = 300.0, pd_deadline: float | None = None,
+                 max_waiting: int | None = _D.max_waiting,
+                 pd_timeout: float = _D.pd_timeout, pd_deadline: float | None = _D.pd_deadline,
                  tokenizer: Any | None = None,
-                 logprobs_mode: LogprobsMode = "raw", detokenize: bool = True,
-                 argmax_threads: int | None = None, overlap: bool = False) -> None:
+                 logprobs_mode: LogprobsMode = _D.logprobs_mode, detokenize: bool = _D.detokenize,
+                 argmax_threads: int | None = _D.argmax_threads,
+                 overlap: bool = _D.overlap) -> None:
         artifact: ArtifactConfig = runtime.artifact
         if not isinstance(overlap, bool):
             raise ConfigError(f"overlap={overlap!r} must be True or False")
@@ -203,11 +204,17 @@ class Batcher:
         self._pending: list[RequestOutput] = []
         self.idle = True  # the last step ran no device call (nothing runnable: e.g. PD waits)
         self._pd = PDIntake(artifact, pd_timeout, pd_deadline)  # the KV links of PD requests
+        self._pd_deadline_given = pd_deadline
         self.tokenizer = tokenizer
         # False: only requests with stop strings are detokenized here (their text decides when
         # they stop); the others' outputs carry ids alone and a front decodes them
         self.detokenize = detokenize
         self.logprobs_mode: LogprobsMode = logprobs_mode
+        self._options = EngineOptions(  # as built; `options` reads the live ones back in
+            prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes,
+            policy=self.scheduler.policy.label, seed=seed, max_waiting=max_waiting,
+            pd_timeout=pd_timeout, pd_deadline=pd_deadline, logprobs_mode=logprobs_mode,
+            detokenize=detokenize, argmax_threads=argmax_threads, overlap=overlap)
         self._samplers: dict[str, RequestSampler] = {}  # requests that are not plain greedy
         self._grammars: Grammars | None = None     # structured output (built on first use)
         # structured requests whose grammar compiles: (the compile, the choices waiting for it)
@@ -248,6 +255,34 @@ class Batcher:
         self._forks = not prefix_cache and not self.artifact.single_block and \
             (not self.spec.is_hybrid or caps.copy_slot) and caps.has_kv("_copy_kv_cache", *needed)
 
+    @classmethod
+    def from_options(cls, runtime: Runtime, options: EngineOptions, *,
+                     policy: Policy | None = None, clock: Callable[[], float] | None = None,
+                     tokenizer: Any | None = None) -> Batcher:
+        """A Batcher built from one `EngineOptions` (what the server's command line makes, and
+        what an embedder can keep, pickle or send), with what is not data beside it: `policy`
+        (a `Policy` object, instead of `options.policy`'s label), `clock`, `tokenizer`."""
+        fields = msgspec.structs.asdict(options)
+        if policy is not None:
+            fields["policy"] = policy
+        return cls(runtime, clock=clock, tokenizer=tokenizer, **fields)
+
+    @property
+    def options(self) -> EngineOptions:
+        """The plain-data options this engine runs with (`from_options` builds its twin)."""
+        return msgspec.structs.replace(self._options, pd_timeout=self._pd.timeout,
+                                       pd_deadline=self._pd_deadline_given,
+                                       detokenize=self.detokenize)
+
+    def use_tokenizer(self, tokenizer: Any, *, detokenize: bool) -> None:
+        """Give the engine a tokenizer after it was built (a server that loads its codec
+        later): stop strings, bad words and structured output then work, and `detokenize=False`
+        leaves every other request's text to the front (docs/architecture.md). Call it before
+        the first request: a request in flight keeps the text maker it started with.
+        """
+        self.tokenizer = tokenizer
+        self.detokenize = detokenize
+
     @property
     def pd_timeout(self) -> float:
         """Seconds a PD request may wait for its producer's next message (see `__init__`)."""
@@ -265,6 +300,7 @@ class Batcher:
     @pd_deadline.setter
     def pd_deadline(self, seconds: float | None) -> None:
         self._pd.deadline = seconds
+        self._pd_deadline_given = seconds
 
     @property
     def _kv(self) -> dict[str, KVLink]:

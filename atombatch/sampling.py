@@ -30,17 +30,16 @@ state at all: the engine takes one argmax over the whole step for those rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from atombatch.config import LogprobsMode
 from atombatch.grammar import RequestGrammar, apply_masks
 from atombatch.structs import GREEDY_EPS, SamplingParams, TokenLogprob, TokenLogprobs
 from atombatch.structs import stop_ids as stop_id_tuple
 
-LogprobsMode = Literal["raw", "processed"]
 LOGPROBS_MODES = ("raw", "processed")
 _NEG_INF = np.float32(-np.inf)
 

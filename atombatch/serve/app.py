@@ -1485,8 +1485,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         # The engine gets the tokenizer for stop strings, bad words and structured output, and
         # leaves every other request's text to the front, as the engine core process does
         # (cli.core_batcher): inline or not, a request's text is made in the same place.
-        ab.batcher.tokenizer = codec.tokenizer
-        ab.batcher.detokenize = False
+        ab.batcher.use_tokenizer(codec.tokenizer, detokenize=False)
     if tool_parser is not None and tool_parser not in TOOL_PARSER_NAMES:
         raise ConfigError(f"tool-call parser {tool_parser!r} is not one of "
                           f"{', '.join(TOOL_PARSER_NAMES)}")

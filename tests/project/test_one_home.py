@@ -3,18 +3,23 @@ names it was known by before still reach that one declaration (embedders import 
 
 from __future__ import annotations
 
+import inspect
+import pickle
+
+import msgspec
 import numpy as np
 import pytest
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams, engine, pd, pd_intake, reports
 from atombatch.cluster import pd_pool, summary
+from atombatch.config import EngineOptions
 from atombatch.core.shared import SharedCore
 from atombatch.errors import CapacityError, StateError
 from atombatch.request import Request, check_stop
 from atombatch.runtime import NullRuntime
 from atombatch.runtime.base import check_decode_rows
 from atombatch.runtime.sim import SimRuntime
-from atombatch.serve.cli import DEFAULT_SPEC
+from atombatch.serve.cli import DEFAULT_SPEC, SERVER_OPTIONS, engine_options, parser
 from atombatch.structs import stop_ids
 from atombatch.validation import queue_limit
 
@@ -104,3 +109,44 @@ def test_stop_ids_are_resolved_once_per_request_and_read_everywhere() -> None:
     sampler = next(iter(batcher._samplers.values()))           # what min_tokens masks
     assert sampler.stop_ids.tolist() == sorted(queued.stop_ids)
     assert batcher.abort(rid)
+
+
+def test_one_engine_options_struct_holds_every_default() -> None:
+    """`Batcher(...)`'s keywords default to `EngineOptions`' fields; the server's flags default to
+    its `SERVER_OPTIONS` (the library's but for max_waiting and overlap); the struct pickles and
+    round-trips through msgpack (it crosses into the engine core process)."""
+    defaults = EngineOptions()
+    signature = inspect.signature(Batcher.__init__).parameters
+    for field in EngineOptions.__struct_fields__:
+        assert signature[field].default == getattr(defaults, field), field
+    assert defaults.max_waiting == engine.DEFAULT_MAX_WAITING
+    changed = {f for f in EngineOptions.__struct_fields__
+               if getattr(SERVER_OPTIONS, f) != getattr(defaults, f)}
+    assert changed == {"max_waiting", "overlap"}
+    args = parser().parse_args([])
+    assert (args.max_waiting, args.overlap, args.pd_timeout, args.seed, args.policy,
+            args.host_cache_bytes, args.argmax_threads) == (
+        SERVER_OPTIONS.max_waiting, SERVER_OPTIONS.overlap, SERVER_OPTIONS.pd_timeout,
+        SERVER_OPTIONS.seed, SERVER_OPTIONS.policy, SERVER_OPTIONS.host_cache_bytes,
+        SERVER_OPTIONS.argmax_threads)
+    built = engine_options(args, prefix_cache=False)
+    assert built == SERVER_OPTIONS
+    assert pickle.loads(pickle.dumps(built)) == built
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(built), type=EngineOptions) == built
+
+
+def test_a_batcher_built_from_options_runs_with_them() -> None:
+    art = ArtifactConfig(model=DEFAULT_SPEC, batch_size=2, max_seq_len=256, block_size=256,
+                         num_blocks=3, prefill_chunk_size=16)
+    options = EngineOptions(max_waiting=7, pd_timeout=12.5, policy="prefill-first", seed=3,
+                            logprobs_mode="processed", detokenize=False)
+    batcher = Batcher.from_options(NullRuntime(art, step_ms=0.0), options)
+    assert batcher.options == options
+    assert (batcher.max_waiting, batcher.pd_timeout, batcher.policy.label,
+            batcher.logprobs_mode, batcher.detokenize) == (7, 12.5, "prefill-first",
+                                                           "processed", False)
+    plain = Batcher(NullRuntime(art, step_ms=0.0), max_waiting=7)   # the keywords still work
+    assert plain.options == EngineOptions(max_waiting=7)
+    plain.pd_timeout = 9.0
+    plain.use_tokenizer(None, detokenize=False)
+    assert plain.options == EngineOptions(max_waiting=7, pd_timeout=9.0, detokenize=False)
