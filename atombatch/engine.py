@@ -1440,28 +1440,16 @@ class Batcher:
     def stats(self) -> EngineStats:
         s = self.scheduler
         free, spare, staged, lane, cached = s.pool.counts()
-        c = s.counters
         return EngineStats(
+            **s.counters.snapshot(),  # every scheduler counter, under its own name
             occupied_lanes=s.lanes.num_busy, decoding_lanes=s.lanes.num_decoding(),
             queue_length=self.num_waiting, free_blocks=free, spare_blocks=spare,
-            staged_blocks=staged, lane_blocks=lane, cached_blocks=cached, steps=c.steps,
-            imports=c.imports,
-            prefill_chunks=c.prefill_chunks, staged_chunks=c.staged_chunks,
-            decode_steps=c.decode_steps, generated_tokens=c.generated_tokens,
-            rotations=c.rotations, preemptions=c.preemptions, prefix_hits=c.prefix_hits,
-            prefix_misses=c.prefix_misses, prefix_hit_tokens=c.prefix_hit_tokens,
-            host_restores=c.host_restores, evictions=c.evictions, prompt_forks=c.prompt_forks,
-            fork_saved_tokens=c.fork_saved_tokens, slot_saves=c.slot_saves,
-            slot_restores=c.slot_restores, finished=dict(c.finished),
+            staged_blocks=staged, lane_blocks=lane, cached_blocks=cached,
             checkpoint_bytes=s.kv.checkpoints.store.used_bytes if s.kv.checkpoints else 0,
-            lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps),
             device_s=self._device_s, host_gap_s=self._host_gap_s, host_gaps=self._host_gaps,
             overlapped_steps=self._overlapped, overlapped_prefills=self._overlapped_prefills,
             overlapped_joins=self._overlapped_joins, chained_chunks=self._chained,
-            prefix_query_tokens=c.prefix_query_tokens, prefix_cache=s.prefix is not None,
-            evictable_blocks=s.pool.num_evictable,
-            iteration_tokens=tuple(c.iteration_tokens),
-            iteration_tokens_sum=c.iteration_tokens_sum)
+            prefix_cache=s.prefix is not None, evictable_blocks=s.pool.num_evictable)
 
     def check_invariants(self) -> None:
         """Raise `StateError` if any ownership invariant of docs/rules.md is broken."""

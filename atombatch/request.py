@@ -251,3 +251,10 @@ class Counters(msgspec.Struct):
     iteration_tokens: list[int] = msgspec.field(
         default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
     iteration_tokens_sum: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter by its name, frozen (lists as tuples, dicts copied): `Batcher.stats()`
+        puts them into `EngineStats` under the same names, so a counter is listed here once."""
+        return {name: tuple(value) if isinstance(value, list) else
+                dict(value) if isinstance(value, dict) else value
+                for name in self.__struct_fields__ for value in (getattr(self, name),)}

@@ -15,10 +15,11 @@ from atombatch.cluster import pd_pool, summary
 from atombatch.config import EngineOptions
 from atombatch.core.shared import SharedCore
 from atombatch.errors import CapacityError, StateError
-from atombatch.request import Request, check_stop
+from atombatch.request import Counters, Request, check_stop
 from atombatch.runtime import NullRuntime
 from atombatch.runtime.base import check_decode_rows
 from atombatch.runtime.sim import SimRuntime
+from atombatch.serve import metrics
 from atombatch.serve.cli import DEFAULT_SPEC, SERVER_OPTIONS, engine_options, parser
 from atombatch.structs import stop_ids
 from atombatch.validation import queue_limit
@@ -150,3 +151,18 @@ def test_a_batcher_built_from_options_runs_with_them() -> None:
     plain.pd_timeout = 9.0
     plain.use_tokenizer(None, detokenize=False)
     assert plain.options == EngineOptions(max_waiting=7, pd_timeout=9.0, detokenize=False)
+
+
+def test_the_counters_are_listed_once_and_stats_carries_them_all() -> None:
+    art = ArtifactConfig(model=DEFAULT_SPEC, batch_size=2, max_seq_len=256, block_size=256,
+                         num_blocks=3, prefill_chunk_size=16)
+    batcher = Batcher(NullRuntime(art, step_ms=0.0))
+    batcher.generate([[1, 4, 5], [6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    stats = batcher.stats()
+    counters = batcher.scheduler.counters
+    for name in Counters.__struct_fields__:
+        value = getattr(counters, name)
+        want = tuple(value) if isinstance(value, list) else value
+        assert getattr(stats, name) == want, name
+    assert stats.generated_tokens == 6 and stats.finished == {"length": 2}
+    assert set(metrics._ENGINE_COUNTERS) <= set(Counters.__struct_fields__)
