@@ -13,6 +13,7 @@ import pytest
 from atombatch import ArtifactConfig, Batcher, SamplingParams, engine, pd, pd_intake, reports
 from atombatch.cluster import pd_pool, summary
 from atombatch.config import EngineOptions
+from atombatch.core import messages
 from atombatch.core.shared import SharedCore
 from atombatch.errors import CapacityError, StateError
 from atombatch.request import Counters, Request, check_stop
@@ -166,3 +167,14 @@ def test_the_counters_are_listed_once_and_stats_carries_them_all() -> None:
         assert getattr(stats, name) == want, name
     assert stats.generated_tokens == 6 and stats.finished == {"length": 2}
     assert set(metrics._ENGINE_COUNTERS) <= set(Counters.__struct_fields__)
+
+
+def test_the_per_step_message_is_array_like_and_untracked() -> None:
+    import gc
+
+    step = messages.Step(ids=["a", "b"], tokens=np.array([5, 6], np.int64).tobytes(), outputs=[])
+    data = messages.core_encoder.encode(step)
+    assert b"ids" not in data and b"tokens" not in data     # fields by position, no names
+    assert msgspec.msgpack.decode(data)[0] == "Step"        # led by its tag
+    assert messages.core_decoder.decode(data) == step
+    assert not gc.is_tracked(step)
