@@ -33,6 +33,9 @@ DEFAULT_CORE_HANG_TIMEOUT = 60.0
 DEFAULT_FRONT_STALL_TIMEOUT = 5.0
 
 LogprobsMode = Literal["raw", "processed"]
+# Requests without a lane that a Batcher keeps by default; past it `submit` raises CapacityError.
+# Each waiting request holds its prompt (at most max_seq_len int64 ids) and a little bookkeeping.
+DEFAULT_MAX_WAITING = 4096
 
 
 class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -49,8 +52,8 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     policy: str = DEFAULT_POLICY             # its label: "stall-free:8", "prefill-first", ...
     seed: int = 0
     # requests without a lane `submit` admits (the queue bound: validation.queue_limit); None:
-    # unbounded. Each waiting request holds its prompt (at most max_seq_len int64 ids).
-    max_waiting: int | None = 4096
+    # unbounded
+    max_waiting: int | None = DEFAULT_MAX_WAITING
     pd_timeout: float = 300.0                # seconds a PD request waits for its producer's next
     pd_deadline: float | None = None         #   message; its whole import (None: 2 * pd_timeout)
     logprobs_mode: LogprobsMode = "raw"

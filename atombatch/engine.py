@@ -23,7 +23,7 @@ from atombatch import blocks as core
 from atombatch import plan as memory_plan
 from atombatch.argmax import RowArgmax
 from atombatch.checkpoints import run_slot_ops, slot_ops_supported
-from atombatch.config import ENGINE_DEFAULTS, ArtifactConfig, EngineOptions
+from atombatch.config import DEFAULT_MAX_WAITING, ENGINE_DEFAULTS, ArtifactConfig, EngineOptions
 from atombatch.detokenizer import bad_word_ids
 from atombatch.errors import (
     CapacityError,
@@ -71,9 +71,7 @@ _ALL_MASKED = ("every token is masked (structured output, allowed_token_ids, bad
                "logit_bias and min_tokens exclude the whole vocabulary)")
 
 
-# Requests without a lane that a Batcher keeps by default (its home: `EngineOptions`).
-DEFAULT_MAX_WAITING = ENGINE_DEFAULTS.max_waiting
-_D = ENGINE_DEFAULTS
+_D = ENGINE_DEFAULTS  # every keyword's default (atombatch/config.py)
 
 
 class StepResult:
