@@ -17,9 +17,8 @@ import numpy.typing as npt
 
 from atombatch.errors import StateError
 from atombatch.prefix import Entry, TokenChain
-from atombatch.structs import FinishReason, SamplingParams, stop_ids
-
-__all__ = ["check_stop", "output_limit", "stop_ids"]  # and the records below
+from atombatch.structs import FinishReason, SamplingParams
+from atombatch.structs import stop_ids as stop_ids  # its old home (tests, embedders)
 
 
 def output_limit(prompt_len: int, params: SamplingParams, max_seq_len: int) -> int:
