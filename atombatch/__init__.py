@@ -2,7 +2,7 @@
 
 from atombatch import plan
 from atombatch.aio import AsyncBatcher
-from atombatch.config import ArtifactConfig, ModelSpec
+from atombatch.config import ArtifactConfig, EngineOptions, ModelSpec
 from atombatch.engine import Batcher, EngineStats, StepResult
 from atombatch.errors import (
                               AtomBatchError,
@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArtifactConfig", "AsyncBatcher", "AtomBatchError", "Batcher", "CapacityError", "Completion",
-    "ConfigError", "EngineStats", "KVTransferError", "ModelSpec", "Policy", "RequestError", "RequestOutput",
-    "RequestTimings", "SamplingParams", "StateError", "StepResult", "StructuredOutput", "TokenLogprob",
-    "TokenLogprobs", "plan",
+    "ConfigError", "EngineOptions", "EngineStats", "KVTransferError", "ModelSpec", "Policy",
+    "RequestError", "RequestOutput", "RequestTimings", "SamplingParams", "StateError", "StepResult",
+    "StructuredOutput", "TokenLogprob", "TokenLogprobs", "plan",
 ]

@@ -388,13 +388,13 @@ class AsyncBatcher(OutputStreams):
         params = params or SamplingParams()
         tokens = np.asarray(prompt, dtype=np.int64) if validated else \
             self.batcher.validate(prompt, params)
-        max_waiting = self.batcher.max_waiting
-        if max_waiting is not None:
+        limit = self.batcher.waiting_limit
+        if limit is not None:
             waiting = self.batcher.num_waiting + \
                 sum(payload[1].n for kind, payload in self._inbox if kind == "submit")
-            if waiting + params.n > max_waiting:  # each of n choices waits for a lane
+            if waiting + params.n > limit:  # each of n choices waits for a lane
                 raise CapacityError(f"queue is full: {waiting} requests wait, "
-                                    f"max_waiting={max_waiting}")
+                                    f"max_waiting={self.batcher.max_waiting}")
         if request_id is None:
             request_id = f"areq-{self._next_id}"
             self._next_id += 1

@@ -23,7 +23,7 @@ from atombatch import blocks as core
 from atombatch import plan as memory_plan
 from atombatch.argmax import RowArgmax
 from atombatch.checkpoints import run_slot_ops, slot_ops_supported
-from atombatch.config import ArtifactConfig
+from atombatch.config import DEFAULT_MAX_WAITING, ENGINE_DEFAULTS, ArtifactConfig, EngineOptions
 from atombatch.detokenizer import bad_word_ids
 from atombatch.errors import (
     CapacityError,
@@ -40,8 +40,8 @@ from atombatch.logs import log
 from atombatch.outputs import Extras, OutputBuilder
 from atombatch.overlap import NUM_FLIGHTS, DeviceThread, Flight, decode_logits, make_flights
 from atombatch.pd_intake import KVLink, KVSource, PDIntake
-from atombatch.policy import DEFAULT_POLICY
 from atombatch.prefix import HostCache
+from atombatch.reports import EngineStats
 from atombatch.runtime.base import Capabilities, Runtime
 from atombatch.sampling import (
     LOGPROBS_MODES,
@@ -58,7 +58,7 @@ from atombatch.structs import (
     RequestOutput,
     SamplingParams,
 )
-from atombatch.validation import RequestRules, validate_request
+from atombatch.validation import RequestRules, queue_limit, validate_request
 
 __all__ = ["DEFAULT_MAX_WAITING", "Batcher", "EngineStats", "Extras", "Group", "KVLink",
            "KVSource", "StepResult"]
@@ -71,70 +71,7 @@ _ALL_MASKED = ("every token is masked (structured output, allowed_token_ids, bad
                "logit_bias and min_tokens exclude the whole vocabulary)")
 
 
-# Requests without a lane that a Batcher keeps by default; past it `submit` raises CapacityError.
-# Each waiting request holds its prompt (at most max_seq_len int64 ids) and a little bookkeeping.
-DEFAULT_MAX_WAITING = 4096
-
-
-class EngineStats(msgspec.Struct, frozen=True):
-    """A snapshot a server can export (gauges and counters)."""
-
-    occupied_lanes: int                 # lanes holding a request now
-    decoding_lanes: int                 # of those, decoding
-    queue_length: int                   # requests without a lane (waiting + staging/staged, and
-                                        #   n > 1 choices waiting for choice 0's prefill)
-    free_blocks: int
-    spare_blocks: int
-    staged_blocks: int
-    lane_blocks: int
-    cached_blocks: int
-    steps: int                          # device calls so far
-    imports: int                        # KV import steps (PD)
-    prefill_chunks: int
-    staged_chunks: int                  # prefill chunks or KV imports run into the spare
-    decode_steps: int
-    generated_tokens: int
-    rotations: int                      # staged requests that took over a finished lane's slot
-    preemptions: int
-    prefix_hits: int                    # lanes started from a cached prefix
-    prefix_misses: int
-    prefix_hit_tokens: int              # prompt tokens whose prefill the cache saved
-    host_restores: int                  # blocks written back from the host cache
-    evictions: int                      # CACHED blocks evicted from the device
-    prompt_forks: int                   # n > 1 choices started from a device copy of choice 0's
-                                        #   prompt KV (prefix cache off)
-    fork_saved_tokens: int              # prompt tokens those choices did not prefill
-    finished: dict[str, int]            # requests by finish reason
-    lane_histogram: tuple[int, ...]     # decode steps by number of decoding lanes (index = lanes)
-    bucket_steps: dict[int, int]        # decode steps by compiled decode batch size that ran
-    slot_saves: int = 0                 # sliding-slot checkpoints read to the host (hybrid)
-    slot_restores: int = 0              # sliding-slot checkpoints written into a lane (hybrid)
-    checkpoint_bytes: int = 0           # host bytes the sliding-slot checkpoints hold now (hybrid)
-    # Where the device's time went: wall seconds inside device calls, and between the end of
-    # one device call and the start of the next while work was pending (the host's critical
-    # path: sampling, scheduling, inputs, the embedder's loop); `host_gaps` such intervals.
-    # device_s / (device_s + host_gap_s) is the share of the busy time the device computed.
-    device_s: float = 0.0
-    host_gap_s: float = 0.0
-    host_gaps: int = 0
-    # device calls the device thread launched right after the step before it, their inputs
-    # built while that one ran (`Batcher(overlap=True)`, atombatch/overlap.py); of which prefill
-    # chunks of requests admitted while a decode ran; and decodes right after such a chunk
-    # that its request joined (its first token the chunk's greedy pick, written in on the device
-    # thread); and chunks launched right after another chunk, decided with it (a wave of
-    # arrivals planned as one chain: `Batcher._chain_wave`)
-    overlapped_steps: int = 0
-    overlapped_prefills: int = 0
-    overlapped_joins: int = 0
-    chained_chunks: int = 0
-    # vLLM's prefix-cache queries (tokens of every lookup; the hits are `prefix_hit_tokens`), and
-    # device calls by the tokens they computed: counts over `request.ITERATION_TOKEN_BUCKETS`
-    # (the last: above every bound) and their sum (`vllm:iteration_tokens_total`)
-    prefix_query_tokens: int = 0
-    prefix_cache: bool = False          # the engine runs a prefix cache
-    evictable_blocks: int = 0           # of the cached blocks, those no request holds (refcount 0)
-    iteration_tokens: tuple[int, ...] = ()
-    iteration_tokens_sum: int = 0
+_D = ENGINE_DEFAULTS  # every keyword's default (atombatch/config.py)
 
 
 class StepResult:
@@ -207,14 +144,16 @@ class Batcher:
         ConfigError: the artifact and the options break a rule of docs/rules.md.
     """
 
-    def __init__(self, runtime: Runtime, *, prefix_cache: bool = False, host_cache_bytes: int = 0,
-                 policy: Policy | str = DEFAULT_POLICY, seed: int = 0,
+    def __init__(self, runtime: Runtime, *, prefix_cache: bool = _D.prefix_cache,
+                 host_cache_bytes: int = _D.host_cache_bytes,
+                 policy: Policy | str = _D.policy, seed: int = _D.seed,
                  clock: Callable[[], float] | None = None,
-                 max_waiting: int | None = DEFAULT_MAX_WAITING,
-                 pd_timeout: float = 300.0, pd_deadline: float | None = None,
+                 max_waiting: int | None = _D.max_waiting,
+                 pd_timeout: float = _D.pd_timeout, pd_deadline: float | None = _D.pd_deadline,
                  tokenizer: Any | None = None,
-                 logprobs_mode: LogprobsMode = "raw", detokenize: bool = True,
-                 argmax_threads: int | None = None, overlap: bool = False) -> None:
+                 logprobs_mode: LogprobsMode = _D.logprobs_mode, detokenize: bool = _D.detokenize,
+                 argmax_threads: int | None = _D.argmax_threads,
+                 overlap: bool = _D.overlap) -> None:
         artifact: ArtifactConfig = runtime.artifact
         if not isinstance(overlap, bool):
             raise ConfigError(f"overlap={overlap!r} must be True or False")
@@ -241,6 +180,8 @@ class Batcher:
                                         not isinstance(max_waiting, int) or max_waiting < 1):
             raise ConfigError(f"max_waiting={max_waiting!r} must be an int >= 1 (or None: unbounded)")
         self.max_waiting = max_waiting
+        # what submit admits without a lane (None: unbounded, or left to the core's fronts)
+        self._waiting_limit = queue_limit(0, max_waiting)
         # Called right before every device call: the engine core hands the previous step's
         # outputs to its sender thread there, so that work runs while the device does.
         self.on_device_call: Callable[[], None] | None = None
@@ -261,11 +202,17 @@ class Batcher:
         self._pending: list[RequestOutput] = []
         self.idle = True  # the last step ran no device call (nothing runnable: e.g. PD waits)
         self._pd = PDIntake(artifact, pd_timeout, pd_deadline)  # the KV links of PD requests
+        self._pd_deadline_given = pd_deadline
         self.tokenizer = tokenizer
         # False: only requests with stop strings are detokenized here (their text decides when
         # they stop); the others' outputs carry ids alone and a front decodes them
         self.detokenize = detokenize
         self.logprobs_mode: LogprobsMode = logprobs_mode
+        self._options = EngineOptions(  # as built; `options` reads the live ones back in
+            prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes,
+            policy=self.scheduler.policy.label, seed=seed, max_waiting=max_waiting,
+            pd_timeout=pd_timeout, pd_deadline=pd_deadline, logprobs_mode=logprobs_mode,
+            detokenize=detokenize, argmax_threads=argmax_threads, overlap=overlap)
         self._samplers: dict[str, RequestSampler] = {}  # requests that are not plain greedy
         self._grammars: Grammars | None = None     # structured output (built on first use)
         # structured requests whose grammar compiles: (the compile, the choices waiting for it)
@@ -306,6 +253,34 @@ class Batcher:
         self._forks = not prefix_cache and not self.artifact.single_block and \
             (not self.spec.is_hybrid or caps.copy_slot) and caps.has_kv("_copy_kv_cache", *needed)
 
+    @classmethod
+    def from_options(cls, runtime: Runtime, options: EngineOptions, *,
+                     policy: Policy | None = None, clock: Callable[[], float] | None = None,
+                     tokenizer: Any | None = None) -> Batcher:
+        """A Batcher built from one `EngineOptions` (what the server's command line makes, and
+        what an embedder can keep, pickle or send), with what is not data beside it: `policy`
+        (a `Policy` object, instead of `options.policy`'s label), `clock`, `tokenizer`."""
+        fields = msgspec.structs.asdict(options)
+        if policy is not None:
+            fields["policy"] = policy
+        return cls(runtime, clock=clock, tokenizer=tokenizer, **fields)
+
+    @property
+    def options(self) -> EngineOptions:
+        """The plain-data options this engine runs with (`from_options` builds its twin)."""
+        return msgspec.structs.replace(self._options, pd_timeout=self._pd.timeout,
+                                       pd_deadline=self._pd_deadline_given,
+                                       detokenize=self.detokenize)
+
+    def use_tokenizer(self, tokenizer: Any, *, detokenize: bool) -> None:
+        """Give the engine a tokenizer after it was built (a server that loads its codec
+        later): stop strings, bad words and structured output then work, and `detokenize=False`
+        leaves every other request's text to the front (docs/architecture.md). Call it before
+        the first request: a request in flight keeps the text maker it started with.
+        """
+        self.tokenizer = tokenizer
+        self.detokenize = detokenize
+
     @property
     def pd_timeout(self) -> float:
         """Seconds a PD request may wait for its producer's next message (see `__init__`)."""
@@ -323,6 +298,7 @@ class Batcher:
     @pd_deadline.setter
     def pd_deadline(self, seconds: float | None) -> None:
         self._pd.deadline = seconds
+        self._pd_deadline_given = seconds
 
     @property
     def _kv(self) -> dict[str, KVLink]:
@@ -385,7 +361,7 @@ class Batcher:
             raise RequestError(f"prompt_logprobs={params.prompt_logprobs} needs the logits of "
                                "every prompt position, which a PD producer does not send: submit "
                                "the request without a KV source (docs/pd.md)")
-        if self.max_waiting is not None and self.num_waiting + n > self.max_waiting:
+        if self._waiting_limit is not None and self.num_waiting + n > self._waiting_limit:
             raise CapacityError(f"queue is full: {self.num_waiting} requests wait, "
                                 f"max_waiting={self.max_waiting}")
         if request_id is None:
@@ -540,6 +516,7 @@ class Batcher:
                 int(self._seed_seq.spawn(1)[0].generate_state(1)[0])
             rng = np.random.default_rng(seed)
         request = Request(internal_id, tokens, params, arrival, rng, self.artifact.max_seq_len)
+        request.resolve_stops(self.spec.eos_token_ids)
         extras = self._outputs.track(request, public_id, index, self.tokenizer, self.detokenize)
         if extras is None:
             return request
@@ -548,7 +525,8 @@ class Batcher:
             request.lane_flags |= core.LANE_SAMPLE
             words = bad_word_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
             extras.sampler = RequestSampler(params, tokens, self.spec.vocab_size,
-                                            self.spec.eos_token_ids, rng, words)
+                                            self.spec.eos_token_ids, rng, words,
+                                            stop_ids=request.stop_ids)
             self._samplers[internal_id] = extras.sampler
         return request
 
@@ -583,6 +561,19 @@ class Batcher:
             self._pending.append(self._final_output(request, ()))
             self._flush_events()
         return True
+
+    @property
+    def waiting_limit(self) -> int | None:
+        """The choices without a lane `submit` admits (`queue_limit(0, max_waiting)`); None:
+        unbounded, or bounded by the engine core's fronts (`leave_queue_bound_to_fronts`)."""
+        return self._waiting_limit
+
+    def leave_queue_bound_to_fronts(self) -> None:
+        """The engine core's fronts bound the queue (lanes + `max_waiting` choices in flight,
+        split among them: `queue_limit`), so `submit` stops refusing on its own: a burst of
+        submits between two steps must not be refused for lanes not yet assigned.
+        `max_waiting` keeps saying the bound the fronts apply."""
+        self._waiting_limit = None
 
     @property
     def num_waiting(self) -> int:
@@ -1447,8 +1438,8 @@ class Batcher:
         want = sum(sp.n for sp in per_prompt)
         while len(done) < want:
             while len(ids) < len(prompts) and (
-                    self.max_waiting is None or self.num_waiting == 0 or
-                    self.num_waiting + per_prompt[len(ids)].n <= self.max_waiting):
+                    self._waiting_limit is None or self.num_waiting == 0 or
+                    self.num_waiting + per_prompt[len(ids)].n <= self._waiting_limit):
                 ids.append(self.submit(prompts[len(ids)], per_prompt[len(ids)]))
                 mine.add(ids[-1])
             for out in self.step():
@@ -1460,28 +1451,16 @@ class Batcher:
     def stats(self) -> EngineStats:
         s = self.scheduler
         free, spare, staged, lane, cached = s.pool.counts()
-        c = s.counters
         return EngineStats(
+            **s.counters.snapshot(),  # every scheduler counter, under its own name
             occupied_lanes=s.lanes.num_busy, decoding_lanes=s.lanes.num_decoding(),
             queue_length=self.num_waiting, free_blocks=free, spare_blocks=spare,
-            staged_blocks=staged, lane_blocks=lane, cached_blocks=cached, steps=c.steps,
-            imports=c.imports,
-            prefill_chunks=c.prefill_chunks, staged_chunks=c.staged_chunks,
-            decode_steps=c.decode_steps, generated_tokens=c.generated_tokens,
-            rotations=c.rotations, preemptions=c.preemptions, prefix_hits=c.prefix_hits,
-            prefix_misses=c.prefix_misses, prefix_hit_tokens=c.prefix_hit_tokens,
-            host_restores=c.host_restores, evictions=c.evictions, prompt_forks=c.prompt_forks,
-            fork_saved_tokens=c.fork_saved_tokens, slot_saves=c.slot_saves,
-            slot_restores=c.slot_restores, finished=dict(c.finished),
+            staged_blocks=staged, lane_blocks=lane, cached_blocks=cached,
             checkpoint_bytes=s.kv.checkpoints.store.used_bytes if s.kv.checkpoints else 0,
-            lane_histogram=tuple(c.lane_histogram), bucket_steps=dict(c.bucket_steps),
             device_s=self._device_s, host_gap_s=self._host_gap_s, host_gaps=self._host_gaps,
             overlapped_steps=self._overlapped, overlapped_prefills=self._overlapped_prefills,
             overlapped_joins=self._overlapped_joins, chained_chunks=self._chained,
-            prefix_query_tokens=c.prefix_query_tokens, prefix_cache=s.prefix is not None,
-            evictable_blocks=s.pool.num_evictable,
-            iteration_tokens=tuple(c.iteration_tokens),
-            iteration_tokens_sum=c.iteration_tokens_sum)
+            prefix_cache=s.prefix is not None, evictable_blocks=s.pool.num_evictable)
 
     def check_invariants(self) -> None:
         """Raise `StateError` if any ownership invariant of docs/rules.md is broken."""

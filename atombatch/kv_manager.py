@@ -41,7 +41,7 @@ from atombatch.checkpoints import CheckpointStore, SlotCheckpoints
 from atombatch.config import ArtifactConfig
 from atombatch.errors import StateError
 from atombatch.prefix import Entry, HostCache, Match, PrefixIndex, TokenChain
-from atombatch.request import Counters, Request, StepPlan, stop_ids
+from atombatch.request import Counters, Request, StepPlan
 from atombatch.request import RequestState as S
 
 MAX_CHAIN = 8                  # chunks a wave of arrivals chains into the pipeline at once
@@ -216,7 +216,7 @@ class KVManager:
             return False
         return request.params.prompt_logprobs is None or request.recomputing
 
-    def start_decode(self, request: Request, eos_token_ids: Iterable[int]) -> None:
+    def start_decode(self, request: Request) -> None:
         """The lane decodes from the request's last token: the lane table and the kernel learn
         its length, its output list, its output limit and its stop ids."""
         lane = request.lane
@@ -226,7 +226,7 @@ class KVManager:
             self.checkpoints.start_decode(request, seq_len)
         # the kernel applies `check_stop` to these ids and this limit (see atombatch/request.py)
         self.kernel.bind(lane, request.request_id, request.output, request.token_times,
-                         request.max_tokens, stop_ids(request.params, eos_token_ids),
+                         request.max_tokens, request.stop_ids,
                          request.lane_flags)
 
     def fork_blocks(self, source: Request, child: Request) -> list[tuple[int, int]] | None:

@@ -8,24 +8,13 @@ failing requests itself, so the engine stays the one place a request ends.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from atombatch.config import ArtifactConfig
 from atombatch.errors import KVTransferError
 from atombatch.logs import log
+from atombatch.pd.source import KVSource
 from atombatch.request import Request, StepPlan
-
-
-class KVSource(Protocol):
-    """Where a PD request's KV comes from (see `atombatch.pd`); polled without blocking.
-
-    A source may also have `expect(artifact, prompt, require_full)`: `submit` calls it so the
-    source can check the header on arrival, before it accepts any layer.
-    """
-
-    def poll(self) -> tuple[Any, list[Any]]: ...
-    def done(self) -> bool: ...
-    def close(self) -> None: ...
 
 
 class KVLink:

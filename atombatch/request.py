@@ -18,6 +18,7 @@ import numpy.typing as npt
 from atombatch.errors import StateError
 from atombatch.prefix import Entry, TokenChain
 from atombatch.structs import FinishReason, SamplingParams
+from atombatch.structs import stop_ids as stop_ids  # its old home (tests, embedders)
 
 
 def output_limit(prompt_len: int, params: SamplingParams, max_seq_len: int) -> int:
@@ -28,29 +29,23 @@ def output_limit(prompt_len: int, params: SamplingParams, max_seq_len: int) -> i
     return room if params.max_tokens is None else min(params.max_tokens, room)
 
 
-def stop_ids(params: SamplingParams, eos_token_ids: Iterable[int]) -> list[int]:
-    """The ids that end a request with "stop": its `stop_token_ids`, and EOS unless
-    `ignore_eos` (what the decode-step kernel holds per lane)."""
-    stops = list(params.stop_token_ids)
-    if not params.ignore_eos:
-        stops.extend(eos_token_ids)
-    return stops
-
-
-def check_stop(request: Request, token: int, eos_token_ids: Container[int], *,
+def check_stop(request: Request, token: int, eos_token_ids: Iterable[int], *,
                stop_string: bool = False) -> FinishReason | None:
     """The stop rule, once `token` is the last of `request.output` (vLLM's `check_stop`).
 
     In order: a stop string that the detokenized text matched with this token (`stop_string`)
-    or a stop id (`stop_token_ids`, and EOS unless `ignore_eos`) gives "stop"; otherwise the
-    output reaching the resolved limit (`request.max_tokens`) gives "length"; otherwise None. A
-    stop string so wins over the limit on the same token (as in vLLM). The decode-step kernel
-    (`StepKernel.complete`) applies the same rule in C to the ids `stop_ids` gives it, with
-    `request.max_tokens` as its limit (`tests/blocks/test_stop_rule.py` compares the two).
+    or one of the request's stop ids (`Request.stops`: `stop_token_ids`, and EOS unless
+    `ignore_eos`; resolved once with `eos_token_ids` if the request has not been yet) gives
+    "stop"; otherwise the output reaching the resolved limit (`request.max_tokens`) gives
+    "length"; otherwise None. A stop string so wins over the limit on the same token (as in
+    vLLM). The decode-step kernel (`StepKernel.complete`) applies the same rule in C to
+    `request.stop_ids`, with `request.max_tokens` as its limit (`tests/blocks/test_stop_rule.py`
+    compares the two).
     """
-    params = request.params
-    if stop_string or token in request.stop_token_ids or \
-            (not params.ignore_eos and token in eos_token_ids):
+    stops = request.stops
+    if stops is None:  # a request outside a scheduler (the scheduler resolves on `add`)
+        stops = request.resolve_stops(eos_token_ids)
+    if stop_string or token in stops:
         return "stop"
     if len(request.output) >= request.max_tokens:
         return "length"
@@ -102,16 +97,19 @@ class Request:
                  "compiling", "error", "error_param",
                  "finish_reason", "first_token_at", "lane", "lane_flags", "max_tokens", "output",
                  "params", "pd", "preemptions", "prefill_pos", "prompt", "request_id", "rng",
-                 "shared", "state", "stop_token_ids", "token_times")
+                 "shared", "state", "stop_ids", "stops", "token_times")
 
     def __init__(self, request_id: str, prompt: npt.NDArray[np.int64], params: SamplingParams,
                  arrival: float, rng: np.random.Generator | None, max_seq_len: int | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
-        # the stop rule tests every token against these (a client sends up to MAX_LIST_ITEMS)
-        self.stop_token_ids: Container[int] = frozenset(params.stop_token_ids) \
-            if len(params.stop_token_ids) > 8 else params.stop_token_ids
+        # its stop ids (`stop_ids`: stop_token_ids, and EOS unless ignore_eos), resolved once for
+        # the model (`resolve_stops`, by the scheduler on `add`): the kernel's bind, the sampler
+        # and `check_stop` read them; `stops` is the set form the stop rule tests every token
+        # against (a client sends up to MAX_LIST_ITEMS)
+        self.stop_ids: tuple[int, ...] = ()
+        self.stops: Container[int] | None = None
         # tokens it may generate, resolved once (`output_limit`) for the artifact's context:
         # every limit check reads this. Without `max_seq_len` the scheduler resolves it when the
         # request is added (`resolve_limit`); -1 until then
@@ -143,6 +141,13 @@ class Request:
         self.chain: TokenChain | None = None  # prefix cache: its tokens' block digests
         self.lane_flags = 0              # StepKernel flags: LANE_SAMPLE, LANE_OWN_OUTPUT
         self.compiling = False           # its structured-output grammar is still compiling
+
+    def resolve_stops(self, eos_token_ids: Iterable[int]) -> Container[int]:
+        """Fix the request's stop ids for a model with these EOS ids (once); returns `stops`."""
+        if self.stops is None:
+            self.stop_ids = stop_ids(self.params, eos_token_ids)
+            self.stops = frozenset(self.stop_ids) if len(self.stop_ids) > 8 else self.stop_ids
+        return self.stops
 
     def resolve_limit(self, max_seq_len: int) -> None:
         """Fix `max_tokens` for a context of `max_seq_len` positions (once)."""
@@ -245,3 +250,10 @@ class Counters(msgspec.Struct):
     iteration_tokens: list[int] = msgspec.field(
         default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
     iteration_tokens_sum: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter by its name, frozen (lists as tuples, dicts copied): `Batcher.stats()`
+        puts them into `EngineStats` under the same names, so a counter is listed here once."""
+        return {name: tuple(value) if isinstance(value, list) else
+                dict(value) if isinstance(value, dict) else value
+                for name in self.__struct_fields__ for value in (getattr(self, name),)}

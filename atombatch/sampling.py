@@ -30,16 +30,16 @@ state at all: the engine takes one argmax over the whole step for those rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from atombatch.config import LogprobsMode
 from atombatch.grammar import RequestGrammar, apply_masks
 from atombatch.structs import GREEDY_EPS, SamplingParams, TokenLogprob, TokenLogprobs
+from atombatch.structs import stop_ids as stop_id_tuple
 
-LogprobsMode = Literal["raw", "processed"]
 LOGPROBS_MODES = ("raw", "processed")
 _NEG_INF = np.float32(-np.inf)
 
@@ -52,7 +52,8 @@ class RequestSampler:
 
     def __init__(self, params: SamplingParams, prompt: npt.NDArray[np.int64], vocab: int,
                  eos_token_ids: Sequence[int], rng: np.random.Generator,
-                 bad_words: Sequence[Sequence[int]] = ()) -> None:
+                 bad_words: Sequence[Sequence[int]] = (),
+                 stop_ids: Sequence[int] | None = None) -> None:
         self.params = params
         self.rng = rng
         self.vocab = vocab
@@ -65,9 +66,8 @@ class RequestSampler:
         if params.logit_bias:
             self.bias_ids = np.fromiter(params.logit_bias.keys(), dtype=np.intp)
             self.bias_values = np.fromiter(params.logit_bias.values(), dtype=np.float32)
-        stops = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stops.update(int(t) for t in eos_token_ids)
+        # what min_tokens masks: the request's stop ids (given once resolved on its Request)
+        stops = set(stop_ids if stop_ids is not None else stop_id_tuple(params, eos_token_ids))
         self.stop_ids = np.asarray(sorted(stops), dtype=np.intp)
         self.bad_words = [tuple(int(t) for t in word) for word in bad_words if len(word)]
         self.penalized = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or \

@@ -155,6 +155,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise StateError(f"request id {request.request_id!r} is already in flight")
         request.resolve_limit(self.artifact.max_seq_len)  # built without the artifact's context
+        request.resolve_stops(self.eos_token_ids)          # (and the model's EOS ids)
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if self.kv.prefix is not None and request.chain is None:
@@ -273,7 +274,7 @@ class Scheduler:
     def _start_decode(self, request: Request) -> None:
         seq_len = len(request.prompt) + len(request.output) - 1
         if self._ensure_blocks_held(request, seq_len + 1):
-            self.kv.start_decode(request, self.eos_token_ids)
+            self.kv.start_decode(request)
 
     # -- planning ---------------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan | None:

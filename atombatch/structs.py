@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Literal
 
 import msgspec
@@ -110,6 +111,16 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
                 self.frequency_penalty == 0.0 and self.repetition_penalty == 1.0 and
                 not self.logit_bias and self.allowed_token_ids is None and not self.bad_words and
                 self.min_tokens == 0 and self.logprobs is None and self.structured is None)
+
+
+def stop_ids(params: SamplingParams, eos_token_ids: Iterable[int]) -> tuple[int, ...]:
+    """The ids that end a request with "stop", written once: its `stop_token_ids`, then the
+    model's EOS ids unless `ignore_eos`. A request resolves them once (`Request.stop_ids`); the
+    decode-step kernel's bind, the stop check, the sampler's `min_tokens` mask and validation
+    read that."""
+    if params.ignore_eos:
+        return tuple(params.stop_token_ids)
+    return (*params.stop_token_ids, *(int(t) for t in eos_token_ids))
 
 
 def _set(params: SamplingParams, name: str, value: object) -> None:

@@ -9,6 +9,7 @@ of the core.
 from __future__ import annotations
 
 from collections.abc import Sequence, Sized
+from typing import overload
 
 import msgspec
 import numpy as np
@@ -16,7 +17,7 @@ import numpy.typing as npt
 
 from atombatch.config import ArtifactConfig
 from atombatch.errors import RequestError
-from atombatch.structs import MAX_LOGPROBS, SamplingParams
+from atombatch.structs import MAX_LOGPROBS, SamplingParams, stop_ids
 
 
 class RequestRules(msgspec.Struct, frozen=True):
@@ -26,6 +27,27 @@ class RequestRules(msgspec.Struct, frozen=True):
     has_tokenizer: bool = False          # stop strings and bad words need one
     every_position_logits: bool = False  # prompt_logprobs needs the logits of every position
     every_position_hint: str | None = None  # why not, when the runtime cannot
+
+
+@overload
+def queue_limit(lanes: int, max_waiting: int, fronts: int = 1) -> int: ...
+@overload
+def queue_limit(lanes: int, max_waiting: int | None, fronts: int = 1) -> int | None: ...
+
+
+def queue_limit(lanes: int, max_waiting: int | None, fronts: int = 1) -> int | None:
+    """The queue bound, written once: how many choices (each of a request's n counts) one of
+    `fronts` fronts may hold, `lanes` of them running and `max_waiting` waiting for a lane, the
+    total split evenly (rounded up) among the fronts; None: unbounded.
+
+    The engine (`Batcher.submit`, `AsyncBatcher.submit`) counts only the choices without a lane,
+    so it asks with `lanes=0`; a front of the engine core counts its choices in flight, lanes
+    included (atombatch/core/client.py), and the server sizes its batches and its Ray replicas'
+    `max_ongoing_requests` from the same figure.
+    """
+    if max_waiting is None:
+        return None
+    return -(-(lanes + max_waiting) // fronts)
 
 
 def validate_request(rules: RequestRules, prompt: Sequence[int] | npt.NDArray[np.integer],
@@ -98,9 +120,7 @@ def _check_something_samplable(rules: RequestRules, params: SamplingParams) -> N
     allowed = params.allowed_token_ids
     if allowed is None or params.min_tokens == 0:
         return
-    stops = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        stops.update(rules.artifact.model.eos_token_ids)
+    stops = set(stop_ids(params, rules.artifact.model.eos_token_ids))
     if stops.issuperset(allowed):
         shown = sorted(set(allowed))[:8]
         raise RequestError(f"allowed_token_ids {shown}{'...' if len(set(allowed)) > 8 else ''} "

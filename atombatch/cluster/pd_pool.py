@@ -29,20 +29,10 @@ import msgspec
 
 from atombatch.errors import CapacityError, KVTransferError
 from atombatch.pd import ZmqSource
+from atombatch.reports import ProducerState
 from atombatch.structs import SamplingParams
 
-
-class ProducerState(msgspec.Struct):
-    """One producer as this decoder sees it."""
-
-    name: str
-    endpoint: str                        # ZeroMQ endpoint of its ROUTER socket
-    in_flight: int = 0                   # sources this decoder has open on it
-    opened: int = 0                      # sources opened so far
-    failed: int = 0                      # sources that failed on the transport
-    suspect: bool = False                # a source failed: no new requests until `check`
-    last_used: int = 0                   # order of the last open (tie-break: least recent)
-    retired: bool = False                # removed: no new requests; kept while some in flight
+__all__ = ["ProducerPool", "ProducerState"]
 
 
 class _PooledSource:

@@ -24,7 +24,6 @@ engine steps is a consistent enough picture of a cache that changes every step a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -33,71 +32,18 @@ import numpy.typing as npt
 
 from atombatch import prefix
 from atombatch.errors import ConfigError
+from atombatch.reports import (
+    BITS_PER_DIGEST,
+    DEFAULT_HASHES,
+    DEFAULT_SUMMARY_BITS,
+    MAX_SUMMARY_BITS,
+    CacheSummary,
+    _positions,
+    check_summary_size,
+)
 
-DEFAULT_SUMMARY_BITS = 1 << 16          # 8 KiB per replica report
-DEFAULT_HASHES = 7
-BITS_PER_DIGEST = 10                    # ~1% false positives at capacity with 7 hashes
-MAX_SUMMARY_BITS = 1 << 23              # 1 MiB: the most a report may carry
-
-
-def _positions(digests: Sequence[bytes], bits: int, hashes: int) -> npt.NDArray[np.int64]:
-    """Bit positions [len(digests), hashes] of each digest (double hashing of its two halves;
-    a digest is already a uniform 128-bit hash)."""
-    if not digests:
-        return np.zeros((0, hashes), dtype=np.int64)
-    raw = np.frombuffer(b"".join(d[:16].ljust(16, b"\0") for d in digests),
-                        dtype=np.uint64).reshape(-1, 2)
-    h1, h2 = raw[:, 0:1], raw[:, 1:2] | np.uint64(1)
-    steps = np.arange(hashes, dtype=np.uint64)[None, :]
-    with np.errstate(over="ignore"):
-        return ((h1 + steps * h2) % np.uint64(bits)).astype(np.int64)
-
-
-class CacheSummary(msgspec.Struct, frozen=True):
-    """A Bloom filter of the routing digests a replica's prefix cache holds."""
-
-    bits: bytes                          # the filter, `len(bits) * 8` bits
-    hashes: int = DEFAULT_HASHES
-    count: int = 0                       # digests added
-    route_block: int = 64                # tokens per routing digest it was built with
-    truncated: bool = False              # the cache held more than `capacity` digests
-
-    @property
-    def num_bits(self) -> int:
-        return len(self.bits) * 8
-
-    @classmethod
-    def build(cls, digests: Iterable[bytes], *, bits: int = DEFAULT_SUMMARY_BITS,
-              hashes: int = DEFAULT_HASHES, route_block: int = 64,
-              truncated: bool = False) -> CacheSummary:
-        check_summary_size(bits, hashes)
-        found = list(digests)
-        array = np.zeros(bits // 8, dtype=np.uint8)
-        pos = _positions(found, bits, hashes).reshape(-1)
-        np.bitwise_or.at(array, pos >> 3, (1 << (pos & 7)).astype(np.uint8))
-        return cls(bytes(array), hashes, len(found), route_block, truncated)
-
-    def run(self, digests: Sequence[bytes],
-            positions: npt.NDArray[np.int64] | None = None) -> int:
-        """How many of the leading `digests` the filter holds (a run from the first)."""
-        if not digests or not self.bits:
-            return 0
-        pos = positions if positions is not None else \
-            _positions(digests, self.num_bits, self.hashes)
-        array = np.frombuffer(self.bits, dtype=np.uint8)
-        present = ((array[pos >> 3] >> (pos & 7)) & 1).all(axis=1)
-        misses = np.flatnonzero(~present)
-        return int(misses[0]) if misses.size else len(digests)
-
-    def __contains__(self, digest: object) -> bool:
-        return isinstance(digest, bytes) and self.run((digest,)) == 1
-
-
-def check_summary_size(bits: int, hashes: int) -> None:
-    if not (64 <= bits <= MAX_SUMMARY_BITS and bits % 64 == 0):
-        raise ConfigError(f"summary bits={bits} must be a multiple of 64 in 64..{MAX_SUMMARY_BITS}")
-    if not 1 <= hashes <= 16:
-        raise ConfigError(f"summary hashes={hashes} must be in 1..16")
+__all__ = ["BITS_PER_DIGEST", "DEFAULT_HASHES", "DEFAULT_SUMMARY_BITS", "MAX_SUMMARY_BITS",
+           "CacheSummarizer", "CacheSummary", "_positions", "check_summary_size"]
 
 
 class _Node(msgspec.Struct):

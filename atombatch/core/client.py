@@ -66,7 +66,7 @@ from atombatch.engine import Batcher, EngineStats, KVSource
 from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
 from atombatch.logs import logger
 from atombatch.structs import RequestOutput, SamplingParams
-from atombatch.validation import validate_request
+from atombatch.validation import queue_limit, validate_request
 
 log = logger("atombatch.core")
 
@@ -476,20 +476,18 @@ class CoreClient(PDFront, OutputStreams):
         ready = self._rules_ready()
         tokens = np.asarray(prompt, dtype=np.int64) if validated else \
             validate_request(ready.rules, prompt, params, "the engine core")
-        if ready.max_waiting is not None:
-            limit = ready.rules.artifact.batch_size + ready.max_waiting
-            if self.shared is not None:  # this front's share of the core's queue
-                limit = self.shared.choice_limit(ready.rules.artifact.batch_size,
-                                                 ready.max_waiting)
-            if self._in_flight_choices + params.n > limit:
-                if self.shared is not None:  # (the core's queue may have room: not this front)
-                    raise CapacityError(f"queue is full: this front has {self._in_flight_choices}"
-                                        f" of its {limit} choices in flight (lanes + "
-                                        f"max_waiting={ready.max_waiting} over "
-                                        f"{self.shared.fronts} fronts)")
-                waiting = max(0, self._in_flight_choices - ready.rules.artifact.batch_size)
-                raise CapacityError(f"queue is full: {waiting} requests wait, "
-                                    f"max_waiting={ready.max_waiting}")
+        limit = queue_limit(ready.rules.artifact.batch_size, ready.max_waiting,
+                            self.shared.fronts if self.shared is not None else 1)
+        # with a shared core: this front's share of the core's queue
+        if limit is not None and self._in_flight_choices + params.n > limit:
+            if self.shared is not None:  # (the core's queue may have room: not this front)
+                raise CapacityError(f"queue is full: this front has {self._in_flight_choices}"
+                                    f" of its {limit} choices in flight (lanes + "
+                                    f"max_waiting={ready.max_waiting} over "
+                                    f"{self.shared.fronts} fronts)")
+            waiting = max(0, self._in_flight_choices - ready.rules.artifact.batch_size)
+            raise CapacityError(f"queue is full: {waiting} requests wait, "
+                                f"max_waiting={ready.max_waiting}")
         if request_id is None:  # a shared core's fronts (and their restarts) count apart
             request_id = f"creq-{self._next_id}" if self.shared is None else \
                 f"creq-{self.shared.front}.{os.getpid()}-{self._next_id}"

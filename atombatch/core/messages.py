@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import msgspec
 
-from atombatch.cluster.pd_pool import ProducerState
-from atombatch.cluster.summary import CacheSummary
-from atombatch.engine import EngineStats
+from atombatch.reports import CacheSummary, EngineStats, ProducerState
 from atombatch.structs import RequestOutput, SamplingParams
 from atombatch.validation import RequestRules
 
@@ -55,7 +53,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     drain: bool                    # let in-flight requests finish first, else abort them
 
 
-class Ready(msgspec.Struct, frozen=True, tag=True):
+class Ready(msgspec.Struct, frozen=True, tag=True, array_like=True):
     rules: RequestRules            # what the front validates requests against
     policy: str                    # the scheduling policy's label
     max_waiting: int | None
@@ -64,12 +62,15 @@ class Ready(msgspec.Struct, frozen=True, tag=True):
     frozen: int = 0                # objects the core moved out of the collector's reach at start
 
 
-class Failed(msgspec.Struct, frozen=True, tag=True):
+class Failed(msgspec.Struct, frozen=True, tag=True, array_like=True):
     error: str                     # why the engine could not be built
     config: bool                   # a ConfigError (the operator's to fix), not a crash
 
 
-class Step(msgspec.Struct, frozen=True, tag=True):
+class Step(msgspec.Struct, frozen=True, tag=True, array_like=True, gc=False):
+    # one per engine step: array-like (no field names on the wire; what the core sends is what
+    # the front decodes, the same code on both sides) and out of the collector's reach (it holds
+    # lists and bytes, never a cycle)
     ids: list[str]                 # request id of each plain token
     tokens: bytes                  # int64, one per id
     outputs: list[RequestOutput]
@@ -77,7 +78,7 @@ class Step(msgspec.Struct, frozen=True, tag=True):
     pd: PDStats | None = None          # the core's producer pool, with every `stats` (PD only)
 
 
-class Stopped(msgspec.Struct, frozen=True, tag=True):
+class Stopped(msgspec.Struct, frozen=True, tag=True, array_like=True):
     pass
 
 
@@ -107,10 +108,12 @@ class SummaryRequest(msgspec.Struct, frozen=True, tag=True):
     bits: int
 
 
-class Summary(msgspec.Struct, frozen=True, tag=True):
+class Summary(msgspec.Struct, frozen=True, tag=True, array_like=True):
     summary: CacheSummary | None   # None: the engine has no prefix cache (or the request was bad)
 
 
+# The core's messages are array-like (a union of tagged structs must be all array-like or none):
+# msgpack arrays led by the tag, their fields by position.
 FrontMessage = Submit | Abort | Consumed | Shutdown | Hello | Producers | ProducerVerdicts | SummaryRequest
 CoreMessage = Ready | Failed | Step | Stopped | Summary
 

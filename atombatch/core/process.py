@@ -122,9 +122,7 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
                                               max_waiting=batcher.max_waiting,
                                               stats=batcher.stats(), pid=os.getpid(),
                                               frozen=frozen)))
-        # The front bounds the queue (lanes + max_waiting choices in flight): a burst of submits
-        # that arrives between two steps must not be refused here for lanes not yet assigned.
-        batcher.max_waiting = None
+        batcher.leave_queue_bound_to_fronts()   # the front bounds the queue (Ready says how)
         core_pd = CorePD(pd, batcher.artifact) if pd is not None else None
         sender = _Sender(outbox)
         try:
@@ -443,7 +441,6 @@ class CoreLoop:
         self.routes = routes                   # request id -> its front (a shared core only;
                                                #   the sender removes a finished id)
         self.leaving: dict[int, bool] = {}     # fronts that said Shutdown (shared core)
-        self.reported_max_waiting = batcher.max_waiting   # what Ready says
         # a shared core's watch on fronts that stop reading (check_stalls)
         fronts = len(inbox) if routes is not None else 0
         self.sent: list[int] = getattr(outbox, "sent", [0] * fronts)  # the sender's counts
@@ -457,7 +454,7 @@ class CoreLoop:
         """What a front validates requests against (sent once it is up)."""
         batcher = self.batcher
         return Ready(rules=batcher.rules(), policy=batcher.policy.label,
-                     max_waiting=self.reported_max_waiting, stats=batcher.stats(),
+                     max_waiting=batcher.max_waiting, stats=batcher.stats(),
                      pid=os.getpid())
 
     def hand_over(self) -> None:
@@ -801,7 +798,7 @@ def run_shared_core(factory: Callable[[], Batcher], directory: str, fronts: int,
         try:
             loop = CoreLoop(batcher, inboxes, sender, parent_pid, pd=core_pd, routes=routes,
                             front_pids=pids, stall_after=stall_after)
-            batcher.max_waiting = None  # each front bounds its own share (Ready says the total)
+            batcher.leave_queue_bound_to_fronts()  # each front its share (Ready says the total)
             batcher.prepare_structured()
             frozen = freeze_heap()
             report.send_bytes(core_encoder.encode(msgspec.structs.replace(loop.ready(),

@@ -33,13 +33,12 @@ reads again serves on. A slow front is never stalled: anything it reads moves it
 that still reads nothing until `FRONT_QUEUE` messages wait unread is killed by the core (the
 later, harsher step), and the launcher starts it again (`routed_delivery`). Its queue is
 bounded, and its streams never silently lose a token. The queue bound (lanes + `max_waiting` choices) is split
-evenly: each front admits `ceil((lanes + max_waiting) / N)` choices in flight.
+evenly: each front admits `ceil((lanes + max_waiting) / N)` choices in flight (`queue_limit`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import select
 import signal
@@ -51,6 +50,7 @@ import numpy as np
 from atombatch.config import DEFAULT_FRONT_STALL_TIMEOUT
 from atombatch.core.messages import Step
 from atombatch.errors import ConfigError
+from atombatch.validation import queue_limit
 
 HELLO_INTERVAL = 0.2   # seconds between a front's Hellos until the core answers
 ACK_EVERY = 32         # core messages a front reads between two `Consumed`...
@@ -70,7 +70,7 @@ class SharedCore(msgspec.Struct, frozen=True):
 
     def choice_limit(self, lanes: int, max_waiting: int) -> int:
         """The choices this front may have in flight: its share of lanes + max_waiting."""
-        return math.ceil((lanes + max_waiting) / self.fronts)
+        return queue_limit(lanes, max_waiting, self.fronts)
 
 
 def endpoints(directory: str, front: int) -> tuple[str, str]:

@@ -19,7 +19,13 @@ if TYPE_CHECKING:
 
 
 class KVSource(Protocol):
-    """Where the decoder gets one request's KV from; the engine polls it once per step."""
+    """Where the decoder gets one request's KV from; the engine polls it once per step (the one
+    declaration: `atombatch.KVSource`, `atombatch.engine.KVSource` and the engine's PD intake are
+    this class).
+
+    A source may also have `expect(artifact, prompt, require_full)`: `Batcher.submit` calls it so
+    the source can check the header on arrival, before it accepts any layer.
+    """
 
     def poll(self) -> tuple[KVHeader | None, list[LayerKV]]:
         """Non-blocking: the header once known (the same object every call after that) and the

@@ -9,6 +9,16 @@ import numpy as np
 import numpy.typing as npt
 
 from atombatch.config import ArtifactConfig
+from atombatch.errors import StateError
+
+
+def check_decode_rows(rows: int, decoder_batch_sizes: Sequence[int]) -> None:
+    """The decode-bucket guard every runtime runs on a decode call: `rows` (the input arrays'
+    batch) must be one of the artifact's compiled decode batches, or the call is refused before
+    it touches the device (a scheduler bug, never a client's)."""
+    if rows not in decoder_batch_sizes:
+        raise StateError(f"decode inputs have {rows} rows; the compiled decode batches are "
+                         f"{tuple(decoder_batch_sizes)}")
 
 
 class PrefillArrays(Protocol):

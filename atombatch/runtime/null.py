@@ -32,7 +32,7 @@ import numpy.typing as npt
 
 from atombatch.config import ArtifactConfig
 from atombatch.errors import ConfigError, StateError
-from atombatch.runtime.base import DecodeArrays, PrefillArrays
+from atombatch.runtime.base import DecodeArrays, PrefillArrays, check_decode_rows
 
 SPIN_S = 0.0003   # the last 0.3 ms of a wait are spun (GIL released), not slept
 
@@ -133,9 +133,7 @@ class NullRuntime:
         """Wait `step_ms`; logits `[rows, vocab]` (a reused buffer), one spike per row."""
         started = time.perf_counter()
         rows = inputs.input_ids.shape[0]
-        if rows not in self.artifact.decoder_batch_sizes:
-            raise StateError(f"decode inputs have {rows} rows; the compiled decode batches are "
-                             f"{self.artifact.decoder_batch_sizes}")
+        check_decode_rows(rows, self.artifact.decoder_batch_sizes)
         logits, spikes, lanes = self._decode_logits, self._decode_spikes[:rows], self._rows[:rows]
         hashed, scratch = self._hash[:rows], self._scratch[:rows]
         logits[lanes, spikes] = 0.0

@@ -43,7 +43,7 @@ import numpy.typing as npt
 
 from atombatch.config import SLIDING, ArtifactConfig, ModelSpec
 from atombatch.errors import ConfigError, StateError
-from atombatch.runtime.base import DecodeArrays, PrefillArrays
+from atombatch.runtime.base import DecodeArrays, PrefillArrays, check_decode_rows
 
 F32 = np.float32
 Array = npt.NDArray[np.float32]
@@ -426,11 +426,10 @@ class NumpyRuntime:
         b = ids.shape[0]
         positions = np.asarray(inputs.cache_position, dtype=np.int64).reshape(-1)
         tables = self._check_table(np.asarray(inputs.block_tables), "block_tables")
-        if b not in art.decoder_batch_sizes or positions.shape != (b,) or \
-                tables.shape != (b, art.blocks_per_seq):
+        check_decode_rows(b, art.decoder_batch_sizes)
+        if positions.shape != (b,) or tables.shape != (b, art.blocks_per_seq):
             raise StateError(f"decode inputs have shapes {ids.shape}, {positions.shape}, "
-                             f"{tables.shape}; the compiled decode batches are "
-                             f"{art.decoder_batch_sizes}, blocks_per_seq={art.blocks_per_seq}")
+                             f"{tables.shape}; blocks_per_seq={art.blocks_per_seq}")
         self._check_positions(positions, "decode cache_position")
         slots = [self._check_slot(int(s)) for s in np.asarray(inputs.local_block_tables).reshape(-1)
                  ] if self._window else [0] * b

@@ -41,7 +41,7 @@ import numpy.typing as npt
 from atombatch.config import ModelSpec
 from atombatch.errors import ConfigError, StateError
 from atombatch.rbln_config import CompiledGraph, OptimumArtifact, load
-from atombatch.runtime.base import DecodeArrays, PrefillArrays
+from atombatch.runtime.base import DecodeArrays, PrefillArrays, check_decode_rows
 
 INSTALL_HINT = ("rebel-sdk is not installed: its `rebel` module is the distribution rebel-compiler "
                 "on Rebellions' package index, not the public one: pip install "
@@ -234,11 +234,8 @@ class RebelRuntime:
         return self._decoder(int(inputs.input_ids.shape[0]))[1].build(inputs)
 
     def _decoder(self, rows: int) -> tuple[Any, _GraphArgs]:
-        try:
-            return self._decoders[rows]
-        except KeyError:
-            raise StateError(f"decode inputs have {rows} rows, but the directory compiled "
-                             f"decoder_batch_sizes={list(self.decoder_batch_sizes)}") from None
+        check_decode_rows(rows, self.decoder_batch_sizes)
+        return self._decoders[rows]
 
     # -- protocol -----------------------------------------------------------------------------------
     @property

@@ -102,6 +102,7 @@ from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredR
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
 from atombatch.serve.tools import TOOL_PARSER_NAMES, NoToolParser, ToolCallError, ToolPlan
 from atombatch.structs import RequestOutput, SamplingParams, TokenLogprobs
+from atombatch.validation import queue_limit
 
 T = TypeVar("T")
 log = logger("atombatch.serve")
@@ -735,7 +736,7 @@ class _Server:
             raise ApiError(400, "prompt must be a string, a list of token ids, a list of strings "
                            "or a list of token-id lists, not a mix", param="prompt",
                            code="invalid_type")
-        limit = self.artifact.batch_size + (self.ab.max_waiting or 0)
+        limit = queue_limit(self.artifact.batch_size, self.ab.max_waiting or 0)
         if len(batch) * n > limit:  # each choice of each prompt is a request
             raise ApiError(400, f"a batch of {len(batch)} prompts x n={n} choices exceeds "
                            f"{limit} (lanes + --max-waiting): split it", param="prompt",
@@ -1484,8 +1485,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         # The engine gets the tokenizer for stop strings, bad words and structured output, and
         # leaves every other request's text to the front, as the engine core process does
         # (cli.core_batcher): inline or not, a request's text is made in the same place.
-        ab.batcher.tokenizer = codec.tokenizer
-        ab.batcher.detokenize = False
+        ab.batcher.use_tokenizer(codec.tokenizer, detokenize=False)
     if tool_parser is not None and tool_parser not in TOOL_PARSER_NAMES:
         raise ConfigError(f"tool-call parser {tool_parser!r} is not one of "
                           f"{', '.join(TOOL_PARSER_NAMES)}")

@@ -45,11 +45,11 @@ from atombatch.config import (
     DEFAULT_FRONT_STALL_TIMEOUT,
     PRESETS,
     ArtifactConfig,
+    EngineOptions,
     ModelSpec,
 )
 from atombatch.engine import Batcher, prefix_cache_refusal
 from atombatch.errors import ConfigError
-from atombatch.policy import DEFAULT_POLICY
 from atombatch.sampling import LogprobsMode
 from atombatch.scheduler import POLICY_KINDS, Policy
 from atombatch.serve import schema, vllm_flags
@@ -80,6 +80,12 @@ DEFAULT_SPEC = ModelSpec(
 # vLLM's --logprobs-mode values and the Batcher's
 LOGPROBS_MODES: dict[str, LogprobsMode] = {"raw_logprobs": "raw",
                                            "processed_logprobs": "processed"}
+
+# The server's engine options: the library's (`EngineOptions`, where every default lives) but for
+# two deliberate choices, written here once and read by the flags' defaults: a shorter queue (a
+# server answers 429 early rather than hold thousands of prompts) and the overlapped decode
+# pipeline on (docs/overlap.md).
+SERVER_OPTIONS = EngineOptions(max_waiting=256, overlap=True)
 
 # The default context of the host-memory runtimes: a checkpoint's own context (often 32k-128k)
 # would size eager KV blocks of that many tokens per lane on the CPU.
@@ -151,25 +157,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decoder-batch-sizes", type=_batch_sizes, default=(),
                    help="compiled decode batches, e.g. 1,2,4 (default: --batch-size only); each "
                         "decode step runs the smallest that holds the decoding lanes")
-    p.add_argument("--policy", default=DEFAULT_POLICY, type=_policy,
+    p.add_argument("--policy", default=SERVER_OPTIONS.policy, type=_policy,
                    metavar="{" + ",".join(POLICY_HELP) + "}",
                    help="scheduling policy: " + "; ".join(f"{k}: {v}"
                                                           for k, v in POLICY_HELP.items()))
-    p.add_argument("--max-waiting", type=int, default=256,
-                   help="queue bound: requests without a lane past it answer 429 (default 256)")
+    p.add_argument("--max-waiting", type=int, default=SERVER_OPTIONS.max_waiting,
+                   help="queue bound: requests without a lane past it answer 429 (default "
+                   f"{SERVER_OPTIONS.max_waiting})")
     p.add_argument("--enable-prefix-caching", "--prefix-cache", dest="prefix_cache",
                    action=argparse.BooleanOptionalAction, default=None,
                    help="keep finished sequences' KV for requests sharing a prefix (default: on "
                    "wherever the artifact and runtime support it, as vLLM; "
                    "--no-enable-prefix-caching turns it off)")
-    p.add_argument("--host-cache-bytes", type=int, default=0,
+    p.add_argument("--host-cache-bytes", type=int, default=SERVER_OPTIONS.host_cache_bytes,
                    help="host memory for KV blocks evicted from the prefix cache (default 0)")
-    p.add_argument("--seed", type=int, default=0, help="random weights and engine sampling seed")
-    p.add_argument("--argmax-threads", type=int, default=None, metavar="N",
+    p.add_argument("--seed", type=int, default=SERVER_OPTIONS.seed,
+                   help="random weights and engine sampling seed")
+    p.add_argument("--argmax-threads", type=int, default=SERVER_OPTIONS.argmax_threads, metavar="N",
                    help="threads the greedy argmax of a large decode step splits its rows over "
                    "(default: half the cores, at most 4; 1 on four cores or fewer)")
     p.add_argument("--overlap", "--async-scheduling", action=argparse.BooleanOptionalAction,
-                   default=True,
+                   default=SERVER_OPTIONS.overlap,
                    help="run steady decodes as a pipeline: the next step's inputs are "
                    "built while the device runs this one, and the device is called again as soon "
                    "as its argmax is known (default on; --no-overlap: one synchronous step at a "
@@ -269,9 +277,9 @@ def parser() -> argparse.ArgumentParser:
                    "(needs --engine-core process; docs/pd.md)")
     p.add_argument("--pd-mode", choices=("layer-stream", "whole"), default="layer-stream",
                    help="--pd-producer: write layers as they arrive, or all at once")
-    p.add_argument("--pd-timeout", type=float, default=300.0,
+    p.add_argument("--pd-timeout", type=float, default=SERVER_OPTIONS.pd_timeout,
                    help="--pd-producer: seconds a request may wait for its producer's next "
-                   "message before it fails (default 300)")
+                   f"message before it fails (default {SERVER_OPTIONS.pd_timeout:g})")
     p.add_argument("--pd-probe-s", type=float, default=1.0,
                    help="--pd-producer: seconds between the core's handshakes with each "
                    "producer (one that does not answer gets no requests until it does; "
@@ -492,13 +500,18 @@ def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,
         prefix_cache = reason is None
         if reason is not None:
             log.info("prefix_cache.default_off", reason=reason)
-    batcher = Batcher(runtime, policy=args.policy, seed=args.seed, max_waiting=args.max_waiting,
-                      prefix_cache=prefix_cache, host_cache_bytes=args.host_cache_bytes,
-                      pd_timeout=getattr(args, "pd_timeout", 300.0),
-                      argmax_threads=getattr(args, "argmax_threads", None),
-                      overlap=getattr(args, "overlap", False),
-                      logprobs_mode=LOGPROBS_MODES[getattr(args, "logprobs_mode", "raw_logprobs")])
+    batcher = Batcher.from_options(runtime, engine_options(args, prefix_cache=prefix_cache))
     return batcher, args.served_model_name or spec.name, codec_from_args(args, model_dir)
+
+
+def engine_options(args: argparse.Namespace, *, prefix_cache: bool) -> EngineOptions:
+    """The engine's options from the server's flags, built once (`prefix_cache`: the flag, or
+    its default resolved against the runtime)."""
+    return EngineOptions(
+        prefix_cache=prefix_cache, host_cache_bytes=args.host_cache_bytes, policy=args.policy,
+        seed=args.seed, max_waiting=args.max_waiting, pd_timeout=args.pd_timeout,
+        argmax_threads=args.argmax_threads, overlap=args.overlap,
+        logprobs_mode=LOGPROBS_MODES[args.logprobs_mode])
 
 
 def _model_dir(args: argparse.Namespace) -> Path | None:
@@ -519,8 +532,7 @@ def core_batcher(args: argparse.Namespace) -> Batcher:
         from threadpoolctl import threadpool_limits
         threadpool_limits(limits=args.blas_threads, user_api="blas")
     if isinstance(codec, HFCodec):
-        batcher.tokenizer = codec.tokenizer
-        batcher.detokenize = False
+        batcher.use_tokenizer(codec.tokenizer, detokenize=False)
     return batcher
 
 

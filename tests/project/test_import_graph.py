@@ -23,7 +23,8 @@ PACKAGE = ROOT / "atombatch"
 #: under `atombatch` (a module or a subpackage). Keep this table and docs/architecture.md in step.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("errors", "codes", "logs", "structured")),
-    ("values", ("structs", "config", "plan", "rbln_config", "grammar", "grammar_check", "sampling",
+    ("values", ("structs", "reports", "config", "plan", "rbln_config", "grammar", "grammar_check",
+                "sampling",
                 "mailbox", "policy", "detokenizer", "validation")),
     ("kernel", ("_blocks", "_blocks_py", "blocks", "argmax", "prefix")),
     ("device", ("pd", "runtime")),
@@ -159,6 +160,16 @@ def test_no_upward_arrow() -> None:
               for a, out in sorted(graph().items()) for b, line in out.items()
               if LAYER_OF.get(area(b), -1) > LAYER_OF.get(area(a), len(LAYERS))]
     assert not upward, "imports of a higher layer:\n" + "\n".join(upward)
+
+
+def test_the_wire_is_a_leaf() -> None:
+    """core/messages.py (what front and core say) imports only the foundation and values layers,
+    never the engine or cluster/ whose reports it carries (issue 40)."""
+    edges = graph()
+    out = edges["atombatch.core.messages"]
+    assert out, "the wire imports its structs from somewhere"
+    above = {m: line for m, line in out.items() if LAYER_OF[area(m)] > LAYER_OF["structs"]}
+    assert not above, f"core/messages.py imports above the values layer: {above}"
 
 
 def test_the_layers_are_the_documented_ones() -> None:

@@ -19,7 +19,7 @@ import numpy.typing as npt
 from atombatch import plan
 from atombatch.config import SLIDING, ArtifactConfig
 from atombatch.errors import ConfigError, StateError
-from atombatch.runtime.base import DecodeArrays, PrefillArrays
+from atombatch.runtime.base import DecodeArrays, PrefillArrays, check_decode_rows
 from atombatch.runtime.sim.costs import CostModel, _shapes
 
 
@@ -140,9 +140,7 @@ class SimRuntime:
     def decode(self, inputs: DecodeArrays) -> npt.NDArray[np.float32]:
         positions = inputs.cache_position[:, 0]
         rows = len(positions)
-        if rows not in self.artifact.decoder_batch_sizes:
-            raise StateError(f"decode inputs have {rows} rows; the compiled decode batches are "
-                             f"{self.artifact.decoder_batch_sizes}")
+        check_decode_rows(rows, self.artifact.decoder_batch_sizes)
         contexts = [int(p) + 1 for p in positions if p > 0]  # padding rows sit at position 0
         cost = self.costs.decode_step_s(self.artifact, contexts, rows)
         self.device.decode_s += cost

@@ -17,6 +17,7 @@ from atombatch.serve.ray.board import DEFAULT_APP, board
 from atombatch.serve.ray.ingress import AtomIngress
 from atombatch.serve.ray.producers import scale_producers
 from atombatch.serve.ray.replica import AtomReplica
+from atombatch.validation import queue_limit
 
 
 def build_app(engine_args: Sequence[str], *, replicas: int = 1, atom_resource: str | None = None,
@@ -79,7 +80,7 @@ def build_app(engine_args: Sequence[str], *, replicas: int = 1, atom_resource: s
                                               "pending_s": pending_s})
     replica = deployment(
         AtomReplica, name="AtomReplica", num_replicas=replicas,
-        max_ongoing_requests=lanes + (args.max_waiting or 0) + 8,
+        max_ongoing_requests=queue_limit(lanes, args.max_waiting or 0) + 8,
         ray_actor_options=options,
         request_router_config=router_config(**routing),
         health_check_period_s=2.0, health_check_timeout_s=30.0)
