@@ -308,7 +308,9 @@ class Grammars:
         self.prefetch_hits = 0                  # fills that found their masks already computed
         # the last COMPILED_CACHE constraints compiled, as untouched matchers to copy: a client
         # that sends the same schema with every request compiles it once
-        self._compiled: collections.OrderedDict[StructuredOutput, Any] = collections.OrderedDict()
+        # constraint -> (its untouched matcher, the characters it counts)
+        self._compiled: collections.OrderedDict[StructuredOutput, tuple[Any, int]] = \
+            collections.OrderedDict()
         self._compiled_chars = 0
         self._compiled_lock = threading.Lock()
 
@@ -329,10 +331,11 @@ class Grammars:
             RequestError: at once, for what is cheap to check (see `check_schema_text`).
         """
         with self._compiled_lock:
-            template = self._compiled.get(structured)
-            if template is not None:
+            entry = self._compiled.get(structured)
+            if entry is not None:
                 self._compiled.move_to_end(structured)
-        if template is not None:
+        if entry is not None:
+            template = entry[0]
             done: concurrent.futures.Future[Any] = concurrent.futures.Future()
             done.set_result(template.deep_copy())
             return done
@@ -347,12 +350,12 @@ class Grammars:
         size = len(text) + structured.chars
         with self._compiled_lock:
             if structured not in self._compiled:
-                self._compiled[structured] = matcher.deep_copy()
+                self._compiled[structured] = (matcher.deep_copy(), size)
                 self._compiled_chars += size
             while self._compiled and (len(self._compiled) > COMPILED_CACHE or
                                       self._compiled_chars > COMPILED_CACHE_CHARS):
-                old, _ = self._compiled.popitem(last=False)
-                self._compiled_chars -= len(old.lowered or "") + old.chars
+                _, (_, old_size) = self._compiled.popitem(last=False)
+                self._compiled_chars -= old_size
         return matcher
 
     def matcher_now(self, structured: StructuredOutput) -> Any:

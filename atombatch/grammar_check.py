@@ -10,23 +10,28 @@ Theory of operation:
   lowers it (`grammar.grammar_text`) and compiles it against the model's tokenizer on a thread
   whose stack is `stack_bytes`, under a memory limit (`RLIMIT_AS`, its size after start-up plus
   `memory_bytes`), at `nice` 10 (the device's loop and the streams come first).
-- **Budgets.** A check that does not answer within `seconds` is killed with its worker (a hang
-  in the library, or a grammar whose compile costs more than the budget): the request is a
-  `GrammarBudgetError` naming the limit. A worker that dies on a constraint (a stack overflow,
-  the memory limit, a native fault) costs that request a `GrammarBudgetError` naming the
-  budgets, and nothing else: the worker is started again on the next check.
+- **Budgets.** A check whose worker spends more than `seconds` of CPU time on it, or that does
+  not answer within `wall_seconds` (a library that waits forever; a worker starved of CPU for
+  that long), is killed with its worker: the request is a `GrammarBudgetError` naming the limit.
+  CPU time, not wall time, is the budget: a busy host slows a check without refusing it. A
+  worker that dies on a constraint (a stack overflow, the memory limit, a native fault) costs
+  that request a `GrammarBudgetError` naming the budgets, and nothing else: the worker is started
+  again on the next check. A worker whose front is gone exits (it looks every second).
 - **What the engine gets.** A constraint that passes comes back with `lowered` set: the grammar
   text llguidance compiles. The engine compiles exactly that text on its own compile thread,
   whose stack (`grammar.COMPILE_STACK_BYTES`) is larger than a worker's: what compiled within a
   worker's stack compiles there too, and no conversion runs in the engine's process.
-- **Remembered.** The last checks are kept (`CHECKED_COUNT` constraints, `CHECKED_CHARS`
-  characters of constraint and grammar text), so a client sending the same schema with every
-  request pays once.
+- **Remembered.** Checks are kept (`CHECKED_COUNT` constraints, `CHECKED_CHARS` characters of
+  constraint and grammar text), so a client sending the same schema with every request pays
+  once: a segmented LRU, whose protected half holds the constraints seen twice, so a stream of
+  one-off constraints cannot push out the ones in use. Requests that bring the same new
+  constraint at once share one check.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import multiprocessing
 import os
@@ -46,12 +51,15 @@ from atombatch.structured import StructuredOutput
 
 log = logger("atombatch.grammar")
 
-GRAMMAR_SECONDS = 10.0              # wall time of one check (>= its CPU time) before its worker is killed
+GRAMMAR_SECONDS = 10.0              # CPU time of one check before its worker is killed
+GRAMMAR_WALL_SECONDS = 60.0         # wall time of one check at most (a worker that waits, or starves)
 GRAMMAR_MEMORY_BYTES = 1 << 30      # address space a check may add to its worker's
 CHECK_STACK_BYTES = 64 << 20        # the stack a worker compiles on (~25 000 chained Lark rules)
 CHECKED_COUNT = 256                 # checks remembered (a constraint seen again is not checked again)
 CHECKED_CHARS = 16 << 20            # ... and their constraint and grammar text, in characters
 START_SECONDS = 120.0               # a worker's start-up (imports, llguidance's tokenizer) at most
+POLL_SECONDS = 0.1                  # how often a check's CPU time is read while it runs
+PARENT_POLL_SECONDS = 1.0           # how often a worker looks for its parent (it exits when orphaned)
 
 # what a worker answers: ("ok", lowered grammar) or ("error", message, param, limit, kind), kind
 # "request" (the constraint is wrong), "budget" (it costs too much) or "config" (the server's)
@@ -73,13 +81,15 @@ class GrammarWorkers:
         tokenizer: the model's `tokenizers.Tokenizer` (sent to each worker as its JSON).
         vocab_size, eos_token_ids: the model's (what the engine masks with).
         workers: processes; checks beyond them wait for one.
-        seconds, memory_bytes, stack_bytes: one check's budgets.
+        seconds, wall_seconds, memory_bytes, stack_bytes: one check's budgets (CPU seconds,
+            wall seconds, address space, stack).
         target: `module:function` a worker checks with instead of `check_in_worker` (the tests'
             fault injection: a function that crashes or hangs on some constraints).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
                  workers: int = 1, seconds: float = GRAMMAR_SECONDS,
+                 wall_seconds: float = GRAMMAR_WALL_SECONDS,
                  memory_bytes: int = GRAMMAR_MEMORY_BYTES,
                  stack_bytes: int = CHECK_STACK_BYTES, target: str | None = None) -> None:
         if workers < 1:
@@ -93,38 +103,58 @@ class GrammarWorkers:
                             memory_bytes=memory_bytes, stack_bytes=stack_bytes,
                             target=target or "")
         self.seconds = seconds
+        self.wall_seconds = max(wall_seconds, seconds)
         self.workers = workers
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         for index in range(workers):
             self._idle.put(_Worker(index, self.setup))
-        self._checked: collections.OrderedDict[StructuredOutput, StructuredOutput] = \
+        # a segmented LRU: checked once (probation), checked and asked for again (protected)
+        self._probation: collections.OrderedDict[StructuredOutput, StructuredOutput] = \
+            collections.OrderedDict()
+        self._protected: collections.OrderedDict[StructuredOutput, StructuredOutput] = \
             collections.OrderedDict()
         self._checked_chars = 0
+        self._inflight: dict[StructuredOutput, concurrent.futures.Future[StructuredOutput]] = {}
         self._lock = threading.Lock()
         self.restarts = 0                 # workers started again after a death or a kill
         self.refused = 0                  # checks refused for a budget (killed or died)
+        self.checks = 0                   # constraints sent to a worker
         self._closed = False
 
     # -- the cache ---------------------------------------------------------------------------------
     def known(self, structured: StructuredOutput) -> StructuredOutput | None:
         """The checked constraint (with `lowered`) if it was checked lately, else None."""
         with self._lock:
-            checked = self._checked.get(structured)
+            checked = self._protected.get(structured)
             if checked is not None:
-                self._checked.move_to_end(structured)
+                self._protected.move_to_end(structured)
+                return checked
+            checked = self._probation.pop(structured, None)
+            if checked is not None:  # asked for again: protected from one-off churn
+                self._protected[structured] = checked
+                self._evict()
             return checked
 
     def _remember(self, structured: StructuredOutput, checked: StructuredOutput) -> None:
-        size = structured.chars + len(checked.lowered)
         with self._lock:
-            if structured in self._checked:
+            if structured in self._probation or structured in self._protected:
                 return
-            self._checked[structured] = checked
-            self._checked_chars += size
-            while self._checked and (len(self._checked) > CHECKED_COUNT or
-                                     self._checked_chars > CHECKED_CHARS):
-                old, old_checked = self._checked.popitem(last=False)
-                self._checked_chars -= old.chars + len(old_checked.lowered)
+            self._probation[structured] = checked
+            self._checked_chars += _size(structured, checked)
+            self._evict()
+
+    def _evict(self) -> None:
+        """Past a bound: the probation's oldest first, then the protected's (lock held)."""
+        while (len(self._probation) + len(self._protected) > CHECKED_COUNT or
+               self._checked_chars > CHECKED_CHARS):
+            if self._probation and (len(self._protected) <= CHECKED_COUNT // 2 or
+                                    not self._protected):
+                old, old_checked = self._probation.popitem(last=False)
+            elif self._protected:
+                old, old_checked = self._protected.popitem(last=False)
+            else:
+                return
+            self._checked_chars -= _size(old, old_checked)
 
     # -- checking ----------------------------------------------------------------------------------
     def warm(self) -> None:
@@ -156,24 +186,48 @@ class GrammarWorkers:
         checked = self.known(structured)
         if checked is not None:
             return checked
+        with self._lock:  # the same new constraint in several requests at once: one check
+            shared = self._inflight.get(structured)
+            if shared is None:
+                mine: concurrent.futures.Future[StructuredOutput] = concurrent.futures.Future()
+                self._inflight[structured] = mine
+        if shared is not None:
+            return shared.result()
+        try:
+            checked = self._check_now(structured)
+        except BaseException as exc:
+            mine.set_exception(exc)
+            raise
+        else:
+            mine.set_result(checked)
+            return checked
+        finally:
+            with self._lock:
+                del self._inflight[structured]
+
+    def _check_now(self, structured: StructuredOutput) -> StructuredOutput:
         if self._closed:
             raise ConfigError("the grammar workers are closed")
         worker = self._idle.get()
         try:
+            if self._closed:
+                raise ConfigError("the grammar workers are closed")
             checked = self._run(worker, structured)
         finally:
+            if self._closed:  # closed meanwhile: this worker is not handed out again
+                worker.stop()
             self._idle.put(worker)
         self._remember(structured, checked)
         return checked
 
     def _run(self, worker: _Worker, structured: StructuredOutput) -> StructuredOutput:
         worker.start()
+        self.checks += 1
         param = structured.param
         started = time.monotonic()
         try:
             worker.conn.send_bytes(msgspec.msgpack.encode(structured))
-            answered = worker.conn.poll(self.seconds)
-            reply = _decode(worker.conn.recv_bytes()) if answered else None
+            reply, over = self._wait(worker, started)
         except (EOFError, OSError):  # the worker died on it
             code = worker.stop()
             self.restarts += 1
@@ -191,11 +245,17 @@ class GrammarWorkers:
             self.restarts += 1
             self.refused += 1
             log.warning("structured.check_timeout", param=param, kind=structured.kind,
-                        chars=structured.chars, seconds=round(time.monotonic() - started, 3))
+                        chars=structured.chars, seconds=round(time.monotonic() - started, 3),
+                        budget=over)
+            if over == "cpu":
+                raise GrammarBudgetError(
+                    f"{param}: compiling the {structured.kind} ({structured.chars} characters) "
+                    f"took more than the budget of {self.seconds:g} s of CPU time per "
+                    "constraint; simplify it", param=param, limit=self.seconds)
             raise GrammarBudgetError(
-                f"{param}: compiling the {structured.kind} ({structured.chars} characters) took "
-                f"longer than the budget of {self.seconds:g} s per constraint; simplify it",
-                param=param, limit=self.seconds)
+                f"{param}: compiling the {structured.kind} ({structured.chars} characters) did "
+                f"not finish within the budget of {self.wall_seconds:g} s per constraint; "
+                "simplify it", param=param, limit=self.wall_seconds)
         if reply[0] == "ok":
             return msgspec.structs.replace(structured, lowered=reply[1])
         _, message, error_param, limit, kind = reply
@@ -206,6 +266,34 @@ class GrammarWorkers:
             raise GrammarBudgetError(message, param=error_param, limit=limit)
         raise RequestError(message, param=error_param, limit=limit)
 
+    def _wait(self, worker: _Worker, started: float) -> tuple[Any, str]:
+        """The worker's reply, or (None, "cpu" / "wall") past a budget.
+
+        Raises:
+            EOFError, OSError: the worker died.
+        """
+        cpu_start = worker.cpu_seconds()
+        while True:
+            if worker.conn.poll(POLL_SECONDS):
+                return _decode(worker.conn.recv_bytes()), ""
+            cpu = worker.cpu_seconds()
+            if cpu is not None and cpu_start is not None and cpu - cpu_start > self.seconds:
+                return None, "cpu"
+            if time.monotonic() - started > self.wall_seconds:
+                return None, "wall"
+
+    def idle_processes(self) -> int:
+        """Worker processes alive among the idle workers (0 after `close`)."""
+        workers = []
+        while True:
+            try:
+                workers.append(self._idle.get_nowait())
+            except queue.Empty:
+                break
+        for worker in workers:
+            self._idle.put(worker)
+        return sum(1 for w in workers if w.process is not None and w.process.is_alive())
+
     def close(self) -> None:
         """Stop every worker (idle ones now; a busy one when its check returns)."""
         self._closed = True
@@ -215,6 +303,14 @@ class GrammarWorkers:
             except queue.Empty:
                 return
             worker.stop()
+
+
+def _size(structured: StructuredOutput, checked: StructuredOutput) -> int:
+    """What a remembered check counts against `CHECKED_CHARS`."""
+    return structured.chars + len(checked.lowered)
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _exit_name(code: int | None) -> str:
@@ -270,6 +366,18 @@ class _Worker:
             raise ConfigError(f"structured output is unavailable: {ready[1]}")
         self.process, self.conn = process, parent
 
+    def cpu_seconds(self) -> float | None:
+        """The process's CPU time so far (user + system, /proc), or None where unreadable."""
+        process = self.process
+        if process is None or process.pid is None:
+            return None
+        try:
+            with open(f"/proc/{process.pid}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+            return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+        except (OSError, ValueError, IndexError):
+            return None
+
     def stop(self) -> int | None:
         """Kill the process (if alive) and return its exit code."""
         process, conn = self.process, self.conn
@@ -292,11 +400,22 @@ def _worker_main(conn: Any) -> None:
     _name_process(b"atombatch-gramm")
     with contextlib.suppress(OSError):
         os.nice(10)
+    parent = os.getppid()
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True,
+                     name="atombatch-grammar-parent").start()
     setup = msgspec.msgpack.decode(conn.recv_bytes(), type=_Setup)
     threading.stack_size(setup.stack_bytes)
     thread = threading.Thread(target=_serve, args=(conn, setup), name="atombatch-grammar-check")
     thread.start()
     thread.join()
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    """Exit at once when the front that started this worker is gone (killed mid-check, its
+    budget went with it)."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_SECONDS)
+    os._exit(1)
 
 
 def _serve(conn: Any, setup: _Setup) -> None:

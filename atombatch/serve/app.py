@@ -52,6 +52,7 @@ from atombatch.core import CoreClient
 from atombatch.detokenizer import bad_word_ids
 from atombatch.engine import Batcher
 from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
+from atombatch.grammar_check import GRAMMAR_WALL_SECONDS
 from atombatch.logs import logger
 from atombatch.mailbox import Mailbox, as_outputs
 from atombatch.serve import schema, vllm_api
@@ -393,7 +394,8 @@ class _Server:
                  max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
                  max_structured_chars: int = DEFAULT_MAX_STRUCTURED_CHARS,
                  tool_parser: str | None = None, reasoning_parser: str | None = None,
-                 grammar_check: str | None = None) -> None:
+                 grammar_check: str | None = None,
+                 grammar_wall_seconds: float = GRAMMAR_WALL_SECONDS) -> None:
         self.ab = ab
         self.tool_parser = tool_parser            # --tool-call-parser (tool_choice auto)
         self.reasoning_parser = reasoning_parser  # --reasoning-parser
@@ -414,7 +416,7 @@ class _Server:
         self.structured = StructuredRequests(
             getattr(codec, "tokenizer", None), self.artifact.model.vocab_size,
             self.artifact.model.eos_token_ids, max_structured_chars,
-            worker_target=grammar_check)
+            worker_target=grammar_check, wall_seconds=grammar_wall_seconds)
         self.constraints = ChatConstraints(self.structured, reasoning_parser,
                                            getattr(codec, "tokenizer", None))
         self.metrics = ServerMetrics(ab.stats, self.artifact, model_name,
@@ -433,6 +435,9 @@ class _Server:
             raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
         except msgspec.DecodeError as exc:
             raise ApiError(400, f"body is not valid JSON: {exc}", code="invalid_json") from None
+        model = getattr(value, "model", None)
+        if isinstance(model, str):  # before a constraint costs a check: a wrong model is a 404
+            self.check_model(model)
         try:  # a new constraint compiles off the event loop (`params` then finds it checked)
             await self.structured.check_off_loop(value)
         except RequestError as exc:
@@ -1428,6 +1433,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                api_keys: Sequence[str] = (), tool_parser: str | None = None,
                reasoning_parser: str | None = None,
                grammar_check: str | None = None,
+               grammar_wall_seconds: float = GRAMMAR_WALL_SECONDS,
                enable_prompt_tokens_details: bool = False) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
@@ -1461,6 +1467,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         reasoning_parser: `qwen3`: split `<think>...</think>` into `reasoning_content`.
         grammar_check: `module:function` the grammar workers check constraints with instead of
             `atombatch.grammar_check.check_in_worker` (fault-injection tests).
+        grammar_wall_seconds: a constraint check's wall-time budget (its CPU-time budget is
+            `grammar_check.GRAMMAR_SECONDS`).
         enable_prompt_tokens_details: a final `usage` carries `prompt_tokens_details`
             (`cached_tokens`: prompt tokens the prefix cache saved), as vLLM's flag.
 
@@ -1496,7 +1504,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         codec.bound(ab.artifact.max_seq_len)  # text that cannot fit is refused untokenized
     server = _Server(ab, model_name, codec, max_body_bytes, retry_after, strict_protocol,
                      body_timeout, bounds, max_response_bytes, max_structured_chars,
-                     tool_parser, reasoning_parser, grammar_check)
+                     tool_parser, reasoning_parser, grammar_check, grammar_wall_seconds)
     server.prompt_tokens_details = enable_prompt_tokens_details
 
     @contextlib.asynccontextmanager

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from atombatch.errors import CapacityError, ConfigError, RequestError
-from atombatch.grammar_check import GrammarWorkers
+from atombatch.grammar_check import GRAMMAR_WALL_SECONDS, GrammarWorkers
 from atombatch.logs import logger
 from atombatch.structured import StructuredOutput
 
@@ -61,17 +61,20 @@ class StructuredRequests:
         max_chars: bound on a constraint's size, checked before it is parsed or compiled.
         workers: grammar worker processes (`GrammarWorkers`), and threads that wait for them.
         worker_target: the workers' check function (`GrammarWorkers`'s `target`: tests).
+        wall_seconds: a check's wall-time budget (`GrammarWorkers`).
     """
 
     def __init__(self, tokenizer: Any | None, vocab_size: int, eos_token_ids: tuple[int, ...],
                  max_chars: int = DEFAULT_MAX_STRUCTURED_CHARS, workers: int = 1,
-                 worker_target: str | None = None) -> None:
+                 worker_target: str | None = None,
+                 wall_seconds: float = GRAMMAR_WALL_SECONDS) -> None:
         self.checker: GrammarWorkers | None = None
         self.unavailable: str | None = None     # why structured output cannot be served here
         if tokenizer is not None:
             try:
                 self.checker = GrammarWorkers(tokenizer, vocab_size, eos_token_ids,
-                                              workers=workers, target=worker_target)
+                                              workers=workers, target=worker_target,
+                                              wall_seconds=wall_seconds)
             except ConfigError as exc:
                 self.unavailable = str(exc)
         self.max_chars = max_chars

@@ -21,7 +21,7 @@ from support.driving import run_to_end
 from support.grammars import LARK_GRAMMARS, REGEXES, SCHEMAS
 from support.structured import SPEC, batcher, byte_tokenizer
 
-from atombatch import RequestError, SamplingParams, StructuredOutput
+from atombatch import ConfigError, RequestError, SamplingParams, StructuredOutput
 from atombatch import grammar as grammar_module
 from atombatch.grammar_check import GrammarBudgetError, GrammarWorkers
 from atombatch.structured import MAX_SCHEMA_DEPTH, json_depth
@@ -41,7 +41,8 @@ def gbnf_chain(n: int) -> str:
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[GrammarWorkers]:
-    w = GrammarWorkers(byte_tokenizer(), SPEC.vocab_size, SPEC.eos_token_ids, target=FAULTS)
+    w = GrammarWorkers(byte_tokenizer(), SPEC.vocab_size, SPEC.eos_token_ids, target=FAULTS,
+                       seconds=4.0, wall_seconds=5.0)
     yield w
     w.close()
 
@@ -89,7 +90,7 @@ def test_a_native_stack_overflow_kills_the_worker_not_the_caller() -> None:
 
 
 @pytest.mark.parametrize(("marker", "budget"), [(grammar_faults.CRASH, "worker process"),
-                                                (grammar_faults.HANG, "budget of 10 s"),
+                                                (grammar_faults.HANG, "within the budget of 5 s"),
                                                 (grammar_faults.HOG, "memory of 1024 MiB")])
 def test_a_faulty_grammar_library_costs_one_check(workers: GrammarWorkers, marker: str,
                                                   budget: str) -> None:
@@ -198,3 +199,147 @@ def test_generated_regexes_are_checked_or_refused(workers: GrammarWorkers, patte
 def test_generated_schemas_are_checked_or_refused(workers: GrammarWorkers,
                                                   schema: dict[str, Any]) -> None:
     _served_or_refused(workers, StructuredOutput.json_schema(schema, param="guided_json"))
+
+
+# -- the review's findings ------------------------------------------------------------------------
+def test_the_budget_is_cpu_time_a_waiting_check_passes_a_spinning_one_does_not() -> None:
+    w = GrammarWorkers(byte_tokenizer(), SPEC.vocab_size, SPEC.eos_token_ids, target=FAULTS,
+                       seconds=1.0, wall_seconds=20.0)
+    try:
+        slow = w.check(StructuredOutput.regex(f"ab{grammar_faults.SLOW}"))  # 2 s, no CPU
+        assert slow.lowered
+        with pytest.raises(GrammarBudgetError, match="1 s of CPU time"):
+            w.check(StructuredOutput.regex(f"ab{grammar_faults.SPIN}"))
+        assert w.restarts == 1
+    finally:
+        w.close()
+
+
+def test_a_hang_meets_the_wall_budget() -> None:
+    w = GrammarWorkers(byte_tokenizer(), SPEC.vocab_size, SPEC.eos_token_ids, target=FAULTS,
+                       seconds=1.0, wall_seconds=3.0)
+    try:
+        with pytest.raises(GrammarBudgetError, match="within the budget of 3 s"):
+            w.check(StructuredOutput.regex(f"ab{grammar_faults.HANG}"))
+    finally:
+        w.close()
+
+
+def test_one_off_constraints_cannot_push_out_the_ones_in_use(workers: GrammarWorkers,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from atombatch import grammar_check
+
+    monkeypatch.setattr(grammar_check, "CHECKED_COUNT", 8)
+    used = StructuredOutput.regex("[0-9]{2}-churn")
+    workers.check(used)
+    assert workers.known(used) is not None  # asked for again: protected
+    for i in range(40):  # a client churning distinct one-offs
+        workers.check(StructuredOutput.regex(f"[a-z]{{{i + 1}}}-churn"))
+    assert workers.known(used) is not None
+    assert len(workers._probation) + len(workers._protected) <= 8
+
+
+def test_requests_bringing_the_same_new_constraint_share_one_check(
+        workers: GrammarWorkers) -> None:
+    structured = StructuredOutput.grammar(gbnf_chain(800) + "\n", param="guided_grammar")
+    before = workers.checks
+    results: list[Any] = []
+    threads = [threading.Thread(target=lambda: results.append(workers.check(structured)))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8 and len({r.lowered for r in results}) == 1
+    assert workers.checks - before == 1
+
+
+def test_a_worker_whose_front_is_killed_exits(tmp_path: Any) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "front.py"
+    script.write_text(
+        "import os, sys, threading, time\n"
+        "from support.structured import SPEC, byte_tokenizer\n"
+        "from atombatch import grammar_check\n"
+        "from atombatch.structured import StructuredOutput\n"
+        "if __name__ == '__main__':\n"
+        "    w = grammar_check.GrammarWorkers(byte_tokenizer(), SPEC.vocab_size,\n"
+        f"        SPEC.eos_token_ids, target={FAULTS!r})\n"
+        "    worker = w._idle.get(); worker.start(); w._idle.put(worker)\n"
+        "    print(worker.process.pid, flush=True)\n"
+        f"    spec = StructuredOutput.regex('a{grammar_faults.HANG}')\n"
+        "    threading.Thread(target=w.check, args=(spec,), daemon=True).start()\n"
+        "    time.sleep(600)\n")
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    front = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                             env=env)
+    try:
+        assert front.stdout is not None
+        worker_pid = int(front.stdout.readline())
+        time.sleep(1.0)  # the worker is inside the hanging check now
+        os.kill(front.pid, signal.SIGKILL)
+        front.wait(10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                os.kill(worker_pid, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{worker_pid}/stat") as stat:
+                if stat.read().rpartition(")")[2].split()[0] == "Z":
+                    break
+            time.sleep(0.2)
+        else:
+            os.kill(worker_pid, signal.SIGKILL)
+            raise AssertionError("the orphaned grammar worker still runs")
+    finally:
+        if front.poll() is None:
+            front.kill()
+            front.wait(10)
+        if front.stdout is not None:
+            front.stdout.close()
+
+
+def test_close_stops_a_busy_worker_and_refuses_waiting_checks() -> None:
+    w = GrammarWorkers(byte_tokenizer(), SPEC.vocab_size, SPEC.eos_token_ids, target=FAULTS,
+                       seconds=1.0, wall_seconds=3.0)
+    outcomes: list[str] = []
+
+    def run(spec: StructuredOutput) -> None:
+        try:
+            w.check(spec)
+            outcomes.append("ok")
+        except ConfigError:
+            outcomes.append("closed")
+        except GrammarBudgetError:
+            outcomes.append("budget")
+
+    busy = threading.Thread(target=run, args=(StructuredOutput.regex(f"a{grammar_faults.HANG}"),))
+    busy.start()
+    import time
+    time.sleep(1.0)
+    waiting = threading.Thread(target=run, args=(StructuredOutput.regex("[0-9]+close"),))
+    waiting.start()
+    time.sleep(0.3)
+    w.close()
+    busy.join(10)
+    waiting.join(10)
+    assert sorted(outcomes) == ["budget", "closed"], outcomes
+    assert w.idle_processes() == 0
+
+
+def test_the_engines_cache_counts_what_it_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grammar_module, "COMPILED_CACHE_CHARS", 4000)
+    grammars = batcher().grammars()
+    for i in range(30):  # unlowered (an embedder's): the engine lowers them itself
+        schema = {"type": "object", "properties": {f"k{i}_{j}": {"type": "integer"}
+                                                   for j in range(40)}}
+        grammars.compile(StructuredOutput.json_schema(schema)).result()
+    held = sum(size for _, size in grammars._compiled.values())
+    assert grammars._compiled_chars == held <= 4000 and grammars._compiled

@@ -12,12 +12,16 @@ import signal
 import time
 from typing import Any
 
+import msgspec
+
 from atombatch.grammar_check import check_in_worker
 from atombatch.structured import StructuredOutput
 
 CRASH = "FAULT_CRASH"      # the worker dies of SIGSEGV, as on a native stack overflow
 HANG = "FAULT_HANG"        # the worker never answers (a library stuck in a loop)
 HOG = "FAULT_HOG"          # the worker allocates until its memory limit stops it
+SPIN = "FAULT_SPIN"        # the worker computes forever (CPU time runs out)
+SLOW = "FAULT_SLOW"        # the worker waits 2 s (no CPU), then checks for real
 
 
 def check(tokenizer: Any, structured: StructuredOutput, vocab_size: int) -> str:
@@ -30,6 +34,12 @@ def check(tokenizer: Any, structured: StructuredOutput, vocab_size: int) -> str:
     if HANG in text:
         while True:
             time.sleep(1)
+    if SPIN in text:
+        while True:
+            pass
+    if SLOW in text:
+        time.sleep(2.0)
+        structured = msgspec.structs.replace(structured, value=structured.value.replace(SLOW, ""))
     if HOG in text:
         hoard = []
         while True:  # 256 MiB at a time (calloc'd: fast) until the address-space limit refuses one
