@@ -103,7 +103,7 @@ class GrammarWorkers:
                             memory_bytes=memory_bytes, stack_bytes=stack_bytes,
                             target=target or "")
         self.seconds = seconds
-        self.wall_seconds = max(wall_seconds, seconds)
+        self.wall_seconds = wall_seconds
         self.workers = workers
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         for index in range(workers):
