@@ -18,7 +18,8 @@ def check_decode_rows(rows: int, decoder_batch_sizes: Sequence[int]) -> None:
     it touches the device (a scheduler bug, never a client's)."""
     if rows not in decoder_batch_sizes:
         raise StateError(f"decode inputs have {rows} rows; the compiled decode batches are "
-                         f"{tuple(decoder_batch_sizes)}")
+                         f"{tuple(decoder_batch_sizes)} (decoder_batch_sizes="
+                         f"{list(decoder_batch_sizes)})")
 
 
 class PrefillArrays(Protocol):

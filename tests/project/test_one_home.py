@@ -58,7 +58,7 @@ def test_the_decode_bucket_guard_is_the_runtime_bases() -> None:
     with pytest.raises(StateError) as expected:
         check_decode_rows(3, art.decoder_batch_sizes)
     assert str(expected.value) == ("decode inputs have 3 rows; the compiled decode batches are "
-                                   "(1, 2, 4)")
+                                   "(1, 2, 4) (decoder_batch_sizes=[1, 2, 4])")
     check_decode_rows(2, art.decoder_batch_sizes)
     for runtime in (NullRuntime(art, step_ms=0.0), SimRuntime(art)):
         with pytest.raises(StateError) as refused:
