@@ -293,12 +293,13 @@ def test_named_choice_calls_that_function(random_qwen: ServerThread) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
 
 
-def test_readme_tool_call_request_is_served(hermes: ServerThread) -> None:
+def test_the_documented_tool_call_request_is_served(hermes: ServerThread) -> None:
     import re
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    match = re.search(r"--tool-call-parser hermes.*?-d '(\{.*?\})'\n", readme, flags=re.S)
-    assert match, "the README shows no tool call"
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "server.md").read_text()
+    tools = docs[docs.index("## Tool calls"):]
+    match = re.search(r"--tool-call-parser hermes.*?-d '(\{.*?\})'\n", tools, flags=re.S)
+    assert match, "docs/server.md's tool-call section shows no curl request"
     r = httpx.post(f"{hermes.url}/v1/chat/completions", json=json.loads(match.group(1)),
                    timeout=60)
     assert r.status_code == 200, r.text
