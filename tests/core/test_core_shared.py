@@ -439,6 +439,11 @@ def test_a_leaving_front_hears_of_its_refused_submit_before_stopped(shared: Shar
     a.hello(os.getpid())
     b.hello(os.getpid())
     b.send(submit("b1", [4, 4, 4], LONG))  # the core stays busy
+    deadline = time.monotonic() + 10
+    while not b.tokens.get("b1"):  # b's b1 is in flight before a sends its own (the two
+        assert time.monotonic() < deadline  # fronts' sockets are read in no fixed order)
+        if b.from_core.poll(100):
+            b.take(core_decoder.decode(b.from_core.recv()))
     # an id in flight (b's): the core refuses it (an over-long prompt would not do: the core
     # trusts its fronts to have validated what they send, and checks nothing again)
     a.send(submit("b1", [1, 2, 3], GREEDY))
