@@ -110,7 +110,7 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
             raise RequestError(f"{self.param}: the lowered grammar must be a string of at most "
                                f"{MAX_LOWERED_CHARS} characters", param=self.param,
                                limit=MAX_LOWERED_CHARS)
-        if self.kind == "json_schema":
+        if self.kind == "json_schema" and not self.lowered:  # (lowered: checked; never parsed)
             depth = json_depth(self.value)
             if depth > MAX_SCHEMA_DEPTH:
                 raise RequestError(f"{self.param}: the JSON schema nests {depth} arrays and "

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from support import grammar_faults
 from support.driving import run_to_end
 from support.grammars import LARK_GRAMMARS, REGEXES, SCHEMAS
+from support.served import running
 from support.structured import SPEC, batcher, byte_tokenizer
 
 from atombatch import ConfigError, RequestError, SamplingParams, StructuredOutput
@@ -286,18 +287,11 @@ def test_a_worker_whose_front_is_killed_exits(tmp_path: Any) -> None:
         os.kill(front.pid, signal.SIGKILL)
         front.wait(10)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                os.kill(worker_pid, 0)
-            except ProcessLookupError:
-                break
-            with open(f"/proc/{worker_pid}/stat") as stat:
-                if stat.read().rpartition(")")[2].split()[0] == "Z":
-                    break
+        while running(worker_pid):
+            if time.monotonic() > deadline:
+                os.kill(worker_pid, signal.SIGKILL)
+                raise AssertionError("the orphaned grammar worker still runs")
             time.sleep(0.2)
-        else:
-            os.kill(worker_pid, signal.SIGKILL)
-            raise AssertionError("the orphaned grammar worker still runs")
     finally:
         if front.poll() is None:
             front.kill()
