@@ -1,4 +1,4 @@
-"""Builds the one compiled hot spot, `atombatch/_blocks.pyx`.
+"""Builds the one compiled hot spot, `atombatch/kernel/_blocks.pyx`.
 
 `ATOMBATCH_DEBUG=1` at build time keeps bounds checks on and enables the invariant checks.
 
@@ -32,15 +32,15 @@ CACHE = HERE / "build" / "extension-cache"
 
 extensions = [
     Extension(
-        "atombatch._blocks",
-        ["atombatch/_blocks.pyx"],
+        "atombatch.kernel._blocks",
+        ["atombatch/kernel/_blocks.pyx"],
         include_dirs=[np.get_include(), "atombatch/_vendor/xxhash"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-O0", "-g"] if DEBUG else ["-O3"],
-        depends=["atombatch/_blocks.pxd", "atombatch/_vendor/xxhash/xxhash.h"],
+        depends=["atombatch/kernel/_blocks.pxd", "atombatch/_vendor/xxhash/xxhash.h"],
     )
 ]
-SOURCES = ("atombatch/_blocks.pyx", "atombatch/_blocks.pxd", "atombatch/_vendor/xxhash/xxhash.h",
+SOURCES = ("atombatch/kernel/_blocks.pyx", "atombatch/kernel/_blocks.pxd", "atombatch/_vendor/xxhash/xxhash.h",
            "setup.py")
 
 

@@ -1,9 +1,20 @@
 """atombatch: block tables, lanes and PD scheduling for LLM serving on Rebellions ATOM NPUs."""
 
-from atombatch import plan
-from atombatch.aio import AsyncBatcher
-from atombatch.config import ArtifactConfig, EngineOptions, ModelSpec
-from atombatch.engine import Batcher, EngineStats, StepResult
+from atombatch.api.options import EngineOptions
+from atombatch.api.structs import (
+                              Completion,
+                              RequestOutput,
+                              RequestTimings,
+                              SamplingParams,
+                              TokenLogprob,
+                              TokenLogprobs,
+)
+from atombatch.api.structured import StructuredOutput
+from atombatch.artifact import plan
+from atombatch.artifact.config import ArtifactConfig, ModelSpec
+from atombatch.engine.aio import AsyncBatcher
+from atombatch.engine.batcher import Batcher, EngineStats, StepResult
+from atombatch.engine.scheduler import Policy
 from atombatch.errors import (
                               AtomBatchError,
                               CapacityError,
@@ -12,16 +23,6 @@ from atombatch.errors import (
                               RequestError,
                               StateError,
 )
-from atombatch.scheduler import Policy
-from atombatch.structs import (
-    Completion,
-    RequestOutput,
-    RequestTimings,
-    SamplingParams,
-    TokenLogprob,
-    TokenLogprobs,
-)
-from atombatch.structured import StructuredOutput
 
 __version__ = "0.1.0"
 

@@ -22,27 +22,27 @@ def _json_events() -> Iterator[None]:
 
 @pytest.fixture(params=["c", "py"])
 def impl(request: pytest.FixtureRequest) -> Iterator[ModuleType]:
-    """The compiled `atombatch._blocks` (id `c`) or the pure-Python twin `_blocks_py` (id `py`)."""
-    name = "atombatch._blocks" if request.param == "c" else "atombatch._blocks_py"
+    """The compiled `atombatch.kernel._blocks` (id `c`) or the pure-Python twin `_blocks_py` (id `py`)."""
+    name = "atombatch.kernel._blocks" if request.param == "c" else "atombatch.kernel._blocks_py"
     yield importlib.import_module(name)
 
 
 @pytest.fixture(params=["c", "py"])
 def core(request, monkeypatch):
     """Run the scheduler on the compiled core (id `c`) and on its pure-Python twin (`py`)."""
-    from atombatch import scheduler as scheduler_module
+    from atombatch.engine import scheduler as scheduler_module
 
     if request.param == "c":
-        from atombatch import _blocks as impl
+        from atombatch.kernel import _blocks as impl
     else:
-        from atombatch import _blocks_py as impl
+        from atombatch.kernel import _blocks_py as impl
     monkeypatch.setattr(scheduler_module.core, "BlockPool", impl.BlockPool)
     monkeypatch.setattr(scheduler_module.core, "LaneTable", impl.LaneTable)
     monkeypatch.setattr(scheduler_module.core, "SlidingSlots", impl.SlidingSlots)
     monkeypatch.setattr(scheduler_module.core, "DecodeInputs", impl.DecodeInputs)
     monkeypatch.setattr(scheduler_module.core, "PrefillInputs", impl.PrefillInputs)
     monkeypatch.setattr(scheduler_module.core, "StepKernel", impl.StepKernel)
-    from atombatch import prefix as prefix_module  # the prefix index's table and digest pass
+    from atombatch.kernel import prefix as prefix_module  # the prefix index's table and digest pass
 
     monkeypatch.setattr(prefix_module, "PrefixTable", impl.PrefixTable)
     monkeypatch.setattr(prefix_module, "chain_digests", impl.chain_digests)

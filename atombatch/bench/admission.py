@@ -68,9 +68,9 @@ class _Waiting:
 def measure(lanes: int, cached: int, overlap: bool, step_ms: float = 2.0,
             cycles: int = 40) -> AdmissionGap:
     """`cycles` admissions at B=`lanes` with `cached` blocks in the prefix cache."""
-    import atombatch._blocks as impl
+    import atombatch.kernel._blocks as impl
+    from atombatch.api.structs import SamplingParams
     from atombatch.bench import cases
-    from atombatch.structs import SamplingParams
 
     batcher = cases.full_cache_batcher(impl, lanes, num_blocks=cases.admit_num_blocks(lanes, cached))
     device = _Waiting(batcher.runtime, step_ms / 1000.0)

@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from atombatch import blocks as core
 from atombatch.bench.provenance import git_commit
+from atombatch.kernel import blocks as core
 
 DEFAULT_SHAPES = "64x1024,256x1024,64x4096,64x32768,1x151936,8x151936,64x151936"
 

@@ -25,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from atombatch import _blocks_py
 from atombatch.bench import vllm_scheduler
+from atombatch.kernel import _blocks_py
 
 try:
-    from atombatch import _blocks as _blocks_c  # type: ignore[attr-defined]
+    from atombatch.kernel import _blocks as _blocks_c  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - a build without the extension: measure the twin alone
     _blocks_c = None
 
@@ -342,7 +342,7 @@ class NullDevice:
 
 
 def _null_spec() -> Any:
-    from atombatch.config import ModelSpec
+    from atombatch.artifact.config import ModelSpec
 
     return ModelSpec(name="null", family="llama", vocab_size=ENGINE_VOCAB, hidden_size=8,
                      intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8)
@@ -350,8 +350,8 @@ def _null_spec() -> Any:
 
 def batcher_on(impl: ModuleType, artifact: Any, **options: Any) -> Any:
     """A Batcher on a null device whose scheduler uses `impl`'s block core."""
-    from atombatch import scheduler as scheduler_module
-    from atombatch.engine import Batcher
+    from atombatch.engine import scheduler as scheduler_module
+    from atombatch.engine.batcher import Batcher
 
     core = scheduler_module.core
     names = [n for n in ("BlockPool", "LaneTable", "SlidingSlots", "DecodeInputs",
@@ -380,8 +380,8 @@ def engine_step_time_func(impl: ModuleType, lanes: int, shape: str,
     Prompt lengths are staggered over a block so that block growth (partitioned) is spread over
     steps as in a real workload. Before any lane could finish, the lanes are renewed (aborted and
     resubmitted, untimed), so every timed step decodes all B lanes."""
-    from atombatch.config import ArtifactConfig
-    from atombatch.structs import SamplingParams
+    from atombatch.api.structs import SamplingParams
+    from atombatch.artifact.config import ArtifactConfig
 
     if shape == "eager":
         max_seq_len, block_size, num_blocks = (ENGINE_EAGER_MAX_SEQ_LEN,
@@ -459,8 +459,8 @@ def _prefix_case(impl: ModuleType, op: str, shape: str) -> Callable[[], TimeFunc
 def prefix_time_func(impl: ModuleType, op: str, shape: str) -> TimeFunc:
     """The prefix cache of a B=1 Batcher around one 8 192-token prompt (block_size 128, or one
     9 216-token block when eager)."""
-    from atombatch.config import ArtifactConfig
-    from atombatch.structs import SamplingParams
+    from atombatch.api.structs import SamplingParams
+    from atombatch.artifact.config import ArtifactConfig
 
     block_size = PREFIX_MAX_SEQ_LEN if shape == "eager" else 128
     art = ArtifactConfig(model=_null_spec(), batch_size=1, max_seq_len=PREFIX_MAX_SEQ_LEN,
@@ -595,7 +595,7 @@ def cached_index(num_blocks: int, chain_blocks: int = SCALE_CHAIN_BLOCKS,
                  block_size: int = SCALE_BLOCK_SIZE, seed: int = 0) -> Any:
     """A `PrefixIndex` holding `num_blocks` full blocks in chains of `chain_blocks` random
     tokens (distinct first blocks)."""
-    from atombatch.prefix import PrefixIndex
+    from atombatch.kernel.prefix import PrefixIndex
 
     index = PrefixIndex(block_size, seed=1, num_blocks=num_blocks)
     rng = np.random.default_rng(seed)
@@ -644,7 +644,7 @@ def prefix_hash_lookup_time_func(op: str, recipe_only: bool = False) -> TimeFunc
     its block hashes, then one dict probe per block until the first miss."""
     prompt = np.random.default_rng(0).integers(1, 32_000, size=PREFIX_TOKENS)
     if op == "prefix_hash_lookup":
-        from atombatch.prefix import PrefixIndex
+        from atombatch.kernel.prefix import PrefixIndex
 
         index = PrefixIndex(SCALE_BLOCK_SIZE, seed=1,
                             num_blocks=PREFIX_TOKENS // SCALE_BLOCK_SIZE)
@@ -677,8 +677,8 @@ def prefix_hash_lookup_time_func(op: str, recipe_only: bool = False) -> TimeFunc
 def prefix_insert_32k_time_func(impl: ModuleType, shape: str) -> TimeFunc:
     """`Batcher.abort` of a decoding request with a 32 768-token prompt: its lane released and
     its blocks cached (16- or 128-token blocks, or one eager block); a new prefix every time."""
-    from atombatch.config import ArtifactConfig
-    from atombatch.structs import SamplingParams
+    from atombatch.api.structs import SamplingParams
+    from atombatch.artifact.config import ArtifactConfig
 
     max_seq_len = INSERT_TOKENS + 1024
     block_size = {"bs16": 16, "bs128": 128, "eager": max_seq_len}[shape]
@@ -715,8 +715,8 @@ def prefix_admit_hit_time_func(impl: ModuleType, schedule_only: bool = False) ->
     pinned, the blocks of its last chunk taken, that chunk prefilled), or with `schedule_only`
     that step's `Scheduler.schedule()` alone (the rest of the step is the device call, sampling
     and outputs). Submitting (hashing) and finishing are untimed."""
-    from atombatch.config import ArtifactConfig
-    from atombatch.structs import SamplingParams
+    from atombatch.api.structs import SamplingParams
+    from atombatch.artifact.config import ArtifactConfig
 
     art = ArtifactConfig(model=_null_spec(), batch_size=1, max_seq_len=PREFIX_MAX_SEQ_LEN,
                          block_size=SCALE_BLOCK_SIZE,
@@ -780,8 +780,8 @@ def full_cache_batcher(impl: ModuleType, lanes: int, prefix_cache: bool = True,
     (admitted or growing) evicts the LRU cached one. (Leaving
     the lanes' room free, as this did before, made the first few hundred admissions evict
     nothing, and `prefix_admit` at B16 none in a quick run.)"""
-    from atombatch.config import ArtifactConfig
-    from atombatch.structs import SamplingParams
+    from atombatch.api.structs import SamplingParams
+    from atombatch.artifact.config import ArtifactConfig
 
     art = ArtifactConfig(model=_null_spec(), batch_size=lanes, max_seq_len=ADMIT_MAX_SEQ_LEN,
                          block_size=SCALE_BLOCK_SIZE, num_blocks=num_blocks,
@@ -805,7 +805,7 @@ def prefix_admit_time_func(impl: ModuleType, op: str, lanes: int,
     128-token request is submitted (its prompt hashed; untimed), and the step that admits it is
     timed (lookup, eviction of the blocks it takes, its prefill chunk, the other lanes' decode);
     `prefix_admit_nocache` is that step without a prefix cache; `prefix_steady` a decode step."""
-    from atombatch.structs import SamplingParams
+    from atombatch.api.structs import SamplingParams
 
     batcher = full_cache_batcher(impl, lanes, prefix_cache=op != "prefix_admit_nocache",
                                  num_blocks=num_blocks)

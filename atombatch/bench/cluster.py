@@ -48,16 +48,16 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from atombatch.api.structs import Completion, SamplingParams
+from atombatch.artifact.config import ModelSpec
 from atombatch.bench import provenance
 from atombatch.bench.progress import CellProgress
 from atombatch.bench.serve import fit_verdict, parse_artifact
 from atombatch.cluster import PrefixAffinityPolicy, ReplicaLoad, make_policy, route_digests
 from atombatch.cluster.summary import CacheSummarizer
-from atombatch.config import ModelSpec
-from atombatch.engine import Batcher
+from atombatch.engine.batcher import Batcher
 from atombatch.errors import AtomBatchError, ConfigError
 from atombatch.runtime.sim import CostModel, SimKVSource, SimProducer, SimRuntime
-from atombatch.structs import Completion, SamplingParams
 
 MODELS = ("qwen3-0.6b", "qwen3-4b", "koni-8b", "gemma3-1b")
 # The KV bytes of B4/k5 at context 9216 (5 x 9216 tokens), in 256-token blocks: a sequence takes

@@ -32,12 +32,12 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from atombatch.api.structs import SamplingParams
 from atombatch.bench.provenance import git_commit, machine
-from atombatch.blocks import PrefillInputs
-from atombatch.engine import Batcher
+from atombatch.engine.batcher import Batcher
 from atombatch.errors import AtomBatchError
+from atombatch.kernel.blocks import PrefillInputs
 from atombatch.runtime.rebel import RebelRuntime
-from atombatch.structs import SamplingParams
 
 
 class Check(msgspec.Struct, frozen=True):

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import msgspec
 
-from atombatch import plan
+from atombatch.artifact import plan
+from atombatch.artifact.config import PRESETS, ArtifactConfig, ModelSpec
 from atombatch.bench import provenance
-from atombatch.config import PRESETS, ArtifactConfig, ModelSpec
 from atombatch.errors import ConfigError
 
 MODELS = ("qwen3-0.6b", "qwen3-4b", "koni-8b", "gemma3-1b")

@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from atombatch.structured import StructuredOutput
+from atombatch.api.structured import StructuredOutput
 
 KINDS = ("json_schema", "regex", "choice", "lark_chain", "gbnf_chain", "lark_nesting")
 SIZES = (1024, 8 * 1024, 56 * 1024)
@@ -120,8 +120,8 @@ def compile_times(tokenizer: Any, vocab: int, eos: int, repeats: int,
                   kinds: tuple[str, ...] = KINDS, sizes: tuple[int, ...] = SIZES,
                   progress: bool = False) -> list[CompileRecord]:
     from atombatch.errors import RequestError
-    from atombatch.grammar import Grammars
-    from atombatch.grammar_check import GrammarWorkers
+    from atombatch.sampling.grammar import Grammars
+    from atombatch.sampling.grammar_check import GrammarWorkers
 
     workers = GrammarWorkers(tokenizer, vocab, (eos,))
     engine = Grammars(tokenizer, vocab, (eos,))

@@ -19,10 +19,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from atombatch.config import ArtifactConfig, ModelSpec
-from atombatch.engine import Batcher
+from atombatch.api.structs import SamplingParams
+from atombatch.artifact.config import ArtifactConfig, ModelSpec
+from atombatch.engine.batcher import Batcher
 from atombatch.runtime.numpy_runtime import NumpyRuntime
-from atombatch.structs import SamplingParams
 
 TINY: dict[str, Any] = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_heads=4,
                             num_kv_heads=2, head_dim=16)

@@ -533,7 +533,7 @@ def ramp_steps(policy: str | None, chunks: int, max_tokens: int) -> int:
     one per `prefill_chunks` chunks after the first group for stall-free, `decode_steps` per
     chunk after the first for interleave, and every earlier request's whole decode for
     decode-first (a prefill only when no lane decodes)."""
-    from atombatch.policy import DEFAULT_POLICY, Policy
+    from atombatch.api.policy import DEFAULT_POLICY, Policy
 
     rule = Policy.parse(policy or DEFAULT_POLICY)
     if rule.kind == "stall-free":
@@ -551,7 +551,7 @@ def _engine(batch_size: int, step_ms: float, prefill_ms: float, max_seq_len: int
     """A `Batcher` over a fresh NullRuntime (no HTTP), and the runtime; `spec` is the model (its
     vocabulary sizes the logits; default the server's tiny spec)."""
     from atombatch import ArtifactConfig, Batcher
-    from atombatch.policy import DEFAULT_POLICY
+    from atombatch.api.policy import DEFAULT_POLICY
     from atombatch.runtime.null import NullRuntime
     from atombatch.serve.cli import DEFAULT_SPEC
 
@@ -837,13 +837,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _presets() -> list[str]:
-    from atombatch.config import PRESETS
+    from atombatch.artifact.config import PRESETS
 
     return list(PRESETS)
 
 
 def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = True) -> Report:
-    from atombatch.config import ModelSpec
+    from atombatch.artifact.config import ModelSpec
     from atombatch.serve.cli import DEFAULT_SPEC
 
     spec = ModelSpec.preset(args.model) if args.model else DEFAULT_SPEC

@@ -118,7 +118,7 @@ def _summary_panel(title: str, metric: str, kind: str, groups: list[str],
 def summary(report: Any, policy: str | None = None) -> list[SummaryPanel]:
     """The six headline panels of `report` (a `ServeReport`) for `policy` (default: the first
     policy of the run); see the module's docstring."""
-    from atombatch.scheduler import Policy
+    from atombatch.engine.scheduler import Policy
     params = report.params
     policy_label = Policy.parse(policy or params["policies"][0]).label
     cells = [c for c in report.cells if c.policy == policy_label]
@@ -172,7 +172,7 @@ def require_matplotlib() -> None:
 def panels(report: Any, policy: str | None = None) -> list[Panel]:
     """Every (model, route, output, metric) panel of `report` (a `ServeReport`) for `policy`
     (default: the first policy of the run)."""
-    from atombatch.scheduler import Policy
+    from atombatch.engine.scheduler import Policy
     params = report.params
     policy_label = Policy.parse(policy or params["policies"][0]).label
     timeout = params["load"]["timeout_s"]

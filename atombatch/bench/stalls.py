@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import msgspec
 
-from atombatch.config import PRESETS, ArtifactConfig
-from atombatch.engine import Batcher
+from atombatch.api.structs import Completion, SamplingParams
+from atombatch.artifact.config import PRESETS, ArtifactConfig
+from atombatch.engine.batcher import Batcher
 from atombatch.runtime.sim import SimRuntime
-from atombatch.structs import Completion, SamplingParams
 
 VICTIMS, VICTIM_TOKENS = 2, 400
 BURST, BURST_PROMPT, BURST_TOKENS = 8, 2000, 16

@@ -42,11 +42,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from atombatch.api.structs import SamplingParams
+from atombatch.api.structured import StructuredOutput
 from atombatch.bench import provenance
-from atombatch.grammar import Grammars, RequestGrammar, apply_bitmask
-from atombatch.sampling import RequestSampler, sample_rows
-from atombatch.structs import SamplingParams
-from atombatch.structured import StructuredOutput
+from atombatch.sampling.grammar import Grammars, RequestGrammar, apply_bitmask
+from atombatch.sampling.sampler import RequestSampler, sample_rows
 
 SCHEMA = {"type": "object", "additionalProperties": False,
           "required": ["name", "city", "age", "tags", "kind"],
@@ -103,7 +103,7 @@ def synthetic_tokenizer(vocab: int, seed: int = 0) -> Any:
 
 def _sim_decode_ms(batch: int) -> float:
     try:
-        from atombatch.config import ArtifactConfig, ModelSpec
+        from atombatch.artifact.config import ArtifactConfig, ModelSpec
         from atombatch.runtime.sim import CostModel
         spec = ModelSpec.preset("qwen3-4b")
         art = ArtifactConfig(model=spec, batch_size=batch, max_seq_len=4096, block_size=4096,

@@ -27,10 +27,10 @@ from typing import Any
 
 import msgspec
 
+from atombatch.api.reports import ProducerState
+from atombatch.api.structs import SamplingParams
 from atombatch.errors import CapacityError, KVTransferError
 from atombatch.pd import ZmqSource
-from atombatch.reports import ProducerState
-from atombatch.structs import SamplingParams
 
 __all__ = ["ProducerPool", "ProducerState"]
 

@@ -2,11 +2,11 @@
 
 Theory of operation
 -------------------
-A replica's prefix cache (atombatch/prefix.py) keeps the KV of the sequences it served, so a
+A replica's prefix cache (atombatch/kernel/prefix.py) keeps the KV of the sequences it served, so a
 request whose leading tokens another request already brought to a replica skips that part of its
 prefill there and nowhere else. The router therefore remembers where it sent which prefixes: a
 prompt is cut into `route_block` tokens at a time and each full block gets the chained digest the
-prefix cache uses (`atombatch.prefix.chain_digest`: a digest covers every token before it), so a
+prefix cache uses (`atombatch.kernel.prefix.chain_digest`: a digest covers every token before it), so a
 matching run of leading digests is a shared prefix of that many blocks, whatever the replicas'
 own block sizes. The table maps digest -> replicas that were sent it, bounded in entries (LRU).
 
@@ -55,9 +55,9 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from atombatch import prefix
 from atombatch.cluster.summary import CacheSummary, _positions
 from atombatch.errors import CapacityError, ConfigError
+from atombatch.kernel import prefix
 
 DEFAULT_ROUTE_BLOCK = 64
 DEFAULT_MAX_BLOCKS = 64

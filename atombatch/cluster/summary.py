@@ -1,6 +1,6 @@
 """What a replica's prefix cache holds, as a bounded summary the router can read.
 
-A replica's prefix cache (atombatch/prefix.py) indexes its blocks by digests with a random seed
+A replica's prefix cache (atombatch/kernel/prefix.py) indexes its blocks by digests with a random seed
 and its own block size, so the router cannot compare them with a prompt. The replica therefore
 re-expresses what it holds in the router's terms: for every cached chain of blocks (device index
 and host cache), the routing digests (`atombatch.cluster.route_digests`: `route_block` tokens per
@@ -30,9 +30,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from atombatch import prefix
-from atombatch.errors import ConfigError
-from atombatch.reports import (
+from atombatch.api.reports import (
     BITS_PER_DIGEST,
     DEFAULT_HASHES,
     DEFAULT_SUMMARY_BITS,
@@ -41,6 +39,8 @@ from atombatch.reports import (
     _positions,
     check_summary_size,
 )
+from atombatch.errors import ConfigError
+from atombatch.kernel import prefix
 
 __all__ = ["BITS_PER_DIGEST", "DEFAULT_HASHES", "DEFAULT_SUMMARY_BITS", "MAX_SUMMARY_BITS",
            "CacheSummarizer", "CacheSummary", "_positions", "check_summary_size"]

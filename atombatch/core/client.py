@@ -37,8 +37,10 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from atombatch.aio import DEFAULT_MAX_UNCLAIMED, DEFAULT_MAX_UNCLAIMED_BYTES, OutputStreams
-from atombatch.config import DEFAULT_CORE_HANG_TIMEOUT, ArtifactConfig
+from atombatch.api.options import DEFAULT_CORE_HANG_TIMEOUT
+from atombatch.api.structs import RequestOutput, SamplingParams
+from atombatch.api.validation import queue_limit, validate_request
+from atombatch.artifact.config import ArtifactConfig
 from atombatch.core.messages import (
     Abort,
     Consumed,
@@ -62,11 +64,10 @@ from atombatch.core.shared import (
     SharedCore,
     endpoints,
 )
-from atombatch.engine import Batcher, EngineStats, KVSource
+from atombatch.engine.aio import DEFAULT_MAX_UNCLAIMED, DEFAULT_MAX_UNCLAIMED_BYTES, OutputStreams
+from atombatch.engine.batcher import Batcher, EngineStats, KVSource
 from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
 from atombatch.logs import logger
-from atombatch.structs import RequestOutput, SamplingParams
-from atombatch.validation import queue_limit, validate_request
 
 log = logger("atombatch.core")
 
@@ -606,7 +607,7 @@ class CoreClient(PDFront, OutputStreams):
                 for request_id, token in zip(step.ids, tokens, strict=True):
                     self._deliver(RequestOutput(request_id=request_id, new_token_ids=(token,),
                                                 finished=False))
-            else:  # a plain token travels as a bare int (atombatch/mailbox.py): no struct
+            else:  # a plain token travels as a bare int (atombatch/api/mailbox.py): no struct
                 get = queues.get
                 for request_id, token in zip(step.ids, tokens, strict=True):
                     box = get(request_id)

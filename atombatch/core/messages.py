@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import msgspec
 
-from atombatch.reports import CacheSummary, EngineStats, ProducerState
-from atombatch.structs import RequestOutput, SamplingParams
-from atombatch.validation import RequestRules
+from atombatch.api.reports import CacheSummary, EngineStats, ProducerState
+from atombatch.api.structs import RequestOutput, SamplingParams
+from atombatch.api.validation import RequestRules
 
 
 class Submit(msgspec.Struct, frozen=True, tag=True):

@@ -39,8 +39,9 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from atombatch.api.structs import SamplingParams
+from atombatch.artifact.config import ArtifactConfig
 from atombatch.cluster.pd_pool import ProducerPool, ProducerState
-from atombatch.config import ArtifactConfig
 from atombatch.core.messages import (
     PDStats,
     Producers,
@@ -53,11 +54,10 @@ from atombatch.core.messages import (
 )
 from atombatch.errors import AtomBatchError, ConfigError
 from atombatch.logs import logger
-from atombatch.structs import SamplingParams
 
 if TYPE_CHECKING:
     from atombatch.cluster.summary import CacheSummary
-    from atombatch.engine import Batcher, KVSource
+    from atombatch.engine.batcher import Batcher, KVSource
 
 log = logger("atombatch.core")
 

@@ -44,7 +44,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from atombatch.aio import fail_all
+from atombatch.api.structs import RequestOutput
 from atombatch.core.messages import (
     Abort,
     Consumed,
@@ -64,10 +64,10 @@ from atombatch.core.messages import (
 from atombatch.core.pd import CorePD, PDOptions
 from atombatch.core.routing import CoreSummaries
 from atombatch.core.shared import FRONT_STALL_SECONDS, STALL_WINDOW, endpoints, split_step
-from atombatch.engine import Batcher, log_events
+from atombatch.engine.aio import fail_all
+from atombatch.engine.batcher import Batcher, log_events
 from atombatch.errors import ConfigError
 from atombatch.logs import logger
-from atombatch.structs import RequestOutput
 
 log = logger("atombatch.core")
 

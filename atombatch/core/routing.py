@@ -17,7 +17,7 @@ from atombatch.errors import ConfigError
 from atombatch.logs import logger
 
 if TYPE_CHECKING:
-    from atombatch.engine import Batcher
+    from atombatch.engine.batcher import Batcher
 
 log = logger("atombatch.core")
 

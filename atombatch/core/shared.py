@@ -47,10 +47,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from atombatch.config import DEFAULT_FRONT_STALL_TIMEOUT
+from atombatch.api.options import DEFAULT_FRONT_STALL_TIMEOUT
+from atombatch.api.validation import queue_limit
 from atombatch.core.messages import Step
 from atombatch.errors import ConfigError
-from atombatch.validation import queue_limit
 
 HELLO_INTERVAL = 0.2   # seconds between a front's Hellos until the core answers
 ACK_EVERY = 32         # core messages a front reads between two `Consumed`...

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from atombatch.config import ArtifactConfig
+from atombatch.artifact.config import ArtifactConfig
 from atombatch.errors import RequestError
 from atombatch.pd.wire import (
     WIRE_DTYPES,

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from atombatch.config import ArtifactConfig
+from atombatch.api.structs import SamplingParams
+from atombatch.artifact.config import ArtifactConfig
 from atombatch.errors import RequestError
 from atombatch.pd.wire import (
     MODES,
@@ -20,8 +21,7 @@ from atombatch.pd.wire import (
     expected_layer_tokens,
     model_identity,
 )
-from atombatch.sampling import sample
-from atombatch.structs import SamplingParams
+from atombatch.sampling.sampler import sample
 
 
 class Producer:
@@ -32,7 +32,7 @@ class Producer:
     """
 
     def __init__(self, runtime: Any, *, dtype: str = "float32") -> None:
-        from atombatch.blocks import PrefillInputs
+        from atombatch.kernel.blocks import PrefillInputs
 
         if dtype not in WIRE_DTYPES:
             raise RequestError(f"dtype={dtype!r} is not one of {sorted(WIRE_DTYPES)}")

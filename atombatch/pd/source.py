@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from atombatch.api.structs import SamplingParams
 from atombatch.errors import KVTransferError, RequestError
 from atombatch.pd.wire import MODES, KVHeader, LayerKV, Mode, check_header, clip
-from atombatch.structs import SamplingParams
 
 if TYPE_CHECKING:
     from atombatch.pd.producer import Producer
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 class KVSource(Protocol):
     """Where the decoder gets one request's KV from; the engine polls it once per step (the one
-    declaration: `atombatch.KVSource`, `atombatch.engine.KVSource` and the engine's PD intake are
+    declaration: `atombatch.KVSource`, `atombatch.engine.batcher.KVSource` and the engine's PD intake are
     this class).
 
     A source may also have `expect(artifact, prompt, require_full)`: `Batcher.submit` calls it so

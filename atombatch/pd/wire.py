@@ -25,9 +25,9 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from atombatch.config import SLIDING, ArtifactConfig, ModelSpec
+from atombatch.api.structs import SamplingParams
+from atombatch.artifact.config import SLIDING, ArtifactConfig, ModelSpec
 from atombatch.errors import KVTransferError, RequestError
-from atombatch.structs import SamplingParams
 
 Mode = Literal["whole", "layer-stream"]
 MODES = ("whole", "layer-stream")

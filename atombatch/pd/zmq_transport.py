@@ -28,7 +28,8 @@ from typing import Any
 
 import msgspec
 
-from atombatch.config import ArtifactConfig
+from atombatch.api.structs import SamplingParams
+from atombatch.artifact.config import ArtifactConfig
 from atombatch.errors import KVTransferError, RequestError
 from atombatch.logs import logger
 from atombatch.pd.checks import validate_header
@@ -59,7 +60,6 @@ from atombatch.pd.wire import (
     max_request_frame_bytes,
     request_decoder,
 )
-from atombatch.structs import SamplingParams
 
 log = logger("atombatch.pd")
 

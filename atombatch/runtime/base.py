@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from atombatch.config import ArtifactConfig
+from atombatch.artifact.config import ArtifactConfig
 from atombatch.errors import StateError
 
 
@@ -23,7 +23,7 @@ def check_decode_rows(rows: int, decoder_batch_sizes: Sequence[int]) -> None:
 
 
 class PrefillArrays(Protocol):
-    """What a prefill call reads (built in place by `atombatch.blocks.PrefillInputs`)."""
+    """What a prefill call reads (built in place by `atombatch.kernel.blocks.PrefillInputs`)."""
 
     input_ids: npt.NDArray[np.int64]            # [1, Q]
     cache_position: npt.NDArray[np.int32]       # [1, Q] absolute positions, padding continues
@@ -33,7 +33,7 @@ class PrefillArrays(Protocol):
 
 
 class DecodeArrays(Protocol):
-    """What a decode call reads (built in place by `atombatch.blocks.DecodeInputs`)."""
+    """What a decode call reads (built in place by `atombatch.kernel.blocks.DecodeInputs`)."""
 
     input_ids: npt.NDArray[np.int64]            # [B, 1]
     cache_position: npt.NDArray[np.int32]       # [B, 1]

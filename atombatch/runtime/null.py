@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from atombatch.config import ArtifactConfig
+from atombatch.artifact.config import ArtifactConfig
 from atombatch.errors import ConfigError, StateError
 from atombatch.runtime.base import DecodeArrays, PrefillArrays, check_decode_rows
 

@@ -41,7 +41,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from atombatch.config import SLIDING, ArtifactConfig, ModelSpec
+from atombatch.artifact.config import SLIDING, ArtifactConfig, ModelSpec
 from atombatch.errors import ConfigError, StateError
 from atombatch.runtime.base import DecodeArrays, PrefillArrays, check_decode_rows
 

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-`RebelRuntime.from_optimum(model_dir)` reads the directory with `atombatch.rbln_config.load`
+`RebelRuntime.from_optimum(model_dir)` reads the directory with `atombatch.artifact.rbln_config.load`
 (shapes, decode buckets, and each graph's positional input list, from `rbln_config.json` or derived
 as optimum-rbln's `get_input_info` does) and opens one `rebel.Runtime` per graph: `prefill.rbln`
 and every `decoder_batch_{b}.rbln`. The KV caches live on the device and are shared by all graphs.
@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from atombatch.config import ModelSpec
+from atombatch.artifact.config import ModelSpec
+from atombatch.artifact.rbln_config import CompiledGraph, OptimumArtifact, load
 from atombatch.errors import ConfigError, StateError
-from atombatch.rbln_config import CompiledGraph, OptimumArtifact, load
 from atombatch.runtime.base import DecodeArrays, PrefillArrays, check_decode_rows
 
 INSTALL_HINT = ("rebel-sdk is not installed: its `rebel` module is the distribution rebel-compiler "
@@ -173,7 +173,7 @@ class RebelRuntime:
     """Runs an optimum-rbln compiled directory's graphs with the tables atombatch builds.
 
     Args:
-        compiled: the directory as `atombatch.rbln_config.load` read it.
+        compiled: the directory as `atombatch.artifact.rbln_config.load` read it.
         device: ATOM device index (or a list of indices for tensor parallel).
     Attributes:
         artifact: shapes derived from `rbln_config.json`.

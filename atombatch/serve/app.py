@@ -47,14 +47,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from atombatch.aio import AsyncBatcher, compact_outputs
+from atombatch.api.mailbox import Mailbox, as_outputs
+from atombatch.api.structs import RequestOutput, SamplingParams, TokenLogprobs
+from atombatch.api.validation import queue_limit
 from atombatch.core import CoreClient
-from atombatch.detokenizer import bad_word_ids
-from atombatch.engine import Batcher
+from atombatch.engine.aio import AsyncBatcher, compact_outputs
+from atombatch.engine.batcher import Batcher
 from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
-from atombatch.grammar_check import GRAMMAR_WALL_SECONDS
 from atombatch.logs import logger
-from atombatch.mailbox import Mailbox, as_outputs
+from atombatch.sampling.detokenizer import bad_word_ids
+from atombatch.sampling.grammar_check import GRAMMAR_WALL_SECONDS
 from atombatch.serve import schema, vllm_api
 from atombatch.serve.api_error import ApiError
 from atombatch.serve.auth import BearerAuth
@@ -102,8 +104,6 @@ from atombatch.serve.sse import SSE_DONE, App, DirectWriter, PlainChunk, SSEResp
 from atombatch.serve.structured import DEFAULT_MAX_STRUCTURED_CHARS, StructuredRequests
 from atombatch.serve.tokens import Codec, Decoder, HFCodec, IdCodec
 from atombatch.serve.tools import TOOL_PARSER_NAMES, NoToolParser, ToolCallError, ToolPlan
-from atombatch.structs import RequestOutput, SamplingParams, TokenLogprobs
-from atombatch.validation import queue_limit
 
 T = TypeVar("T")
 log = logger("atombatch.serve")
@@ -512,7 +512,7 @@ class _Server:
     def check_samplable(self, params: SamplingParams) -> None:
         """Refuse `allowed_token_ids` that `bad_words` ban entirely (single-token words are
         banned at every step): the sampler would find nothing to sample and fail mid-stream.
-        (`validation.py` refuses the same with stop ids under `min_tokens`.)"""
+        (`api/validation.py` refuses the same with stop ids under `min_tokens`.)"""
         allowed, words = params.allowed_token_ids, params.bad_words
         if allowed is None or not words or not isinstance(self.codec, HFCodec):
             return
@@ -1466,7 +1466,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
             (atombatch/serve/tools.py); None: auto answers 400.
         reasoning_parser: `qwen3`: split `<think>...</think>` into `reasoning_content`.
         grammar_check: `module:function` the grammar workers check constraints with instead of
-            `atombatch.grammar_check.check_in_worker` (fault-injection tests).
+            `atombatch.sampling.grammar_check.check_in_worker` (fault-injection tests).
         grammar_wall_seconds: a constraint check's wall-time budget (its CPU-time budget is
             `grammar_check.GRAMMAR_SECONDS`).
         enable_prompt_tokens_details: a final `usage` carries `prompt_tokens_details`

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from atombatch.api.structs import SamplingParams
 from atombatch.errors import RequestError
 from atombatch.serve.protocol import (
     ChatDelta,
@@ -25,7 +26,6 @@ from atombatch.serve.protocol import (
 )
 from atombatch.serve.reasoning import make_reasoning_parser, reasoning_end_ids
 from atombatch.serve.tools import CallDelta, Delta, ToolParser, ToolPlan
-from atombatch.structs import SamplingParams
 
 if TYPE_CHECKING:
     from atombatch.serve.structured import StructuredRequests

@@ -40,18 +40,16 @@ from pathlib import Path
 from typing import Any
 
 from atombatch import logs
-from atombatch.config import (
+from atombatch.api.options import (
     DEFAULT_CORE_HANG_TIMEOUT,
     DEFAULT_FRONT_STALL_TIMEOUT,
-    PRESETS,
-    ArtifactConfig,
     EngineOptions,
-    ModelSpec,
+    LogprobsMode,
 )
-from atombatch.engine import Batcher, prefix_cache_refusal
+from atombatch.artifact.config import PRESETS, ArtifactConfig, ModelSpec
+from atombatch.engine.batcher import Batcher, prefix_cache_refusal
+from atombatch.engine.scheduler import POLICY_KINDS, Policy
 from atombatch.errors import ConfigError
-from atombatch.sampling import LogprobsMode
-from atombatch.scheduler import POLICY_KINDS, Policy
 from atombatch.serve import schema, vllm_flags
 from atombatch.serve.chat_template import template_from_argument
 from atombatch.serve.limits import DEFAULT_MAX_RESPONSE_BYTES, ServerLimits
@@ -681,7 +679,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
             name = args.served_model_name or ready.rules.artifact.model.name
             art, policy = ready.rules.artifact, ready.policy
         else:
-            from atombatch.aio import AsyncBatcher
+            from atombatch.engine.aio import AsyncBatcher
 
             if args.pd_producer:
                 raise ConfigError("--pd-producer needs --engine-core process (the engine core "

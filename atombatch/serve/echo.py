@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from atombatch.api.structs import TokenLogprobs
 from atombatch.errors import RequestError
 from atombatch.serve.protocol import CompletionLogprobs, CompletionRequest
-from atombatch.structs import TokenLogprobs
 
 # -inf as OpenAI and vLLM send it (JSON has no infinity)
 MIN_LOGPROB = -9999.0

@@ -45,7 +45,7 @@ from atombatch.core.messages import Failed, Ready, core_decoder
 from atombatch.core.pd import PDOptions
 from atombatch.core.process import SOCKET_DIR_PREFIX, run_shared_core
 from atombatch.core.shared import SharedCore
-from atombatch.engine import Batcher
+from atombatch.engine.batcher import Batcher
 from atombatch.errors import ConfigError
 
 MAX_FRONTS = 256          # --api-server-count at most (each front is a process and a pair of sockets)

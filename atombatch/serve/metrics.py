@@ -56,8 +56,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from atombatch.config import ArtifactConfig
-from atombatch.engine import EngineStats
+from atombatch.artifact.config import ArtifactConfig
+from atombatch.engine.batcher import EngineStats
 from atombatch.logs import logger
 from atombatch.serve.metrics_merge import exposition, sum_metrics
 from atombatch.serve.vllm_metrics import VllmEngineFamilies, VllmRequestMetrics

@@ -41,6 +41,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from atombatch.api.structs import SamplingParams
 from atombatch.errors import RequestError
 from atombatch.serve.api_error import ApiError
 from atombatch.serve.chat_output import ChatOutput, Piece
@@ -49,7 +50,6 @@ from atombatch.serve.protocol import ChatCompletionRequest
 from atombatch.serve.reasoning import Qwen3ReasoningParser
 from atombatch.serve.sse import SSEResponse
 from atombatch.serve.tools import MAX_TOOLS, ToolCallError, ToolPlan
-from atombatch.structs import SamplingParams
 
 MAX_INPUT_ITEMS = 1024               # items in one request's `input`
 MAX_INCLUDE = 16                     # entries of `include`

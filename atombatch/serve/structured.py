@@ -16,7 +16,7 @@ At most one of them may constrain a request. The front checks the constraint bef
 reaches the engine: its size (`max_chars`, 400 naming the field and the limit) and a JSON
 schema's nesting (`structured.MAX_SCHEMA_DEPTH`) on the event loop, before anything parses it;
 then its lowering and compile against the model's tokenizer in a grammar worker process
-(atombatch/grammar_check.py: a grammar that overflows the compiler's stack, exhausts its memory
+(atombatch/sampling/grammar_check.py: a grammar that overflows the compiler's stack, exhausts its memory
 or outlasts its time budget kills that worker and is a 400 naming the budget; the server runs
 on). The checked constraint carries its lowered grammar to the engine, which only compiles it,
 on its compile thread. Checks are remembered (`grammar_check.CHECKED_COUNT`), so a client that
@@ -32,10 +32,10 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from atombatch.api.structured import StructuredOutput
 from atombatch.errors import CapacityError, ConfigError, RequestError
-from atombatch.grammar_check import GRAMMAR_WALL_SECONDS, GrammarWorkers
 from atombatch.logs import logger
-from atombatch.structured import StructuredOutput
+from atombatch.sampling.grammar_check import GRAMMAR_WALL_SECONDS, GrammarWorkers
 
 DEFAULT_MAX_STRUCTURED_CHARS = 64 * 1024   # characters of one schema / regex / grammar / choices
 MAX_PENDING_CHECKS = 16                    # new constraints waiting for the grammar workers

@@ -12,7 +12,7 @@ without one, with the simple template
 
     <role>: <content>\\n   (one line per message)   then   assistant:
 
-Streamed text is decoded incrementally by `atombatch.detokenizer.Detokenizer`, the engine's own,
+Streamed text is decoded incrementally by `atombatch.sampling.detokenizer.Detokenizer`, the engine's own,
 from each request's params (`skip_special_tokens`, `spaces_between_special_tokens`, the stop id
 left out), so a request's text is made by one piece of code whichever engine core serves it; an
 incomplete UTF-8 sequence is held back until it completes.
@@ -27,15 +27,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from atombatch.detokenizer import Detokenizer
+from atombatch.api.structs import SamplingParams
 from atombatch.errors import ConfigError, RequestError
+from atombatch.sampling.detokenizer import Detokenizer
 from atombatch.serve.chat_template import (
     ChatTemplate,
     load_chat_template,
     read_json,
     special_tokens_of,
 )
-from atombatch.structs import SamplingParams
 
 # A token id is written with at most this many digits (ids are int32 on the device). A longer
 # digit run is refused before it reaches `int()`, so a hostile prompt costs linear time only.
@@ -235,7 +235,7 @@ class HFCodec:
     def decoder(self, prompt: Sequence[int] = (),
                 params: SamplingParams = _DEFAULT_PARAMS) -> Detokenizer:
         """The text of one choice, made from its request's own params by the engine's
-        `Detokenizer` (atombatch/detokenizer.py: the one maker of a request's text in every
+        `Detokenizer` (atombatch/sampling/detokenizer.py: the one maker of a request's text in every
         engine-core mode), primed with the end of `prompt`."""
         return Detokenizer(self.tokenizer, prompt, params)
 

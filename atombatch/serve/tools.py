@@ -7,7 +7,7 @@ model's chat template (transformers' `tools=` argument). `tool_choice` decides w
 - `auto` (the default when tools are given): the model writes text and/or calls in its own format,
   which the server's tool-call parser (`--tool-call-parser`) turns into `tool_calls`; without a
   parser, a 400 naming `tool_choice`;
-- `required`: the output is constrained (a JSON schema, atombatch/structured.py) to a JSON array of
+- `required`: the output is constrained (a JSON schema, atombatch/api/structured.py) to a JSON array of
   one or more `{"name": <a tool>, "parameters": <its parameters>}` objects, as vLLM does; each
   becomes a call (no parser needed);
 - named (`{"type": "function", "function": {"name": N}}`): the output is constrained to N's
@@ -47,8 +47,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from atombatch.api.structured import StructuredOutput
 from atombatch.errors import RequestError
-from atombatch.structured import StructuredOutput
 
 TOOL_PARSER_NAMES = ("hermes", "llama3_json")
 

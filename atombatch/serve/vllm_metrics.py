@@ -25,10 +25,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from atombatch.config import ArtifactConfig
-from atombatch.engine import EngineStats
-from atombatch.request import ITERATION_TOKEN_BUCKETS
-from atombatch.structs import Completion
+from atombatch.api.structs import Completion
+from atombatch.artifact.config import ArtifactConfig
+from atombatch.engine.batcher import EngineStats
+from atombatch.engine.request import ITERATION_TOKEN_BUCKETS
 
 LABELS = ("model_name", "engine")
 ENGINE = "0"   # vLLM's engine index: one engine core per server (no data parallelism)

@@ -89,7 +89,7 @@ def test_ragged_and_nested_prompts_are_request_errors() -> None:
 
 
 def test_the_default_queue_is_bounded() -> None:
-    from atombatch.engine import DEFAULT_MAX_WAITING
+    from atombatch.engine.batcher import DEFAULT_MAX_WAITING
 
     batcher = Batcher(SimRuntime(ART))
     assert batcher.max_waiting == DEFAULT_MAX_WAITING
@@ -134,7 +134,7 @@ async def test_unclaimed_outputs_are_compacted_and_bounded() -> None:
 async def test_unclaimed_results_are_bounded_by_bytes_too() -> None:
     """Issue 18 item 7: unclaimed results were bounded by count only, and one with prompt
     logprobs weighs megabytes (1.48 MiB each on 21fd0af's server)."""
-    from atombatch.aio import output_bytes
+    from atombatch.engine.aio import output_bytes
 
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=5,
                             prompt_logprobs=5)

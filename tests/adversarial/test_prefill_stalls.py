@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from atombatch import ArtifactConfig, Batcher
+from atombatch.api.policy import DEFAULT_POLICY, Policy
+from atombatch.artifact.config import PRESETS
 from atombatch.bench.stalls import measure, run_to_end, start_burst
-from atombatch.config import PRESETS
-from atombatch.policy import DEFAULT_POLICY, Policy
 from atombatch.runtime.sim import SimRuntime
 
 

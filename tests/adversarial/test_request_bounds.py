@@ -287,8 +287,8 @@ def test_many_stop_ids_cost_the_stop_rule_no_more_than_one() -> None:
 
     import numpy as np
 
-    from atombatch.request import Request, check_stop
-    from atombatch.structs import SamplingParams
+    from atombatch.api.structs import SamplingParams
+    from atombatch.engine.request import Request, check_stop
 
     def request(stops: list[int]) -> Request:
         params = SamplingParams(max_tokens=100, stop_token_ids=stops, ignore_eos=True)

@@ -68,10 +68,10 @@ def test_cli_sizes_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_paced_simulator_sleeps_its_device_time_and_serves_from_the_cli() -> None:
+    from atombatch.api.structs import SamplingParams
     from atombatch.errors import ConfigError
     from atombatch.runtime.sim import SimRuntime
     from atombatch.serve.cli import build_engine, parser
-    from atombatch.structs import SamplingParams
 
     flags = ["--runtime", "sim", "--model", "qwen3-0.6b", "--batch-size", "2", "--max-seq-len",
              "512", "--block-size", "64", "--num-blocks", "12", "--prefill-chunk-size", "64",

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import atombatch._blocks as c_impl
+import atombatch.kernel._blocks as c_impl
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import atombatch._blocks_py as py_impl
+import atombatch.kernel._blocks_py as py_impl
 from atombatch.errors import StateError
 
 IMPLS = [pytest.param(c_impl, id="c"), pytest.param(py_impl, id="py")]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from atombatch import _blocks as C
-from atombatch import _blocks_py as P
 from atombatch.errors import StateError
+from atombatch.kernel import _blocks as C
+from atombatch.kernel import _blocks_py as P
 
 IMPLS = (C, P)
 

@@ -47,7 +47,7 @@ def test_constants_and_implementation(impl: ModuleType) -> None:
     assert (impl.LANE_IDLE, impl.LANE_PREFILLING, impl.LANE_DECODING) == (0, 1, 2)
     assert impl.LANE_STATE_NAMES == ("IDLE", "PREFILLING", "DECODING")
     assert impl.MAX_TABLE_BLOCK == 32767
-    expected = "c" if impl.__name__ == "atombatch._blocks" else "py"
+    expected = "c" if impl.__name__ == "atombatch.kernel._blocks" else "py"
     assert expected == impl.IMPLEMENTATION
 
 
@@ -763,11 +763,11 @@ def test_environment_switch_picks_the_implementation(no_extensions: str | None,
     env = {k: v for k, v in os.environ.items() if k != "ATOMBATCH_NO_EXTENSIONS"}
     if no_extensions is not None:
         env["ATOMBATCH_NO_EXTENSIONS"] = no_extensions
-    code = ("import atombatch.blocks as b; "
+    code = ("import atombatch.kernel.blocks as b; "
             "print(b.IMPLEMENTATION, b.BlockPool.__module__, b.NO_EXTENSIONS)")
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True,
                          text=True, cwd=REPO_ROOT).stdout.split()
-    module = "atombatch._blocks_py" if expected == "py" else "atombatch._blocks"
+    module = "atombatch.kernel._blocks_py" if expected == "py" else "atombatch.kernel._blocks"
     assert out == [expected, module, str(no_extensions is not None)]
 
 

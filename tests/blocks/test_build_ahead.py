@@ -1,4 +1,4 @@
-"""The kernel's half of the decode pipeline (atombatch/overlap.py): `grow(ahead=1)` and
+"""The kernel's half of the decode pipeline (atombatch/engine/pipeline.py): `grow(ahead=1)` and
 `build_ahead` build the step after the one on the device before its tokens exist; the device
 thread then writes those tokens in with `gather_tokens` and keeps each row's picked logit with
 `picked_logits` (the landing's `pick_values` checks it).
@@ -14,14 +14,14 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
-import atombatch._blocks as c_impl
+import atombatch.kernel._blocks as c_impl
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.twins import LANE_ARRAYS, Twin, admit_lane, assert_same_arrays, twin
 
-import atombatch._blocks_py as py_impl
+import atombatch.kernel._blocks_py as py_impl
 from atombatch.errors import StateError
 
 LANE, DECODING = py_impl.LANE, py_impl.LANE_DECODING

@@ -1,4 +1,4 @@
-"""`StepKernel.build_ahead` with sliding slots (a hybrid model, atombatch/overlap.py): the decode
+"""`StepKernel.build_ahead` with sliding slots (a hybrid model, atombatch/engine/pipeline.py): the decode
 step built after a prefill chunk planned ahead runs right after that chunk, so none of its padding
 rows may name the sliding slot of a lane that prefills (a padding row writes its slot at
 position 0, into the window the chunk just built). Random lane states through the compiled core
@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from array import array
 
-import atombatch._blocks as c_impl
+import atombatch.kernel._blocks as c_impl
 import numpy as np
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from support.twins import Twin, admit_lane, twin
 
-import atombatch._blocks_py as py_impl
+import atombatch.kernel._blocks_py as py_impl
 
 PREFILLING = py_impl.LANE_PREFILLING
 INPUTS = ("input_ids", "cache_position", "block_tables", "local_block_tables", "row_lanes")

@@ -22,17 +22,17 @@ import tracemalloc
 from array import array
 from typing import Any
 
-import atombatch._blocks as c_impl
+import atombatch.kernel._blocks as c_impl
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.kernel_review import artifact, check_kernel_bindings, drive, spec
 
-import atombatch._blocks_py as py_impl
+import atombatch.kernel._blocks_py as py_impl
 from atombatch import ArtifactConfig, Batcher, SamplingParams
+from atombatch.engine.request import RequestState
 from atombatch.errors import RequestError, StateError
-from atombatch.request import RequestState
 from atombatch.runtime import NumpyRuntime
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -369,7 +369,7 @@ def test_a_non_finite_row_and_a_sampler_failure_fail_only_their_requests() -> No
     batcher.submit([3, 4], sampled, request_id="sampled")
     batcher.submit([5, 6], GREEDY, request_id="plain")
     decode_all(batcher, 3)
-    import atombatch.engine as engine_module
+    import atombatch.engine.batcher as engine_module
 
     real = engine_module.sample_rows
     calls = [0]
@@ -718,7 +718,7 @@ def test_the_scheduler_alone_stops_a_request_without_max_tokens_at_the_context_e
     max_seq_len, on the kernel's path and on the scheduler's own stop check (more than 16 stop
     ids, or the first token), instead of the step kernel raising CapacityError for a block past
     the row."""
-    from atombatch.scheduler import Request, Scheduler
+    from atombatch.engine.scheduler import Request, Scheduler
 
     art = artifact(spec(), 2, max_seq_len=32)
     scheduler = Scheduler(art)

@@ -14,14 +14,14 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
-import atombatch._blocks as c_impl
+import atombatch.kernel._blocks as c_impl
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.twins import LANE_ARRAYS, Twin, assert_same_arrays, twin
 
-import atombatch._blocks_py as py_impl
+import atombatch.kernel._blocks_py as py_impl
 from atombatch.errors import StateError
 
 LANE, DECODING = py_impl.LANE, py_impl.LANE_DECODING

@@ -1,4 +1,4 @@
-"""The one stop rule and the one output limit (atombatch/request.py): the decode-step kernel's
+"""The one stop rule and the one output limit (atombatch/engine/request.py): the decode-step kernel's
 decisions, compiled and twin, equal `check_stop` over random requests; the limit is resolved once."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import random
 from array import array
 from typing import Any
 
-import atombatch._blocks as c_impl
+import atombatch.kernel._blocks as c_impl
 import numpy as np
 import pytest
 
-import atombatch._blocks_py as py_impl
-from atombatch.blocks import LANE, ROW_CHECK, ROW_LENGTH, ROW_OK, ROW_STOP
-from atombatch.request import Request, check_stop, output_limit, stop_ids
-from atombatch.structs import SamplingParams
+import atombatch.kernel._blocks_py as py_impl
+from atombatch.api.structs import SamplingParams
+from atombatch.engine.request import Request, check_stop, output_limit, stop_ids
+from atombatch.kernel.blocks import LANE, ROW_CHECK, ROW_LENGTH, ROW_OK, ROW_STOP
 
 VOCAB = 12
 DECISION = {ROW_OK: None, ROW_STOP: "stop", ROW_LENGTH: "length"}

@@ -25,11 +25,11 @@ import pytest
 ray = pytest.importorskip("ray", reason="the ray extra is part of the test extra")
 from ray import serve  # noqa: E402
 
+from atombatch.api.structs import SamplingParams  # noqa: E402
 from atombatch.cluster import route_digests  # noqa: E402
 from atombatch.errors import ConfigError  # noqa: E402
 from atombatch.serve.cli import build_engine, parser  # noqa: E402
 from atombatch.serve.ray import board, build_app  # noqa: E402
-from atombatch.structs import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams, prefix
+from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
 from atombatch.cluster import (
     LoadOnlyPolicy,
     OtherRouters,
@@ -18,6 +18,7 @@ from atombatch.cluster import (
 )
 from atombatch.cluster.summary import CacheSummarizer, CacheSummary
 from atombatch.errors import CapacityError, ConfigError
+from atombatch.kernel import prefix
 from atombatch.runtime.sim import SimRuntime
 
 

@@ -11,15 +11,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from atombatch.config import (
+from atombatch.artifact.config import (
     FULL,
     SLIDING,
     ArtifactConfig,
     ModelSpec,
     RopeScaling,
 )
+from atombatch.artifact.plan import check_serving
 from atombatch.errors import ConfigError
-from atombatch.plan import check_serving
 
 REPO = Path(__file__).resolve().parents[2]
 CTX = 9216
@@ -251,7 +251,7 @@ def test_preset_lookup_ignores_case() -> None:
 # -- identity -----------------------------------------------------------------------------------
 
 IDENTITY_SNIPPET = """
-from atombatch.config import ArtifactConfig, ModelSpec
+from atombatch.artifact.config import ArtifactConfig, ModelSpec
 for name, b, k, tp in [("koni-8b", 1, 1, 1), ("koni-8b", 4, 5, 1), ("gemma3-1b", 4, 5, 2)]:
     art = ArtifactConfig(model=ModelSpec.preset(name), batch_size=b, max_seq_len=9216,
                          block_size=9216, num_blocks=k, tensor_parallel=tp)

@@ -8,9 +8,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from atombatch import plan
+from atombatch.artifact import plan
+from atombatch.artifact.config import ArtifactConfig, ModelSpec
 from atombatch.bench import fit as fit_cli
-from atombatch.config import ArtifactConfig, ModelSpec
 from atombatch.errors import ConfigError
 
 CTX = 9216

@@ -11,7 +11,7 @@ from fakerebel.compiler import compile_dir
 from support.hf_models import save_checkpoint
 
 from atombatch import ConfigError, ModelSpec
-from atombatch.rbln_config import GraphInput, derive_inputs, load, load_artifact
+from atombatch.artifact.rbln_config import GraphInput, derive_inputs, load, load_artifact
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,11 @@ import zmq
 from support.engines import numpy_batcher
 
 from atombatch import SamplingParams
+from atombatch.api.structs import RequestOutput
 from atombatch.core import CoreClient
 from atombatch.core.client import READ_BATCH
 from atombatch.core.messages import Step, Stopped, core_encoder
 from atombatch.errors import UnavailableError
-from atombatch.structs import RequestOutput
 
 
 class _ExitedProcess:

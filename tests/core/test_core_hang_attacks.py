@@ -17,9 +17,9 @@ from support.served import running
 from support.structured import batcher as structured_batcher
 
 from atombatch import SamplingParams
+from atombatch.api.structured import StructuredOutput
 from atombatch.core import CoreClient
 from atombatch.errors import CapacityError, ConfigError, UnavailableError
-from atombatch.structured import StructuredOutput
 
 HANG = 1.0
 SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

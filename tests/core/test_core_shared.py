@@ -23,6 +23,7 @@ from support.engines import ART, numpy_batcher
 from support.engines import submit_message as submit
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
+from atombatch.api.structs import RequestOutput
 from atombatch.core.messages import (
     Abort,
     Consumed,
@@ -43,9 +44,8 @@ from atombatch.core.shared import (
     endpoints,
     split_step,
 )
-from atombatch.engine import EngineStats
+from atombatch.engine.batcher import EngineStats
 from atombatch.runtime.null import NullRuntime
-from atombatch.structs import RequestOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)  # (contexts of 128)

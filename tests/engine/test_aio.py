@@ -1,4 +1,4 @@
-"""atombatch/aio.py, `AsyncBatcher`: concurrent streams, client cancellation, lane/block release, B1
+"""atombatch/engine/aio.py, `AsyncBatcher`: concurrent streams, client cancellation, lane/block release, B1
 parity."""
 
 from __future__ import annotations

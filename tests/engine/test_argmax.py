@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from atombatch.argmax import RowArgmax, auto_threads
 from atombatch.errors import ConfigError
+from atombatch.sampling.argmax import RowArgmax, auto_threads
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])

@@ -21,8 +21,8 @@ from support.scheduling import (
 )
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
-from atombatch import blocks as blocks_module
 from atombatch.bench import serve as serve_bench
+from atombatch.kernel import blocks as blocks_module
 from atombatch.pd import InProcessSource
 from atombatch.runtime import NumpyRuntime
 

@@ -1,5 +1,5 @@
 """Issue 38: client constraints are lowered and compiled in worker processes
-(atombatch/grammar_check.py), never on the engine's loop thread, and a grammar that crashes,
+(atombatch/sampling/grammar_check.py), never on the engine's loop thread, and a grammar that crashes,
 hangs or hogs the grammar library costs one request a `GrammarBudgetError`, not the process.
 
 What failed on 4a5a9db: a Lark chain of ~4 500 rules (58 KB) segfaulted the server; a GBNF chain
@@ -23,9 +23,9 @@ from support.served import running
 from support.structured import SPEC, batcher, byte_tokenizer
 
 from atombatch import ConfigError, RequestError, SamplingParams, StructuredOutput
-from atombatch import grammar as grammar_module
-from atombatch.grammar_check import GrammarBudgetError, GrammarWorkers
-from atombatch.structured import MAX_SCHEMA_DEPTH, json_depth
+from atombatch.api.structured import MAX_SCHEMA_DEPTH, json_depth
+from atombatch.sampling import grammar as grammar_module
+from atombatch.sampling.grammar_check import GrammarBudgetError, GrammarWorkers
 
 PROMPT = [1, 40, 41, 42, 43]
 FAULTS = "support.grammar_faults:check"
@@ -228,7 +228,7 @@ def test_a_hang_meets_the_wall_budget() -> None:
 
 def test_one_off_constraints_cannot_push_out_the_ones_in_use(workers: GrammarWorkers,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from atombatch import grammar_check
+    from atombatch.sampling import grammar_check
 
     monkeypatch.setattr(grammar_check, "CHECKED_COUNT", 8)
     used = StructuredOutput.regex("[0-9]{2}-churn")
@@ -267,7 +267,7 @@ def test_a_worker_whose_front_is_killed_exits(tmp_path: Any) -> None:
         "import os, sys, threading, time\n"
         "from support.structured import SPEC, byte_tokenizer\n"
         "from atombatch import grammar_check\n"
-        "from atombatch.structured import StructuredOutput\n"
+        "from atombatch.api.structured import StructuredOutput\n"
         "if __name__ == '__main__':\n"
         "    w = grammar_check.GrammarWorkers(byte_tokenizer(), SPEC.vocab_size,\n"
         f"        SPEC.eos_token_ids, target={FAULTS!r})\n"

@@ -1,4 +1,4 @@
-"""The KV manager's block ownership (atombatch/kv_manager.py) on the paths where it is easiest
+"""The KV manager's block ownership (atombatch/engine/kv_manager.py) on the paths where it is easiest
 to get wrong: staging and its spares, prefix-shared blocks under abort and preemption, sliding
 windows of preempted hybrid lanes, PD imports aborted or failing midway, host-cache saves and
 restores into the same block, padding targets of an oversubscribed pool.
@@ -19,9 +19,9 @@ from support.driving import run_to_end
 from support.ledger import LedgerRuntime, ledger_spec, reference
 
 from atombatch import ArtifactConfig, AsyncBatcher, Batcher, ModelSpec, RequestError, SamplingParams
+from atombatch.engine.scheduler import RequestState
 from atombatch.pd import InProcessSource, Producer
 from atombatch.runtime import NumpyRuntime
-from atombatch.scheduler import RequestState
 
 S = RequestState
 

@@ -28,7 +28,7 @@ from atombatch import (
     SamplingParams,
 )
 from atombatch.runtime import NumpyRuntime, RebelRuntime, SimRuntime
-from atombatch.sampling import PromptLogprobs
+from atombatch.sampling.sampler import PromptLogprobs
 
 pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
 

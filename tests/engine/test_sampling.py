@@ -30,9 +30,9 @@ from transformers.generation.logits_process import (
 )
 
 from atombatch import ArtifactConfig, Batcher, RequestError, SamplingParams
-from atombatch.detokenizer import Detokenizer
 from atombatch.runtime import NumpyRuntime
-from atombatch.sampling import RequestSampler, sample, sample_rows
+from atombatch.sampling.detokenizer import Detokenizer
+from atombatch.sampling.sampler import RequestSampler, sample, sample_rows
 
 pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
 
@@ -303,7 +303,7 @@ def test_sampled_distribution_matches_transformers_warpers(params: SamplingParam
     (300, 0.5, 1.0),
 ])
 def test_large_vocab_filters_match_transformers(top_k: int, top_p: float, scale: float) -> None:
-    from atombatch.sampling import CANDIDATES, _filtered
+    from atombatch.sampling.sampler import CANDIDATES, _filtered
 
     vocab = 4 * CANDIDATES + 7
     rows = (np.random.default_rng(9).standard_normal((3, vocab)) * scale).astype(np.float32)
@@ -715,7 +715,7 @@ def test_long_pieces_stop_where_character_steps_stop(pieces: list[int], cuts: li
 
     from tokenizers import Tokenizer, decoders, models
 
-    import atombatch.detokenizer as detok_module
+    import atombatch.sampling.detokenizer as detok_module
 
     tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(AB_PIECES)}, unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
@@ -737,7 +737,7 @@ def test_long_pieces_stop_where_character_steps_stop(pieces: list[int], cuts: li
 
 
 def test_plain_greedy_steps_never_enter_the_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
-    import atombatch.engine as engine_module
+    import atombatch.engine.batcher as engine_module
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a plain greedy request went through sample_rows")
@@ -766,7 +766,7 @@ def test_candidate_draw_is_the_full_paths_distribution(top_k: int, top_p: float,
     (`_draw_candidates`); for the same uniform numbers they pick what the full path picks
     (`_filtered` then `_draw`: the same kept ids, the same inverse CDF in id order), up to
     float rounding at a boundary between two ids."""
-    from atombatch.sampling import CANDIDATES, DRAW_BLOCK, _draw, _draw_candidates, _filtered
+    from atombatch.sampling.sampler import CANDIDATES, DRAW_BLOCK, _draw, _draw_candidates, _filtered
 
     vocab = CANDIDATES * DRAW_BLOCK + 4321          # enough blocks for the candidate bound
     rows = 3

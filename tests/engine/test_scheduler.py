@@ -27,8 +27,8 @@ from atombatch import (
     RequestError,
     SamplingParams,
 )
+from atombatch.engine.scheduler import TRANSITIONS, Policy, Request, RequestState
 from atombatch.errors import StateError
-from atombatch.scheduler import TRANSITIONS, Policy, Request, RequestState
 
 
 # -- the state table --------------------------------------------------------------------------------

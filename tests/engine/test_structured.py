@@ -1,4 +1,4 @@
-"""Structured output in the engine: a grammar mask per constrained row (atombatch/grammar.py).
+"""Structured output in the engine: a grammar mask per constrained row (atombatch/sampling/grammar.py).
 
 The model is a random-weight Llama whose vocabulary a byte-level BPE fills (tests/support/
 structured.py): its unconstrained text is garbage, so output that matches a schema, a regex, a
@@ -23,10 +23,10 @@ from support.driving import run_to_end
 from support.structured import ART, SPEC, batcher, byte_tokenizer
 
 from atombatch import Batcher, RequestError, SamplingParams, StructuredOutput
-from atombatch.grammar import Grammars, apply_masks
 from atombatch.pd import InProcessSource, Producer
 from atombatch.runtime import NumpyRuntime
-from atombatch.sampling import RequestSampler, sample_rows
+from atombatch.sampling.grammar import Grammars, apply_masks
+from atombatch.sampling.sampler import RequestSampler, sample_rows
 
 pytestmark = pytest.mark.numerics   # greedy tokens of real math (run again under a second BLAS)
 
@@ -187,7 +187,7 @@ def test_mask_equals_the_matchers_own_acceptance_token_by_token(kind: str,
 
 
 def _request_grammar(grammars: Grammars, structured: StructuredOutput) -> Any:
-    from atombatch.grammar import RequestGrammar
+    from atombatch.sampling.grammar import RequestGrammar
     return RequestGrammar(grammars.matcher_now(structured), structured, grammars)
 
 

@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.producers import run_producer_process
 from support.served import served
 
+from atombatch.api.structs import SamplingParams
 from atombatch.core.pd import handshake
 from atombatch.serve.cli import DEFAULT_SPEC, build_engine, parser
-from atombatch.structs import SamplingParams
 
 pytestmark = pytest.mark.numerics
 

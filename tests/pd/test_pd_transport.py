@@ -18,9 +18,10 @@ from support.numerics import assert_f32_close, assert_same_argmax, reduction_len
 from support.producers import run_producer_process
 from support.zmq_peers import bound_router
 
-from atombatch.blocks import PrefillInputs
-from atombatch.config import FULL, SLIDING, ArtifactConfig, ModelSpec
+from atombatch.api.structs import SamplingParams
+from atombatch.artifact.config import FULL, SLIDING, ArtifactConfig, ModelSpec
 from atombatch.errors import RequestError
+from atombatch.kernel.blocks import PrefillInputs
 from atombatch.pd import (
     END,
     ERROR,
@@ -43,7 +44,6 @@ from atombatch.pd import (
     validate_layer,
 )
 from atombatch.runtime.numpy_runtime import NumpyRuntime
-from atombatch.structs import SamplingParams
 
 pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
 

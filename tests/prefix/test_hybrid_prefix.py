@@ -1,7 +1,7 @@
 """Prefix and host caching for Gemma3's hybrid layers: sliding-slot checkpoints.
 
 A hit on a hybrid model restores the global layers' blocks and every sliding layer's window, from
-a host checkpoint of a lane's slot at a chunk boundary (atombatch/checkpoints.py). The tokens must
+a host checkpoint of a lane's slot at a chunk boundary (atombatch/engine/checkpoints.py). The tokens must
 equal transformers' (a full forward per token, no cache) in multi-turn conversations whose shared
 prefix is many windows long, in eager, paged, bucketed and oversubscribed layouts, through the
 host cache after evictions, and through the emulated rebel; hits must be longer than the window.
@@ -22,7 +22,7 @@ from support.ledger import LedgerRuntime, ledger_spec, reference
 from support.numerics import greedy_reference
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
-from atombatch.checkpoints import DROPPED, HELD
+from atombatch.engine.checkpoints import DROPPED, HELD
 from atombatch.runtime import NumpyRuntime, RebelRuntime
 
 pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
@@ -340,8 +340,8 @@ def test_n_choices_share_the_prompt_checkpoint(gemma):
 
 # -- the checkpoint store and its rules, one at a time ---------------------------------------------
 def test_memory_pressure_drops_host_blocks_then_idle_checkpoints_never_held_ones():
-    from atombatch.checkpoints import CheckpointStore
-    from atombatch.prefix import Entry, HostCache
+    from atombatch.engine.checkpoints import CheckpointStore
+    from atombatch.kernel.prefix import Entry, HostCache
 
     host = HostCache(capacity_bytes=100, block_size=4)
     store = CheckpointStore(host, nbytes=40)
@@ -367,8 +367,8 @@ def test_memory_pressure_drops_host_blocks_then_idle_checkpoints_never_held_ones
 
 
 def test_a_checkpoint_travels_with_its_block_to_the_host_and_leaves_with_it():
-    from atombatch.checkpoints import CheckpointStore
-    from atombatch.prefix import Entry, HostCache
+    from atombatch.engine.checkpoints import CheckpointStore
+    from atombatch.kernel.prefix import Entry, HostCache
 
     host = HostCache(capacity_bytes=200, block_size=4)
     store = CheckpointStore(host, nbytes=50)
@@ -433,7 +433,7 @@ def test_bfloat16_device_caches_give_the_tokens_of_no_cache(fake_rebel, tmp_path
 
 
 def test_plan_reports_the_checkpoint_size_and_stats_the_bytes_held(gemma):
-    from atombatch import plan
+    from atombatch.artifact import plan
 
     gemma_1b = ArtifactConfig(model=ModelSpec.preset("gemma3-1b"), batch_size=4,
                               max_seq_len=8192, block_size=8192, num_blocks=5)

@@ -11,7 +11,7 @@ from support.driving import run_to_end
 from support.ledger import LedgerRuntime, ledger_spec, reference
 
 from atombatch import ArtifactConfig, Batcher, ConfigError, ModelSpec, SamplingParams
-from atombatch.prefix import PrefixIndex
+from atombatch.kernel.prefix import PrefixIndex
 from atombatch.runtime import NumpyRuntime
 
 pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
@@ -230,7 +230,7 @@ def test_staged_request_restores_its_prefix_from_the_host_cache(caplog):
 def test_host_lookup_never_continues_from_a_partly_matched_block():
     """Regression: a cached full block that matches only the first tokens of a prompt must not
     count as matched; the host continuation starts after wholly matched blocks only."""
-    from atombatch.prefix import HostCache
+    from atombatch.kernel.prefix import HostCache
 
     index, host = PrefixIndex(block_size=4), HostCache(1 << 20, block_size=4)
     index.insert(0, b"", np.array([1, 1, 4, 16], dtype=np.int64))

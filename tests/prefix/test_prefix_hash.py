@@ -14,7 +14,7 @@ from support.driving import run_to_end
 from support.ledger import LedgerRuntime, ledger_spec, reference
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
-from atombatch.prefix import ROOT, BlockHasher, PrefixIndex, chain_digest
+from atombatch.kernel.prefix import ROOT, BlockHasher, PrefixIndex, chain_digest
 
 
 def one_shot_digests(hasher: BlockHasher, tokens: list[int]) -> list[bytes]:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from atombatch.prefix import ROOT, BlockHasher, Entry, Match, PrefixIndex, _Children, _Node
+from atombatch.kernel.prefix import ROOT, BlockHasher, Entry, Match, PrefixIndex, _Children, _Node
 
 
 def brute_force(index: PrefixIndex, prompt: np.ndarray, length: int) -> int:
@@ -301,8 +301,8 @@ def test_the_compiled_prefix_table_equals_the_twin(ops):
     from a small set, so duplicates and shared parents are common), removals of any block and
     refused calls: every answer, error and query agrees, and probing collides often (12 blocks
     in 32 slots)."""
-    from atombatch import _blocks as c_core
-    from atombatch import _blocks_py as py_core
+    from atombatch.kernel import _blocks as c_core
+    from atombatch.kernel import _blocks_py as py_core
 
     tables = [c_core.PrefixTable(12, 4), py_core.PrefixTable(12, 4)]
     names = [bytes([7 * i + 1]) * 15 + bytes([i]) for i in range(6)]  # 6 digests

@@ -20,28 +20,28 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "atombatch"
 
 #: Lowest first. A module may import its own layer or a lower one; the areas are the first name
-#: under `atombatch` (a module or a subpackage). Keep this table and docs/architecture.md in step.
+#: under `atombatch`: a folder, or one of the two foundation modules. Keep this table and
+#: docs/architecture.md in step.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("foundation", ("errors", "codes", "logs", "structured")),
-    ("values", ("structs", "reports", "config", "plan", "rbln_config", "grammar", "grammar_check",
-                "sampling",
-                "mailbox", "policy", "detokenizer", "validation")),
-    ("kernel", ("_blocks", "_blocks_py", "blocks", "argmax", "prefix")),
+    ("foundation", ("errors", "logs")),
+    ("kernel", ("kernel",)),
+    ("artifact", ("artifact",)),
+    ("api", ("api",)),
+    ("sampling", ("sampling",)),
     ("device", ("pd", "runtime")),
-    ("engine", ("request", "checkpoints", "groups", "outputs", "kv_manager", "scheduler",
-                "pd_intake", "overlap", "engine", "aio")),
+    ("engine", ("engine",)),
     ("facade", ("__init__",)),
     ("processes", ("core", "cluster")),
     ("front", ("serve",)),
     ("tools", ("bench",)),
 )
 LAYER_OF = {area: rank for rank, (_, areas) in enumerate(LAYERS) for area in areas}
-EXTENSION = "atombatch._blocks"
+EXTENSION = "atombatch.kernel._blocks"
 
 
 def modules() -> dict[str, Path]:
     """Every module of the package by dotted name (a package by its `__init__.py`)."""
-    found = {EXTENSION: PACKAGE / "_blocks.pyx"}
+    found = {EXTENSION: PACKAGE / "kernel" / "_blocks.pyx"}
     for path in PACKAGE.rglob("*.py"):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
@@ -128,10 +128,10 @@ def area(module: str) -> str:
 
 def test_the_graph_sees_lazy_and_cython_imports() -> None:
     edges = graph()
-    assert "atombatch.codes" in edges[EXTENSION]               # _blocks.pyx's Python import
+    assert "atombatch.kernel.codes" in edges[EXTENSION]               # _blocks.pyx's Python import
     assert "atombatch.runtime.rebel" in edges["atombatch.serve.cli"]   # a lazy one, in a function
     assert "atombatch.serve.app" in edges["atombatch.serve"]          # `from pkg.mod import X`
-    assert "atombatch.pd.checks" in edges["atombatch.pd_intake"]      # `from pkg import mod`
+    assert "atombatch.pd.checks" in edges["atombatch.engine.pd_intake"]      # `from pkg import mod`
 
 
 def test_cycles_finds_a_circle_through_a_lazy_import() -> None:
@@ -163,13 +163,13 @@ def test_no_upward_arrow() -> None:
 
 
 def test_the_wire_is_a_leaf() -> None:
-    """core/messages.py (what front and core say) imports only the foundation and values layers,
+    """core/messages.py (what front and core say) imports only the layers up to api/ (the values),
     never the engine or cluster/ whose reports it carries (issue 40)."""
     edges = graph()
     out = edges["atombatch.core.messages"]
     assert out, "the wire imports its structs from somewhere"
-    above = {m: line for m, line in out.items() if LAYER_OF[area(m)] > LAYER_OF["structs"]}
-    assert not above, f"core/messages.py imports above the values layer: {above}"
+    above = {m: line for m, line in out.items() if LAYER_OF[area(m)] > LAYER_OF["api"]}
+    assert not above, f"core/messages.py imports above the api layer: {above}"
 
 
 def test_the_layers_are_the_documented_ones() -> None:
@@ -185,7 +185,7 @@ def test_the_layers_are_the_documented_ones() -> None:
 def test_optional_dependencies_stay_out_of_a_plain_import() -> None:
     optional = ["ray", "rebel", "transformers", "torch", "matplotlib", "vllm"]
     code = ("import sys, atombatch, atombatch.runtime, atombatch.serve, atombatch.pd, "
-            "atombatch.core, atombatch.cluster, atombatch.bench, atombatch.rbln_config; "
+            "atombatch.core, atombatch.cluster, atombatch.bench, atombatch.artifact.rbln_config; "
             f"print(sorted(m for m in {optional!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT)

@@ -10,20 +10,23 @@ import msgspec
 import numpy as np
 import pytest
 
-from atombatch import ArtifactConfig, Batcher, SamplingParams, engine, pd, pd_intake, reports
+from atombatch import ArtifactConfig, Batcher, SamplingParams, pd
+from atombatch.api import reports
+from atombatch.api.options import EngineOptions
+from atombatch.api.structs import stop_ids
+from atombatch.api.validation import queue_limit
 from atombatch.cluster import pd_pool, summary
-from atombatch.config import EngineOptions
 from atombatch.core import messages
 from atombatch.core.shared import SharedCore
+from atombatch.engine import batcher as engine
+from atombatch.engine import pd_intake
+from atombatch.engine.request import Counters, Request, check_stop
 from atombatch.errors import CapacityError, StateError
-from atombatch.request import Counters, Request, check_stop
 from atombatch.runtime import NullRuntime
 from atombatch.runtime.base import check_decode_rows
 from atombatch.runtime.sim import SimRuntime
 from atombatch.serve import metrics
 from atombatch.serve.cli import DEFAULT_SPEC, SERVER_OPTIONS, engine_options, parser
-from atombatch.structs import stop_ids
-from atombatch.validation import queue_limit
 
 
 def test_the_reports_live_in_one_leaf_and_their_old_homes_reexport_them() -> None:

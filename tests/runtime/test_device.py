@@ -27,9 +27,9 @@ from support.driving import run_to_end
 from support.hf_models import FAMILIES
 
 from atombatch import ArtifactConfig, Batcher, ConfigError, StateError
-from atombatch.blocks import PrefillInputs
+from atombatch.artifact.rbln_config import load_artifact
+from atombatch.kernel.blocks import PrefillInputs
 from atombatch.pd import InProcessSource, Producer
-from atombatch.rbln_config import load_artifact
 from atombatch.runtime import NumpyRuntime, RebelRuntime, Runtime
 
 pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run

@@ -8,7 +8,7 @@ from fakerebel.compiler import compile_dir
 from support.device_cases import GREEDY, LAYOUTS, make_case
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec
-from atombatch.rbln_config import load_artifact
+from atombatch.artifact.rbln_config import load_artifact
 from atombatch.runtime import RebelRuntime
 
 pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run

@@ -16,9 +16,9 @@ import pytest
 from support import hf_models as hf
 from support.numerics import assert_f32_close, assert_same_argmax, f32_atol, reduction_length
 
-from atombatch._blocks_py import DecodeInputs, LaneTable, PrefillInputs
-from atombatch.config import FULL, SLIDING, ArtifactConfig, ModelSpec, RopeScaling
+from atombatch.artifact.config import FULL, SLIDING, ArtifactConfig, ModelSpec, RopeScaling
 from atombatch.errors import StateError
+from atombatch.kernel._blocks_py import DecodeInputs, LaneTable, PrefillInputs
 from atombatch.runtime.numpy_runtime import (
     NumpyRuntime,
     _embed_scale,

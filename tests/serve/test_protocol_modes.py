@@ -291,7 +291,7 @@ def test_ping_answers_as_health(urls: dict[str, str]) -> None:
 # -- each request is validated once --------------------------------------------------------------
 @pytest.mark.parametrize("mode", ["inline", "process"])
 def test_each_request_is_validated_once(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`validation.py` runs once per prompt, in the front: a batch's prompts before any is
+    """`api/validation.py` runs once per prompt, in the front: a batch's prompts before any is
     queued, a single prompt at submit; neither the inline engine's loop nor the engine core
     checks again (the core's own `validate` fails here, so a second check would fail the
     request). A bad prompt is still refused, by the front."""
@@ -300,7 +300,7 @@ def test_each_request_is_validated_once(mode: str, monkeypatch: pytest.MonkeyPat
     from support.engines import numpy_batcher, trusting_batcher
     from support.served import ServerThread
 
-    from atombatch import validation
+    from atombatch.api import validation
     from atombatch.core.client import CoreClient
     from atombatch.serve import create_app
 
@@ -311,7 +311,7 @@ def test_each_request_is_validated_once(mode: str, monkeypatch: pytest.MonkeyPat
         calls.append(1)
         return real(*args, **kw)
 
-    monkeypatch.setattr("atombatch.engine.validate_request", counted)
+    monkeypatch.setattr("atombatch.engine.batcher.validate_request", counted)
     monkeypatch.setattr("atombatch.core.client.validate_request", counted)
     engine: Any = numpy_batcher() if mode == "inline" else \
         CoreClient(functools.partial(trusting_batcher))

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from atombatch.mailbox import Mailbox, as_outputs
+from atombatch.api.mailbox import Mailbox, as_outputs
+from atombatch.api.structs import RequestOutput
 from atombatch.serve.app import _sse
 from atombatch.serve.protocol import (
     ChatChunk,
@@ -17,7 +18,6 @@ from atombatch.serve.protocol import (
     CompletionResponse,
 )
 from atombatch.serve.sse import PlainChunk, SSEResponse
-from atombatch.structs import RequestOutput
 
 TEXTS = ["", "<17>", 'quote " backslash \\ newline \n tab \t', "\x00\x01\x1f control",
          "\u2028\u2029 separators", "é ü 漢字 😀 \ud7ff", "@@", "}]},{\"index\":9"]

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from support.sampling_models import piece_tokenizer
 from support.structured import byte_tokenizer
 
+from atombatch.api.structs import SamplingParams
 from atombatch.serve.tokens import HFCodec, IdCodec
-from atombatch.structs import SamplingParams
 
 
 def metaspace_tokenizer() -> Any:

@@ -2,7 +2,7 @@
 (`GrammarWorkers(target="support.grammar_faults:check")`, `create_app(grammar_check=...)`).
 
 A constraint whose text holds one of the markers below makes the worker misbehave the way a
-native library can; any other is checked for real (`atombatch.grammar_check.check_in_worker`).
+native library can; any other is checked for real (`atombatch.sampling.grammar_check.check_in_worker`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
-from atombatch.grammar_check import check_in_worker
-from atombatch.structured import StructuredOutput
+from atombatch.api.structured import StructuredOutput
+from atombatch.sampling.grammar_check import check_in_worker
 
 CRASH = "FAULT_CRASH"      # the worker dies of SIGSEGV, as on a native stack overflow
 HANG = "FAULT_HANG"        # the worker never answers (a library stuck in a loop)

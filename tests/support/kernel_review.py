@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec, SamplingParams
-from atombatch import blocks as core
-from atombatch.request import RequestState
+from atombatch.engine.request import RequestState
+from atombatch.kernel import blocks as core
 from atombatch.runtime import NumpyRuntime
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8)

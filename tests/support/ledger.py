@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from atombatch.config import ArtifactConfig, ModelSpec
+from atombatch.artifact.config import ArtifactConfig, ModelSpec
 
 
 def ledger_spec(hybrid: bool = False, window: int = 5, vocab: int = 97,

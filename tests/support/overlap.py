@@ -1,4 +1,4 @@
-"""What the tests of the decode pipeline (`Batcher(overlap=True)`, atombatch/overlap.py, in
+"""What the tests of the decode pipeline (`Batcher(overlap=True)`, atombatch/engine/pipeline.py, in
 tests/engine/overlap/) share: greedy limits, short prompts, closed-loop clients (plain, raising,
 n > 1), each request run alone on a fresh synchronous engine, and runtimes that fail a prefill
 call or record every device call."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from atombatch.config import ArtifactConfig, ModelSpec
+from atombatch.artifact.config import ArtifactConfig, ModelSpec
 from atombatch.pd import Producer, ZmqProducerServer
 from atombatch.runtime.numpy_runtime import NumpyRuntime
 

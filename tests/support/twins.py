@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import atombatch._blocks as c_impl
+import atombatch.kernel._blocks as c_impl
 import numpy as np
 
-import atombatch._blocks_py as py_impl
+import atombatch.kernel._blocks_py as py_impl
 from atombatch.errors import AtomBatchError
 
 LANE_ARRAYS = ("_state", "_seq_len", "_next_token", "_num_held", "_rows")

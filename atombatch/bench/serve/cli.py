@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from atombatch import plan
+from atombatch.artifact import plan
 from atombatch.bench.plot import require_matplotlib
 from atombatch.bench.serve.matrix import (
     ARTIFACTS,

@@ -16,16 +16,16 @@ import msgspec
 import numpy as np
 
 import atombatch
-from atombatch import plan
+from atombatch.api.structs import Completion, SamplingParams
+from atombatch.artifact import plan
+from atombatch.artifact.config import ArtifactConfig, ModelSpec
 from atombatch.bench import provenance
 from atombatch.bench.progress import CellProgress
 from atombatch.bench.serve.records import Cell, FitVerdict, Latency, Machine, RequestRecord, ServeReport
-from atombatch.config import ArtifactConfig, ModelSpec
-from atombatch.engine import Batcher
+from atombatch.engine.batcher import Batcher
+from atombatch.engine.scheduler import Policy
 from atombatch.errors import AtomBatchError, ConfigError
 from atombatch.runtime.sim import PD_MODES, ROUTES, CostModel, SimProducer, SimRuntime
-from atombatch.scheduler import Policy
-from atombatch.structs import Completion, SamplingParams
 
 MODELS = ("qwen3-0.6b", "qwen3-4b", "koni-8b", "gemma3-1b")
 INPUTS = (128, 512, 2048, 8192)

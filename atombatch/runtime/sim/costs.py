@@ -33,8 +33,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from atombatch import plan
-from atombatch.config import ArtifactConfig, ModelSpec
+from atombatch.artifact import plan
+from atombatch.artifact.config import ArtifactConfig, ModelSpec
 from atombatch.errors import ConfigError
 
 #: When a layer-streaming producer's header (with its first token) reaches the decoder.

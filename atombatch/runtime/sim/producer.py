@@ -35,11 +35,11 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from atombatch.api.structs import SamplingParams
 from atombatch.errors import ConfigError, KVTransferError
 from atombatch.pd.wire import KVHeader, LayerKV, Mode, expected_layer_tokens, model_identity
 from atombatch.runtime.sim.runtime import SimRuntime
-from atombatch.sampling import sample
-from atombatch.structs import SamplingParams
+from atombatch.sampling.sampler import sample
 
 Route = Literal["native", "pd-whole", "pd-layer-stream"]
 ROUTES: tuple[str, ...] = ("native", "pd-whole", "pd-layer-stream")

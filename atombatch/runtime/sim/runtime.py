@@ -16,8 +16,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from atombatch import plan
-from atombatch.config import SLIDING, ArtifactConfig
+from atombatch.artifact import plan
+from atombatch.artifact.config import SLIDING, ArtifactConfig
 from atombatch.errors import ConfigError, StateError
 from atombatch.runtime.base import DecodeArrays, PrefillArrays, check_decode_rows
 from atombatch.runtime.sim.costs import CostModel, _shapes

@@ -10,6 +10,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from atombatch.api.validation import queue_limit
 from atombatch.cluster.routing import DEFAULT_ROUTE_BLOCK
 from atombatch.cluster.summary import DEFAULT_SUMMARY_BITS
 from atombatch.errors import ConfigError
@@ -17,7 +18,6 @@ from atombatch.serve.ray.board import DEFAULT_APP, board
 from atombatch.serve.ray.ingress import AtomIngress
 from atombatch.serve.ray.producers import scale_producers
 from atombatch.serve.ray.replica import AtomReplica
-from atombatch.validation import queue_limit
 
 
 def build_app(engine_args: Sequence[str], *, replicas: int = 1, atom_resource: str | None = None,

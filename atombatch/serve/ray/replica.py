@@ -27,14 +27,14 @@ import ray
 from ray import serve
 
 from atombatch import logs
-from atombatch.aio import AsyncBatcher
+from atombatch.api.structs import SamplingParams
 from atombatch.cluster.routing import DEFAULT_MAX_BLOCKS, DEFAULT_ROUTE_BLOCK
 from atombatch.cluster.summary import DEFAULT_SUMMARY_BITS, CacheSummarizer
 from atombatch.core.pd import pd_eligible
+from atombatch.engine.aio import AsyncBatcher
 from atombatch.errors import AtomBatchError, ConfigError
 from atombatch.serve.ray.board import DEFAULT_APP, board
 from atombatch.serve.ray.wire import ForwardedRequest, ResponseStart
-from atombatch.structs import SamplingParams
 
 if TYPE_CHECKING:
     from atombatch.core import CoreClient

@@ -1,4 +1,4 @@
-"""`Batcher(overlap=True)`: steady decodes run as a pipeline (atombatch/overlap.py), each step's
+"""`Batcher(overlap=True)`: steady decodes run as a pipeline (atombatch/engine/pipeline.py), each step's
 inputs built while the step before it is on the device, its tokens written in once that step's
 argmax is known.
 

@@ -1,4 +1,4 @@
-"""Admission inside the pipeline (`Batcher(overlap=True)`, atombatch/overlap.py): a request
+"""Admission inside the pipeline (`Batcher(overlap=True)`, atombatch/engine/pipeline.py): a request
 that arrives while decodes run, with an idle lane for it, is admitted while a decode is on the
 device; its first prefill chunk runs right after that decode on the device thread, then the other
 lanes' decode, and the request joins the step after (`Scheduler.plan_prefill_ahead`,

@@ -1,4 +1,4 @@
-"""Attacks on `Batcher(overlap=True)` (atombatch/overlap.py): edges of the decode pipeline that
+"""Attacks on `Batcher(overlap=True)` (atombatch/engine/pipeline.py): edges of the decode pipeline that
 tests/engine/overlap/test_overlap.py does not reach, each compared against the same requests run
 synchronously or alone on a fresh engine (the NumPy runtime does real decoder math: a row fed
 the wrong token, position or block shows up as different tokens)."""
@@ -504,7 +504,7 @@ def test_structured_requests_arrive_mid_pipeline() -> None:
     text); every completion is that of synchronous steps."""
     from support import structured as so
 
-    from atombatch.structured import StructuredOutput
+    from atombatch.api.structured import StructuredOutput
 
     schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
     tok = so.byte_tokenizer()

@@ -1,4 +1,4 @@
-"""A hybrid model's admissions inside the pipeline (`Batcher(overlap=True)`, atombatch/overlap.py):
+"""A hybrid model's admissions inside the pipeline (`Batcher(overlap=True)`, atombatch/engine/pipeline.py):
 a Gemma3-like model keeps its sliding-window layers' KV in a slot per lane, and a decode step's
 padding rows write a slot at position 0. A request admitted while a decode is on the device has
 its first chunk run right after it, and the decode of the other lanes after that chunk is built

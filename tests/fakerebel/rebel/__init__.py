@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from atombatch.config import ArtifactConfig, ModelSpec
+from atombatch.artifact.config import ArtifactConfig, ModelSpec
 from atombatch.runtime.numpy_runtime import NumpyRuntime
 
 __version__ = "0.12.0-emulated"
