@@ -44,6 +44,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     detokenize: bool = True
     argmax_threads: int | None = None
     overlap: bool = False
+    log_requests: bool = True                # a request's info events logged (quiet_requests)
 
 
 ENGINE_DEFAULTS = EngineOptions()

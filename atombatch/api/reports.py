@@ -17,42 +17,72 @@ import numpy.typing as npt
 from atombatch.errors import ConfigError
 
 __all__ = ["BITS_PER_DIGEST", "DEFAULT_HASHES", "DEFAULT_SUMMARY_BITS", "MAX_SUMMARY_BITS",
-           "CacheSummary", "EngineStats", "ProducerState", "check_summary_size"]
+           "SCALAR_COUNTERS", "CacheSummary", "EngineCounters", "EngineStats", "ProducerState",
+           "check_summary_size"]
 
 
-class EngineStats(msgspec.Struct, frozen=True):
-    """A snapshot a server can export (gauges and counters)."""
+class EngineCounters(msgspec.Struct, kw_only=True):
+    """The engine's monotonic counters, each named once: the scheduler counts into `Counters`
+    (this struct, mutable), `Batcher.stats()` copies every one into `EngineStats` (which extends
+    it) under its name, the wire carries them there, and `/metrics` exports each scalar one as
+    `atombatch_engine_<name>_total` (`SCALAR_COUNTERS`)."""
 
-    occupied_lanes: int                 # lanes holding a request now
-    decoding_lanes: int                 # of those, decoding
-    queue_length: int                   # requests without a lane (waiting + staging/staged, and
-                                        #   n > 1 choices waiting for choice 0's prefill)
-    free_blocks: int
-    spare_blocks: int
-    staged_blocks: int
-    lane_blocks: int
-    cached_blocks: int
-    steps: int                          # device calls so far
-    imports: int                        # KV import steps (PD)
-    prefill_chunks: int
-    staged_chunks: int                  # prefill chunks or KV imports run into the spare
-    decode_steps: int
-    generated_tokens: int
-    rotations: int                      # staged requests that took over a finished lane's slot
-    preemptions: int
-    prefix_hits: int                    # lanes started from a cached prefix
-    prefix_misses: int
-    prefix_hit_tokens: int              # prompt tokens whose prefill the cache saved
-    host_restores: int                  # blocks written back from the host cache
-    evictions: int                      # CACHED blocks evicted from the device
-    prompt_forks: int                   # n > 1 choices started from a device copy of choice 0's
+    steps: int = 0                      # device calls so far
+    imports: int = 0                    # KV import steps (PD)
+    prefill_chunks: int = 0
+    staged_chunks: int = 0              # prefill chunks or KV imports run into the spare
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    rotations: int = 0                  # staged requests that took over a finished lane's slot
+    preemptions: int = 0
+    prefix_hits: int = 0                # lanes started from a cached prefix
+    prefix_misses: int = 0
+    prefix_hit_tokens: int = 0          # prompt tokens whose prefill the cache saved
+    # vLLM's prefix-cache queries: tokens of every lookup (the hits are `prefix_hit_tokens`)
+    prefix_query_tokens: int = 0
+    host_restores: int = 0              # blocks written back from the host cache
+    evictions: int = 0                  # CACHED blocks evicted from the device
+    prompt_forks: int = 0               # n > 1 choices started from a device copy of choice 0's
                                         #   prompt KV (prefix cache off)
-    fork_saved_tokens: int              # prompt tokens those choices did not prefill
-    finished: dict[str, int]            # requests by finish reason
-    lane_histogram: tuple[int, ...]     # decode steps by number of decoding lanes (index = lanes)
-    bucket_steps: dict[int, int]        # decode steps by compiled decode batch size that ran
+    fork_saved_tokens: int = 0          # prompt tokens those choices did not prefill
     slot_saves: int = 0                 # sliding-slot checkpoints read to the host (hybrid)
     slot_restores: int = 0              # sliding-slot checkpoints written into a lane (hybrid)
+    # device calls by the tokens they computed (a prefill chunk's tokens, a decode step's rows):
+    # their sum (`vllm:iteration_tokens_total`); the histogram is `iteration_tokens`
+    iteration_tokens_sum: int = 0
+    # requests by finish reason; decode steps by number of decoding lanes (index = lanes); decode
+    # steps by the compiled decode batch size that ran; device calls over
+    # `request.ITERATION_TOKEN_BUCKETS` (the last count: above every bound). Lists and dicts
+    # here, frozen to tuples in `EngineStats`.
+    finished: dict[str, int] = msgspec.field(default_factory=dict)
+    lane_histogram: Sequence[int] = ()
+    bucket_steps: dict[int, int] = msgspec.field(default_factory=dict)
+    iteration_tokens: Sequence[int] = ()
+
+
+#: The scalar counters, in order: what `/metrics` exports as `atombatch_engine_<name>_total`.
+SCALAR_COUNTERS: tuple[str, ...] = tuple(
+    name for name, kind in zip(EngineCounters.__struct_fields__,
+                               msgspec.structs.fields(EngineCounters), strict=True)
+    if kind.type is int)
+
+
+# msgspec lets a frozen struct extend a mutable one (the scheduler's `Counters` is the mutable
+# sibling); mypy's dataclass rule does not know that.
+class EngineStats(EngineCounters, frozen=True, kw_only=True):  # type: ignore[misc]
+    """A snapshot a server can export: every counter of `EngineCounters` and these gauges."""
+
+    lane_histogram: tuple[int, ...] = ()   # the counters' lists, frozen
+    iteration_tokens: tuple[int, ...] = ()
+    occupied_lanes: int = 0             # lanes holding a request now
+    decoding_lanes: int = 0             # of those, decoding
+    queue_length: int = 0               # requests without a lane (waiting + staging/staged, and
+                                        #   n > 1 choices waiting for choice 0's prefill)
+    free_blocks: int = 0
+    spare_blocks: int = 0
+    staged_blocks: int = 0
+    lane_blocks: int = 0
+    cached_blocks: int = 0
     checkpoint_bytes: int = 0           # host bytes the sliding-slot checkpoints hold now (hybrid)
     # Where the device's time went: wall seconds inside device calls, and between the end of
     # one device call and the start of the next while work was pending (the host's critical
@@ -62,23 +92,17 @@ class EngineStats(msgspec.Struct, frozen=True):
     host_gap_s: float = 0.0
     host_gaps: int = 0
     # device calls the device thread launched right after the step before it, their inputs
-    # built while that one ran (`Batcher(overlap=True)`, atombatch/engine/pipeline.py); of which prefill
-    # chunks of requests admitted while a decode ran; and decodes right after such a chunk
-    # that its request joined (its first token the chunk's greedy pick, written in on the device
-    # thread); and chunks launched right after another chunk, decided with it (a wave of
+    # built while that one ran (`Batcher(overlap=True)`, atombatch/engine/pipeline.py); of which
+    # prefill chunks of requests admitted while a decode ran; and decodes right after such a
+    # chunk that its request joined (its first token the chunk's greedy pick, written in on the
+    # device thread); and chunks launched right after another chunk, decided with it (a wave of
     # arrivals planned as one chain: `Batcher._chain_wave`)
     overlapped_steps: int = 0
     overlapped_prefills: int = 0
     overlapped_joins: int = 0
     chained_chunks: int = 0
-    # vLLM's prefix-cache queries (tokens of every lookup; the hits are `prefix_hit_tokens`), and
-    # device calls by the tokens they computed: counts over `request.ITERATION_TOKEN_BUCKETS`
-    # (the last: above every bound) and their sum (`vllm:iteration_tokens_total`)
-    prefix_query_tokens: int = 0
     prefix_cache: bool = False          # the engine runs a prefix cache
     evictable_blocks: int = 0           # of the cached blocks, those no request holds (refcount 0)
-    iteration_tokens: tuple[int, ...] = ()
-    iteration_tokens_sum: int = 0
 
 
 class ProducerState(msgspec.Struct):

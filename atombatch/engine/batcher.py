@@ -154,7 +154,7 @@ class Batcher:
                  tokenizer: Any | None = None,
                  logprobs_mode: LogprobsMode = _D.logprobs_mode, detokenize: bool = _D.detokenize,
                  argmax_threads: int | None = _D.argmax_threads,
-                 overlap: bool = _D.overlap) -> None:
+                 overlap: bool = _D.overlap, log_requests: bool = _D.log_requests) -> None:
         artifact: ArtifactConfig = runtime.artifact
         if not isinstance(overlap, bool):
             raise ConfigError(f"overlap={overlap!r} must be True or False")
@@ -189,9 +189,9 @@ class Batcher:
         # Given each step's scheduler events instead of logging them here: the engine core
         # renders them on its sender thread (a rendered event costs the loop ~37 us).
         self.on_events: Callable[[list[tuple[str, dict[str, Any]]]], None] | None = None
-        # a request's info events are logged (False: quiet_requests; a server's default, as
-        # vLLM's without --enable-log-requests)
-        self.log_requests = True
+        # a request's info events are logged (False: quiet_requests, the server's
+        # --disable-log-requests)
+        self.log_requests = log_requests
         # Wall time in device calls, and between one call's end and the next call's start while
         # work was pending (0.0: none pending since the last call); see `EngineStats.device_s`.
         self._device_s = self._host_gap_s = self._device_end = 0.0
@@ -213,7 +213,8 @@ class Batcher:
             prefix_cache=prefix_cache, host_cache_bytes=host_cache_bytes,
             policy=self.scheduler.policy.label, seed=seed, max_waiting=max_waiting,
             pd_timeout=pd_timeout, pd_deadline=pd_deadline, logprobs_mode=logprobs_mode,
-            detokenize=detokenize, argmax_threads=argmax_threads, overlap=overlap)
+            detokenize=detokenize, argmax_threads=argmax_threads, overlap=overlap,
+            log_requests=log_requests)
         self._samplers: dict[str, RequestSampler] = {}  # requests that are not plain greedy
         self._grammars: Grammars | None = None     # structured output (built on first use)
         # structured requests whose grammar compiles: (the compile, the choices waiting for it)
@@ -271,7 +272,8 @@ class Batcher:
         """The plain-data options this engine runs with (`from_options` builds its twin)."""
         return msgspec.structs.replace(self._options, pd_timeout=self._pd.timeout,
                                        pd_deadline=self._pd_deadline_given,
-                                       detokenize=self.detokenize)
+                                       detokenize=self.detokenize,
+                                       log_requests=self.log_requests)
 
     def use_tokenizer(self, tokenizer: Any, *, detokenize: bool) -> None:
         """Give the engine a tokenizer after it was built (a server that loads its codec

@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from atombatch.api.reports import EngineCounters
 from atombatch.api.structs import FinishReason, SamplingParams
 from atombatch.api.structs import stop_ids as stop_ids  # its old home (tests, embedders)
 from atombatch.errors import StateError
@@ -221,35 +222,13 @@ class StepRecord(msgspec.Struct, frozen=True):
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-class Counters(msgspec.Struct):
-    """Monotonic counters a server can export."""
+class Counters(EngineCounters):
+    """The engine's counters as the scheduler counts them (`EngineCounters`, named there once;
+    the lists mutable here)."""
 
-    steps: int = 0
-    imports: int = 0
-    prefill_chunks: int = 0
-    staged_chunks: int = 0                  # prefill chunks or imports into the spare
-    decode_steps: int = 0
-    generated_tokens: int = 0
-    rotations: int = 0
-    preemptions: int = 0
-    prefix_hits: int = 0
-    prefix_misses: int = 0
-    prefix_hit_tokens: int = 0
-    prefix_query_tokens: int = 0            # tokens of every prefix-cache lookup (vLLM's queries)
-    host_restores: int = 0
-    evictions: int = 0
-    prompt_forks: int = 0                   # n > 1 choices started from a copy of choice 0's KV
-    fork_saved_tokens: int = 0              # prompt tokens those choices did not prefill
-    slot_saves: int = 0                     # sliding-slot checkpoints read to the host (hybrid)
-    slot_restores: int = 0                  # sliding-slot checkpoints written into a lane
-    finished: dict[str, int] = msgspec.field(default_factory=dict)
     lane_histogram: list[int] = msgspec.field(default_factory=list)  # decode steps by busy lanes
-    bucket_steps: dict[int, int] = msgspec.field(default_factory=dict)  # decode steps by rows run
-    # device calls by tokens they computed (a prefill chunk's tokens, a decode step's rows): a
-    # histogram over ITERATION_TOKEN_BUCKETS (the last count: above every bound), and the sum
     iteration_tokens: list[int] = msgspec.field(
         default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
-    iteration_tokens_sum: int = 0
 
     def snapshot(self) -> dict[str, Any]:
         """Every counter by its name, frozen (lists as tuples, dicts copied): `Batcher.stats()`

@@ -80,10 +80,10 @@ LOGPROBS_MODES: dict[str, LogprobsMode] = {"raw_logprobs": "raw",
                                            "processed_logprobs": "processed"}
 
 # The server's engine options: the library's (`EngineOptions`, where every default lives) but for
-# two deliberate choices, written here once and read by the flags' defaults: a shorter queue (a
-# server answers 429 early rather than hold thousands of prompts) and the overlapped decode
-# pipeline on (docs/overlap.md).
-SERVER_OPTIONS = EngineOptions(max_waiting=256, overlap=True)
+# three deliberate choices, written here once and read by the flags' defaults: a shorter queue (a
+# server answers 429 early rather than hold thousands of prompts), the overlapped decode pipeline
+# on (docs/overlap.md) and requests' info events off unless --enable-log-requests (vLLM's default).
+SERVER_OPTIONS = EngineOptions(max_waiting=256, overlap=True, log_requests=False)
 
 # The default context of the host-memory runtimes: a checkpoint's own context (often 32k-128k)
 # would size eager KV blocks of that many tokens per lane on the CPU.
@@ -301,7 +301,8 @@ def parser() -> argparse.ArgumentParser:
                    "(the ssl module's CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED)")
     p.add_argument("--ssl-ciphers", metavar="CIPHERS",
                    help="OpenSSL cipher list for TLS 1.2 and below (default: uvicorn's)")
-    p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
+                   default=SERVER_OPTIONS.log_requests,
                    help="log each request's finish (request.finished, with its timings) and an "
                    "access line per HTTP request; off by default, as in vLLM")
     p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
@@ -509,7 +510,8 @@ def engine_options(args: argparse.Namespace, *, prefix_cache: bool) -> EngineOpt
         prefix_cache=prefix_cache, host_cache_bytes=args.host_cache_bytes, policy=args.policy,
         seed=args.seed, max_waiting=args.max_waiting, pd_timeout=args.pd_timeout,
         argmax_threads=args.argmax_threads, overlap=args.overlap,
-        logprobs_mode=LOGPROBS_MODES[args.logprobs_mode])
+        logprobs_mode=LOGPROBS_MODES[args.logprobs_mode],
+        log_requests=getattr(args, "enable_log_requests", SERVER_OPTIONS.log_requests))
 
 
 def _model_dir(args: argparse.Namespace) -> Path | None:
@@ -525,7 +527,6 @@ def core_batcher(args: argparse.Namespace) -> Batcher:
     request's text is decoded by the front."""
     logs.setup(args.log_level, args.log_format)
     batcher, _, codec = build_engine(args)
-    batcher.log_requests = getattr(args, "enable_log_requests", True)
     if args.runtime == "numpy" and args.blas_threads > 0:
         from threadpoolctl import threadpool_limits
         threadpool_limits(limits=args.blas_threads, user_api="blas")
@@ -685,7 +686,6 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
                 raise ConfigError("--pd-producer needs --engine-core process (the engine core "
                                   "connects to the producers; docs/pd.md)")
             batcher, name, codec = build_engine(args)
-            batcher.log_requests = args.enable_log_requests
             art, policy = batcher.artifact, batcher.policy.label
             engine = AsyncBatcher(batcher, offload=True, stream_interval=args.stream_interval)
             if args.runtime == "numpy" and args.blas_threads > 0:

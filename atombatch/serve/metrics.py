@@ -13,9 +13,11 @@ objects cost there) and exposed in the same shape when scraped.
 | atombatch_decoding_lanes | gauge | lanes decoding |
 | atombatch_queue_length | gauge | requests without a lane (waiting + staged) |
 | atombatch_blocks | gauge | state = free, spare, staged, lane, cached |
-| atombatch_engine_<counter>_total | counter | (steps, prefill_chunks, staged_chunks, imports |
-|  |  | (PD), decode_steps, generated_tokens, rotations, preemptions, prefix_hits, |
-|  |  | prefix_misses, prefix_hit_tokens, prefix_query_tokens, host_restores, evictions) |
+| atombatch_engine_<counter>_total | counter | (each scalar of `EngineCounters`: steps, imports |
+|  |  | (PD), prefill_chunks, staged_chunks, decode_steps, generated_tokens, rotations, |
+|  |  | preemptions, prefix_hits, prefix_misses, prefix_hit_tokens, prefix_query_tokens, |
+|  |  | host_restores, evictions, prompt_forks, fork_saved_tokens, slot_saves, |
+|  |  | slot_restores, iteration_tokens_sum) |
 | atombatch_engine_requests_finished_total | counter | reason (engine view, all requests) |
 | atombatch_device_seconds_total | counter | wall time inside device calls |
 | atombatch_host_gap_seconds_total, atombatch_host_gaps_total | counter | the host's time between |
@@ -56,8 +58,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from atombatch.api.reports import SCALAR_COUNTERS, EngineStats
 from atombatch.artifact.config import ArtifactConfig
-from atombatch.engine.batcher import EngineStats
 from atombatch.logs import logger
 from atombatch.serve.metrics_merge import exposition, sum_metrics
 from atombatch.serve.vllm_metrics import VllmEngineFamilies, VllmRequestMetrics
@@ -68,10 +70,7 @@ FRONT_WRITE_INTERVAL = 1.0   # seconds between a shared core's front writing its
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                     20.0, 40.0, 60.0, 120.0, 180.0, 300.0, 600.0)
-_ENGINE_COUNTERS = ("steps", "prefill_chunks", "staged_chunks", "imports", "decode_steps",
-                    "generated_tokens", "rotations", "preemptions", "prefix_hits",
-                    "prefix_misses", "prefix_hit_tokens", "prefix_query_tokens", "host_restores",
-                    "evictions")
+_ENGINE_COUNTERS = SCALAR_COUNTERS  # every scalar engine counter, named once
 
 
 class _EngineCollector(Collector):

@@ -13,6 +13,7 @@ import pytest
 from atombatch import ArtifactConfig, Batcher, SamplingParams, pd
 from atombatch.api import reports
 from atombatch.api.options import EngineOptions
+from atombatch.api.reports import EngineCounters, EngineStats
 from atombatch.api.structs import stop_ids
 from atombatch.api.validation import queue_limit
 from atombatch.cluster import pd_pool, summary
@@ -118,8 +119,8 @@ def test_stop_ids_are_resolved_once_per_request_and_read_everywhere() -> None:
 
 def test_one_engine_options_struct_holds_every_default() -> None:
     """`Batcher(...)`'s keywords default to `EngineOptions`' fields; the server's flags default to
-    its `SERVER_OPTIONS` (the library's but for max_waiting and overlap); the struct pickles and
-    round-trips through msgpack (it crosses into the engine core process)."""
+    its `SERVER_OPTIONS` (the library's but for max_waiting, overlap and request logs); the struct
+    pickles and round-trips through msgpack (it crosses into the engine core process)."""
     defaults = EngineOptions()
     signature = inspect.signature(Batcher.__init__).parameters
     for field in EngineOptions.__struct_fields__:
@@ -127,15 +128,20 @@ def test_one_engine_options_struct_holds_every_default() -> None:
     assert defaults.max_waiting == engine.DEFAULT_MAX_WAITING
     changed = {f for f in EngineOptions.__struct_fields__
                if getattr(SERVER_OPTIONS, f) != getattr(defaults, f)}
-    assert changed == {"max_waiting", "overlap"}
+    assert changed == {"max_waiting", "overlap", "log_requests"}
     args = parser().parse_args([])
     assert (args.max_waiting, args.overlap, args.pd_timeout, args.seed, args.policy,
-            args.host_cache_bytes, args.argmax_threads) == (
+            args.host_cache_bytes, args.argmax_threads, args.enable_log_requests) == (
         SERVER_OPTIONS.max_waiting, SERVER_OPTIONS.overlap, SERVER_OPTIONS.pd_timeout,
         SERVER_OPTIONS.seed, SERVER_OPTIONS.policy, SERVER_OPTIONS.host_cache_bytes,
-        SERVER_OPTIONS.argmax_threads)
+        SERVER_OPTIONS.argmax_threads, SERVER_OPTIONS.log_requests)
     built = engine_options(args, prefix_cache=False)
     assert built == SERVER_OPTIONS
+    logged = engine_options(parser().parse_args(["--enable-log-requests"]), prefix_cache=False)
+    assert logged.log_requests and Batcher.from_options(
+        NullRuntime(ArtifactConfig(model=DEFAULT_SPEC, batch_size=2, max_seq_len=256,
+                                   block_size=256, num_blocks=3, prefill_chunk_size=16),
+                    step_ms=0.0), logged).log_requests
     assert pickle.loads(pickle.dumps(built)) == built
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(built), type=EngineOptions) == built
 
@@ -169,7 +175,12 @@ def test_the_counters_are_listed_once_and_stats_carries_them_all() -> None:
         want = tuple(value) if isinstance(value, list) else value
         assert getattr(stats, name) == want, name
     assert stats.generated_tokens == 6 and stats.finished == {"length": 2}
-    assert set(metrics._ENGINE_COUNTERS) <= set(Counters.__struct_fields__)
+    # one list: the scheduler's Counters and EngineStats extend EngineCounters, and /metrics
+    # exports every scalar counter of it (a counter added there is exported without a new line)
+    assert issubclass(Counters, EngineCounters) and issubclass(EngineStats, EngineCounters)
+    scalars = [name for name in EngineCounters.__struct_fields__
+               if isinstance(getattr(counters, name), int)]
+    assert list(metrics._ENGINE_COUNTERS) == scalars and "slot_saves" in scalars
 
 
 def test_the_per_step_message_is_array_like_and_untracked() -> None:
