@@ -26,6 +26,8 @@ MOVES = {
     "outputs": "engine.outputs", "checkpoints": "engine.checkpoints",
     "pd_intake": "engine.pd_intake", "aio": "engine.aio",
 }
+# modules that moved between packages (dotted under atombatch)
+NESTED = {"cluster.pd_pool": "pd.pool"}
 FOLDERS = ("kernel", "artifact", "api", "sampling", "engine")
 NEW_SUBMODULES = {new.split(".")[1] for new in MOVES.values()}
 SUFFIXES = (".py", ".pyx", ".pxd", ".md", ".toml", ".txt", ".cfg", ".ini", ".sh", ".json", ".yaml",
@@ -56,6 +58,15 @@ def _from_import(match: re.Match[str]) -> str:
 
 
 def rewrite(text: str) -> str:
+    for old, new in NESTED.items():
+        text = re.sub(rf"\batombatch\.{re.escape(old)}\b", "atombatch." + new, text)
+        text = re.sub(rf"\batombatch/{re.escape(old.replace('.', '/'))}\.py\b",
+                      "atombatch/" + new.replace(".", "/") + ".py", text)
+        package, leaf = old.rsplit(".", 1)
+        new_package, new_leaf = new.rsplit(".", 1)
+        alias = "" if leaf == new_leaf else f" as {leaf}"
+        text = re.sub(rf"^(\s*)from atombatch\.{package} import {leaf}\b(?! as)",
+                      rf"\1from atombatch.{new_package} import {new_leaf}{alias}", text, flags=re.M)
     dotted, slashed = _pattern()
     alt = "|".join(re.escape(n) for n in sorted(MOVES, key=len, reverse=True))
     text = dotted.sub(_dotted, text)
@@ -81,6 +92,12 @@ def move() -> None:
             if src.exists():
                 dst = ROOT / "atombatch" / (new.replace(".", "/") + suffix)
                 subprocess.run(["git", "mv", str(src), str(dst)], cwd=ROOT, check=True)
+    for old, new in NESTED.items():
+        src = ROOT / "atombatch" / (old.replace(".", "/") + ".py")
+        if src.exists():
+            subprocess.run(["git", "mv", str(src), str(ROOT / "atombatch" / (new.replace(".", "/")
+                                                                             + ".py"))],
+                           cwd=ROOT, check=True)
 
 
 def main() -> None:

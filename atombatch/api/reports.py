@@ -3,7 +3,7 @@
 Plain structs (msgspec) that the front/core wire (atombatch/core/messages.py), the metrics and the
 router read: a leaf of the import graph, so the wire never imports the engine or the cluster code
 that fills them. Their old homes re-export them (`atombatch.engine.batcher.EngineStats`,
-`atombatch.cluster.pd_pool.ProducerState`, `atombatch.cluster.summary.CacheSummary`).
+`atombatch.pd.pool.ProducerState`, `atombatch.cluster.summary.CacheSummary`).
 """
 
 from __future__ import annotations

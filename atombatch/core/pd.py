@@ -2,7 +2,7 @@
 
 The core decodes, so the KV sources a PD request reads from must be opened there: a source holds a
 ZeroMQ socket and the engine polls it between steps. The core therefore owns the
-`ProducerPool` (atombatch/cluster/pd_pool.py) and opens each request's source itself; nothing but
+`ProducerPool` (atombatch/pd/pool.py) and opens each request's source itself; nothing but
 messages crosses the process boundary:
 
 - `PDOptions` (given to `CoreClient(..., pd=...)`, passed to the core at spawn) turns PD on: the
@@ -41,7 +41,6 @@ import numpy.typing as npt
 
 from atombatch.api.structs import SamplingParams
 from atombatch.artifact.config import ArtifactConfig
-from atombatch.cluster.pd_pool import ProducerPool, ProducerState
 from atombatch.core.messages import (
     PDStats,
     Producers,
@@ -54,6 +53,7 @@ from atombatch.core.messages import (
 )
 from atombatch.errors import AtomBatchError, ConfigError
 from atombatch.logs import logger
+from atombatch.pd.pool import ProducerPool, ProducerState
 
 if TYPE_CHECKING:
     from atombatch.cluster.summary import CacheSummary

@@ -20,13 +20,18 @@ The package is split the way the bounds are (each bound sits next to the code it
 - `checks`: a header against the decoder's artifact and prompt, a layer against its header;
 - `producer`: prefill and export;
 - `source`: the `KVSource` protocol, stream accounting and the in-process source;
-- `zmq_transport`: the ZeroMQ producer server and source, with frame, queue and send bounds.
+- `zmq_transport`: the ZeroMQ producer server and source, with frame, queue and send bounds;
+- `pool`: a decoder's producers, picked by load, a failed one suspect (`ProducerPool`).
+
+The engine's side (polling sources, writing layers) is atombatch/engine/pd_intake.py; the engine
+core's wiring (the pool in the core, probes, registry messages) atombatch/core/pd.py.
 
 The wire protocol is written up in docs/pd.md, the threat model in docs/security.md.
 """
 
 from atombatch.errors import KVTransferError
 from atombatch.pd.checks import validate_header, validate_layer
+from atombatch.pd.pool import ProducerPool
 from atombatch.pd.producer import Producer
 from atombatch.pd.source import InProcessSource, KVSource, LayerStream
 from atombatch.pd.wire import (
@@ -64,6 +69,7 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES", "DEFAULT_MAX_QUEUED_BYTES", "END", "ERROR", "HEADER", "LAYER",
     "MAX_LAYERS", "MODES", "REQUEST", "WIRE_DTYPES", "InProcessSource", "KVHeader", "KVPayload",
     "KVRequest", "KVSource", "KVTransferError", "LayerKV", "LayerStream", "Mode", "Producer",
+    "ProducerPool",
     "ZmqProducerServer", "ZmqSource", "check_header", "decode_header", "decode_layer",
     "encode_header", "expected_layer_tokens", "layer_frames", "max_layer_frame_bytes",
     "max_request_frame_bytes", "model_identity", "validate_header",

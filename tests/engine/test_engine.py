@@ -225,8 +225,8 @@ def test_a_pd_replica_prefills_n_and_logprobs_requests_itself() -> None:
     sample the first token): every such HTTP request failed, after costing a producer prefill
     whose source was never closed. Those requests are prefilled by the replica instead."""
     pytest.importorskip("ray")
-    from atombatch.cluster.pd_pool import ProducerPool
     from atombatch.pd import Producer
+    from atombatch.pd.pool import ProducerPool
     from atombatch.serve.ray import _PooledAsyncBatcher
 
     spec = SPECS["llama"]

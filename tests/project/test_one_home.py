@@ -16,13 +16,14 @@ from atombatch.api.options import EngineOptions
 from atombatch.api.reports import EngineCounters, EngineStats
 from atombatch.api.structs import stop_ids
 from atombatch.api.validation import queue_limit
-from atombatch.cluster import pd_pool, summary
+from atombatch.cluster import summary
 from atombatch.core import messages
 from atombatch.core.shared import SharedCore
 from atombatch.engine import batcher as engine
 from atombatch.engine import pd_intake
 from atombatch.engine.request import Counters, Request, check_stop
 from atombatch.errors import CapacityError, StateError
+from atombatch.pd import pool as pd_pool
 from atombatch.runtime import NullRuntime
 from atombatch.runtime.base import check_decode_rows
 from atombatch.runtime.sim import SimRuntime

@@ -34,7 +34,7 @@ reports the actor dead, and Serve starts a replacement.
 
 PD pools (`--producers M`): M `ProducerActor`s, each a `Producer` behind a `ZmqProducerServer`
 (docs/pd.md); every replica holds a `ProducerPool` and submits each request with a `ZmqSource` to
-the least loaded live producer (see `atombatch.cluster.pd_pool`). Producers register themselves on
+the least loaded live producer (see `atombatch.pd.pool`). Producers register themselves on
 the application's board and deregister when removed; replicas follow the registry, so
 `scale_producers` (or `python -m atombatch.serve.ray --scale-producers M`) changes the pool
 while the application runs.

@@ -190,7 +190,7 @@ class AtomReplica:
             batcher, name, codec = build_engine(args)
             self.batcher = batcher
             if pd:
-                from atombatch.cluster.pd_pool import ProducerPool
+                from atombatch.pd.pool import ProducerPool
 
                 self._registry = board(pd_app)
                 self.pool = ProducerPool()

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from atombatch.cluster.pd_pool import ProducerPool
 from atombatch.errors import CapacityError, KVTransferError
+from atombatch.pd.pool import ProducerPool
 from atombatch.serve.metrics_merge import merge_metrics
 
 

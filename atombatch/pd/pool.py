@@ -30,7 +30,7 @@ import msgspec
 from atombatch.api.reports import ProducerState
 from atombatch.api.structs import SamplingParams
 from atombatch.errors import CapacityError, KVTransferError
-from atombatch.pd import ZmqSource
+from atombatch.pd.zmq_transport import ZmqSource
 
 __all__ = ["ProducerPool", "ProducerState"]
 
