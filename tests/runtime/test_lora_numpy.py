@@ -427,6 +427,25 @@ def test_bf16_adapters_are_widened_exactly(llama_adapter: tuple[ModelSpec, Path]
     assert adapter.identity != load_peft(source, name="f32", lora_int_id=1, spec=spec)[0].identity
 
 
+@pytest.mark.parametrize("prefix", ["base_model.model.model.language_model.layers.",
+                                    "base_model.model.language_model.model.layers."])
+def test_multimodal_wrapper_names_load_as_the_decoder_s(llama_adapter: tuple[ModelSpec, Path],
+                                                       prefix: str, tmp_path: Path) -> None:
+    spec, source = llama_adapter
+    directory = tmp_path / "wrapped"
+    shutil.copytree(source, directory)
+    path = directory / "adapter_model.safetensors"
+    header, body = _header(path)
+    _write(path, {k.replace("base_model.model.model.layers.", prefix): v
+                  for k, v in header.items()}, body)
+    _, plain = load_peft(source, name="plain", lora_int_id=1, spec=spec)
+    _, wrapped = load_peft(directory, name="wrapped", lora_int_id=1, spec=spec)
+    assert plain.pairs.keys() == wrapped.pairs.keys()
+    for key, (a, b) in plain.pairs.items():
+        np.testing.assert_array_equal(wrapped.pairs[key][0], a)
+        np.testing.assert_array_equal(wrapped.pairs[key][1], b)
+
+
 def test_an_adapter_for_another_model_is_refused(case: FamilyCase) -> None:
     others = [f for f in hf.FAMILIES if f != case.family]
     spec = ModelSpec.from_hf_config(hf.hf_config(others[0]).to_dict())
