@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from atombatch.artifact.config import ArtifactConfig, ModelSpec
+from atombatch.artifact.lora import MAX_LORA_RANK, TARGET_MODULES
 from atombatch.errors import ConfigError
 from atombatch.kernel.codes import check_buckets
 
@@ -39,14 +40,14 @@ PREFILL = "prefill"
 HOST_INPUTS = ("input_ids", "cache_position", "block_tables", "local_block_tables",
                "query_position", "attention_mask", "position_ids", "lora_int_ids")
 LORA_INPUT = "lora_int_ids"
-# the projections optimum-rbln 0.12 swaps for its multi-adapter linear (attention and MLP); an
-# adapter targeting anything else would be compiled without that part
-LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                       "down_proj")
+# the projections optimum-rbln 0.12 swaps for its multi-adapter linear (attention and MLP, the
+# same seven atombatch's LoRA math adapts); an adapter targeting anything else would be compiled
+# without that part
+LORA_TARGET_MODULES = TARGET_MODULES
 LORA_ADAPTER_FIELDS = ("lora_int_id", "lora_name", "lora_path", "r", "lora_alpha",
                        "target_modules", "bias", "use_rslora", "scaling_factor")
 MAX_COMPILED_ADAPTERS = 1024       # adapters one lora_config may list
-MAX_COMPILED_LORA_RANK = 4096      # max_lora_rank / r
+MAX_COMPILED_LORA_RANK = MAX_LORA_RANK   # max_lora_rank / r (512, atombatch's LoRA bound)
 MAX_LORA_NAME = 256                # characters of a lora_name
 MAX_LORA_PATH = 4096               # characters of a lora_path
 KV_PREFIX = "past_key_values_"

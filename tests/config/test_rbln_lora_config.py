@@ -191,7 +191,7 @@ BAD = {
     "rank-above-max": ({"adapters": [good_adapter(r=8)], "max_lora_rank": 4},
                        "adapter 'sql' has r=8, above max_lora_rank=4"),
     "max-rank-type": ({"adapters": [good_adapter()], "max_lora_rank": "4"},
-                      r"max_lora_rank='4' must be an integer in 1..4096"),
+                      r"max_lora_rank='4' must be an integer in 1..512"),
     "alpha-zero": ({"adapters": [good_adapter(lora_alpha=0)]},
                    r"lora_alpha=0 must be a positive, finite number"),
     "alpha-nan": ({"adapters": [good_adapter(lora_alpha=float("nan"))]}, r"lora_alpha=nan"),
