@@ -336,12 +336,13 @@ class RebelRuntime:
                              "padding rows included)")
         assert self._lora is not None
         top = len(self._lora.adapters)
-        bad = np.flatnonzero((ids < 0) | (ids > top))
-        if bad.size:
-            row = int(bad[0])
+        if ids.size and (ids.min() < 0 or ids.max() > top):    # scalars: nothing allocated
+            row = int(np.flatnonzero((ids < 0) | (ids > top))[0])
+            names = ", ".join(a.lora_name for a in self._lora.adapters[:8])
+            more = ", ..." if top > 8 else ""
             raise StateError(f"lora_int_ids row {row} holds {int(ids[row])}, which "
                              f"{self.compiled.path} was not compiled with (its ids: 0 = the base "
-                             f"model, 1..{top} = {[a.lora_name for a in self._lora.adapters]})")
+                             f"model, 1..{top} = {names}{more})")
         buffer[...] = ids
 
     def _decoder(self, rows: int) -> tuple[Any, _GraphArgs]:

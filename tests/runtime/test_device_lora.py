@@ -281,7 +281,7 @@ def decode_inputs(rows: int) -> SimpleNamespace:
 
 @pytest.mark.parametrize("ids, message", [
     ([len(ADAPTERS) + 1], r"lora_int_ids row 0 holds 5, which .* was not compiled with \(its "
-                          r"ids: 0 = the base model, 1..4 = \['attn-r4'"),
+                          r"ids: 0 = the base model, 1..4 = attn-r4, "),
     ([-1], "row 0 holds -1"),
     ([0, 1], r"lora_int_ids has shape \(2,\).*graph prefill takes integers \[1\]"),
     ([1.0], "dtype float64"),
