@@ -22,14 +22,16 @@ import pytest
 from fakerebel.compiler import compile_dir, lora_adapter, lora_config
 from support import hf_models as hf
 from support import lora_models as lm
-from support.numerics import GreedyTokens, greedy_reference
+from support.numerics import GreedyTokens, assert_f32_close, greedy_reference, reduction_length
 
-from atombatch import StateError
+from atombatch import RequestError, StateError
 from atombatch.artifact.lora import BASE_LORA_ID, load_peft
 from atombatch.artifact.rbln_config import load
 from atombatch.kernel._blocks_py import DecodeInputs, LaneTable, PrefillInputs
-from atombatch.runtime import RebelRuntime
+from atombatch.pd import Producer
+from atombatch.runtime import NumpyRuntime, RebelRuntime
 from atombatch.runtime.base import Capabilities
+from atombatch.runtime.numpy_runtime import load_safetensors_dir
 from atombatch.runtime.rebel import compiled_adapters
 
 pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
@@ -334,3 +336,34 @@ def test_the_emulated_device_checks_the_input(fake_rebel, tmp_path, case):
                        match="lora_int_ids row 1 holds 7; the graph was compiled with adapter "
                              "ids 0..4"):
         graph(*args[:-1], np.array([0, 7, 0, 0], np.int32))
+
+
+# -- the ATOM as a PD producer under an adapter ------------------------------------------------------
+def test_pd_producer_on_the_device_prefills_under_the_compiled_adapter(fake_rebel, tmp_path, case):
+    """A RebelRuntime producer's payload under adapter k: its first token is peft's, and its KV
+    equals a NumPy producer's with the same PEFT directory loaded (and differs from the base's)."""
+    d = case.compile(tmp_path / "c")
+    device = Producer(RebelRuntime.from_optimum(d))
+    spec = device.runtime.spec
+    host_runtime = NumpyRuntime(device.runtime.artifact, load_safetensors_dir(case.checkpoint))
+    for name in ADAPTERS:
+        host_runtime.add_lora(*load_peft(case.adapter_dirs[name], name=name,
+                                         lora_int_id=lora_id(name), spec=spec))
+    host = Producer(host_runtime)
+    prompt = case.prompts[1]
+    base = device.produce("base", prompt)
+    for name in ADAPTERS:
+        got = device.produce(f"d-{name}", prompt, lora_int_id=lora_id(name))
+        want = host.produce(f"h-{name}", prompt, lora_int_id=lora_id(name))
+        assert got.header.first_token == case.reference(name, prompt)[0]
+        for mine, theirs in zip(got.layers, want.layers, strict=True):
+            for a, b in zip(mine.float32(), theirs.float32(), strict=True):
+                assert_f32_close(a, b, reduction=reduction_length(spec, CONTEXT),
+                                 depth=2 * spec.num_layers + 1, err_msg=f"{name} {mine.layer}")
+        # the KV moves under every adapter but the one that adapts layer 1's outputs only
+        moved = any(not np.allclose(a, b) for mine, plain in zip(got.layers, base.layers,
+                                                                strict=True)
+                    for a, b in zip(mine.float32(), plain.float32(), strict=True))
+        assert moved == (name != "layer1-r16" or spec.num_layers > 2), name
+    with pytest.raises(RequestError, match="lora_int_id=9 is not loaded"):
+        device.produce("r", prompt, lora_int_id=9)
