@@ -42,6 +42,7 @@ CHUNK = 16
 NEW_TOKENS = 6
 PROMPT_LENS = (21, 37, 9, 30)
 ADAPTERS = tuple(lm.CASES)          # compiled lora_int_id i + 1 is ADAPTERS[i]
+FLASH = dict(kvcache_block_size=32, kvcache_num_blocks=B * CONTEXT // 32 + 1)
 EXPLICIT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -73,9 +74,9 @@ class DeviceCase:
 
     def compile(self, directory: Path, **options: Any) -> Path:
         config = lora_config([compiled_entry(n, self.adapter_dirs[n]) for n in ADAPTERS])
+        options = {"kvcache_num_blocks": B + 1, **options}
         return compile_dir(directory, self.checkpoint, batch_size=B, max_seq_len=CONTEXT,
-                           prefill_chunk_size=CHUNK, kvcache_num_blocks=B + 1,
-                           lora_config=config, **options)
+                           prefill_chunk_size=CHUNK, lora_config=config, **options)
 
     def reference(self, adapter: str | None, prompt: list[int]) -> GreedyTokens:
         """transformers + peft's greedy tokens (full recompute per token), computed once."""
@@ -102,8 +103,9 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 class Lanes:
-    """Plays the scheduler for an eager B-lane directory: lane l holds block l, block B is the
-    spare every padding row points at. Each admitted prompt runs its chunked prefill under its
+    """Plays the scheduler for a B-lane directory whose every lane holds a whole sequence: lane l
+    holds blocks l*bps..(l+1)*bps-1 (eager: block l), block B*bps is the spare every padding
+    row points at. Each admitted prompt runs its chunked prefill under its
     adapter; `step` decodes the decoding lanes in the smallest bucket that holds them, each row
     with its lane's id and padding rows with `padding_id` (any compiled id is valid there)."""
 
@@ -115,14 +117,16 @@ class Lanes:
         self.prefill_inputs = PrefillInputs(art.prefill_chunk_size, art.blocks_per_seq)
         self.decode_inputs = DecodeInputs(art.batch_size, art.blocks_per_seq,
                                           art.decoder_batch_sizes)
-        self.spare = art.batch_size
+        self.bps = art.blocks_per_seq
+        self.spare = art.batch_size * self.bps
         self.lane_lora = np.zeros(art.batch_size, dtype=np.int32)
         self.tokens: dict[int, list[int]] = {}
         self.row_ids: list[list[int]] = []
 
     def admit(self, prompt: list[int], lora: int | None) -> int:
         lane = self.lanes.assign()
-        self.lanes.push_block(lane, lane)
+        for block in range(lane * self.bps, (lane + 1) * self.bps):
+            self.lanes.push_block(lane, block)
         self.lane_lora[lane] = lora or 0
         ids = None if lora is None else np.array([lora], dtype=np.int32)
         logits = None
@@ -208,9 +212,12 @@ WAVES: tuple[tuple[tuple[int, str | None], ...], ...] = (
 )
 
 
-@pytest.mark.parametrize("buckets", [[B], [1, 2, 4]], ids=["full", "buckets"])
-def test_mixed_adapters_in_one_decode_batch_equal_peft(fake_rebel, tmp_path, case, buckets):
-    rt = RebelRuntime.from_optimum(case.compile(tmp_path / "c", decoder_batch_sizes=buckets))
+@pytest.mark.parametrize("buckets, layout", [([B], {}), ([1, 2, 4], FLASH)],
+                         ids=["eager-full", "flash-buckets"])
+def test_mixed_adapters_in_one_decode_batch_equal_peft(fake_rebel, tmp_path, case, buckets,
+                                                       layout):
+    rt = RebelRuntime.from_optimum(case.compile(tmp_path / "c", decoder_batch_sizes=buckets,
+                                                **layout))
     top = len(ADAPTERS)
     for wave in WAVES:
         # padding rows carry the last compiled id: valid, and not the base
