@@ -229,3 +229,110 @@ def test_quantized_checkpoint_weights_are_refused_by_name(
     with pytest.raises(ConfigError, match=r"quantization_config \(quant_method='fp8'\) is set: "
                                           "NumpyRuntime computes with float weights"):
         NumpyRuntime.from_pretrained(copy)
+
+
+# -- the device path: an fp8-KV optimum-rbln directory through the emulated rebel -------------------
+QUANTIZED = {"format": "rbln", "weights": "int8", "activations": "fp16", "kv_caches": "fp8"}
+
+
+def fp8_directory(tmp_path: Path, path: Path, **options: Any) -> Path:
+    from fakerebel.compiler import compile_dir
+
+    fields: dict[str, Any] = dict(batch_size=2, max_seq_len=128, prefill_chunk_size=16,
+                                  kvcache_block_size=16, kvcache_num_blocks=9,
+                                  quantization=QUANTIZED)
+    fields.update(options)
+    return compile_dir(tmp_path, path, **fields)
+
+
+def device_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(5)
+    system = rng.integers(3, 512, size=40).tolist()
+    return [rng.integers(3, 512, size=17).tolist(), system + [7, 9, 11],
+            system + rng.integers(3, 512, size=9).tolist()]
+
+
+@pytest.mark.parametrize("family", hf.FAMILIES)
+def test_fp8_device_tokens_equal_the_rounding_reference_with_caches(
+        family: str, checkpoints: dict[str, tuple[Path, Any]], fake_rebel: Any,
+        tmp_path: Path) -> None:
+    from atombatch.runtime import RebelRuntime
+
+    path, model = checkpoints[family]
+    rt = RebelRuntime.from_optimum(fp8_directory(tmp_path / "c", path))
+    assert rt.compiled.kv_dtype == FP8 and rt.read_block(0).dtype == np.uint8
+    assert rt._staging.ctypes.data % 4096 == 0
+    prompts = device_prompts()
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    references = [greedy_reference(model, p, NEW_TOKENS,
+                                   lambda m, seq: rounding_logits(m, seq)[-1]) for p in prompts]
+    # two lanes, 16-token blocks, 9 blocks: prompts evict each other's cached blocks, repeats
+    # come back from the host cache (hybrid models: with their sliding-slot checkpoints)
+    batcher = Batcher(rt, prefix_cache=True, host_cache_bytes=1 << 20)
+    sequence = prompts + prompts[::-1]
+    got = [list(batcher.generate([p], params)[0].token_ids) for p in sequence]
+    assert got[:3] == references and got[3:] == references[::-1]   # noqa: SIM300
+    batcher.check_invariants()
+    stats = batcher.stats()
+    assert stats.prefix_hits >= 2 and stats.evictions > 0 and stats.host_restores > 0
+    assert fake_rebel.KV_CALLS["_fetch_kv_cache"] and fake_rebel.KV_CALLS["_update_kv_cache"]
+    host = batcher.host_cache
+    assert host is not None and len(host) > 0
+    assert {entry.data.dtype for entry in host._lru.values()} == {np.dtype(np.uint8)}
+
+
+def test_fp8_host_cache_holds_half_the_bytes_of_bfloat16(
+        checkpoints: dict[str, tuple[Path, Any]], fake_rebel: Any, tmp_path: Path) -> None:
+    from atombatch.runtime import RebelRuntime
+
+    path, _ = checkpoints["llama"]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    per_block = {}
+    for name, options in (("bf16", dict(dtype="bfloat16", quantization=None)),
+                          ("fp8", {})):
+        rt = RebelRuntime.from_optimum(fp8_directory(tmp_path / name, path, **options))
+        batcher = Batcher(rt, prefix_cache=True, host_cache_bytes=1 << 20)
+        for p in device_prompts() * 2:
+            batcher.generate([p], params)
+        host = batcher.host_cache
+        assert host is not None and host.stores > 0
+        sizes = {int(entry.data.nbytes) for entry in host._lru.values()}
+        assert len(sizes) == 1 and host.used_bytes == len(host) * sizes.pop()
+        per_block[name] = host.used_bytes // len(host)
+    spec = ModelSpec.from_pretrained(path)
+    assert per_block["fp8"] == 2 * spec.num_layers * spec.num_kv_heads * 16 * spec.head_dim
+    assert per_block["bf16"] == 2 * per_block["fp8"]
+
+
+def test_the_emulated_device_enforces_float8_caches(
+        checkpoints: dict[str, tuple[Path, Any]], fake_rebel: Any, tmp_path: Path) -> None:
+    import json
+
+    from atombatch.runtime import RebelRuntime
+
+    path, _ = checkpoints["llama"]
+    d = fp8_directory(tmp_path / "c", path)
+    rt = RebelRuntime.from_optimum(d)
+    spec = rt.spec
+    # a host buffer of another dtype is refused by the KV methods
+    wide = np.zeros(spec.num_kv_heads * 16 * spec.head_dim + 4096, np.uint16)
+    start = (-wide.ctypes.data) % 4096 // 2
+    host = wide[start : start + spec.num_kv_heads * 16 * spec.head_dim]
+    with pytest.raises(fake_rebel.RBLNRuntimeError, match="uint16 is not the cache's "
+                                                          "float8_e4m3fn"):
+        rt._prefill._fetch_kv_cache(host, 0, 0, 16, rt.cache_name(0, False))
+    # the device's caches hold e4m3 values: what the prefill wrote is exactly representable
+    rt.write_layer_kv(0, np.full((spec.num_kv_heads, 3, spec.head_dim), 3.3, np.float32),
+                      np.full((spec.num_kv_heads, 3, spec.head_dim), -1000.0, np.float32), [4])
+    k, v = rt.read_layer_kv(0, [4], 3)
+    assert set(np.unique(k)) == {3.25} and set(np.unique(v)) == {-448.0}
+    device = fake_rebel._device(d, 0)
+    assert device.rt.kv.dtype.name == FP8
+    # a graph compiled with other caches than the device holds does not load
+    graph = json.loads((d / "decoder_batch_2.rbln").read_text())
+    graph["input_info"][-1][2] = "bfloat16"
+    (d / "decoder_batch_2.rbln").write_text(json.dumps(graph))
+    with pytest.raises(fake_rebel.RBLNRuntimeError, match="past_key_values_3 is declared "
+                                                          "bfloat16, the device's caches are "
+                                                          "float8_e4m3fn"):
+        fake_rebel.Runtime(str(d / "decoder_batch_2.rbln"), tensor_type="np")
