@@ -328,6 +328,15 @@ def test_the_emulated_device_enforces_float8_caches(
     assert set(np.unique(k)) == {3.25} and set(np.unique(v)) == {-448.0}
     device = fake_rebel._device(d, 0)
     assert device.rt.kv.dtype.name == FP8
+    # block moves carry the bytes: read (uint8, 4 KiB-aligned staging), copy on device, write
+    block = rt.read_block(4)
+    assert block.dtype == np.uint8 and block.nbytes == rt.read_block(0).nbytes
+    assert block.nbytes == 2 * spec.num_layers * spec.num_kv_heads * 16 * spec.head_dim
+    rt.copy_block(4, 6)
+    rt.write_block(7, block)
+    for other in (6, 7):
+        np.testing.assert_array_equal(rt.read_block(other), block)
+    np.testing.assert_array_equal(device.rt.kv[0, 0, 7].view(np.uint8), block[0, 0])
     # a graph compiled with other caches than the device holds does not load
     graph = json.loads((d / "decoder_batch_2.rbln").read_text())
     graph["input_info"][-1][2] = "bfloat16"
