@@ -105,10 +105,3 @@ def decode(host: npt.NDArray[Any], kv_dtype: str) -> npt.NDArray[np.float32]:
         return np.ascontiguousarray(host).view(float8_dtype()).astype(np.float32)
     return np.array(host, dtype=np.float32)
 
-
-def widens_exactly(narrow: str, wide: str) -> bool:
-    """True when every `narrow` value is a `wide` value (float8 into any of the others, the
-    16-bit types into float32, a type into itself)."""
-    if narrow == wide or wide == "float32":
-        return True
-    return narrow == FLOAT8

@@ -40,11 +40,11 @@ PREFILL = "prefill"
 HOST_INPUTS = ("input_ids", "cache_position", "block_tables", "local_block_tables",
                "query_position", "attention_mask", "position_ids")
 KV_PREFIX = "past_key_values_"
-# optimum-rbln's per-NPU attention limits (modeling_attention_utils.AttentionLimits):
-# (max eager max_seq_len, min and max flash partition length, max sliding window).
 # optimum-rbln 0.12's RBLNQuantizationConfig: the values each field may take
 QUANT_FORMATS = {"format": ("rbln",), "weights": ("int4", "int8", "fp8", "fp16"),
                  "activations": ("int8", "fp8", "fp16"), "kv_caches": ("fp8", "fp16")}
+# optimum-rbln's per-NPU attention limits (modeling_attention_utils.AttentionLimits):
+# (max eager max_seq_len, min and max flash partition length, max sliding window).
 NPU_LIMITS = {"RBLN-CA": ("ATOM", 32_768, 1_024, 32_768, 32_768),
               "RBLN-CR": ("REBEL", 16_384, 1_024, 16_384, 32_767)}
 
