@@ -219,3 +219,53 @@ def test_an_fp8_device_imports_and_exports_fp8_kv(fake_rebel: Any, tmp_path: Pat
     rid = decoder.submit(work[1], PARAMS, kv=InProcessSource(list(payload.items()), "whole"))
     assert tuple(run_to_end(decoder)[rid].completion.token_ids) == want[1]
     assert decoder.runtime.prefill_calls == 0
+
+
+# -- across processes: fp8 frames over ZeroMQ ------------------------------------------------------
+@pytest.fixture(scope="module")
+def fp8_zmq_producer() -> Any:
+    import multiprocessing
+
+    from support.producers import run_producer_process
+    from support.served import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    layout = dict(batch_size=2, max_seq_len=96, block_size=32, num_blocks=7,
+                  prefill_chunk_size=32, kv_dtype=FP8)
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_producer_process, args=(SPECS["llama"], layout, SEED, endpoint),
+        kwargs=dict(dtype=FP8), daemon=True)
+    proc.start()
+    yield endpoint
+    proc.kill()
+    proc.join(10)
+
+
+@pytest.mark.parametrize("mode", ["whole", "layer-stream"])
+def test_fp8_payloads_cross_processes_and_wide_decoders_refuse_them(fp8_zmq_producer: str,
+                                                                     mode: str) -> None:
+    from atombatch.pd import ZmqSource
+
+    spec = SPECS["llama"]
+    work = prompts(3, seed=9)
+    layout = art(spec, 4, 5, FP8, chunk=32)
+    batcher = Batcher(NumpyRuntime.random(layout, SEED), pd_timeout=60.0)
+    ids = [batcher.submit(p, PARAMS, kv=ZmqSource(fp8_zmq_producer, f"pd-{i}", p, PARAMS,
+                                                  mode=mode, artifact=layout))
+           for i, p in enumerate(work)]
+    finals = run_to_end(batcher)
+    assert [tuple(finals[i].completion.token_ids) for i in ids] == native(layout, work), \
+        [finals[i].error for i in ids]
+    # a bfloat16-KV decoder refuses the header (checked as it arrives), the others carry on
+    wide = art(spec, 2, 3, "bfloat16", chunk=32)
+    batcher = Batcher(NumpyRuntime.random(wide, SEED), pd_timeout=60.0)
+    bad = batcher.submit(work[0], PARAMS, kv=ZmqSource(fp8_zmq_producer, "pd-bad", work[0],
+                                                       PARAMS, mode=mode, artifact=wide))
+    good = batcher.submit(work[1], PARAMS)
+    finals = run_to_end(batcher)
+    assert finals[bad].finish_reason == "error"
+    assert "dtype='float8_e4m3fn'" in finals[bad].error
+    assert "kv_dtype='bfloat16'" in finals[bad].error
+    assert tuple(finals[good].completion.token_ids) == native(wide, work[1:2])[0]
+    stats = batcher.stats()
+    assert stats.occupied_lanes == 0 and stats.lane_blocks == 0 and stats.staged_blocks == 0
