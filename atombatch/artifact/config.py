@@ -22,7 +22,10 @@ Family = Literal["llama", "qwen3", "gemma3"]
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# bytes per element of a weight, activation or KV dtype; float8_e4m3fn is a KV dtype only
+# (optimum-rbln's `quantization.kv_caches="fp8"`, atombatch/artifact/kv_dtype.py)
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+MODEL_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -85,8 +88,8 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if SLIDING in self.layer_types and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window={self.sliding_window} must be positive for a model "
                               "with sliding layers")
-        if self.dtype not in DTYPE_BYTES:
-            raise ConfigError(f"dtype={self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not one of {sorted(MODEL_DTYPES)}")
 
     # -- derived --------------------------------------------------------------------------------
     @property
@@ -230,7 +233,7 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
+            dtype=dtype if dtype in MODEL_DTYPES else "bfloat16",
         )
 
 

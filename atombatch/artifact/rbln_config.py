@@ -19,6 +19,12 @@ LoRA (`lora_config`): optimum-rbln compiles every adapter into the graphs, numbe
 every graph then takes one more input, `lora_int_ids` int32 `[batch]`, after the others: each row's
 compiled adapter. `load` reads the adapters into `OptimumArtifact.lora` (`LoraCompileConfig`) and
 checks each field (docs/lora.md, "Compiled adapters on ATOM").
+
+Quantized artifacts (optimum-rbln's `quantization`: `format`, `weights`, `activations`,
+`kv_caches`) are accepted: the weights and activations formats live inside the compiled graphs,
+which atombatch never looks into; the KV dtype is what atombatch moves. With `kv_caches="fp8"`
+optimum-rbln records every `past_key_values_*` input as `float8_e4m3fn`; the KV dtype is read
+from those inputs where the file records them, and must agree with `quantization` and `dtype`.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 import msgspec
 
 from atombatch.artifact.config import ArtifactConfig, ModelSpec
+from atombatch.artifact.kv_dtype import FLOAT8
 from atombatch.artifact.lora import MAX_LORA_RANK, TARGET_MODULES
 from atombatch.errors import ConfigError
 from atombatch.kernel.codes import check_buckets
@@ -51,6 +58,9 @@ MAX_COMPILED_LORA_RANK = MAX_LORA_RANK   # max_lora_rank / r (512, atombatch's L
 MAX_LORA_NAME = 256                # characters of a lora_name
 MAX_LORA_PATH = 4096               # characters of a lora_path
 KV_PREFIX = "past_key_values_"
+# optimum-rbln 0.12's RBLNQuantizationConfig: the values each field may take
+QUANT_FORMATS = {"format": ("rbln",), "weights": ("int4", "int8", "fp8", "fp16"),
+                 "activations": ("int8", "fp8", "fp16"), "kv_caches": ("fp8", "fp16")}
 # optimum-rbln's per-NPU attention limits (modeling_attention_utils.AttentionLimits):
 # (max eager max_seq_len, min and max flash partition length, max sliding window).
 NPU_LIMITS = {"RBLN-CA": ("ATOM", 32_768, 1_024, 32_768, 32_768),
@@ -63,6 +73,15 @@ class GraphInput(msgspec.Struct, frozen=True):
     name: str
     shape: tuple[int, ...]
     dtype: str
+
+
+class Quantization(msgspec.Struct, frozen=True):
+    """optimum-rbln's `quantization` of a compiled directory (each field defaults as there)."""
+
+    format: str = "rbln"               # the only format optimum-rbln 0.12 writes
+    weights: str = "fp16"              # "int4" | "int8" | "fp8" | "fp16" (inside the graphs)
+    activations: str = "fp16"          # "int8" | "fp8" | "fp16" (inside the graphs)
+    kv_caches: str = "fp16"            # "fp8": the KV caches are float8_e4m3fn
 
 
 class CompiledGraph(msgspec.Struct, frozen=True):
@@ -124,6 +143,12 @@ class OptimumArtifact(msgspec.Struct, frozen=True):
     kv_caches: tuple[GraphInput, ...]          # past_key_values_{i}, device-resident
     output_hidden_states: bool = False
     lora: LoraCompileConfig | None = None      # the compiled adapters (graphs take lora_int_ids)
+    quantization: Quantization | None = None   # None: a float artifact
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV caches' element type (`dtype`, or float8_e4m3fn with fp8 KV caches)."""
+        return self.artifact.kv_dtype
 
     @property
     def decoder_batch_sizes(self) -> tuple[int, ...]:
@@ -235,9 +260,10 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
             must agree.
     Raises:
         ConfigError: a missing file, a missing, ill-typed or contradicting field, an option
-            atombatch does not support (inputs_embeds, fp8 KV caches, batch sorting), a
-            `lora_config` field out of its bounds (`read_lora_config`), or an
-            artifact that breaks atombatch's admission rules; the message names the field.
+            atombatch does not support (inputs_embeds, batch sorting), a `lora_config` field
+            out of its bounds (`read_lora_config`), a KV dtype that contradicts
+            `quantization`, or an artifact that breaks atombatch's admission rules; the message
+            names the field.
     """
     path = Path(model_dir)
     if path.name == CONFIG_FILE:
@@ -256,6 +282,7 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
 
     _refuse_unsupported(raw)
     lora = read_lora_config(raw.get("lora_config"))
+    quantization = _quantization(raw)
 
     # -- shapes ------------------------------------------------------------------------------------
     batch_size = _positive(raw, "batch_size", 1)
@@ -348,11 +375,13 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
         raise ConfigError(f"{CONFIG_FILE}: {exc}") from None
 
     tp = _tensor_parallel(raw, cfgs_raw)
+    recorded = _recorded_inputs(cfgs_raw)
+    kv_dtype = _kv_dtype(recorded, quantization, dtype)
 
     try:
         artifact = _artifact(spec, batch_size=batch_size, max_seq_len=max_seq_len,
                              block_size=block_size, num_blocks=num_blocks,
-                             prefill_chunk_size=chunk, tensor_parallel=tp, kv_dtype=dtype,
+                             prefill_chunk_size=chunk, tensor_parallel=tp, kv_dtype=kv_dtype,
                              buckets=buckets)
     except ConfigError as exc:
         raise ConfigError(f"{CONFIG_FILE} (batch_size={batch_size}, max_seq_len={max_seq_len}, "
@@ -360,13 +389,12 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
                           f"prefill_chunk_size={chunk}): {exc} (docs/device.md)") from None
 
     # -- graphs: names, files, input lists -----------------------------------------------------------
-    recorded = _recorded_inputs(cfgs_raw)
     wanted = [PREFILL] + [f"decoder_batch_{b}" for b in buckets]
     if recorded and set(recorded) != set(wanted):
         raise ConfigError(f"{CONFIG_FILE}: _compile_cfgs names {sorted(recorded)} contradict "
                           f"phases and decoder_batch_sizes, which need {wanted}")
     kv = kv_cache_inputs(spec, num_blocks=num_blocks, block_size=block_size,
-                         batch_size=batch_size, dtype=dtype)
+                         batch_size=batch_size, dtype=kv_dtype)
     common = dict(max_seq_len=max_seq_len, block_size=block_size,
                   global_attention=global_attention, local_attention=local_attention,
                   logits_to_keep=logits_to_keep, use_attention_mask=use_mask,
@@ -390,7 +418,8 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
         use_position_ids=use_pos, dtype=dtype, npu=npu,
         optimum_rbln_version=_get(raw, "optimum_rbln_version", str, None),
         prefill=graphs[0], decoders=tuple(graphs[1:]), kv_caches=kv,
-        output_hidden_states=_get(raw, "output_hidden_states", bool, False), lora=lora)
+        output_hidden_states=_get(raw, "output_hidden_states", bool, False), lora=lora,
+        quantization=quantization)
 
 
 def load_artifact(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> ArtifactConfig:
@@ -415,10 +444,6 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
     if _get(raw, "use_inputs_embeds", bool, False):
         raise ConfigError(f"{CONFIG_FILE}: use_inputs_embeds=true is not supported: atombatch "
                           "feeds input_ids; recompile without it")
-    quant = _get(raw, "quantization", dict, {})
-    if quant.get("kv_caches") == "fp8":
-        raise ConfigError(f"{CONFIG_FILE}: quantization.kv_caches='fp8' is not supported: "
-                          "atombatch moves KV as bfloat16/float16/float32")
     if _get(raw, "_requires_batch_sort", bool, False):
         raise ConfigError(f"{CONFIG_FILE}: _requires_batch_sort=true: this graph needs decode "
                           "rows sorted by length, but atombatch packs rows in lane order")
@@ -551,6 +576,45 @@ def _lora_adapter(where: str, raw: Any) -> CompiledAdapter:
     return CompiledAdapter(lora_int_id=lora_int_id, lora_name=name, lora_path=path, r=r,
                            lora_alpha=alpha, target_modules=tuple(modules), use_rslora=rslora,
                            scaling_factor=positive("scaling_factor", 1.0))
+def _quantization(raw: dict[str, Any]) -> Quantization | None:
+    """`quantization`, each field checked against optimum-rbln's values (None when empty)."""
+    quant = _get(raw, "quantization", dict, {})
+    if not quant:
+        return None
+    fields = {}
+    for field, allowed in QUANT_FORMATS.items():
+        value = quant.get(field)
+        if value is None:
+            continue
+        if value not in allowed:
+            raise ConfigError(f"{CONFIG_FILE}: quantization.{field}={value!r} is not one of "
+                              f"{list(allowed)} (optimum-rbln 0.12)")
+        fields[field] = value
+    return Quantization(**fields)
+
+
+def _kv_dtype(recorded: dict[str, tuple[GraphInput, ...]], quantization: Quantization | None,
+              dtype: str) -> str:
+    """The KV caches' dtype: as the graphs record their `past_key_values_*` inputs (one dtype
+    for all of them), which must be what `quantization.kv_caches` and `dtype` give."""
+    declared = FLOAT8 if quantization and quantization.kv_caches == "fp8" else dtype
+    seen: tuple[str, str, str] | None = None   # (dtype, graph, input) of the first cache
+    for graph, info in recorded.items():
+        for item in info:
+            if not item.name.startswith(KV_PREFIX):
+                continue
+            if seen is None:
+                seen = (item.dtype, graph, item.name)
+            elif item.dtype != seen[0]:
+                raise ConfigError(f"{CONFIG_FILE}: _compile_cfgs[{graph}].input_info "
+                                  f"{item.name} is {item.dtype}, but _compile_cfgs[{seen[1]}] "
+                                  f"{seen[2]} is {seen[0]}: the KV caches have one dtype")
+    if seen is not None and seen[0] != declared:
+        kv = quantization.kv_caches if quantization else "fp16"
+        raise ConfigError(f"{CONFIG_FILE}: _compile_cfgs[{seen[1]}].input_info {seen[2]} is "
+                          f"{seen[0]}, but quantization.kv_caches={kv!r} with dtype={dtype!r} "
+                          f"gives {declared}")
+    return declared
 
 
 def _tensor_parallel(raw: dict[str, Any], cfgs_raw: list[Any]) -> int:

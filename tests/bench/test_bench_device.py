@@ -28,6 +28,10 @@ CASES = {
     "gemma3 flash B4 buckets 2,4": ("gemma3", dict(kvcache_block_size=32, kvcache_num_blocks=17,
                                                    decoder_batch_sizes=[2, 4])),
     "llama B1/k2": ("llama", dict(batch_size=1, kvcache_num_blocks=2)),
+    # optimum-rbln's fp8 KV caches: the host round trip and the slot snapshot move e4m3 bytes
+    "gemma3 flash fp8 KV": ("gemma3", dict(kvcache_block_size=32, kvcache_num_blocks=17,
+                                           quantization={"weights": "int8",
+                                                         "kv_caches": "fp8"})),
 }
 
 
