@@ -49,6 +49,8 @@ class FitCell(msgspec.Struct, frozen=True):
     tensor_parallel: int                # devices
     result: plan.FitResult | None       # the projection, or None when the config is illegal
     rejected: str | None = None         # the ConfigError message when the config is illegal
+    max_lora_adapters: int | None = None  # adapters of --max-lora-rank that fit (-1: the artifact
+                                          #   alone does not fit); None when not asked
 
 
 class FitReport(msgspec.Struct, frozen=True):
@@ -102,9 +104,35 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--estimate", action="store_true",
                         help="single artifact: use the estimate even where the table uses the "
                              "origin observation (koni-8b, one device, context 9216)")
+    lora = parser.add_argument_group(
+        "LoRA adapters (compiled into the artifact, optimum-rbln 0.12: every adapter padded to "
+        "--max-lora-rank, plus the reserved base adapter 0)")
+    lora.add_argument("--lora-count", type=int, default=None,
+                      help="user adapters to count beside the KV cache")
+    lora.add_argument("--max-lora-rank", type=int, default=None,
+                      help="rank every adapter is padded to (optimum-rbln's max_lora_rank); "
+                           "alone, prints how many adapters of that rank fit")
+    lora.add_argument("--lora-target-modules", type=_modules, default=plan.LORA_TARGET_MODULES,
+                      help="comma-separated projections the adapters target (default all: "
+                           f"{','.join(plan.LORA_TARGET_MODULES)})")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
                         help="also write the results as JSON")
     return parser
+
+
+def _modules(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def lora_plan(args: argparse.Namespace) -> plan.LoraPlan | None:
+    """The adapters `--lora-count` / `--max-lora-rank` / `--lora-target-modules` describe."""
+    if args.lora_count is None:
+        return None
+    if args.max_lora_rank is None:
+        raise ConfigError(f"--lora-count={args.lora_count} needs --max-lora-rank: every "
+                          "adapter is padded to it")
+    return plan.LoraPlan(count=args.lora_count, max_rank=args.max_lora_rank,
+                         target_modules=args.lora_target_modules)
 
 
 def _cell(model: str, batch_size: int, num_blocks: int, max_seq_len: int, block_size: int,
@@ -122,8 +150,13 @@ def _cell(model: str, batch_size: int, num_blocks: int, max_seq_len: int, block_
     used, observed_artifact = observed if observed else (None, None)
     result = plan.fit(artifact, device_bytes=args.device_bytes, observed_used_bytes=used,
                       observed_artifact=observed_artifact,
-                      runtime_overhead_bytes=args.runtime_overhead_bytes)
-    return FitCell(**shape, result=result)  # type: ignore[arg-type]
+                      runtime_overhead_bytes=args.runtime_overhead_bytes, lora=lora_plan(args))
+    adapters = None
+    if args.max_lora_rank is not None:
+        adapters = plan.max_lora_adapters(
+            artifact, args.max_lora_rank, args.lora_target_modules, args.device_bytes, used,
+            observed_artifact, runtime_overhead_bytes=args.runtime_overhead_bytes)
+    return FitCell(**shape, result=result, max_lora_adapters=adapters)  # type: ignore[arg-type]
 
 
 def table_cells(args: argparse.Namespace) -> list[FitCell]:
@@ -190,9 +223,10 @@ def format_table(cells: list[FitCell], device_bytes: int, overhead: int) -> str:
     return "\n".join(lines)
 
 
-def format_single(result: plan.FitResult) -> str:
+def format_single(result: plan.FitResult, max_lora_adapters: int | None = None,
+                  max_lora_rank: int | None = None, batch_size: int | None = None) -> str:
     """One artifact in the table's words: KV/device, other/device, projected, headroom, verdict,
-    basis."""
+    basis (and the adapters, when asked)."""
     lines = [f"{result.label}  identity {result.identity}"]
     for group in result.kv_groups:
         shape = ",".join(str(dim) for dim in group.shape)
@@ -209,6 +243,15 @@ def format_single(result: plan.FitResult) -> str:
               f"  {'verdict':<13} {'fits' if result.fits else 'DOES NOT FIT'}",
               f"  {'basis':<13} {basis}",
               f"  {'how':<13} {result.basis}"]
+    if result.lora is not None:
+        lines.insert(3, f"  {'LoRA':<13} {result.lora_bytes:>{width},} bytes, inside other "
+                        f"({result.lora.count} adapters + the reserved base, padded to rank "
+                        f"{result.lora.max_rank}, {','.join(result.lora.target_modules)})")
+    if max_lora_adapters is not None:
+        fits_text = ("none: the artifact alone does not fit" if max_lora_adapters < 0
+                     else f"{max_lora_adapters}")
+        lines.append(f"  {'adapters':<13} rank {max_lora_rank} adapters that fit beside "
+                     f"{batch_size} lanes: {fits_text}")
     return "\n".join(lines)
 
 
@@ -234,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     table = args.table or args.model is None
+    try:
+        lora_plan(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
     if table:
         cells = table_cells(args)
@@ -269,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         if cell.result is None:
             print(f"error: {cell.rejected}", file=sys.stderr)
             return 2
-        print(format_single(cell.result))
+        print(format_single(cell.result, cell.max_lora_adapters, args.max_lora_rank,
+                            cell.batch_size))
         cells = [cell]
         status = 0 if cell.result.fits else 1
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from pathlib import Path
 
@@ -317,3 +319,142 @@ def test_fit_table_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     report = msgspec.json.decode(path.read_bytes(), type=fit_cli.FitReport)
     assert len(report.cells) == 32
     assert report.command == "fit"
+
+
+# -- tiny checkpoints: independent counts of their tensors ------------------------------------------
+
+def _safetensors_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the safetensors header (8-byte length, then JSON): no library."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with path.open("rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        shapes.update({name: tuple(info["shape"]) for name, info in header.items()
+                       if name != "__metadata__"})
+    return shapes
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory
+                     ) -> dict[str, tuple[ModelSpec, dict[str, tuple[int, ...]]]]:
+    """Each family's tiny bfloat16 checkpoint: its spec (config.json) and its tensors' shapes."""
+    from support.hf_models import FAMILIES, save_checkpoint
+
+    out = {}
+    for family in FAMILIES:
+        directory = save_checkpoint(family, tmp_path_factory.mktemp(family), dtype="bfloat16")
+        out[family] = (ModelSpec.from_pretrained(directory), _safetensors_shapes(directory))
+    return out
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _projection(name: str) -> str | None:
+    """`model.layers.3.mlp.up_proj.weight` -> `up_proj`; None for any other tensor."""
+    parts = name.split(".")
+    return parts[-2] if parts[-1] == "weight" and parts[-2] in PROJECTIONS else None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_weight_bytes_equal_the_checkpoint_tensors(
+        family: str, tiny_checkpoints: dict[str, tuple[ModelSpec, dict[str, tuple[int, ...]]]]
+) -> None:
+    spec, shapes = tiny_checkpoints[family]
+    assert sum(math.prod(shape) for shape in shapes.values()) * 2 == plan.weight_bytes(spec)
+
+
+# -- LoRA adapters (issue 41 item 5) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize(("count", "rank", "modules"), [
+    (1, 8, PROJECTIONS), (3, 16, ("q_proj", "v_proj")), (5, 4, ("o_proj", "down_proj", "k_proj"))])
+def test_lora_bytes_equal_an_independent_sum_over_modules_and_layers(
+        family: str, count: int, rank: int, modules: tuple[str, ...],
+        tiny_checkpoints: dict[str, tuple[ModelSpec, dict[str, tuple[int, ...]]]]) -> None:
+    spec, shapes = tiny_checkpoints[family]
+    # Each targeted projection weight [out, in] of each layer holds A [adapters, in, rank] and
+    # B [adapters, rank, out], adapters = count + the reserved base adapter 0, in bf16.
+    expected = 0
+    for name, shape in shapes.items():
+        if _projection(name) in modules:
+            out_features, in_features = shape
+            expected += (count + 1) * (in_features * rank + rank * out_features) * 2
+    lora = plan.LoraPlan(count=count, max_rank=rank, target_modules=modules)
+    assert plan.lora_bytes(spec, lora) == expected
+    assert expected > 0
+
+
+def test_lora_counts_in_the_projection_and_the_headroom() -> None:
+    art = eager("koni-8b", 4, 5, tp=2)
+    bare = plan.fit(art)
+    lora = plan.LoraPlan(count=8, max_rank=16)
+    with_lora = plan.fit(art, lora=lora)
+    # KONI, all seven projections: 32 layers x 16 x (in + out summed over them) x 2 bytes, x 9.
+    per_adapter = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336)) * 2
+    assert with_lora.lora_bytes == 9 * per_adapter == 754_974_720
+    assert with_lora.other_bytes - bare.other_bytes == with_lora.lora_bytes
+    assert with_lora.kv_bytes == bare.kv_bytes
+    assert with_lora.lora == lora
+    assert "LoRA 754,974,720" in with_lora.basis
+    # observed method: the adapters are added to the observed non-KV bytes as well
+    observed = plan.fit(eager("koni-8b", 1, 1), observed_used_bytes=ORIGIN_USED, lora=lora)
+    assert observed.projected_bytes == ORIGIN_USED + 754_974_720
+    assert not observed.fits
+    # no adapter, no LoRA graph: nothing counted
+    assert plan.lora_bytes(art.model, plan.LoraPlan(count=0, max_rank=64)) == 0
+
+
+def test_max_lora_adapters_is_the_last_count_that_fits() -> None:
+    for art in (eager("koni-8b", 4, 5, tp=2), eager("qwen3-4b", 2, 3), eager("gemma3-1b", 4, 5)):
+        for rank, modules in ((16, PROJECTIONS), (64, ("q_proj", "v_proj"))):
+            n = plan.max_lora_adapters(art, rank, modules)
+            assert n > 0
+            assert plan.fit(art, lora=plan.LoraPlan(n, rank, modules)).fits
+            assert not plan.fit(art, lora=plan.LoraPlan(n + 1, rank, modules)).fits
+    # an artifact that does not fit alone has room for none
+    assert plan.max_lora_adapters(eager("koni-8b", 1, 5), 8, observed_used_bytes=ORIGIN_USED,
+                                  observed_artifact=eager("koni-8b", 1, 1)) == -1
+
+
+def test_lora_plan_rejects_bad_inputs() -> None:
+    with pytest.raises(ConfigError, match="max_lora_rank=0 must be a positive integer"):
+        plan.LoraPlan(count=1, max_rank=0)
+    with pytest.raises(ConfigError, match="lora count=-1"):
+        plan.LoraPlan(count=-1, max_rank=8)
+    with pytest.raises(ConfigError, match="'lm_head' is not one of q_proj"):
+        plan.LoraPlan(count=1, max_rank=8, target_modules=("lm_head",))
+    with pytest.raises(ConfigError, match="names a module twice"):
+        plan.LoraPlan(count=1, max_rank=8, target_modules=("q_proj", "q_proj"))
+    with pytest.raises(ConfigError, match="target_modules is empty"):
+        plan.LoraPlan(count=1, max_rank=8, target_modules=())
+
+
+def test_fit_cli_lora(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "lora.json"
+    status = fit_cli.main(["--model", "koni-8b", "--batch-size", "4", "--num-blocks", "5",
+                           "--tensor-parallel", "2", "--lora-count", "8", "--max-lora-rank", "16",
+                           "--json", str(path)])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  LoRA +754,974,720 bytes, inside other \(8 adapters", out, re.M)
+    expected = plan.max_lora_adapters(eager("koni-8b", 4, 5, tp=2), 16)
+    assert f"rank 16 adapters that fit beside 4 lanes: {expected}" in out
+    (cell,) = msgspec.json.decode(path.read_bytes(), type=fit_cli.FitReport).cells
+    assert cell.max_lora_adapters == expected
+    assert cell.result is not None and cell.result.lora_bytes == 754_974_720
+
+    # the rank alone asks how many fit; target modules narrow the count
+    assert fit_cli.main(["--model", "qwen3-4b", "--batch-size", "2", "--max-lora-rank", "64",
+                         "--lora-target-modules", "q_proj,v_proj"]) == 0
+    expected = plan.max_lora_adapters(eager("qwen3-4b", 2, 3), 64, ("q_proj", "v_proj"))
+    assert f"rank 64 adapters that fit beside 2 lanes: {expected}" in capsys.readouterr().out
+
+
+def test_fit_cli_lora_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert fit_cli.main(["--model", "qwen3-4b", "--lora-count", "3"]) == 2
+    assert "--lora-count=3 needs --max-lora-rank" in capsys.readouterr().err
+    assert fit_cli.main(["--model", "qwen3-4b", "--lora-count", "3", "--max-lora-rank", "8",
+                         "--lora-target-modules", "q_proj,embed"]) == 2
+    assert "'embed' is not one of" in capsys.readouterr().err
