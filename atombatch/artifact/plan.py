@@ -38,8 +38,16 @@ import msgspec
 from atombatch.artifact.config import DTYPE_BYTES, ArtifactConfig, ModelSpec, Quantization
 from atombatch.errors import ConfigError
 
-#: Capacity reported for one ATOM by the read-only monitor in the origin issue (bytes).
+#: Capacity reported for one ATOM by the read-only monitor in the origin issue (bytes). It is also
+#: optimum-rbln 0.12's available DRAM of an RBLN-CA (ATOM) device: 16 GiB less the 288 MiB system
+#: reserve per chiplet, ATOM reporting one chiplet (`utils/runtime_utils.py`).
 ATOM_DEVICE_BYTES = 16_877_879_296
+ATOM_DRAM_BYTES = 16 * 2**30
+ATOM_SYSTEM_RESERVE_BYTES = 288 * 2**20
+
+#: optimum-rbln aligns every device tensor allocation to 2 MiB (`align_2MB` when it sizes the KV
+#: cache).
+DEVICE_ALLOC_ALIGN = 2**21
 
 #: Allowance for the runtime's own device buffers (activations, I/O staging, command queues) used by
 #: the weights + KV estimate. 512 MiB is a round figure, not a measurement: the only observation
@@ -178,6 +186,44 @@ def kv_tensor_shapes(artifact: ArtifactConfig) -> list[tuple[str, tuple[int, ...
         for part in ("key", "value"):
             tensors.append((f"layers.{layer}.{part}", shape, artifact.kv_dtype))
     return tensors
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // DEVICE_ALLOC_ALIGN) * DEVICE_ALLOC_ALIGN
+
+
+def kv_alloc_bytes(artifact: ArtifactConfig, num_blocks: int | None = None) -> int:
+    """Device bytes the KV tensors take once each is aligned to 2 MiB, as optimum-rbln sizes them;
+    `num_blocks` (default the artifact's) rescales the global (block) tensors, sliding slots stay."""
+    blocks = artifact.num_blocks if num_blocks is None else num_blocks
+    total = 0
+    for group in kv_groups(artifact):
+        tensor = group.tensor_bytes
+        if group.kind == "global":
+            tensor = tensor // artifact.num_blocks * blocks
+        total += group.count * _aligned(tensor)
+    return total
+
+
+def max_num_blocks(artifact: ArtifactConfig, non_kv_bytes: int,
+                   device_bytes: int = ATOM_DEVICE_BYTES) -> int:
+    """The KV block count optimum-rbln 0.12 picks when it sizes the cache itself
+    (`kvcache_num_blocks=0`): the most blocks, up to `batch_size x blocks_per_seq` (its
+    `num_full_blocks`, no spare), whose 2 MiB-aligned KV tensors fit beside `non_kv_bytes` in
+    `device_bytes`; 1 when none fits (optimum-rbln then refuses an artifact below its minimum).
+    Only the artifact's shapes other than `num_blocks` matter."""
+    full = artifact.batch_size * artifact.blocks_per_seq
+    budget = device_bytes - non_kv_bytes
+    if kv_alloc_bytes(artifact, full) <= budget:
+        return full
+    lo, hi, best = 1, full - 1, 1
+    while lo <= hi:  # KV bytes grow with the block count
+        mid = (lo + hi) // 2
+        if kv_alloc_bytes(artifact, mid) <= budget:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
 
 
 def checkpoint_bytes(artifact: ArtifactConfig) -> int:

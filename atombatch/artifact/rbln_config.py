@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from atombatch.artifact.config import ArtifactConfig, ModelSpec
+from atombatch.artifact.config import ArtifactConfig, ModelSpec, Quantization
 from atombatch.errors import ConfigError
 from atombatch.kernel.codes import check_buckets
 
@@ -299,12 +299,14 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
         raise ConfigError(f"{CONFIG_FILE}: {exc}") from None
 
     tp = _tensor_parallel(raw, cfgs_raw)
+    quantization = read_quantization(raw)
 
     try:
         artifact = _artifact(spec, batch_size=batch_size, max_seq_len=max_seq_len,
                              block_size=block_size, num_blocks=num_blocks,
-                             prefill_chunk_size=chunk, tensor_parallel=tp, kv_dtype=dtype,
-                             buckets=buckets)
+                             prefill_chunk_size=chunk, tensor_parallel=tp,
+                             kv_dtype=(quantization and quantization.kv_dtype) or dtype,
+                             buckets=buckets, quantization=quantization)
     except ConfigError as exc:
         raise ConfigError(f"{CONFIG_FILE} (batch_size={batch_size}, max_seq_len={max_seq_len}, "
                           f"kvcache_block_size={block_size}, kvcache_num_blocks={num_blocks}, "
@@ -382,6 +384,29 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
                           "no decode graph")
     if "image_prefill" in phases:
         raise ConfigError(f"{CONFIG_FILE}: phases={phases}: image_prefill is not supported")
+
+
+def read_quantization(raw: dict[str, Any]) -> Quantization | None:
+    """The `quantization` block (optimum-rbln 0.12 `RBLNQuantizationConfig`: format, weights,
+    activations, kv_caches), each value checked against optimum-rbln's lists; None when absent or
+    empty.
+    (weights and activations both fp16, which optimum-rbln's constructor refuses, is read as
+    "KV caches only".)"""
+    block = _get(raw, "quantization", dict, None)
+    if not block:  # absent, null or {} (an unquantized compile)
+        return None
+    fields = {}
+    for field in ("format", "weights", "activations", "kv_caches"):
+        value = block.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ConfigError(f"{CONFIG_FILE}: quantization.{field}={value!r} must be a string")
+        fields[field] = value
+    try:
+        return Quantization(**fields)
+    except ConfigError as exc:
+        raise ConfigError(f"{CONFIG_FILE}: {exc}") from None
 
 
 def _tensor_parallel(raw: dict[str, Any], cfgs_raw: list[Any]) -> int:

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from atombatch.artifact import plan
-from atombatch.artifact.config import ArtifactConfig, ModelSpec
+from atombatch.artifact.config import ArtifactConfig, ModelSpec, Quantization
 from atombatch.bench import fit as fit_cli
 from atombatch.errors import ConfigError
 
@@ -458,3 +458,160 @@ def test_fit_cli_lora_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert fit_cli.main(["--model", "qwen3-4b", "--lora-count", "3", "--max-lora-rank", "8",
                          "--lora-target-modules", "q_proj,embed"]) == 2
     assert "'embed' is not one of" in capsys.readouterr().err
+
+
+# -- quantized artifacts (issue 42 item 2) --------------------------------------------------------------
+
+QUANTIZATIONS = [
+    Quantization(weights="int4"),
+    Quantization(weights="int8", activations="int8"),
+    Quantization(weights="fp8", activations="fp8", kv_caches="fp8"),
+    Quantization(weights="int8", activations="int8", dynamic=True),
+    Quantization(weights="fp16", activations="fp8", kv_caches="fp8"),
+]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("quant", QUANTIZATIONS, ids=lambda q: f"{q.weights}-{q.activations}-"
+                         f"{q.kv_caches}{'-dyn' if q.dynamic else ''}")
+def test_weight_bytes_by_format_equal_an_independent_count_of_the_checkpoint(
+        family: str, quant: Quantization,
+        tiny_checkpoints: dict[str, tuple[ModelSpec, dict[str, tuple[int, ...]]]]) -> None:
+    spec, shapes = tiny_checkpoints[family]
+    bits = {"int4": 4, "int8": 8, "fp8": 8, "fp16": 16}[quant.weights]
+    expected = 0
+    layers = set()
+    for name, shape in shapes.items():
+        if ".layers." in name:
+            layers.add(int(name.split(".layers.")[1].split(".")[0]))
+        elements = math.prod(shape)
+        if _projection(name) is None or bits == 16:
+            expected += elements * 2  # bf16, as the checkpoint stores it
+            continue
+        out_features = shape[0]
+        expected += math.ceil(elements * bits / 8) + 4 * out_features  # float32 [out, 1] scale
+        if quant.activations != "fp16" and not quant.dynamic:
+            expected += 4  # the static input scale [1]
+    if quant.kv_caches == "fp8":
+        expected += len(layers) * 2 * 4  # k_scale, v_scale per attention layer
+    assert plan.weight_bytes(spec, 1, quant) == expected
+
+
+def test_presets_shrink_by_format() -> None:
+    for name in ("koni-8b", "qwen3-4b", "qwen3-0.6b", "gemma3-1b"):
+        spec = ModelSpec.preset(name)
+        sizes = [plan.weight_bytes(spec, 1, Quantization(weights=w, activations="fp8"))
+                 for w in ("fp16", "fp8", "int4")]
+        assert sizes[0] > sizes[1] > sizes[2]
+        assert plan.weight_bytes(spec, 1, Quantization(weights="fp16", activations="fp8")) == \
+            plan.weight_bytes(spec)
+
+
+def _art(name: str, batch_size: int, num_blocks: int, quant: Quantization | None = None,
+         kv_dtype: str = "bfloat16", ctx: int = CTX, block_size: int | None = None,
+         tp: int = 1) -> ArtifactConfig:
+    return ArtifactConfig(model=ModelSpec.preset(name), batch_size=batch_size, max_seq_len=ctx,
+                          block_size=block_size or ctx, num_blocks=num_blocks, tensor_parallel=tp,
+                          quantization=quant, kv_dtype=kv_dtype)
+
+
+FP8 = "float8_e4m3fn"
+# koni-8b B4/ctx9216/k5's identity as computed before ArtifactConfig had `quantization` (69903b6).
+KONI_B4_K5_IDENTITY = "fb2948c5579393a5"
+
+
+@pytest.mark.parametrize("name", ["koni-8b", "qwen3-4b", "qwen3-0.6b", "gemma3-1b"])
+@pytest.mark.parametrize(("batch_size", "num_blocks", "tp"), [(1, 2, 1), (4, 5, 1), (4, 5, 2)])
+def test_fp8_kv_halves_the_kv_bytes_exactly(name: str, batch_size: int, num_blocks: int,
+                                            tp: int) -> None:
+    bf16 = _art(name, batch_size, num_blocks, tp=tp)
+    fp8 = _art(name, batch_size, num_blocks, Quantization(weights="int8", kv_caches="fp8"),
+               kv_dtype=FP8, tp=tp)
+    assert plan.kv_cache_bytes(fp8) * 2 == plan.kv_cache_bytes(bf16)
+    assert {g.dtype for g in plan.kv_groups(fp8)} == {FP8}
+    assert plan.fit(fp8).kv_bytes * 2 == plan.fit(bf16).kv_bytes
+    # an fp16-weights artifact with fp8 KV (no weight quantization) halves the KV as well
+    assert plan.kv_cache_bytes(_art(name, batch_size, num_blocks, kv_dtype=FP8, tp=tp)) * 2 == \
+        plan.kv_cache_bytes(bf16)
+
+
+def test_quantization_and_kv_dtype_must_agree() -> None:
+    with pytest.raises(ConfigError, match="kv_dtype='bfloat16' contradicts quantization.kv_caches"):
+        _art("koni-8b", 1, 2, Quantization(weights="int4", kv_caches="fp8"))
+    with pytest.raises(ConfigError, match="kv_dtype='float8_e4m3fn' contradicts"):
+        _art("koni-8b", 1, 2, Quantization(weights="int4"), kv_dtype=FP8)
+    with pytest.raises(ConfigError, match="quantization.weights='int3'"):
+        Quantization(weights="int3")
+
+
+def test_quantized_identity_and_label() -> None:
+    plain = _art("koni-8b", 4, 5)
+    int4 = _art("koni-8b", 4, 5, Quantization(weights="int4"))
+    fp8 = _art("koni-8b", 4, 5, Quantization(weights="fp8", activations="fp8", kv_caches="fp8"),
+               kv_dtype=FP8)
+    assert len({plain.identity, int4.identity, fp8.identity}) == 3
+    assert int4.label == "koni-8b B4/ctx9216/k5/wint4"
+    assert fp8.label == "koni-8b B4/ctx9216/k5/wfp8/afp8/kvfp8"
+    # an unquantized artifact keeps the identity it had before the field existed
+    assert plain.identity == KONI_B4_K5_IDENTITY
+
+
+def test_observation_transfers_across_weight_formats() -> None:
+    # KONI observed at B1/k1 in bf16; the same model in int4 swaps the weights' bytes too.
+    int4 = Quantization(weights="int4")
+    result = plan.fit(_art("koni-8b", 4, 5, int4), observed_used_bytes=ORIGIN_USED,
+                      observed_artifact=eager("koni-8b", 1, 1))
+    saved = plan.weight_bytes(ModelSpec.preset("koni-8b")) - \
+        plan.weight_bytes(ModelSpec.preset("koni-8b"), 1, int4)
+    assert result.other_bytes == ORIGIN_USED - 1_207_959_552 - saved
+    assert result.projected_bytes == ORIGIN_USED - 1_207_959_552 - saved + 6_039_797_760
+    assert "its weights" in result.basis and "int4 weights" in result.basis
+    assert result.method == "observed" and result.conditional
+
+
+# -- agreement with optimum-rbln 0.12's own sizing -------------------------------------------------------
+
+def _optimum_num_blocks(tensor_bytes_at_one_block: list[int], fixed_tensor_bytes: list[int],
+                        non_kv_bytes: int, num_full_blocks: int) -> int:
+    """optimum-rbln 0.12's `_search_num_kvcache_blocks` restated: available DRAM of an RBLN-CA is
+    16 GiB - 288 MiB; a resizable KV tensor's bytes are (bytes at one block) x blocks, a sliding
+    tensor's are fixed, each aligned up to 2 MiB; the answer is num_full_blocks when it fits, else
+    the largest count that fits (1 when none)."""
+    available = 16 * 1024**3 - 288 * 1024**2
+
+    def kv(blocks: int) -> int:
+        sizes = [size * blocks for size in tensor_bytes_at_one_block] + fixed_tensor_bytes
+        return sum((size + 2**21 - 1) // 2**21 * 2**21 for size in sizes)
+
+    fitting = [n for n in range(1, num_full_blocks + 1) if non_kv_bytes + kv(n) <= available]
+    return max(fitting, default=1)
+
+
+def test_the_atom_capacity_is_optimum_rblns_available_dram() -> None:
+    assert plan.ATOM_DEVICE_BYTES == 16 * 1024**3 - 288 * 1024**2 == ATOM
+
+
+@pytest.mark.parametrize(("name", "batch_size", "ctx", "block_size"), [
+    ("koni-8b", 4, 9216, 9216), ("qwen3-4b", 8, 8192, 1024), ("qwen3-0.6b", 16, 8192, 8192),
+    ("gemma3-1b", 4, 4096, 1024), ("gemma3-1b", 12, 8192, 8192), ("qwen3-0.6b", 3, 2048, 1024)])
+@pytest.mark.parametrize("quant", [None, Quantization(weights="int4"),
+                                   Quantization(weights="fp8", activations="fp8",
+                                                kv_caches="fp8")])
+def test_max_num_blocks_agrees_with_optimum_rbln(name: str, batch_size: int, ctx: int,
+                                                 block_size: int, quant: Quantization | None
+                                                 ) -> None:
+    kv_dtype = FP8 if quant is not None and quant.kv_caches == "fp8" else "bfloat16"
+    art = _art(name, batch_size, batch_size * (ctx // block_size) + 1, quant, kv_dtype, ctx,
+               block_size)
+    spec = art.model
+    item = 1 if kv_dtype == FP8 else 2
+    window = min(spec.sliding_window, ctx)
+    per_block = [spec.num_kv_heads * block_size * spec.head_dim * item] * \
+        (2 * len(spec.global_layers))
+    fixed = [batch_size * spec.num_kv_heads * window * spec.head_dim * item] * \
+        (2 * len(spec.sliding_layers))
+    full = batch_size * (ctx // block_size)
+    for non_kv in (plan.weight_bytes(spec, 1, quant) + plan.DEFAULT_RUNTIME_OVERHEAD_BYTES,
+                   ORIGIN_USED - 1_207_959_552, 12 * 1024**3, 16 * 1024**3):
+        assert plan.max_num_blocks(art, non_kv) == \
+            _optimum_num_blocks(per_block, fixed, non_kv, full)
