@@ -395,7 +395,7 @@ def read_quantization(raw: dict[str, Any]) -> Quantization | None:
     block = _get(raw, "quantization", dict, None)
     if not block:  # absent, null or {} (an unquantized compile)
         return None
-    fields = {}
+    fields: dict[str, Any] = {}
     for field in ("format", "weights", "activations", "kv_caches"):
         value = block.get(field)
         if value is None:

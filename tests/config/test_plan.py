@@ -615,3 +615,65 @@ def test_max_num_blocks_agrees_with_optimum_rbln(name: str, batch_size: int, ctx
                    ORIGIN_USED - 1_207_959_552, 12 * 1024**3, 16 * 1024**3):
         assert plan.max_num_blocks(art, non_kv) == \
             _optimum_num_blocks(per_block, fixed, non_kv, full)
+
+
+# -- the quantization table (`bench fit --quant-table`) -----------------------------------------------
+
+def test_quant_table_finds_the_largest_fitting_batch(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "quant.json"
+    assert fit_cli.main(["--quant-table", "--no-project", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "7.7847 tok/s, max first SSE 253.93 s" in out
+    report = msgspec.json.decode(path.read_bytes(), type=fit_cli.FitReport)
+    cells = {(c.model, c.weights, c.kv): c for c in report.quant_cells}
+    assert len(cells) == 4 * 4 * 2
+    for (model, weights, kv), cell in cells.items():
+        assert cell.result is not None and cell.result.fits
+        quant, kv_dtype = fit_cli._quantization(dict(fit_cli.QUANT_FORMATS)[weights], kv)
+        if cell.num_blocks == 1:  # single block: B1/k2 did not fit
+            assert cell.batch_size == 1
+            assert not _koni_like(model, 1, 2, quant, kv_dtype).fits
+            continue
+        assert cell.num_blocks == cell.batch_size + 1
+        assert _koni_like(model, cell.batch_size, cell.num_blocks, quant, kv_dtype).fits
+        if cell.batch_size < fit_cli.QUANT_MAX_BATCH:
+            assert not _koni_like(model, cell.batch_size + 1, cell.batch_size + 2, quant,
+                                  kv_dtype).fits
+    # the origin: KONI in bf16 fits B1/k1 only; fewer bytes per weight or per KV entry buy lanes
+    assert (cells[("koni-8b", "fp16", "bf16")].batch_size,
+            cells[("koni-8b", "fp16", "bf16")].num_blocks) == (1, 1)
+    for model in fit_cli.MODELS:
+        b = {key[1:]: cell.batch_size for key, cell in cells.items() if key[0] == model}
+        assert b[("w4a16", "bf16")] >= b[("w8a16", "bf16")] >= b[("fp16", "bf16")]
+        assert b[("w4a16", "fp8")] >= b[("w4a16", "bf16")]
+        assert b[("w8a16", "bf16")] == b[("fp8", "bf16")]  # both 8 bits per weight
+    assert cells[("koni-8b", "w4a16", "fp8")].batch_size >= 16
+
+
+def _koni_like(model: str, batch_size: int, num_blocks: int, quant: Quantization | None,
+               kv_dtype: str) -> plan.FitResult:
+    """plan.fit as the table takes it: KONI from the origin observation, the others estimated."""
+    art = _art(model, batch_size, num_blocks, quant, kv_dtype)
+    if model == "koni-8b":
+        return plan.fit(art, observed_used_bytes=ORIGIN_USED,
+                        observed_artifact=eager("koni-8b", 1, 1))
+    return plan.fit(art)
+
+
+def test_quant_table_projects_on_the_simulator(capsys: pytest.CaptureFixture[str]) -> None:
+    assert fit_cli.main(["--quant-table", "--model", "qwen3-0.6b", "--input-len", "512",
+                         "--output-len", "8", "--concurrency", "4"]) == 0
+    out = capsys.readouterr().out
+    args = fit_cli._parser().parse_args(["--quant-table", "--model", "qwen3-0.6b", "--input-len",
+                                         "512", "--output-len", "8", "--concurrency", "4"])
+    cells = fit_cli.quant_cells(args)
+    assert len(cells) == 8
+    for cell in cells:
+        assert cell.serve_batch_size == min(cell.batch_size, 4)
+        assert cell.output_tok_s is not None and cell.output_tok_s > 0
+        assert cell.max_first_token_s is not None and cell.timeouts == 0
+        assert cell.serve_artifact is not None and cell.serve_artifact in out
+    by = {(c.weights, c.kv): c for c in cells}
+    # the same B4 run at fewer weight bytes finishes sooner
+    assert (by[("w4a16", "bf16")].output_tok_s or 0) > (by[("fp16", "bf16")].output_tok_s or 1e9)
