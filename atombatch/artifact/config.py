@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from atombatch.artifact.kv_dtype import FLOAT8
 from atombatch.errors import ConfigError
 from atombatch.kernel.codes import check_buckets
 
@@ -22,7 +23,10 @@ Family = Literal["llama", "qwen3", "gemma3"]
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 
+# bytes per element of a weight, activation or KV dtype; float8_e4m3fn is a KV dtype only
+# (optimum-rbln's `quantization.kv_caches="fp8"`, atombatch/artifact/kv_dtype.py)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+MODEL_DTYPES = ("bfloat16", "float16", "float32")
 
 # optimum-rbln 0.12 `RBLNQuantizationConfig` (transformers/utils/rbln_quantization.py): the values
 # of rbln_config.json's `quantization` block.
@@ -32,7 +36,7 @@ QUANT_KV_CACHES = ("fp8", "fp16")
 #: Bits of one stored weight element by format (optimum-rbln's `nbits_per_param`; fp16 is 16).
 WEIGHT_BITS = {"int4": 4, "int8": 8, "fp8": 8, "fp16": 16}
 #: The KV cache dtype an artifact with `kv_caches: fp8` records on its past_key_values inputs.
-FP8_KV_DTYPE = "float8_e4m3fn"
+FP8_KV_DTYPE = FLOAT8
 
 
 class Quantization(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -149,8 +153,8 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if SLIDING in self.layer_types and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window={self.sliding_window} must be positive for a model "
                               "with sliding layers")
-        if self.dtype not in DTYPE_BYTES:
-            raise ConfigError(f"dtype={self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not one of {sorted(MODEL_DTYPES)}")
 
     # -- derived --------------------------------------------------------------------------------
     @property
@@ -294,7 +298,7 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
+            dtype=dtype if dtype in MODEL_DTYPES else "bfloat16",
         )
 
 

@@ -13,6 +13,12 @@ only that is wanted), reads each graph's input list from the file (or derives it
 optimum-rbln's `get_input_info` does when the file does not record it), checks every field against
 the others, the model's `config.json` and atombatch's admission rules, and raises `ConfigError`
 naming the field. The input table is in `docs/device.md`.
+
+Quantized artifacts (optimum-rbln's `quantization`: `format`, `weights`, `activations`,
+`kv_caches`) are accepted: the weights and activations formats live inside the compiled graphs,
+which atombatch never looks into; the KV dtype is what atombatch moves. With `kv_caches="fp8"`
+optimum-rbln records every `past_key_values_*` input as `float8_e4m3fn`; the KV dtype is read
+from those inputs where the file records them, and must agree with `quantization` and `dtype`.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 import msgspec
 
 from atombatch.artifact.config import ArtifactConfig, ModelSpec, Quantization
+from atombatch.artifact.kv_dtype import FLOAT8
 from atombatch.errors import ConfigError
 from atombatch.kernel.codes import check_buckets
 
@@ -80,6 +87,12 @@ class OptimumArtifact(msgspec.Struct, frozen=True):
     decoders: tuple[CompiledGraph, ...]        # ascending by batch
     kv_caches: tuple[GraphInput, ...]          # past_key_values_{i}, device-resident
     output_hidden_states: bool = False
+    quantization: Quantization | None = None   # None: a float artifact
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV caches' element type (`dtype`, or float8_e4m3fn with fp8 KV caches)."""
+        return self.artifact.kv_dtype
 
     @property
     def decoder_batch_sizes(self) -> tuple[int, ...]:
@@ -188,8 +201,9 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
             must agree.
     Raises:
         ConfigError: a missing file, a missing, ill-typed or contradicting field, an option
-            atombatch does not support (inputs_embeds, LoRA, fp8 KV caches, batch sorting), or an
-            artifact that breaks atombatch's admission rules; the message names the field.
+            atombatch does not support (inputs_embeds, LoRA, batch sorting), or an
+            artifact that breaks atombatch's admission rules, a KV dtype that contradicts
+            `quantization`; the message names the field.
     """
     path = Path(model_dir)
     if path.name == CONFIG_FILE:
@@ -207,6 +221,7 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
     spec = _model_spec(path, model)
 
     _refuse_unsupported(raw)
+    quantization = read_quantization(raw)
 
     # -- shapes ------------------------------------------------------------------------------------
     batch_size = _positive(raw, "batch_size", 1)
@@ -299,13 +314,13 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
         raise ConfigError(f"{CONFIG_FILE}: {exc}") from None
 
     tp = _tensor_parallel(raw, cfgs_raw)
-    quantization = read_quantization(raw)
+    recorded = _recorded_inputs(cfgs_raw)
+    kv_dtype = _kv_dtype(recorded, quantization, dtype)
 
     try:
         artifact = _artifact(spec, batch_size=batch_size, max_seq_len=max_seq_len,
                              block_size=block_size, num_blocks=num_blocks,
-                             prefill_chunk_size=chunk, tensor_parallel=tp,
-                             kv_dtype=(quantization and quantization.kv_dtype) or dtype,
+                             prefill_chunk_size=chunk, tensor_parallel=tp, kv_dtype=kv_dtype,
                              buckets=buckets, quantization=quantization)
     except ConfigError as exc:
         raise ConfigError(f"{CONFIG_FILE} (batch_size={batch_size}, max_seq_len={max_seq_len}, "
@@ -313,13 +328,12 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
                           f"prefill_chunk_size={chunk}): {exc} (docs/device.md)") from None
 
     # -- graphs: names, files, input lists -----------------------------------------------------------
-    recorded = _recorded_inputs(cfgs_raw)
     wanted = [PREFILL] + [f"decoder_batch_{b}" for b in buckets]
     if recorded and set(recorded) != set(wanted):
         raise ConfigError(f"{CONFIG_FILE}: _compile_cfgs names {sorted(recorded)} contradict "
                           f"phases and decoder_batch_sizes, which need {wanted}")
     kv = kv_cache_inputs(spec, num_blocks=num_blocks, block_size=block_size,
-                         batch_size=batch_size, dtype=dtype)
+                         batch_size=batch_size, dtype=kv_dtype)
     common = dict(max_seq_len=max_seq_len, block_size=block_size,
                   global_attention=global_attention, local_attention=local_attention,
                   logits_to_keep=logits_to_keep, use_attention_mask=use_mask,
@@ -343,7 +357,8 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
         use_position_ids=use_pos, dtype=dtype, npu=npu,
         optimum_rbln_version=_get(raw, "optimum_rbln_version", str, None),
         prefill=graphs[0], decoders=tuple(graphs[1:]), kv_caches=kv,
-        output_hidden_states=_get(raw, "output_hidden_states", bool, False))
+        output_hidden_states=_get(raw, "output_hidden_states", bool, False),
+        quantization=quantization)
 
 
 def load_artifact(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> ArtifactConfig:
@@ -371,10 +386,6 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
     if _get(raw, "lora_config", dict, None):
         raise ConfigError(f"{CONFIG_FILE}: lora_config is set: LoRA graphs (lora_int_ids) are "
                           "not supported; recompile without LoRA")
-    quant = _get(raw, "quantization", dict, {})
-    if quant.get("kv_caches") == "fp8":
-        raise ConfigError(f"{CONFIG_FILE}: quantization.kv_caches='fp8' is not supported: "
-                          "atombatch moves KV as bfloat16/float16/float32")
     if _get(raw, "_requires_batch_sort", bool, False):
         raise ConfigError(f"{CONFIG_FILE}: _requires_batch_sort=true: this graph needs decode "
                           "rows sorted by length, but atombatch packs rows in lane order")
@@ -407,6 +418,30 @@ def read_quantization(raw: dict[str, Any]) -> Quantization | None:
         return Quantization(**fields)
     except ConfigError as exc:
         raise ConfigError(f"{CONFIG_FILE}: {exc}") from None
+
+
+def _kv_dtype(recorded: dict[str, tuple[GraphInput, ...]], quantization: Quantization | None,
+              dtype: str) -> str:
+    """The KV caches' dtype: as the graphs record their `past_key_values_*` inputs (one dtype
+    for all of them), which must be what `quantization.kv_caches` and `dtype` give."""
+    declared = FLOAT8 if quantization and quantization.kv_caches == "fp8" else dtype
+    seen: tuple[str, str, str] | None = None   # (dtype, graph, input) of the first cache
+    for graph, info in recorded.items():
+        for item in info:
+            if not item.name.startswith(KV_PREFIX):
+                continue
+            if seen is None:
+                seen = (item.dtype, graph, item.name)
+            elif item.dtype != seen[0]:
+                raise ConfigError(f"{CONFIG_FILE}: _compile_cfgs[{graph}].input_info "
+                                  f"{item.name} is {item.dtype}, but _compile_cfgs[{seen[1]}] "
+                                  f"{seen[2]} is {seen[0]}: the KV caches have one dtype")
+    if seen is not None and seen[0] != declared:
+        kv = quantization.kv_caches if quantization else "fp16"
+        raise ConfigError(f"{CONFIG_FILE}: _compile_cfgs[{seen[1]}].input_info {seen[2]} is "
+                          f"{seen[0]}, but quantization.kv_caches={kv!r} with dtype={dtype!r} "
+                          f"gives {declared}")
+    return declared
 
 
 def _tensor_parallel(raw: dict[str, Any], cfgs_raw: list[Any]) -> int:

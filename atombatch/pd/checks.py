@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from atombatch.artifact.config import ArtifactConfig
+from atombatch.artifact.kv_dtype import FLOAT8
 from atombatch.errors import RequestError
 from atombatch.pd.wire import (
     WIRE_DTYPES,
@@ -57,6 +58,12 @@ def validate_header(header: KVHeader, artifact: ArtifactConfig,
     check_header(header)  # the rest, field by field (in-process headers skip the wire's check)
     if header.dtype not in WIRE_DTYPES:
         raise fail("dtype", header.dtype, f"must be one of {sorted(WIRE_DTYPES)}")
+    if header.dtype == FLOAT8 and artifact.kv_dtype != FLOAT8:
+        # widening is exact, but the decoder would then decode over KV rounded to 3 mantissa
+        # bits, not the KV its own prefill keeps: its answer would not be its native one
+        raise fail("dtype", header.dtype,
+                   f"the decoder keeps KV as kv_dtype={artifact.kv_dtype!r}; a float8_e4m3fn "
+                   "payload is imported by float8_e4m3fn decoders only (docs/pd.md)")
     if header.prompt_len != len(prompt):
         raise fail("prompt_len", header.prompt_len,
                    f"the request's prompt has {len(prompt)} tokens")

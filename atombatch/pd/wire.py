@@ -26,18 +26,16 @@ import numpy as np
 import numpy.typing as npt
 
 from atombatch.api.structs import SamplingParams
+from atombatch.artifact import kv_dtype as kv_types
 from atombatch.artifact.config import SLIDING, ArtifactConfig, ModelSpec
 from atombatch.errors import KVTransferError, RequestError
 
 Mode = Literal["whole", "layer-stream"]
 MODES = ("whole", "layer-stream")
 
-# Header dtype -> the little-endian NumPy dtype of its buffers (bfloat16: raw uint16 bit patterns).
-WIRE_DTYPES: dict[str, np.dtype[Any]] = {
-    "float32": np.dtype("<f4"),
-    "float16": np.dtype("<f2"),
-    "bfloat16": np.dtype("<u2"),
-}
+# Header dtype -> the little-endian NumPy dtype of its buffers (bfloat16 and float8_e4m3fn: raw
+# uint16 and uint8 bit patterns): the KV dtypes' host representations.
+WIRE_DTYPES: dict[str, np.dtype[Any]] = dict(kv_types.HOST_DTYPES)
 
 
 def model_identity(spec: ModelSpec) -> str:
@@ -63,7 +61,8 @@ class KVHeader(msgspec.Struct, frozen=True):
     prompt_len: int                  # tokens in the whole prompt
     covered_len: int                 # tokens 0..covered_len-1 whose KV is carried
     first_token: int | None          # producer's sample after the whole prompt; None if partial
-    dtype: str                       # K/V element type: "float32" | "float16" | "bfloat16"
+    dtype: str                       # K/V element type: "float32" | "float16" | "bfloat16" |
+                                     # "float8_e4m3fn"
     kv_heads: int                    # K/V heads (axis 0 of every K and V)
     head_dim: int                    # K/V head dimension (axis 2)
     sliding_window: int              # sliding layers' window, 0 for a model without them
@@ -73,7 +72,8 @@ class KVHeader(msgspec.Struct, frozen=True):
 class LayerKV(msgspec.Struct, frozen=True, eq=False):
     """One layer's K and V, each `[kv_heads, tokens, head_dim]` in the header's dtype.
 
-    bfloat16 is carried as uint16 bit patterns (NumPy has no bfloat16); `float32()` widens exactly.
+    bfloat16 and float8_e4m3fn are carried as uint16 and uint8 bit patterns (NumPy has neither);
+    `float32()` widens exactly.
     """
 
     layer: int                       # model layer index, 0..num_layers-1
@@ -86,7 +86,8 @@ class LayerKV(msgspec.Struct, frozen=True, eq=False):
 
     @classmethod
     def from_float32(cls, layer: int, k: npt.ArrayLike, v: npt.ArrayLike, dtype: str) -> LayerKV:
-        """Build from float32 K/V in the wire `dtype` (bfloat16: round to nearest even)."""
+        """Build from float32 K/V in the wire `dtype` (bfloat16, float8_e4m3fn: round to nearest
+        even; float8 saturates at +-448)."""
         return cls(layer, _from_float32(k, dtype), _from_float32(v, dtype))
 
     @property
@@ -112,20 +113,16 @@ class KVPayload(msgspec.Struct, eq=False):
 
 def _to_float32(x: np.ndarray) -> npt.NDArray[np.float32]:
     if x.dtype == np.uint16:  # bfloat16 bit patterns: the high half of a float32
-        return (x.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return kv_types.decode(x, "bfloat16")
+    if x.dtype == np.uint8:   # float8_e4m3fn bit patterns
+        return kv_types.decode(x, kv_types.FLOAT8)
     return np.asarray(x, dtype=np.float32)
 
 
 def _from_float32(x: npt.ArrayLike, dtype: str) -> np.ndarray:
     if dtype not in WIRE_DTYPES:
         raise RequestError(f"dtype={dtype!r} is not one of {sorted(WIRE_DTYPES)}")
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if dtype != "bfloat16":
-        return x.astype(WIRE_DTYPES[dtype])
-    bits = x.view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    quiet_nan = (bits >> np.uint32(16)) | np.uint32(0x0040)
-    return np.where(np.isnan(x), quiet_nan, rounded).astype("<u2")
+    return kv_types.encode(x, dtype)
 
 
 def expected_layer_tokens(kinds: Sequence[str], covered_len: int, window: int) -> tuple[int, ...]:

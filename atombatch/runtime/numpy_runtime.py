@@ -18,6 +18,12 @@ of docs/scheduling.md rather than like a convenient model:
   batch size and whatever the other lanes hold: a lane's logits are bit-identical at B1 and B4.
 * `reference_logits` recomputes a whole sequence with plain masked attention and no cache or table,
   the independent answer every cached path is tested against.
+* KV is float32 whatever the artifact's `kv_dtype`, except `float8_e4m3fn` (optimum-rbln's fp8 KV
+  caches): then `kv` and `sliding_kv` hold e4m3 values. Every K/V a call computes is rounded to
+  e4m3 (nearest even, saturating at +-448: `atombatch.artifact.kv_dtype`) before it is stored or
+  attended to, and reads widen the stored values to float32: attention math in float32 over the
+  rounded values, for the chunk's own tokens as for the cached ones. A PD import rounds the same
+  way, so a payload of any dtype lands as this runtime's own write would have stored it.
 
 The math is float32 and follows transformers' Llama, Qwen3 and Gemma3 modeling code (eager
 attention): RMSNorm with w (Llama, Qwen3) or 1 + w (Gemma3), Qwen3/Gemma3 per-head q/k norms before
@@ -42,6 +48,7 @@ import numpy as np
 import numpy.typing as npt
 
 from atombatch.artifact.config import SLIDING, ArtifactConfig, ModelSpec
+from atombatch.artifact.kv_dtype import FLOAT8, float8_dtype, round_float8
 from atombatch.errors import ConfigError, StateError
 from atombatch.runtime.base import DecodeArrays, PrefillArrays, check_decode_rows
 
@@ -89,7 +96,8 @@ class NumpyRuntime:
         artifact: the compiled shapes this runtime executes.
         spec: `artifact.model`.
         kv: global layers' KV, `[num_global, 2 (K, V), num_blocks, kv_heads, block_size, head_dim]`;
-            `kv[g, 0]` is global layer g's K tensor as the device holds it.
+            `kv[g, 0]` is global layer g's K tensor as the device holds it (float32, or
+            float8_e4m3fn when the artifact's `kv_dtype` is).
         sliding_kv: sliding layers' lane slots, `[num_sliding, 2, batch_size, kv_heads, window,
             head_dim]` (zero-sized first axis for models without sliding layers).
         prefill_calls, decode_calls: how many graph calls ran.
@@ -121,11 +129,14 @@ class NumpyRuntime:
         self._embed_scale = _embed_scale(spec.hidden_size, spec.dtype) if self._gemma else None
         self._load(_canonical_names(weights))
 
+        self._fp8 = artifact.kv_dtype == FLOAT8
+        store = float8_dtype() if self._fp8 else np.dtype(F32)
         kv_shape = (spec.num_kv_heads, artifact.block_size, spec.head_dim)
-        self.kv = np.zeros((len(spec.global_layers), 2, artifact.num_blocks, *kv_shape), dtype=F32)
+        self.kv = np.zeros((len(spec.global_layers), 2, artifact.num_blocks, *kv_shape),
+                           dtype=store)
         slot_shape = (spec.num_kv_heads, max(self._window, 1), spec.head_dim)
         self.sliding_kv = np.zeros((len(spec.sliding_layers), 2, artifact.batch_size, *slot_shape),
-                                   dtype=F32)
+                                   dtype=store)
 
     # -- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -144,8 +155,11 @@ class NumpyRuntime:
             artifact: the shapes to run with; its model must have this checkpoint's shapes. None
                 builds `default_artifact(spec)`.
         Raises:
-            ConfigError: missing files, an unsupported family or dtype, or a shape mismatch.
+            ConfigError: missing files, an unsupported family or dtype, a quantized checkpoint
+                (config.json's `quantization_config`: this runtime computes with float weights
+                only), or a shape mismatch.
         """
+        _refuse_quantized(Path(path))
         spec = ModelSpec.from_pretrained(path)
         if artifact is None:
             artifact = default_artifact(spec)
@@ -256,9 +270,14 @@ class NumpyRuntime:
         cos, sin = _rope_tables(layer.inv_freq, positions)  # [T, d]
         q = _rotate(q, cos[:, None, :], sin[:, None, :])
         k = _rotate(k, cos[:, None, :], sin[:, None, :])
-        return (np.ascontiguousarray(q.transpose(1, 0, 2)),
-                np.ascontiguousarray(k.transpose(1, 0, 2)),
-                np.ascontiguousarray(v.transpose(1, 0, 2)))
+        k, v = self._stored(k.transpose(1, 0, 2)), self._stored(v.transpose(1, 0, 2))
+        return np.ascontiguousarray(q.transpose(1, 0, 2)), k, v
+
+    def _stored(self, x: npt.ArrayLike) -> Array:
+        """K or V as the cache stores it: float32, or rounded to e4m3 with fp8 KV."""
+        if self._fp8:
+            return round_float8(x)
+        return np.ascontiguousarray(x, dtype=F32)
 
     def _attend(self, layer: _Layer, q: Array, keys: Array, values: Array,
                 q_pos: npt.NDArray[np.int64], k_pos: npt.NDArray[np.int64]) -> Array:
@@ -356,7 +375,7 @@ class NumpyRuntime:
         cache = self.kv[layer.ordinal]
         keys = cache[0, blocks, :, offsets].transpose(1, 0, 2)
         values = cache[1, blocks, :, offsets].transpose(1, 0, 2)
-        return np.ascontiguousarray(keys), np.ascontiguousarray(values)
+        return np.ascontiguousarray(keys, dtype=F32), np.ascontiguousarray(values, dtype=F32)
 
     # -- the two graphs ---------------------------------------------------------------------------
     def prefill(self, inputs: PrefillArrays, *, every_position: bool = False) -> Array:
@@ -399,8 +418,8 @@ class NumpyRuntime:
             else:
                 buffer = self.sliding_kv[layer.ordinal, :, slot]        # [2, kvh, W, d] (view)
                 held = min(start, window)                               # positions start-held..
-                keys = np.concatenate([buffer[0, :, :held], k], axis=1)
-                values = np.concatenate([buffer[1, :, :held], v], axis=1)
+                keys = np.concatenate([buffer[0, :, :held].astype(F32), k], axis=1)
+                values = np.concatenate([buffer[1, :, :held].astype(F32), v], axis=1)
                 key_pos = np.concatenate([np.arange(start - held, start), positions])
                 # Afterwards the slot holds the newest `window` real tokens, oldest first.
                 newest = slice(max(0, held + last + 1 - window), held + last + 1)
@@ -461,7 +480,8 @@ class NumpyRuntime:
                 else:
                     held = min(p + 1, window)
                     buffer = self.sliding_kv[layer.ordinal, :, slots[lane]]
-                    keys, values = buffer[0, :, :held], buffer[1, :, :held]
+                    keys = np.asarray(buffer[0, :, :held], dtype=F32)
+                    values = np.asarray(buffer[1, :, :held], dtype=F32)
                     key_pos = np.arange(p + 1 - held, p + 1, dtype=np.int64)
                 ctx = self._attend(layer, q, keys, values, lane_pos[lane], key_pos)
                 hidden[lane] = self._finish(layer, hidden[lane], ctx)
@@ -563,7 +583,7 @@ class NumpyRuntime:
             return self._read_global(target, self._pd_row(block_row, length), length)
         held = min(length, self._window)
         buffer = self.sliding_kv[target.ordinal, :, self._check_slot(slot)]
-        return buffer[0, :, :held].copy(), buffer[1, :, :held].copy()
+        return buffer[0, :, :held].astype(F32), buffer[1, :, :held].astype(F32)
 
     def write_layer_kv(self, layer: int, k: npt.ArrayLike, v: npt.ArrayLike,
                        block_row: Sequence[int], slot: int = 0) -> None:
@@ -572,14 +592,15 @@ class NumpyRuntime:
         A global layer's tokens are positions 0..T-1, written to `block_row[p // block_size]` at
         offset `p % block_size`. A sliding layer's tokens are the window tail, oldest first, written
         to indices 0..T-1 of the slot (T <= window), which is how the shift buffer holds a sequence
-        whose last T tokens they are. Values are stored as float32.
+        whose last T tokens they are. Values are stored as float32, or rounded to e4m3 as this
+        runtime's own writes are when its `kv_dtype` is float8_e4m3fn.
 
         Raises:
             StateError: a shape, layer, block or slot outside the artifact.
         """
         target = self._pd_layer(layer)
-        k = np.asarray(k, dtype=F32)
-        v = np.asarray(v, dtype=F32)
+        k = self._stored(k)
+        v = self._stored(v)
         spec = self.spec
         tokens = k.shape[1] if k.ndim == 3 else -1
         if k.shape != v.shape or k.shape != (spec.num_kv_heads, tokens, spec.head_dim):
@@ -662,6 +683,22 @@ def _embed_scale(hidden: int, dtype: str) -> np.float32:
 
 
 # -- weights and checkpoints -----------------------------------------------------------------------
+def _refuse_quantized(path: Path) -> None:
+    """A checkpoint with quantized weights (int8, fp8, int4 with scales) is refused by name."""
+    config = path / "config.json"
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return  # ModelSpec.from_pretrained names what is wrong with the file
+    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ConfigError(f"{config}: quantization_config (quant_method={method!r}) is set: "
+                          "NumpyRuntime computes with float weights (F32, F16, BF16) only; load "
+                          "the unquantized checkpoint (fp8 KV needs no quantized weights: "
+                          "kv_dtype='float8_e4m3fn' on the artifact)")
+
+
 def default_artifact(spec: ModelSpec) -> ArtifactConfig:
     """A small artifact for trying a model: B4, context 256 in one block per lane, chunk 64."""
     context = 256

@@ -22,7 +22,8 @@ KV moves go through the runtime's KV methods, feature-detected (`hasattr`), with
     _update_kv_cache(host, block, offset, tokens, layer_name)   host -> device
     _get_kv_cache_size(layer_name)                               bytes of one cache tensor
 `host` is a C-contiguous `[kv_heads, tokens, head_dim]` array of the cache's dtype (bfloat16 as
-uint16 bit patterns); `layer_name` is `past_key_values_{2l}` (K) or `{2l+1}` (V); for a sliding
+uint16 bit patterns, float8_e4m3fn, optimum-rbln's fp8 KV, as uint8 bit patterns: the KV dtype is
+the one the graphs record for their `past_key_values_*` inputs); `layer_name` is `past_key_values_{2l}` (K) or `{2l+1}` (V); for a sliding
 layer `block` is the lane's sliding slot. `python -m atombatch.bench device` checks them on a device.
 
 `rebel` is imported lazily; without it the constructor raises `ConfigError` with install guidance.
@@ -38,6 +39,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from atombatch.artifact import kv_dtype as kv_types
 from atombatch.artifact.config import ModelSpec
 from atombatch.artifact.rbln_config import CompiledGraph, OptimumArtifact, load
 from atombatch.errors import ConfigError, StateError
@@ -81,27 +83,20 @@ def numpy_dtype(name: str) -> Any:
 
 
 def _host_dtype(kv_dtype: str) -> np.dtype[Any]:
-    """How a KV cache's elements sit in host memory (bfloat16 as its uint16 bit pattern)."""
-    return np.dtype({"float32": np.float32, "float16": np.float16,
-                     "bfloat16": np.uint16}[kv_dtype])
+    """How a KV cache's elements sit in host memory (bfloat16 and float8_e4m3fn as their uint16
+    and uint8 bit patterns)."""
+    return kv_types.host_dtype(kv_dtype)
 
 
 def to_host(values: npt.NDArray[Any], kv_dtype: str, out: npt.NDArray[Any]) -> None:
-    """Write float values into a host buffer of the cache's dtype (bfloat16: round to nearest
-    even, as a device cast does)."""
-    if kv_dtype != "bfloat16":
-        out[...] = values
-        return
-    bits = np.ascontiguousarray(values, dtype=F32).view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-    out[...] = (rounded >> np.uint32(16)).astype(np.uint16)
+    """Write float values into a host buffer of the cache's dtype (bfloat16 and float8: round to
+    nearest even, as a device cast does; float8 saturates at +-448)."""
+    kv_types.encode(values, kv_dtype, out)
 
 
 def from_host(host: npt.NDArray[Any], kv_dtype: str) -> npt.NDArray[np.float32]:
-    """A float32 copy of a host buffer of the cache's dtype."""
-    if kv_dtype != "bfloat16":
-        return np.array(host, dtype=F32)
-    return (host.astype(np.uint32) << np.uint32(16)).view(F32)
+    """A float32 copy of a host buffer of the cache's dtype (exact)."""
+    return kv_types.decode(host, kv_dtype)
 
 
 def aligned_empty(nbytes: int, alignment: int = HOST_ALIGNMENT) -> npt.NDArray[np.uint8]:
@@ -204,8 +199,8 @@ class RebelRuntime:
         self._query_position_input = "query_position" in compiled.prefill.input_names
         self.kv_methods = {name: hasattr(self._prefill, name) for name in
                            (*KV_FEATURES, "_get_kv_cache_size")}
-        self._kv_dtype = compiled.dtype
-        self._host_dtype = _host_dtype(compiled.dtype)
+        self._kv_dtype = compiled.kv_dtype
+        self._host_dtype = _host_dtype(compiled.kv_dtype)
         self._check_kv_sizes()
         spec = self.spec
         window = spec.sliding_window if spec.is_hybrid else 0

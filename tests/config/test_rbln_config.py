@@ -132,7 +132,13 @@ def test_tensor_parallel_comes_from_num_devices(tmp_path, checkpoints):
 REFUSALS = {
     "use_inputs_embeds": (dict(use_inputs_embeds=True), "use_inputs_embeds"),
     "lora": (dict(lora_config={"adapters": []}), "lora_config"),
-    "fp8-kv": (dict(quantization={"format": "rbln", "kv_caches": "fp8"}), "kv_caches='fp8'"),
+    # fp8 KV caches in `quantization` while the graphs record float32 caches
+    "fp8-kv-contradicts": (dict(quantization={"format": "rbln", "weights": "int8",
+                                              "kv_caches": "fp8"}),
+                           "past_key_values_0 is float32, but quantization.kv_caches='fp8' "
+                           "with dtype='float32' gives float8_e4m3fn"),
+    "quant-weights": (dict(quantization={"weights": "int2"}),
+                      "quantization.weights='int2' is not one of int4, int8, fp8, fp16"),
     "batch-sort": (dict(_requires_batch_sort=True), "_requires_batch_sort"),
     "no-decode": (dict(phases=["prefill"]), "phases"),
     "auto-blocks": (dict(kvcache_num_blocks=0), "kvcache_num_blocks=0"),
@@ -297,4 +303,61 @@ def test_bad_quantization_block_names_the_field(tmp_path, checkpoints, block, me
     d = compile_dir(tmp_path / "c", checkpoints["llama"], batch_size=2, max_seq_len=128,
                     kvcache_num_blocks=3, overrides=dict(quantization=block))
     with pytest.raises(ConfigError, match=message):
+        load(d)
+
+
+# -- quantized artifacts: the KV dtype from the recorded past_key_values inputs ------------------------
+FP8 = {"format": "rbln", "weights": "int8", "activations": "fp16", "kv_caches": "fp8"}
+
+
+def test_fp8_kv_artifact_reads_its_kv_dtype_from_input_info(tmp_path, checkpoints):
+    d = compile_dir(tmp_path / "c", checkpoints["gemma3"], batch_size=2, max_seq_len=128,
+                    kvcache_block_size=64, kvcache_num_blocks=5, quantization=FP8)
+    raw = json.loads((d / "rbln_config.json").read_text())
+    recorded = {row[2] for cfg in raw["_compile_cfgs"] for row in cfg["input_info"]
+                if row[0].startswith("past_key_values_")}
+    assert recorded == {"float8_e4m3fn"}            # what optimum-rbln records with fp8 KV
+    compiled = load(d)
+    assert compiled.kv_dtype == compiled.artifact.kv_dtype == "float8_e4m3fn"
+    assert compiled.dtype == "float32"              # activations and the mask keep the model dtype
+    assert compiled.quantization is not None
+    assert (compiled.quantization.weights, compiled.quantization.kv_caches) == ("int8", "fp8")
+    assert {c.dtype for c in compiled.kv_caches} == {"float8_e4m3fn"}
+    # global and sliding caches both (optimum-rbln gives every past_key_values_* the KV dtype)
+    assert {c.shape[2] for c in compiled.kv_caches} == {64, 16}
+    mask = dict((i.name, i) for i in compiled.prefill.inputs)["attention_mask"]
+    assert mask.dtype == "float32"
+    # derived when the file records no input lists: the dtype follows `quantization`
+    e = compile_dir(tmp_path / "e", checkpoints["llama"], batch_size=2, max_seq_len=128,
+                    kvcache_num_blocks=3, quantization=FP8, record_input_info=False)
+    assert load_artifact(e).kv_dtype == "float8_e4m3fn"
+    # a weights-only quantization keeps the model dtype for KV
+    f = compile_dir(tmp_path / "f", checkpoints["llama"], batch_size=2, max_seq_len=128,
+                    kvcache_num_blocks=3, quantization={"weights": "int4"})
+    assert load_artifact(f).kv_dtype == "float32"
+
+
+def test_fp8_kv_dtype_mismatches_are_named(tmp_path, checkpoints):
+    d = compile_dir(tmp_path / "c", checkpoints["llama"], batch_size=2, max_seq_len=128,
+                    kvcache_num_blocks=3, quantization=FP8)
+    raw = json.loads((d / "rbln_config.json").read_text())
+    raw["_compile_cfgs"][1]["input_info"][-1][2] = "bfloat16"   # one decode graph's last V cache
+    (d / "rbln_config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"_compile_cfgs\[decoder_batch_2\].input_info "
+                                          r"past_key_values_3 is bfloat16, but "
+                                          r"_compile_cfgs\[prefill\] past_key_values_0 is "
+                                          r"float8_e4m3fn"):
+        load(d)
+    # every cache float8, but `quantization` says fp16 KV caches
+    raw["_compile_cfgs"][1]["input_info"][-1][2] = "float8_e4m3fn"
+    raw["quantization"]["kv_caches"] = "fp16"
+    (d / "rbln_config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"past_key_values_0 is float8_e4m3fn, but "
+                                          r"quantization.kv_caches='fp16' with "
+                                          r"dtype='float32' gives float32"):
+        load(d)
+    raw["quantization"]["kv_caches"] = "int8"
+    (d / "rbln_config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"quantization.kv_caches='int8' is not one of "
+                                          r"fp8, fp16"):
         load(d)

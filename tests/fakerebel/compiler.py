@@ -2,7 +2,8 @@
 
 `compile_dir` takes a Hugging Face checkpoint directory and the compile options optimum-rbln takes
 (`batch_size`, `max_seq_len`, `kvcache_block_size`, `kvcache_num_blocks`, `attn_impl`,
-`prefill_chunk_size`, `decoder_batch_sizes`, `logits_to_keep`, masks, dtype) and writes:
+`prefill_chunk_size`, `decoder_batch_sizes`, `logits_to_keep`, masks, dtype, `quantization`) and
+writes:
   - `rbln_config.json` with optimum-rbln's field names, `_compile_cfgs` (one per graph, with its
     `input_info` unless `record_input_info=False`) and `cache_metas`;
   - `config.json` and the safetensors weights (the emulator computes with them);
@@ -54,8 +55,16 @@ def cache_metas(cfg: dict[str, Any], layers: list[str], kv_heads: int, head_dim:
                  [cfg["kvcache_num_blocks"], kv_heads, cfg["kvcache_block_size"], head_dim])
         metas.append({"name": f"past_key_values_{i}", "layer_index": i // 2, "shape": shape,
                       "layer_type": "sliding_attention" if sliding else "full_attention",
-                      "is_auto": False, "dtype": cfg["dtype"]})
+                      "is_auto": False, "dtype": kv_dtype(cfg)})
     return metas
+
+
+def kv_dtype(cfg: dict[str, Any]) -> str:
+    """The caches' dtype as optimum-rbln's `get_input_info` picks it: float8_e4m3fn with
+    `quantization.kv_caches="fp8"`, else the model dtype."""
+    if (cfg.get("quantization") or {}).get("kv_caches") == "fp8":
+        return "float8_e4m3fn"
+    return cfg["dtype"]
 
 
 def compile_dir(directory: Path, checkpoint: Path, *, batch_size: int, max_seq_len: int,
@@ -64,7 +73,8 @@ def compile_dir(directory: Path, checkpoint: Path, *, batch_size: int, max_seq_l
                 decoder_batch_sizes: list[int] | None = None, logits_to_keep: int = 1,
                 use_attention_mask: bool | None = None, use_position_ids: bool | None = None,
                 dtype: str = "float32", record_input_info: bool = True,
-                npu: str | None = None, overrides: dict[str, Any] | None = None) -> Path:
+                npu: str | None = None, quantization: dict[str, Any] | None = None,
+                overrides: dict[str, Any] | None = None) -> Path:
     """Write a compiled directory for `checkpoint`; `overrides` replace rbln_config.json fields
     after the input lists are fixed (to write contradicting or unsupported files)."""
     hf = json.loads((checkpoint / "config.json").read_text())
@@ -89,7 +99,7 @@ def compile_dir(directory: Path, checkpoint: Path, *, batch_size: int, max_seq_l
         "use_inputs_embeds": False,
         "use_position_ids": gemma if use_position_ids is None else use_position_ids,
         "use_attention_mask": gemma if use_attention_mask is None else use_attention_mask,
-        "quantization": {},
+        "quantization": dict(quantization or {}),
         "lora_config": None,
         "attn_impl": attn,
         "kvcache_partition_len": block if attn == "flash_attn" else None,

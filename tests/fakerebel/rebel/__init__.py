@@ -11,6 +11,13 @@ dtype, shape and layout against the graph's list, raising `RBLNRuntimeError` on 
 attention mask and position ids must agree with `cache_position` (the emulator computes with the
 positions, so a disagreeing mask would change a device's output silently). The KV methods check
 bounds and 4 KiB host alignment.
+
+The caches' dtype is the one the compile recorded (`cache_metas`): with optimum-rbln's fp8 KV
+(`float8_e4m3fn`) the device model keeps its caches in float8 (the NumPy runtime rounds every K/V
+it writes) and every graph must declare its `past_key_values_*` inputs so, or it does not load;
+host buffers for float8 caches are their `uint8` bit patterns. Other caches are float32 inside
+and rounded to bfloat16 / float16 at the host boundary, as before. Weight and activation
+quantization is not emulated: the device computes with the checkpoint's float weights.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from atombatch.runtime.numpy_runtime import NumpyRuntime
 
 __version__ = "0.12.0-emulated"
 ALIGNMENT = 4096
+FLOAT8 = "float8_e4m3fn"
 KV_PREFIX = "past_key_values_"
 
 CALLS: list[tuple[str, int]] = []      # (graph name, rows) of every graph call, in order
@@ -56,14 +64,19 @@ class _DeviceModel:
     def __init__(self, directory: Path) -> None:
         cfg = json.loads((directory / "rbln_config.json").read_text())
         spec = ModelSpec.from_pretrained(directory)
+        self.dtype = cfg.get("dtype", "float32")
+        kv_dtypes = {meta["dtype"] for meta in cfg.get("cache_metas") or []} or {self.dtype}
+        if len(kv_dtypes) != 1:
+            raise RBLNRuntimeError(f"cache_metas hold several dtypes {sorted(kv_dtypes)}")
+        self.kv_dtype = kv_dtypes.pop()
         fields: dict[str, Any] = dict(
             model=spec, batch_size=cfg["batch_size"], max_seq_len=cfg["max_seq_len"],
             block_size=cfg["kvcache_block_size"], num_blocks=cfg["kvcache_num_blocks"],
-            prefill_chunk_size=cfg["prefill_chunk_size"], kv_dtype="float32")
+            prefill_chunk_size=cfg["prefill_chunk_size"],
+            kv_dtype=FLOAT8 if self.kv_dtype == FLOAT8 else "float32")
         self.buckets = tuple(sorted(cfg.get("decoder_batch_sizes") or [cfg["batch_size"]]))
         fields["decoder_batch_sizes"] = self.buckets
         self.rt = NumpyRuntime.from_pretrained(directory, artifact=ArtifactConfig(**fields))
-        self.dtype = cfg.get("dtype", "float32")
         self.logits_to_keep = cfg.get("logits_to_keep", 1)
         self.batch_size = cfg["batch_size"]
         self.block_size = cfg["kvcache_block_size"]
@@ -134,7 +147,7 @@ class _DeviceModel:
     # -- KV methods -----------------------------------------------------------------------------
     def host_dtype(self) -> np.dtype:
         return np.dtype({"float32": np.float32, "float16": np.float16,
-                         "bfloat16": np.uint16}[self.dtype])
+                         "bfloat16": np.uint16, FLOAT8: np.uint8}[self.kv_dtype])
 
     def cache(self, name: str) -> np.ndarray:
         try:
@@ -152,7 +165,7 @@ class _DeviceModel:
                                    f"{ALIGNMENT}-byte aligned")
         if host.dtype != self.host_dtype():
             raise RBLNRuntimeError(f"host buffer dtype {host.dtype} is not the cache's "
-                                   f"{self.dtype}")
+                                   f"{self.kv_dtype} ({self.host_dtype()})")
         count = cache.shape[1] * tokens * cache.shape[3]
         if host.size != count:
             raise RBLNRuntimeError(f"host buffer holds {host.size} elements, {tokens} tokens "
@@ -193,6 +206,10 @@ class Runtime:
         self.rows = self.inputs[0][1][0]
         self.query_length = self.inputs[0][1][1]
         self.model = _device(path.parent, device)
+        for name, _, dtype in graph["input_info"]:
+            if name.startswith(KV_PREFIX) and dtype != self.model.kv_dtype:
+                raise RBLNRuntimeError(f"{self.name}: KV cache {name} is declared {dtype}, the "
+                                       f"device's caches are {self.model.kv_dtype}")
 
     def __call__(self, *args: Any) -> np.ndarray:
         if len(args) != len(self.inputs):
@@ -236,7 +253,9 @@ class Runtime:
         index, span = model.span(cache, block, offset, tokens)
         view = model.check_host(host, cache, tokens)
         values = cache[index, :, span]
-        if model.dtype == "bfloat16":
+        if model.kv_dtype == FLOAT8:
+            view[...] = np.ascontiguousarray(values).view(np.uint8)
+        elif model.kv_dtype == "bfloat16":
             bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
             view[...] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
         else:
@@ -249,7 +268,9 @@ class Runtime:
         cache = model.cache(layer_name)
         index, span = model.span(cache, block, offset, tokens)
         view = model.check_host(host, cache, tokens)
-        if model.dtype == "bfloat16":
+        if model.kv_dtype == FLOAT8:
+            cache[index, :, span] = view.view(cache.dtype)
+        elif model.kv_dtype == "bfloat16":
             cache[index, :, span] = (view.astype(np.uint32) << 16).view(np.float32)
         else:
             cache[index, :, span] = view
