@@ -56,7 +56,7 @@ DEVICE_ALLOC_ALIGN = 2**21
 #: model elsewhere, so the estimate errs on the side of "does not fit".
 DEFAULT_RUNTIME_OVERHEAD_BYTES = 512 * 1024 * 1024
 
-DTYPE_LABELS = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32"}
+DTYPE_LABELS = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32", "float8_e4m3fn": "FP8"}
 
 Method = Literal["observed", "estimate"]
 

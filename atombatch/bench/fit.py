@@ -30,7 +30,16 @@ from pathlib import Path
 import msgspec
 
 from atombatch.artifact import plan
-from atombatch.artifact.config import FP8_KV_DTYPE, PRESETS, ArtifactConfig, ModelSpec, Quantization
+from atombatch.artifact.config import (
+    FP8_KV_DTYPE,
+    PRESETS,
+    QUANT_ACTIVATIONS,
+    QUANT_KV_CACHES,
+    QUANT_WEIGHTS,
+    ArtifactConfig,
+    ModelSpec,
+    Quantization,
+)
 from atombatch.bench import provenance
 from atombatch.errors import ConfigError
 
@@ -54,8 +63,8 @@ class FitCell(msgspec.Struct, frozen=True):
     tensor_parallel: int                # devices
     result: plan.FitResult | None       # the projection, or None when the config is illegal
     rejected: str | None = None         # the ConfigError message when the config is illegal
-    max_lora_adapters: int | None = None  # adapters of --max-lora-rank that fit (-1: the artifact
-                                          #   alone does not fit); None when not asked
+    max_lora_adapters: dict[int, int] | None = None  # rank -> adapters of that rank that fit
+                                          #   (-1: the artifact alone does not fit); None: not asked
 
 
 #: The weight formats of the quantization table: (label, quantization without the KV choice).
@@ -125,6 +134,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-chunk-size", type=int, default=128)
     parser.add_argument("--tensor-parallel", type=int, default=1, help="devices (default 1)")
     parser.add_argument("--kv-dtype", default="bfloat16")
+    quant = parser.add_argument_group(
+        "quantization (optimum-rbln 0.12's `quantization` block; docs/planning.md)")
+    quant.add_argument("--weights", choices=QUANT_WEIGHTS, default=None,
+                       help="weight format of the projections (default fp16: not quantized)")
+    quant.add_argument("--activations", choices=QUANT_ACTIVATIONS, default=None,
+                       help="activation format (static int8/fp8 stores an input scale)")
+    quant.add_argument("--kv-caches", choices=QUANT_KV_CACHES, default=None,
+                       help="fp8: float8_e4m3fn KV caches, one byte per element")
     parser.add_argument("--device-bytes", type=int, default=plan.ATOM_DEVICE_BYTES,
                         help=f"capacity of one device (default {plan.ATOM_DEVICE_BYTES:,})")
     parser.add_argument("--runtime-overhead-bytes", type=int,
@@ -160,9 +177,10 @@ def _parser() -> argparse.ArgumentParser:
         "--max-lora-rank, plus the reserved base adapter 0)")
     lora.add_argument("--lora-count", type=int, default=None,
                       help="user adapters to count beside the KV cache")
-    lora.add_argument("--max-lora-rank", type=int, default=None,
+    lora.add_argument("--max-lora-rank", type=_ranks, default=None,
                       help="rank every adapter is padded to (optimum-rbln's max_lora_rank); "
-                           "alone, prints how many adapters of that rank fit")
+                           "prints how many adapters of that rank fit (a comma-separated list: "
+                           "of each rank; one rank with --lora-count)")
     lora.add_argument("--lora-target-modules", type=_modules, default=plan.LORA_TARGET_MODULES,
                       help="comma-separated projections the adapters target (default all: "
                            f"{','.join(plan.LORA_TARGET_MODULES)})")
@@ -175,14 +193,36 @@ def _modules(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def _ranks(text: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ranks"
+                                         ) from None
+    if not ranks or len(ranks) > 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: give 1 to 16 ranks")
+    return ranks
+
+
+def cli_quantization(args: argparse.Namespace) -> tuple[Quantization | None, str]:
+    """(quantization, kv_dtype) that `--weights` / `--activations` / `--kv-caches` name."""
+    fields = {name: value for name, value in (("weights", args.weights),
+                                              ("activations", args.activations),
+                                              ("kv_caches", args.kv_caches)) if value}
+    if not fields:
+        return None, args.kv_dtype
+    quant = Quantization(**fields)
+    return quant, quant.kv_dtype or args.kv_dtype
+
+
 def lora_plan(args: argparse.Namespace) -> plan.LoraPlan | None:
     """The adapters `--lora-count` / `--max-lora-rank` / `--lora-target-modules` describe."""
     if args.lora_count is None:
         return None
-    if args.max_lora_rank is None:
-        raise ConfigError(f"--lora-count={args.lora_count} needs --max-lora-rank: every "
+    if args.max_lora_rank is None or len(args.max_lora_rank) != 1:
+        raise ConfigError(f"--lora-count={args.lora_count} needs one --max-lora-rank: every "
                           "adapter is padded to it")
-    return plan.LoraPlan(count=args.lora_count, max_rank=args.max_lora_rank,
+    return plan.LoraPlan(count=args.lora_count, max_rank=args.max_lora_rank[0],
                          target_modules=args.lora_target_modules)
 
 
@@ -192,10 +232,12 @@ def _cell(model: str, batch_size: int, num_blocks: int, max_seq_len: int, block_
     shape = dict(model=model, batch_size=batch_size, num_blocks=num_blocks,
                  max_seq_len=max_seq_len, block_size=block_size, tensor_parallel=tensor_parallel)
     try:
+        quant, kv_dtype = cli_quantization(args)
         artifact = ArtifactConfig(model=ModelSpec.preset(model), batch_size=batch_size,
                                   max_seq_len=max_seq_len, block_size=block_size,
                                   num_blocks=num_blocks, prefill_chunk_size=args.prefill_chunk_size,
-                                  tensor_parallel=tensor_parallel, kv_dtype=args.kv_dtype)
+                                  tensor_parallel=tensor_parallel, kv_dtype=kv_dtype,
+                                  quantization=quant)
     except ConfigError as exc:
         return FitCell(**shape, result=None, rejected=str(exc))  # type: ignore[arg-type]
     used, observed_artifact = observed if observed else (None, None)
@@ -204,9 +246,9 @@ def _cell(model: str, batch_size: int, num_blocks: int, max_seq_len: int, block_
                       runtime_overhead_bytes=args.runtime_overhead_bytes, lora=lora_plan(args))
     adapters = None
     if args.max_lora_rank is not None:
-        adapters = plan.max_lora_adapters(
-            artifact, args.max_lora_rank, args.lora_target_modules, args.device_bytes, used,
-            observed_artifact, runtime_overhead_bytes=args.runtime_overhead_bytes)
+        adapters = {rank: plan.max_lora_adapters(
+            artifact, rank, args.lora_target_modules, args.device_bytes, used, observed_artifact,
+            runtime_overhead_bytes=args.runtime_overhead_bytes) for rank in args.max_lora_rank}
     return FitCell(**shape, result=result, max_lora_adapters=adapters)  # type: ignore[arg-type]
 
 
@@ -274,8 +316,8 @@ def format_table(cells: list[FitCell], device_bytes: int, overhead: int) -> str:
     return "\n".join(lines)
 
 
-def format_single(result: plan.FitResult, max_lora_adapters: int | None = None,
-                  max_lora_rank: int | None = None, batch_size: int | None = None) -> str:
+def format_single(result: plan.FitResult, max_lora_adapters: dict[int, int] | None = None,
+                  batch_size: int | None = None) -> str:
     """One artifact in the table's words: KV/device, other/device, projected, headroom, verdict,
     basis (and the adapters, when asked)."""
     lines = [f"{result.label}  identity {result.identity}"]
@@ -298,10 +340,9 @@ def format_single(result: plan.FitResult, max_lora_adapters: int | None = None,
         lines.insert(3, f"  {'LoRA':<13} {result.lora_bytes:>{width},} bytes, inside other "
                         f"({result.lora.count} adapters + the reserved base, padded to rank "
                         f"{result.lora.max_rank}, {','.join(result.lora.target_modules)})")
-    if max_lora_adapters is not None:
-        fits_text = ("none: the artifact alone does not fit" if max_lora_adapters < 0
-                     else f"{max_lora_adapters}")
-        lines.append(f"  {'adapters':<13} rank {max_lora_rank} adapters that fit beside "
+    for rank, count in (max_lora_adapters or {}).items():
+        fits_text = "none: the artifact alone does not fit" if count < 0 else f"{count}"
+        lines.append(f"  {'adapters':<13} rank {rank} adapters that fit beside "
                      f"{batch_size} lanes: {fits_text}")
     return "\n".join(lines)
 
@@ -459,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     table = args.table or args.model is None
     try:
         lora_plan(args)
+        cli_quantization(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -503,8 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         if cell.result is None:
             print(f"error: {cell.rejected}", file=sys.stderr)
             return 2
-        print(format_single(cell.result, cell.max_lora_adapters, args.max_lora_rank,
-                            cell.batch_size))
+        print(format_single(cell.result, cell.max_lora_adapters, cell.batch_size))
         cells = [cell]
         status = 0 if cell.result.fits else 1
 

@@ -442,7 +442,7 @@ def test_fit_cli_lora(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
     expected = plan.max_lora_adapters(eager("koni-8b", 4, 5, tp=2), 16)
     assert f"rank 16 adapters that fit beside 4 lanes: {expected}" in out
     (cell,) = msgspec.json.decode(path.read_bytes(), type=fit_cli.FitReport).cells
-    assert cell.max_lora_adapters == expected
+    assert cell.max_lora_adapters == {16: expected}
     assert cell.result is not None and cell.result.lora_bytes == 754_974_720
 
     # the rank alone asks how many fit; target modules narrow the count
@@ -454,7 +454,10 @@ def test_fit_cli_lora(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> Non
 
 def test_fit_cli_lora_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert fit_cli.main(["--model", "qwen3-4b", "--lora-count", "3"]) == 2
-    assert "--lora-count=3 needs --max-lora-rank" in capsys.readouterr().err
+    assert "--lora-count=3 needs one --max-lora-rank" in capsys.readouterr().err
+    assert fit_cli.main(["--model", "qwen3-4b", "--lora-count", "3", "--max-lora-rank",
+                         "8,16"]) == 2
+    assert "--lora-count=3 needs one --max-lora-rank" in capsys.readouterr().err
     assert fit_cli.main(["--model", "qwen3-4b", "--lora-count", "3", "--max-lora-rank", "8",
                          "--lora-target-modules", "q_proj,embed"]) == 2
     assert "'embed' is not one of" in capsys.readouterr().err
@@ -677,3 +680,27 @@ def test_quant_table_projects_on_the_simulator(capsys: pytest.CaptureFixture[str
     by = {(c.weights, c.kv): c for c in cells}
     # the same B4 run at fewer weight bytes finishes sooner
     assert (by[("w4a16", "bf16")].output_tok_s or 0) > (by[("fp16", "bf16")].output_tok_s or 1e9)
+
+
+def test_fit_cli_quantized_artifact_with_adapters_of_several_ranks(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "q.json"
+    status = fit_cli.main(["--model", "koni-8b", "--batch-size", "4", "--weights", "int4",
+                           "--kv-caches", "fp8", "--max-lora-rank", "8,16,64", "--json",
+                           str(path)])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "64 FP8 global KV tensors of [5,8,9216,128] = 3,019,898,880 bytes" in out
+    art = _art("koni-8b", 4, 5, Quantization(weights="int4", kv_caches="fp8"), FP8)
+    observed = dict(observed_used_bytes=ORIGIN_USED, observed_artifact=eager("koni-8b", 1, 1))
+    assert f"{plan.fit(art, **observed).projected_bytes:,}" in out  # type: ignore[arg-type]
+    (cell,) = msgspec.json.decode(path.read_bytes(), type=fit_cli.FitReport).cells
+    assert cell.max_lora_adapters is not None and list(cell.max_lora_adapters) == [8, 16, 64]
+    for rank, count in cell.max_lora_adapters.items():
+        assert count == plan.max_lora_adapters(art, rank, **observed)  # type: ignore[arg-type]
+        assert f"rank {rank} adapters that fit beside 4 lanes: {count}" in out
+    # halving the rank (at least) doubles what fits: the stacks are linear in the rank
+    assert cell.max_lora_adapters[8] >= 2 * cell.max_lora_adapters[16]
+    with pytest.raises(SystemExit):  # argparse: not one of the formats
+        fit_cli.main(["--model", "koni-8b", "--weights", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
