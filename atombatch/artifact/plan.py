@@ -135,6 +135,8 @@ class FitResult(msgspec.Struct, frozen=True):
                                                #   (hybrid prefix cache; 0 without sliding layers)
     lora: LoraPlan | None = None               # the adapters counted, if any
     lora_bytes: int = 0                        # their device bytes (inside other_bytes)
+    kv_alloc_bytes: int = 0                    # KV bytes once each tensor is aligned to 2 MiB as
+                                               #   optimum-rbln allocates them (informational)
 
 
 def kv_heads_per_device(spec: ModelSpec, tensor_parallel: int = 1) -> int:
@@ -434,7 +436,8 @@ def fit(artifact: ArtifactConfig, device_bytes: int = ATOM_DEVICE_BYTES,
     common = dict(label=artifact.label, identity=artifact.identity, model=artifact.model.name,
                   tensor_parallel=artifact.tensor_parallel, kv_groups=groups, kv_bytes=kv,
                   weight_bytes=weights, device_bytes=device_bytes,
-                  checkpoint_bytes=checkpoint_bytes(artifact), lora=lora, lora_bytes=adapters)
+                  checkpoint_bytes=checkpoint_bytes(artifact), lora=lora, lora_bytes=adapters,
+                  kv_alloc_bytes=kv_alloc_bytes(artifact))
 
     if observed_used_bytes is None:
         if observed_artifact is not None:
@@ -501,6 +504,8 @@ def describe(result: FitResult) -> str:
                      f"KV tensors of [{shape}] = {group.total_bytes:,} bytes")
     per_device = " per device" if result.tensor_parallel > 1 else ""
     lines.append(f"  KV total{per_device}: {result.kv_bytes:,} bytes")
+    if result.kv_alloc_bytes != result.kv_bytes:
+        lines.append(f"  KV as allocated (2 MiB-aligned tensors): {result.kv_alloc_bytes:,} bytes")
     lines.append(f"  weights (estimate){per_device}: {result.weight_bytes:,} bytes")
     if result.lora is not None:
         lines.append(f"  LoRA{per_device}: {result.lora_bytes:,} bytes ({result.lora.count} "

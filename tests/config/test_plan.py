@@ -594,6 +594,17 @@ def test_the_atom_capacity_is_optimum_rblns_available_dram() -> None:
     assert plan.ATOM_DEVICE_BYTES == 16 * 1024**3 - 288 * 1024**2 == ATOM
 
 
+def test_kv_alloc_bytes_align_each_tensor_to_2_mib() -> None:
+    # KONI's [k, 8, 9216, 128] bf16 tensors are whole MiBs of 9: already aligned.
+    koni = eager("koni-8b", 1, 5)
+    assert plan.kv_alloc_bytes(koni) == plan.kv_cache_bytes(koni) == plan.fit(koni).kv_alloc_bytes
+    # Gemma3's sliding slot of one lane, [1, 1, 512, 256] bf16 = 256 KiB, takes 2 MiB.
+    gemma = eager("gemma3-1b", 1, 2)
+    global_tensor = 2 * 9216 * 256 * 2  # two blocks, aligned up
+    assert plan.kv_alloc_bytes(gemma) == 8 * (-(-global_tensor // 2**21) * 2**21) + 44 * 2**21
+    assert plan.kv_alloc_bytes(gemma) > plan.kv_cache_bytes(gemma)
+
+
 @pytest.mark.parametrize(("name", "batch_size", "ctx", "block_size"), [
     ("koni-8b", 4, 9216, 9216), ("qwen3-4b", 8, 8192, 1024), ("qwen3-0.6b", 16, 8192, 8192),
     ("gemma3-1b", 4, 4096, 1024), ("gemma3-1b", 12, 8192, 8192), ("qwen3-0.6b", 3, 2048, 1024)])
