@@ -23,8 +23,9 @@ KV moves go through the runtime's KV methods, feature-detected (`hasattr`), with
     _get_kv_cache_size(layer_name)                               bytes of one cache tensor
 `host` is a C-contiguous `[kv_heads, tokens, head_dim]` array of the cache's dtype (bfloat16 as
 uint16 bit patterns, float8_e4m3fn, optimum-rbln's fp8 KV, as uint8 bit patterns: the KV dtype is
-the one the graphs record for their `past_key_values_*` inputs); `layer_name` is `past_key_values_{2l}` (K) or `{2l+1}` (V); for a sliding
-layer `block` is the lane's sliding slot. `python -m atombatch.bench device` checks them on a device.
+the one the graphs record for their `past_key_values_*` inputs); `layer_name` is
+`past_key_values_{2l}` (K) or `{2l+1}` (V); for a sliding layer `block` is the lane's sliding
+slot. `python -m atombatch.bench device` checks them on a device.
 
 `rebel` is imported lazily; without it the constructor raises `ConfigError` with install guidance.
 """

@@ -271,7 +271,7 @@ def test_fp8_device_tokens_equal_the_rounding_reference_with_caches(
     batcher = Batcher(rt, prefix_cache=True, host_cache_bytes=1 << 20)
     sequence = prompts + prompts[::-1]
     got = [list(batcher.generate([p], params)[0].token_ids) for p in sequence]
-    assert got[:3] == references and got[3:] == references[::-1]   # noqa: SIM300
+    assert got[:3] == references and got[3:] == references[::-1]
     batcher.check_invariants()
     stats = batcher.stats()
     assert stats.prefix_hits >= 2 and stats.evictions > 0 and stats.host_restores > 0
