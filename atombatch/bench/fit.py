@@ -201,6 +201,8 @@ def _ranks(text: str) -> tuple[int, ...]:
                                          ) from None
     if not ranks or len(ranks) > 16:
         raise argparse.ArgumentTypeError(f"{text!r}: give 1 to 16 ranks")
+    if min(ranks) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a rank must be a positive integer")
     return ranks
 
 
@@ -299,7 +301,7 @@ def format_table(cells: list[FitCell], device_bytes: int, overhead: int) -> str:
         lines.append(f"{cell.model:<11} {cell.tensor_parallel:>2} {shape:<6} "
                      f"{result.kv_bytes:>15,} {result.other_bytes:>15,} "
                      f"{result.projected_bytes:>15,} {result.headroom_bytes:>15,}  "
-                     f"{verdict:<29} {basis}")
+                     f"{verdict:<29} {basis}{_adapters_text(cell)}")
     lines += [
         "",
         "observed (conditional): origin issue, 16,357,785,600 bytes in use at koni-8b "
@@ -314,6 +316,14 @@ def format_table(cells: list[FitCell], device_bytes: int, overhead: int) -> str:
     if cross_check:
         lines.append(cross_check)
     return "\n".join(lines)
+
+
+def _adapters_text(cell: FitCell) -> str:
+    """`; adapters r16 49, r64 12` when --max-lora-rank was given (-1: none, it does not fit)."""
+    if not cell.max_lora_adapters:
+        return ""
+    return "; adapters " + ", ".join(f"r{rank} {count}" for rank, count in
+                                     cell.max_lora_adapters.items())
 
 
 def format_single(result: plan.FitResult, max_lora_adapters: dict[int, int] | None = None,

@@ -461,6 +461,16 @@ def test_fit_cli_lora_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert fit_cli.main(["--model", "qwen3-4b", "--lora-count", "3", "--max-lora-rank", "8",
                          "--lora-target-modules", "q_proj,embed"]) == 2
     assert "'embed' is not one of" in capsys.readouterr().err
+    # the table: each cell says how many adapters of each rank fit beside it
+    assert fit_cli.main(["--table", "--model", "qwen3-4b", "--max-lora-rank", "16,64"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("qwen3-4b")]
+    expected = plan.max_lora_adapters(eager("qwen3-4b", 4, 5, tp=2), 64)
+    assert any(row.split()[:3] == ["qwen3-4b", "2", "B4/k5"] and row.endswith(f", r64 {expected}")
+               for row in rows)
+    for ranks in ("0", "8,-1", "x", ",".join(["8"] * 17)):
+        with pytest.raises(SystemExit):
+            fit_cli.main(["--max-lora-rank", ranks])
+        assert "--max-lora-rank" in capsys.readouterr().err
 
 
 # -- quantized artifacts (issue 42 item 2) --------------------------------------------------------------
