@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from atombatch.artifact.kv_dtype import FLOAT8
 from atombatch.errors import ConfigError
 from atombatch.kernel.codes import check_buckets
 
@@ -26,6 +27,70 @@ SLIDING = "sliding_attention"
 # (optimum-rbln's `quantization.kv_caches="fp8"`, atombatch/artifact/kv_dtype.py)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
+
+# optimum-rbln 0.12 `RBLNQuantizationConfig` (transformers/utils/rbln_quantization.py): the values
+# of rbln_config.json's `quantization` block.
+QUANT_WEIGHTS = ("int4", "int8", "fp8", "fp16")
+QUANT_ACTIVATIONS = ("int8", "fp8", "fp16")
+QUANT_KV_CACHES = ("fp8", "fp16")
+#: Bits of one stored weight element by format (optimum-rbln's `nbits_per_param`; fp16 is 16).
+WEIGHT_BITS = {"int4": 4, "int8": 8, "fp8": 8, "fp16": 16}
+#: The KV cache dtype an artifact with `kv_caches: fp8` records on its past_key_values inputs.
+FP8_KV_DTYPE = FLOAT8
+
+
+class Quantization(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The `quantization` block of an optimum-rbln 0.12 `rbln_config.json` (what the planner and
+    the simulator count: weight bytes by `weights`, KV bytes by `kv_caches`).
+
+    optimum-rbln replaces the q/k/v/o and gate/up/down projections by quantized linears whose
+    weights are stored in `weights` format with one scale per output channel (`[out, 1]`), adds a
+    one-element input scale per projection for static int8/fp8 activations, and a scalar K and V
+    scale per attention layer for fp8 KV caches; embeddings, LM head and norms keep the model's
+    dtype.
+    """
+
+    format: str = "rbln"          # the only format optimum-rbln 0.12 knows
+    weights: str = "fp16"         # int4 | int8 | fp8 | fp16
+    activations: str = "fp16"     # int8 | fp8 | fp16
+    kv_caches: str = "fp16"       # fp8 | fp16
+    dynamic: bool = False         # dynamic activation quantization (no stored input scale)
+
+    def __post_init__(self) -> None:
+        for field, allowed in (("format", ("rbln",)), ("weights", QUANT_WEIGHTS),
+                               ("activations", QUANT_ACTIVATIONS),
+                               ("kv_caches", QUANT_KV_CACHES)):
+            value = getattr(self, field)
+            if value not in allowed:
+                raise ConfigError(f"quantization.{field}={value!r} is not one of "
+                                  f"{', '.join(allowed)}")
+
+    @property
+    def weight_bits(self) -> int:
+        """Bits of one stored projection weight."""
+        return WEIGHT_BITS[self.weights]
+
+    @property
+    def quantized_weights(self) -> bool:
+        return self.weights != "fp16"
+
+    @property
+    def static_input_scale(self) -> bool:
+        """A stored one-element input scale per projection (static int8/fp8 activations)."""
+        return self.activations != "fp16" and not self.dynamic
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """The KV dtype this block fixes (fp8 caches), or None (the artifact's own dtype)."""
+        return FP8_KV_DTYPE if self.kv_caches == "fp8" else None
+
+    @property
+    def label(self) -> str:
+        """e.g. `wint4`, `wfp8/afp8`, `kvfp8` (the parts that differ from fp16), '' for none."""
+        parts = [f"w{self.weights}"] if self.weights != "fp16" else []
+        if self.activations != "fp16":
+            parts.append(f"a{self.activations}")
+        return "/".join(parts)
 
 
 class RopeScaling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -317,8 +382,14 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Compiled decode batch sizes ("buckets", optimum-rbln's `decoder_batch_sizes`): each decode
     # step runs the smallest one that holds the decoding lanes. Empty means `(batch_size,)`.
     decoder_batch_sizes: tuple[int, ...] = ()
+    # optimum-rbln's `quantization` block (weights, activations, KV caches); None: not quantized.
+    quantization: Quantization | None = None
 
     def __post_init__(self) -> None:
+        quant = self.quantization
+        if quant is not None and (quant.kv_caches == "fp8") != (self.kv_dtype == FP8_KV_DTYPE):
+            raise ConfigError(f"kv_dtype={self.kv_dtype!r} contradicts quantization.kv_caches="
+                              f"{quant.kv_caches!r}: fp8 KV caches are {FP8_KV_DTYPE}")
         for field in ("batch_size", "max_seq_len", "block_size", "num_blocks",
                       "prefill_chunk_size", "tensor_parallel"):
             value = getattr(self, field)
@@ -399,8 +470,11 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         tp = f"/tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
         bs = f"/bs{self.block_size}" if self.partitioned else ""
         dbs = "/dbs" + ",".join(map(str, self.decoder_batch_sizes)) if self.bucketed else ""
+        quant = f"/{self.quantization.label}" if self.quantization and \
+            self.quantization.label else ""
+        kv = "/kvfp8" if self.kv_dtype == FP8_KV_DTYPE else ""
         return (f"{self.model.name} B{self.batch_size}/ctx{self.max_seq_len}{bs}"
-                f"/k{self.num_blocks}{tp}{dbs}")
+                f"/k{self.num_blocks}{tp}{dbs}{quant}{kv}")
 
     @property
     def identity(self) -> str:
@@ -412,6 +486,8 @@ class ArtifactConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         fields["model"].pop("eos_token_ids", None)
         if not self.bucketed:  # identities of artifacts compiled before buckets stay as they were
             fields.pop("decoder_batch_sizes")
+        if self.quantization is None:  # likewise for artifacts without quantization
+            fields.pop("quantization")
         blob = msgspec.json.encode(fields, order="sorted")
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -20,6 +20,13 @@ slot in every sliding layer); it is reported, never added to the device projecti
 With `tensor_parallel > 1` every figure is per device: attention heads, KV heads and the MLP are
 split across devices; KV heads are replicated when there are fewer of them than devices; embeddings
 and norms are counted on every device (conservative).
+
+LoRA adapters (`fit(..., lora=LoraPlan(count, max_rank, target_modules))`) are compiled into the
+artifact (optimum-rbln 0.12): every targeted projection of every layer holds its adapters stacked
+and zero-padded to `max_lora_rank`, A as `[adapters, in, max_rank]` and B as
+`[adapters, max_rank, out]` in the base weight dtype, and the stack has one more entry than the user
+adapters (the reserved base adapter 0, all zeros). `lora_bytes` counts exactly that and `fit` adds
+it to the non-KV bytes; `max_lora_adapters` says how many adapters of a rank fit beside the lanes.
 """
 
 from __future__ import annotations
@@ -28,11 +35,19 @@ from typing import Literal
 
 import msgspec
 
-from atombatch.artifact.config import DTYPE_BYTES, ArtifactConfig, ModelSpec
+from atombatch.artifact.config import DTYPE_BYTES, ArtifactConfig, ModelSpec, Quantization
 from atombatch.errors import ConfigError
 
-#: Capacity reported for one ATOM by the read-only monitor in the origin issue (bytes).
+#: Capacity reported for one ATOM by the read-only monitor in the origin issue (bytes). It is also
+#: optimum-rbln 0.12's available DRAM of an RBLN-CA (ATOM) device: 16 GiB less the 288 MiB system
+#: reserve per chiplet, ATOM reporting one chiplet (`utils/runtime_utils.py`).
 ATOM_DEVICE_BYTES = 16_877_879_296
+ATOM_DRAM_BYTES = 16 * 2**30
+ATOM_SYSTEM_RESERVE_BYTES = 288 * 2**20
+
+#: optimum-rbln aligns every device tensor allocation to 2 MiB (`align_2MB` when it sizes the KV
+#: cache).
+DEVICE_ALLOC_ALIGN = 2**21
 
 #: Allowance for the runtime's own device buffers (activations, I/O staging, command queues) used by
 #: the weights + KV estimate. 512 MiB is a round figure, not a measurement: the only observation
@@ -41,9 +56,46 @@ ATOM_DEVICE_BYTES = 16_877_879_296
 #: model elsewhere, so the estimate errs on the side of "does not fit".
 DEFAULT_RUNTIME_OVERHEAD_BYTES = 512 * 1024 * 1024
 
-DTYPE_LABELS = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32"}
+DTYPE_LABELS = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32", "float8_e4m3fn": "FP8"}
 
 Method = Literal["observed", "estimate"]
+
+#: The projections an adapter may target (optimum-rbln 0.12 `lora_architecture`: attention q/k/v/o,
+#: MLP gate/up/down), in layer order.
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Adapters to compile beside an artifact, as the planner counts them.
+
+    optimum-rbln 0.12 stacks every adapter, padded to `max_rank`, plus the reserved base adapter
+    (id 0) into each targeted projection; a projection no adapter targets holds nothing.
+    """
+
+    count: int                                          # user adapters (ids 1..count)
+    max_rank: int                                       # optimum-rbln's max_lora_rank
+    target_modules: tuple[str, ...] = LORA_TARGET_MODULES  # union over the adapters
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.count, int) or self.count < 0:
+            raise ConfigError(f"lora count={self.count!r} must be an integer >= 0")
+        if not isinstance(self.max_rank, int) or self.max_rank <= 0:
+            raise ConfigError(f"max_lora_rank={self.max_rank!r} must be a positive integer")
+        if not self.target_modules:
+            raise ConfigError("lora target_modules is empty: name at least one of "
+                              f"{', '.join(LORA_TARGET_MODULES)}")
+        for module in self.target_modules:
+            if module not in LORA_TARGET_MODULES:
+                raise ConfigError(f"lora target module {module!r} is not one of "
+                                  f"{', '.join(LORA_TARGET_MODULES)}")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ConfigError(f"lora target_modules={list(self.target_modules)} names a module "
+                              "twice")
+
+    @property
+    def stacked_adapters(self) -> int:
+        """Entries of each projection's stack: the user adapters plus the reserved base (id 0)."""
+        return self.count + 1
 
 
 class KVGroup(msgspec.Struct, frozen=True):
@@ -81,6 +133,10 @@ class FitResult(msgspec.Struct, frozen=True):
     observed_kv_bytes: int | None = None       # that artifact's exact KV bytes
     checkpoint_bytes: int = 0                  # host bytes of one sliding-slot checkpoint
                                                #   (hybrid prefix cache; 0 without sliding layers)
+    lora: LoraPlan | None = None               # the adapters counted, if any
+    lora_bytes: int = 0                        # their device bytes (inside other_bytes)
+    kv_alloc_bytes: int = 0                    # KV bytes once each tensor is aligned to 2 MiB as
+                                               #   optimum-rbln allocates them (informational)
 
 
 def kv_heads_per_device(spec: ModelSpec, tensor_parallel: int = 1) -> int:
@@ -134,6 +190,44 @@ def kv_tensor_shapes(artifact: ArtifactConfig) -> list[tuple[str, tuple[int, ...
     return tensors
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // DEVICE_ALLOC_ALIGN) * DEVICE_ALLOC_ALIGN
+
+
+def kv_alloc_bytes(artifact: ArtifactConfig, num_blocks: int | None = None) -> int:
+    """Device bytes the KV tensors take once each is aligned to 2 MiB, as optimum-rbln sizes them;
+    `num_blocks` (default the artifact's) rescales the global (block) tensors, sliding slots stay."""
+    blocks = artifact.num_blocks if num_blocks is None else num_blocks
+    total = 0
+    for group in kv_groups(artifact):
+        tensor = group.tensor_bytes
+        if group.kind == "global":
+            tensor = tensor // artifact.num_blocks * blocks
+        total += group.count * _aligned(tensor)
+    return total
+
+
+def max_num_blocks(artifact: ArtifactConfig, non_kv_bytes: int,
+                   device_bytes: int = ATOM_DEVICE_BYTES) -> int:
+    """The KV block count optimum-rbln 0.12 picks when it sizes the cache itself
+    (`kvcache_num_blocks=0`): the most blocks, up to `batch_size x blocks_per_seq` (its
+    `num_full_blocks`, no spare), whose 2 MiB-aligned KV tensors fit beside `non_kv_bytes` in
+    `device_bytes`; 1 when none fits (optimum-rbln then refuses an artifact below its minimum).
+    Only the artifact's shapes other than `num_blocks` matter."""
+    full = artifact.batch_size * artifact.blocks_per_seq
+    budget = device_bytes - non_kv_bytes
+    if kv_alloc_bytes(artifact, full) <= budget:
+        return full
+    lo, hi, best = 1, full - 1, 1
+    while lo <= hi:  # KV bytes grow with the block count
+        mid = (lo + hi) // 2
+        if kv_alloc_bytes(artifact, mid) <= budget:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
 def checkpoint_bytes(artifact: ArtifactConfig) -> int:
     """Host bytes of one sliding-slot checkpoint (one lane's slot in every sliding layer, K and V,
     in `kv_dtype`, per device); 0 for a model without sliding layers."""
@@ -169,37 +263,135 @@ def kv_cache_bytes(artifact: ArtifactConfig) -> int:
     return sum(group.total_bytes for group in kv_groups(artifact))
 
 
-def weight_bytes(spec: ModelSpec, tensor_parallel: int = 1) -> int:
-    """Estimate of the model's weight bytes on one device, in `spec.dtype`.
+#: Bytes of one quantization scale: optimum-rbln builds a quantized model in float32 (its compiler
+#: takes no bfloat16 quantized graph) and gives every scale the model's dtype.
+SCALE_BYTES = 4
+
+
+def projection_shapes(spec: ModelSpec, tensor_parallel: int = 1) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each projection of one layer on one device: q/k/v and
+    gate/up split their outputs across devices, o and down their inputs."""
+    hidden, head_dim = spec.hidden_size, spec.head_dim
+    q_dim = spec.num_heads // tensor_parallel * head_dim
+    kv_dim = kv_heads_per_device(spec, tensor_parallel) * head_dim
+    mlp = -(-spec.intermediate_size // tensor_parallel)
+    return {"q_proj": (q_dim, hidden), "k_proj": (kv_dim, hidden), "v_proj": (kv_dim, hidden),
+            "o_proj": (hidden, q_dim), "gate_proj": (mlp, hidden), "up_proj": (mlp, hidden),
+            "down_proj": (hidden, mlp)}
+
+
+def linear_weight_bytes(out_features: int, in_features: int,
+                        quantization: Quantization | None = None, dtype_bytes: int = 2) -> int:
+    """Device bytes of one projection's weight (bias excluded) in the artifact's weight format.
+
+    fp16 (or no quantization): `out x in` elements of `dtype_bytes`. int4/int8/fp8: the elements at
+    4/8/8 bits (int4 two to a byte, rounded up) plus one `SCALE_BYTES` scale per output channel
+    (optimum-rbln's `weight_scale [out, 1]`) and, for static int8/fp8 activations, one
+    `SCALE_BYTES` input scale.
+    """
+    elements = out_features * in_features
+    if quantization is None or not quantization.quantized_weights:
+        return elements * dtype_bytes
+    stored = -(-elements * quantization.weight_bits // 8)
+    scales = out_features * SCALE_BYTES
+    if quantization.static_input_scale:
+        scales += SCALE_BYTES
+    return stored + scales
+
+
+def weight_bytes(spec: ModelSpec, tensor_parallel: int = 1,
+                 quantization: Quantization | None = None) -> int:
+    """Estimate of the model's weight bytes on one device, by the artifact's weight format.
 
     Counts the input embedding, the LM head when it is not tied, attention (q/k/v/o, biases when the
     model has them, Qwen3/Gemma3 q/k norms), the gated MLP (gate, up, down) and every RMSNorm.
     Attention heads and the MLP are split across `tensor_parallel` devices (KV projections are
     replicated with the KV heads); embeddings, LM head and norms are counted on every device.
-    For the presets at `tensor_parallel=1` this is the exact parameter count times the dtype size
-    (e.g. Llama-3.1-8B: 8,030,261,248 parameters).
+    For the presets at `tensor_parallel=1` without quantization this is the exact parameter count
+    times the dtype size (e.g. Llama-3.1-8B: 8,030,261,248 parameters).
+
+    With `quantization` the seven projections are counted by `linear_weight_bytes` (int4 / int8 /
+    fp8 elements plus their per-output-channel scales), fp8 KV caches add a scalar K and V scale
+    per layer; embeddings, LM head, biases and norms stay in `spec.dtype` (optimum-rbln quantizes
+    only the projections).
     """
     if tensor_parallel <= 0:
         raise ConfigError(f"tensor_parallel={tensor_parallel} must be a positive integer")
     if spec.num_heads % tensor_parallel:
         raise ConfigError(f"tensor_parallel={tensor_parallel} must divide "
                           f"num_heads={spec.num_heads}")
+    item = spec.dtype_bytes
     hidden, head_dim = spec.hidden_size, spec.head_dim
-    q_dim = spec.num_heads // tensor_parallel * head_dim
-    kv_dim = kv_heads_per_device(spec, tensor_parallel) * head_dim
-    mlp = -(-spec.intermediate_size // tensor_parallel)
-
-    attention = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
+    shapes = projection_shapes(spec, tensor_parallel)
+    linears = sum(linear_weight_bytes(out, inp, quantization, item)
+                  for out, inp in shapes.values())
+    small = 0  # biases and norms, in the model dtype
     if spec.attention_bias:
-        attention += q_dim + 2 * kv_dim
-    norms = 4 * hidden if spec.family == "gemma3" else 2 * hidden  # Gemma3: pre/post attn and MLP
+        small += shapes["q_proj"][0] + shapes["k_proj"][0] + shapes["v_proj"][0]
+    small += 4 * hidden if spec.family == "gemma3" else 2 * hidden  # Gemma3: pre/post attn and MLP
     if spec.family in ("qwen3", "gemma3"):
-        norms += 2 * head_dim  # q_norm, k_norm
-    per_layer = attention + 3 * hidden * mlp + norms
+        small += 2 * head_dim  # q_norm, k_norm
+    per_layer = linears + small * item
+    if quantization is not None and quantization.kv_caches == "fp8":
+        per_layer += 2 * SCALE_BYTES  # k_scale, v_scale
 
     embeddings = spec.vocab_size * hidden * (1 if spec.tie_word_embeddings else 2)
-    params = embeddings + spec.num_layers * per_layer + hidden  # + final norm
-    return params * spec.dtype_bytes
+    return (embeddings + hidden) * item + spec.num_layers * per_layer  # + final norm
+
+
+def lora_projection_dims(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each projection an adapter may target, one layer."""
+    hidden, q_dim = spec.hidden_size, spec.num_heads * spec.head_dim
+    kv_dim, mlp = spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    return {"q_proj": (hidden, q_dim), "k_proj": (hidden, kv_dim), "v_proj": (hidden, kv_dim),
+            "o_proj": (q_dim, hidden), "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp),
+            "down_proj": (mlp, hidden)}
+
+
+def lora_bytes_per_adapter(spec: ModelSpec, max_rank: int,
+                           target_modules: tuple[str, ...] = LORA_TARGET_MODULES) -> int:
+    """Device bytes one stacked adapter adds: `max_rank x (in + out)` per targeted projection per
+    layer, in the model's weight dtype."""
+    dims = lora_projection_dims(spec)
+    per_layer = sum(max_rank * (dims[m][0] + dims[m][1]) for m in target_modules)
+    return spec.num_layers * per_layer * spec.dtype_bytes
+
+
+def lora_bytes(spec: ModelSpec, lora: LoraPlan | None) -> int:
+    """Device bytes of the adapters optimum-rbln 0.12 compiles into an artifact.
+
+    Every targeted projection of every layer holds A `[count + 1, in, max_rank]` and B
+    `[count + 1, max_rank, out]` in the weight dtype (the `+ 1` is the reserved base adapter 0).
+    Counted whole on every device under tensor parallelism (conservative): 0 without adapters.
+    """
+    if lora is None or lora.count == 0:  # no adapter: the artifact is compiled without LoRA
+        return 0
+    return lora.stacked_adapters * lora_bytes_per_adapter(spec, lora.max_rank,
+                                                          lora.target_modules)
+
+
+def max_lora_adapters(artifact: ArtifactConfig, max_rank: int,
+                      target_modules: tuple[str, ...] = LORA_TARGET_MODULES,
+                      device_bytes: int = ATOM_DEVICE_BYTES,
+                      observed_used_bytes: int | None = None,
+                      observed_artifact: ArtifactConfig | None = None, *,
+                      runtime_overhead_bytes: int = DEFAULT_RUNTIME_OVERHEAD_BYTES) -> int:
+    """How many user adapters of `max_rank` fit beside the artifact's lanes and KV.
+
+    The largest `count` for which `fit(..., lora=LoraPlan(count, max_rank, target_modules))` fits
+    (the reserved base adapter is part of every stack); -1 when the artifact does not fit even
+    without adapters. The other arguments are `fit`'s.
+    """
+    LoraPlan(count=0, max_rank=max_rank, target_modules=target_modules)  # checks the inputs
+    base = fit(artifact, device_bytes, observed_used_bytes, observed_artifact,
+               runtime_overhead_bytes=runtime_overhead_bytes)
+    if not base.fits:
+        return -1
+    per_adapter = lora_bytes_per_adapter(artifact.model, max_rank, target_modules)
+    if per_adapter <= 0:
+        raise ConfigError(f"max_lora_rank={max_rank} must be a positive integer")
+    # count + 1 stacked adapters must fit in the headroom
+    return max(base.headroom_bytes // per_adapter - 1, 0)
 
 
 def _same_model(a: ModelSpec, b: ModelSpec) -> bool:
@@ -208,7 +400,8 @@ def _same_model(a: ModelSpec, b: ModelSpec) -> bool:
 
 def fit(artifact: ArtifactConfig, device_bytes: int = ATOM_DEVICE_BYTES,
         observed_used_bytes: int | None = None, observed_artifact: ArtifactConfig | None = None,
-        *, runtime_overhead_bytes: int = DEFAULT_RUNTIME_OVERHEAD_BYTES) -> FitResult:
+        *, runtime_overhead_bytes: int = DEFAULT_RUNTIME_OVERHEAD_BYTES,
+        lora: LoraPlan | None = None) -> FitResult:
     """Project the artifact's device use and say whether it fits.
 
     Args:
@@ -220,6 +413,8 @@ def fit(artifact: ArtifactConfig, device_bytes: int = ATOM_DEVICE_BYTES,
         observed_artifact: the artifact the measurement was taken on; defaults to `artifact`. It
             must be the same model with the same `tensor_parallel`.
         runtime_overhead_bytes: without an observation, the allowance added to weights + KV.
+        lora: adapters compiled into the artifact (`lora_bytes`), added to the non-KV bytes; an
+            observation is taken to have been made without adapters.
 
     Returns:
         A `FitResult`; `fits` is `projected_bytes <= device_bytes`.
@@ -233,24 +428,29 @@ def fit(artifact: ArtifactConfig, device_bytes: int = ATOM_DEVICE_BYTES,
         raise ConfigError(f"runtime_overhead_bytes={runtime_overhead_bytes} must be >= 0")
     groups = kv_groups(artifact)
     kv = sum(group.total_bytes for group in groups)
-    weights = weight_bytes(artifact.model, artifact.tensor_parallel)
+    weights = weight_bytes(artifact.model, artifact.tensor_parallel, artifact.quantization)
+    adapters = lora_bytes(artifact.model, lora)
+    adapters_basis = "" if lora is None else (
+        f" + LoRA {adapters:,} ({lora.count} adapters + the base, rank {lora.max_rank}, "
+        f"{','.join(lora.target_modules)})")
     common = dict(label=artifact.label, identity=artifact.identity, model=artifact.model.name,
                   tensor_parallel=artifact.tensor_parallel, kv_groups=groups, kv_bytes=kv,
                   weight_bytes=weights, device_bytes=device_bytes,
-                  checkpoint_bytes=checkpoint_bytes(artifact))
+                  checkpoint_bytes=checkpoint_bytes(artifact), lora=lora, lora_bytes=adapters,
+                  kv_alloc_bytes=kv_alloc_bytes(artifact))
 
     if observed_used_bytes is None:
         if observed_artifact is not None:
             raise ConfigError("observed_artifact was given without observed_used_bytes")
-        other = weights + runtime_overhead_bytes
+        other = weights + runtime_overhead_bytes + adapters
         projected = other + kv
         return FitResult(
             **common, other_bytes=other, projected_bytes=projected,  # type: ignore[arg-type]
             headroom_bytes=device_bytes - projected, fits=projected <= device_bytes,
             method="estimate", conditional=False,
-            basis=(f"estimate: weights {weights:,} (from the spec, {artifact.model.dtype}) + KV "
+            basis=(f"estimate: weights {weights:,} (from the spec, {_weight_format(artifact)}) + KV "
                    f"{kv:,} + runtime overhead {runtime_overhead_bytes:,} (stated allowance, "
-                   "not measured)"),
+                   f"not measured){adapters_basis}"),
             runtime_overhead_bytes=runtime_overhead_bytes)
 
     observed = observed_artifact or artifact
@@ -267,16 +467,32 @@ def fit(artifact: ArtifactConfig, device_bytes: int = ATOM_DEVICE_BYTES,
     if other < 0:
         raise ConfigError(f"observed_used_bytes={observed_used_bytes} is below the observed "
                           f"artifact's own KV bytes {observed_kv}")
+    observed_weights = weight_bytes(observed.model, observed.tensor_parallel,
+                                    observed.quantization)
+    weights_basis = ""
+    if observed_weights != weights:  # another weight format: swap the weights as well
+        other += weights - observed_weights
+        weights_basis = (f" - its weights {observed_weights:,} ({_weight_format(observed)}) + "
+                         f"these weights {weights:,} ({_weight_format(artifact)})")
+    other += adapters
     projected = other + kv
     return FitResult(
         **common, other_bytes=other, projected_bytes=projected,  # type: ignore[arg-type]
         headroom_bytes=device_bytes - projected, fits=projected <= device_bytes,
         method="observed", conditional=True,
         basis=(f"conditional estimate: observed {observed_used_bytes:,} in use at "
-               f"{observed.label} - its KV {observed_kv:,} + this KV {kv:,}, if other allocations "
-               "stay unchanged; not a compiler result"),
+               f"{observed.label} - its KV {observed_kv:,} + this KV {kv:,}{weights_basis}"
+               f"{adapters_basis}, if "
+               "other allocations stay unchanged; not a compiler result"),
         observed_used_bytes=observed_used_bytes, observed_label=observed.label,
         observed_kv_bytes=observed_kv)
+
+
+def _weight_format(artifact: ArtifactConfig) -> str:
+    quant = artifact.quantization
+    if quant is None or not quant.quantized_weights:
+        return artifact.model.dtype
+    return f"{quant.weights} weights, {artifact.model.dtype} embeddings and norms"
 
 
 def describe(result: FitResult) -> str:
@@ -288,7 +504,12 @@ def describe(result: FitResult) -> str:
                      f"KV tensors of [{shape}] = {group.total_bytes:,} bytes")
     per_device = " per device" if result.tensor_parallel > 1 else ""
     lines.append(f"  KV total{per_device}: {result.kv_bytes:,} bytes")
+    if result.kv_alloc_bytes != result.kv_bytes:
+        lines.append(f"  KV as allocated (2 MiB-aligned tensors): {result.kv_alloc_bytes:,} bytes")
     lines.append(f"  weights (estimate){per_device}: {result.weight_bytes:,} bytes")
+    if result.lora is not None:
+        lines.append(f"  LoRA{per_device}: {result.lora_bytes:,} bytes ({result.lora.count} "
+                     f"adapters + the base, rank {result.lora.max_rank})")
     lines.append(f"  projected{per_device}: {result.projected_bytes:,} of {result.device_bytes:,} "
                  f"bytes, headroom {result.headroom_bytes:,}")
     lines.append(f"  {result.basis}")

@@ -36,7 +36,7 @@ from typing import Any
 
 import msgspec
 
-from atombatch.artifact.config import ArtifactConfig, ModelSpec
+from atombatch.artifact.config import ArtifactConfig, ModelSpec, Quantization
 from atombatch.artifact.kv_dtype import FLOAT8
 from atombatch.artifact.lora import MAX_LORA_RANK, TARGET_MODULES
 from atombatch.errors import ConfigError
@@ -58,9 +58,6 @@ MAX_COMPILED_LORA_RANK = MAX_LORA_RANK   # max_lora_rank / r (512, atombatch's L
 MAX_LORA_NAME = 256                # characters of a lora_name
 MAX_LORA_PATH = 4096               # characters of a lora_path
 KV_PREFIX = "past_key_values_"
-# optimum-rbln 0.12's RBLNQuantizationConfig: the values each field may take
-QUANT_FORMATS = {"format": ("rbln",), "weights": ("int4", "int8", "fp8", "fp16"),
-                 "activations": ("int8", "fp8", "fp16"), "kv_caches": ("fp8", "fp16")}
 # optimum-rbln's per-NPU attention limits (modeling_attention_utils.AttentionLimits):
 # (max eager max_seq_len, min and max flash partition length, max sliding window).
 NPU_LIMITS = {"RBLN-CA": ("ATOM", 32_768, 1_024, 32_768, 32_768),
@@ -73,15 +70,6 @@ class GraphInput(msgspec.Struct, frozen=True):
     name: str
     shape: tuple[int, ...]
     dtype: str
-
-
-class Quantization(msgspec.Struct, frozen=True):
-    """optimum-rbln's `quantization` of a compiled directory (each field defaults as there)."""
-
-    format: str = "rbln"               # the only format optimum-rbln 0.12 writes
-    weights: str = "fp16"              # "int4" | "int8" | "fp8" | "fp16" (inside the graphs)
-    activations: str = "fp16"          # "int8" | "fp8" | "fp16" (inside the graphs)
-    kv_caches: str = "fp16"            # "fp8": the KV caches are float8_e4m3fn
 
 
 class CompiledGraph(msgspec.Struct, frozen=True):
@@ -282,7 +270,7 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
 
     _refuse_unsupported(raw)
     lora = read_lora_config(raw.get("lora_config"))
-    quantization = _quantization(raw)
+    quantization = read_quantization(raw)
 
     # -- shapes ------------------------------------------------------------------------------------
     batch_size = _positive(raw, "batch_size", 1)
@@ -382,7 +370,7 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
         artifact = _artifact(spec, batch_size=batch_size, max_seq_len=max_seq_len,
                              block_size=block_size, num_blocks=num_blocks,
                              prefill_chunk_size=chunk, tensor_parallel=tp, kv_dtype=kv_dtype,
-                             buckets=buckets)
+                             buckets=buckets, quantization=quantization)
     except ConfigError as exc:
         raise ConfigError(f"{CONFIG_FILE} (batch_size={batch_size}, max_seq_len={max_seq_len}, "
                           f"kvcache_block_size={block_size}, kvcache_num_blocks={num_blocks}, "
@@ -576,21 +564,29 @@ def _lora_adapter(where: str, raw: Any) -> CompiledAdapter:
     return CompiledAdapter(lora_int_id=lora_int_id, lora_name=name, lora_path=path, r=r,
                            lora_alpha=alpha, target_modules=tuple(modules), use_rslora=rslora,
                            scaling_factor=positive("scaling_factor", 1.0))
-def _quantization(raw: dict[str, Any]) -> Quantization | None:
-    """`quantization`, each field checked against optimum-rbln's values (None when empty)."""
-    quant = _get(raw, "quantization", dict, {})
-    if not quant:
+
+
+def read_quantization(raw: dict[str, Any]) -> Quantization | None:
+    """The `quantization` block (optimum-rbln 0.12 `RBLNQuantizationConfig`: format, weights,
+    activations, kv_caches), each value checked against optimum-rbln's lists; None when absent or
+    empty.
+    (weights and activations both fp16, which optimum-rbln's constructor refuses, is read as
+    "KV caches only".)"""
+    block = _get(raw, "quantization", dict, None)
+    if not block:  # absent, null or {} (an unquantized compile)
         return None
-    fields = {}
-    for field, allowed in QUANT_FORMATS.items():
-        value = quant.get(field)
+    fields: dict[str, Any] = {}
+    for field in ("format", "weights", "activations", "kv_caches"):
+        value = block.get(field)
         if value is None:
             continue
-        if value not in allowed:
-            raise ConfigError(f"{CONFIG_FILE}: quantization.{field}={value!r} is not one of "
-                              f"{list(allowed)} (optimum-rbln 0.12)")
+        if not isinstance(value, str):
+            raise ConfigError(f"{CONFIG_FILE}: quantization.{field}={value!r} must be a string")
         fields[field] = value
-    return Quantization(**fields)
+    try:
+        return Quantization(**fields)
+    except ConfigError as exc:
+        raise ConfigError(f"{CONFIG_FILE}: {exc}") from None
 
 
 def _kv_dtype(recorded: dict[str, tuple[GraphInput, ...]], quantization: Quantization | None,

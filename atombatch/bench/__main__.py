@@ -22,7 +22,8 @@ DESCRIPTIONS = {
              "engine step, the prefix cache at scale (ns/op, JSON with the load average)",
     "serve": "the origin issue's matrix on the simulator: models x prompt/output lengths x B1 vs "
              "B4, TTFT p50/p99/max, tok/s, timeouts, occupied lanes",
-    "fit": "the memory planner: does an artifact's KV and weights fit the device",
+    "fit": "the memory planner: does an artifact's KV and weights fit the device (quantized "
+           "formats, LoRA adapters; --quant-table: the largest B per format, simulated)",
     "http": "a load generator against a running server (the origin issue's HTTP/SSE matrix)",
     "invariance": "B4 logits of a lane equal its B1 logits (NumPy runtime)",
     "device": "the RebelRuntime path on an optimum-rbln compiled directory (emulated rebel here)",

@@ -181,3 +181,32 @@ def test_dispatcher_routes_subcommands(capsys) -> None:
                  "--outputs", "32", "--artifacts", "B1/k1", "--policies", "prefill-first",
                  "--no-progress"]) == 0
     assert "qwen3-0.6b" in capsys.readouterr().out
+
+
+# -- quantized artifacts (issue 42 item 2) ----------------------------------------------------------
+def test_artifact_spec_names_a_quantization() -> None:
+    koni = ModelSpec.preset("koni-8b")
+    fields, art = serve.parse_artifact("B4/k5/wint4/kvfp8", koni, 9216, 128)
+    assert isinstance(art, ArtifactConfig) and art.quantization is not None
+    assert (art.quantization.weights, art.quantization.activations,
+            art.quantization.kv_caches) == ("int4", "fp16", "fp8")
+    assert art.kv_dtype == "float8_e4m3fn" and fields["batch_size"] == 4
+    _, fp8 = serve.parse_artifact("B2/k3/wfp8/afp8", koni, 9216, 128)
+    assert isinstance(fp8, ArtifactConfig) and fp8.quantization is not None
+    assert fp8.quantization.activations == "fp8" and fp8.kv_dtype == "bfloat16"
+    _, plain = serve.parse_artifact("B4/k5", koni, 9216, 128)
+    assert isinstance(plain, ArtifactConfig) and plain.quantization is None
+    with pytest.raises(Exception, match="part 'wint3' is not"):
+        serve.parse_artifact("B4/k5/wint3", koni, 9216, 128)
+
+
+def test_a_quantized_koni_fits_more_lanes_and_decodes_faster(koni_b1: serve.Cell) -> None:
+    # KONI B4/k5 does not fit one ATOM in bf16 (above); with int4 weights and fp8 KV it does.
+    cell = serve.run_cell("koni-8b", "native", 8192, 128, "B4/k5/wint4/kvfp8", "prefill-first")
+    assert cell.status == "ok" and cell.fit.fits and not cell.hypothetical
+    assert "int4 weights" in (cell.fit.basis or "")
+    assert cell.prefill_device_s == pytest.approx(koni_b1.prefill_device_s)  # same FLOPs
+    assert cell.decode_device_s < koni_b1.decode_device_s / 2
+    assert cell.output_tok_s > koni_b1.output_tok_s
+    assert cell.max_first_token_all < koni_b1.max_first_token_all
+    assert cell.label.endswith("/wint4/kvfp8")

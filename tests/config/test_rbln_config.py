@@ -138,8 +138,7 @@ REFUSALS = {
                            "past_key_values_0 is float32, but quantization.kv_caches='fp8' "
                            "with dtype='float32' gives float8_e4m3fn"),
     "quant-weights": (dict(quantization={"weights": "int2"}),
-                      r"quantization.weights='int2' is not one of \['int4', 'int8', 'fp8', "
-                      r"'fp16'\]"),
+                      "quantization.weights='int2' is not one of int4, int8, fp8, fp16"),
     "batch-sort": (dict(_requires_batch_sort=True), "_requires_batch_sort"),
     "no-decode": (dict(phases=["prefill"]), "phases"),
     "auto-blocks": (dict(kvcache_num_blocks=0), "kvcache_num_blocks=0"),
@@ -273,6 +272,40 @@ def test_any_malformed_field_is_a_config_error_or_accepted(tmp_path, checkpoints
     assert outcomes["refused"] > outcomes["accepted"] > 0
 
 
+# -- the quantization block (issue 42: what the planner and the simulator count) --------------------
+@pytest.mark.parametrize(("block", "weights", "activations"), [
+    ({"format": "rbln", "weights": "int4", "activations": "fp16", "kv_caches": "fp16"}, "int4",
+     "fp16"),
+    ({"format": "rbln", "weights": "int8", "activations": "int8"}, "int8", "int8"),
+    ({"weights": "fp8", "activations": "fp8", "kv_caches": "fp16"}, "fp8", "fp8")])
+def test_quantization_block_is_read_onto_the_artifact(tmp_path, checkpoints, block, weights,
+                                                      activations):
+    d = compile_dir(tmp_path / "c", checkpoints["llama"], batch_size=2, max_seq_len=128,
+                    kvcache_num_blocks=3, overrides=dict(quantization=block))
+    art = load_artifact(d)
+    assert art.quantization is not None
+    assert (art.quantization.weights, art.quantization.activations,
+            art.quantization.kv_caches) == (weights, activations, "fp16")
+    assert art.kv_dtype == "float32"
+    plain = compile_dir(tmp_path / "p", checkpoints["llama"], batch_size=2, max_seq_len=128,
+                        kvcache_num_blocks=3)
+    assert load_artifact(plain).quantization is None
+    assert art.identity != load_artifact(plain).identity  # another compiled graph
+
+
+@pytest.mark.parametrize(("block", "message"), [
+    ({"weights": "int2"}, "quantization.weights='int2' is not one of int4, int8, fp8, fp16"),
+    ({"weights": "int8", "activations": "bf16"}, "quantization.activations='bf16'"),
+    ({"format": "gptq", "weights": "int4"}, "quantization.format='gptq'"),
+    ({"weights": 4}, "quantization.weights=4 must be a string"),
+    ({"weights": "int4", "kv_caches": "int8"}, "quantization.kv_caches='int8'")])
+def test_bad_quantization_block_names_the_field(tmp_path, checkpoints, block, message):
+    d = compile_dir(tmp_path / "c", checkpoints["llama"], batch_size=2, max_seq_len=128,
+                    kvcache_num_blocks=3, overrides=dict(quantization=block))
+    with pytest.raises(ConfigError, match=message):
+        load(d)
+
+
 # -- quantized artifacts: the KV dtype from the recorded past_key_values inputs ------------------------
 FP8 = {"format": "rbln", "weights": "int8", "activations": "fp16", "kv_caches": "fp8"}
 
@@ -326,5 +359,5 @@ def test_fp8_kv_dtype_mismatches_are_named(tmp_path, checkpoints):
     raw["quantization"]["kv_caches"] = "int8"
     (d / "rbln_config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=r"quantization.kv_caches='int8' is not one of "
-                                          r"\['fp8', 'fp16'\]"):
+                                          r"fp8, fp16"):
         load(d)

@@ -322,3 +322,54 @@ def test_sim_sources_hand_out_zero_stride_float32_without_copies() -> None:
     source.close()
     with pytest.raises(KVTransferError, match="closed"):
         source.poll()
+
+
+# -- quantized artifacts (issue 42 item 2): decode time follows the bytes streamed ---------------------
+def _quantized(weights: str | None, kv_fp8: bool = False, model: ModelSpec = KONI
+               ) -> ArtifactConfig:
+    from atombatch.artifact.config import Quantization
+
+    quant = None
+    if weights is not None or kv_fp8:
+        quant = Quantization(weights=weights or "fp16", kv_caches="fp8" if kv_fp8 else "fp16")
+    return ArtifactConfig(model=model, batch_size=1, max_seq_len=9216, block_size=9216,
+                          num_blocks=2, prefill_chunk_size=128, quantization=quant,
+                          kv_dtype="float8_e4m3fn" if kv_fp8 else "bfloat16")
+
+
+def test_decode_time_falls_with_the_quantized_weight_bytes() -> None:
+    costs = CostModel.default()
+    step = {w: costs.decode_step_s(_quantized(w), (8193,)) for w in (None, "int8", "fp8", "int4")}
+    assert step[None] > step["int8"] == step["fp8"] > step["int4"]
+    # KONI's seven projections per layer as (out, in); the fp16 -> int4 saving per layer is
+    # 2 - 1/2 bytes per element less one float32 scale per output channel.
+    projections = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096),
+                   (14336, 4096), (4096, 14336)]
+    saved = 32 * sum(out * inp * 2 - out * inp // 2 - 4 * out for out, inp in projections)
+    assert step[None] - step["int4"] == pytest.approx(saved / costs.memory_bandwidth, rel=1e-9)
+    saved8 = 32 * sum(out * inp - 4 * out for out, inp in projections)
+    assert step[None] - step["int8"] == pytest.approx(saved8 / costs.memory_bandwidth, rel=1e-9)
+
+
+def test_fp8_kv_halves_the_kv_read_time() -> None:
+    costs = CostModel.default()
+    context = 8193
+    bf16 = costs.decode_step_s(_quantized("int8"), (context,))
+    fp8 = costs.decode_step_s(_quantized("int8", kv_fp8=True), (context,))
+    kv_bf16 = 32 * 2 * 8 * 128 * 2 * context  # layers x (K, V) x kv heads x head_dim x bytes
+    # the two K/V scales per layer are the only other bytes fp8 KV adds
+    assert bf16 - fp8 == pytest.approx((kv_bf16 / 2 - 32 * 2 * 4) / costs.memory_bandwidth,
+                                       rel=1e-9)
+
+
+def test_quantized_prefill_keeps_its_flops_and_calibration_is_untouched() -> None:
+    costs = CostModel.default()
+    # KONI's 128-token chunk is compute-bound: its time does not change with the weight format.
+    assert costs.prefill_chunk_s(_quantized("int4"), 4096, 128) == \
+        costs.prefill_chunk_s(_quantized(None), 4096, 128)
+    assert costs.calibration is not None and costs.calibration.max_relative_error < 1e-3
+    # a longer B1 decode run at int4 finishes sooner than at bf16 on the same schedule
+    from atombatch.runtime.sim.costs import serial_figures
+    fp16 = serial_figures(costs, _quantized(None), 8192, 128, 16)
+    int4 = serial_figures(costs, _quantized("int4"), 8192, 128, 16)
+    assert int4[0] > fp16[0] and int4[1] < fp16[1]

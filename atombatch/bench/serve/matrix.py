@@ -18,7 +18,14 @@ import numpy as np
 import atombatch
 from atombatch.api.structs import Completion, SamplingParams
 from atombatch.artifact import plan
-from atombatch.artifact.config import ArtifactConfig, ModelSpec
+from atombatch.artifact.config import (
+    QUANT_ACTIVATIONS,
+    QUANT_KV_CACHES,
+    QUANT_WEIGHTS,
+    ArtifactConfig,
+    ModelSpec,
+    Quantization,
+)
 from atombatch.bench import provenance
 from atombatch.bench.progress import CellProgress
 from atombatch.bench.serve.records import Cell, FitVerdict, Latency, Machine, RequestRecord, ServeReport
@@ -52,13 +59,20 @@ NUMPY_CHUNK = 32
 def parse_artifact(text: str, model: ModelSpec, context: int, chunk: int,
                    kv_dtype: str = "bfloat16") -> tuple[dict[str, Any], ArtifactConfig | str]:
     """`B4/k5`, optionally `/ctx9216`, `/bs1024`, `/tp2`, `/dbs1,2,4` (compiled decode batch
-    sizes); returns (shape fields, artifact | error)."""
+    sizes) and a quantization (docs/planning.md): `/wint4` | `/wint8` | `/wfp8` (weights),
+    `/aint8` | `/afp8` (activations), `/kvfp8` (fp8 KV caches); returns (shape fields,
+    artifact | error)."""
     fields: dict[str, Any] = {"batch_size": 0, "num_blocks": 0, "max_seq_len": context,
                               "block_size": 0, "tensor_parallel": 1, "decoder_batch_sizes": ()}
+    quant: dict[str, Any] = {}
     for part in text.strip().lower().split("/"):
         sizes = part[3:].split(",") if part.startswith("dbs") else []
         if sizes and all(size.isdigit() for size in sizes):
             fields["decoder_batch_sizes"] = tuple(int(size) for size in sizes)
+            continue
+        quant_part = _quant_part(part)
+        if quant_part is not None:
+            quant[quant_part[0]] = quant_part[1]
             continue
         for prefix, key in (("ctx", "max_seq_len"), ("bs", "block_size"), ("tp", "tensor_parallel"),
                             ("b", "batch_size"), ("k", "num_blocks")):
@@ -66,17 +80,31 @@ def parse_artifact(text: str, model: ModelSpec, context: int, chunk: int,
                 fields[key] = int(part[len(prefix):])
                 break
         else:
-            raise ConfigError(f"artifact {text!r}: part {part!r} is not Bn, kn, ctxN, bsN, tpN or "
-                              "dbsN,M,...")
+            raise ConfigError(f"artifact {text!r}: part {part!r} is not Bn, kn, ctxN, bsN, tpN, "
+                              "dbsN,M,..., w{int4,int8,fp8}, a{int8,fp8} or kvfp8")
     if not fields["batch_size"] or not fields["num_blocks"]:
         raise ConfigError(f"artifact {text!r} needs a batch size (B4) and a block count (k5)")
     fields["block_size"] = fields["block_size"] or fields["max_seq_len"]
     try:
+        quantization = Quantization(**quant) if quant else None
+        if quantization is not None and quantization.kv_dtype:
+            kv_dtype = quantization.kv_dtype
         artifact = ArtifactConfig(model=model, prefill_chunk_size=chunk, kv_dtype=kv_dtype,
-                                  **fields)
+                                  quantization=quantization, **fields)
     except ConfigError as exc:
         return fields, str(exc)
     return fields, artifact
+
+
+def _quant_part(part: str) -> tuple[str, str] | None:
+    """`wint4` -> ("weights", "int4"), `afp8` -> ("activations", "fp8"), `kvfp8` ->
+    ("kv_caches", "fp8"); None for any other part."""
+    for prefix, field, allowed in (("kv", "kv_caches", QUANT_KV_CACHES),
+                                   ("w", "weights", QUANT_WEIGHTS),
+                                   ("a", "activations", QUANT_ACTIVATIONS)):
+        if part.startswith(prefix) and part[len(prefix):] in allowed:
+            return field, part[len(prefix):]
+    return None
 
 
 def fit_verdict(artifact: ArtifactConfig, device_bytes: int = plan.ATOM_DEVICE_BYTES) -> FitVerdict:
@@ -274,6 +302,9 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
                     f"max_seq_len={artifact.max_seq_len}", **base)
     if numpy_runtime and route != "native":
         return Cell(status="rejected", error="the numpy runtime runs the native route only", **base)
+    if numpy_runtime and (artifact.quantization is not None or artifact.kv_dtype != "float32"):
+        return Cell(status="rejected", error="the numpy runtime runs unquantized float32 "
+                    "artifacts here; quantized artifacts are costed on the simulator", **base)
 
     load_start = time.perf_counter()
     sim: SimRuntime | None = None

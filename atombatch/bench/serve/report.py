@@ -33,7 +33,8 @@ def format_table(report: ServeReport) -> str:
                  + (f" at {load['rate']}/s" if load["arrivals"] == "poisson" else "")
                  + f"; timeout {timeout} s ({load['timeout_action']}); times in {unit}; latency "
                  "figures exclude failed requests")
-    header = (f"{'model':<11} {'route':<15} {'in/out':>9} {'artifact':<14} {'policy':<13} "
+    wide = max([14] + [len(cell.artifact) for cell in report.cells])  # quantized specs are longer
+    header = (f"{'model':<11} {'route':<15} {'in/out':>9} {'artifact':<{wide}} {'policy':<13} "
               f"{'ok/n':>5} {'t/o':>3} {'TTFT p50':>8} {'p99':>7} {'max':>7} {'done p50':>8} "
               f"{'max':>7} {'gap max':>7} {'tok/s':>7} {'all max':>7} {'prefill':>8} {'import':>7} "
               f"{'decode':>8}  lanes/step")
@@ -45,7 +46,7 @@ def format_table(report: ServeReport) -> str:
             lines.append("")
         previous = group
         head = (f"{cell.model:<11} {cell.route:<15} {cell.input_len:>4}/{cell.output_len:<4} "
-                f"{cell.artifact:<14} {cell.policy:<13}")
+                f"{cell.artifact:<{wide}} {cell.policy:<13}")
         if cell.status != "ok":
             why = cell.status
             if cell.status == "not-run: does not fit" and cell.fit.projected_bytes is not None:

@@ -27,7 +27,13 @@ origin issue's KONI B1/k1 figures (8192 in / 128 out at c16, strictly serial: 64
   and FLOPs (the larger of the two). Rows of the base model cost nothing extra.
 
 Other models therefore scale from KONI by their weight bytes, KV bytes and FLOPs; that the same two
-rates hold across model sizes is an assumption, stated next to every prediction.
+rates hold across model sizes is an assumption, stated next to every prediction. The same holds for
+quantized artifacts (docs/planning.md): a decode step streams the weights in the artifact's format
+(`plan.weight_bytes` with its `quantization`: int4/int8/fp8 projections plus their scales) and the
+KV in its `kv_dtype` (fp8: one byte) at the one fitted bandwidth; a prefill chunk keeps its FLOPs
+(the parameter count does not change) and streams the smaller weights. That a quantized matmul
+runs at the same effective rates (no dequantization cost, no faster int8/fp8 compute) is an
+assumption.
 """
 
 from __future__ import annotations
@@ -281,11 +287,15 @@ def _shapes(artifact: ArtifactConfig) -> _Shapes:
         return cached
     spec = artifact.model
     tp = artifact.tensor_parallel
-    weights = plan.weight_bytes(spec, tp)
+    # Bytes streamed follow the artifact's weight format (int4/int8/fp8 projections with their
+    # scales); FLOPs follow the parameter count, whatever the format.
+    weights = plan.weight_bytes(spec, tp, artifact.quantization)
     embed = spec.vocab_size * spec.hidden_size * spec.dtype_bytes
     # An untied input embedding is gathered (one row per token), not streamed.
-    streamed = weights - (0 if spec.tie_word_embeddings else embed)
-    params_per_token = (streamed - embed) / spec.dtype_bytes  # the LM head runs once per call
+    untied = 0 if spec.tie_word_embeddings else embed
+    streamed = weights - untied
+    # the LM head runs once per call
+    params_per_token = (plan.weight_bytes(spec, tp) - untied - embed) / spec.dtype_bytes
     q_dim = spec.num_heads // tp * spec.head_dim
     kv_heads = plan.kv_heads_per_device(spec, tp)
     per_layer_kv = 2 * kv_heads * spec.head_dim * plan.DTYPE_BYTES[artifact.kv_dtype]
