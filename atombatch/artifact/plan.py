@@ -36,6 +36,7 @@ from typing import Literal
 import msgspec
 
 from atombatch.artifact.config import DTYPE_BYTES, ArtifactConfig, ModelSpec, Quantization
+from atombatch.artifact.lora import TARGET_MODULES, module_shapes
 from atombatch.errors import ConfigError
 
 #: Capacity reported for one ATOM by the read-only monitor in the origin issue (bytes). It is also
@@ -61,8 +62,8 @@ DTYPE_LABELS = {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32", "float
 Method = Literal["observed", "estimate"]
 
 #: The projections an adapter may target (optimum-rbln 0.12 `lora_architecture`: attention q/k/v/o,
-#: MLP gate/up/down), in layer order.
-LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: MLP gate/up/down), in layer order: `artifact/lora.py`'s list.
+LORA_TARGET_MODULES = TARGET_MODULES
 
 
 class LoraPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -339,20 +340,11 @@ def weight_bytes(spec: ModelSpec, tensor_parallel: int = 1,
     return (embeddings + hidden) * item + spec.num_layers * per_layer  # + final norm
 
 
-def lora_projection_dims(spec: ModelSpec) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each projection an adapter may target, one layer."""
-    hidden, q_dim = spec.hidden_size, spec.num_heads * spec.head_dim
-    kv_dim, mlp = spec.num_kv_heads * spec.head_dim, spec.intermediate_size
-    return {"q_proj": (hidden, q_dim), "k_proj": (hidden, kv_dim), "v_proj": (hidden, kv_dim),
-            "o_proj": (q_dim, hidden), "gate_proj": (hidden, mlp), "up_proj": (hidden, mlp),
-            "down_proj": (mlp, hidden)}
-
-
 def lora_bytes_per_adapter(spec: ModelSpec, max_rank: int,
                            target_modules: tuple[str, ...] = LORA_TARGET_MODULES) -> int:
     """Device bytes one stacked adapter adds: `max_rank x (in + out)` per targeted projection per
     layer, in the model's weight dtype."""
-    dims = lora_projection_dims(spec)
+    dims = module_shapes(spec)
     per_layer = sum(max_rank * (dims[m][0] + dims[m][1]) for m in target_modules)
     return spec.num_layers * per_layer * spec.dtype_bytes
 

@@ -725,3 +725,36 @@ def test_fit_cli_quantized_artifact_with_adapters_of_several_ranks(
     with pytest.raises(SystemExit):  # argparse: not one of the formats
         fit_cli.main(["--model", "koni-8b", "--weights", "int3"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("case", ["attn-r4", "mlp-r8-rslora", "all-linear-r2"])
+def test_lora_bytes_equal_a_peft_adapters_tensors_padded_to_the_rank(
+        family: str, case: str, tmp_path: Path,
+        tiny_checkpoints: dict[str, tuple[ModelSpec, dict[str, tuple[int, ...]]]]) -> None:
+    """A real PEFT adapter (peft, on the tiny model): its lora_A [r, in] and lora_B [out, r]
+    tensors, zero-padded to max_lora_rank as optimum-rbln stacks them, in the weight dtype."""
+    from support.lora_models import CASES, save_adapter
+
+    spec, _ = tiny_checkpoints[family]
+    adapter = CASES[case]
+    save_adapter(family, adapter, tmp_path / case)
+    shapes = _safetensors_shapes(tmp_path / case)
+    lora_tensors = {name: shape for name, shape in shapes.items() if ".lora_" in name}
+    targets = tuple(module for module in PROJECTIONS
+                    if any(f".{module}.lora_" in name for name in lora_tensors))
+    elements = sum(math.prod(shape) for shape in lora_tensors.values())
+    for max_rank in (adapter.r, 4 * adapter.r):
+        padded = elements * max_rank // adapter.r
+        assert plan.lora_bytes_per_adapter(spec, max_rank, targets) == padded * 2
+        assert plan.lora_bytes(spec, plan.LoraPlan(3, max_rank, targets)) == 4 * padded * 2
+
+
+def test_the_planner_and_the_simulator_count_an_adapter_alike() -> None:
+    from atombatch.runtime.sim.costs import lora_cost
+
+    for name in ("koni-8b", "qwen3-4b", "gemma3-1b"):
+        art = eager(name, 1, 2)
+        for rank, modules in ((16, PROJECTIONS), (8, ("q_proj", "v_proj"))):
+            assert lora_cost(art, rank, modules).bytes == \
+                plan.lora_bytes_per_adapter(art.model, rank, modules)
