@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -103,10 +103,14 @@ class Capabilities:
       its methods show.
     - `every_position_logits` / `every_position_hint`: `prefill(inputs, every_position=True)`
       returns every chunk position's logits (prompt logprobs), or why not.
+    - `lora`: the runtime has `lora_adapters` (name -> `LoraAdapter`) and its `prefill` and
+      `decode` take `lora_int_ids=` (int32, one adapter id per row, 0: the base model);
+      `lora_loadable`: it also has `add_lora(adapter, weights)` and `remove_lora(name)`
+      (docs/lora.md).
     """
 
     __slots__ = ("clock", "copy_slot", "every_position_hint", "every_position_logits",
-                 "kv_methods", "read_slot", "slot_bytes", "write_slot")
+                 "kv_methods", "lora", "lora_loadable", "read_slot", "slot_bytes", "write_slot")
 
     def __init__(self, runtime: object) -> None:
         def method(name: str) -> bool:
@@ -126,6 +130,8 @@ class Capabilities:
         self.every_position_logits = bool(getattr(runtime, "every_position_logits", False))
         hint = getattr(runtime, "every_position_hint", None)
         self.every_position_hint = hint if isinstance(hint, str) else None
+        self.lora = isinstance(getattr(runtime, "lora_adapters", None), Mapping)
+        self.lora_loadable = self.lora and method("add_lora") and method("remove_lora")
 
     def has_kv(self, *names: str) -> bool:
         """The device SDK has these KV operations (always True without `kv_methods`)."""
