@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -104,9 +104,10 @@ class Capabilities:
     - `every_position_logits` / `every_position_hint`: `prefill(inputs, every_position=True)`
       returns every chunk position's logits (prompt logprobs), or why not.
     - `lora`: the runtime has `lora_adapters` (name -> `LoraAdapter`) and its `prefill` and
-      `decode` take `lora_int_ids=` (int32, one adapter id per row, 0: the base model);
-      `lora_loadable`: it also has `add_lora(adapter, weights)` and `remove_lora(name)`
-      (docs/lora.md).
+      `decode` take `lora_int_ids=` (int32, [1] / [rows], one id per row, padding rows
+      included; 0 = the base model). The engine passes it only to such a runtime.
+    - `lora_loadable`: adapters load at run time, `add_lora(adapter, weights)` and
+      `remove_lora(name)` (the NumPy runtime; a device's adapters are compiled in).
     """
 
     __slots__ = ("clock", "copy_slot", "every_position_hint", "every_position_logits",
@@ -130,7 +131,7 @@ class Capabilities:
         self.every_position_logits = bool(getattr(runtime, "every_position_logits", False))
         hint = getattr(runtime, "every_position_hint", None)
         self.every_position_hint = hint if isinstance(hint, str) else None
-        self.lora = isinstance(getattr(runtime, "lora_adapters", None), Mapping)
+        self.lora = hasattr(runtime, "lora_adapters")
         self.lora_loadable = self.lora and method("add_lora") and method("remove_lora")
 
     def has_kv(self, *names: str) -> bool:
