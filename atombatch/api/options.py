@@ -44,6 +44,9 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     detokenize: bool = True
     argmax_threads: int | None = None
     overlap: bool = False
+    # distinct LoRA adapters (the base model not counted) whose requests hold lanes at once
+    # (vLLM's --max-loras; docs/lora.md): None, no cap
+    max_loras: int | None = None
 
 
 ENGINE_DEFAULTS = EngineOptions()

@@ -10,6 +10,7 @@ import numpy as np
 
 from atombatch.api.structs import SamplingParams
 from atombatch.artifact.config import ArtifactConfig
+from atombatch.artifact.lora import BASE_LORA_ID
 from atombatch.errors import RequestError
 from atombatch.pd.wire import (
     MODES,
@@ -49,12 +50,17 @@ class Producer:
 
     def produce(self, request_id: str, prompt: Sequence[int],
                 params: SamplingParams | None = None,
-                covered_len: int | None = None) -> KVPayload:
+                covered_len: int | None = None, *,
+                lora_int_id: int = BASE_LORA_ID) -> KVPayload:
         """Prefill `prompt[:covered_len]` (default: all of it) and return the whole payload.
+
+        `lora_int_id` is the adapter the prefill runs under (0: the base model); the runtime
+        must have it loaded (`lora_adapters`).
 
         Raises:
             RequestError: an empty prompt, covered_len outside 1..len(prompt), a prefix longer
-                than this producer's max_seq_len, or a token outside the vocabulary.
+                than this producer's max_seq_len, a token outside the vocabulary, or an adapter
+                id this producer's runtime does not have.
         """
         params = params or SamplingParams(temperature=0.0)  # no params: greedy
         spec, art = self.spec, self.artifact
@@ -68,6 +74,7 @@ class Producer:
         if tokens.min() < 0 or tokens.max() >= spec.vocab_size:
             raise RequestError(f"prompt tokens {tokens.min()}..{tokens.max()} are outside the "
                                f"vocabulary 0..{spec.vocab_size - 1}")
+        lora = self._lora_kwargs(lora_int_id)
         prefix = tokens[:covered]
         window = spec.sliding_window if spec.is_hybrid else 0
         with self._lock:
@@ -75,7 +82,7 @@ class Producer:
             logits = None
             for start in range(0, covered, art.prefill_chunk_size):
                 self._inputs.build(prefix, start, self._row, len(self._row), 0)
-                logits = self.runtime.prefill(self._inputs)
+                logits = self.runtime.prefill(self._inputs, **lora)
             layers = []
             for i in range(spec.num_layers):
                 k, v = self.runtime.read_layer_kv(i, self._row, covered)
@@ -96,9 +103,24 @@ class Producer:
             layer_tokens=expected_layer_tokens(spec.layer_kinds, covered, window))
         return KVPayload(header, layers)
 
+    def _lora_kwargs(self, lora_int_id: int) -> dict[str, np.ndarray]:
+        """The prefill's `lora_int_ids` keyword: none for the base on a runtime without LoRA."""
+        adapters = getattr(self.runtime, "lora_adapters", None)
+        if adapters is None:
+            if lora_int_id != BASE_LORA_ID:
+                raise RequestError(f"lora_int_id={lora_int_id}: this producer's runtime has no "
+                                   "LoRA adapters")
+            return {}
+        ids = {a.lora_int_id for a in adapters.values()}
+        if lora_int_id != BASE_LORA_ID and lora_int_id not in ids:
+            raise RequestError(f"lora_int_id={lora_int_id} is not loaded on this producer "
+                               f"(loaded ids: {sorted(ids)})")
+        return {"lora_int_ids": np.array([lora_int_id], dtype=np.int32)}
+
     def stream(self, request_id: str, prompt: Sequence[int],
                params: SamplingParams | None = None, mode: Mode = "layer-stream",
-               covered_len: int | None = None) -> Iterator[KVHeader | LayerKV]:
+               covered_len: int | None = None, *,
+               lora_int_id: int = BASE_LORA_ID) -> Iterator[KVHeader | LayerKV]:
         """The header, then every `LayerKV` in layer order (what a transport sends).
 
         The prefill runs when the first item is taken. Both modes read every layer right after the
@@ -107,8 +129,9 @@ class Producer:
         """
         if mode not in MODES:
             raise RequestError(f"mode={mode!r} is not one of {MODES}")
-        return self._stream(request_id, list(prompt), params, covered_len)
+        return self._stream(request_id, list(prompt), params, covered_len, lora_int_id)
 
     def _stream(self, request_id: str, prompt: list[int], params: SamplingParams | None,
-                covered_len: int | None) -> Iterator[KVHeader | LayerKV]:
-        yield from self.produce(request_id, prompt, params, covered_len).items()
+                covered_len: int | None, lora_int_id: int) -> Iterator[KVHeader | LayerKV]:
+        yield from self.produce(request_id, prompt, params, covered_len,
+                                lora_int_id=lora_int_id).items()

@@ -103,10 +103,15 @@ class Capabilities:
       its methods show.
     - `every_position_logits` / `every_position_hint`: `prefill(inputs, every_position=True)`
       returns every chunk position's logits (prompt logprobs), or why not.
+    - `lora`: the runtime has `lora_adapters` (name -> `LoraAdapter`) and its `prefill` and
+      `decode` take `lora_int_ids=` (int32, [1] / [rows], one id per row, padding rows
+      included; 0 = the base model). The engine passes it only to such a runtime.
+    - `lora_loadable`: adapters load at run time, `add_lora(adapter, weights)` and
+      `remove_lora(name)` (the NumPy runtime; a device's adapters are compiled in).
     """
 
     __slots__ = ("clock", "copy_slot", "every_position_hint", "every_position_logits",
-                 "kv_methods", "read_slot", "slot_bytes", "write_slot")
+                 "kv_methods", "lora", "lora_loadable", "read_slot", "slot_bytes", "write_slot")
 
     def __init__(self, runtime: object) -> None:
         def method(name: str) -> bool:
@@ -126,6 +131,8 @@ class Capabilities:
         self.every_position_logits = bool(getattr(runtime, "every_position_logits", False))
         hint = getattr(runtime, "every_position_hint", None)
         self.every_position_hint = hint if isinstance(hint, str) else None
+        self.lora = hasattr(runtime, "lora_adapters")
+        self.lora_loadable = self.lora and method("add_lora") and method("remove_lora")
 
     def has_kv(self, *names: str) -> bool:
         """The device SDK has these KV operations (always True without `kv_methods`)."""

@@ -42,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from atombatch.artifact.config import SLIDING, ArtifactConfig, ModelSpec
+from atombatch.artifact.lora import BASE_LORA_ID, LoraAdapter, LoraWeights, module_shapes
 from atombatch.errors import ConfigError, StateError
 from atombatch.runtime.base import DecodeArrays, PrefillArrays, check_decode_rows
 
@@ -82,6 +83,23 @@ class _Layer:
     w_down: Array
 
 
+class _LoraLayer:
+    """One adapter's deltas on one decoder layer: per module, A^T [in, r] and scaling * B^T
+    [r, out], so a row's delta is `(x @ a_t) @ b_t` (optimum-rbln folds the scaling into B too)."""
+
+    __slots__ = ("modules",)
+
+    def __init__(self, modules: dict[str, tuple[Array, Array]]) -> None:
+        self.modules = modules
+
+    def add(self, module: str, x: Array, y: Array) -> Array:
+        """`y` (the base projection of `x`) plus this adapter's delta where it targets `module`."""
+        pair = self.modules.get(module)
+        if pair is None:
+            return y
+        return cast(Array, y + (x @ pair[0]) @ pair[1])
+
+
 class NumpyRuntime:
     """Device-faithful float32 executor of one artifact (Llama, Qwen3, Gemma3).
 
@@ -94,6 +112,8 @@ class NumpyRuntime:
             head_dim]` (zero-sized first axis for models without sliding layers).
         prefill_calls, decode_calls: how many graph calls ran.
         import_calls, export_calls: how many `write_layer_kv` / `read_layer_kv` calls ran (PD).
+        lora_adapters: the LoRA adapters loaded (name -> adapter); `prefill`/`decode` take
+            `lora_int_ids` naming one of their ids (or 0, the base) per row.
     """
 
     every_position_logits = True  # `prefill(every_position=True)` works (prompt logprobs)
@@ -120,6 +140,9 @@ class NumpyRuntime:
             self._scaling = F32(spec.head_dim ** -0.5)
         self._embed_scale = _embed_scale(spec.hidden_size, spec.dtype) if self._gemma else None
         self._load(_canonical_names(weights))
+        self.lora_adapters: dict[str, LoraAdapter] = {}
+        # lora_int_id -> per decoder layer, that adapter's deltas (None: the layer is untouched)
+        self._lora_layers: dict[int, list[_LoraLayer | None]] = {}
 
         kv_shape = (spec.num_kv_heads, artifact.block_size, spec.head_dim)
         self.kv = np.zeros((len(spec.global_layers), 2, artifact.num_blocks, *kv_shape), dtype=F32)
@@ -236,13 +259,15 @@ class NumpyRuntime:
         variance = np.mean(x * x, axis=-1, keepdims=True)
         return (x * (F32(1.0) / np.sqrt(variance + F32(self.spec.rms_norm_eps)))) * weight
 
-    def _qkv(self, layer: _Layer, h: Array, positions: npt.NDArray[np.int64]
-             ) -> tuple[Array, Array, Array]:
+    def _qkv(self, layer: _Layer, h: Array, positions: npt.NDArray[np.int64],
+             lora: _LoraLayer | None = None) -> tuple[Array, Array, Array]:
         """Normed projections with RoPE: q [heads, T, d], k and v [kv_heads, T, d]."""
         spec = self.spec
         t, d = h.shape[0], spec.head_dim
         x = self._rms(h, layer.input_norm)
         q, k, v = x @ layer.wq, x @ layer.wk, x @ layer.wv
+        if lora is not None:
+            q, k, v = lora.add("q_proj", x, q), lora.add("k_proj", x, k), lora.add("v_proj", x, v)
         if layer.bq is not None:
             assert layer.bk is not None and layer.bv is not None
             q, k, v = q + layer.bq, k + layer.bk, v + layer.bv
@@ -283,9 +308,12 @@ class NumpyRuntime:
         return np.ascontiguousarray(ctx.reshape(spec.num_heads, t, d).transpose(1, 0, 2)
                                     ).reshape(t, spec.num_heads * d)
 
-    def _finish(self, layer: _Layer, h: Array, ctx: Array) -> Array:
+    def _finish(self, layer: _Layer, h: Array, ctx: Array, lora: _LoraLayer | None = None
+                ) -> Array:
         """Output projection, residuals, norms and MLP of one layer."""
         attn = ctx @ layer.wo
+        if lora is not None:
+            attn = lora.add("o_proj", ctx, attn)
         if layer.bo is not None:
             attn = attn + layer.bo
         if self._gemma:
@@ -295,8 +323,14 @@ class NumpyRuntime:
             h = h + attn
             x = self._rms(h, layer.post_attention_norm)
         gate = x @ layer.w_gate
-        act = _gelu_tanh(gate) if self._gemma else _silu(gate)
-        mlp = (act * (x @ layer.w_up)) @ layer.w_down
+        if lora is None:
+            act = _gelu_tanh(gate) if self._gemma else _silu(gate)
+            mlp = (act * (x @ layer.w_up)) @ layer.w_down
+        else:
+            gate = lora.add("gate_proj", x, gate)
+            act = _gelu_tanh(gate) if self._gemma else _silu(gate)
+            inner = cast(Array, act * lora.add("up_proj", x, x @ layer.w_up))
+            mlp = lora.add("down_proj", inner, inner @ layer.w_down)
         if self._gemma:
             mlp = self._rms(mlp, layer.post_feedforward_norm)  # type: ignore[arg-type]
         return h + mlp
@@ -309,15 +343,92 @@ class NumpyRuntime:
         return logits.astype(F32, copy=False)
 
     # -- the no-cache reference --------------------------------------------------------------------
-    def reference_logits(self, token_ids: npt.ArrayLike) -> Array:
-        """Logits [T, vocab] of every position by full recompute: no cache, no table, no slot."""
+    def reference_logits(self, token_ids: npt.ArrayLike, lora_int_id: int = BASE_LORA_ID
+                         ) -> Array:
+        """Logits [T, vocab] of every position by full recompute: no cache, no table, no slot
+        (under adapter `lora_int_id`; 0 = the base model)."""
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         positions = np.arange(len(ids), dtype=np.int64)
+        loras = self._lora_of(lora_int_id)
         h = self._embed_tokens(ids)
-        for layer in self._layers:
-            q, k, v = self._qkv(layer, h, positions)
-            h = self._finish(layer, h, self._attend(layer, q, k, v, positions, positions))
+        for i, layer in enumerate(self._layers):
+            lora = loras[i] if loras is not None else None
+            q, k, v = self._qkv(layer, h, positions, lora)
+            h = self._finish(layer, h, self._attend(layer, q, k, v, positions, positions), lora)
         return self._logits(h)
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+    def add_lora(self, adapter: LoraAdapter, weights: LoraWeights) -> None:
+        """Load an adapter (from `atombatch.artifact.lora.load_peft`): rows whose
+        `lora_int_ids` entry is `adapter.lora_int_id` then run with its deltas.
+
+        Raises:
+            ConfigError: id 0 (the base), a name or id already loaded, or a matrix whose shape
+                does not fit this model.
+        """
+        if adapter.lora_int_id == BASE_LORA_ID or adapter.lora_int_id < 0:
+            raise ConfigError(f"adapter {adapter.name!r} has lora_int_id={adapter.lora_int_id}; "
+                              f"ids start at 1 ({BASE_LORA_ID} is the base model)")
+        if adapter.name in self.lora_adapters:
+            raise ConfigError(f"a LoRA adapter named {adapter.name!r} is already loaded "
+                              "(remove it first)")
+        if adapter.lora_int_id in self._lora_layers:
+            other = next(a.name for a in self.lora_adapters.values()
+                         if a.lora_int_id == adapter.lora_int_id)
+            raise ConfigError(f"lora_int_id={adapter.lora_int_id} of adapter {adapter.name!r} "
+                              f"is already adapter {other!r}'s")
+        shapes = module_shapes(self.spec)
+        scaling = F32(adapter.scaling)
+        per_layer: list[dict[str, tuple[Array, Array]]] = [{} for _ in self._layers]
+        for (index, module), (a, b) in weights.pairs.items():
+            in_dim, out_dim = shapes.get(module, (-1, -1))
+            if not 0 <= index < len(self._layers) or module not in adapter.target_modules or \
+                    a.shape != (adapter.r, in_dim) or b.shape != (out_dim, adapter.r):
+                raise ConfigError(f"adapter {adapter.name!r}: layer {index}'s {module} matrices "
+                                  f"A {a.shape} / B {b.shape} do not fit r={adapter.r} on "
+                                  f"{self.spec.name}")
+            per_layer[index][module] = (np.ascontiguousarray(np.asarray(a, dtype=F32).T),
+                                        np.ascontiguousarray((np.asarray(b, dtype=F32) *
+                                                              scaling).T))
+        self._lora_layers[adapter.lora_int_id] = [_LoraLayer(m) if m else None
+                                                  for m in per_layer]
+        self.lora_adapters[adapter.name] = adapter
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter; its id is then refused until an adapter takes it again.
+
+        Raises:
+            ConfigError: no adapter of that name is loaded.
+        """
+        adapter = self.lora_adapters.pop(name, None)
+        if adapter is None:
+            raise ConfigError(f"no LoRA adapter named {name!r} is loaded (loaded: "
+                              f"{sorted(self.lora_adapters)})")
+        del self._lora_layers[adapter.lora_int_id]
+
+    def _lora_of(self, lora_int_id: int) -> list[_LoraLayer | None] | None:
+        """The per-layer deltas of an adapter id (None for the base model)."""
+        if lora_int_id == BASE_LORA_ID:
+            return None
+        try:
+            return self._lora_layers[lora_int_id]
+        except KeyError:
+            raise StateError(f"lora_int_ids holds {lora_int_id}, which no loaded adapter has "
+                             f"(loaded ids: {sorted(self._lora_layers)}; {BASE_LORA_ID} is the "
+                             "base)") from None
+
+    def _row_loras(self, lora_int_ids: npt.ArrayLike | None, rows: int
+                   ) -> list[list[_LoraLayer | None] | None] | None:
+        """Each row's per-layer deltas, or None when every row runs the base model."""
+        if lora_int_ids is None:
+            return None
+        ids = np.asarray(lora_int_ids)
+        if ids.shape != (rows,) or not np.issubdtype(ids.dtype, np.integer):
+            raise StateError(f"lora_int_ids has shape {ids.shape} and dtype {ids.dtype}; the "
+                             f"graph takes int32 [{rows}] (one id per row)")
+        if not ids.any():
+            return None
+        return [self._lora_of(int(i)) for i in ids]
 
     # -- KV through the tables --------------------------------------------------------------------
     def _check_table(self, table: npt.NDArray[np.integer[Any]], what: str) -> npt.NDArray[np.int64]:
@@ -359,10 +470,13 @@ class NumpyRuntime:
         return np.ascontiguousarray(keys), np.ascontiguousarray(values)
 
     # -- the two graphs ---------------------------------------------------------------------------
-    def prefill(self, inputs: PrefillArrays, *, every_position: bool = False) -> Array:
+    def prefill(self, inputs: PrefillArrays, *, every_position: bool = False,
+                lora_int_ids: npt.NDArray[np.int32] | None = None) -> Array:
         """Run one prefill chunk (batch 1); returns the logits [vocab] of the last real token
         (`every_position`: of every chunk position, [Q, vocab], as a graph compiled with
         optimum-rbln's `logits_to_keep=0` returns them).
+
+        `lora_int_ids` (int32 [1]) names the adapter the chunk runs under (0 or None: the base).
 
         K/V of all Q positions (padding included) go into the global layers' blocks; only the real
         tokens (up to `query_position`) enter the sliding slot.
@@ -386,12 +500,15 @@ class NumpyRuntime:
             raise StateError(f"query_position={last} is outside the chunk 0..{len(ids) - 1}")
         slot = (self._check_slot(int(np.asarray(inputs.local_block_tables).reshape(-1)[0]))
                 if self._window else 0)
+        row_loras = self._row_loras(lora_int_ids, 1)
+        loras = row_loras[0] if row_loras is not None else None
         self.prefill_calls += 1
 
         start, window = int(positions[0]), self._window
         h = self._embed_tokens(ids)
-        for layer in self._layers:
-            q, k, v = self._qkv(layer, h, positions)
+        for i, layer in enumerate(self._layers):
+            lora = loras[i] if loras is not None else None
+            q, k, v = self._qkv(layer, h, positions, lora)
             if not layer.sliding:
                 self._write_global(layer, table, positions, k, v)
                 keys, values = self._read_global(layer, table, int(positions[-1]) + 1)
@@ -407,14 +524,21 @@ class NumpyRuntime:
                 kept = newest.stop - newest.start
                 buffer[0, :, :kept] = keys[:, newest]
                 buffer[1, :, :kept] = values[:, newest]
-            h = self._finish(layer, h, self._attend(layer, q, keys, values, positions, key_pos))
+            h = self._finish(layer, h, self._attend(layer, q, keys, values, positions, key_pos),
+                             lora)
         if every_position:
             return self._logits(h)
         return self._logits(h[last : last + 1])[0]
 
-    def decode(self, inputs: DecodeArrays) -> Array:
+    def decode(self, inputs: DecodeArrays, *,
+               lora_int_ids: npt.NDArray[np.int32] | None = None) -> Array:
         """Run one decode step of a compiled decode batch (one of the artifact's
         `decoder_batch_sizes`), padding rows too; returns logits [rows, vocab].
+
+        `lora_int_ids` (int32 [rows], padding rows included) names each row's adapter (0: the
+        base). A row's adapter deltas are computed on that row alone, like the rest of its math,
+        so its logits depend neither on its neighbours' adapters nor on the bucket; a step whose
+        rows are all base (or None) runs exactly the base math.
 
         Within each layer every row first writes its K/V at its `cache_position` into the block its
         table row names (and into the sliding slot its `local_block_tables` entry names), then every
@@ -433,14 +557,19 @@ class NumpyRuntime:
         self._check_positions(positions, "decode cache_position")
         slots = [self._check_slot(int(s)) for s in np.asarray(inputs.local_block_tables).reshape(-1)
                  ] if self._window else [0] * b
+        row_loras = self._row_loras(lora_int_ids, b)
         self.decode_calls += 1
         self.decode_rows += b
 
         window = self._window
         lane_pos = [positions[lane : lane + 1] for lane in range(b)]
         hidden = [self._embed_tokens(ids[lane : lane + 1]) for lane in range(b)]
-        for layer in self._layers:
-            qkv = [self._qkv(layer, hidden[lane], lane_pos[lane]) for lane in range(b)]
+        lane_lora: list[_LoraLayer | None] = [None] * b
+        for i, layer in enumerate(self._layers):
+            if row_loras is not None:
+                lane_lora = [rl[i] if rl is not None else None for rl in row_loras]
+            qkv = [self._qkv(layer, hidden[lane], lane_pos[lane], lane_lora[lane])
+                   for lane in range(b)]
             # Writes first, for every lane: exactly what the device does with a padding row.
             for lane, (_, k, v) in enumerate(qkv):
                 if not layer.sliding:
@@ -464,7 +593,7 @@ class NumpyRuntime:
                     keys, values = buffer[0, :, :held], buffer[1, :, :held]
                     key_pos = np.arange(p + 1 - held, p + 1, dtype=np.int64)
                 ctx = self._attend(layer, q, keys, values, lane_pos[lane], key_pos)
-                hidden[lane] = self._finish(layer, hidden[lane], ctx)
+                hidden[lane] = self._finish(layer, hidden[lane], ctx, lane_lora[lane])
         return np.stack([self._logits(h)[0] for h in hidden])
 
     # -- block moves -------------------------------------------------------------------------------

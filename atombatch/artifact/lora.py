@@ -1,0 +1,355 @@
+"""LoRA adapters: PEFT directories read into float32 A/B matrices, with every bound checked.
+
+A PEFT LoRA adapter is a directory holding `adapter_config.json` (rank `r`, `lora_alpha`,
+`target_modules`, `bias`, `use_rslora`, ...) and `adapter_model.safetensors`, whose tensors are
+named `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_A.weight` ([r, in]) and
+`...lora_B.weight` ([out, r]). A target linear layer then computes `W x + scaling * B (A x)`,
+with `scaling = lora_alpha / r` (PEFT; `lora_alpha / sqrt(r)` with rank-stabilized LoRA) times
+optimum-rbln's `scaling_factor` (1.0 when unset).
+
+`load_peft` reads such a directory without torch: the config with msgspec, the weights with the
+`safetensors` NumPy API (BF16 widened exactly). Every size a file claims is bounded before it is
+read, and every rule broken is a `ConfigError` naming the value and the rule. Id 0
+(`BASE_LORA_ID`) is the base model, as in optimum-rbln's `lora_config`; adapters are 1..N.
+
+An adapter's `identity` is a digest of its resolved config and of its weight bytes: two adapters
+with the same identity compute the same thing, which is what the prefix cache's block digests and
+the PD header use to tell adapters apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from atombatch.artifact.config import ModelSpec
+from atombatch.errors import ConfigError
+
+BASE_LORA_ID = 0                  # lora_int_ids entry of a row that runs the base model
+MAX_LORA_RANK = 512               # the largest rank accepted when no max_lora_rank is given
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1 << 20        # an adapter_config.json is a few hundred bytes
+MAX_HEADER_BYTES = 1 << 24        # a safetensors JSON header (16 MiB: thousands of tensors)
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES   # every linear layer of Llama, Qwen3, Gemma3
+
+# Prefixes PEFT puts before `layers.{i}.`: a causal LM's and Gemma3's multimodal wrapper's.
+_LAYER_PREFIXES = ("base_model.model.model.language_model.layers.",
+                   "base_model.model.language_model.model.layers.",
+                   "base_model.model.model.layers.")
+_SAFETENSORS_FLOATS = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "BF16": "<u2"}
+_DTYPE_SIZES = {"F32": 4, "F16": 2, "F64": 8, "BF16": 2}
+
+
+class LoraAdapter(msgspec.Struct, frozen=True):
+    """One LoRA adapter as the engine and the runtimes know it (the weights live apart)."""
+
+    name: str                                  # the name requests use (vLLM's `lora_name`)
+    lora_int_id: int                           # 1..N; 0 is the base model (BASE_LORA_ID)
+    path: str                                  # the PEFT directory it was read from
+    r: int                                     # rank: A is [r, in], B is [out, r]
+    lora_alpha: float
+    target_modules: tuple[str, ...]            # names from TARGET_MODULES, in that order
+    use_rslora: bool = False                   # scaling lora_alpha / sqrt(r) instead of / r
+    scaling_factor: float | None = None        # optimum-rbln's extra factor (None = 1.0)
+    identity: str = ""                         # hex digest of the resolved config + weight bytes
+
+    @property
+    def scaling(self) -> float:
+        """The factor of `B @ A`: PEFT's lora_alpha / r (or / sqrt(r) with rsLoRA), times
+        `scaling_factor`."""
+        base = self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+        return base * (1.0 if self.scaling_factor is None else self.scaling_factor)
+
+
+class LoraWeights:
+    """An adapter's A [r, in] and B [out, r] float32 matrices per (layer index, module name).
+
+    `pairs` holds every (layer, module) the adapter changes; a target module missing for a layer
+    (PEFT's `layers_to_transform`) is simply absent and runs the base weights there.
+    """
+
+    __slots__ = ("pairs", "r")
+
+    def __init__(self, r: int, pairs: dict[tuple[int, str], tuple[npt.NDArray[np.float32],
+                                                                  npt.NDArray[np.float32]]]
+                 ) -> None:
+        self.r = r
+        self.pairs = pairs
+
+    def get(self, layer: int, module: str
+            ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]] | None:
+        """(A, B) of one linear layer, or None where the adapter leaves it alone."""
+        return self.pairs.get((layer, module))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every A and B matrix (what a device streams to apply the adapter)."""
+        return sum(a.nbytes + b.nbytes for a, b in self.pairs.values())
+
+    @property
+    def flops_per_token(self) -> int:
+        """Multiply-adds x 2 of the adapter's deltas for one token: r * (in + out) per pair."""
+        return sum(2 * a.size + 2 * b.size for a, b in self.pairs.values())
+
+
+def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each target module of `spec`'s decoder layers."""
+    hidden, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    q_dim, kv_dim = spec.num_heads * d, spec.num_kv_heads * d
+    return {"q_proj": (hidden, q_dim), "k_proj": (hidden, kv_dim), "v_proj": (hidden, kv_dim),
+            "o_proj": (q_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}
+
+
+class _PeftConfig(msgspec.Struct, frozen=True):
+    """The adapter_config.json fields LoRA math depends on (others are ignored)."""
+
+    r: int = 8
+    lora_alpha: float = 8.0
+    target_modules: list[str] | str | None = None
+    bias: str = "none"
+    use_rslora: bool = False
+    use_dora: bool = False
+    peft_type: str = "LORA"
+    rank_pattern: dict[str, Any] = {}
+    alpha_pattern: dict[str, Any] = {}
+    modules_to_save: list[str] | None = None
+    fan_in_fan_out: bool = False
+
+
+def _where(path: Path) -> str:
+    return f"LoRA adapter {str(path)!r}"
+
+
+def _read_config(directory: Path) -> _PeftConfig:
+    config_path = directory / CONFIG_FILE
+    try:
+        size = config_path.stat().st_size
+    except FileNotFoundError:
+        raise ConfigError(f"{_where(directory)} has no {CONFIG_FILE}: a PEFT adapter directory "
+                          f"holds {CONFIG_FILE} and {WEIGHTS_FILE}") from None
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{_where(directory)}: {CONFIG_FILE} is {size} bytes, more than the "
+                          f"{MAX_CONFIG_BYTES} an adapter config may have", limit=MAX_CONFIG_BYTES)
+    try:
+        return msgspec.json.decode(config_path.read_bytes(), type=_PeftConfig)
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{_where(directory)}: {CONFIG_FILE} is not a PEFT LoRA config "
+                          f"({exc})") from None
+
+
+def _resolve_targets(config: _PeftConfig, directory: Path, family: str) -> tuple[str, ...]:
+    targets = config.target_modules
+    if targets == "all-linear":
+        return TARGET_MODULES
+    if not isinstance(targets, list) or not targets:
+        raise ConfigError(f"{_where(directory)}: target_modules={targets!r} must be a list of "
+                          f"module names (of {list(TARGET_MODULES)}) or 'all-linear'")
+    names = []
+    for raw in targets:
+        name = raw.rsplit(".", 1)[-1]
+        if name not in TARGET_MODULES:
+            raise ConfigError(f"{_where(directory)}: target module {raw!r} is not a linear "
+                              f"layer of a {family} decoder layer ({list(TARGET_MODULES)})")
+        names.append(name)
+    return tuple(m for m in TARGET_MODULES if m in names)
+
+
+def _check_config(config: _PeftConfig, directory: Path, max_rank: int) -> None:
+    where = _where(directory)
+    if config.peft_type.upper() != "LORA":
+        raise ConfigError(f"{where}: peft_type={config.peft_type!r}, only LORA adapters load")
+    if not 1 <= config.r <= max_rank:
+        raise ConfigError(f"{where}: r={config.r} is outside 1..max_lora_rank={max_rank}",
+                          limit=max_rank)
+    if not (math.isfinite(config.lora_alpha) and config.lora_alpha > 0):
+        raise ConfigError(f"{where}: lora_alpha={config.lora_alpha} must be a positive number")
+    if config.bias != "none":
+        raise ConfigError(f"{where}: bias={config.bias!r}; only bias='none' adapters are "
+                          "supported (as in optimum-rbln)")
+    if config.use_dora:
+        raise ConfigError(f"{where}: use_dora=True; DoRA adapters are not supported")
+    if config.rank_pattern or config.alpha_pattern:
+        raise ConfigError(f"{where}: rank_pattern/alpha_pattern give modules their own rank or "
+                          "alpha; an adapter must have one r and one lora_alpha")
+    if config.modules_to_save:
+        raise ConfigError(f"{where}: modules_to_save={config.modules_to_save!r}; an adapter that "
+                          "replaces whole modules is not supported")
+    if config.fan_in_fan_out:
+        raise ConfigError(f"{where}: fan_in_fan_out=True is for Conv1D (GPT-2) layers, not "
+                          "these decoders")
+
+
+def _parse_key(key: str) -> tuple[int, str, str] | None:
+    """(layer, module, 'A' | 'B') of a PEFT LoRA tensor name, or None."""
+    for prefix in _LAYER_PREFIXES:
+        if key.startswith(prefix):
+            rest = key[len(prefix):].split(".")
+            break
+    else:
+        return None
+    # {i}.{self_attn|mlp}.{module}.lora_{A|B}.weight
+    if len(rest) != 5 or not rest[0].isdigit() or rest[4] != "weight" or \
+            rest[3] not in ("lora_A", "lora_B"):
+        return None
+    group = "self_attn" if rest[2] in ATTENTION_MODULES else "mlp"
+    if rest[1] != group:
+        return None
+    return int(rest[0]), rest[2], rest[3][-1]
+
+
+def _weights_bound(spec: ModelSpec, r: int, targets: tuple[str, ...]) -> int:
+    shapes = module_shapes(spec)
+    per_layer = sum(r * (shapes[m][0] + shapes[m][1]) for m in targets)
+    return 8 + MAX_HEADER_BYTES + spec.num_layers * per_layer * max(_DTYPE_SIZES.values())
+
+
+def _read_weights(directory: Path, spec: ModelSpec, r: int, targets: tuple[str, ...]
+                  ) -> tuple[dict[tuple[int, str], tuple[npt.NDArray[np.float32],
+                                                         npt.NDArray[np.float32]]], bytes]:
+    where = _where(directory)
+    path = directory / WEIGHTS_FILE
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise ConfigError(f"{where} has no {WEIGHTS_FILE} (adapter_model.bin is not read: "
+                          "convert it to safetensors)") from None
+    bound = _weights_bound(spec, r, targets)
+    if size > bound:
+        raise ConfigError(f"{where}: {WEIGHTS_FILE} is {size} bytes, more than the {bound} an "
+                          f"r={r} adapter of {list(targets)} on {spec.name} can need",
+                          limit=bound)
+    with path.open("rb") as f:
+        head = f.read(8)
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < header_len <= min(MAX_HEADER_BYTES, size - 8):
+            raise ConfigError(f"{where}: {WEIGHTS_FILE} has a header of {header_len} bytes, "
+                              f"outside 1..{min(MAX_HEADER_BYTES, max(size - 8, 0))} (not a "
+                              "safetensors file)")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError:
+            raise ConfigError(f"{where}: {WEIGHTS_FILE}'s header is not JSON") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{where}: {WEIGHTS_FILE}'s header is not a JSON object")
+    shapes = module_shapes(spec)
+    data_start = 8 + header_len
+    found: dict[tuple[int, str], dict[str, npt.NDArray[np.float32]]] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        parsed = _parse_key(key)
+        if parsed is None:
+            raise ConfigError(f"{where}: tensor {key!r} is not a LoRA A/B matrix of a decoder "
+                              "layer's linear module")
+        layer, module, which = parsed
+        if module not in targets:
+            raise ConfigError(f"{where}: tensor {key!r} changes {module}, which is not in "
+                              f"target_modules={list(targets)}")
+        if layer >= spec.num_layers:
+            raise ConfigError(f"{where}: tensor {key!r} is for layer {layer}; {spec.name} has "
+                              f"layers 0..{spec.num_layers - 1}")
+        in_dim, out_dim = shapes[module]
+        want = (r, in_dim) if which == "A" else (out_dim, r)
+        shape = tuple(info.get("shape", ())) if isinstance(info, dict) else ()
+        if shape != want:
+            raise ConfigError(f"{where}: tensor {key!r} has shape {list(shape)}; r={r} on "
+                              f"{spec.name}'s {module} needs {list(want)}")
+        dtype = info.get("dtype")
+        if dtype not in _SAFETENSORS_FLOATS:
+            raise ConfigError(f"{where}: tensor {key!r} has dtype {dtype}, not one of "
+                              f"{sorted(_SAFETENSORS_FLOATS)}")
+        begin, end = info.get("data_offsets", (0, -1))
+        count = math.prod(want)
+        if end - begin != count * _DTYPE_SIZES[dtype] or begin < 0 or \
+                data_start + end > size:
+            raise ConfigError(f"{where}: tensor {key!r}'s data_offsets {[begin, end]} do not hold "
+                              f"{count} {dtype} values inside the file")
+        raw = np.fromfile(path, dtype=_SAFETENSORS_FLOATS[dtype], count=count,
+                          offset=data_start + begin)
+        if dtype == "BF16":
+            value = (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        else:
+            value = raw.astype(np.float32)
+        if not np.all(np.isfinite(value)):
+            raise ConfigError(f"{where}: tensor {key!r} holds NaN or infinite values")
+        found.setdefault((layer, module), {})[which] = value.reshape(want)
+    pairs = {}
+    for (layer, module), both in sorted(found.items()):
+        if len(both) != 2:
+            missing = "lora_B" if "A" in both else "lora_A"
+            raise ConfigError(f"{where}: layer {layer}'s {module} has no {missing} matrix; "
+                              "each adapted module needs both")
+        pairs[(layer, module)] = (np.ascontiguousarray(both["A"]), np.ascontiguousarray(both["B"]))
+    if not pairs:
+        raise ConfigError(f"{where}: {WEIGHTS_FILE} holds no LoRA matrices")
+    return pairs, _file_digest(path)
+
+
+def _file_digest(path: Path) -> bytes:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.digest()
+
+
+def load_peft(path: str | os.PathLike[str], *, name: str, lora_int_id: int, spec: ModelSpec,
+              max_lora_rank: int | None = None, scaling_factor: float | None = None
+              ) -> tuple[LoraAdapter, LoraWeights]:
+    """Read a PEFT LoRA directory for `spec`'s decoder (no torch).
+
+    Args:
+        path: the directory holding adapter_config.json and adapter_model.safetensors.
+        name: the adapter's name (what requests ask for).
+        lora_int_id: its id, 1.. (0 is the base model).
+        spec: the base model; every matrix's shape is checked against it.
+        max_lora_rank: the largest rank accepted (None: MAX_LORA_RANK).
+        scaling_factor: optimum-rbln's extra factor on the scaling (None = 1.0).
+    Returns:
+        The adapter's description (with its identity digest) and its float32 A/B matrices.
+    Raises:
+        ConfigError: a missing or oversized file, a rank above max_lora_rank, a target module
+            the family does not have, bias other than "none", a matrix of the wrong shape, ...
+    """
+    directory = Path(path)
+    if not name or len(name) > 256:
+        raise ConfigError(f"LoRA adapter name {name!r} must have 1..256 characters")
+    if isinstance(lora_int_id, bool) or not isinstance(lora_int_id, int) or lora_int_id < 1:
+        raise ConfigError(f"lora_int_id={lora_int_id!r} for adapter {name!r} must be an integer "
+                          f">= 1 ({BASE_LORA_ID} is the base model)")
+    limit = MAX_LORA_RANK if max_lora_rank is None else max_lora_rank
+    if not 1 <= limit <= MAX_LORA_RANK:
+        raise ConfigError(f"max_lora_rank={max_lora_rank} is outside 1..{MAX_LORA_RANK}",
+                          limit=MAX_LORA_RANK)
+    if scaling_factor is not None and not math.isfinite(scaling_factor):
+        raise ConfigError(f"scaling_factor={scaling_factor} of adapter {name!r} must be finite")
+    if not directory.is_dir():
+        raise ConfigError(f"{_where(directory)} is not a directory (a PEFT adapter directory "
+                          f"holds {CONFIG_FILE} and {WEIGHTS_FILE})")
+    config = _read_config(directory)
+    _check_config(config, directory, limit)
+    targets = _resolve_targets(config, directory, spec.family)
+    pairs, weights_digest = _read_weights(directory, spec, config.r, targets)
+    resolved = {"r": config.r, "lora_alpha": float(config.lora_alpha),
+                "target_modules": list(targets), "use_rslora": config.use_rslora,
+                "scaling_factor": scaling_factor}
+    identity = hashlib.sha256(json.dumps(resolved, sort_keys=True).encode() + b"\0" +
+                              weights_digest).hexdigest()
+    adapter = LoraAdapter(name=name, lora_int_id=lora_int_id, path=str(directory), r=config.r,
+                          lora_alpha=float(config.lora_alpha), target_modules=targets,
+                          use_rslora=config.use_rslora, scaling_factor=scaling_factor,
+                          identity=identity)
+    return adapter, LoraWeights(config.r, pairs)
