@@ -79,6 +79,10 @@ class EngineStats(msgspec.Struct, frozen=True):
     evictable_blocks: int = 0           # of the cached blocks, those no request holds (refcount 0)
     iteration_tokens: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    # LoRA (a runtime with adapters): the adapters' names with requests holding a lane, and
+    # with requests waiting for one (vLLM's `vllm:lora_requests_info` labels), sorted
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
 
 
 class ProducerState(msgspec.Struct):

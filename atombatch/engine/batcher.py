@@ -141,6 +141,8 @@ class Batcher:
         max_loras: on a runtime with LoRA adapters, the distinct adapters whose requests hold
             lanes at once (vLLM's `--max-loras`; the base model is not one); a request whose
             adapter does not fit waits while others are admitted (docs/lora.md). None: no cap.
+        max_lora_rank: the largest adapter rank `load_lora` accepts (vLLM's
+            `--max-lora-rank`); None: the loader's bound.
 
     A Batcher is driven by one consumer: `step()` raises `StateError` when another thread is
     already inside it (two interleaved steps would corrupt the lane tables); `submit` and `abort`
@@ -161,7 +163,8 @@ class Batcher:
                  tokenizer: Any | None = None,
                  logprobs_mode: LogprobsMode = _D.logprobs_mode, detokenize: bool = _D.detokenize,
                  argmax_threads: int | None = _D.argmax_threads,
-                 overlap: bool = _D.overlap, max_loras: int | None = _D.max_loras) -> None:
+                 overlap: bool = _D.overlap, max_loras: int | None = _D.max_loras,
+                 max_lora_rank: int | None = _D.max_lora_rank) -> None:
         artifact: ArtifactConfig = runtime.artifact
         check_max_loras(max_loras)
         if not isinstance(overlap, bool):
@@ -224,7 +227,7 @@ class Batcher:
             policy=self.scheduler.policy.label, seed=seed, max_waiting=max_waiting,
             pd_timeout=pd_timeout, pd_deadline=pd_deadline, logprobs_mode=logprobs_mode,
             detokenize=detokenize, argmax_threads=argmax_threads, overlap=overlap,
-            max_loras=max_loras)
+            max_loras=max_loras, max_lora_rank=max_lora_rank)
         self._samplers: dict[str, RequestSampler] = {}  # requests that are not plain greedy
         self._grammars: Grammars | None = None     # structured output (built on first use)
         # structured requests whose grammar compiles: (the compile, the choices waiting for it)
@@ -461,7 +464,8 @@ class Batcher:
         from atombatch.artifact.lora import load_peft  # reads files: only when asked
         with self._step_lock:  # an id no other adapter has, taken under the engine's lock
             lora_id = next_lora_id(self.lora_adapters)
-        adapter, weights = load_peft(path, name=name, lora_int_id=lora_id, spec=self.spec)
+        adapter, weights = load_peft(path, name=name, lora_int_id=lora_id, spec=self.spec,
+                                     max_lora_rank=self._options.max_lora_rank)
         with self._step_lock:
             if name in self.lora_adapters or \
                     any(a.lora_int_id == lora_id for a in self.lora_adapters.values()):
@@ -1547,7 +1551,20 @@ class Batcher:
             device_s=self._device_s, host_gap_s=self._host_gap_s, host_gaps=self._host_gaps,
             overlapped_steps=self._overlapped, overlapped_prefills=self._overlapped_prefills,
             overlapped_joins=self._overlapped_joins, chained_chunks=self._chained,
-            prefix_cache=s.prefix is not None, evictable_blocks=s.pool.num_evictable)
+            prefix_cache=s.prefix is not None, evictable_blocks=s.pool.num_evictable,
+            **(self._lora_stats() if self._lora is not None else {}))
+
+    def _lora_stats(self) -> dict[str, tuple[str, ...]]:
+        """The adapters of the requests holding a lane and of those waiting for one (a runtime
+        with LoRA; `stats` is read a few times a second, never per step)."""
+        names = {a.lora_int_id: name for name, a in self.lora_adapters.items()}
+        running: set[str] = set()
+        waiting: set[str] = set()
+        for request in list(self.scheduler.requests.values()):
+            if request.lora_id:
+                (running if request.lane >= 0 else waiting).add(
+                    names.get(request.lora_id, str(request.lora_id)))
+        return {"lora_running": tuple(sorted(running)), "lora_waiting": tuple(sorted(waiting))}
 
     def check_invariants(self) -> None:
         """Raise `StateError` if any ownership invariant of docs/rules.md is broken."""

@@ -421,8 +421,10 @@ class _Server:
             worker_target=grammar_check, wall_seconds=grammar_wall_seconds)
         self.constraints = ChatConstraints(self.structured, reasoning_parser,
                                            getattr(codec, "tokenizer", None))
+        self.max_loras: int | None = None  # --max-loras (vLLM's `max_lora` label)
         self.metrics = ServerMetrics(ab.stats, self.artifact, model_name,
-                                     shared=getattr(ab, "shared", None))
+                                     shared=getattr(ab, "shared", None),
+                                     max_lora=self.max_lora_label)
         self.accepting = False
         self.prompt_tokens_details = False  # --enable-prompt-tokens-details
         self.created = int(time.time())
@@ -1226,6 +1228,16 @@ class _Server:
         return _json(self.adapter_card(model_id, self.adapters()[model_id]))
 
     # -- LoRA adapters at run time (docs/lora.md#serving-adapters) -----------------------------
+    def max_lora_label(self) -> str | None:
+        """`vllm:lora_requests_info`'s `max_lora` label while LoRA is on (a loadable runtime or
+        served adapters), else None: the gauge is not exported, as in vLLM without LoRA."""
+        if not (self.lora_loadable() or self.adapters()):
+            return None
+        cap = self.max_loras
+        if cap is None and isinstance(self.ab, AsyncBatcher):
+            cap = self.ab.batcher.options.max_loras
+        return str(cap) if cap is not None else ""
+
     def lora_loadable(self) -> bool:
         """The engine loads adapters at run time (a host runtime with --enable-lora)."""
         return bool(getattr(self.ab, "lora_loadable", False))
@@ -1540,7 +1552,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                grammar_check: str | None = None,
                grammar_wall_seconds: float = GRAMMAR_WALL_SECONDS,
                enable_prompt_tokens_details: bool = False,
-               lora_updates: bool | None = None) -> Starlette:
+               lora_updates: bool | None = None, max_loras: int | None = None) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
     Args:
@@ -1579,6 +1591,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
             (`cached_tokens`: prompt tokens the prefix cache saved), as vLLM's flag.
         lora_updates: route `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (None: when
             `VLLM_ALLOW_RUNTIME_LORA_UPDATING` is 1 or true, as vLLM; docs/lora.md).
+        max_loras: the engine's `--max-loras`, shown as `vllm:lora_requests_info`'s
+            `max_lora` label (None: read from an in-process engine's options).
 
     Returns:
         A Starlette app to run with uvicorn; `atombatch.serve.limits.uvicorn_config(app, ...)`
@@ -1614,6 +1628,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                      body_timeout, bounds, max_response_bytes, max_structured_chars,
                      tool_parser, reasoning_parser, grammar_check, grammar_wall_seconds)
     server.prompt_tokens_details = enable_prompt_tokens_details
+    server.max_loras = max_loras
     if lora_updates is None:
         lora_updates = lora.runtime_updates_allowed()
     if lora_updates:

@@ -550,7 +550,10 @@ def engine_options(args: argparse.Namespace, *, prefix_cache: bool) -> EngineOpt
         prefix_cache=prefix_cache, host_cache_bytes=args.host_cache_bytes, policy=args.policy,
         seed=args.seed, max_waiting=args.max_waiting, pd_timeout=args.pd_timeout,
         argmax_threads=args.argmax_threads, overlap=args.overlap,
-        logprobs_mode=LOGPROBS_MODES[args.logprobs_mode])
+        logprobs_mode=LOGPROBS_MODES[args.logprobs_mode],
+        max_loras=args.max_loras if getattr(args, "enable_lora", False) or
+        args.runtime == "rebel" else None,
+        max_lora_rank=args.max_lora_rank)
 
 
 def _model_dir(args: argparse.Namespace) -> Path | None:
@@ -764,7 +767,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
                          max_structured_chars=args.max_structured_chars,
                          api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser,
-                         enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                         max_loras=args.max_loras)
     except ConfigError as exc:
         print(f"atombatch.serve: {in_users_words(args, str(exc))}", file=sys.stderr)
         _stop_engine(engine)

@@ -36,7 +36,7 @@ MAX_PATH_CHARS = 4096        # PATH_MAX
 MAX_BODY_BYTES = 16 * 1024   # a load or unload body: two short strings and two flags
 
 
-class LoraModule(msgspec.Struct, frozen=True):
+class LoraModule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One `--lora-modules` entry (vLLM's `LoRAModulePath`)."""
 
     name: str
