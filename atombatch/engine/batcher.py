@@ -186,9 +186,14 @@ class Batcher:
             if host_cache_bytes else None
         self.scheduler = Scheduler(artifact, policy, eos_token_ids=self.spec.eos_token_ids,
                                    prefix_cache=prefix_cache, host_cache=self.host_cache,
-                                   checkpoint_bytes=checkpoint_bytes, lora=caps.lora,
+                                   checkpoint_bytes=checkpoint_bytes,
+                                   lora=caps.lora and (not caps.lora_loadable or
+                                                       bool(self.lora_adapters)),
                                    max_loras=max_loras if caps.lora else None)
-        self._lora = self.scheduler.lora  # the rows' adapter ids (None: no LoRA runtime)
+        # the rows' adapter ids (atombatch/engine/lora.py); None until a request names an
+        # adapter on a runtime that loads them (until then every row is the base model's, and
+        # the runtime is called as one without LoRA), and on a runtime without LoRA
+        self._lora = self.scheduler.lora
         self.clock: Callable[[], float] = clock or caps.clock or time.perf_counter
         if max_waiting is not None and (isinstance(max_waiting, bool) or
                                         not isinstance(max_waiting, int) or max_waiting < 1):
@@ -404,14 +409,18 @@ class Batcher:
         if kv is not None:
             self._pd.expect(kv, tokens)  # let the source check the header on arrival
         with self._step_lock:  # from another thread: waits for a running step to end
-            if adapter is not None and adapter.name not in self.lora_adapters:
-                raise RequestError(f"lora={lora!r} was unloaded before the request was queued")
+            if adapter is not None:
+                if adapter.name not in self.lora_adapters:
+                    raise RequestError(f"lora={lora!r} was unloaded before the request was "
+                                       "queued")
+                if self._lora is None:  # the first request under an adapter
+                    self._lora = self.scheduler.enable_lora()
             if n == 1:
                 request = self._new_request(request_id, request_id, 0, tokens, params, arrival,
                                             adapter)
                 if kv is not None:
                     request.pd = PDImport()
-                    self._pd.open(request_id, kv, request.arrival)
+                    self._pd.open(request_id, kv, request.arrival, adapter)
                 self.scheduler.add(request)
             else:
                 # Choice 0 prefills first; the others wait for it and start from its prompt's

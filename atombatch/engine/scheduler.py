@@ -52,6 +52,7 @@ from atombatch.api.policy import DEFAULT_POLICY, POLICY_KINDS, Policy
 from atombatch.api.structs import FinishReason
 from atombatch.artifact.config import ArtifactConfig
 from atombatch.engine.kv_manager import KVManager
+from atombatch.engine.lora import LoraRows, fits, running_adapters
 from atombatch.engine.request import (
     ITERATION_TOKEN_BUCKETS,
     TRANSITIONS,
@@ -65,7 +66,6 @@ from atombatch.engine.request import (
 )
 from atombatch.errors import CapacityError, StateError
 from atombatch.kernel import blocks as core
-from atombatch.engine.lora import LoraRows, fits, running_adapters
 from atombatch.kernel.prefix import HostCache
 
 S = RequestState
@@ -110,6 +110,13 @@ class Scheduler:
         self.max_loras = max_loras
         self._lora_held: Request | None = None
         self.lora_bypass_limit = artifact.batch_size
+
+    def enable_lora(self) -> LoraRows:
+        """Start writing the rows' adapter ids (the first request under an adapter: every lane
+        bound so far runs the base model, id 0)."""
+        if self.lora is None:
+            self.lora = LoraRows(self.artifact.batch_size)
+        return self.lora
 
     # -- the KV manager's structures, for readers -------------------------------------------------
     @property

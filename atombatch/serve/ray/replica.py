@@ -409,7 +409,7 @@ class _PooledAsyncBatcher(AsyncBatcher):
 
     def submit(self, prompt: Any, params: SamplingParams | None = None,
                request_id: str | None = None, kv: Any = None, *,
-               validated: bool = False) -> str:
+               lora: str | None = None, validated: bool = False) -> str:
         params = params or SamplingParams()
         # n > 1, logprobs and bad_words need the engine to sample the first token, and
         # prompt_logprobs every prompt position's logits: prefilled here
@@ -419,12 +419,13 @@ class _PooledAsyncBatcher(AsyncBatcher):
                 validated = True
             request_id = request_id or f"pd-{uuid.uuid4().hex[:16]}"
             try:
-                kv = self.pool.open(request_id, [int(t) for t in prompt], params)
+                kv = self.pool.open(request_id, [int(t) for t in prompt], params, lora)
             except AtomBatchError:  # no producer is up: the replica prefills natively
                 self.native_fallbacks += 1
                 kv = None
         try:
-            return super().submit(prompt, params, request_id, kv, validated=validated)
+            return super().submit(prompt, params, request_id, kv, lora=lora,
+                                  validated=validated)
         except BaseException:
             if kv is not None:
                 kv.close()
