@@ -101,8 +101,8 @@ class LoraFront:
     ready: Any = None
     _lora_names: list[str] | None = None
 
-    def _send_to_core(self, message: Any) -> bool:  # (PDFront's)
-        raise NotImplementedError
+    if TYPE_CHECKING:  # PDFront's (a stub here would hide it: LoraFront comes first)
+        def _send_to_core(self, message: Any) -> bool: ...
 
     @property
     def loras(self) -> list[str]:

@@ -124,7 +124,8 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
         outbox.send(core_encoder.encode(Ready(rules=batcher.rules(), policy=batcher.policy.label,
                                               max_waiting=batcher.max_waiting,
                                               stats=batcher.stats(), pid=os.getpid(),
-                                              frozen=frozen)))
+                                              frozen=frozen,
+                                              loras=sorted(batcher.lora_adapters))))
         batcher.leave_queue_bound_to_fronts()   # the front bounds the queue (Ready says how)
         core_pd = CorePD(pd, batcher.artifact) if pd is not None else None
         sender = _Sender(outbox)
@@ -700,6 +701,10 @@ class CoreLoop:
             else:
                 done = self.lora.unload(message) if isinstance(message, UnloadLora) else \
                     message.done
+            if done is not None and routes is not None and done.error is None:
+                # every front hears of the change first (seq 0 waits for nothing), so the one
+                # that asked answers its client once all of them were told (docs/lora.md)
+                self.send(msgspec.structs.replace(done, seq=0))
             if done is not None:
                 self.send(done if routes is None else To(front, done))
         elif isinstance(message, _Refused):  # sent with the next Step, as a refused submit

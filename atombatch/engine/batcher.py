@@ -1551,6 +1551,7 @@ class Batcher:
     def stats(self) -> EngineStats:
         s = self.scheduler
         free, spare, staged, lane, cached = s.pool.counts()
+        running, waiting = self._lora_stats() if self._lora is not None else ((), ())
         return EngineStats(
             **s.counters.snapshot(),  # every scheduler counter, under its own name
             occupied_lanes=s.lanes.num_busy, decoding_lanes=s.lanes.num_decoding(),
@@ -1561,9 +1562,9 @@ class Batcher:
             overlapped_steps=self._overlapped, overlapped_prefills=self._overlapped_prefills,
             overlapped_joins=self._overlapped_joins, chained_chunks=self._chained,
             prefix_cache=s.prefix is not None, evictable_blocks=s.pool.num_evictable,
-            **(self._lora_stats() if self._lora is not None else {}))
+            lora_running=running, lora_waiting=waiting)
 
-    def _lora_stats(self) -> dict[str, tuple[str, ...]]:
+    def _lora_stats(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The adapters of the requests holding a lane and of those waiting for one (a runtime
         with LoRA; `stats` is read a few times a second, never per step)."""
         names = {a.lora_int_id: name for name, a in self.lora_adapters.items()}
@@ -1573,7 +1574,7 @@ class Batcher:
             if request.lora_id:
                 (running if request.lane >= 0 else waiting).add(
                     names.get(request.lora_id, str(request.lora_id)))
-        return {"lora_running": tuple(sorted(running)), "lora_waiting": tuple(sorted(waiting))}
+        return tuple(sorted(running)), tuple(sorted(waiting))
 
     def check_invariants(self) -> None:
         """Raise `StateError` if any ownership invariant of docs/rules.md is broken."""

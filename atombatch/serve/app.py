@@ -53,7 +53,13 @@ from atombatch.api.validation import queue_limit
 from atombatch.core import CoreClient
 from atombatch.engine.aio import AsyncBatcher, compact_outputs
 from atombatch.engine.batcher import Batcher
-from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
+from atombatch.errors import (
+    CapacityError,
+    ConfigError,
+    RequestError,
+    StateError,
+    UnavailableError,
+)
 from atombatch.logs import logger
 from atombatch.sampling.detokenizer import bad_word_ids
 from atombatch.sampling.grammar_check import GRAMMAR_WALL_SECONDS
@@ -422,6 +428,8 @@ class _Server:
         self.constraints = ChatConstraints(self.structured, reasoning_parser,
                                            getattr(codec, "tokenizer", None))
         self.max_loras: int | None = None  # --max-loras (vLLM's `max_lora` label)
+        self.enable_lora = False            # --enable-lora (or an embedder's enable_lora=True)
+        self.lora_paths: dict[str, str] = {}  # adapter -> the directory this front knows
         self.metrics = ServerMetrics(ab.stats, self.artifact, model_name,
                                      shared=getattr(ab, "shared", None),
                                      max_lora=self.max_lora_label)
@@ -624,11 +632,8 @@ class _Server:
         accepted = time.perf_counter()
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         try:
-            if lora is None:
-                self.ab.submit(prompt, params, request_id=request_id, validated=validated)
-            else:
-                self.ab.submit(prompt, params, request_id=request_id, validated=validated,
-                               lora=lora)
+            self.ab.submit(prompt, params, request_id=request_id, lora=lora,
+                           validated=validated)
         except CapacityError as exc:
             raise self.busy(exc) from None
         except UnavailableError as exc:
@@ -1203,21 +1208,24 @@ class _Server:
             card.update(front=shared.front, fronts=shared.fronts, front_pid=os.getpid())
         return card
 
-    def adapter_card(self, name: str, adapter: Any) -> ModelCard:
-        """An adapter at /v1/models, as vLLM lists one: `root` its path, `parent` the served
-        model."""
-        info = {"lora_int_id": adapter.lora_int_id, "r": adapter.r,
-                "lora_alpha": adapter.lora_alpha,
-                "target_modules": list(adapter.target_modules),
-                "compiled": not self.lora_loadable(), "identity": adapter.identity}
+    def adapter_card(self, name: str) -> ModelCard:
+        """An adapter at /v1/models, as vLLM lists one: `root` its directory (a compiled
+        adapter, or one another front loaded: its name), `parent` the served model."""
+        info: dict[str, Any] = {}
+        adapter = self.ab.batcher.lora_adapters.get(name) \
+            if isinstance(self.ab, AsyncBatcher) else None
+        if adapter is not None:  # inline: the engine's own record of it
+            info = {"lora_int_id": adapter.lora_int_id, "r": adapter.r,
+                    "lora_alpha": adapter.lora_alpha,
+                    "target_modules": list(adapter.target_modules), "identity": adapter.identity}
+        root = self.lora_paths.get(name) or (adapter.path if adapter is not None else "") or name
         return ModelCard(id=name, created=self.created, owned_by="atombatch", atombatch=info,
-                         max_model_len=self.artifact.max_seq_len, root=adapter.path or name,
+                         max_model_len=self.artifact.max_seq_len, root=root,
                          parent=self.model_name)
 
     async def models(self, request: Request) -> Response:
         cards = [self.model_card()]
-        cards += [self.adapter_card(name, adapter)
-                  for name, adapter in sorted(self.adapters().items())]
+        cards += [self.adapter_card(name) for name in sorted(self.adapters())]
         return _json(ModelList(data=cards))
 
     async def model(self, request: Request) -> Response:
@@ -1225,22 +1233,27 @@ class _Server:
         if model_id == self.model_name:
             return _json(self.model_card())
         self.check_model(model_id)
-        return _json(self.adapter_card(model_id, self.adapters()[model_id]))
+        return _json(self.adapter_card(model_id))
 
-    # -- LoRA adapters at run time (docs/lora.md#serving-adapters) -----------------------------
+    # -- LoRA adapters (docs/lora.md#serving-adapters) -----------------------------------------
+    def adapters(self) -> list[str]:
+        """The LoRA adapters requests may name now (the engine's, or its core's as it last
+        said: every front of a shared core hears of each change)."""
+        return list(getattr(self.ab, "loras", None) or ())
+
+    def lora_on(self) -> bool:
+        """LoRA is on: `--enable-lora`, or adapters are served (a compiled artifact's)."""
+        return self.enable_lora or bool(self.adapters())
+
     def max_lora_label(self) -> str | None:
-        """`vllm:lora_requests_info`'s `max_lora` label while LoRA is on (a loadable runtime or
-        served adapters), else None: the gauge is not exported, as in vLLM without LoRA."""
-        if not (self.lora_loadable() or self.adapters()):
+        """`vllm:lora_requests_info`'s `max_lora` label while LoRA is on, else None: the gauge
+        is not exported, as in vLLM without LoRA."""
+        if not self.lora_on():
             return None
         cap = self.max_loras
         if cap is None and isinstance(self.ab, AsyncBatcher):
             cap = self.ab.batcher.options.max_loras
         return str(cap) if cap is not None else ""
-
-    def lora_loadable(self) -> bool:
-        """The engine loads adapters at run time (a host runtime with --enable-lora)."""
-        return bool(getattr(self.ab, "lora_loadable", False))
 
     async def load_lora_adapter(self, request: Request) -> Response:
         try:
@@ -1248,17 +1261,18 @@ class _Server:
         except ValueError as exc:
             raise ApiError(400, str(exc), code="invalid_value") from None
         name, path = body.lora_name, body.lora_path
-        self.check_loadable()
+        self.check_lora_on()
         if name == self.model_name:
             raise ApiError(400, f"The lora adapter '{name}' conflicts with a served base model.",
                            param="lora_name", code="invalid_value")
-        if name in self.adapters():
-            why = "load_inplace is not supported here: unload it first" if body.load_inplace \
-                else "If you want to load the adapter in place, set 'load_inplace' to True."
-            raise ApiError(400, f"The lora adapter '{name}' has already been loaded. {why}",
-                           param="lora_name", code="invalid_value")
-        async with self.lora_lock:  # one change at a time: a name is checked and taken together
-            try:
+        async with self.lora_lock:  # one change at a time on this front
+            if name in self.adapters():
+                why = "load_inplace is not supported here: unload it first" \
+                    if body.load_inplace else \
+                    "If you want to load the adapter in place, set 'load_inplace' to True."
+                raise ApiError(400, f"The lora adapter '{name}' has already been loaded. {why}",
+                               param="lora_name", code="invalid_value")
+            try:  # the files are read on the engine's loader thread, never on this loop
                 await self.ab.load_lora(name, path)
             except (ConfigError, RequestError) as exc:
                 raise ApiError(400, f"lora_path {_clip(repr(path))}: {exc}", param="lora_path",
@@ -1266,6 +1280,7 @@ class _Server:
             except UnavailableError as exc:
                 raise ApiError(exc.http_status, str(exc), type="server_error",
                                code="engine_unavailable") from None
+            self.lora_paths[name] = path
         log.info("lora.loaded", name=name, path=path)
         return Response(f"Success: LoRA adapter '{name}' added successfully.",
                         media_type="text/plain")
@@ -1276,31 +1291,36 @@ class _Server:
         except ValueError as exc:
             raise ApiError(400, str(exc), code="invalid_value") from None
         name = body.lora_name
-        self.check_loadable()
+        self.check_lora_on()
         async with self.lora_lock:
             if name not in self.adapters():
-                raise ApiError(404, f"The lora adapter '{_clip(name)}' cannot be found.",
-                               type="NotFoundError", param="lora_name", code="adapter_not_found")
+                raise self.adapter_not_found(name)
             try:
                 await self.ab.unload_lora(name)
-            except RequestError as exc:  # requests still run it
+            except ConfigError as exc:  # compiled adapters
+                raise ApiError(400, str(exc), param="lora_name",
+                               code="unsupported_value") from None
+            except (StateError, RequestError) as exc:  # in use (or gone meanwhile)
+                if name not in self.adapters():
+                    raise self.adapter_not_found(name) from None
                 raise ApiError(400, str(exc), param="lora_name", code="adapter_in_use") from None
             except UnavailableError as exc:
                 raise ApiError(exc.http_status, str(exc), type="server_error",
                                code="engine_unavailable") from None
+            self.lora_paths.pop(name, None)
         log.info("lora.unloaded", name=name)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.",
                         media_type="text/plain")
 
-    def check_loadable(self) -> None:
-        if self.lora_loadable():
-            return
-        if self.adapters():
-            raise ApiError(400, "the adapters are compiled into the artifact "
-                           f"({', '.join(sorted(self.adapters()))}) and fixed: none loads or "
-                           "unloads at run time (docs/lora.md)", code="unsupported_value")
-        raise ApiError(400, "LoRA is off: start the server with --enable-lora on a runtime that "
-                       "loads adapters (docs/lora.md)", code="unsupported_value")
+    @staticmethod
+    def adapter_not_found(name: str) -> ApiError:
+        return ApiError(404, f"The lora adapter '{_clip(name)}' cannot be found.",
+                        param="lora_name", code="adapter_not_found")
+
+    def check_lora_on(self) -> None:
+        if not self.lora_on():
+            raise ApiError(400, "LoRA is off: start the server with --enable-lora "
+                           "(docs/lora.md)", code="unsupported_value")
 
     # -- vLLM's operational endpoints (atombatch/serve/vllm_api.py) -----------------------------
     async def tokenize(self, request: Request) -> Response:
@@ -1350,10 +1370,6 @@ class _Server:
                        f"serves {self.model_name!r}{also}", param="model",
                        code="model_not_found")
 
-    def adapters(self) -> Mapping[str, Any]:
-        """The LoRA adapters served now: name -> the engine's `LoraAdapter` (every front of a
-        shared core sees the same, docs/lora.md)."""
-        return getattr(self.ab, "lora_adapters", None) or {}
 
     async def health(self, request: Request) -> Response:
         if not self.accepting or not self.ab.running:
@@ -1552,6 +1568,7 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                grammar_check: str | None = None,
                grammar_wall_seconds: float = GRAMMAR_WALL_SECONDS,
                enable_prompt_tokens_details: bool = False,
+               enable_lora: bool = False, lora_paths: Mapping[str, str] | None = None,
                lora_updates: bool | None = None, max_loras: int | None = None) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
@@ -1589,6 +1606,10 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
             `grammar_check.GRAMMAR_SECONDS`).
         enable_prompt_tokens_details: a final `usage` carries `prompt_tokens_details`
             (`cached_tokens`: prompt tokens the prefix cache saved), as vLLM's flag.
+        enable_lora: LoRA adapters may be loaded (vLLM's `--enable-lora`); adapters an engine
+            serves (a compiled artifact's, `--lora-modules`) are served either way.
+        lora_paths: adapter name -> its directory, shown as `root` at /v1/models (the
+            `--lora-modules` ones; the front adds those it loads).
         lora_updates: route `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (None: when
             `VLLM_ALLOW_RUNTIME_LORA_UPDATING` is 1 or true, as vLLM; docs/lora.md).
         max_loras: the engine's `--max-loras`, shown as `vllm:lora_requests_info`'s
@@ -1629,6 +1650,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                      tool_parser, reasoning_parser, grammar_check, grammar_wall_seconds)
     server.prompt_tokens_details = enable_prompt_tokens_details
     server.max_loras = max_loras
+    server.enable_lora = enable_lora
+    server.lora_paths.update(lora_paths or {})
     if lora_updates is None:
         lora_updates = lora.runtime_updates_allowed()
     if lora_updates:

@@ -537,7 +537,7 @@ def serve_adapters(batcher: Batcher, args: argparse.Namespace) -> None:
         return
     if not getattr(args, "enable_lora", False):
         return
-    if not getattr(batcher, "lora_loadable", False):
+    if not batcher.capabilities.lora_loadable:
         raise ConfigError(f"--enable-lora: the {args.runtime} runtime cannot load adapters")
     for module in modules:
         batcher.load_lora(module.name, module.path)
@@ -768,7 +768,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
                          api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser,
                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                         max_loras=args.max_loras)
+                         enable_lora=args.enable_lora, max_loras=args.max_loras,
+                         lora_paths={m.name: m.path for m in args.lora_modules or ()
+                                     if args.runtime != "rebel"})
     except ConfigError as exc:
         print(f"atombatch.serve: {in_users_words(args, str(exc))}", file=sys.stderr)
         _stop_engine(engine)

@@ -664,7 +664,7 @@ class ResponsesAPI:
 
     def _response(self, turn: _Turn, gen: Generation | None, items: list[OutputItem],
                   finish: str | None) -> ResponseObject:
-        body, server = turn.body, self.server
+        body = turn.body
         usage = None
         status = "in_progress"
         if gen is not None:
