@@ -202,17 +202,22 @@ def test_bad_paths_and_hostile_bodies_are_400(urls: dict[str, str], files: dict[
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == "lora_path" and str(path) in error["message"]
-    bodies: list[Any] = [
+    both: list[Any] = [  # bad for either route
         b"{not json", b"[]", b'"x"', json.dumps({"lora_name": 5, "lora_path": "p"}).encode(),
-        json.dumps({"lora_name": "x", "lora_path": ["p"]}).encode(),
-        json.dumps({"lora_name": "x"}).encode(), json.dumps({"lora_name": "", "lora_path": "p"}),
+        json.dumps({"lora_name": "", "lora_path": "p"}).encode(), b"{}",
         json.dumps({"lora_name": "x" * 1000, "lora_path": "p"}).encode(),
-        json.dumps({"lora_name": "x", "lora_path": "p" * 15_000}).encode(),
         json.dumps({"lora_name": "x", "lora_path": "p", "pad": "y" * 20_000}).encode(),
-        json.dumps({"lora_name": "x", "lora_path": "a\u0000b"}).encode(),
+        json.dumps({"lora_name": "x", "lora_int_id": "one"}).encode(),
         b"[" * 5000 + b"]" * 5000]
-    for body in bodies:
-        for route in ("load_lora_adapter", "unload_lora_adapter"):
+    load_only: list[Any] = [
+        json.dumps({"lora_name": "x", "lora_path": ["p"]}).encode(),
+        json.dumps({"lora_name": "x"}).encode(),
+        json.dumps({"lora_name": "x", "lora_path": "p" * 15_000}).encode(),
+        json.dumps({"lora_name": "x", "lora_path": "a\u0000b"}).encode(),
+        json.dumps({"lora_name": "x", "lora_path": "p", "load_inplace": "yes"}).encode()]
+    for route, bodies in (("load_lora_adapter", both + load_only),
+                          ("unload_lora_adapter", both)):
+        for body in bodies:
             r = httpx.post(f"{url}/v1/{route}", content=body,
                            headers={"Content-Type": "application/json"})
             assert r.status_code == 400, (route, body[:60], r.status_code, r.text)
