@@ -13,6 +13,12 @@ only that is wanted), reads each graph's input list from the file (or derives it
 optimum-rbln's `get_input_info` does when the file does not record it), checks every field against
 the others, the model's `config.json` and atombatch's admission rules, and raises `ConfigError`
 naming the field. The input table is in `docs/device.md`.
+
+LoRA (`lora_config`): optimum-rbln compiles every adapter into the graphs, numbered 1..N
+(`lora_int_id`; 0 is the base model, a zero adapter it injects and never writes to the file), and
+every graph then takes one more input, `lora_int_ids` int32 `[batch]`, after the others: each row's
+compiled adapter. `load` reads the adapters into `OptimumArtifact.lora` (`LoraCompileConfig`) and
+checks each field (docs/lora.md, "Compiled adapters on ATOM").
 """
 
 from __future__ import annotations
@@ -25,13 +31,25 @@ from typing import Any
 import msgspec
 
 from atombatch.artifact.config import ArtifactConfig, ModelSpec
+from atombatch.artifact.lora import MAX_LORA_RANK, TARGET_MODULES
 from atombatch.errors import ConfigError
 from atombatch.kernel.codes import check_buckets
 
 CONFIG_FILE = "rbln_config.json"
 PREFILL = "prefill"
 HOST_INPUTS = ("input_ids", "cache_position", "block_tables", "local_block_tables",
-               "query_position", "attention_mask", "position_ids")
+               "query_position", "attention_mask", "position_ids", "lora_int_ids")
+LORA_INPUT = "lora_int_ids"
+# the projections optimum-rbln 0.12 swaps for its multi-adapter linear (attention and MLP, the
+# same seven atombatch's LoRA math adapts); an adapter targeting anything else would be compiled
+# without that part
+LORA_TARGET_MODULES = TARGET_MODULES
+LORA_ADAPTER_FIELDS = ("lora_int_id", "lora_name", "lora_path", "r", "lora_alpha",
+                       "target_modules", "bias", "use_rslora", "scaling_factor")
+MAX_COMPILED_ADAPTERS = 1024       # adapters one lora_config may list
+MAX_COMPILED_LORA_RANK = MAX_LORA_RANK   # max_lora_rank / r (512, atombatch's LoRA bound)
+MAX_LORA_NAME = 256                # characters of a lora_name
+MAX_LORA_PATH = 4096               # characters of a lora_path
 KV_PREFIX = "past_key_values_"
 # optimum-rbln's per-NPU attention limits (modeling_attention_utils.AttentionLimits):
 # (max eager max_seq_len, min and max flash partition length, max sliding window).
@@ -62,6 +80,31 @@ class CompiledGraph(msgspec.Struct, frozen=True):
         return tuple(i.name for i in self.inputs)
 
 
+class CompiledAdapter(msgspec.Struct, frozen=True):
+    """One adapter optimum-rbln compiled into the graphs (a `lora_config.adapters` entry)."""
+
+    lora_int_id: int                   # 1..N: the row id that selects it (0 is the base model)
+    lora_name: str                     # the name it is served under
+    lora_path: str                     # the PEFT directory it was compiled from (may be gone)
+    r: int                             # rank (<= max_lora_rank)
+    lora_alpha: float
+    target_modules: tuple[str, ...]    # projections it adapts (LORA_TARGET_MODULES)
+    use_rslora: bool = False
+    scaling_factor: float = 1.0        # optimum-rbln's extra factor on the scaling
+
+
+class LoraCompileConfig(msgspec.Struct, frozen=True):
+    """`rbln_config.json`'s `lora_config`: the compiled adapters, by ascending `lora_int_id`."""
+
+    adapters: tuple[CompiledAdapter, ...]
+    max_lora_rank: int
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """Every id a row may carry: 0 (base) and the compiled adapters' 1..N."""
+        return (0, *(a.lora_int_id for a in self.adapters))
+
+
 class OptimumArtifact(msgspec.Struct, frozen=True):
     """What atombatch needs from one compiled optimum-rbln directory."""
 
@@ -80,6 +123,7 @@ class OptimumArtifact(msgspec.Struct, frozen=True):
     decoders: tuple[CompiledGraph, ...]        # ascending by batch
     kv_caches: tuple[GraphInput, ...]          # past_key_values_{i}, device-resident
     output_hidden_states: bool = False
+    lora: LoraCompileConfig | None = None      # the compiled adapters (graphs take lora_int_ids)
 
     @property
     def decoder_batch_sizes(self) -> tuple[int, ...]:
@@ -97,11 +141,12 @@ class OptimumArtifact(msgspec.Struct, frozen=True):
 # -- input lists ------------------------------------------------------------------------------------
 def derive_inputs(*, batch: int, query_length: int, max_seq_len: int, block_size: int,
                   global_attention: bool, local_attention: bool, logits_to_keep: int,
-                  use_attention_mask: bool, use_position_ids: bool, dtype: str
-                  ) -> tuple[GraphInput, ...]:
+                  use_attention_mask: bool, use_position_ids: bool, dtype: str,
+                  lora: bool = False) -> tuple[GraphInput, ...]:
     """A graph's host inputs, in the order optimum-rbln's `get_input_info` builds them.
 
-    `query_length > 1` is the prefill graph (batch 1), `query_length == 1` a decode graph.
+    `query_length > 1` is the prefill graph (batch 1), `query_length == 1` a decode graph;
+    `lora` (a `lora_config`) appends `lora_int_ids` int32 `[batch]` after the others.
     """
     prefill = query_length > 1
     rows = [GraphInput("input_ids", (batch, query_length), "int64"),
@@ -119,6 +164,8 @@ def derive_inputs(*, batch: int, query_length: int, max_seq_len: int, block_size
         rows.append(GraphInput("attention_mask", shape, dtype))
     if use_position_ids:
         rows.append(GraphInput("position_ids", (batch, query_length), "int32"))
+    if lora:
+        rows.append(GraphInput(LORA_INPUT, (batch,), "int32"))
     return tuple(rows)
 
 
@@ -188,7 +235,8 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
             must agree.
     Raises:
         ConfigError: a missing file, a missing, ill-typed or contradicting field, an option
-            atombatch does not support (inputs_embeds, LoRA, fp8 KV caches, batch sorting), or an
+            atombatch does not support (inputs_embeds, fp8 KV caches, batch sorting), a
+            `lora_config` field out of its bounds (`read_lora_config`), or an
             artifact that breaks atombatch's admission rules; the message names the field.
     """
     path = Path(model_dir)
@@ -207,6 +255,7 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
     spec = _model_spec(path, model)
 
     _refuse_unsupported(raw)
+    lora = read_lora_config(raw.get("lora_config"))
 
     # -- shapes ------------------------------------------------------------------------------------
     batch_size = _positive(raw, "batch_size", 1)
@@ -321,7 +370,7 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
     common = dict(max_seq_len=max_seq_len, block_size=block_size,
                   global_attention=global_attention, local_attention=local_attention,
                   logits_to_keep=logits_to_keep, use_attention_mask=use_mask,
-                  use_position_ids=use_pos, dtype=dtype)
+                  use_position_ids=use_pos, dtype=dtype, lora=lora is not None)
     graphs = []
     for name in wanted:
         batch = 1 if name == PREFILL else int(name.rsplit("_", 1)[1])
@@ -341,7 +390,7 @@ def load(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> O
         use_position_ids=use_pos, dtype=dtype, npu=npu,
         optimum_rbln_version=_get(raw, "optimum_rbln_version", str, None),
         prefill=graphs[0], decoders=tuple(graphs[1:]), kv_caches=kv,
-        output_hidden_states=_get(raw, "output_hidden_states", bool, False))
+        output_hidden_states=_get(raw, "output_hidden_states", bool, False), lora=lora)
 
 
 def load_artifact(model_dir: str | os.PathLike[str], model: ModelSpec | None = None) -> ArtifactConfig:
@@ -366,9 +415,6 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
     if _get(raw, "use_inputs_embeds", bool, False):
         raise ConfigError(f"{CONFIG_FILE}: use_inputs_embeds=true is not supported: atombatch "
                           "feeds input_ids; recompile without it")
-    if _get(raw, "lora_config", dict, None):
-        raise ConfigError(f"{CONFIG_FILE}: lora_config is set: LoRA graphs (lora_int_ids) are "
-                          "not supported; recompile without LoRA")
     quant = _get(raw, "quantization", dict, {})
     if quant.get("kv_caches") == "fp8":
         raise ConfigError(f"{CONFIG_FILE}: quantization.kv_caches='fp8' is not supported: "
@@ -382,6 +428,129 @@ def _refuse_unsupported(raw: dict[str, Any]) -> None:
                           "no decode graph")
     if "image_prefill" in phases:
         raise ConfigError(f"{CONFIG_FILE}: phases={phases}: image_prefill is not supported")
+
+
+def read_lora_config(raw: Any) -> LoraCompileConfig | None:
+    """`rbln_config.json`'s `lora_config` as optimum-rbln 0.12 writes it (None: no LoRA).
+
+    The rules are optimum-rbln's own (`RBLNLoRAConfig`): a non-empty `adapters` list whose
+    `lora_int_id`s are 1..N, each once (0 is the base model and never listed); names unique;
+    every rank positive and at most `max_lora_rank`; `bias="none"`. atombatch adds bounds on
+    every size and refuses a target module optimum-rbln does not adapt (the compiled adapter
+    would not be the trained one).
+
+    Raises:
+        ConfigError: naming the field (`lora_config.adapters[i].field`), its value and the rule.
+    """
+    if raw is None:
+        return None
+    where = "lora_config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{CONFIG_FILE}: {where}={raw!r} must be an object with adapters and "
+                          "max_lora_rank")
+    unknown = sorted(set(raw) - {"adapters", "max_lora_rank"})
+    if unknown:
+        raise ConfigError(f"{CONFIG_FILE}: {where} has unknown fields {unknown} (optimum-rbln "
+                          "0.12 writes adapters and max_lora_rank)")
+    entries = raw.get("adapters")
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"{CONFIG_FILE}: {where}.adapters={entries!r} must be a non-empty list "
+                          "of compiled adapters")
+    if len(entries) > MAX_COMPILED_ADAPTERS:
+        raise ConfigError(f"{CONFIG_FILE}: {where}.adapters lists {len(entries)} adapters, more "
+                          f"than atombatch's bound {MAX_COMPILED_ADAPTERS}")
+    adapters = [_lora_adapter(f"{where}.adapters[{i}]", entry) for i, entry in enumerate(entries)]
+    ids = sorted(a.lora_int_id for a in adapters)
+    if ids != list(range(1, len(adapters) + 1)):
+        raise ConfigError(f"{CONFIG_FILE}: {where}.adapters have lora_int_id {ids}: they must be "
+                          f"1..{len(adapters)}, each once (0 is the base model)")
+    names: dict[str, int] = {}
+    for adapter in adapters:
+        if adapter.lora_name in names:
+            raise ConfigError(f"{CONFIG_FILE}: {where}.adapters name {adapter.lora_name!r} twice "
+                              f"(lora_int_id {names[adapter.lora_name]} and "
+                              f"{adapter.lora_int_id}): names must be unique")
+        names[adapter.lora_name] = adapter.lora_int_id
+    largest = max(a.r for a in adapters)
+    max_rank = raw.get("max_lora_rank")
+    if max_rank is None:
+        max_rank = largest                      # optimum-rbln's default: the largest rank
+    if not isinstance(max_rank, int) or isinstance(max_rank, bool) or \
+            not 1 <= max_rank <= MAX_COMPILED_LORA_RANK:
+        raise ConfigError(f"{CONFIG_FILE}: {where}.max_lora_rank={max_rank!r} must be an "
+                          f"integer in 1..{MAX_COMPILED_LORA_RANK}")
+    for adapter in adapters:
+        if adapter.r > max_rank:
+            raise ConfigError(f"{CONFIG_FILE}: {where} adapter {adapter.lora_name!r} has r="
+                              f"{adapter.r}, above max_lora_rank={max_rank}")
+    adapters.sort(key=lambda a: a.lora_int_id)
+    return LoraCompileConfig(adapters=tuple(adapters), max_lora_rank=max_rank)
+
+
+def _lora_adapter(where: str, raw: Any) -> CompiledAdapter:
+    """One `lora_config.adapters` entry, every field checked."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{CONFIG_FILE}: {where}={raw!r} must be an object")
+    unknown = sorted(set(raw) - set(LORA_ADAPTER_FIELDS))
+    if unknown:
+        raise ConfigError(f"{CONFIG_FILE}: {where} has unknown fields {unknown} (optimum-rbln "
+                          f"0.12 writes {', '.join(LORA_ADAPTER_FIELDS)})")
+
+    def integer(field: str, low: int, high: int) -> int:
+        value = raw.get(field)
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ConfigError(f"{CONFIG_FILE}: {where}.{field}={value!r} must be an integer in "
+                              f"{low}..{high}")
+        return value
+
+    def positive(field: str, default: float | None = None) -> float:
+        value = raw.get(field)
+        if value is None and default is not None:
+            return default
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or \
+                not 0 < value < float("inf"):
+            raise ConfigError(f"{CONFIG_FILE}: {where}.{field}={value!r} must be a positive, "
+                              "finite number")
+        return float(value)
+
+    def text(field: str, limit: int) -> str:
+        value = raw.get(field)
+        if not isinstance(value, str) or not 0 < len(value) <= limit:
+            raise ConfigError(f"{CONFIG_FILE}: {where}.{field}={value!r:.80} must be a string "
+                              f"of 1..{limit} characters")
+        return value
+
+    lora_int_id = integer("lora_int_id", 0, MAX_COMPILED_ADAPTERS)
+    if lora_int_id == 0:
+        raise ConfigError(f"{CONFIG_FILE}: {where}.lora_int_id=0 is reserved for the base model; "
+                          "compiled adapters are numbered from 1")
+    name = text("lora_name", MAX_LORA_NAME)
+    path = text("lora_path", MAX_LORA_PATH)
+    r = integer("r", 1, MAX_COMPILED_LORA_RANK)
+    alpha = positive("lora_alpha")
+    modules = raw.get("target_modules")
+    if not isinstance(modules, list) or len(modules) > len(LORA_TARGET_MODULES) or \
+            not all(isinstance(m, str) for m in modules) or len(set(modules)) != len(modules):
+        raise ConfigError(f"{CONFIG_FILE}: {where}.target_modules={modules!r:.120} must be a list "
+                          f"of distinct module names from {list(LORA_TARGET_MODULES)}")
+    for module in modules:
+        if module not in LORA_TARGET_MODULES:
+            raise ConfigError(f"{CONFIG_FILE}: {where}.target_modules has {module!r}, which "
+                              "optimum-rbln does not adapt (it adapts "
+                              f"{', '.join(LORA_TARGET_MODULES)}): the compiled adapter would "
+                              "not be the trained one")
+    bias = raw.get("bias", "none")
+    if bias != "none":
+        raise ConfigError(f"{CONFIG_FILE}: {where}.bias={bias!r}: only 'none' is supported "
+                          "(optimum-rbln compiles no LoRA bias)")
+    rslora = raw.get("use_rslora", False)
+    if rslora is None:
+        rslora = False
+    if not isinstance(rslora, bool):
+        raise ConfigError(f"{CONFIG_FILE}: {where}.use_rslora={rslora!r} must be true or false")
+    return CompiledAdapter(lora_int_id=lora_int_id, lora_name=name, lora_path=path, r=r,
+                           lora_alpha=alpha, target_modules=tuple(modules), use_rslora=rslora,
+                           scaling_factor=positive("scaling_factor", 1.0))
 
 
 def _tensor_parallel(raw: dict[str, Any], cfgs_raw: list[Any]) -> int:

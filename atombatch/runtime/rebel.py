@@ -25,21 +25,40 @@ KV moves go through the runtime's KV methods, feature-detected (`hasattr`), with
 uint16 bit patterns); `layer_name` is `past_key_values_{2l}` (K) or `{2l+1}` (V); for a sliding
 layer `block` is the lane's sliding slot. `python -m atombatch.bench device` checks them on a device.
 
+LoRA: a directory compiled with `lora_config` holds its adapters inside the graphs, ids 1..N
+(0 is the base model). Every graph then takes `lora_int_ids` int32 `[batch]` after the other
+inputs, one id per row, padding rows included: `prefill(..., lora_int_ids=)` and
+`decode(..., lora_int_ids=)` copy the ids into a buffer of the graph's recorded shape and dtype
+(allocated once per graph), after refusing an id the directory was not compiled with
+(`StateError`: a device indexes its adapter table with it and does not check). Without the
+keyword every row runs the base model. `lora_adapters` names the compiled adapters; a directory
+without LoRA has no such attribute (the engine's `Capabilities.lora` is False there).
+
 `rebel` is imported lazily; without it the constructor raises `ConfigError` with install guidance.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from atombatch.artifact.config import ModelSpec
-from atombatch.artifact.rbln_config import CompiledGraph, OptimumArtifact, load
+from atombatch.artifact.lora import BASE_LORA_ID, TARGET_MODULES, LoraAdapter, load_peft
+from atombatch.artifact.rbln_config import (
+    LORA_INPUT,
+    CompiledAdapter,
+    CompiledGraph,
+    LoraCompileConfig,
+    OptimumArtifact,
+    load,
+)
 from atombatch.errors import ConfigError, StateError
 from atombatch.runtime.base import DecodeArrays, PrefillArrays, check_decode_rows
 
@@ -125,6 +144,8 @@ class _GraphArgs:
         self._mask: npt.NDArray[Any] | None = None
         self._visible: npt.NDArray[np.bool_] | None = None
         self._position_ids: npt.NDArray[np.int32] | None = None
+        # lora_int_ids: the buffer the graph takes, refilled every call (0: the base model)
+        self.lora_ids: npt.NDArray[Any] | None = None
         self.getters: list[tuple[str, Callable[[Any], Any]]] = []
         for item in graph.inputs:
             if item.name == "attention_mask":
@@ -134,6 +155,9 @@ class _GraphArgs:
             elif item.name == "position_ids":
                 self._position_ids = np.zeros(item.shape, dtype=np.int32)
                 self.getters.append((item.name, self._fill_position_ids))
+            elif item.name == LORA_INPUT:
+                self.lora_ids = np.zeros(item.shape, dtype=numpy_dtype(item.dtype))
+                self.getters.append((item.name, self._lora_ids))
             else:
                 self.getters.append((item.name, _field_getter(item.name)))
 
@@ -157,6 +181,10 @@ class _GraphArgs:
         np.copyto(self._mask, visible, casting="unsafe")
         return self._mask
 
+    def _lora_ids(self, inputs: Any) -> npt.NDArray[Any]:
+        assert self.lora_ids is not None
+        return self.lora_ids
+
     def _fill_position_ids(self, inputs: Any) -> npt.NDArray[np.int32]:
         assert self._position_ids is not None
         self._position_ids[...] = inputs.cache_position
@@ -167,6 +195,50 @@ def _field_getter(name: str) -> Callable[[Any], Any]:
     def get(inputs: Any) -> Any:
         return getattr(inputs, name)
     return get
+
+
+def compiled_adapters(lora: LoraCompileConfig, spec: ModelSpec) -> dict[str, LoraAdapter]:
+    """The compiled adapters of a `lora_config` as `LoraAdapter`s, by name.
+
+    An adapter's `identity` (what the prefix cache and PD tell adapters apart by) is the one
+    `load_peft` gives its PEFT directory when `lora_path` is still readable and agrees with the
+    compiled fields, so a NumPy producer that loaded the same directory shares it; otherwise it
+    is a digest of the compiled fields, name and path (the graph's weights cannot be read back).
+    """
+    return {a.lora_name: LoraAdapter(
+        name=a.lora_name, lora_int_id=a.lora_int_id, path=a.lora_path, r=a.r,
+        lora_alpha=a.lora_alpha, target_modules=a.target_modules, use_rslora=a.use_rslora,
+        scaling_factor=a.scaling_factor, identity=_adapter_identity(a, lora, spec))
+        for a in lora.adapters}
+
+
+def device_scaling_factor(adapter: CompiledAdapter) -> float | None:
+    """The `scaling_factor` that makes `LoraAdapter.scaling` equal what optimum-rbln 0.12 folds
+    into a compiled adapter's B: `lora_alpha / r * scaling_factor`, and with `use_rslora` a
+    further `1 / sqrt(r)` (PEFT's rsLoRA scaling is `lora_alpha / sqrt(r)`: a compiled rsLoRA
+    adapter is scaled by another `1 / r`; docs/lora.md). None stands for 1.0."""
+    factor = adapter.scaling_factor / (adapter.r if adapter.use_rslora else 1)
+    return None if factor == 1.0 else factor
+
+
+def _adapter_identity(adapter: CompiledAdapter, lora: LoraCompileConfig, spec: ModelSpec) -> str:
+    try:
+        loaded, _ = load_peft(adapter.lora_path, name=adapter.lora_name,
+                              lora_int_id=adapter.lora_int_id, spec=spec,
+                              max_lora_rank=lora.max_lora_rank,
+                              scaling_factor=device_scaling_factor(adapter))
+    except (ConfigError, OSError):
+        loaded = None
+    compiled = (adapter.r, adapter.lora_alpha, adapter.use_rslora,
+                tuple(m for m in TARGET_MODULES if m in adapter.target_modules))
+    if loaded is not None and (loaded.r, loaded.lora_alpha, loaded.use_rslora,
+                               loaded.target_modules) == compiled:
+        return loaded.identity
+    fields = {"compiled": True, "lora_name": adapter.lora_name, "lora_path": adapter.lora_path,
+              "r": adapter.r, "lora_alpha": adapter.lora_alpha,
+              "target_modules": sorted(adapter.target_modules), "use_rslora": adapter.use_rslora,
+              "scaling_factor": adapter.scaling_factor}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 class RebelRuntime:
@@ -180,6 +252,7 @@ class RebelRuntime:
         decoder_batch_sizes: the compiled decode batches, ascending.
         kv_methods: which KV methods this SDK's runtime has (`hasattr`).
         prefill_calls, decode_calls: graph calls run; decode_calls_by_batch: per decode graph.
+        lora_adapters: (LoRA directories only) the compiled adapters by `lora_name`.
     Raises:
         ConfigError: rebel-sdk is missing, or a KV cache's device size contradicts the config.
     """
@@ -202,6 +275,10 @@ class RebelRuntime:
             runtime = rebel.Runtime(graph.file, tensor_type="np", device=device)
             self._decoders[graph.batch] = (runtime, _GraphArgs(graph, length))
         self._query_position_input = "query_position" in compiled.prefill.input_names
+        self._lora = compiled.lora
+        if compiled.lora is not None:
+            self.lora_adapters: Mapping[str, LoraAdapter] = compiled_adapters(
+                compiled.lora, self.spec)
         self.kv_methods = {name: hasattr(self._prefill, name) for name in
                            (*KV_FEATURES, "_get_kv_cache_size")}
         self._kv_dtype = compiled.dtype
@@ -225,13 +302,48 @@ class RebelRuntime:
         return cls(load(model_dir, model), device=device)
 
     # -- positional inputs (pure; shared with tests and the device check) ---------------------------
-    def prefill_args(self, inputs: PrefillArrays) -> list[tuple[str, npt.NDArray[Any]]]:
+    def prefill_args(self, inputs: PrefillArrays, lora_int_ids: npt.ArrayLike | None = None
+                     ) -> list[tuple[str, npt.NDArray[Any]]]:
         """The prefill graph's positional inputs as (name, array), in its compiled order."""
+        self._set_lora_ids(self._prefill_args, lora_int_ids)
         return self._prefill_args.build(inputs)
 
-    def decode_args(self, inputs: DecodeArrays) -> list[tuple[str, npt.NDArray[Any]]]:
+    def decode_args(self, inputs: DecodeArrays, lora_int_ids: npt.ArrayLike | None = None
+                    ) -> list[tuple[str, npt.NDArray[Any]]]:
         """A decode graph's positional inputs; the graph is chosen by the row count."""
-        return self._decoder(int(inputs.input_ids.shape[0]))[1].build(inputs)
+        builder = self._decoder(int(inputs.input_ids.shape[0]))[1]
+        self._set_lora_ids(builder, lora_int_ids)
+        return builder.build(inputs)
+
+    def _set_lora_ids(self, builder: _GraphArgs, lora_int_ids: npt.ArrayLike | None) -> None:
+        """Check one call's `lora_int_ids` and write them into the graph's buffer (None: every
+        row runs the base model). A graph without the input takes only base rows."""
+        buffer = builder.lora_ids
+        if buffer is None:
+            if lora_int_ids is not None and np.any(np.asarray(lora_int_ids)):
+                raise StateError(f"lora_int_ids {np.asarray(lora_int_ids).tolist()} name LoRA "
+                                 f"adapters, but {self.compiled.path} was compiled without "
+                                 "lora_config: it runs the base model only")
+            return
+        if lora_int_ids is None:
+            buffer.fill(BASE_LORA_ID)
+            return
+        ids = np.asarray(lora_int_ids)
+        rows = builder.graph.batch
+        if ids.shape != buffer.shape or not np.issubdtype(ids.dtype, np.integer):
+            raise StateError(f"lora_int_ids has shape {ids.shape} and dtype {ids.dtype}; graph "
+                             f"{builder.graph.name} takes integers [{rows}] (one id per row, "
+                             "padding rows included)")
+        assert self._lora is not None
+        top = len(self._lora.adapters)
+        if ids.size and (ids.min() < 0 or ids.max() > top):    # scalars: nothing allocated
+            row = int(np.flatnonzero((ids < 0) | (ids > top))[0])
+            names = ", ".join(a.lora_name for a in self._lora.adapters[:8])
+            more = ", ..." if top > 8 else ""
+            raise StateError(f"lora_int_ids row {row} holds {int(ids[row])}, which "
+                             f"{self.compiled.path} was not compiled with (its ids: 0 = the base "
+                             f"model, 1..{top} = {names}{more})")
+        buffer[...] = ids
 
     def _decoder(self, rows: int) -> tuple[Any, _GraphArgs]:
         check_decode_rows(rows, self.decoder_batch_sizes)
@@ -252,16 +364,21 @@ class RebelRuntime:
                 "position's logits; compile the model with rbln_logits_to_keep=0 to serve "
                 "prompt_logprobs (docs/device.md)")
 
-    def prefill(self, inputs: PrefillArrays, *, every_position: bool = False
-                ) -> npt.NDArray[np.float32]:
+    def prefill(self, inputs: PrefillArrays, *, every_position: bool = False,
+                lora_int_ids: npt.ArrayLike | None = None) -> npt.NDArray[np.float32]:
         """One prefill chunk: the last real token's logits `[vocab]`, or with `every_position`
         (a `logits_to_keep=0` graph only) every chunk position's, `[Q, vocab]`.
 
+        `lora_int_ids` (int32 `[1]`): the compiled adapter the chunk runs with (None or 0: the
+        base model).
+
         Raises:
-            StateError: `every_position` on a graph compiled with `logits_to_keep=1`.
+            StateError: `every_position` on a graph compiled with `logits_to_keep=1`; an id the
+                directory was not compiled with, or ids of the wrong shape.
         """
         if every_position and not self.every_position_logits:
             raise StateError(self.every_position_hint)
+        self._set_lora_ids(self._prefill_args, lora_int_ids)
         args = self._prefill_args.build(inputs)
         out = self._first_output(self._prefill(*(array for _, array in args)))
         self.prefill_calls += 1
@@ -274,9 +391,20 @@ class RebelRuntime:
             return np.asarray(rows, dtype=F32)
         return np.asarray(rows[int(inputs.query_position)], dtype=F32)
 
-    def decode(self, inputs: DecodeArrays) -> npt.NDArray[np.float32]:
+    def decode(self, inputs: DecodeArrays, *, lora_int_ids: npt.ArrayLike | None = None
+               ) -> npt.NDArray[np.float32]:
+        """One decode step on the graph of the inputs' row count; logits `[rows, vocab]`.
+
+        `lora_int_ids` (int32 `[rows]`): each row's compiled adapter, padding rows included
+        (None: every row runs the base model).
+
+        Raises:
+            StateError: no decode graph of that batch; an id the directory was not compiled
+                with, or ids of the wrong shape.
+        """
         rows = int(inputs.input_ids.shape[0])
         runtime, builder = self._decoder(rows)
+        self._set_lora_ids(builder, lora_int_ids)
         out = self._first_output(runtime(*(array for _, array in builder.build(inputs))))
         self.decode_calls += 1
         self.decode_calls_by_batch[rows] += 1

@@ -131,7 +131,7 @@ def test_tensor_parallel_comes_from_num_devices(tmp_path, checkpoints):
 # -- refusals, each naming its field --------------------------------------------------------------------
 REFUSALS = {
     "use_inputs_embeds": (dict(use_inputs_embeds=True), "use_inputs_embeds"),
-    "lora": (dict(lora_config={"adapters": []}), "lora_config"),
+    "lora-empty": (dict(lora_config={"adapters": []}), r"lora_config.adapters=\[\] must be"),
     "fp8-kv": (dict(quantization={"format": "rbln", "kv_caches": "fp8"}), "kv_caches='fp8'"),
     "batch-sort": (dict(_requires_batch_sort=True), "_requires_batch_sort"),
     "no-decode": (dict(phases=["prefill"]), "phases"),

@@ -11,6 +11,13 @@
 
 The input lists are built here on their own, following optimum-rbln's `get_input_info`, so that
 atombatch's reading and derivation are tested against an independent statement of the contract.
+
+LoRA: `lora_config(adapters)` writes the `lora_config` entry as optimum-rbln 0.12's
+`RBLNLoRAConfig` serializes it (each adapter's unset fields read from its PEFT directory's
+`adapter_config.json`; `optimum_lora.json` beside this file records what optimum-rbln's own
+classes wrote for the same input, and a test holds the two equal); `compile_dir(...,
+lora_config=...)` then gives every graph the `lora_int_ids` input, and the emulated device
+computes each row with its adapter's weights, read from the adapter's `lora_path`.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ def input_info(*, batch: int, query: int, cfg: dict[str, Any], layers: list[str]
             info.append(["attention_mask", [batch, 1, query, cfg["max_seq_len"]], cfg["dtype"]])
     if cfg["use_position_ids"]:
         info.append(["position_ids", [batch, query], "int32"])
+    if cfg["lora_config"] is not None:
+        info.append(["lora_int_ids", [batch], "int32"])
     for meta in cache_metas(cfg, layers, kv_heads, head_dim):
         info.append([meta["name"], meta["shape"], meta["dtype"]])
     return info
@@ -58,13 +67,43 @@ def cache_metas(cfg: dict[str, Any], layers: list[str], kv_heads: int, head_dim:
     return metas
 
 
+def lora_adapter(lora_int_id: int, lora_name: str, lora_path: str | Path, **fields: Any
+                 ) -> dict[str, Any]:
+    """One `lora_config.adapters` entry as `RBLNLoRAAdapterConfig` serializes it: the fields
+    given, the rest from `lora_path/adapter_config.json` (optimum-rbln's defaults when absent)."""
+    config_file = Path(lora_path) / "adapter_config.json"
+    peft = json.loads(config_file.read_text()) if config_file.exists() else {}
+
+    def pick(name: str, default: Any) -> Any:
+        if fields.get(name) is not None:
+            return fields[name]
+        return peft.get(name, default)
+
+    return {"lora_int_id": lora_int_id, "lora_name": lora_name, "lora_path": str(lora_path),
+            "r": pick("r", 8), "lora_alpha": pick("lora_alpha", 8.0),
+            "target_modules": pick("target_modules", None), "bias": pick("bias", "none"),
+            "use_rslora": pick("use_rslora", False),
+            "scaling_factor": fields.get("scaling_factor") or 1.0}
+
+
+def lora_config(adapters: list[dict[str, Any]], max_lora_rank: int | None = None
+                ) -> dict[str, Any]:
+    """`lora_config` as `RBLNLoRAConfig` serializes it: the user adapters (the base adapter it
+    injects at id 0, rank 1, is never written), by ascending id, and `max_lora_rank` (default:
+    the largest rank, the base's 1 included)."""
+    largest = max([1] + [a["r"] for a in adapters])
+    return {"adapters": sorted(adapters, key=lambda a: a["lora_int_id"]),
+            "max_lora_rank": largest if max_lora_rank is None else max_lora_rank}
+
+
 def compile_dir(directory: Path, checkpoint: Path, *, batch_size: int, max_seq_len: int,
                 kvcache_num_blocks: int, prefill_chunk_size: int = 16,
                 kvcache_block_size: int | None = None, attn_impl: str | None = None,
                 decoder_batch_sizes: list[int] | None = None, logits_to_keep: int = 1,
                 use_attention_mask: bool | None = None, use_position_ids: bool | None = None,
                 dtype: str = "float32", record_input_info: bool = True,
-                npu: str | None = None, overrides: dict[str, Any] | None = None) -> Path:
+                npu: str | None = None, lora_config: dict[str, Any] | None = None,
+                overrides: dict[str, Any] | None = None) -> Path:
     """Write a compiled directory for `checkpoint`; `overrides` replace rbln_config.json fields
     after the input lists are fixed (to write contradicting or unsupported files)."""
     hf = json.loads((checkpoint / "config.json").read_text())
@@ -90,7 +129,7 @@ def compile_dir(directory: Path, checkpoint: Path, *, batch_size: int, max_seq_l
         "use_position_ids": gemma if use_position_ids is None else use_position_ids,
         "use_attention_mask": gemma if use_attention_mask is None else use_attention_mask,
         "quantization": {},
-        "lora_config": None,
+        "lora_config": lora_config,
         "attn_impl": attn,
         "kvcache_partition_len": block if attn == "flash_attn" else None,
         "kvcache_block_size": block,

@@ -11,6 +11,12 @@ dtype, shape and layout against the graph's list, raising `RBLNRuntimeError` on 
 attention mask and position ids must agree with `cache_position` (the emulator computes with the
 positions, so a disagreeing mask would change a device's output silently). The KV methods check
 bounds and 4 KiB host alignment.
+
+LoRA (a `lora_config` in `rbln_config.json`): every graph takes `lora_int_ids` int32 `[rows]`
+last, and each row runs with the adapter its id names, computed as optimum-rbln 0.12 compiles it
+(the weights read from the adapter's `lora_path`; scaling `lora_alpha / r`, with `use_rslora` a
+further `1 / sqrt(r)`, times `scaling_factor`; only the compiled `target_modules`). An id outside
+0..N (N adapters; 0 is the base) raises `RBLNRuntimeError`, as the device refuses it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from atombatch.artifact.config import ArtifactConfig, ModelSpec
+from atombatch.artifact.lora import MAX_LORA_RANK, LoraAdapter, LoraWeights, load_peft
 from atombatch.runtime.numpy_runtime import NumpyRuntime
 
 __version__ = "0.12.0-emulated"
@@ -75,10 +82,41 @@ class _DeviceModel:
             for value in (0, 1):
                 self.caches[f"{KV_PREFIX}{2 * layer + value}"] = store[ordinal[sliding], value]
             ordinal[sliding] += 1
+        self.lora_ids = 0            # the largest compiled adapter id (0: no LoRA)
+        for entry in (cfg.get("lora_config") or {}).get("adapters", []):
+            self._compile_adapter(entry, spec)
         self.global_names = [name for name, arr in self.caches.items()
                              if arr.shape[0] == self.rt.artifact.num_blocks
                              and spec.layer_kinds[int(name[len(KV_PREFIX):]) // 2]
                              == "full_attention"]
+
+    def _compile_adapter(self, entry: dict[str, Any], spec: ModelSpec) -> None:
+        """One compiled adapter as optimum-rbln builds it: the directory's A/B matrices of the
+        compiled target modules, B scaled by the compiled fields' scaling."""
+        read, weights = load_peft(entry["lora_path"], name=entry["lora_name"],
+                                  lora_int_id=entry["lora_int_id"], spec=spec,
+                                  max_lora_rank=MAX_LORA_RANK)
+        r = entry["r"]
+        scaling = entry["lora_alpha"] / r
+        if entry["use_rslora"]:
+            scaling /= r ** 0.5
+        scaling *= entry["scaling_factor"]
+        targets = tuple(m for m in read.target_modules if m in entry["target_modules"])
+        pairs = {key: ab for key, ab in weights.pairs.items() if key[1] in targets}
+        device = LoraAdapter(name=read.name, lora_int_id=read.lora_int_id, path=read.path,
+                             r=read.r, lora_alpha=scaling * read.r, target_modules=targets)
+        self.rt.add_lora(device, LoraWeights(read.r, pairs))
+        self.lora_ids = max(self.lora_ids, read.lora_int_id)
+
+    def lora_int_ids(self, graph: str, named: dict[str, np.ndarray]) -> np.ndarray | None:
+        ids = named.get("lora_int_ids")
+        if ids is None:
+            return None
+        bad = [(row, int(i)) for row, i in enumerate(ids) if not 0 <= i <= self.lora_ids]
+        if bad:
+            raise RBLNRuntimeError(f"{graph}: lora_int_ids row {bad[0][0]} holds {bad[0][1]}; "
+                                   f"the graph was compiled with adapter ids 0..{self.lora_ids}")
+        return ids
 
     # -- graphs ---------------------------------------------------------------------------------
     def prefill(self, named: dict[str, np.ndarray], query_length: int) -> np.ndarray:
@@ -92,7 +130,8 @@ class _DeviceModel:
             local_block_tables=named.get("local_block_tables", np.zeros(1, np.int16)),
             query_position=np.array(last, dtype=np.int16))
         every = self.logits_to_keep == 0
-        logits = self.rt.prefill(inputs, every_position=every)
+        logits = self.rt.prefill(inputs, every_position=every,
+                                 lora_int_ids=self.lora_int_ids("prefill", named))
         return self._out(logits[None] if every else logits[None, None])
 
     def decode(self, named: dict[str, np.ndarray], rows: int) -> np.ndarray:
@@ -102,7 +141,8 @@ class _DeviceModel:
             input_ids=named["input_ids"], cache_position=cache_position,
             block_tables=named["block_tables"],
             local_block_tables=named.get("local_block_tables", np.zeros((rows, 1), np.int16)))
-        return self._out(self.rt.decode(inputs)[:, None, :])
+        ids = self.lora_int_ids(f"decoder_batch_{rows}", named)
+        return self._out(self.rt.decode(inputs, lora_int_ids=ids)[:, None, :])
 
     def _out(self, logits: np.ndarray) -> np.ndarray:
         if self.dtype == "float32":
