@@ -23,10 +23,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fakerebel.compiler import compile_dir, lora_adapter, lora_config
 from support import hf_models as hf
 from support import lora_models as lm
-from support.served import served
+from support.served import ServerThread, served
 
+from atombatch import Batcher
+from atombatch.runtime import RebelRuntime
+from atombatch.serve import create_app
 from atombatch.serve.cli import main
 
 MODES = {"inline": ("--engine-core", "inline"), "process": ("--engine-core", "process"),
@@ -274,3 +278,37 @@ def test_startup_errors_name_the_flag_and_the_path(files: dict[str, Path], tmp_p
     assert main([*base, "--enable-lora", "--lora-modules", f"a={files['a']}",
                  f"a={files['b']}"]) == 2
     assert "twice" in capsys.readouterr().err
+
+
+def test_compiled_adapters_are_served_by_their_names(fake_rebel: Any, files: dict[str, Path],
+                                                    references: dict[str, list[list[int]]],
+                                                    tmp_path: Path, capsys: Any) -> None:
+    """`--runtime rebel`: the adapters compiled into the artifact (the emulated rebel computes
+    each row with its own) are served under their `lora_name` without `--enable-lora`; a
+    `--lora-modules` name the artifact does not hold stops the server listing those it holds;
+    load and unload are refused (compiled adapters are fixed)."""
+    config = lora_config([lora_adapter(1, "a", files["a"]),
+                          # optimum-rbln folds rsLoRA's 1/sqrt(r) as scaling_factor = r
+                          lora_adapter(2, "b", files["b"], scaling_factor=8.0)])
+    directory = compile_dir(tmp_path / "compiled", files["ckpt"], batch_size=4, max_seq_len=128,
+                            kvcache_num_blocks=5, prefill_chunk_size=16, lora_config=config)
+    line = ["--runtime", "rebel", "--model", str(directory), "--engine-core", "inline",
+            "--port", "0"]
+    assert main([*line, "--lora-modules", f"a={files['a']}", "sql=/adapters/sql"]) == 2
+    err = capsys.readouterr().err
+    assert "--lora-modules sql" in err and "(it holds: a, b)" in err, err
+    app = create_app(Batcher(RebelRuntime.from_optimum(directory)), BASE, lora_updates=True)
+    with ServerThread(app) as server, sdk(server.url) as client:
+        cards = {card.id: card.model_extra for card in client.models.list()}
+        assert list(cards) == [BASE, "a", "b"] and cards["a"]["parent"] == BASE
+        for name in ("a", "b", BASE):
+            for i, prompt in enumerate(PROMPTS):
+                assert complete(server.url, name, prompt) == (name, references[name][i])
+        load = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                          json={"lora_name": "c", "lora_path": str(files["c"])})
+        assert load.status_code == 400 and "compiled" in load.text, load.text
+        unload = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "a"})
+        assert unload.status_code == 400 and "compiled" in unload.text, unload.text
+        assert [card.id for card in client.models.list()] == [BASE, "a", "b"]
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'vllm:lora_requests_info{max_lora="",' in metrics
