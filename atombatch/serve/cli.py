@@ -546,14 +546,15 @@ def serve_adapters(batcher: Batcher, args: argparse.Namespace) -> None:
 def engine_options(args: argparse.Namespace, *, prefix_cache: bool) -> EngineOptions:
     """The engine's options from the server's flags, built once (`prefix_cache`: the flag, or
     its default resolved against the runtime)."""
+    lora_on = getattr(args, "enable_lora", False) or args.runtime == "rebel"
     return EngineOptions(
         prefix_cache=prefix_cache, host_cache_bytes=args.host_cache_bytes, policy=args.policy,
         seed=args.seed, max_waiting=args.max_waiting, pd_timeout=args.pd_timeout,
         argmax_threads=args.argmax_threads, overlap=args.overlap,
         logprobs_mode=LOGPROBS_MODES[args.logprobs_mode],
-        max_loras=args.max_loras if getattr(args, "enable_lora", False) or
-        args.runtime == "rebel" else None,
-        max_lora_rank=args.max_lora_rank)
+        # vLLM's LoRA flags, while LoRA is on (the server's defaults otherwise)
+        max_loras=args.max_loras if lora_on else None,
+        max_lora_rank=args.max_lora_rank if lora_on else None)
 
 
 def _model_dir(args: argparse.Namespace) -> Path | None:
