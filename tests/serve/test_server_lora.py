@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,9 +28,10 @@ import pytest
 from fakerebel.compiler import compile_dir, lora_adapter, lora_config
 from support import hf_models as hf
 from support import lora_models as lm
+from support.paced import PacedDecode
 from support.served import ServerThread, served
 
-from atombatch import Batcher
+from atombatch import ArtifactConfig, Batcher, ModelSpec
 from atombatch.runtime import RebelRuntime
 from atombatch.serve import create_app
 from atombatch.serve.cli import main
@@ -312,3 +315,34 @@ def test_compiled_adapters_are_served_by_their_names(fake_rebel: Any, files: dic
         assert [card.id for card in client.models.list()] == [BASE, "a", "b"]
         metrics = httpx.get(f"{server.url}/metrics").text
         assert 'vllm:lora_requests_info{max_lora="",' in metrics
+
+
+def test_unload_is_refused_while_a_request_runs_under_the_adapter(files: dict[str, Path]) -> None:
+    """A stream under adapter "a" is decoding (a paced decode: 20 ms a step): unloading "a"
+    answers 400 `adapter_in_use` naming the request, and the stream goes on; once the client
+    hangs up (the request is aborted), the unload succeeds."""
+    spec = ModelSpec.from_pretrained(files["ckpt"])
+    art = ArtifactConfig(model=spec, batch_size=2, max_seq_len=128, block_size=128,
+                         num_blocks=3, prefill_chunk_size=32)
+    batcher = Batcher(PacedDecode.from_pretrained(files["ckpt"], artifact=art))
+    batcher.load_lora("a", str(files["a"]))
+    app = create_app(batcher, BASE, enable_lora=True, lora_updates=True)
+    with ServerThread(app) as server, sdk(server.url) as client:
+        stream = client.completions.create(model="a", prompt=PROMPTS[0], max_tokens=100,
+                                           temperature=0.0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        first = next(iter(stream))
+        refused = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "a"})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "adapter_in_use" and first.id in error["message"]
+        assert len(list(itertools.islice(stream, 3))) == 3  # it streams on
+        stream.close()
+        deadline = time.monotonic() + 30
+        while True:  # the hang-up aborts the request within a step or two
+            unload = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "a"})
+            if unload.status_code == 200:
+                break
+            assert unload.status_code == 400 and time.monotonic() < deadline, unload.text
+            time.sleep(0.05)
+        assert [card.id for card in client.models.list()] == [BASE]
