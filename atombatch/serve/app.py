@@ -430,6 +430,7 @@ class _Server:
         self.max_loras: int | None = None  # --max-loras (vLLM's `max_lora` label)
         self.enable_lora = False            # --enable-lora (or an embedder's enable_lora=True)
         self.lora_paths: dict[str, str] = {}  # adapter -> the directory this front knows
+        self.max_cpu_loras = lora.DEFAULT_MAX_CPU_LORAS  # adapters loaded at once, at most
         self.metrics = ServerMetrics(ab.stats, self.artifact, model_name,
                                      shared=getattr(ab, "shared", None),
                                      max_lora=self.max_lora_label)
@@ -1272,6 +1273,11 @@ class _Server:
                     "If you want to load the adapter in place, set 'load_inplace' to True."
                 raise ApiError(400, f"The lora adapter '{name}' has already been loaded. {why}",
                                param="lora_name", code="invalid_value")
+            loaded = len(self.adapters())
+            if loaded >= self.max_cpu_loras:
+                raise ApiError(400, f"{loaded} LoRA adapters are loaded, at most "
+                               f"max_cpu_loras={self.max_cpu_loras} (--max-cpu-loras): unload "
+                               "one first", param="lora_name", code="too_many_adapters")
             try:  # the files are read on the engine's loader thread, never on this loop
                 await self.ab.load_lora(name, path)
             except (ConfigError, RequestError) as exc:
@@ -1569,7 +1575,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                grammar_wall_seconds: float = GRAMMAR_WALL_SECONDS,
                enable_prompt_tokens_details: bool = False,
                enable_lora: bool = False, lora_paths: Mapping[str, str] | None = None,
-               lora_updates: bool | None = None, max_loras: int | None = None) -> Starlette:
+               lora_updates: bool | None = None, max_loras: int | None = None,
+               max_cpu_loras: int | None = None) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
     Args:
@@ -1612,6 +1619,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
             `--lora-modules` ones; the front adds those it loads).
         lora_updates: route `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (None: when
             `VLLM_ALLOW_RUNTIME_LORA_UPDATING` is 1 or true, as vLLM; docs/lora.md).
+        max_cpu_loras: adapters loaded at once at most (`--max-cpu-loras`): a load past it
+            answers 400 (None: `lora.DEFAULT_MAX_CPU_LORAS`, or more if more are served).
         max_loras: the engine's `--max-loras`, shown as `vllm:lora_requests_info`'s
             `max_lora` label (None: read from an in-process engine's options).
 
@@ -1651,6 +1660,8 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
     server.prompt_tokens_details = enable_prompt_tokens_details
     server.max_loras = max_loras
     server.enable_lora = enable_lora
+    if max_cpu_loras is not None:
+        server.max_cpu_loras = max_cpu_loras
     server.lora_paths.update(lora_paths or {})
     if lora_updates is None:
         lora_updates = lora.runtime_updates_allowed()

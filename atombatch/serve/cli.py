@@ -333,6 +333,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-loras", type=int, default=lora.DEFAULT_MAX_LORAS, metavar="N",
                    help="vLLM's flag: distinct adapters in one step at most (default "
                    f"{lora.DEFAULT_MAX_LORAS}, as vLLM; the base model does not count)")
+    p.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="vLLM's flag: adapters loaded at once at most (each keeps its matrices "
+                   "in host memory); a load past it answers 400 (default: "
+                   f"{lora.DEFAULT_MAX_CPU_LORAS}, or the --lora-modules count if larger)")
     logs.add_arguments(p)
     vllm_flags.add_arguments(p)
     return p
@@ -770,6 +774,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
                          reasoning_parser=args.reasoning_parser,
                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                          enable_lora=args.enable_lora, max_loras=args.max_loras,
+                         max_cpu_loras=args.max_cpu_loras,
                          lora_paths={m.name: m.path for m in args.lora_modules or ()
                                      if args.runtime != "rebel"})
     except ConfigError as exc:

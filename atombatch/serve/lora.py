@@ -31,6 +31,9 @@ ENV_RUNTIME_UPDATES = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 DEFAULT_MAX_LORA_RANK = 16   # vLLM's default
 DEFAULT_MAX_LORAS = 1        # vLLM's default: adapters in one step
+# adapters loaded at once (each holds its matrices in host memory) when --max-cpu-loras is not
+# given: a client that may load adapters cannot fill the host's memory
+DEFAULT_MAX_CPU_LORAS = 16
 MAX_NAME_CHARS = 256         # an adapter name (it becomes a `model` id and a metric label)
 MAX_PATH_CHARS = 4096        # PATH_MAX
 MAX_BODY_BYTES = 16 * 1024   # a load or unload body: two short strings and two flags
@@ -131,11 +134,15 @@ def check_lora_flags(args: argparse.Namespace, served_name: str | None = None) -
     Raises:
         ConfigError: `--lora-modules` without `--enable-lora` on a runtime that loads adapters
             (a compiled artifact serves its adapters without the flag), a name given twice or
-            the served model's, `--max-loras` below 1.
+            the served model's, `--max-loras` below 1, `--max-cpu-loras` below it.
     """
     modules: Sequence[LoraModule] = getattr(args, "lora_modules", None) or ()
     if args.max_loras is not None and args.max_loras < 1:
         raise ConfigError(f"--max-loras {args.max_loras} must be >= 1")
+    cpu = getattr(args, "max_cpu_loras", None)
+    if cpu is not None and args.max_loras is not None and cpu < args.max_loras:
+        raise ConfigError(f"--max-cpu-loras {cpu} must be >= --max-loras {args.max_loras} "
+                          "(as vLLM)")
     if args.runtime in ("sim", "null") and (args.enable_lora or modules):
         raise ConfigError(f"--{'lora-modules' if modules else 'enable-lora'}: the "
                           f"{args.runtime} runtime runs no adapters (the numpy runtime loads "

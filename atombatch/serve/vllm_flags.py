@@ -53,8 +53,6 @@ REASONS = {
             "(docs/device.md)",
     "autotool": "tool_choice auto is on whenever --tool-call-parser is named",
     "tokinfo": "GET /tokenizer_info is always served",
-    "loracpu": "every loaded adapter stays in host memory (--max-loras bounds the adapters of "
-               "one step; docs/lora.md)",
     "sslrefresh": "certificates are read once at startup",
     "maxlogprobs": "logprobs are bounded at 20 per token, as vLLM's default, and by "
                    "--max-response-bytes",
@@ -291,7 +289,7 @@ TABLE = """\
 --mamba-ssu-algorithm value warn gpu
 --master-addr value warn parallel
 --master-port value warn parallel
---max-cpu-loras value warn loracpu
+--max-cpu-loras value honoured
 --max-cudagraph-capture-size value warn gpu
 --max-log-len value warn obs
 --max-logprobs value warn maxlogprobs

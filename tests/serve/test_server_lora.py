@@ -231,6 +231,9 @@ def test_bad_paths_and_hostile_bodies_are_400(urls: dict[str, str], files: dict[
             assert r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": BASE, "lora_path": "p"})
     assert r.status_code == 400 and "conflicts with a served base model" in r.text
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "p",
+                                                          "load_inplace": True})
+    assert r.status_code == 400 and "load_inplace is not supported" in r.text
     with sdk(url) as client:  # nothing was loaded, the server serves on
         assert [card.id for card in client.models.list()] == [BASE, "a", "b"]
         assert complete(url, "a", PROMPTS[0])[0] == "a"
@@ -318,7 +321,8 @@ def test_compiled_adapters_are_served_by_their_names(fake_rebel: Any, files: dic
 
 
 def test_unload_is_refused_while_a_request_runs_under_the_adapter(files: dict[str, Path]) -> None:
-    """A stream under adapter "a" is decoding (a paced decode: 20 ms a step): unloading "a"
+    """With --max-cpu-loras 1 and "a" loaded, loading another is refused. A stream under
+    adapter "a" is decoding (a paced decode: 20 ms a step): unloading "a"
     answers 400 `adapter_in_use` naming the request, and the stream goes on; once the client
     hangs up (the request is aborted), the unload succeeds."""
     spec = ModelSpec.from_pretrained(files["ckpt"])
@@ -326,8 +330,11 @@ def test_unload_is_refused_while_a_request_runs_under_the_adapter(files: dict[st
                          num_blocks=3, prefill_chunk_size=32)
     batcher = Batcher(PacedDecode.from_pretrained(files["ckpt"], artifact=art))
     batcher.load_lora("a", str(files["a"]))
-    app = create_app(batcher, BASE, enable_lora=True, lora_updates=True)
+    app = create_app(batcher, BASE, enable_lora=True, lora_updates=True, max_cpu_loras=1)
     with ServerThread(app) as server, sdk(server.url) as client:
+        full = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                          json={"lora_name": "c", "lora_path": str(files["c"])})
+        assert full.status_code == 400 and full.json()["error"]["code"] == "too_many_adapters"
         stream = client.completions.create(model="a", prompt=PROMPTS[0], max_tokens=100,
                                            temperature=0.0, stream=True,
                                            extra_body={"ignore_eos": True})

@@ -338,6 +338,8 @@ def test_lora_flags_refused_at_startup_name_why(capsys: Any) -> None:
     for line_, said in ((["--lora-modules", "a=/x"], "add --enable-lora"),
                         (["--runtime", "null", "--enable-lora"], "runs no adapters"),
                         (["--enable-lora", "--max-loras", "0"], "--max-loras 0 must be >= 1"),
+                        (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"],
+                         "--max-cpu-loras 2 must be >= --max-loras 4"),
                         (["--enable-lora", "--served-model-name", "m", "--lora-modules", "m=/x"],
                          "the served model's"),
                         (["--lora-dtype", "float16"], "--lora-dtype float16: vLLM's flag is "
