@@ -19,9 +19,11 @@ from atombatch.runtime.sim.costs import (
     PD_HEADERS,
     Calibration,
     CostModel,
+    LoraCost,
     ObservedFigures,
     calibrate,
     fit_serial_times,
+    lora_cost,
     origin_artifact,
     serial_figures,
 )
@@ -36,6 +38,7 @@ __all__ = [
     "Calibration",
     "CostModel",
     "DeviceTime",
+    "LoraCost",
     "ObservedFigures",
     "Route",
     "SimKVSource",
@@ -43,6 +46,7 @@ __all__ = [
     "SimRuntime",
     "calibrate",
     "fit_serial_times",
+    "lora_cost",
     "origin_artifact",
     "serial_figures",
 ]

@@ -19,6 +19,12 @@ origin issue's KONI B1/k1 figures (8192 in / 128 out at c16, strictly serial: 64
   at most `sliding_window` keys).
 * each call adds a fixed `*_call_s` host/launch overhead (assumed, not measured), and with tensor
   parallelism each layer adds `tp_sync_s_per_layer` for its all-reduces; bytes and FLOPs are per device.
+* LoRA adapters (`LoraCost`, from an adapter's rank and target modules): a call streams the A and B
+  matrices of every distinct adapter its rows use once, at `memory_bandwidth`, and computes
+  `2 r (in + out)` FLOPs per adapted linear layer per token of every row that uses one, at
+  `prefill_flops`. A decode step adds both (the base step's compute is hidden in its weight
+  streaming, an adapter's gathered matrices are not); a prefill chunk bills them with its own bytes
+  and FLOPs (the larger of the two). Rows of the base model cost nothing extra.
 
 Other models therefore scale from KONI by their weight bytes, KV bytes and FLOPs; that the same two
 rates hold across model sizes is an assumption, stated next to every prediction.
@@ -35,6 +41,7 @@ import numpy as np
 
 from atombatch.artifact import plan
 from atombatch.artifact.config import ArtifactConfig, ModelSpec
+from atombatch.artifact.lora import ATTENTION_MODULES, module_shapes
 from atombatch.errors import ConfigError
 
 #: When a layer-streaming producer's header (with its first token) reaches the decoder.
@@ -142,16 +149,28 @@ class CostModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(self), indent=2) + b"\n")
 
     # -- formulas ---------------------------------------------------------------------------------
-    def prefill_chunk_s(self, artifact: ArtifactConfig, start: int, length: int) -> float:
-        """Native compute time of one prefill chunk of `length` real tokens from position `start`."""
+    def prefill_chunk_s(self, artifact: ArtifactConfig, start: int, length: int,
+                        lora: LoraCost | None = None) -> float:
+        """Native compute time of one prefill chunk of `length` real tokens from position `start`
+        (under adapter `lora`: its matrices streamed and its FLOPs per billed token too)."""
         shapes = _shapes(artifact)
         billed = artifact.prefill_chunk_size if self.bill_padded_chunk else length
         flops = billed * shapes.linear_flops_per_token + \
             shapes.attention_flops_per_key * _attended_keys(shapes, start, length)
+        streamed = shapes.decode_weight_bytes
+        if lora is not None:
+            flops += billed * lora.flops_per_token
+            streamed += lora.bytes
         compute = flops / self.prefill_flops
-        stream = shapes.decode_weight_bytes / self.memory_bandwidth
+        stream = streamed / self.memory_bandwidth
         return self.prefill_call_s + max(compute, stream) + shapes.sync_layers * \
             self.tp_sync_s_per_layer
+
+    def lora_step_s(self, adapters: Sequence[tuple[LoraCost, int]]) -> float:
+        """What adapters add to a decode step: `(adapter, rows using it)` per distinct adapter;
+        each streams its matrices once and computes its FLOPs for each of its rows."""
+        return sum(cost.bytes / self.memory_bandwidth +
+                   rows * cost.flops_per_token / self.prefill_flops for cost, rows in adapters)
 
     def layer_import_s(self, artifact: ArtifactConfig, tokens: int) -> float:
         """Decoder-side cost of writing one imported layer of `tokens` tokens (PD routes)."""
@@ -168,17 +187,20 @@ class CostModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.request_prefill_s(artifact, prompt_len) / self.producer_speed
 
     def decode_step_s(self, artifact: ArtifactConfig, contexts: Sequence[int],
-                      rows: int | None = None) -> float:
+                      rows: int | None = None,
+                      adapters: Sequence[tuple[LoraCost, int]] = ()) -> float:
         """One decode step of a compiled batch of `rows` (default: batch_size); `contexts` are the
-        decoding lanes' attended lengths (position + 1). The other rows are padding."""
+        decoding lanes' attended lengths (position + 1). The other rows are padding. `adapters`:
+        `(adapter, rows using it)` per distinct LoRA adapter of the step (`lora_step_s`)."""
         shapes = _shapes(artifact)
         active = len(contexts)
         idle = (artifact.batch_size if rows is None else rows) - active
         weights = shapes.decode_weight_bytes / self.memory_bandwidth
         lanes = max(active - 1, 0) + self.idle_lane_fraction * idle
         kv = sum(_kv_read_bytes(shapes, c) for c in contexts)
-        return self.decode_call_s + weights * (1.0 + self.per_lane_fraction * lanes) + \
+        step = self.decode_call_s + weights * (1.0 + self.per_lane_fraction * lanes) + \
             kv / self.memory_bandwidth + shapes.sync_layers * self.tp_sync_s_per_layer
+        return step + self.lora_step_s(adapters) if adapters else step
 
     def request_prefill_s(self, artifact: ArtifactConfig, prompt_len: int) -> float:
         """Native compute time of a whole prompt, chunk by chunk."""
@@ -202,6 +224,35 @@ class CostModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 _DEFAULT: CostModel | None = None
+
+
+class LoraCost(msgspec.Struct, frozen=True):
+    """What one LoRA adapter costs the device, per device (see `lora_cost`)."""
+
+    bytes: int                          # its A and B matrices, in the model's dtype
+    flops_per_token: float              # 2 r (in + out) per adapted linear layer, summed
+
+
+def lora_cost(artifact: ArtifactConfig, r: int, target_modules: Sequence[str],
+              num_layers: int | None = None) -> LoraCost:
+    """The device cost of an adapter of rank `r` on `target_modules` of `num_layers` layers
+    (default: every layer). With tensor parallelism a column-parallel module (q, k, v, gate, up)
+    keeps A whole and splits B's rows; a row-parallel one (o, down) splits A's columns and keeps B
+    whole; KV projections split as `plan.kv_heads_per_device` says."""
+    spec, tp = artifact.model, artifact.tensor_parallel
+    shapes = module_shapes(spec)
+    kv_split = spec.num_kv_heads / plan.kv_heads_per_device(spec, tp)
+    elements = 0.0
+    for module in target_modules:
+        in_dim, out_dim = shapes[module]
+        if module in ("o_proj", "down_proj"):
+            elements += r * in_dim / tp + r * out_dim
+        else:
+            split = kv_split if module in ATTENTION_MODULES[1:3] else tp
+            elements += r * in_dim + r * out_dim / split
+    layers = spec.num_layers if num_layers is None else num_layers
+    return LoraCost(bytes=int(layers * elements * spec.dtype_bytes),
+                    flops_per_token=2.0 * layers * elements)
 
 
 # -- shapes -----------------------------------------------------------------------------------------

@@ -18,9 +18,10 @@ import numpy.typing as npt
 
 from atombatch.artifact import plan
 from atombatch.artifact.config import SLIDING, ArtifactConfig
+from atombatch.artifact.lora import BASE_LORA_ID, LoraAdapter
 from atombatch.errors import ConfigError, StateError
 from atombatch.runtime.base import DecodeArrays, PrefillArrays, check_decode_rows
-from atombatch.runtime.sim.costs import CostModel, _shapes
+from atombatch.runtime.sim.costs import CostModel, LoraCost, _shapes, lora_cost
 
 
 class DeviceTime(msgspec.Struct):
@@ -33,6 +34,7 @@ class DeviceTime(msgspec.Struct):
     import_calls: int = 0                  # write_layer_kv calls (one per imported layer)
     decode_calls: int = 0
     decode_rows: int = 0                   # rows billed by decode calls (padding rows included)
+    lora_s: float = 0.0                    # of prefill_s and decode_s: what LoRA adapters added
 
 
 class SimRuntime:
@@ -47,16 +49,31 @@ class SimRuntime:
             sleeps its device time in every call, so a server or a cluster driven by it costs
             what the device would (a prefix hit saves that prefill's wall time), and its clock
             is wall time divided by `pace`.
+        lora_adapters: LoRA adapters compiled into the artifact (as optimum-rbln's `lora_config`
+            does; none load at run time). `prefill` and `decode` then take `lora_int_ids`, and a
+            call's rows under adapters cost their matrices and FLOPs (`CostModel.lora_step_s`).
 
     The pseudo-logits of a call are a fixed random row plus one spike at a token that is a hash of
     the input token and its position (never an EOS id), so greedy runs are deterministic and differ
-    by request. The returned arrays are buffers reused on every call: read them before the next one.
+    by request (and by adapter: a row under adapter i spikes elsewhere than the base). The returned
+    arrays are buffers reused on every call: read them before the next one.
     """
 
     def __init__(self, artifact: ArtifactConfig, costs: CostModel | None = None,
-                 seed: int = 0, pace: float = 0.0) -> None:
+                 seed: int = 0, pace: float = 0.0,
+                 lora_adapters: Sequence[LoraAdapter] = ()) -> None:
         if not (pace >= 0 and math.isfinite(pace)):
             raise ConfigError(f"pace={pace} must be a finite number >= 0")
+        self.lora_adapters: dict[str, LoraAdapter] = {}
+        self._lora_costs: dict[int, LoraCost] = {}
+        for adapter in lora_adapters:
+            if adapter.lora_int_id <= BASE_LORA_ID or adapter.name in self.lora_adapters or \
+                    adapter.lora_int_id in self._lora_costs:
+                raise ConfigError(f"adapter {adapter.name!r} (lora_int_id={adapter.lora_int_id}) "
+                                  "repeats a name or an id, or takes the base model's id 0")
+            self.lora_adapters[adapter.name] = adapter
+            self._lora_costs[adapter.lora_int_id] = lora_cost(artifact, adapter.r,
+                                                              adapter.target_modules)
         self.pace = pace
         self._wall0 = time.perf_counter()
         self.artifact = artifact
@@ -96,8 +113,9 @@ class SimRuntime:
             self._now += cost
 
     # -- pseudo-logits ----------------------------------------------------------------------------
-    def _spike(self, token: int, position: int) -> int:
-        h = (token * 2654435761 + position * 40503 + self.seed * 97 + 12345) % self._vocab
+    def _spike(self, token: int, position: int, lora: int = BASE_LORA_ID) -> int:
+        h = (token * 2654435761 + position * 40503 + self.seed * 97 + 12345 + lora * 7919) % \
+            self._vocab
         while h in self._eos:
             h = (h + 1) % self._vocab
         return h
@@ -113,14 +131,34 @@ class SimRuntime:
     # -- Runtime protocol -------------------------------------------------------------------------
     every_position_logits = True  # `prefill(every_position=True)` works (prompt logprobs)
 
-    def prefill(self, inputs: PrefillArrays, *, every_position: bool = False
-                ) -> npt.NDArray[np.float32]:
+    def _lora_ids(self, lora_int_ids: npt.ArrayLike | None, rows: int) -> npt.NDArray[np.int32]:
+        ids = np.asarray(lora_int_ids)
+        if ids.shape != (rows,) or not np.issubdtype(ids.dtype, np.integer):
+            raise StateError(f"lora_int_ids has shape {ids.shape} and dtype {ids.dtype}; the "
+                             f"graph takes int32 [{rows}] (one id per row)")
+        unknown = set(np.unique(ids).tolist()) - set(self._lora_costs) - {BASE_LORA_ID}
+        if unknown:
+            raise StateError(f"lora_int_ids holds {sorted(unknown)}, which no compiled adapter "
+                             f"has (ids: {sorted(self._lora_costs)}; {BASE_LORA_ID} is the base)")
+        return ids.astype(np.int32, copy=False)
+
+    def prefill(self, inputs: PrefillArrays, *, every_position: bool = False,
+                lora_int_ids: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.float32]:
         """One chunk's pseudo-logits: the last real token's row (a reused buffer), or with
         `every_position` a fresh `[Q, vocab]` array, row i spiking at the hash of token i (the
-        cost model charges the same time: the LM head over Q rows is not modelled)."""
+        cost model charges the same time: the LM head over Q rows is not modelled).
+        `lora_int_ids` (int32 [1]): the adapter the chunk runs under (0: the base)."""
         q = int(inputs.query_position)
         start = int(inputs.cache_position[0, 0])
+        lora = BASE_LORA_ID
+        if lora_int_ids is not None:
+            lora = int(self._lora_ids(lora_int_ids, 1)[0])
         cost = self.costs.prefill_chunk_s(self.artifact, start, q + 1)
+        if lora != BASE_LORA_ID:
+            adapted = self.costs.prefill_chunk_s(self.artifact, start, q + 1,
+                                                 self._lora_costs[lora])
+            self.device.lora_s += adapted - cost
+            cost = adapted
         self.device.prefill_s += cost
         self.device.prefill_calls += 1
         self._spend(cost)
@@ -128,21 +166,35 @@ class SimRuntime:
             ids = np.asarray(inputs.input_ids).reshape(-1)
             rows = np.tile(self._base, (len(ids), 1))
             for i, token in enumerate(ids.tolist()):
-                rows[i, self._spike(int(token), start + i)] = 32.0
+                rows[i, self._spike(int(token), start + i, lora)] = 32.0
             return rows
         row = self._prefill_logits
         row[self._prefill_spike] = self._base[self._prefill_spike]
-        spike = self._spike(int(inputs.input_ids[0, q]), start + q)
+        spike = self._spike(int(inputs.input_ids[0, q]), start + q, lora)
         row[spike] = 32.0
         self._prefill_spike = spike
         return row
 
-    def decode(self, inputs: DecodeArrays) -> npt.NDArray[np.float32]:
+    def decode(self, inputs: DecodeArrays, *,
+               lora_int_ids: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.float32]:
+        """One step's pseudo-logits, `[rows, vocab]` (a reused buffer). `lora_int_ids` (int32
+        [rows]): each row's adapter; each distinct adapter of the step adds its cost once, and
+        its FLOPs per row that uses it."""
         positions = inputs.cache_position[:, 0]
         rows = len(positions)
         check_decode_rows(rows, self.artifact.decoder_batch_sizes)
         contexts = [int(p) + 1 for p in positions if p > 0]  # padding rows sit at position 0
         cost = self.costs.decode_step_s(self.artifact, contexts, rows)
+        loras: list[int] | None = None
+        if lora_int_ids is not None:
+            ids = self._lora_ids(lora_int_ids, rows)
+            if ids.any():
+                loras = ids.tolist()
+                used, counts = np.unique(ids[ids != BASE_LORA_ID], return_counts=True)
+                extra = self.costs.lora_step_s([(self._lora_costs[int(i)], int(n))
+                                                for i, n in zip(used, counts, strict=True)])
+                self.device.lora_s += extra
+                cost += extra
         self.device.decode_s += cost
         self.device.decode_calls += 1
         self.device.decode_rows += rows
@@ -151,7 +203,8 @@ class SimRuntime:
         for row in range(rows):
             old = spikes[row]
             logits[row, old] = base[old]
-            spike = self._spike(int(inputs.input_ids[row, 0]), int(positions[row]))
+            spike = self._spike(int(inputs.input_ids[row, 0]), int(positions[row]),
+                                loras[row] if loras is not None else BASE_LORA_ID)
             logits[row, spike] = 32.0
             spikes[row] = spike
         return logits[:rows]
