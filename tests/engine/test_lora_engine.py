@@ -20,8 +20,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.driving import run_to_end
-from support.lora_engine import ADAPTERS, LoraFamily, RecordingRuntime, core_batcher, greedy, \
-    make_family
+from support.lora_engine import (
+    ADAPTERS,
+    LoraFamily,
+    RecordingRuntime,
+    core_batcher,
+    greedy,
+    make_family,
+)
 
 from atombatch import Batcher
 from atombatch.api.structs import RequestOutput, SamplingParams

@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from support import hf_models as hf
-from support import lora_models as lm
-from support.numerics import GreedyTokens, greedy_reference
 
 from atombatch import Batcher
 from atombatch.api.structs import SamplingParams
 from atombatch.artifact.config import ArtifactConfig, ModelSpec
 from atombatch.runtime.numpy_runtime import NumpyRuntime, load_safetensors_dir
+from support import hf_models as hf
+from support import lora_models as lm
+from support.numerics import GreedyTokens, greedy_reference
 
 CONTEXT = 128
 ADAPTERS = ("attn-r4", "all-linear-r2")   # two of lora_models' cases: they move greedy tokens
