@@ -45,12 +45,18 @@ def serve(batcher: Batcher, prompt: list[int], lora: str | None) -> tuple[int, l
     return cached, tokens
 
 
-@pytest.mark.parametrize("layout", ["paged", "eager"])
-def test_a_prefix_serves_its_adapter_only(family: LoraFamily, layout: str) -> None:
-    if family.spec.is_hybrid and layout == "eager":
-        pytest.skip("a hybrid model's prefix cache checkpoints sliding slots at chunk "
-                    "boundaries; the eager layout is covered on llama")
-    kw = {"block_size": 128} if layout == "eager" else {}
+def test_a_prefix_serves_its_adapter_only(family: LoraFamily) -> None:
+    keyed(family, {})
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_eager_blocks_are_keyed_too(family: LoraFamily) -> None:
+    """One block per sequence: every cached block is a partial block 0, found among the
+    children of its chain's root."""
+    keyed(family, {"block_size": 128})
+
+
+def keyed(family: LoraFamily, kw: dict[str, int]) -> None:
     batcher = family.engine(family.runtime(2, **kw), prefix_cache=True,
                             host_cache_bytes=1 << 22)
     prompt = np.random.default_rng(2).integers(3, 512, size=45).tolist()
