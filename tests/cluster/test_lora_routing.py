@@ -44,7 +44,7 @@ def test_summaries_and_affinity_know_the_adapter(llama: LoraFamily) -> None:
     assert all(d in summary for d in under[A])
     assert not any(d in summary for d in under[B] + under[None])
     # the core answers the same summary
-    core = CoreSummaries().answer(batcher, SummaryRequest(ROUTE_BLOCK, MAX_BLOCKS, summary.bits))
+    core = CoreSummaries().answer(batcher, SummaryRequest(ROUTE_BLOCK, MAX_BLOCKS, summary.num_bits))
     assert core.summary is not None and all(d in core.summary for d in under[A])
     assert not any(d in core.summary for d in under[None])
     # the router: an A request goes where A's prefix is, a base one is not drawn there
