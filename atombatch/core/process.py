@@ -124,7 +124,8 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
         outbox.send(core_encoder.encode(Ready(rules=batcher.rules(), policy=batcher.policy.label,
                                               max_waiting=batcher.max_waiting,
                                               stats=batcher.stats(), pid=os.getpid(),
-                                              frozen=frozen)))
+                                              frozen=frozen,
+                                              loras=sorted(batcher.lora_adapters))))
         batcher.leave_queue_bound_to_fronts()   # the front bounds the queue (Ready says how)
         core_pd = CorePD(pd, batcher.artifact) if pd is not None else None
         sender = _Sender(outbox)
