@@ -84,6 +84,8 @@ def test_mixed_adapters_in_one_batch_equal_peft(llama: LoraFamily, layout: str) 
     assert any({1, 2} <= set(ids) for ids in decodes if ids is not None)
     if layout == "buckets":
         assert {len(ids) for ids in decodes if ids is not None} > {4}  # smaller buckets ran
+    if layout == "paged":  # a request prefilled into the spare under its adapter, then rotated
+        assert batcher.stats().staged_chunks > 0 and batcher.stats().rotations > 0
 
 
 def test_no_adapter_no_ids(llama: LoraFamily) -> None:
@@ -93,6 +95,8 @@ def test_no_adapter_no_ids(llama: LoraFamily) -> None:
     work = [(p, None) for p in prompts(3)]
     assert_references(llama, work, run(batcher, work))
     assert runtime.calls and all(ids is None for _, ids in runtime.calls)
+    with pytest.raises(RequestError, match="lora='x' is not a loaded LoRA adapter; loaded: none"):
+        batcher.submit([5, 6], greedy(2), lora="x")
 
 
 def test_preemption_recomputes_under_its_adapter(llama: LoraFamily) -> None:
