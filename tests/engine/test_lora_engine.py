@@ -135,9 +135,10 @@ def test_overlap_pipeline_passes_the_ids(llama: LoraFamily) -> None:
     assert batcher.stats().overlapped_steps > 0
 
 
-def test_max_loras_one_never_mixes_adapters(llama: LoraFamily) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_max_loras_one_never_mixes_adapters(llama: LoraFamily, overlap: bool) -> None:
     runtime = RecordingRuntime(llama.runtime(4))
-    batcher = llama.engine(runtime, max_loras=1)
+    batcher = llama.engine(runtime, max_loras=1, overlap=overlap)
     work = mixed(9, seed=13)
     finals = run(batcher, work)
     assert_references(llama, work, finals)
