@@ -37,6 +37,8 @@ DESCRIPTIONS = {
                   "cache on vs off side by side, ratio of medians (tok/s, CPU per token)",
     "structured": "structured-output grammar masks per step at B = 4..256 with a 152k vocabulary, "
                   "next to the unconstrained greedy and sampled step",
+    "lora": "what LoRA adapters add to a decode step and a prefill chunk on the simulator, "
+            "by rank and by distinct adapters in the step",
 }
 SUBCOMMANDS = tuple(DESCRIPTIONS)
 USAGE = ("usage: python -m atombatch.bench [SUBCOMMAND] [options]\n"

@@ -122,7 +122,7 @@ def adapter_named(adapters: Mapping[str, Any], name: str, loadable: bool) -> Any
     adapter = adapters.get(name)
     if adapter is None:
         loaded = ", ".join(sorted(adapters)) or "none"
-        hint = "" if loadable else " (this runtime's adapters are compiled into the artifact)"
+        hint = "" if loadable or adapters else " (this runtime has no LoRA adapters)"
         raise RequestError(f"lora={name!r} is not a loaded LoRA adapter; loaded: {loaded}{hint}")
     return adapter
 

@@ -29,7 +29,7 @@ from ray import serve
 from atombatch import logs
 from atombatch.api.structs import SamplingParams
 from atombatch.cluster.routing import DEFAULT_MAX_BLOCKS, DEFAULT_ROUTE_BLOCK
-from atombatch.cluster.summary import DEFAULT_SUMMARY_BITS, CacheSummarizer
+from atombatch.cluster.summary import DEFAULT_SUMMARY_BITS, CacheSummarizer, cache_roots
 from atombatch.core.pd import pd_eligible
 from atombatch.engine.aio import AsyncBatcher
 from atombatch.errors import AtomBatchError, ConfigError
@@ -340,7 +340,9 @@ class AtomReplica:
             scheduler = self.batcher.scheduler
             prefix_on = scheduler.prefix is not None
             if prefix_on:
-                summary = self.summarizer.summary(scheduler.prefix, scheduler.host)
+                summary = self.summarizer.summary(
+                    scheduler.prefix, scheduler.host,
+                    roots=cache_roots(self.batcher.lora_adapters.values()))
         s = engine.stats()
         stats: dict[str, Any] = {
             "lanes": engine.artifact.batch_size, "occupied": s.occupied_lanes,
