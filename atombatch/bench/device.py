@@ -14,6 +14,10 @@ It opens the directory with `RebelRuntime.from_optimum` and runs:
    (`read_block` / `write_block`, the host cache's path).
 4. **host time per step**: wall time of `Batcher.step` minus the time inside graph calls (median),
    beside the median graph call time per decode batch.
+5. **LoRA rows** (a directory compiled with `lora_config`): the probe under each compiled adapter
+   (and the base model) decodes alone, then all of them side by side in one decode call, each row
+   with its own `lora_int_ids` entry; every adapter's tokens must be equal both ways (the device
+   selects the adapter row by row). It also says how many adapters change the probe's tokens.
 
 It prints a Markdown report to paste into an issue and exits 1 when a check fails. CI runs it
 against the emulated runtime in `tests/fakerebel`.
@@ -36,7 +40,7 @@ from atombatch.api.structs import SamplingParams
 from atombatch.bench.provenance import git_commit, machine
 from atombatch.engine.batcher import Batcher
 from atombatch.errors import AtomBatchError
-from atombatch.kernel.blocks import PrefillInputs
+from atombatch.kernel.blocks import DecodeInputs, LaneTable, PrefillInputs
 from atombatch.runtime.rebel import RebelRuntime
 
 
@@ -67,6 +71,7 @@ class DeviceReport(msgspec.Struct, frozen=True):
     checks: list[Check]
     commit: str | None
     machine: str
+    lora_adapters: list[str] = []      # "name (id k, r R, modules)" per compiled adapter
 
     @property
     def passed(self) -> bool:
@@ -94,10 +99,10 @@ class _Timed:
             finally:
                 self.inside += time.perf_counter() - start
 
-        def decode(inputs: Any) -> Any:
+        def decode(inputs: Any, **options: Any) -> Any:  # lora_int_ids=...
             start = time.perf_counter()
             try:
-                return self._decode(inputs)
+                return self._decode(inputs, **options)
             finally:
                 spent = time.perf_counter() - start
                 self.inside += spent
@@ -227,6 +232,76 @@ def check_kv_moves(rt: RebelRuntime, prompt_len: int, new_tokens: int) -> list[C
     return checks
 
 
+def check_lora_rows(rt: RebelRuntime, prompt_len: int, new_tokens: int) -> Check | None:
+    """Each compiled adapter's probe tokens decoded alone vs side by side with the others (one
+    adapter per row of one decode call); None when the directory has no LoRA."""
+    adapters = getattr(rt, "lora_adapters", None)
+    if not adapters:
+        return None
+    art = rt.artifact
+    bps = art.blocks_per_seq
+    lanes_fit = min(art.batch_size, (art.num_blocks - 1) // bps)
+    if lanes_fit < 1:
+        return Check("LoRA rows", "SKIP", f"kvcache_num_blocks={art.num_blocks} leaves no "
+                     "padding block beside a full sequence")
+    ids = [0, *sorted(a.lora_int_id for a in adapters.values())]
+    probe = probe_prompt(art.model.vocab_size, prompt_len)
+    try:
+        alone = {k: _lora_lanes(rt, probe, [k], new_tokens)[0] for k in ids}
+        together: dict[int, list[int]] = {}
+        for start in range(0, len(ids), lanes_fit):
+            group = ids[start : start + lanes_fit]
+            together.update(zip(group, _lora_lanes(rt, probe, group, new_tokens), strict=True))
+    except AtomBatchError as exc:
+        return Check("LoRA rows", "FAIL", f"a call failed: {exc}")
+    differ = [k for k in ids if alone[k] != together[k]]
+    moved = sum(1 for k in ids[1:] if alone[k] != alone[0])
+    if differ:
+        return Check("LoRA rows", "FAIL",
+                     f"adapter ids {differ} give other tokens beside the others than alone "
+                     f"(first: alone {alone[differ[0]]}, together {together[differ[0]]})")
+    return Check("LoRA rows", "PASS",
+                 f"{len(ids) - 1} adapters and the base: each one's {new_tokens} greedy tokens "
+                 f"equal alone and side by side ({lanes_fit} rows per call); {moved} of "
+                 f"{len(ids) - 1} adapters change the probe's tokens")
+
+
+def _lora_lanes(rt: RebelRuntime, prompt: list[int], lora_ids: list[int], new_tokens: int
+                ) -> list[list[int]]:
+    """`prompt` greedily decoded in lanes 0..n-1, lane i under adapter `lora_ids[i]`: lane i
+    holds blocks i*bps.., the last block is every padding row's; padding rows run the base."""
+    art = rt.artifact
+    bps = art.blocks_per_seq
+    lanes = LaneTable(art.batch_size, bps, art.block_size)
+    prefill = PrefillInputs(art.prefill_chunk_size, bps)
+    decode = DecodeInputs(art.batch_size, bps, art.decoder_batch_sizes)
+    by_lane = np.zeros(art.batch_size, dtype=np.int32)
+    spare = art.num_blocks - 1
+    tokens: dict[int, list[int]] = {}
+    for k in lora_ids:
+        lane = lanes.assign()
+        lanes.push_blocks(lane, np.arange(lane * bps, (lane + 1) * bps, dtype=np.int32))
+        by_lane[lane] = k
+        row = np.asarray(lanes.blocks(lane), dtype=np.int32)
+        logits = None
+        for start in range(0, len(prompt), art.prefill_chunk_size):
+            prefill.build(np.asarray(prompt), start, row, len(row), lane)
+            logits = rt.prefill(prefill, lora_int_ids=np.array([k], dtype=np.int32))
+        assert logits is not None
+        tokens[lane] = [int(np.argmax(logits))]
+        lanes.start_decode(lane, len(prompt), tokens[lane][0])
+    for _ in range(new_tokens - 1):
+        decoding = decode.build(lanes, spare)
+        ids = np.zeros(decode.num_rows, dtype=np.int32)
+        ids[:decoding] = by_lane[decode.row_lanes[:decoding]]
+        out = rt.decode(decode, lora_int_ids=ids)
+        for r in range(decoding):
+            lane = int(decode.row_lanes[r])
+            tokens[lane].append(int(np.argmax(out[r])))
+            lanes.advance(lane, tokens[lane][-1])
+    return [tokens[lane] for lane in range(len(lora_ids))]
+
+
 def _decode_alone(rt: RebelRuntime, row: list[int], pad_block: int, token: int, position: int,
                   steps: int) -> tuple[list[int], np.ndarray]:
     """Decode one sequence (lane 0, slot 0) in the smallest decode graph; padding rows point at
@@ -261,6 +336,7 @@ def run(model_dir: str, device: int | list[int] = 0, prompt_len: int = 0,
                          art.max_seq_len - new_tokens - 1)
     bucket, timing = check_buckets(rt, prompt_len, new_tokens)
     moves = check_kv_moves(rt, prompt_len, new_tokens)
+    lora = check_lora_rows(rt, prompt_len, new_tokens)
     compiled = rt.compiled
     graphs = [compiled.prefill, *compiled.decoders]
     return DeviceReport(
@@ -272,7 +348,10 @@ def run(model_dir: str, device: int | list[int] = 0, prompt_len: int = 0,
         kv_methods=dict(rt.kv_methods),
         inputs={g.name: [f"{i.name} {list(i.shape)} {i.dtype}" for i in g.inputs]
                 for g in graphs},
-        checks=[bucket, *moves, timing], commit=git_commit(), machine=machine())
+        checks=[bucket, *moves, *([lora] if lora else []), timing], commit=git_commit(),
+        machine=machine(),
+        lora_adapters=[f"{a.name} (id {a.lora_int_id}, r {a.r}, {', '.join(a.target_modules)})"
+                       for a in getattr(rt, "lora_adapters", {}).values()])
 
 
 def format_report(report: DeviceReport) -> str:
@@ -287,6 +366,8 @@ def format_report(report: DeviceReport) -> str:
         f"- optimum-rbln {report.optimum_rbln_version}, rebel-sdk {report.rebel_version}, "
         f"atombatch {report.commit}, {report.machine}",
         f"- KV methods: {kv}",
+        *([f"- LoRA adapters: {'; '.join(report.lora_adapters)}"] if report.lora_adapters
+          else []),
         "",
         "| check | result | detail |",
         "|---|---|---|",

@@ -1,12 +1,15 @@
 """`python -m atombatch.bench device` against the emulated runtime: the report passes on a sound
-device and fails when the device's KV copy is broken or missing."""
+device and fails when the device's KV copy is broken or missing, or (LoRA) when a device runs a
+row with another row's adapter."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
-from fakerebel.compiler import compile_dir
+from fakerebel.compiler import compile_dir, lora_adapter, lora_config
+from support import lora_models
 from support.hf_models import save_checkpoint
 
 from atombatch.bench import device
@@ -95,3 +98,46 @@ def test_a_directory_it_cannot_drive_exits_2(fake_rebel, tmp_path, checkpoints, 
                     kvcache_num_blocks=4)                  # B4 without the spare block
     assert device.main(["--model", str(d)]) == 2
     assert "lanes+1 rule" in capsys.readouterr().err
+
+
+# -- LoRA rows (a directory compiled with lora_config) -----------------------------------------------
+@pytest.fixture(scope="module")
+def lora_directory_parts(tmp_path_factory, checkpoints):
+    """The llama checkpoint's PEFT adapters (made by peft) as lora_config entries."""
+    root = tmp_path_factory.mktemp("adapters")
+    entries = []
+    for i, name in enumerate(("attn-r4", "layer1-r16"), start=1):
+        lora_models.save_adapter("llama", lora_models.CASES[name], root / name)
+        entries.append(lora_adapter(i, name, root / name))
+    return lora_config(entries)
+
+
+def test_lora_rows_pass_on_a_sound_device(fake_rebel, tmp_path, checkpoints, capsys,
+                                          lora_directory_parts):
+    d = compile_dir(tmp_path / "c", checkpoints["llama"], batch_size=4, max_seq_len=128,
+                    prefill_chunk_size=16, kvcache_num_blocks=5, decoder_batch_sizes=[1, 2, 4],
+                    lora_config=lora_directory_parts)
+    out = tmp_path / "report.json"
+    assert bench_main(["device", "--model", str(d), "--new-tokens", "6", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| LoRA rows | PASS | 2 adapters and the base:" in text
+    assert "- LoRA adapters: attn-r4 (id 1, r 4, " in text and "; layer1-r16 (id 2, r 16, " in text
+    assert "2 of 2 adapters change the probe's tokens" in text
+    assert "lora_int_ids [4] int32" in text
+    report = json.loads(out.read_text())
+    assert [c["status"] for c in report["checks"]] == ["PASS", "PASS", "PASS", "PASS", "INFO"]
+
+
+def test_a_device_that_mixes_up_rows_fails_lora_rows(fake_rebel, tmp_path, checkpoints, capsys,
+                                                     monkeypatch, lora_directory_parts):
+    d = compile_dir(tmp_path / "c", checkpoints["llama"], batch_size=4, max_seq_len=128,
+                    prefill_chunk_size=16, kvcache_num_blocks=5, lora_config=lora_directory_parts)
+    real = fake_rebel._DeviceModel.lora_int_ids
+
+    def first_rows_adapter(self, graph, named):        # every row runs row 0's adapter
+        ids = real(self, graph, named)
+        return None if ids is None else np.full_like(ids, ids[0])
+
+    monkeypatch.setattr(fake_rebel._DeviceModel, "lora_int_ids", first_rows_adapter)
+    assert device.main(["--model", str(d), "--new-tokens", "6"]) == 1
+    assert "| LoRA rows | FAIL | adapter ids [" in capsys.readouterr().out

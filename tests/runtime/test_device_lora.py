@@ -22,14 +22,16 @@ import pytest
 from fakerebel.compiler import compile_dir, lora_adapter, lora_config
 from support import hf_models as hf
 from support import lora_models as lm
-from support.numerics import GreedyTokens, greedy_reference
+from support.numerics import GreedyTokens, assert_f32_close, greedy_reference, reduction_length
 
-from atombatch import StateError
+from atombatch import RequestError, StateError
 from atombatch.artifact.lora import BASE_LORA_ID, load_peft
 from atombatch.artifact.rbln_config import load
 from atombatch.kernel._blocks_py import DecodeInputs, LaneTable, PrefillInputs
-from atombatch.runtime import RebelRuntime
+from atombatch.pd import Producer
+from atombatch.runtime import NumpyRuntime, RebelRuntime
 from atombatch.runtime.base import Capabilities
+from atombatch.runtime.numpy_runtime import load_safetensors_dir
 from atombatch.runtime.rebel import compiled_adapters
 
 pytestmark = pytest.mark.numerics   # run again under a second BLAS kernel by .ci/run
@@ -40,6 +42,7 @@ CHUNK = 16
 NEW_TOKENS = 6
 PROMPT_LENS = (21, 37, 9, 30)
 ADAPTERS = tuple(lm.CASES)          # compiled lora_int_id i + 1 is ADAPTERS[i]
+FLASH = dict(kvcache_block_size=32, kvcache_num_blocks=B * CONTEXT // 32 + 1)
 EXPLICIT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -71,9 +74,9 @@ class DeviceCase:
 
     def compile(self, directory: Path, **options: Any) -> Path:
         config = lora_config([compiled_entry(n, self.adapter_dirs[n]) for n in ADAPTERS])
+        options = {"kvcache_num_blocks": B + 1, **options}
         return compile_dir(directory, self.checkpoint, batch_size=B, max_seq_len=CONTEXT,
-                           prefill_chunk_size=CHUNK, kvcache_num_blocks=B + 1,
-                           lora_config=config, **options)
+                           prefill_chunk_size=CHUNK, lora_config=config, **options)
 
     def reference(self, adapter: str | None, prompt: list[int]) -> GreedyTokens:
         """transformers + peft's greedy tokens (full recompute per token), computed once."""
@@ -100,8 +103,9 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 class Lanes:
-    """Plays the scheduler for an eager B-lane directory: lane l holds block l, block B is the
-    spare every padding row points at. Each admitted prompt runs its chunked prefill under its
+    """Plays the scheduler for a B-lane directory whose every lane holds a whole sequence: lane l
+    holds blocks l*bps..(l+1)*bps-1 (eager: block l), block B*bps is the spare every padding
+    row points at. Each admitted prompt runs its chunked prefill under its
     adapter; `step` decodes the decoding lanes in the smallest bucket that holds them, each row
     with its lane's id and padding rows with `padding_id` (any compiled id is valid there)."""
 
@@ -113,14 +117,16 @@ class Lanes:
         self.prefill_inputs = PrefillInputs(art.prefill_chunk_size, art.blocks_per_seq)
         self.decode_inputs = DecodeInputs(art.batch_size, art.blocks_per_seq,
                                           art.decoder_batch_sizes)
-        self.spare = art.batch_size
+        self.bps = art.blocks_per_seq
+        self.spare = art.batch_size * self.bps
         self.lane_lora = np.zeros(art.batch_size, dtype=np.int32)
         self.tokens: dict[int, list[int]] = {}
         self.row_ids: list[list[int]] = []
 
     def admit(self, prompt: list[int], lora: int | None) -> int:
         lane = self.lanes.assign()
-        self.lanes.push_block(lane, lane)
+        for block in range(lane * self.bps, (lane + 1) * self.bps):
+            self.lanes.push_block(lane, block)
         self.lane_lora[lane] = lora or 0
         ids = None if lora is None else np.array([lora], dtype=np.int32)
         logits = None
@@ -206,9 +212,12 @@ WAVES: tuple[tuple[tuple[int, str | None], ...], ...] = (
 )
 
 
-@pytest.mark.parametrize("buckets", [[B], [1, 2, 4]], ids=["full", "buckets"])
-def test_mixed_adapters_in_one_decode_batch_equal_peft(fake_rebel, tmp_path, case, buckets):
-    rt = RebelRuntime.from_optimum(case.compile(tmp_path / "c", decoder_batch_sizes=buckets))
+@pytest.mark.parametrize("buckets, layout", [([B], {}), ([1, 2, 4], FLASH)],
+                         ids=["eager-full", "flash-buckets"])
+def test_mixed_adapters_in_one_decode_batch_equal_peft(fake_rebel, tmp_path, case, buckets,
+                                                       layout):
+    rt = RebelRuntime.from_optimum(case.compile(tmp_path / "c", decoder_batch_sizes=buckets,
+                                                **layout))
     top = len(ADAPTERS)
     for wave in WAVES:
         # padding rows carry the last compiled id: valid, and not the base
@@ -334,3 +343,34 @@ def test_the_emulated_device_checks_the_input(fake_rebel, tmp_path, case):
                        match="lora_int_ids row 1 holds 7; the graph was compiled with adapter "
                              "ids 0..4"):
         graph(*args[:-1], np.array([0, 7, 0, 0], np.int32))
+
+
+# -- the ATOM as a PD producer under an adapter ------------------------------------------------------
+def test_pd_producer_on_the_device_prefills_under_the_compiled_adapter(fake_rebel, tmp_path, case):
+    """A RebelRuntime producer's payload under adapter k: its first token is peft's, and its KV
+    equals a NumPy producer's with the same PEFT directory loaded (and differs from the base's)."""
+    d = case.compile(tmp_path / "c")
+    device = Producer(RebelRuntime.from_optimum(d))
+    spec = device.runtime.spec
+    host_runtime = NumpyRuntime(device.runtime.artifact, load_safetensors_dir(case.checkpoint))
+    for name in ADAPTERS:
+        host_runtime.add_lora(*load_peft(case.adapter_dirs[name], name=name,
+                                         lora_int_id=lora_id(name), spec=spec))
+    host = Producer(host_runtime)
+    prompt = case.prompts[1]
+    base = device.produce("base", prompt)
+    for name in ADAPTERS:
+        got = device.produce(f"d-{name}", prompt, lora_int_id=lora_id(name))
+        want = host.produce(f"h-{name}", prompt, lora_int_id=lora_id(name))
+        assert got.header.first_token == case.reference(name, prompt)[0]
+        for mine, theirs in zip(got.layers, want.layers, strict=True):
+            for a, b in zip(mine.float32(), theirs.float32(), strict=True):
+                assert_f32_close(a, b, reduction=reduction_length(spec, CONTEXT),
+                                 depth=2 * spec.num_layers + 1, err_msg=f"{name} {mine.layer}")
+        # the KV moves under every adapter but the one that adapts layer 1's outputs only
+        moved = any(not np.allclose(a, b) for mine, plain in zip(got.layers, base.layers,
+                                                                strict=True)
+                    for a, b in zip(mine.float32(), plain.float32(), strict=True))
+        assert moved == (name != "layer1-r16" or spec.num_layers > 2), name
+    with pytest.raises(RequestError, match="lora_int_id=9 is not loaded"):
+        device.produce("r", prompt, lora_int_id=9)

@@ -98,9 +98,9 @@ class _DeviceModel:
                                   max_lora_rank=MAX_LORA_RANK)
         r = entry["r"]
         scaling = entry["lora_alpha"] / r
-        if entry["use_rslora"]:
+        if entry.get("use_rslora"):
             scaling /= r ** 0.5
-        scaling *= entry["scaling_factor"]
+        scaling *= entry.get("scaling_factor") or 1.0
         targets = tuple(m for m in read.target_modules if m in entry["target_modules"])
         pairs = {key: ab for key, ab in weights.pairs.items() if key[1] in targets}
         device = LoraAdapter(name=read.name, lora_int_id=read.lora_int_id, path=read.path,
