@@ -32,7 +32,9 @@ from support.paced import PacedDecode
 from support.served import ServerThread, served
 
 from atombatch import ArtifactConfig, Batcher, ModelSpec
-from atombatch.runtime import RebelRuntime
+from atombatch.core.messages import LoadLora, LoraDone, UnloadLora
+from atombatch.core.process import CoreLoop, To
+from atombatch.runtime import NumpyRuntime, RebelRuntime
 from atombatch.serve import create_app
 from atombatch.serve.cli import main
 
@@ -353,3 +355,53 @@ def test_unload_is_refused_while_a_request_runs_under_the_adapter(files: dict[st
             assert unload.status_code == 400 and time.monotonic() < deadline, unload.text
             time.sleep(0.05)
         assert [card.id for card in client.models.list()] == [BASE]
+
+
+class _Outbox:
+    """Where a shared core's sender would take the loop's messages (the test reads them)."""
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+
+    def put(self, message: Any) -> None:
+        self.messages.append(message)
+
+
+def test_a_shared_core_tells_every_front_of_each_change(files: dict[str, Path]) -> None:
+    """`--api-server-count N`: a load or unload one front asked for reaches every front (a
+    `LoraDone` with seq 0, which the sender gives to all) before the asking front's answer (a
+    `To` that front); a refused load changes nothing and tells nobody else."""
+    spec = ModelSpec.from_pretrained(files["ckpt"])
+    art = ArtifactConfig(model=spec, batch_size=2, max_seq_len=128, block_size=128,
+                         num_blocks=3, prefill_chunk_size=32)
+    outbox = _Outbox()
+    loop = CoreLoop(Batcher(NumpyRuntime.from_pretrained(files["ckpt"], artifact=art)),
+                    [None, None], outbox, os.getpid(), routes={})
+
+    def until_answered(seq: int) -> int:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            loop.take(50)
+            loop.hand_over()
+            for i, m in enumerate(outbox.messages):
+                if isinstance(m, To) and isinstance(m.message, LoraDone) and m.message.seq == seq:
+                    return i
+        raise AssertionError(f"no answer to {seq}: {outbox.messages}")
+
+    def told_everyone() -> list[list[str]]:
+        return [m.loras for m in outbox.messages if isinstance(m, LoraDone) and m.seq == 0]
+
+    try:
+        loop.apply(LoadLora(1, "bad", str(files["c"] / "missing")), front=0)
+        assert outbox.messages[until_answered(1)].front == 0
+        assert told_everyone() == []
+        loop.apply(LoadLora(2, "c", str(files["c"])), front=1)
+        answer = until_answered(2)
+        assert outbox.messages[answer].front == 1
+        assert told_everyone() == [["c"]]
+        assert next(i for i, m in enumerate(outbox.messages) if isinstance(m, LoraDone)) < answer
+        loop.apply(UnloadLora(3, "c"), front=0)
+        until_answered(3)
+        assert told_everyone() == [["c"], []]
+    finally:
+        loop.lora.close()
