@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from atombatch.core.messages import LoadLora, LoraDone, UnloadLora
@@ -99,17 +98,18 @@ class LoraFront:
     the check of a request's adapter name, and `load_lora` / `unload_lora`. Call these from
     the event loop the client runs on (as `submit`)."""
 
-    ready: Any                     # the core's `Ready` (CoreClient's)
-    _send_to_core: Callable[[Any], bool]  # (PDFront's)
+    ready: Any = None
     _lora_names: list[str] | None = None
+
+    if TYPE_CHECKING:  # PDFront's (a stub here would hide it: LoraFront comes first)
+        def _send_to_core(self, message: Any) -> bool: ...
 
     @property
     def loras(self) -> list[str]:
         """The adapters requests may name, as the core last said."""
         if self._lora_names is not None:
             return self._lora_names
-        ready = getattr(self, "ready", None)
-        return list(ready.loras) if ready is not None else []
+        return list(self.ready.loras) if self.ready is not None else []
 
     def check_lora(self, lora: str | None) -> None:
         """A request's adapter must be one the core has (a `RequestError` naming it and the

@@ -37,6 +37,12 @@ the layers which have arrived into its lane's blocks (or into the spare while ev
 into block 0 in single-block mode). When the last layer is in, the producer's first token is its
 first output; a partial prefix (allowed only outside single-block and hybrid modes) resumes as a
 native prefill at the chunk boundary below the covered length.
+
+LoRA adapters (docs/lora.md): a request's adapter id rides on its lane (`LoraRows.by_lane`, set
+by `_bind`, reset by `_release`) and every plan built writes its call's `lora_int_ids` beside its
+inputs. Under `max_loras`, admission (`_first_ready`, the one place every admission asks) skips a
+request whose adapter would exceed the cap and takes the next one; after `lora_bypass_limit`
+admissions past it, nothing passes it until it fits.
 """
 
 from __future__ import annotations

@@ -212,3 +212,28 @@ def test_engine_core_process_runs_adapters(llama: LoraFamily) -> None:
     tokens = asyncio.run(main())
     for (prompt, lora), got in zip(work, tokens, strict=True):
         assert llama.reference(lora, prompt, NEW) == got
+
+
+def test_row_ids_follow_the_packed_rows() -> None:
+    """A decode's ids are its rows' lanes' (the bucket's packing), padding rows the base's, even
+    when the padding row borrows a prefilling lane that runs an adapter."""
+    from atombatch.engine.lora import LoraRows
+    from atombatch.kernel.blocks import DecodeInputs, LaneTable
+
+    lanes = LaneTable(4, 2, 16)
+    inputs = DecodeInputs(4, 2, (1, 2, 4))
+    rows = LoraRows(4)
+    for block, lora in enumerate((5, 2, 6, 1)):  # lanes 0..3 bound, with these adapters
+        lane = lanes.assign()
+        lanes.push_block(lane, block)
+        rows.by_lane[lane] = lora
+    for lane in (1, 3):
+        lanes.start_decode(lane, 3, 7)
+    decoding = inputs.build(lanes, 4)
+    rows.fill_decode(inputs, decoding)
+    assert inputs.num_rows == 2 and rows.ids(inputs).tolist() == [2, 1]
+    lanes.start_decode(0, 3, 7)
+    decoding = inputs.build(lanes, 4)
+    rows.fill_decode(inputs, decoding)
+    assert inputs.row_lanes.tolist() == [0, 1, 3, 2]  # lane 2 (prefilling) lends the padding row
+    assert rows.ids(inputs).tolist() == [5, 2, 1, 0]
