@@ -145,7 +145,7 @@ def check_lora_flags(args: argparse.Namespace, served_name: str | None = None) -
                           "(as vLLM)")
     if args.runtime in ("sim", "null") and (args.enable_lora or modules):
         raise ConfigError(f"--{'lora-modules' if modules else 'enable-lora'}: the "
-                          f"{args.runtime} runtime runs no adapters (the numpy runtime loads "
+                          f"{args.runtime} runtime loads no adapters (the numpy runtime loads "
                           "PEFT adapters; --runtime rebel serves the compiled ones)")
     if modules and args.runtime != "rebel" and not args.enable_lora:
         raise ConfigError(f"--lora-modules {modules[0].name}=...: LoRA is off; add --enable-lora "

@@ -282,7 +282,7 @@ def test_startup_errors_name_the_flag_and_the_path(files: dict[str, Path], tmp_p
                  f"a={files['a']}"]) == 2
     assert "rank" in capsys.readouterr().err
     assert main(["--runtime", "sim", "--port", "0", "--enable-lora"]) == 2
-    assert "runs no adapters" in capsys.readouterr().err
+    assert "loads no adapters" in capsys.readouterr().err
     assert main([*base, "--enable-lora", "--lora-modules", f"a={files['a']}",
                  f"a={files['b']}"]) == 2
     assert "twice" in capsys.readouterr().err

@@ -336,7 +336,7 @@ def test_lora_modules_in_vllms_two_spellings(capsys: Any) -> None:
 def test_lora_flags_refused_at_startup_name_why(capsys: Any) -> None:
     """A launch line whose LoRA flags cannot work stops before anything loads (status 2)."""
     for line_, said in ((["--lora-modules", "a=/x"], "add --enable-lora"),
-                        (["--runtime", "null", "--enable-lora"], "runs no adapters"),
+                        (["--runtime", "null", "--enable-lora"], "loads no adapters"),
                         (["--enable-lora", "--max-loras", "0"], "--max-loras 0 must be >= 1"),
                         (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"],
                          "--max-cpu-loras 2 must be >= --max-loras 4"),
