@@ -49,7 +49,7 @@ from atombatch.api.options import (
 from atombatch.artifact.config import PRESETS, ArtifactConfig, ModelSpec
 from atombatch.engine.batcher import Batcher, prefix_cache_refusal
 from atombatch.engine.scheduler import POLICY_KINDS, Policy
-from atombatch.errors import ConfigError
+from atombatch.errors import ConfigError, RequestError
 from atombatch.serve import lora, schema, vllm_flags
 from atombatch.serve.chat_template import template_from_argument
 from atombatch.serve.limits import DEFAULT_MAX_RESPONSE_BYTES, ServerLimits
@@ -544,7 +544,10 @@ def serve_adapters(batcher: Batcher, args: argparse.Namespace) -> None:
     if not batcher.capabilities.lora_loadable:
         raise ConfigError(f"--enable-lora: the {args.runtime} runtime cannot load adapters")
     for module in modules:
-        batcher.load_lora(module.name, module.path)
+        try:
+            batcher.load_lora(module.name, module.path)
+        except (ConfigError, RequestError) as exc:
+            raise ConfigError(f"--lora-modules {module.name}={module.path}: {exc}") from None
 
 
 def engine_options(args: argparse.Namespace, *, prefix_cache: bool) -> EngineOptions:
