@@ -1286,6 +1286,8 @@ class _Server:
             except UnavailableError as exc:
                 raise ApiError(exc.http_status, str(exc), type="server_error",
                                code="engine_unavailable") from None
+            served = set(self.adapters())  # (forget those other fronts unloaded: bounded)
+            self.lora_paths = {n: p for n, p in self.lora_paths.items() if n in served}
             self.lora_paths[name] = path
         log.info("lora.loaded", name=name, path=path)
         return Response(f"Success: LoRA adapter '{name}' added successfully.",
