@@ -271,7 +271,9 @@ def _read_weights(directory: Path, spec: ModelSpec, r: int, targets: tuple[str, 
         if dtype not in _SAFETENSORS_FLOATS:
             raise ConfigError(f"{where}: tensor {key!r} has dtype {dtype}, not one of "
                               f"{sorted(_SAFETENSORS_FLOATS)}")
-        begin, end = info.get("data_offsets", (0, -1))
+        offsets = info.get("data_offsets")
+        begin, end = offsets if isinstance(offsets, list) and len(offsets) == 2 and \
+            all(type(o) is int for o in offsets) else (0, -1)
         count = math.prod(want)
         if end - begin != count * _DTYPE_SIZES[dtype] or begin < 0 or \
                 data_start + end > size:

@@ -341,7 +341,40 @@ BAD = {
     "not safetensors": (lambda d: (d / "adapter_model.safetensors").write_bytes(b"\xff" * 64), {},
                         "not a safetensors file"),
     "alpha": (lambda d: _edit_config(d, lora_alpha=0), {}, "lora_alpha=0.0 must be a positive number"),
+    "garbled offsets": (lambda d: _edit_header(d / "adapter_model.safetensors", "data_offsets",
+                                               ["0", "x"]), {}, "data_offsets .* inside the file"),
+    "integer tensors": (lambda d: _edit_header(d / "adapter_model.safetensors", "dtype", "I32"),
+                        {}, "has dtype I32, not one of"),
+    "a tensor of another kind": (lambda d: _rename_tensor(d / "adapter_model.safetensors",
+                                                          "lora_A", "lora_embedding_A"), {},
+                                 "is not a LoRA A/B matrix"),
 }
+
+
+def _header(path: Path) -> tuple[dict[str, Any], bytes]:
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + length]), data[8 + length:]
+
+
+def _write(path: Path, header: dict[str, Any], body: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + body)
+
+
+def _edit_header(path: Path, field: str, value: Any) -> None:
+    """Set `field` of the first tensor of a safetensors file's header."""
+    header, body = _header(path)
+    first = next(k for k in header if k != "__metadata__")
+    header[first][field] = value
+    _write(path, header, body)
+
+
+def _rename_tensor(path: Path, old: str, new: str) -> None:
+    header, body = _header(path)
+    first = next(k for k in header if k != "__metadata__")
+    header[first.replace(old, new)] = header.pop(first)
+    _write(path, header, body)
 
 
 def _grow(path: Path, extra: int) -> None:
@@ -373,6 +406,44 @@ def test_a_bad_adapter_directory_is_a_config_error_naming_the_rule(
     edit(directory)
     with pytest.raises(ConfigError, match=message):
         load_peft(directory, name="bad", lora_int_id=1, spec=spec, **kwargs)
+
+
+def test_bf16_adapters_are_widened_exactly(llama_adapter: tuple[ModelSpec, Path],
+                                         tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    spec, source = llama_adapter
+    directory = tmp_path / "bf16"
+    shutil.copytree(source, directory)
+    tensors = {k: v.to(torch.bfloat16) for k, v in
+               load_file(directory / "adapter_model.safetensors").items()}
+    save_file(tensors, directory / "adapter_model.safetensors")
+    adapter, weights = load_peft(directory, name="bf16", lora_int_id=1, spec=spec)
+    for key, value in tensors.items():
+        layer, module = int(key.split(".")[4]), key.split(".")[6]
+        a, b = weights.pairs[layer, module]
+        np.testing.assert_array_equal(a if ".lora_A." in key else b, value.float().numpy())
+    assert adapter.identity != load_peft(source, name="f32", lora_int_id=1, spec=spec)[0].identity
+
+
+@pytest.mark.parametrize("prefix", ["base_model.model.model.language_model.layers.",
+                                    "base_model.model.language_model.model.layers."])
+def test_multimodal_wrapper_names_load_as_the_decoder_s(llama_adapter: tuple[ModelSpec, Path],
+                                                       prefix: str, tmp_path: Path) -> None:
+    spec, source = llama_adapter
+    directory = tmp_path / "wrapped"
+    shutil.copytree(source, directory)
+    path = directory / "adapter_model.safetensors"
+    header, body = _header(path)
+    _write(path, {k.replace("base_model.model.model.layers.", prefix): v
+                  for k, v in header.items()}, body)
+    _, plain = load_peft(source, name="plain", lora_int_id=1, spec=spec)
+    _, wrapped = load_peft(directory, name="wrapped", lora_int_id=1, spec=spec)
+    assert plain.pairs.keys() == wrapped.pairs.keys()
+    for key, (a, b) in plain.pairs.items():
+        np.testing.assert_array_equal(wrapped.pairs[key][0], a)
+        np.testing.assert_array_equal(wrapped.pairs[key][1], b)
 
 
 def test_an_adapter_for_another_model_is_refused(case: FamilyCase) -> None:
