@@ -6,20 +6,25 @@ matches is the adapters' identity (a digest of config and weights), never an id.
 and the base through in-process producers and through a ZeroMQ producer (asked by adapter name)
 equal transformers + peft; a producer that ran another adapter, or the base for an adapter
 request, fails that request alone with an error naming both, its blocks back in the pool, while
-the others finish exact; a producer without the adapter answers an error.
+the others finish exact; a producer without the adapter answers an error. Through the engine
+core too: its producer pool opens each source with the request's adapter.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
 from typing import Any
 
 import numpy as np
 import pytest
 from support.driving import run_to_end
-from support.lora_engine import ADAPTERS, LoraFamily, greedy, make_family
+from support.lora_engine import ADAPTERS, LoraFamily, core_batcher, greedy, make_family
 
 from atombatch.artifact.lora import load_peft
+from atombatch.core import CoreClient
+from atombatch.core.pd import PDOptions
 from atombatch.pd import InProcessSource, Producer, ZmqProducerServer, ZmqSource
 from atombatch.runtime.numpy_runtime import NumpyRuntime
 
@@ -120,3 +125,32 @@ def test_zmq_producer_is_asked_by_adapter_name(llama: LoraFamily, producer: Prod
     finally:
         server.close()
         thread.join(10)
+
+
+def test_pd_through_the_engine_core_with_adapters(llama: LoraFamily, producer: Producer,
+                                                  tmp_path: Any) -> None:
+    """The core opens each request's source with its adapter's name; the producer prefills
+    under it and the tokens equal transformers + peft's."""
+    endpoint = f"ipc://{tmp_path}/pd-core.sock"
+    server = ZmqProducerServer(producer, endpoint)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    factory = functools.partial(core_batcher, str(llama.checkpoint),
+                                tuple((name, str(llama.adapter_dirs[name])) for name in ADAPTERS))
+    requests = work(4, seed=6)
+
+    async def main() -> list[list[int]]:
+        async with CoreClient(factory, pd=PDOptions(producers={"p0": endpoint})) as client:
+            outs = await asyncio.gather(*(client.generate(p, greedy(NEW), lora=lora)
+                                          for p, lora in requests))
+            return [list(o.token_ids) for o in outs]
+
+    try:
+        served = server.served
+        tokens = asyncio.run(main())
+        assert server.served - served == len(requests)  # every request came from the producer
+    finally:
+        server.close()
+        thread.join(10)
+    for (prompt, lora), got in zip(requests, tokens, strict=True):
+        assert llama.reference(lora, prompt, NEW) == got
