@@ -45,6 +45,12 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     argmax_threads: int | None = None
     overlap: bool = False
     log_requests: bool = True                # a request's info events logged (quiet_requests)
+    # distinct LoRA adapters (the base model not counted) whose requests hold lanes at once
+    # (vLLM's --max-loras; docs/lora.md): None, no cap
+    max_loras: int | None = None
+    # the largest rank `load_lora` accepts (vLLM's --max-lora-rank); None: the loader's own
+    # bound (atombatch.artifact.lora.MAX_LORA_RANK)
+    max_lora_rank: int | None = None
 
 
 ENGINE_DEFAULTS = EngineOptions()

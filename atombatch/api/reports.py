@@ -103,6 +103,10 @@ class EngineStats(EngineCounters, frozen=True, kw_only=True):  # type: ignore[mi
     chained_chunks: int = 0
     prefix_cache: bool = False          # the engine runs a prefix cache
     evictable_blocks: int = 0           # of the cached blocks, those no request holds (refcount 0)
+    # LoRA (a runtime with adapters): the adapters' names with requests holding a lane, and
+    # with requests waiting for one (vLLM's `vllm:lora_requests_info` labels), sorted
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
 
 
 class ProducerState(msgspec.Struct):

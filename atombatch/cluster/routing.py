@@ -55,7 +55,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from atombatch.cluster.summary import CacheSummary, _positions
+from atombatch.cluster.summary import CacheSummary, _positions, route_root
 from atombatch.errors import CapacityError, ConfigError
 from atombatch.kernel import prefix
 
@@ -65,16 +65,18 @@ DEFAULT_MAX_BLOCKS = 64
 
 def route_digests(prompt: Sequence[int] | npt.NDArray[np.integer],
                   route_block: int = DEFAULT_ROUTE_BLOCK,
-                  max_blocks: int = DEFAULT_MAX_BLOCKS) -> tuple[bytes, ...]:
+                  max_blocks: int = DEFAULT_MAX_BLOCKS, *,
+                  lora: str | None = None) -> tuple[bytes, ...]:
     """Chained digests of the prompt's leading full `route_block`-token blocks (at most
-    `max_blocks`), computed with the prefix cache's own digest function."""
+    `max_blocks`), computed with the prefix cache's own digest function, from the root of the
+    request's LoRA adapter (`lora`, by name; None: the base model)."""
     if route_block < 1 or max_blocks < 0:
         raise ConfigError(f"route_block={route_block} must be >= 1 and max_blocks={max_blocks} "
                           ">= 0")
     tokens = np.asarray(prompt, dtype=np.int64)
     blocks = min(len(tokens) // route_block, max_blocks)
     digests: list[bytes] = []
-    parent = prefix.ROOT
+    parent = route_root(lora)
     for j in range(blocks):
         parent = prefix.chain_digest(parent, tokens[j * route_block:(j + 1) * route_block], True)
         digests.append(parent)

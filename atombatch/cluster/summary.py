@@ -24,11 +24,13 @@ engine steps is a consistent enough picture of a cache that changes every step a
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 from atombatch.api.reports import (
     BITS_PER_DIGEST,
@@ -44,6 +46,25 @@ from atombatch.kernel import prefix
 
 __all__ = ["BITS_PER_DIGEST", "DEFAULT_HASHES", "DEFAULT_SUMMARY_BITS", "MAX_SUMMARY_BITS",
            "CacheSummarizer", "CacheSummary", "_positions", "check_summary_size"]
+
+
+def route_root(lora: str | None) -> bytes:
+    """The parent of a prompt's first routing digest: `prefix.ROOT` for the base model, a
+    digest of the adapter's name for a request under a LoRA adapter (the router knows requests'
+    adapters by name, as clients send them), so routing digests of one adapter's prompts never
+    match another's, as in the replicas' caches (docs/lora.md)."""
+    if lora is None:
+        return prefix.ROOT
+    return xxhash.xxh3_128(b"atombatch-route-lora\0" + lora.encode()).digest()
+
+
+def cache_roots(adapters: Iterable[Any]) -> dict[bytes, bytes]:
+    """The roots a summary walks a replica's cache from: each cached chain's own root (the base
+    model's, and each loaded adapter's `prefix.adapter_root(identity)`) -> its routing root."""
+    roots = {prefix.ROOT: prefix.ROOT}
+    for adapter in adapters:
+        roots[prefix.adapter_root(adapter.identity)] = route_root(adapter.name)
+    return roots
 
 
 class _Node(msgspec.Struct):
@@ -82,22 +103,26 @@ class CacheSummarizer:
         self._memo: dict[bytes, _Node] = {}
         self.hashed_tokens = 0          # tokens hashed so far (tests: memoization works)
 
-    def digests(self, *indexes: Any) -> tuple[list[bytes], bool]:
+    def digests(self, *indexes: Any, roots: Mapping[bytes, bytes] | None = None
+                ) -> tuple[list[bytes], bool]:
         """Routing digests of every chain cached in `indexes` (`PrefixIndex`, `HostCache` or
         anything with their `entries()`), shallowest first, and whether
-        the capacity cut some off."""
+        the capacity cut some off. `roots`: the chains' roots to walk from -> their routing
+        roots (`cache_roots`; default: the base model's alone)."""
         children: dict[bytes, list[Any]] = {}
         for index in indexes:
             if index is None:
                 continue
             for entry in index.entries():
                 children.setdefault(entry.parent, []).append(entry)
-        root = _Node((), 0, prefix.ROOT, np.zeros(0, dtype=np.int64))
+        roots = roots or {prefix.ROOT: prefix.ROOT}
         memo: dict[bytes, _Node] = {}
         out: list[bytes] = []
         seen: set[bytes] = set()
         truncated = False
-        level: list[tuple[bytes, _Node]] = [(prefix.ROOT, root)]
+        level: list[tuple[bytes, _Node]] = [
+            (cache_root, _Node((), 0, routing, np.zeros(0, dtype=np.int64)))
+            for cache_root, routing in roots.items()]
         while level and not truncated:
             following: list[tuple[bytes, _Node]] = []
             for parent_digest, parent in level:
@@ -119,8 +144,9 @@ class CacheSummarizer:
         self._memo = memo
         return out, truncated
 
-    def summary(self, *indexes: Any) -> CacheSummary:
-        digests, truncated = self.digests(*indexes)
+    def summary(self, *indexes: Any, roots: Mapping[bytes, bytes] | None = None
+                ) -> CacheSummary:
+        digests, truncated = self.digests(*indexes, roots=roots)
         return CacheSummary.build(digests, bits=self.bits, hashes=self.hashes,
                                   route_block=self.route_block, truncated=truncated)
 

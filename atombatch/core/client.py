@@ -41,6 +41,7 @@ from atombatch.api.options import DEFAULT_CORE_HANG_TIMEOUT
 from atombatch.api.structs import RequestOutput, SamplingParams
 from atombatch.api.validation import queue_limit, validate_request
 from atombatch.artifact.config import ArtifactConfig
+from atombatch.core.lora import LoraFront
 from atombatch.core.messages import (
     Abort,
     Consumed,
@@ -103,7 +104,7 @@ class _Leftovers:
         self.remove_directory()
 
 
-class CoreClient(PDFront, OutputStreams):
+class CoreClient(LoraFront, PDFront, OutputStreams):
     """Serve requests from an engine core in a child process (see the module docstring).
 
     Args:
@@ -455,8 +456,10 @@ class CoreClient(PDFront, OutputStreams):
     # -- requests -----------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                params: SamplingParams | None = None, request_id: str | None = None,
-               kv: KVSource | None = None, *, validated: bool = False) -> str:
+               kv: KVSource | None = None, *, lora: str | None = None,
+               validated: bool = False) -> str:
         """Validate and send a request to the core; outputs arrive through `outputs(id)`.
+        `lora`: a LoRA adapter the core has loaded (`loras`), by name; None: the base model.
         `validated`: the caller checked it with `validate` already. The core trusts what it is
         sent and checks nothing again: each request is validated once.
 
@@ -477,6 +480,7 @@ class CoreClient(PDFront, OutputStreams):
         ready = self._rules_ready()
         tokens = np.asarray(prompt, dtype=np.int64) if validated else \
             validate_request(ready.rules, prompt, params, "the engine core")
+        self.check_lora(lora)
         limit = queue_limit(ready.rules.artifact.batch_size, ready.max_waiting,
                             self.shared.fronts if self.shared is not None else 1)
         # with a shared core: this front's share of the core's queue
@@ -499,7 +503,7 @@ class CoreClient(PDFront, OutputStreams):
         self._choices[request_id] = params.n
         self._in_flight_choices += params.n
         pd = self.pd_options is not None and pd_eligible(params)
-        self._send_to_core(Submit(request_id, tokens.tobytes(), params, pd))  # never blocks
+        self._send_to_core(Submit(request_id, tokens.tobytes(), params, pd, lora))  # never blocks
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -631,6 +635,7 @@ class CoreClient(PDFront, OutputStreams):
 
     def _core_exited(self, code: int | None) -> None:
         self._dead = True
+        self._fail_lora_calls()
         if self._leftovers is not None:  # nobody will connect to these sockets again
             self._leftovers.remove_directory()
         log.error("core.exited", exit_code=code, in_flight=len(self._queues))

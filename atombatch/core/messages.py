@@ -29,6 +29,7 @@ class Submit(msgspec.Struct, frozen=True, tag=True):
     params: SamplingParams
     pd: bool = False               # take the prompt's KV from a PD producer (the front checked
                                    #   `pd_eligible`); the core prefills itself with none up
+    lora: str | None = None        # the LoRA adapter it runs under, by name (None: the base)
 
 
 class Hello(msgspec.Struct, frozen=True, tag=True):
@@ -60,6 +61,7 @@ class Ready(msgspec.Struct, frozen=True, tag=True, array_like=True):
     stats: EngineStats
     pid: int
     frozen: int = 0                # objects the core moved out of the collector's reach at start
+    loras: list[str] = []          # the LoRA adapters requests may name (docs/lora.md)
 
 
 class Failed(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -108,14 +110,36 @@ class SummaryRequest(msgspec.Struct, frozen=True, tag=True):
     bits: int
 
 
+class LoadLora(msgspec.Struct, frozen=True, tag=True):
+    """Load a PEFT adapter directory under a name (`Batcher.load_lora`, read off the core's
+    loop); answered by one `LoraDone` with the same `seq`."""
+    seq: int                       # the front's number for the answer
+    name: str
+    path: str
+
+
+class UnloadLora(msgspec.Struct, frozen=True, tag=True):
+    """Unload an adapter no request uses (`Batcher.unload_lora`); answered by a `LoraDone`."""
+    seq: int
+    name: str
+
+
+class LoraDone(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    seq: int                       # the `LoadLora` / `UnloadLora` answered
+    error: str | None              # why it was refused (None: done)
+    config: bool                   # the refusal is the adapter's or runtime's (ConfigError)
+    loras: list[str]               # the adapters loaded now
+
+
 class Summary(msgspec.Struct, frozen=True, tag=True, array_like=True):
     summary: CacheSummary | None   # None: the engine has no prefix cache (or the request was bad)
 
 
 # The core's messages are array-like (a union of tagged structs must be all array-like or none):
 # msgpack arrays led by the tag, their fields by position.
-FrontMessage = Submit | Abort | Consumed | Shutdown | Hello | Producers | ProducerVerdicts | SummaryRequest
-CoreMessage = Ready | Failed | Step | Stopped | Summary
+FrontMessage = Submit | Abort | Consumed | Shutdown | Hello | Producers | ProducerVerdicts | \
+    SummaryRequest | LoadLora | UnloadLora
+CoreMessage = Ready | Failed | Step | Stopped | Summary | LoraDone
 
 front_encoder = msgspec.msgpack.Encoder()
 front_decoder = msgspec.msgpack.Decoder(FrontMessage)

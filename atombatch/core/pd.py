@@ -154,10 +154,11 @@ class CorePD:
             self._prober.start()
 
     def _source(self, endpoint: str, request_id: str, prompt: list[int],
-                params: SamplingParams | None, mode: Any) -> Any:
+                params: SamplingParams | None, mode: Any, lora: str | None = None) -> Any:
         from atombatch.pd import ZmqSource
         # the artifact caps every frame at its largest legal layer (docs/security.md)
-        return ZmqSource(endpoint, request_id, prompt, params, mode, artifact=self.artifact)
+        return ZmqSource(endpoint, request_id, prompt, params, mode, artifact=self.artifact,
+                         lora=lora)
 
     def source(self, batcher: Batcher, message: Submit,
                tokens: npt.NDArray[np.int64]) -> KVSource | None:
@@ -169,7 +170,8 @@ class CorePD:
         if not message.pd or not pd_eligible(message.params):
             return None
         try:  # (the front validated the request against this core's rules)
-            return self.pool.open(message.request_id, tokens.tolist(), message.params)
+            return self.pool.open(message.request_id, tokens.tolist(), message.params,
+                                  message.lora)
         except AtomBatchError as exc:
             self.native_fallbacks += 1
             log.info("pd.native_fallback", request_id=message.request_id, reason=str(exc))

@@ -45,11 +45,13 @@ import numpy as np
 import zmq
 
 from atombatch.api.structs import RequestOutput
+from atombatch.core.lora import CoreLora, Loaded
 from atombatch.core.messages import (
     Abort,
     Consumed,
     Failed,
     Hello,
+    LoadLora,
     Producers,
     ProducerVerdicts,
     Ready,
@@ -58,6 +60,7 @@ from atombatch.core.messages import (
     Stopped,
     Submit,
     SummaryRequest,
+    UnloadLora,
     core_encoder,
     front_decoder,
 )
@@ -121,7 +124,8 @@ def run_core(factory: Callable[[], Batcher], inbox_address: str, outbox_address:
         outbox.send(core_encoder.encode(Ready(rules=batcher.rules(), policy=batcher.policy.label,
                                               max_waiting=batcher.max_waiting,
                                               stats=batcher.stats(), pid=os.getpid(),
-                                              frozen=frozen)))
+                                              frozen=frozen,
+                                              loras=sorted(batcher.lora_adapters))))
         batcher.leave_queue_bound_to_fronts()   # the front bounds the queue (Ready says how)
         core_pd = CorePD(pd, batcher.artifact) if pd is not None else None
         sender = _Sender(outbox)
@@ -426,6 +430,7 @@ class CoreLoop:
         self.summaries = CoreSummaries()
         self.receiver = _Receiver(inbox, front_pids)
         self.received = self.receiver.received  # the front's messages, decoded, in order
+        self.lora = CoreLora(batcher, self.received.put)  # LoRA loads (docs/lora.md)
         self.outbox = outbox
         self.held: list[Any] = []             # messages for the sender, until a device call
         batcher.on_device_call = self.hand_over
@@ -455,7 +460,7 @@ class CoreLoop:
         batcher = self.batcher
         return Ready(rules=batcher.rules(), policy=batcher.policy.label,
                      max_waiting=batcher.max_waiting, stats=batcher.stats(),
-                     pid=os.getpid())
+                     pid=os.getpid(), loras=self.lora.loras())
 
     def hand_over(self) -> None:
         """Give the sender the messages held so far (at a device call, or before waiting)."""
@@ -475,6 +480,7 @@ class CoreLoop:
             self._run()
         finally:
             self.receiver.stop()
+            self.lora.close()
             self.hand_over()
 
     def _run(self) -> None:
@@ -689,6 +695,18 @@ class CoreLoop:
         elif isinstance(message, SummaryRequest):
             summary = self.summaries.answer(self.batcher, message)
             self.send(summary if routes is None else To(front, summary))
+        elif isinstance(message, LoadLora | UnloadLora | Loaded):
+            if isinstance(message, LoadLora):
+                done = self.lora.load(message, front if routes is not None else None)
+            else:
+                done = self.lora.unload(message) if isinstance(message, UnloadLora) else \
+                    message.done
+            if done is not None and routes is not None and done.error is None:
+                # every front hears of the change first (seq 0 waits for nothing), so the one
+                # that asked answers its client once all of them were told (docs/lora.md)
+                self.send(msgspec.structs.replace(done, seq=0))
+            if done is not None:
+                self.send(done if routes is None else To(front, done))
         elif isinstance(message, _Refused):  # sent with the next Step, as a refused submit
             error = RequestOutput(request_id=message.request_id, new_token_ids=(),
                                   finished=True, finish_reason="error", error=message.error)
@@ -751,7 +769,7 @@ class CoreLoop:
                 kv = self.pd.source(self.batcher, message, tokens)
             # validated by the front against the rules this core reported: not again
             self.batcher.submit(tokens, message.params, request_id=message.request_id, kv=kv,
-                                validated=True)
+                                lora=message.lora, validated=True)
         except Exception as exc:  # one bad request must not stop the loop
             if kv is not None:
                 kv.close()

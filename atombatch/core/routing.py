@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from atombatch.cluster.summary import CacheSummarizer
+from atombatch.cluster.summary import CacheSummarizer, cache_roots
 from atombatch.core.messages import Summary, SummaryRequest
 from atombatch.errors import ConfigError
 from atombatch.logs import logger
@@ -42,4 +42,6 @@ class CoreSummaries:
                 log.warning("core.summary_refused", error=str(exc))
                 return Summary(None)
             self._key = key
-        return Summary(self._summarizer.summary(scheduler.prefix, scheduler.host))
+        return Summary(self._summarizer.summary(
+            scheduler.prefix, scheduler.host,
+            roots=cache_roots(batcher.lora_adapters.values())))

@@ -28,6 +28,7 @@ from atombatch.api.mailbox import Mailbox, as_outputs, plain_output
 from atombatch.api.structs import Completion, RequestOutput, SamplingParams
 from atombatch.artifact.config import ArtifactConfig
 from atombatch.engine.batcher import Batcher, EngineStats, KVSource
+from atombatch.engine.lora import adapter_named
 from atombatch.errors import (
     AtomBatchError,
     CapacityError,
@@ -87,7 +88,8 @@ class OutputStreams(abc.ABC):
     @abc.abstractmethod
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                params: SamplingParams | None = None, request_id: str | None = None,
-               kv: KVSource | None = None, *, validated: bool = False) -> str:
+               kv: KVSource | None = None, *, lora: str | None = None,
+               validated: bool = False) -> str:
         """What the subclass does (see AsyncBatcher and CoreClient)."""
 
     @abc.abstractmethod
@@ -200,15 +202,18 @@ class OutputStreams(abc.ABC):
 
     async def stream(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                      params: SamplingParams | None = None, request_id: str | None = None,
-                     kv: KVSource | None = None) -> AsyncIterator[RequestOutput]:
-        """Submit and iterate; cancelling the consuming task aborts the request."""
-        request_id = self.submit(prompt, params, request_id, kv)
+                     kv: KVSource | None = None, *,
+                     lora: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit and iterate; cancelling the consuming task aborts the request (`lora`: the
+        adapter it runs under, by name)."""
+        request_id = self.submit(prompt, params, request_id, kv, lora=lora)
         async with contextlib.aclosing(self.outputs(request_id)) as outs:
             async for out in outs:
                 yield out
 
     async def generate(self, prompt: Sequence[int] | npt.NDArray[np.integer],
-                       params: SamplingParams | None = None) -> Completion:
+                       params: SamplingParams | None = None, *,
+                       lora: str | None = None) -> Completion:
         """Submit and wait for the whole completion (one choice; `generate_choices` for n > 1).
 
         Raises:
@@ -217,18 +222,19 @@ class OutputStreams(abc.ABC):
         if params is not None and params.n > 1:
             raise RequestError(f"n={params.n}: generate returns one completion; use "
                                "generate_choices for n > 1")
-        [completion] = await self.generate_choices(prompt, params)
+        [completion] = await self.generate_choices(prompt, params, lora=lora)
         return completion
 
     async def generate_choices(self, prompt: Sequence[int] | npt.NDArray[np.integer],
-                               params: SamplingParams | None = None) -> list[Completion]:
+                               params: SamplingParams | None = None, *,
+                               lora: str | None = None) -> list[Completion]:
         """Submit and wait for every choice of the request: `params.n` completions in choice
         order (`Completion.index`). A request that failed ends with `finish_reason="error"` and
         the failure in `error`, also when the engine failed before a choice produced anything."""
         done: dict[int, Completion] = {}
         tokens: dict[int, list[int]] = {}
         n = 1 if params is None else params.n
-        async for out in self.stream(prompt, params):
+        async for out in self.stream(prompt, params, lora=lora):
             tokens.setdefault(out.index, []).extend(out.new_token_ids)
             if out.completion is not None:
                 done[out.index] = out.completion
@@ -372,12 +378,14 @@ class AsyncBatcher(OutputStreams):
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                params: SamplingParams | None = None, request_id: str | None = None,
-               kv: KVSource | None = None, *, validated: bool = False) -> str:
+               kv: KVSource | None = None, *, lora: str | None = None,
+               validated: bool = False) -> str:
         """Validate and queue a request; its outputs arrive through `outputs(request_id)`.
         `validated`: the caller checked it with `validate` already (it is not checked again;
         the engine's loop never checks it: each request is validated once).
 
         `kv` is a PD source (see `Batcher.submit`): the KV and first token come from a producer.
+        `lora`: a loaded LoRA adapter (`Batcher.lora_adapters`) by name; None: the base model.
 
         Raises:
             RequestError: the request is invalid, the batcher is closing, or the id is in use.
@@ -388,6 +396,9 @@ class AsyncBatcher(OutputStreams):
         params = params or SamplingParams()
         tokens = np.asarray(prompt, dtype=np.int64) if validated else \
             self.batcher.validate(prompt, params)
+        if lora is not None:  # an unknown name is refused here, not in the loop
+            adapter_named(self.batcher.lora_adapters, lora,
+                          self.batcher.capabilities.lora_loadable)
         limit = self.batcher.waiting_limit
         if limit is not None:
             waiting = self.batcher.num_waiting + \
@@ -399,7 +410,7 @@ class AsyncBatcher(OutputStreams):
             request_id = f"areq-{self._next_id}"
             self._next_id += 1
         self._open(request_id)
-        self._inbox.append(("submit", (tokens, params, request_id, kv)))
+        self._inbox.append(("submit", (tokens, params, request_id, kv, lora)))
         self._poke()
         return request_id
 
@@ -411,6 +422,22 @@ class AsyncBatcher(OutputStreams):
 
     def stats(self) -> EngineStats:
         return self.batcher.stats()
+
+    @property
+    def loras(self) -> list[str]:
+        """The LoRA adapters requests may name."""
+        return sorted(self.batcher.lora_adapters)
+
+    async def load_lora(self, name: str, path: str) -> list[str]:
+        """`Batcher.load_lora` on a worker thread (the files are read off the event loop and
+        the step loop); returns the adapters loaded then."""
+        await asyncio.to_thread(self.batcher.load_lora, name, path)
+        return self.loras
+
+    async def unload_lora(self, name: str) -> list[str]:
+        """`Batcher.unload_lora`; returns the adapters left."""
+        await asyncio.to_thread(self.batcher.unload_lora, name)
+        return self.loras
 
     # -- what a front asks of the engine it serves (the same on `CoreClient`) ---------------------
     @property
@@ -443,10 +470,10 @@ class AsyncBatcher(OutputStreams):
         inbox, self._inbox = self._inbox, []
         for kind, payload in inbox:
             if kind == "submit":
-                tokens, params, request_id, kv = payload
+                tokens, params, request_id, kv, lora = payload
                 try:
                     self.batcher.submit(tokens, params, request_id=request_id, kv=kv,
-                                        validated=True)
+                                        lora=lora, validated=True)
                 except Exception as exc:  # one bad request must not stop the loop
                     if kv is not None:  # the engine never took the source: release it here
                         with contextlib.suppress(Exception):

@@ -12,8 +12,8 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -33,6 +33,7 @@ from atombatch.artifact.config import ArtifactConfig
 from atombatch.engine.checkpoints import run_slot_ops, slot_ops_supported
 from atombatch.engine.groups import Group, Move, num_held
 from atombatch.engine.kv_manager import MAX_CHAIN
+from atombatch.engine.lora import adapter_in_use, adapter_named, check_max_loras, next_lora_id
 from atombatch.engine.outputs import Extras, OutputBuilder
 from atombatch.engine.pd_intake import KVLink, KVSource, PDIntake
 from atombatch.engine.pipeline import NUM_FLIGHTS, DeviceThread, Flight, decode_logits, make_flights
@@ -45,7 +46,7 @@ from atombatch.errors import (
     TransientDeviceError,
 )
 from atombatch.kernel import blocks as core
-from atombatch.kernel.prefix import HostCache
+from atombatch.kernel.prefix import HostCache, adapter_root
 from atombatch.logs import enabled as log_enabled
 from atombatch.logs import log
 from atombatch.runtime.base import Capabilities, Runtime
@@ -60,6 +61,9 @@ from atombatch.sampling.sampler import (
     SampleResult,
     sample_rows,
 )
+
+if TYPE_CHECKING:
+    from atombatch.artifact.lora import LoraAdapter
 
 __all__ = ["DEFAULT_MAX_WAITING", "Batcher", "EngineStats", "Extras", "Group", "KVLink",
            "KVSource", "StepResult"]
@@ -134,6 +138,11 @@ class Batcher:
         overlap: run steady decodes as a pipeline on a device thread, each step's inputs
             built while the step before it runs (atombatch/engine/pipeline.py); `step()` then returns
             the step that landed while the next one is on the device.
+        max_loras: on a runtime with LoRA adapters, the distinct adapters whose requests hold
+            lanes at once (vLLM's `--max-loras`; the base model is not one); a request whose
+            adapter does not fit waits while others are admitted (docs/lora.md). None: no cap.
+        max_lora_rank: the largest adapter rank `load_lora` accepts (vLLM's
+            `--max-lora-rank`); None: the loader's bound.
 
     A Batcher is driven by one consumer: `step()` raises `StateError` when another thread is
     already inside it (two interleaved steps would corrupt the lane tables); `submit` and `abort`
@@ -154,8 +163,11 @@ class Batcher:
                  tokenizer: Any | None = None,
                  logprobs_mode: LogprobsMode = _D.logprobs_mode, detokenize: bool = _D.detokenize,
                  argmax_threads: int | None = _D.argmax_threads,
-                 overlap: bool = _D.overlap, log_requests: bool = _D.log_requests) -> None:
+                 overlap: bool = _D.overlap, log_requests: bool = _D.log_requests,
+                 max_loras: int | None = _D.max_loras,
+                 max_lora_rank: int | None = _D.max_lora_rank) -> None:
         artifact: ArtifactConfig = runtime.artifact
+        check_max_loras(max_loras)
         if not isinstance(overlap, bool):
             raise ConfigError(f"overlap={overlap!r} must be True or False")
         if logprobs_mode not in LOGPROBS_MODES:
@@ -175,7 +187,14 @@ class Batcher:
             if host_cache_bytes else None
         self.scheduler = Scheduler(artifact, policy, eos_token_ids=self.spec.eos_token_ids,
                                    prefix_cache=prefix_cache, host_cache=self.host_cache,
-                                   checkpoint_bytes=checkpoint_bytes)
+                                   checkpoint_bytes=checkpoint_bytes,
+                                   lora=caps.lora and (not caps.lora_loadable or
+                                                       bool(self.lora_adapters)),
+                                   max_loras=max_loras if caps.lora else None)
+        # the rows' adapter ids (atombatch/engine/lora.py); None until a request names an
+        # adapter on a runtime that loads them (until then every row is the base model's, and
+        # the runtime is called as one without LoRA), and on a runtime without LoRA
+        self._lora = self.scheduler.lora
         self.clock: Callable[[], float] = clock or caps.clock or time.perf_counter
         if max_waiting is not None and (isinstance(max_waiting, bool) or
                                         not isinstance(max_waiting, int) or max_waiting < 1):
@@ -214,7 +233,7 @@ class Batcher:
             policy=self.scheduler.policy.label, seed=seed, max_waiting=max_waiting,
             pd_timeout=pd_timeout, pd_deadline=pd_deadline, logprobs_mode=logprobs_mode,
             detokenize=detokenize, argmax_threads=argmax_threads, overlap=overlap,
-            log_requests=log_requests)
+            log_requests=log_requests, max_loras=max_loras, max_lora_rank=max_lora_rank)
         self._samplers: dict[str, RequestSampler] = {}  # requests that are not plain greedy
         self._grammars: Grammars | None = None     # structured output (built on first use)
         # structured requests whose grammar compiles: (the compile, the choices waiting for it)
@@ -336,7 +355,8 @@ class Batcher:
 
     def submit(self, prompt: Sequence[int] | npt.NDArray[np.integer],
                params: SamplingParams | None = None, request_id: str | None = None,
-               kv: KVSource | None = None, *, validated: bool = False) -> str:
+               kv: KVSource | None = None, *, lora: str | None = None,
+               validated: bool = False) -> str:
         """Queue a request; returns its id.
 
         `validated`: the prompt and params already passed `validate` against this engine's
@@ -348,6 +368,9 @@ class Batcher:
         the artifact, its layers are imported as they come, and decoding starts from the
         producer's first token. Any fault of the source fails this request alone.
 
+        `lora`: the name of a loaded LoRA adapter (`lora_adapters`) the request runs under
+        (None: the base model); its prefix-cache entries are its adapter's alone.
+
         Raises:
             RequestError: the request is invalid (nothing is queued).
             CapacityError: `max_waiting` requests are already waiting.
@@ -355,6 +378,8 @@ class Batcher:
         params = params or SamplingParams()
         tokens = np.array(prompt, dtype=np.int64) if validated else \
             self.validate(prompt, params)
+        adapter = None if lora is None else \
+            adapter_named(self.lora_adapters, lora, self.capabilities.lora_loadable)
         n = params.n
         if kv is not None and (n > 1 or params.logprobs is not None or params.bad_words):
             raise RequestError("n > 1, logprobs and bad_words need the engine to sample the first "
@@ -386,11 +411,18 @@ class Batcher:
         if kv is not None:
             self._pd.expect(kv, tokens)  # let the source check the header on arrival
         with self._step_lock:  # from another thread: waits for a running step to end
+            if adapter is not None:
+                if adapter.name not in self.lora_adapters:
+                    raise RequestError(f"lora={lora!r} was unloaded before the request was "
+                                       "queued")
+                if self._lora is None:  # the first request under an adapter
+                    self._lora = self.scheduler.enable_lora()
             if n == 1:
-                request = self._new_request(request_id, request_id, 0, tokens, params, arrival)
+                request = self._new_request(request_id, request_id, 0, tokens, params, arrival,
+                                            adapter)
                 if kv is not None:
                     request.pd = PDImport()
-                    self._pd.open(request_id, kv, request.arrival)
+                    self._pd.open(request_id, kv, request.arrival, adapter)
                 self.scheduler.add(request)
             else:
                 # Choice 0 prefills first; the others wait for it and start from its prompt's
@@ -401,7 +433,7 @@ class Batcher:
                 for index in range(n):
                     request = self._new_request(f"{request_id}#{index}", request_id, index,
                                                 tokens, Group.child_params(params, index),
-                                                arrival)
+                                                arrival, adapter)
                     group.add(request, held=bool(index and wait))
                     if not (index and wait):
                         self.scheduler.add(request)
@@ -415,6 +447,62 @@ class Batcher:
             log.debug("request.submitted", request_id=request_id, prompt_len=len(tokens),
                       max_tokens=request.max_tokens, n=n)
         return request_id
+
+    @property
+    def lora_adapters(self) -> Mapping[str, LoraAdapter]:
+        """The LoRA adapters requests may name (`submit(lora=)`), by name; empty on a runtime
+        without LoRA."""
+        adapters = getattr(self.runtime, "lora_adapters", None) if self.capabilities.lora else None
+        return adapters if adapters is not None else {}
+
+    def load_lora(self, name: str, path: str) -> LoraAdapter:
+        """Load the PEFT adapter in directory `path` under `name` (vLLM's `lora_name`) on a
+        runtime that takes adapters at run time; returns it. The files are read and checked
+        before the engine is locked; a step waits only for the runtime to take the weights.
+
+        Raises:
+            ConfigError: the adapter's files break a rule (named), or the runtime cannot load
+                adapters.
+            RequestError: `name` is loaded already.
+        """
+        if not self.capabilities.lora_loadable:
+            raise ConfigError("this runtime cannot load LoRA adapters at run time (a compiled "
+                              "artifact's adapters are fixed when it is compiled: docs/lora.md)")
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"lora_name={name!r} must be a non-empty string")
+        if name in self.lora_adapters:
+            raise RequestError(f"lora_name={name!r} is loaded already")
+        from atombatch.artifact.lora import load_peft  # reads files: only when asked
+        with self._step_lock:  # an id no other adapter has, taken under the engine's lock
+            lora_id = next_lora_id(self.lora_adapters)
+        adapter, weights = load_peft(path, name=name, lora_int_id=lora_id, spec=self.spec,
+                                     max_lora_rank=self._options.max_lora_rank)
+        with self._step_lock:
+            if name in self.lora_adapters or \
+                    any(a.lora_int_id == lora_id for a in self.lora_adapters.values()):
+                raise RequestError(f"lora_name={name!r} (or its id {lora_id}) was loaded "
+                                   "meanwhile by another caller")
+            self.runtime.add_lora(adapter, weights)  # type: ignore[attr-defined]
+        log.info("lora.loaded", name=name, lora_int_id=lora_id, rank=adapter.r)
+        return adapter
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter `name` (a loadable runtime's); refused while a request runs under it.
+
+        Raises:
+            ConfigError: the runtime cannot unload adapters.
+            RequestError: no adapter is loaded under `name`.
+            StateError: an unfinished request uses it.
+        """
+        if not self.capabilities.lora_loadable:
+            raise ConfigError("this runtime cannot unload LoRA adapters (its adapters are "
+                              "compiled into the artifact: docs/lora.md)")
+        with self._step_lock:
+            adapter = adapter_named(self.lora_adapters, name, True)
+            held = [m for group in self._groups.values() for m in group.held]
+            adapter_in_use(name, adapter.lora_int_id, self.scheduler.requests.values(), held)
+            self.runtime.remove_lora(name)  # type: ignore[attr-defined]
+        log.info("lora.unloaded", name=name, lora_int_id=adapter.lora_int_id)
 
     def prepare_structured(self) -> None:
         """Build what structured output needs now: llguidance's tokenizer takes about a second
@@ -511,7 +599,7 @@ class Batcher:
 
     def _new_request(self, internal_id: str, public_id: str, index: int,
                      tokens: npt.NDArray[np.int64], params: SamplingParams,
-                     arrival: float) -> Request:
+                     arrival: float, adapter: Any = None) -> Request:
         plain = params.plain_greedy
         rng = None
         if not plain:  # only a sampler draws: a greedy request costs no generator (~20 us)
@@ -519,6 +607,9 @@ class Batcher:
                 int(self._seed_seq.spawn(1)[0].generate_state(1)[0])
             rng = np.random.default_rng(seed)
         request = Request(internal_id, tokens, params, arrival, rng, self.artifact.max_seq_len)
+        if adapter is not None:
+            request.lora_id = adapter.lora_int_id
+            request.lora_root = adapter_root(adapter.identity)
         request.resolve_stops(self.spec.eos_token_ids)
         extras = self._outputs.track(request, public_id, index, self.tokenizer, self.detokenize)
         if extras is None:
@@ -807,7 +898,8 @@ class Batcher:
             if self._grammars is not None and plan.last_chunk and not request.recomputing:
                 self._prefetch_masks(plan, request)
             if collector is None:
-                logits = self._device_call(self.runtime.prefill, plan.inputs)
+                logits = self._device_call(self._rows_of_call(self.runtime.prefill),
+                                           plan.inputs)
                 row = np.asarray(logits).reshape(-1)
             else:
                 row = self._prefill_every_position(plan, collector)
@@ -848,7 +940,8 @@ class Batcher:
                                 collector: PromptLogprobs) -> npt.NDArray[np.floating]:
         """Run a prefill chunk for every position's logits; feed the real positions to the
         prompt logprobs; return the last real token's row (what the first token samples from)."""
-        prefill: Any = self.runtime.prefill  # the optional keyword (see runtime/base.py)
+        prefill: Any = self._rows_of_call(self.runtime.prefill)  # the optional keyword
+                                                                  # (see runtime/base.py)
         call = functools.partial(prefill, every_position=True)
         logits = np.asarray(self._device_call(call, plan.inputs))
         q, vocab = self.artifact.prefill_chunk_size, self.spec.vocab_size
@@ -925,7 +1018,7 @@ class Batcher:
         scheduler = self.scheduler
         kernel = self._kernel
         try:
-            raw = self._device_call(self.runtime.decode, plan.inputs)
+            raw = self._device_call(self._rows_of_call(self.runtime.decode), plan.inputs)
             logits, source = decode_logits(raw, plan.inputs.num_rows, self.spec.vocab_size)
             greedy = self._greedy[:logits.shape[0]]  # allocated once: the step allocates nothing
             self._argmax(source, greedy)
@@ -1284,11 +1377,11 @@ class Batcher:
 
     def _decode_call(self, inputs: Any) -> Any:
         """The device thread's decode call (timed as `_device_call` times the engine's own)."""
-        return self._timed_call(self.runtime.decode, inputs)
+        return self._timed_call(self._rows_of_call(self.runtime.decode), inputs)
 
     def _prefill_call(self, inputs: Any) -> Any:
         """The device thread's prefill call (a chunk planned ahead, `_decide`)."""
-        return self._timed_call(self.runtime.prefill, inputs)
+        return self._timed_call(self._rows_of_call(self.runtime.prefill), inputs)
 
     def _sample_special(self, logits: npt.NDArray[np.floating],
                         special: list[tuple[int, int, Request, RequestSampler]],
@@ -1342,6 +1435,12 @@ class Batcher:
             raise ConstraintFailed(_ALL_MASKED, param=_masking_param(request))
         self._outputs.keep_logprobs(request, result.logprobs[0])
         return int(result.tokens[0])
+
+    def _rows_of_call(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """`call` (the runtime's prefill or decode), given its rows' LoRA adapter ids on a
+        runtime with adapters (atombatch/engine/lora.py); as it is on any other."""
+        lora = self._lora
+        return call if lora is None else lora.through(call)
 
     def _device_call(self, call: Callable[[Any], Any], inputs: Any) -> Any:
         """One prefill or decode call, repeated once when the runtime says the fault was
@@ -1454,6 +1553,7 @@ class Batcher:
     def stats(self) -> EngineStats:
         s = self.scheduler
         free, spare, staged, lane, cached = s.pool.counts()
+        running, waiting = self._lora_stats() if self._lora is not None else ((), ())
         return EngineStats(
             **s.counters.snapshot(),  # every scheduler counter, under its own name
             occupied_lanes=s.lanes.num_busy, decoding_lanes=s.lanes.num_decoding(),
@@ -1463,7 +1563,20 @@ class Batcher:
             device_s=self._device_s, host_gap_s=self._host_gap_s, host_gaps=self._host_gaps,
             overlapped_steps=self._overlapped, overlapped_prefills=self._overlapped_prefills,
             overlapped_joins=self._overlapped_joins, chained_chunks=self._chained,
-            prefix_cache=s.prefix is not None, evictable_blocks=s.pool.num_evictable)
+            prefix_cache=s.prefix is not None, evictable_blocks=s.pool.num_evictable,
+            lora_running=running, lora_waiting=waiting)
+
+    def _lora_stats(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The adapters of the requests holding a lane and of those waiting for one (a runtime
+        with LoRA; `stats` is read a few times a second, never per step)."""
+        names = {a.lora_int_id: name for name, a in self.lora_adapters.items()}
+        running: set[str] = set()
+        waiting: set[str] = set()
+        for request in list(self.scheduler.requests.values()):
+            if request.lora_id:
+                (running if request.lane >= 0 else waiting).add(
+                    names.get(request.lora_id, str(request.lora_id)))
+        return tuple(sorted(running)), tuple(sorted(waiting))
 
     def check_invariants(self) -> None:
         """Raise `StateError` if any ownership invariant of docs/rules.md is broken."""

@@ -429,7 +429,7 @@ class KVManager:
         assert self.prefix is not None
         chain = request.chain
         if chain is None:
-            chain = request.chain = self.prefix.chain(request.prompt)
+            chain = request.chain = self.prefix.chain(request.prompt, request.lora_root)
         if chain.length < length:
             prompt_len = len(request.prompt)
             chain.extend(request.output[chain.length - prompt_len:length - prompt_len])

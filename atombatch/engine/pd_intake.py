@@ -20,10 +20,11 @@ from atombatch.pd.source import KVSource
 class KVLink:
     """The engine's side of one PD request: its source and what arrived so far."""
 
-    __slots__ = ("arrived", "header", "last_progress", "opened", "seen", "source")
+    __slots__ = ("arrived", "header", "last_progress", "lora", "opened", "seen", "source")
 
-    def __init__(self, source: KVSource, now: float) -> None:
+    def __init__(self, source: KVSource, now: float, lora: Any = None) -> None:
         self.source = source
+        self.lora = lora                 # the request's LoRA adapter (the header must name it)
         self.opened = now
         self.header: Any = None
         self.arrived: list[Any] = []     # validated layers not yet written
@@ -69,8 +70,10 @@ class PDIntake:
         if expect is not None:
             expect(self.artifact, prompt, self.require_full_prefix)
 
-    def open(self, request_id: str, source: KVSource, now: float) -> None:
-        self.links[request_id] = KVLink(source, now)
+    def open(self, request_id: str, source: KVSource, now: float, lora: Any = None) -> None:
+        """Link a request to its source; `lora`: its `LoraAdapter` (None: the base model),
+        whose identity the producer's header must carry."""
+        self.links[request_id] = KVLink(source, now, lora)
 
     def poll(self, requests: Mapping[str, Request], now: float) -> list[tuple[Request, str]]:
         """Collect what producers sent and validate it; returns the requests whose source broke
@@ -88,8 +91,11 @@ class PDIntake:
             try:
                 header, layers = link.source.poll()
                 if header is not None and link.header is None:
+                    lora = link.lora
                     pdmod.validate_header(header, self.artifact, request.prompt,
-                                          require_full=self.require_full_prefix)
+                                          require_full=self.require_full_prefix,
+                                          lora_identity=lora.identity if lora else "",
+                                          lora=lora.name if lora else None)
                     link.header = header
                     progress.header_ok = True
                     progress.covered_len = header.covered_len

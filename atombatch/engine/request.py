@@ -19,7 +19,7 @@ from atombatch.api.reports import EngineCounters
 from atombatch.api.structs import FinishReason, SamplingParams
 from atombatch.api.structs import stop_ids as stop_ids  # its old home (tests, embedders)
 from atombatch.errors import StateError
-from atombatch.kernel.prefix import Entry, TokenChain
+from atombatch.kernel.prefix import ROOT, Entry, TokenChain
 
 
 def output_limit(prompt_len: int, params: SamplingParams, max_seq_len: int) -> int:
@@ -96,7 +96,8 @@ class Request:
 
     __slots__ = ("admit_order", "admitted_at", "arrival", "blocks", "cached_tokens", "chain",
                  "compiling", "error", "error_param",
-                 "finish_reason", "first_token_at", "lane", "lane_flags", "max_tokens", "output",
+                 "finish_reason", "first_token_at", "lane", "lane_flags", "lora_bypassed", "lora_id",
+                 "lora_root", "max_tokens", "output",
                  "params", "pd", "preemptions", "prefill_pos", "prompt", "request_id", "rng",
                  "shared", "state", "stop_ids", "stops", "token_times")
 
@@ -142,6 +143,11 @@ class Request:
         self.chain: TokenChain | None = None  # prefix cache: its tokens' block digests
         self.lane_flags = 0              # StepKernel flags: LANE_SAMPLE, LANE_OWN_OUTPUT
         self.compiling = False           # its structured-output grammar is still compiling
+        # its LoRA adapter (docs/lora.md): the id its rows carry to the device (0: the base
+        # model), and the parent of its prefix chain's block 0 (`prefix.adapter_root`)
+        self.lora_id = 0
+        self.lora_root = ROOT
+        self.lora_bypassed = 0           # requests admitted past it while --max-loras held it
 
     def resolve_stops(self, eos_token_ids: Iterable[int]) -> Container[int]:
         """Fix the request's stop ids for a model with these EOS ids (once); returns `stops`."""

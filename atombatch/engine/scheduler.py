@@ -37,6 +37,12 @@ the layers which have arrived into its lane's blocks (or into the spare while ev
 into block 0 in single-block mode). When the last layer is in, the producer's first token is its
 first output; a partial prefix (allowed only outside single-block and hybrid modes) resumes as a
 native prefill at the chunk boundary below the covered length.
+
+LoRA adapters (docs/lora.md): a request's adapter id rides on its lane (`LoraRows.by_lane`, set
+by `_bind`, reset by `_release`) and every plan built writes its call's `lora_int_ids` beside its
+inputs. Under `max_loras`, admission (`_first_ready`, the one place every admission asks) skips a
+request whose adapter would exceed the cap and takes the next one; after `lora_bypass_limit`
+admissions past it, nothing passes it until it fits.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from atombatch.api.policy import DEFAULT_POLICY, POLICY_KINDS, Policy
 from atombatch.api.structs import FinishReason
 from atombatch.artifact.config import ArtifactConfig
 from atombatch.engine.kv_manager import KVManager
+from atombatch.engine.lora import LoraRows, fits, running_adapters
 from atombatch.engine.request import (
     ITERATION_TOKEN_BUCKETS,
     TRANSITIONS,
@@ -82,7 +89,8 @@ class Scheduler:
 
     def __init__(self, artifact: ArtifactConfig, policy: Policy | str = DEFAULT_POLICY,
                  eos_token_ids: Iterable[int] = (), prefix_cache: bool = False,
-                 host_cache: HostCache | None = None, checkpoint_bytes: int = 0) -> None:
+                 host_cache: HostCache | None = None, checkpoint_bytes: int = 0, *,
+                 lora: bool = False, max_loras: int | None = None) -> None:
         self.artifact = artifact
         self.policy = Policy.parse(policy)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -101,6 +109,20 @@ class Scheduler:
         self._join_at = np.full(artifact.batch_size, -1, dtype=np.int32)  # `_build_ahead`'s
         self._step_time = 0.0
         self._decode_plan = StepPlan(kind="decode", inputs=self.kv.decode_inputs)
+        # LoRA (`atombatch.engine.lora`): the rows' adapter ids (None: the runtime has no LoRA),
+        # the cap on distinct adapters running (`--max-loras`), the waiting request it holds
+        # back (admissions past it are counted: `lora_bypassed`) and how many it may see
+        self.lora = LoraRows(artifact.batch_size) if lora else None
+        self.max_loras = max_loras
+        self._lora_held: Request | None = None
+        self.lora_bypass_limit = artifact.batch_size
+
+    def enable_lora(self) -> LoraRows:
+        """Start writing the rows' adapter ids (the first request under an adapter: every lane
+        bound so far runs the base model, id 0)."""
+        if self.lora is None:
+            self.lora = LoraRows(self.artifact.batch_size)
+        return self.lora
 
     # -- the KV manager's structures, for readers -------------------------------------------------
     @property
@@ -159,7 +181,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         if self.kv.prefix is not None and request.chain is None:
-            request.chain = self.kv.prefix.chain(request.prompt)  # the prompt is hashed once
+            # the prompt is hashed once, under its adapter's root (docs/lora.md)
+            request.chain = self.kv.prefix.chain(request.prompt, request.lora_root)
 
     def _admit(self, now: float, limit: int | None = None) -> None:
         """Give idle lanes to the head of the queue (a staging request first), FCFS: at most
@@ -178,6 +201,8 @@ class Scheduler:
                     kv.blocks_for_prefill(request):
                 return  # head of line waits for blocks; finishing or preempted lanes free them
             self.waiting.remove(request)
+            if self.max_loras is not None:
+                self._admitted_past(request)
             lane = kv.lanes.assign()
             self._bind(request, lane, now)
             request.set_state(S.PREFILLING)
@@ -185,15 +210,44 @@ class Scheduler:
             self._event("lane.assigned", request_id=request.request_id, lane=lane)
 
     def _first_ready(self) -> Request | None:
-        """The oldest waiting request that can run (a PD request without its header cannot)."""
+        """The oldest waiting request that can run (a PD request without its header cannot;
+        nor, under `max_loras`, one whose adapter would exceed the cap: the ones behind it go
+        first, until `lora_bypass_limit` of them did)."""
+        if self.max_loras is None:
+            for request in self.waiting:
+                if request.ready:
+                    return request
+            return None
+        self._lora_held = held = None
+        running: set[int] | None = None
         for request in self.waiting:
-            if request.ready:
-                return request
+            if not request.ready:
+                continue
+            if request.lora_id:
+                if running is None:
+                    running = running_adapters(self.by_lane)
+                    if self.staging is not None and self.staging.lora_id:
+                        running.add(self.staging.lora_id)
+                if not fits(request, running, self.max_loras):
+                    if held is None:
+                        self._lora_held = held = request
+                    continue
+            if held is not None and held.lora_bypassed >= self.lora_bypass_limit:
+                return None  # it has waited long enough: nothing passes it any more
+            return request
         return None
+
+    def _admitted_past(self, request: Request) -> None:
+        """`request` is admitted while an older one waits for its adapter (`max_loras`)."""
+        held = self._lora_held
+        if held is not None and held is not request:
+            held.lora_bypassed += 1
 
     def _bind(self, request: Request, lane: int, now: float) -> None:
         request.lane = lane
         self.by_lane[lane] = request
+        if self.lora is not None:
+            self.lora.by_lane[lane] = request.lora_id
         if self.kv.slots is not None:
             self.kv.slots.reset(lane)
         request.admit_order = self._admit_counter
@@ -353,6 +407,8 @@ class Scheduler:
     def _start_staging(self, request: Request) -> None:
         """The queue's head starts filling the spare (every lane decodes)."""
         self.waiting.remove(request)
+        if self.max_loras is not None:
+            self._admitted_past(request)
         request.set_state(S.STAGING)
         self.staging = request
         spare = self.kv.stage(request)
@@ -399,6 +455,8 @@ class Scheduler:
         elif not self._ensure_blocks_held(request, extent):
             return None
         real = self.kv.build_prefill(request, tokens, start)
+        if self.lora is not None:
+            self.lora.fill_prefill(self.kv.prefill_inputs, request.lora_id)
         self._decodes_since_prefill = 0
         self._prefills_since_decode += 1
         return StepPlan(kind="prefill", inputs=self.kv.prefill_inputs,
@@ -483,6 +541,8 @@ class Scheduler:
             return None
         plan = self._decode_plan  # one object, reused: a decode step allocates no plan
         plan.rows = kv.build_decode()
+        if self.lora is not None:
+            self.lora.fill_decode(plan.inputs, plan.rows)
         plan.saves = plan.restores = plan.copies = plan.slot_saves = plan.slot_restores = ()
         self._decodes_since_prefill += 1
         self._prefills_since_decode = 0
@@ -531,6 +591,8 @@ class Scheduler:
         if rows <= 0:
             return False
         plan.rows = rows
+        if self.lora is not None:
+            self.lora.fill_decode(plan.inputs, rows)
         self._decodes_since_prefill += 1
         self._prefills_since_decode = 0
         return True
@@ -913,6 +975,8 @@ class Scheduler:
             lane = request.lane
             held = self.kv.release_lane(request, keep_kv)
             self.by_lane[lane] = None
+            if self.lora is not None:
+                self.lora.by_lane[lane] = 0
             request.lane = -1
             self._event("lane.released", request_id=request.request_id, lane=lane, blocks=held)
         elif request.state is S.WAITING:

@@ -51,6 +51,17 @@ PARTIAL = b"P"      # suffix of a partial block's hash input
 HASH_NAME = "xxh3_128"
 
 
+def adapter_root(identity: str) -> bytes:
+    """The parent digest of block 0 for a chain computed under a LoRA adapter (`identity`: the
+    adapter's hex digest, `LoraAdapter.identity`); the base model's is `ROOT`. Every digest of
+    the chain, and the key its first block's siblings are found by, follow from it, so a
+    prefix computed under one adapter never matches under another (docs/prefix-cache.md). A
+    fixed hash (seed 0): the router computes the same roots as the engines it routes to."""
+    if not identity:
+        return ROOT
+    return xxhash.xxh3_128(b"atombatch-lora\0" + identity.encode()).digest()
+
+
 def new_seed() -> int:
     """A random 64-bit hash seed: digests are unpredictable outside the process."""
     return int.from_bytes(os.urandom(8), "little")
@@ -92,9 +103,10 @@ class BlockHasher:
         self.digests_made += 1
         return state.digest()
 
-    def chain(self, tokens: npt.ArrayLike = ()) -> TokenChain:
-        """A chain over `tokens` (hashed now); more tokens are appended with `extend`."""
-        return TokenChain(self, tokens)
+    def chain(self, tokens: npt.ArrayLike = (), root: bytes = ROOT) -> TokenChain:
+        """A chain over `tokens` (hashed now); more tokens are appended with `extend`. `root`:
+        the parent of its block 0 (`adapter_root`)."""
+        return TokenChain(self, tokens, root)
 
 
 class TokenChain:
@@ -109,10 +121,13 @@ class TokenChain:
     """
 
     __slots__ = ("_buffer", "_digest_list", "_digest_rows", "_hasher", "_open", "_open_start",
-                 "length", "num_digests")
+                 "length", "num_digests", "root")
 
-    def __init__(self, hasher: BlockHasher, tokens: npt.ArrayLike = ()) -> None:
+    def __init__(self, hasher: BlockHasher, tokens: npt.ArrayLike = (),
+                 root: bytes = ROOT) -> None:
         self._hasher = hasher
+        # the parent of block 0: ROOT for the base model, `adapter_root` under a LoRA adapter
+        self.root = root
         data = np.asarray(tokens, dtype=np.int64).reshape(-1)
         self._buffer = np.empty(len(data) + 64, dtype=np.int64)  # room for some output
         self._digest_rows = np.empty((len(self._buffer) // hasher.block_size + 1, 16),
@@ -120,7 +135,7 @@ class TokenChain:
         self._digest_list: list[bytes] = []     # `digests`, made on demand
         self.length = 0
         self.num_digests = 0                    # full blocks digested
-        self._open = xxhash.xxh3_128(ROOT_INPUT, seed=hasher.seed)
+        self._open = xxhash.xxh3_128(root or ROOT_INPUT, seed=hasher.seed)
         self._open_start = 0            # first position of the open block
         self.extend(data)
 
@@ -194,7 +209,8 @@ class TokenChain:
             self._open_start = block_end
         full = (end - position) // block_size
         if full:
-            parent = last or (self.digest(self.num_digests - 1) if self.num_digests else ROOT)
+            parent = last or (self.digest(self.num_digests - 1) if self.num_digests else
+                              self.root)
             chain_digests(buffer, position, position + full * block_size, block_size, parent,
                           hasher.seed, self._rows_for(full), self.num_digests)
             self.num_digests += full
@@ -203,14 +219,15 @@ class TokenChain:
             self._open_start = position
             last = b""
         if not last:
-            last = self.digest(self.num_digests - 1) if self.num_digests else ROOT_INPUT
+            last = self.digest(self.num_digests - 1) if self.num_digests else \
+                (self.root or ROOT_INPUT)
         self._open = xxhash.xxh3_128(last, seed=hasher.seed)
         if position < end:
             self._open.update(buffer[position:end].data)
 
     def parent(self, block: int) -> bytes:
         """The digest block `block` is chained to."""
-        return self.digest(block - 1) if block else ROOT
+        return self.digest(block - 1) if block else self.root
 
     def partial_digest(self, end: int) -> bytes:
         """The digest of the partial block that ends at position `end` (not a block boundary).
@@ -490,13 +507,13 @@ class PrefixIndex:
         """Every cached block's entry (made for the call, not kept, where none was)."""
         return [self._entries.get(b) or self._make(b) for b in self._table.blocks()]
 
-    def chain(self, tokens: npt.ArrayLike = ()) -> TokenChain:
-        """A new request's chain: its prompt hashed once, here."""
-        return self.hasher.chain(tokens)
+    def chain(self, tokens: npt.ArrayLike = (), root: bytes = ROOT) -> TokenChain:
+        """A new request's chain: its prompt hashed once, here (`root`: `adapter_root`)."""
+        return self.hasher.chain(tokens, root)
 
-    def lookup(self, prompt: npt.ArrayLike) -> Match:
+    def lookup(self, prompt: npt.ArrayLike, root: bytes = ROOT) -> Match:
         """The longest cached prefix of `prompt` (hashes it; the scheduler uses `match`)."""
-        chain = self.hasher.chain(prompt)
+        chain = self.hasher.chain(prompt, root)
         return self.match(chain, chain.length)
 
     def match(self, chain: TokenChain, length: int) -> Match:
@@ -513,7 +530,7 @@ class PrefixIndex:
         match = Match(blocks[:matched], position, self)
         if position >= length:
             return match
-        parent = chain.digest(matched - 1) if matched else ROOT
+        parent = chain.digest(matched - 1) if matched else chain.root
         rest = chain.tokens[position:min(position + bs, length)]
         trie = self._tries.get(parent)
         if trie is not None:
@@ -615,7 +632,7 @@ class PrefixIndex:
         self._fit(max(blocks[first:stop]))
         duplicates, branched = self._table.insert_run(
             blocks, chain._digest_rows, first, min(stop, chain.num_digests),
-            chain.digest(first - 1) if first else ROOT, chain._buffer)
+            chain.digest(first - 1) if first else chain.root, chain._buffer)
         for block in branched:
             self._branch(self._table.parent(block), block)
         return duplicates

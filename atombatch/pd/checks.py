@@ -28,7 +28,8 @@ from atombatch.pd.wire import (
 
 def validate_header(header: KVHeader, artifact: ArtifactConfig,
                     prompt: Sequence[int] | npt.NDArray[np.integer[Any]], *,
-                    require_full: bool) -> None:
+                    require_full: bool, lora_identity: str | None = None,
+                    lora: str | None = None) -> None:
     """Check a producer's header against the decoder's artifact and the request's prompt.
 
     Args:
@@ -36,6 +37,9 @@ def validate_header(header: KVHeader, artifact: ArtifactConfig,
         artifact: the decoder's artifact.
         prompt: the request's prompt tokens.
         require_full: the decoder's mode needs the whole prompt's KV (single-block and hybrid).
+        lora_identity: the identity of the LoRA adapter the request runs under ("" for the base
+            model), which the producer must have run; `lora` its name, for the message. None:
+            not known here (a transport's early check): the engine checks it.
     Raises:
         RequestError: the first broken rule, naming the field, its value and the rule.
     """
@@ -56,6 +60,13 @@ def validate_header(header: KVHeader, artifact: ArtifactConfig,
         if value != mine:
             raise fail(field, value, f"the decoder's model has {field}={clip(repr(mine))}")
     check_header(header)  # the rest, field by field (in-process headers skip the wire's check)
+    if lora_identity is not None and header.lora_identity != lora_identity:
+        ran = "another LoRA adapter" if header.lora_identity else "the base model"
+        runs = f"LoRA adapter {lora!r} (identity {lora_identity!r})" if lora_identity else \
+            "the base model"
+        raise fail("lora_identity", header.lora_identity,
+                   f"the producer ran {ran}; the request runs under {runs}, and its producer "
+                   "must run the same adapter")
     if header.dtype not in WIRE_DTYPES:
         raise fail("dtype", header.dtype, f"must be one of {sorted(WIRE_DTYPES)}")
     if header.dtype == FLOAT8 and artifact.kv_dtype != FLOAT8:

@@ -148,8 +148,9 @@ class ProducerPool:
             return best
 
     def open(self, request_id: str, prompt: Sequence[int],
-             params: SamplingParams | None = None) -> _PooledSource:
-        """A KV source for `prompt` from the least loaded available producer.
+             params: SamplingParams | None = None, lora: str | None = None) -> _PooledSource:
+        """A KV source for `prompt` from the least loaded available producer (`lora`: the
+        LoRA adapter it prefills under, by name; the factory is given it as `lora=`).
 
         Raises:
             CapacityError: no producer is available.
@@ -158,7 +159,7 @@ class ProducerPool:
         producer = self.choose()
         try:
             inner = self._factory(producer.endpoint, request_id, list(prompt), params,
-                                  self.mode)
+                                  self.mode, **({"lora": lora} if lora is not None else {}))
         except Exception:
             self._closed(producer)
             self._transport_failed(producer)

@@ -100,8 +100,32 @@ class Producer:
             layer_kinds=spec.layer_kinds, prompt_len=len(tokens), covered_len=covered,
             first_token=first, dtype=self.dtype, kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim, sliding_window=window,
-            layer_tokens=expected_layer_tokens(spec.layer_kinds, covered, window))
+            layer_tokens=expected_layer_tokens(spec.layer_kinds, covered, window),
+            lora_identity=self._lora_identity(lora_int_id))
         return KVPayload(header, layers)
+
+    def _lora_identity(self, lora_int_id: int) -> str:
+        """What the header says of the adapter the prefill ran (checked by `_lora_kwargs`)."""
+        if lora_int_id == BASE_LORA_ID:
+            return ""
+        adapters = getattr(self.runtime, "lora_adapters", None) or {}
+        return next(a.identity for a in adapters.values() if a.lora_int_id == lora_int_id)
+
+    def lora_int_id_of(self, name: str | None) -> int:
+        """The id this producer's runtime gives adapter `name` (None: the base model, 0); a
+        decoder asks by name (`KVRequest.lora`): ids are each process's own.
+
+        Raises:
+            RequestError: no adapter of that name is loaded here.
+        """
+        if name is None:
+            return BASE_LORA_ID
+        adapters = getattr(self.runtime, "lora_adapters", None) or {}
+        adapter = adapters.get(name)
+        if adapter is None:
+            raise RequestError(f"lora={name[:80]!r} is not a LoRA adapter of this producer "
+                               f"(loaded: {', '.join(sorted(adapters)) or 'none'})")
+        return int(adapter.lora_int_id)
 
     def _lora_kwargs(self, lora_int_id: int) -> dict[str, np.ndarray]:
         """The prefill's `lora_int_ids` keyword: none for the base on a runtime without LoRA."""

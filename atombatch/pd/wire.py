@@ -67,6 +67,10 @@ class KVHeader(msgspec.Struct, frozen=True):
     head_dim: int                    # K/V head dimension (axis 2)
     sliding_window: int              # sliding layers' window, 0 for a model without them
     layer_tokens: tuple[int, ...]    # per layer: covered_len (global) or min(covered_len, window)
+    # the LoRA adapter the prefill ran under (`LoraAdapter.identity`, a digest of its config and
+    # weights); "" for the base model. The decoder refuses a header whose adapter is not the
+    # request's (docs/pd.md)
+    lora_identity: str = ""
 
 
 class LayerKV(msgspec.Struct, frozen=True, eq=False):
@@ -164,7 +168,7 @@ def check_header(header: KVHeader, where: str = "KV header") -> None:
     def fail(field: str, value: object, rule: str) -> KVTransferError:
         return KVTransferError(f"{where} {field}={clip(repr(value))}: {rule}")
 
-    for field in ("request_id", "model_identity", "dtype"):
+    for field in ("request_id", "model_identity", "dtype", "lora_identity"):
         value = getattr(header, field)
         if len(value) > MAX_ID_CHARS:
             raise fail(field, value, f"longer than {MAX_ID_CHARS} characters")
@@ -207,6 +211,7 @@ class KVRequest(msgspec.Struct, frozen=True):
     params: SamplingParams = SamplingParams()  # how to sample the first token
     mode: str = "layer-stream"       # "whole" | "layer-stream" (pacing; the frames are the same)
     covered_len: int | None = None   # prefix to prefill; None = the whole prompt
+    lora: str | None = None          # the LoRA adapter to prefill under, by name (None: the base)
 
 
 _header_decoder = msgspec.msgpack.Decoder(KVHeader)

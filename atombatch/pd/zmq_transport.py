@@ -224,8 +224,10 @@ class ZmqProducerServer:
         sent = 0
         try:
             mode: Mode = "whole" if request.mode == "whole" else "layer-stream"
+            lora_int_id = self.producer.lora_int_id_of(request.lora)
             for item in self.producer.stream(request.request_id, request.prompt, request.params,
-                                             mode=mode, covered_len=request.covered_len):
+                                             mode=mode, covered_len=request.covered_len,
+                                             lora_int_id=lora_int_id):
                 if peer.routing_id not in self._peers:
                     return  # dropped while its reply was being made
                 if isinstance(item, KVHeader):
@@ -333,7 +335,8 @@ class ZmqSource:
                  heartbeat_ivl: float = 1.0, heartbeat_timeout: float = 5.0,
                  artifact: ArtifactConfig | None = None, require_full: bool | None = None,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES) -> None:
+                 max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
+                 lora: str | None = None) -> None:
         import zmq
 
         if mode not in MODES:
@@ -366,7 +369,7 @@ class ZmqSource:
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         request = KVRequest(request_id=request_id, prompt=[int(t) for t in self._prompt],
                             params=params or SamplingParams(temperature=0.0), mode=mode,
-                            covered_len=covered_len)
+                            covered_len=covered_len, lora=lora)
         try:
             self._socket.connect(endpoint)
             self._socket.send_multipart([REQUEST, encoder.encode(request)])

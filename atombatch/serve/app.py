@@ -35,7 +35,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -53,11 +53,17 @@ from atombatch.api.validation import queue_limit
 from atombatch.core import CoreClient
 from atombatch.engine.aio import AsyncBatcher, compact_outputs
 from atombatch.engine.batcher import Batcher
-from atombatch.errors import CapacityError, ConfigError, RequestError, UnavailableError
+from atombatch.errors import (
+    CapacityError,
+    ConfigError,
+    RequestError,
+    StateError,
+    UnavailableError,
+)
 from atombatch.logs import logger
 from atombatch.sampling.detokenizer import bad_word_ids
 from atombatch.sampling.grammar_check import GRAMMAR_WALL_SECONDS
-from atombatch.serve import schema, vllm_api
+from atombatch.serve import lora, schema, vllm_api
 from atombatch.serve.api_error import ApiError
 from atombatch.serve.auth import BearerAuth
 from atombatch.serve.chat_output import (
@@ -191,6 +197,8 @@ class _Generation:
         self.max_tokens = 0                  # its resolved max_tokens (vLLM's metrics)
         self.cached_tokens: int | None = None  # prompt tokens the prefix cache saved (the
                                              #   engine's count, on choice 0's completion)
+        self.model = server.model_name        # the `model` it answers with: the adapter's name
+                                             #   when it runs one (vLLM's)
 
     @property
     def token_ids(self) -> list[int]:
@@ -419,11 +427,17 @@ class _Server:
             worker_target=grammar_check, wall_seconds=grammar_wall_seconds)
         self.constraints = ChatConstraints(self.structured, reasoning_parser,
                                            getattr(codec, "tokenizer", None))
+        self.max_loras: int | None = None  # --max-loras (vLLM's `max_lora` label)
+        self.enable_lora = False            # --enable-lora (or an embedder's enable_lora=True)
+        self.lora_paths: dict[str, str] = {}  # adapter -> the directory this front knows
+        self.max_cpu_loras = lora.DEFAULT_MAX_CPU_LORAS  # adapters loaded at once, at most
         self.metrics = ServerMetrics(ab.stats, self.artifact, model_name,
-                                     shared=getattr(ab, "shared", None))
+                                     shared=getattr(ab, "shared", None),
+                                     max_lora=self.max_lora_label)
         self.accepting = False
         self.prompt_tokens_details = False  # --enable-prompt-tokens-details
         self.created = int(time.time())
+        self.lora_lock = asyncio.Lock()     # adapters load and unload one at a time
 
     # -- request parsing ---------------------------------------------------------------------------
     async def decode(self, request: Request, kind: type[T]) -> T:
@@ -554,9 +568,7 @@ class _Server:
 
     def params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                echo: Echo | None = None) -> SamplingParams:
-        if body.model is not None and body.model != self.model_name:
-            raise ApiError(404, f"model {_clip(repr(body.model))} is not served here; this server serves "
-                           f"{self.model_name!r}", param="model", code="model_not_found")
+        self.check_model(body.model)
         prompt_logprobs = body.prompt_logprobs
         if isinstance(body, CompletionRequest):
             logprobs = body.logprobs
@@ -613,14 +625,16 @@ class _Server:
             raise ApiError(400, str(exc), param=param, code="invalid_value") from None
 
     def submit(self, prefix: str, prompt: list[int], params: SamplingParams,
-               prompt_param: str, validated: bool = False) -> _Generation:
+               prompt_param: str, validated: bool = False, lora: str | None = None
+               ) -> _Generation:
         if not self.accepting:
             raise ApiError(503, "the server is shutting down", type="server_error",
                            code="shutting_down")
         accepted = time.perf_counter()
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         try:
-            self.ab.submit(prompt, params, request_id=request_id, validated=validated)
+            self.ab.submit(prompt, params, request_id=request_id, lora=lora,
+                           validated=validated)
         except CapacityError as exc:
             raise self.busy(exc) from None
         except UnavailableError as exc:
@@ -637,6 +651,7 @@ class _Server:
                           params)
         gen.max_tokens = params.max_tokens if params.max_tokens is not None else \
             self.artifact.max_seq_len - len(prompt)
+        gen.model = self.model_name if lora is None else lora
         return gen
 
     def busy(self, exc: CapacityError) -> ApiError:
@@ -749,7 +764,7 @@ class _Server:
         return batch
 
     def submit_all(self, prefix: str, prompts: list[list[int]], params: SamplingParams,
-                   prompt_param: str) -> list[_Generation]:
+                   prompt_param: str, lora: str | None = None) -> list[_Generation]:
         """Submit every prompt or none: a rejected one aborts those already queued. Each
         prompt is validated once (a batch's before any is queued; the engine and the core do
         not check again)."""
@@ -765,7 +780,7 @@ class _Server:
         gens: list[_Generation] = []
         try:
             for prompt in prompts:
-                gens.append(self.submit(prefix, prompt, params, prompt_param, validated))
+                gens.append(self.submit(prefix, prompt, params, prompt_param, validated, lora))
         except ApiError:
             for gen in gens:
                 gen.cancel()
@@ -805,7 +820,8 @@ class _Server:
         self.check_response_size(prompts, params, echo.max_tokens(body.max_tokens))
         self.check_samplable(params)
         try:
-            gens = self.submit_all("cmpl", prompts, params, "prompt")
+            gens = self.submit_all("cmpl", prompts, params, "prompt",
+                                   self.check_model(body.model))
         except ApiError as exc:
             raise self.echo_refusal(exc, echo) from None
         with _owned(gens):
@@ -827,7 +843,7 @@ class _Server:
         choices = await self.in_worker(self.completion_choices, gens, params, echo, echoed)
         total = _total_usage(gens) if echo.generate else _prompt_usage(gens)
         payload = await self.in_worker(_ENCODER.encode, CompletionResponse(
-            id=gens[0].request_id, created=created, model=self.model_name, choices=choices,
+            id=gens[0].request_id, created=created, model=gens[0].model, choices=choices,
             usage=total))
         return Response(payload, headers=headers, media_type="application/json")
 
@@ -898,7 +914,7 @@ class _Server:
 
         def chunk(choices: list[CompletionChoice], u: Usage | None = None) -> bytes:
             return _sse(CompletionResponse(id=gens[0].request_id, created=created,
-                                           model=self.model_name, choices=choices, usage=u))
+                                           model=gens[0].model, choices=choices, usage=u))
 
         n = len(gens[0].choices)
         offsets = [[0] * n for _ in gens]
@@ -1020,7 +1036,8 @@ class _Server:
         prompts = self.truncate([prompt], body)
         self.check_response_size(prompts, params, max_tokens)
         self.check_samplable(params)
-        gens = self.submit_all("chatcmpl", prompts, params, "messages")
+        gens = self.submit_all("chatcmpl", prompts, params, "messages",
+                               self.check_model(body.model))
         with _owned(gens):
             created = int(time.time())
             headers = self.headers(request)
@@ -1051,7 +1068,7 @@ class _Server:
                 stop_reason=c.stop_reason,
                 logprobs=self.chat_logprobs(c.logprobs) if want_logprobs else None))
         return _ENCODER.encode(ChatResponse(
-            id=gens[0].request_id, created=created, model=self.model_name, choices=choices,
+            id=gens[0].request_id, created=created, model=gens[0].model, choices=choices,
             usage=_total_usage(gens),
             prompt_logprobs=self.prompt_logprobs_json(gens[0].prompt_logprobs)))
 
@@ -1061,7 +1078,7 @@ class _Server:
         include_usage, continuous = usage
 
         def chunk(choices: list[ChatChunkChoice], u: Usage | None = None) -> bytes:
-            return _sse(ChatChunk(id=gens[0].request_id, created=created, model=self.model_name,
+            return _sse(ChatChunk(id=gens[0].request_id, created=created, model=gens[0].model,
                                   choices=choices, usage=u))
 
         n = len(gens[0].choices)
@@ -1192,15 +1209,126 @@ class _Server:
             card.update(front=shared.front, fronts=shared.fronts, front_pid=os.getpid())
         return card
 
+    def adapter_card(self, name: str) -> ModelCard:
+        """An adapter at /v1/models, as vLLM lists one: `root` its directory (a compiled
+        adapter, or one another front loaded: its name), `parent` the served model."""
+        info: dict[str, Any] = {}
+        adapter = self.ab.batcher.lora_adapters.get(name) \
+            if isinstance(self.ab, AsyncBatcher) else None
+        if adapter is not None:  # inline: the engine's own record of it
+            info = {"lora_int_id": adapter.lora_int_id, "r": adapter.r,
+                    "lora_alpha": adapter.lora_alpha,
+                    "target_modules": list(adapter.target_modules), "identity": adapter.identity}
+        root = self.lora_paths.get(name) or (adapter.path if adapter is not None else "") or name
+        return ModelCard(id=name, created=self.created, owned_by="atombatch", atombatch=info,
+                         max_model_len=self.artifact.max_seq_len, root=root,
+                         parent=self.model_name)
+
     async def models(self, request: Request) -> Response:
-        return _json(ModelList(data=[self.model_card()]))
+        cards = [self.model_card()]
+        cards += [self.adapter_card(name) for name in sorted(self.adapters())]
+        return _json(ModelList(data=cards))
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
-        if model_id != self.model_name:
-            raise ApiError(404, f"model {model_id!r} is not served here; this server serves "
-                           f"{self.model_name!r}", param="model", code="model_not_found")
-        return _json(self.model_card())
+        if model_id == self.model_name:
+            return _json(self.model_card())
+        self.check_model(model_id)
+        return _json(self.adapter_card(model_id))
+
+    # -- LoRA adapters (docs/lora.md#serving-adapters) -----------------------------------------
+    def adapters(self) -> list[str]:
+        """The LoRA adapters requests may name now (the engine's, or its core's as it last
+        said: every front of a shared core hears of each change)."""
+        return list(getattr(self.ab, "loras", None) or ())
+
+    def lora_on(self) -> bool:
+        """LoRA is on: `--enable-lora`, or adapters are served (a compiled artifact's)."""
+        return self.enable_lora or bool(self.adapters())
+
+    def max_lora_label(self) -> str | None:
+        """`vllm:lora_requests_info`'s `max_lora` label while LoRA is on, else None: the gauge
+        is not exported, as in vLLM without LoRA."""
+        if not self.lora_on():
+            return None
+        cap = self.max_loras
+        if cap is None and isinstance(self.ab, AsyncBatcher):
+            cap = self.ab.batcher.options.max_loras
+        return str(cap) if cap is not None else ""
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        try:
+            body = lora.decode_load(await self.read_body(request))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), code="invalid_value") from None
+        name, path = body.lora_name, body.lora_path
+        self.check_lora_on()
+        if name == self.model_name:
+            raise ApiError(400, f"The lora adapter '{name}' conflicts with a served base model.",
+                           param="lora_name", code="invalid_value")
+        async with self.lora_lock:  # one change at a time on this front
+            if name in self.adapters():
+                why = "load_inplace is not supported here: unload it first" \
+                    if body.load_inplace else \
+                    "If you want to load the adapter in place, set 'load_inplace' to True."
+                raise ApiError(400, f"The lora adapter '{name}' has already been loaded. {why}",
+                               param="lora_name", code="invalid_value")
+            loaded = len(self.adapters())
+            if loaded >= self.max_cpu_loras:
+                raise ApiError(400, f"{loaded} LoRA adapters are loaded, at most "
+                               f"max_cpu_loras={self.max_cpu_loras} (--max-cpu-loras): unload "
+                               "one first", param="lora_name", code="too_many_adapters")
+            try:  # the files are read on the engine's loader thread, never on this loop
+                await self.ab.load_lora(name, path)
+            except (ConfigError, RequestError) as exc:
+                raise ApiError(400, f"lora_path {_clip(repr(path))}: {exc}", param="lora_path",
+                               code="invalid_value") from None
+            except UnavailableError as exc:
+                raise ApiError(exc.http_status, str(exc), type="server_error",
+                               code="engine_unavailable") from None
+            served = set(self.adapters())  # (forget those other fronts unloaded: bounded)
+            self.lora_paths = {n: p for n, p in self.lora_paths.items() if n in served}
+            self.lora_paths[name] = path
+        log.info("lora.loaded", name=name, path=path)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.",
+                        media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        try:
+            body = lora.decode_unload(await self.read_body(request))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), code="invalid_value") from None
+        name = body.lora_name
+        self.check_lora_on()
+        async with self.lora_lock:
+            if name not in self.adapters():
+                raise self.adapter_not_found(name)
+            try:
+                await self.ab.unload_lora(name)
+            except ConfigError as exc:  # compiled adapters
+                raise ApiError(400, str(exc), param="lora_name",
+                               code="unsupported_value") from None
+            except (StateError, RequestError) as exc:  # in use (or gone meanwhile)
+                if name not in self.adapters():
+                    raise self.adapter_not_found(name) from None
+                raise ApiError(400, str(exc), param="lora_name", code="adapter_in_use") from None
+            except UnavailableError as exc:
+                raise ApiError(exc.http_status, str(exc), type="server_error",
+                               code="engine_unavailable") from None
+            self.lora_paths.pop(name, None)
+        log.info("lora.unloaded", name=name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.",
+                        media_type="text/plain")
+
+    @staticmethod
+    def adapter_not_found(name: str) -> ApiError:
+        return ApiError(404, f"The lora adapter '{_clip(name)}' cannot be found.",
+                        param="lora_name", code="adapter_not_found")
+
+    def check_lora_on(self) -> None:
+        if not self.lora_on():
+            raise ApiError(400, "LoRA is off: start the server with --enable-lora "
+                           "(docs/lora.md)", code="unsupported_value")
 
     # -- vLLM's operational endpoints (atombatch/serve/vllm_api.py) -----------------------------
     async def tokenize(self, request: Request) -> Response:
@@ -1233,10 +1361,23 @@ class _Server:
     async def tokenizer_info(self, request: Request) -> Response:
         return _json(vllm_api.tokenizer_info(self.codec, self.artifact.max_seq_len))
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"model {_clip(repr(model))} is not served here; this server "
-                           f"serves {self.model_name!r}", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The adapter a request's `model` names (None: the served model, or no `model`).
+
+        Raises:
+            ApiError: 404, the model is neither the served one nor a served adapter (vLLM's).
+        """
+        if model is None or model == self.model_name:
+            return None
+        if model in self.adapters():
+            return model
+        adapters = sorted(self.adapters())
+        also = f" and the LoRA adapters {_clip(', '.join(map(repr, adapters)))}" \
+            if adapters else ""
+        raise ApiError(404, f"model {_clip(repr(model))} is not served here; this server "
+                       f"serves {self.model_name!r}{also}", param="model",
+                       code="model_not_found")
+
 
     async def health(self, request: Request) -> Response:
         if not self.accepting or not self.ab.running:
@@ -1434,7 +1575,10 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                reasoning_parser: str | None = None,
                grammar_check: str | None = None,
                grammar_wall_seconds: float = GRAMMAR_WALL_SECONDS,
-               enable_prompt_tokens_details: bool = False) -> Starlette:
+               enable_prompt_tokens_details: bool = False,
+               enable_lora: bool = False, lora_paths: Mapping[str, str] | None = None,
+               lora_updates: bool | None = None, max_loras: int | None = None,
+               max_cpu_loras: int | None = None) -> Starlette:
     """Build the OpenAI-compatible app for one engine.
 
     Args:
@@ -1471,6 +1615,16 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
             `grammar_check.GRAMMAR_SECONDS`).
         enable_prompt_tokens_details: a final `usage` carries `prompt_tokens_details`
             (`cached_tokens`: prompt tokens the prefix cache saved), as vLLM's flag.
+        enable_lora: LoRA adapters may be loaded (vLLM's `--enable-lora`); adapters an engine
+            serves (a compiled artifact's, `--lora-modules`) are served either way.
+        lora_paths: adapter name -> its directory, shown as `root` at /v1/models (the
+            `--lora-modules` ones; the front adds those it loads).
+        lora_updates: route `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (None: when
+            `VLLM_ALLOW_RUNTIME_LORA_UPDATING` is 1 or true, as vLLM; docs/lora.md).
+        max_cpu_loras: adapters loaded at once at most (`--max-cpu-loras`): a load past it
+            answers 400 (None: `lora.DEFAULT_MAX_CPU_LORAS`, or more if more are served).
+        max_loras: the engine's `--max-loras`, shown as `vllm:lora_requests_info`'s
+            `max_lora` label (None: read from an in-process engine's options).
 
     Returns:
         A Starlette app to run with uvicorn; `atombatch.serve.limits.uvicorn_config(app, ...)`
@@ -1506,6 +1660,17 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
                      body_timeout, bounds, max_response_bytes, max_structured_chars,
                      tool_parser, reasoning_parser, grammar_check, grammar_wall_seconds)
     server.prompt_tokens_details = enable_prompt_tokens_details
+    server.max_loras = max_loras
+    server.enable_lora = enable_lora
+    if max_cpu_loras is not None:
+        server.max_cpu_loras = max_cpu_loras
+    server.lora_paths.update(lora_paths or {})
+    if lora_updates is None:
+        lora_updates = lora.runtime_updates_allowed()
+    if lora_updates:
+        log.warning("lora.runtime_updates", note=f"{lora.ENV_RUNTIME_UPDATES} is set: "
+                    "/v1/load_lora_adapter and /v1/unload_lora_adapter are served (anyone "
+                    "who can reach /v1 can load adapters from this host's files)")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -1529,6 +1694,9 @@ def create_app(batcher_or_async: Batcher | AsyncBatcher | CoreClient, model_name
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", server.model, methods=["GET"]),
+        *([Route("/v1/load_lora_adapter", server.load_lora_adapter, methods=["POST"]),
+           Route("/v1/unload_lora_adapter", server.unload_lora_adapter, methods=["POST"])]
+          if lora_updates else []),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/version", server.version, methods=["GET"]),

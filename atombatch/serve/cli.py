@@ -49,8 +49,8 @@ from atombatch.api.options import (
 from atombatch.artifact.config import PRESETS, ArtifactConfig, ModelSpec
 from atombatch.engine.batcher import Batcher, prefix_cache_refusal
 from atombatch.engine.scheduler import POLICY_KINDS, Policy
-from atombatch.errors import ConfigError
-from atombatch.serve import schema, vllm_flags
+from atombatch.errors import ConfigError, RequestError
+from atombatch.serve import lora, schema, vllm_flags
 from atombatch.serve.chat_template import template_from_argument
 from atombatch.serve.limits import DEFAULT_MAX_RESPONSE_BYTES, ServerLimits
 from atombatch.serve.reasoning import REASONING_PARSER_NAMES
@@ -315,6 +315,29 @@ def parser() -> argparse.ArgumentParser:
                    default="raw_logprobs",
                    help="raw_logprobs: log-softmax of the model's logits (default, as vLLM); "
                    "processed_logprobs: of the distribution sampled from (docs/sampling.md)")
+    p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False,
+                   help="vLLM's flag: serve LoRA adapters on the numpy runtime (PEFT directories: "
+                   "--lora-modules, and /v1/load_lora_adapter with "
+                   f"{lora.ENV_RUNTIME_UPDATES}=1); --runtime rebel serves the adapters "
+                   "compiled into the artifact without it (docs/lora.md)")
+    p.add_argument("--lora-modules", nargs="+", action=lora.LoraModulesAction, default=None,
+                   metavar="NAME=PATH",
+                   help="vLLM's flag: adapters served under their names from the start, as "
+                   "name=path or the JSON object {\"name\": ..., \"path\": ..., "
+                   "\"base_model_name\": ...}; with --runtime rebel each name must be one the "
+                   "artifact holds")
+    p.add_argument("--max-lora-rank", type=int, choices=lora.MAX_LORA_RANKS,
+                   default=lora.DEFAULT_MAX_LORA_RANK, metavar="R",
+                   help=f"vLLM's flag: the largest adapter rank loaded (default "
+                   f"{lora.DEFAULT_MAX_LORA_RANK}; one of "
+                   f"{', '.join(map(str, lora.MAX_LORA_RANKS))})")
+    p.add_argument("--max-loras", type=int, default=lora.DEFAULT_MAX_LORAS, metavar="N",
+                   help="vLLM's flag: distinct adapters in one step at most (default "
+                   f"{lora.DEFAULT_MAX_LORAS}, as vLLM; the base model does not count)")
+    p.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="vLLM's flag: adapters loaded at once at most (each keeps its matrices "
+                   "in host memory); a load past it answers 400 (default: "
+                   f"{lora.DEFAULT_MAX_CPU_LORAS}, or the --lora-modules count if larger)")
     logs.add_arguments(p)
     vllm_flags.add_arguments(p)
     return p
@@ -500,18 +523,47 @@ def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,
         if reason is not None:
             log.info("prefix_cache.default_off", reason=reason)
     batcher = Batcher.from_options(runtime, engine_options(args, prefix_cache=prefix_cache))
+    serve_adapters(batcher, args)
     return batcher, args.served_model_name or spec.name, codec_from_args(args, model_dir)
+
+
+def serve_adapters(batcher: Batcher, args: argparse.Namespace) -> None:
+    """The adapters of `--lora-modules` (docs/lora.md#serving-adapters): a compiled artifact
+    must hold each name (it serves all it holds, flag or not); a loadable runtime loads each
+    PEFT directory now, so a bad one stops the server before it listens.
+
+    Raises:
+        ConfigError: a name the artifact does not hold (listing those it holds), a runtime
+            that cannot load adapters, a directory that is not a usable PEFT adapter.
+    """
+    modules = getattr(args, "lora_modules", None) or ()
+    if args.runtime == "rebel":
+        lora.check_compiled(modules, getattr(batcher, "lora_adapters", None) or {}, args.model)
+        return
+    if not getattr(args, "enable_lora", False):
+        return
+    if not batcher.capabilities.lora_loadable:
+        raise ConfigError(f"--enable-lora: the {args.runtime} runtime cannot load adapters")
+    for module in modules:
+        try:
+            batcher.load_lora(module.name, module.path)
+        except (ConfigError, RequestError) as exc:
+            raise ConfigError(f"--lora-modules {module.name}={module.path}: {exc}") from None
 
 
 def engine_options(args: argparse.Namespace, *, prefix_cache: bool) -> EngineOptions:
     """The engine's options from the server's flags, built once (`prefix_cache`: the flag, or
     its default resolved against the runtime)."""
+    lora_on = getattr(args, "enable_lora", False) or args.runtime == "rebel"
     return EngineOptions(
         prefix_cache=prefix_cache, host_cache_bytes=args.host_cache_bytes, policy=args.policy,
         seed=args.seed, max_waiting=args.max_waiting, pd_timeout=args.pd_timeout,
         argmax_threads=args.argmax_threads, overlap=args.overlap,
         logprobs_mode=LOGPROBS_MODES[args.logprobs_mode],
-        log_requests=getattr(args, "enable_log_requests", SERVER_OPTIONS.log_requests))
+        log_requests=getattr(args, "enable_log_requests", SERVER_OPTIONS.log_requests),
+        # vLLM's LoRA flags, while LoRA is on (the server's defaults otherwise)
+        max_loras=args.max_loras if lora_on else None,
+        max_lora_rank=args.max_lora_rank if lora_on else None)
 
 
 def _model_dir(args: argparse.Namespace) -> Path | None:
@@ -627,6 +679,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"atombatch.serve: --front-stall-timeout {args.front_stall_timeout:g} must be a "
               "positive number of seconds", file=sys.stderr)
         return 2
+    try:
+        lora.check_lora_flags(args, args.served_model_name)
+    except ConfigError as exc:
+        print(f"atombatch.serve: {exc}", file=sys.stderr)
+        return 2
     for flag, why in vllm_flags.warnings(args).items():
         logs.log.warning("flag.ignored", flag=flag, reason=why)
     for name in vllm_flags.ignored_environment(os.environ):
@@ -718,7 +775,11 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
                          max_structured_chars=args.max_structured_chars,
                          api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser,
-                         enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                         enable_lora=args.enable_lora, max_loras=args.max_loras,
+                         max_cpu_loras=args.max_cpu_loras,
+                         lora_paths={m.name: m.path for m in args.lora_modules or ()
+                                     if args.runtime != "rebel"})
     except ConfigError as exc:
         print(f"atombatch.serve: {in_users_words(args, str(exc))}", file=sys.stderr)
         _stop_engine(engine)

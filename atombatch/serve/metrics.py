@@ -255,10 +255,11 @@ class ServerMetrics:
     them."""
 
     def __init__(self, stats: Callable[[], EngineStats], artifact: ArtifactConfig,
-                 model_name: str, shared: Any = None) -> None:
+                 model_name: str, shared: Any = None,
+                 max_lora: Callable[[], str | None] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(stats, artifact.batch_size))
-        self.registry.register(VllmEngineFamilies(stats, artifact, model_name))
+        self.registry.register(VllmEngineFamilies(stats, artifact, model_name, max_lora))
         self.front_registry = registry = CollectorRegistry(auto_describe=True)
         self.in_flight = Gauge("atombatch_requests_in_flight",
                                "HTTP generation requests being served.", registry=registry)

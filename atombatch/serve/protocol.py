@@ -289,7 +289,8 @@ class ModelCard(msgspec.Struct):
     owned_by: str
     atombatch: dict[str, Any]            # extension: artifact shapes (vocab, context, lanes, ...)
     max_model_len: int                   # vLLM's field name for the context length
-    root: str | None = None              # vLLM: the model the id serves
+    root: str | None = None              # vLLM: the model the id serves (an adapter: its path)
+    parent: str | None = None            # vLLM: an adapter's base model (None for a base model)
     object: str = "model"
 
 

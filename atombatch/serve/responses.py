@@ -524,6 +524,8 @@ class _Turn:
         self.max_tokens = max_tokens
         self.id = _new_id("resp")
         self.created = int(time.time())
+        self.model = ""                       # the id it answers with (an adapter's name when
+                                              #   the request names one)
 
 
 # -- the endpoints ---------------------------------------------------------------------------------
@@ -617,10 +619,12 @@ class ResponsesAPI:
         prompts = server.truncate([prompt], chat)
         server.check_response_size(prompts, params, body.max_output_tokens)
         server.check_samplable(params)
-        gens = server.submit_all("resp", prompts, params, "input")
+        gens = server.submit_all("resp", prompts, params, "input",
+                                 server.check_model(body.model))
         room = server.artifact.max_seq_len - len(prompts[0])
         turn = _Turn(body, params, plan, conversation, len(prompts[0]),
                      room if params.max_tokens is None else params.max_tokens)
+        turn.model = gens[0].model
         try:  # until a response owns them, a failure aborts the generations
             headers = server.headers(request)
             if body.stream:
@@ -660,7 +664,7 @@ class ResponsesAPI:
 
     def _response(self, turn: _Turn, gen: Generation | None, items: list[OutputItem],
                   finish: str | None) -> ResponseObject:
-        body, server = turn.body, self.server
+        body = turn.body
         usage = None
         status = "in_progress"
         if gen is not None:
@@ -672,7 +676,7 @@ class ResponsesAPI:
                 input_tokens_details=InputTokensDetails(cached_tokens=gen.cached_tokens or 0),
                 output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning))
         return ResponseObject(
-            id=turn.id, created_at=turn.created, model=server.model_name, output=items,
+            id=turn.id, created_at=turn.created, model=turn.model, output=items,
             status=status, usage=usage,
             incomplete_details=IncompleteDetails("max_output_tokens")
             if status == "incomplete" else None,

@@ -75,7 +75,9 @@ REASONS = {
     "overrides": "a model or config override would change the model; atombatch serves the "
                  "checkpoint or compiled directory as it is",
     "spec": "speculative decoding is not implemented",
-    "lora": "LoRA adapters are compiled into the optimum-rbln artifact; none load at serve time",
+    "lora": "this LoRA option is not implemented (docs/lora.md)",
+    "loradtype": "adapters run in the base model's dtype: float32 on the host runtimes, as "
+                 "compiled on ATOM (auto)",
     "code": "it loads code (plugins, middleware, worker or scheduler classes) into the server",
     "window": "the sliding-window layers are part of the model and of its compiled graphs",
     "tokens_out": "it changes what a response carries, and atombatch answers as vLLM's defaults",
@@ -150,7 +152,7 @@ TABLE = """\
 --dcp-q-replicate switch warn parallel
 --decode-context-parallel-size value values 1:parallel
 --default-chat-template-kwargs value refused tools
---default-mm-loras value refused lora
+--default-mm-loras value warn mm
 --device-ids value warn parallel
 --device-memory-utilization value warn memory
 --diffusion-config value refused convertmodel
@@ -197,7 +199,7 @@ TABLE = """\
 --enable-log-outputs switch warn obs
 --enable-log-requests switch honoured
 --enable-logging-iteration-details switch warn obs
---enable-lora switch refused lora
+--enable-lora switch honoured
 --enable-mamba-cache-stochastic-rounding switch warn gpu
 --enable-mamba-fine-grained-prefix-cache switch warn gpu
 --enable-mamba-shared-prefix-checkpoint switch warn gpu
@@ -219,7 +221,7 @@ TABLE = """\
 --enable-sleep-mode switch refused sleep
 --enable-ssl-refresh switch warn sslrefresh
 --enable-tokenizer-info-endpoint switch honoured
---enable-tower-connector-lora switch refused lora
+--enable-tower-connector-lora switch warn mm
 --enable-trace-replay switch warn obs
 --enforce-eager switch warn eager
 --engram-config value refused convertmodel
@@ -230,7 +232,7 @@ TABLE = """\
 --fault-tolerance-config value warn parallel
 --fingerprint-mode value warn parallel
 --fingerprint-value value warn parallel
---fully-sharded-loras switch refused lora
+--fully-sharded-loras switch warn parallel
 --gdn-prefill-backend value warn gpu
 --generation-config value values vllm:genconfig
 --gpu-memory-utilization value warn memory
@@ -275,8 +277,8 @@ TABLE = """\
 --logprobs-mode value honoured
 --long-prefill-token-threshold value warn sched
 --long-prefill-token-threshold-adaptive switch warn sched
---lora-dtype value refused lora
---lora-modules values refused lora
+--lora-dtype value values auto:loradtype
+--lora-modules values honoured
 --lora-target-modules values refused lora
 --mamba-backend value warn gpu
 --mamba-block-size value warn gpu
@@ -287,13 +289,13 @@ TABLE = """\
 --mamba-ssu-algorithm value warn gpu
 --master-addr value warn parallel
 --master-port value warn parallel
---max-cpu-loras value refused lora
+--max-cpu-loras value honoured
 --max-cudagraph-capture-size value warn gpu
 --max-log-len value warn obs
 --max-logprobs value warn maxlogprobs
 --max-lora-cls-labels value refused lora
---max-lora-rank value refused lora
---max-loras value refused lora
+--max-lora-rank value honoured
+--max-loras value honoured
 --max-model-len value honoured
 --max-num-active-seqs value warn gpu
 --max-num-batched-tokens value honoured
@@ -365,7 +367,7 @@ TABLE = """\
 --no-enable-log-outputs switch honoured off
 --no-enable-log-requests switch honoured
 --no-enable-logging-iteration-details switch warn obs
---no-enable-lora switch honoured off
+--no-enable-lora switch honoured
 --no-enable-mamba-cache-stochastic-rounding switch warn gpu
 --no-enable-mamba-fine-grained-prefix-cache switch warn gpu
 --no-enable-mamba-shared-prefix-checkpoint switch warn gpu
@@ -512,7 +514,7 @@ TABLE = """\
 --spec-method value refused spec
 --spec-model value refused spec
 --spec-tokens value refused spec
---specialize-active-lora switch refused lora
+--specialize-active-lora switch warn eager
 --speculative-config value refused spec
 --sse-keep-alive-interval value warn http
 --ssl-ca-certs value honoured

@@ -17,6 +17,7 @@ core per server). Two sources:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -81,10 +82,11 @@ class VllmEngineFamilies(Collector):
     """The engine's `vllm:` gauges and counters, read from `EngineStats` at each scrape."""
 
     def __init__(self, stats: Callable[[], EngineStats], artifact: ArtifactConfig,
-                 model_name: str) -> None:
+                 model_name: str, max_lora: Callable[[], str | None] = lambda: None) -> None:
         self._stats = stats
         self._artifact = artifact
         self._labels = [model_name, ENGINE]
+        self._max_lora = max_lora   # `--max-loras` as vLLM's label shows it; None: LoRA is off
 
     def collect(self) -> Iterator[Metric]:
         s, labels, art = self._stats(), self._labels, self._artifact
@@ -126,6 +128,23 @@ class VllmEngineFamilies(Collector):
                          str(s.prefix_cache), "xxhash", str(art.num_blocks), "None", "None",
                          ENGINE], 1)
         yield info
+        max_lora = self._max_lora()
+        if max_lora is not None:
+            yield lora_requests_info(s, max_lora)
+
+
+def lora_requests_info(stats: EngineStats, max_lora: str) -> Metric:
+    """vLLM's `vllm:lora_requests_info`: no model or engine label; the comma-joined names of the
+    adapters running and waiting as labels, and the time they were read as its value (vLLM's
+    `set_to_current_time`: a dashboard takes the newest series)."""
+    family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                               labels=list(LORA_INFO_LABELS))
+    family.add_metric([max_lora, ",".join(stats.lora_waiting), ",".join(stats.lora_running)],
+                      time.time())
+    return family
+
+
+LORA_INFO_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
 
 
 # the CacheConfig fields vLLM's `vllm:cache_config_info` labels that atombatch has an answer for

@@ -44,7 +44,9 @@ ROWS = endpoint_rows()
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    app = create_app(model.batcher(), "endpoints-test", model.byte_tokenizer())
+    # the LoRA routes as with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (the table's "served")
+    app = create_app(model.batcher(), "endpoints-test", model.byte_tokenizer(),
+                     lora_updates=True)
     with TestClient(app) as test_client:
         yield test_client
 

@@ -300,3 +300,54 @@ def test_logprobs_mode_reaches_the_engine() -> None:
     raw, processed = found["raw_logprobs"], found["processed_logprobs"]
     assert raw.token_id == processed.token_id
     assert abs(raw.logprob - processed.logprob) > 1e-3
+
+
+def test_lora_modules_in_vllms_two_spellings(capsys: Any) -> None:
+    """`--lora-modules` as vLLM's `LoRAParserAction` reads it: `name=path` (a `=` and no `,`),
+    else a JSON object; empty words skipped; a bad word exits 2 naming it; and the LoRA flags'
+    values and defaults are vLLM's."""
+    from atombatch.serve.lora import LoraModule
+
+    args = parse("--enable-lora", "--lora-modules", "sql=/a/sql", "",
+                 '{"name": "chat", "path": "/a/chat", "base_model_name": "m"}',
+                 "eq=/a/x=y", "--max-loras", "3", "--max-lora-rank", "64")
+    assert args.lora_modules == [LoraModule("sql", "/a/sql"),
+                                 LoraModule("chat", "/a/chat", base_model_name="m"),
+                                 LoraModule("eq", "/a/x=y")]
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank) == (True, 3, 64)
+    defaults = parse()
+    assert (defaults.enable_lora, defaults.lora_modules, defaults.max_loras,
+            defaults.max_lora_rank) == (False, None, 1, 16)
+    assert parse("--no-enable-lora").enable_lora is False
+    for word, said in (("a=b,c", "Invalid JSON format for --lora-modules: a=b,c"),
+                       ('{"name": "x"}', "Invalid fields for --lora-modules"),
+                       ('{"name": "x", "path": "p", "rank": 4}', "Invalid fields"),
+                       ('{"name": 5, "path": "p"}', "Invalid fields"),
+                       ("=p", "is empty"), ("x=", "the path is empty")):
+        with pytest.raises(SystemExit) as caught:
+            parse("--lora-modules", word)
+        assert caught.value.code == 2
+        assert said in capsys.readouterr().err, word
+    with pytest.raises(SystemExit):
+        parse("--max-lora-rank", "12")  # vLLM's ranks only
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_lora_flags_refused_at_startup_name_why(capsys: Any) -> None:
+    """A launch line whose LoRA flags cannot work stops before anything loads (status 2)."""
+    for line_, said in ((["--lora-modules", "a=/x"], "add --enable-lora"),
+                        (["--runtime", "null", "--enable-lora"], "loads no adapters"),
+                        (["--enable-lora", "--max-loras", "0"], "--max-loras 0 must be >= 1"),
+                        (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"],
+                         "--max-cpu-loras 2 must be >= --max-loras 4"),
+                        (["--enable-lora", "--served-model-name", "m", "--lora-modules", "m=/x"],
+                         "the served model's"),
+                        (["--lora-dtype", "float16"], "--lora-dtype float16: vLLM's flag is "
+                                                      "refused")):
+        code: Any
+        try:
+            code = main(["--port", "0", *line_])
+        except SystemExit as exc:
+            code = exc.code
+        assert code == 2, line_
+        assert said in capsys.readouterr().err, line_

@@ -15,6 +15,6 @@ from atombatch.runtime import NumpyRuntime
 class PacedDecode(NumpyRuntime):
     step_s = 0.02
 
-    def decode(self, inputs: Any) -> Any:
+    def decode(self, inputs: Any, **kwargs: Any) -> Any:  # (lora_int_ids=, with adapters)
         time.sleep(self.step_s)
-        return super().decode(inputs)
+        return super().decode(inputs, **kwargs)

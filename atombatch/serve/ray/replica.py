@@ -29,7 +29,7 @@ from ray import serve
 from atombatch import logs
 from atombatch.api.structs import SamplingParams
 from atombatch.cluster.routing import DEFAULT_MAX_BLOCKS, DEFAULT_ROUTE_BLOCK
-from atombatch.cluster.summary import DEFAULT_SUMMARY_BITS, CacheSummarizer
+from atombatch.cluster.summary import DEFAULT_SUMMARY_BITS, CacheSummarizer, cache_roots
 from atombatch.core.pd import pd_eligible
 from atombatch.engine.aio import AsyncBatcher
 from atombatch.errors import AtomBatchError, ConfigError
@@ -340,7 +340,9 @@ class AtomReplica:
             scheduler = self.batcher.scheduler
             prefix_on = scheduler.prefix is not None
             if prefix_on:
-                summary = self.summarizer.summary(scheduler.prefix, scheduler.host)
+                summary = self.summarizer.summary(
+                    scheduler.prefix, scheduler.host,
+                    roots=cache_roots(self.batcher.lora_adapters.values()))
         s = engine.stats()
         stats: dict[str, Any] = {
             "lanes": engine.artifact.batch_size, "occupied": s.occupied_lanes,
@@ -409,7 +411,7 @@ class _PooledAsyncBatcher(AsyncBatcher):
 
     def submit(self, prompt: Any, params: SamplingParams | None = None,
                request_id: str | None = None, kv: Any = None, *,
-               validated: bool = False) -> str:
+               lora: str | None = None, validated: bool = False) -> str:
         params = params or SamplingParams()
         # n > 1, logprobs and bad_words need the engine to sample the first token, and
         # prompt_logprobs every prompt position's logits: prefilled here
@@ -419,12 +421,13 @@ class _PooledAsyncBatcher(AsyncBatcher):
                 validated = True
             request_id = request_id or f"pd-{uuid.uuid4().hex[:16]}"
             try:
-                kv = self.pool.open(request_id, [int(t) for t in prompt], params)
+                kv = self.pool.open(request_id, [int(t) for t in prompt], params, lora)
             except AtomBatchError:  # no producer is up: the replica prefills natively
                 self.native_fallbacks += 1
                 kv = None
         try:
-            return super().submit(prompt, params, request_id, kv, validated=validated)
+            return super().submit(prompt, params, request_id, kv, lora=lora,
+                                  validated=validated)
         except BaseException:
             if kv is not None:
                 kv.close()
