@@ -54,3 +54,19 @@ def test_summaries_and_affinity_know_the_adapter(llama: LoraFamily) -> None:
     assert policy.rank(under[A], replicas)[0] == "holder"
     assert policy.match_blocks(under[A], "holder") == 3
     assert policy.match_blocks(under[None], "holder") == policy.match_blocks(under[B], "holder") == 0
+
+
+def test_the_ingress_reads_the_adapter_from_the_body() -> None:
+    """vLLM serves an adapter under its own name: a body naming a model other than the base's
+    names an adapter, and its prompt is digested from that adapter's root."""
+    from atombatch.serve.ray.ingress import lora_for_routing
+
+    base = frozenset({"models/tiny", "tiny"})
+    assert lora_for_routing(b'{"model": "sql", "prompt": [1, 2]}', base) == "sql"
+    assert lora_for_routing(b'{"model": "tiny", "prompt": [1, 2]}', base) is None
+    assert lora_for_routing(b'{"prompt": [1, 2]}', base) is None
+    assert lora_for_routing(b'{"model": 7}', base) is None
+    assert lora_for_routing(b"not json", base) is None
+    prompt = list(range(3, 40))
+    assert route_digests(prompt, ROUTE_BLOCK, MAX_BLOCKS, lora="sql") != \
+        route_digests(prompt, ROUTE_BLOCK, MAX_BLOCKS)

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 import msgspec
@@ -29,6 +29,22 @@ class _RoutingBody(msgspec.Struct):
 
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+
+
+class _ModelBody(msgspec.Struct):
+    model: str | None = None
+
+
+def lora_for_routing(body: bytes, base_names: Collection[str]) -> str | None:
+    """The LoRA adapter a generation body names, for the routing digests (`route_digests(lora=)`):
+    its `model` when that is not one of the base model's names (vLLM serves an adapter under its
+    own name), else None. Best effort: a wrong guess costs affinity, never correctness (the
+    replica checks the name)."""
+    try:
+        model = msgspec.json.decode(body, type=_ModelBody).model
+    except Exception:
+        return None
+    return model if model and model not in base_names else None
 
 
 def prompt_for_routing(body: bytes, codec: Any) -> list[int]:
@@ -75,6 +91,8 @@ class AtomIngress:
         self.route_block = route_block
         self.max_blocks = max_blocks
         self.max_body_bytes = DEFAULT_MAX_BODY_BYTES
+        # the base model's names: a body naming anything else names an adapter (routing roots)
+        self.base_names = frozenset(filter(None, [args.model, *(args.served_model_name or ())]))
 
     def __serve_build_asgi_app__(self) -> Any:
         return _ASGI(self._asgi)
@@ -111,7 +129,9 @@ class AtomIngress:
         digests: tuple[bytes, ...] = ()
         if scope["method"] == "POST" and path in GENERATION_PATHS:
             prompt = prompt_for_routing(bytes(body), self.codec)
-            digests = route_digests(prompt, self.route_block, self.max_blocks) if prompt else ()
+            digests = route_digests(prompt, self.route_block, self.max_blocks,
+                                    lora=lora_for_routing(bytes(body), self.base_names)) \
+                if prompt else ()
         request = ForwardedRequest(
             method=scope["method"], path=path,
             query_string=scope.get("query_string", b""),
