@@ -24,7 +24,7 @@ from support import hf_models as hf
 from support import lora_models as lm
 from support.numerics import GreedyTokens, assert_f32_close, greedy_reference, reduction_length
 
-from atombatch import RequestError, StateError
+from atombatch import Batcher, RequestError, SamplingParams, StateError
 from atombatch.artifact.lora import BASE_LORA_ID, load_peft
 from atombatch.artifact.rbln_config import load
 from atombatch.kernel._blocks_py import DecodeInputs, LaneTable, PrefillInputs
@@ -374,3 +374,37 @@ def test_pd_producer_on_the_device_prefills_under_the_compiled_adapter(fake_rebe
         assert moved == (name != "layer1-r16" or spec.num_layers > 2), name
     with pytest.raises(RequestError, match="lora_int_id=9 is not loaded"):
         device.produce("r", prompt, lora_int_id=9)
+
+
+# -- through the engine ----------------------------------------------------------------------------
+def _run(batcher: Batcher) -> dict[str, Any]:
+    finals = {}
+    while batcher.has_unfinished():
+        for out in batcher.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("layout", [{}, FLASH], ids=["eager", "flash"])
+def test_the_engine_serves_compiled_adapters_on_the_device(fake_rebel, tmp_path, case, overlap,
+                                                           layout):
+    """`Batcher.submit(lora=name)` on a compiled LoRA directory: base and adapters mixed in the
+    decode buckets, with the prefix and host caches on, equal transformers + peft; the same
+    prompts again (prefix hits) keep each adapter's answer, so no adapter read another's
+    cached prefix."""
+    rt = RebelRuntime.from_optimum(case.compile(tmp_path / "c", decoder_batch_sizes=[1, 2, 4],
+                                                **layout))
+    batcher = Batcher(rt, prefix_cache=True, overlap=overlap, host_cache_bytes=1 << 20)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    jobs = [(p, name) for p in range(4) for name in (None, *ADAPTERS)][:12]
+    for attempt in range(2):
+        ids = {batcher.submit(case.prompts[p], params, lora=name): (p, name) for p, name in jobs}
+        finals = _run(batcher)
+        for rid, (p, name) in ids.items():
+            out = finals[rid]
+            assert out.finish_reason == "length", out.error
+            assert list(out.completion.token_ids) == case.reference(name, case.prompts[p]), \
+                (attempt, name, p)
+    assert batcher.stats().prefix_hits > 0
