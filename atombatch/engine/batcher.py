@@ -37,9 +37,9 @@ from atombatch.engine.kv_manager import MAX_CHAIN
 from atombatch.engine.outputs import Extras, OutputBuilder
 from atombatch.engine.pd_intake import KVLink, KVSource, PDIntake
 from atombatch.engine.pipeline import NUM_FLIGHTS, DeviceThread, Flight, decode_logits, make_flights
+from atombatch.engine.scheduler import PDImport, Policy, Request, RequestState, Scheduler, StepPlan
 from atombatch.engine.speculative import Speculator
 from atombatch.engine.speculative import check_supported as check_speculative
-from atombatch.engine.scheduler import PDImport, Policy, Request, RequestState, Scheduler, StepPlan
 from atombatch.errors import (
     CapacityError,
     ConfigError,
@@ -190,7 +190,8 @@ class Batcher:
             if not isinstance(speculative, SpeculativeConfig):
                 raise ConfigError(f"speculative={speculative!r} must be a SpeculativeConfig")
             check_speculative(speculative, artifact, caps.every_position_logits, overlap)
-            self._speculator = Speculator(speculative, runtime, artifact)
+            self._speculator = Speculator(speculative, runtime, artifact,
+                                          self.scheduler.counters)
         if max_waiting is not None and (isinstance(max_waiting, bool) or
                                         not isinstance(max_waiting, int) or max_waiting < 1):
             raise ConfigError(f"max_waiting={max_waiting!r} must be an int >= 1 (or None: unbounded)")

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from atombatch.api.speculative import SpeculativeConfig
-from atombatch.errors import ConfigError, RequestError
 from atombatch.engine.request import RequestState
+from atombatch.errors import ConfigError, RequestError
 from atombatch.kernel import blocks as core
 from atombatch.sampling import ngram
 
@@ -80,8 +80,11 @@ def check_supported(config: SpeculativeConfig, artifact: Any, every_position_log
 class Speculator:
     """The engine's speculative decoding: `verify` runs in place of a lone lane's decode."""
 
-    def __init__(self, config: SpeculativeConfig, runtime: Any, artifact: Any) -> None:
+    def __init__(self, config: SpeculativeConfig, runtime: Any, artifact: Any,
+                 counters: Any) -> None:
         self.config = config
+        # vLLM exports every draft position's counter from the start (at 0)
+        counters.spec_decode_num_accepted_tokens_per_pos[:] = [0] * config.num_speculative_tokens
         self.artifact = artifact
         self.vocab = artifact.model.vocab_size
         self._states: dict[str, _State] = {}
@@ -205,8 +208,6 @@ class Speculator:
         counters.spec_decode_num_draft_tokens += k
         counters.spec_decode_num_accepted_tokens += accepted
         per_pos = counters.spec_decode_num_accepted_tokens_per_pos
-        while len(per_pos) < cfg.num_speculative_tokens:
-            per_pos.append(0)
         for i in range(accepted):
             per_pos[i] += 1
         got = float(len(emitted))
