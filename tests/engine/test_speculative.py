@@ -11,13 +11,18 @@ the wrong positions would change the logits and, over 40+ tokens, the tokens.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+
 import numpy as np
 import pytest
+from support.engines import numpy_batcher
 from support.hf_models import save_checkpoint
 from support.speculative import OracleDrafts, repeating_prompts
 
 from atombatch import ArtifactConfig, Batcher, ConfigError, ModelSpec, SamplingParams
 from atombatch.api.speculative import SpeculativeConfig, parse_speculative_config
+from atombatch.core import CoreClient
 from atombatch.engine import speculative as engine_speculative
 from atombatch.runtime import NumpyRuntime
 from atombatch.sampling import ngram
@@ -292,3 +297,29 @@ def test_sampled_tokens_follow_the_same_distribution(tmp_path, monkeypatch):
     stat, df = two_sample_chi_square(*counts)
     assert df >= 3
     assert stat < chi_square_limit(df), (stat, df, counts)
+
+
+# -- through the engine core process -----------------------------------------------------------
+async def test_core_process_gives_the_same_greedy_tokens():
+    """The options cross into the core process (`CoreClient`); each request, sent alone so it
+    decodes a lone lane, gets the tokens it gets in-process without speculation, and the
+    counters ride back on the wire."""
+    prompts = [[t % 256 for t in p] for p in repeating_prompts(np.random.default_rng(8))]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    want = [list(c.token_ids) for c in numpy_batcher().generate(prompts, params)]
+    config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, auto_off=False)
+    async with CoreClient(functools.partial(numpy_batcher, speculative=config)) as client:
+        got = []
+        for prompt in prompts:
+            tokens: list[int] = []
+            async for out in client.stream(prompt, params):
+                tokens.extend(out.new_token_ids)
+            got.append(tokens)
+        assert got == want
+        for _ in range(50):  # the stats ride on the core's next messages
+            if client.stats().spec_decode_num_drafts:
+                break
+            await asyncio.sleep(0.05)
+        stats = client.stats()
+        assert stats.spec_decode_num_drafts > 0
+        assert len(stats.spec_decode_num_accepted_tokens_per_pos) == 3
