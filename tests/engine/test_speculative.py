@@ -323,3 +323,71 @@ async def test_core_process_gives_the_same_greedy_tokens():
         stats = client.stats()
         assert stats.spec_decode_num_drafts > 0
         assert len(stats.spec_decode_num_accepted_tokens_per_pos) == 3
+
+
+# -- metrics and failures -----------------------------------------------------------------------
+def test_vllm_spec_decode_metrics(model, monkeypatch):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from atombatch.serve.vllm_metrics import VllmEngineFamilies
+
+    _, path, spec = model
+    art = artifact(spec)
+    prompts = repeating_prompts(np.random.default_rng(9))[:1]
+    reference = run(Batcher(runtime(path, art)), prompts, GREEDY)
+    monkeypatch.setattr(ngram, "propose", OracleDrafts(prompts, [t for t, _ in reference],
+                                                       miss_rate=0.3, seed=9).propose)
+    batcher = Batcher(runtime(path, art), speculative=SPEC)
+
+    def scrape() -> dict[str, float]:
+        registry = CollectorRegistry()
+        registry.register(VllmEngineFamilies(batcher.stats, art, "m"))
+        values = {}
+        for line in generate_latest(registry).decode().splitlines():
+            if line.startswith("vllm:spec_decode"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    before = scrape()  # every series from the start, at 0 (as vLLM registers them)
+    assert len(before) == 3 + SPEC.num_speculative_tokens and not any(before.values())
+    run(batcher, prompts, GREEDY)
+    after, stats = scrape(), batcher.stats()
+    labels = '{engine="0",model_name="m"}'
+    assert after[f"vllm:spec_decode_num_drafts_total{labels}"] == stats.spec_decode_num_drafts > 0
+    assert after[f"vllm:spec_decode_num_accepted_tokens_total{labels}"] == \
+        stats.spec_decode_num_accepted_tokens > 0
+    per_pos = [after[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",'
+                     f'model_name="m",position="{i}"}}'] for i in range(4)]
+    assert per_pos == list(stats.spec_decode_num_accepted_tokens_per_pos)
+    plain = Batcher(runtime(path, art))
+    registry = CollectorRegistry()
+    registry.register(VllmEngineFamilies(plain.stats, art, "m"))
+    assert b"spec_decode" not in generate_latest(registry)  # not configured: not exported
+
+
+class FailingVerify(NumpyRuntime):
+    """A device whose every-position prefill fails past position 0 (a verify call)."""
+
+    def prefill(self, inputs, every_position=False):
+        if every_position and int(inputs.cache_position[0, 0]) > 0:
+            raise RuntimeError("injected verify fault")
+        return super().prefill(inputs, every_position=every_position)
+
+
+def test_a_failed_verify_fails_its_request_and_the_others_go_on(model):
+    _, path, spec = model
+    art = artifact(spec, batch_size=2, num_blocks=17)
+    prompts = repeating_prompts(np.random.default_rng(10))
+    reference = run(Batcher(runtime(path, art)), prompts, GREEDY)
+    batcher = Batcher(FailingVerify.from_pretrained(path, art), speculative=SPEC)
+    got = run(batcher, prompts, GREEDY, check=True)
+    errors = [i for i, (_, reason) in enumerate(got) if reason == "error"]
+    assert errors  # a lone lane's verify ran and failed its request
+    for i, (tokens, reason) in enumerate(got):
+        if reason != "error":
+            assert (tokens, reason) == reference[i]
+        else:
+            assert tokens == reference[i][0][:len(tokens)]
+    stats = batcher.stats()
+    assert stats.lane_blocks == 0 and stats.occupied_lanes == 0  # every block back
