@@ -215,6 +215,20 @@ def test_refusals(model, tmp_path):
         Batcher(runtime(gemma, gemma_art), speculative=SPEC)
 
 
+def test_server_flag_builds_the_engine_options():
+    from atombatch.serve.cli import engine_options, parser
+
+    args = parser().parse_args(["--speculative-config",
+                                '{"method": "ngram", "num_speculative_tokens": 3}'])
+    options = engine_options(args, prefix_cache=False)
+    assert options.speculative == SpeculativeConfig(num_speculative_tokens=3)
+    assert options.overlap is False  # speculation runs on synchronous steps
+    assert engine_options(parser().parse_args([]), prefix_cache=False).speculative is None
+    args = parser().parse_args(["-sc", '{"method": "ngram", "num_speculative_tokens": 99}'])
+    with pytest.raises(ConfigError, match="num_speculative_tokens=99"):
+        engine_options(args, prefix_cache=False)
+
+
 def test_speculative_config_parses_vllm_json():
     config = parse_speculative_config(
         '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}')
