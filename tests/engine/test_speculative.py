@@ -173,6 +173,53 @@ def test_invariants_with_prefix_and_host_cache(model, monkeypatch):
     assert stats.spec_decode_num_drafts > 0 and stats.prefix_hits > 0
 
 
+@pytest.mark.parametrize("seed", [11, 12])
+def test_random_workloads_with_aborts_and_a_tight_pool(model, monkeypatch, seed):
+    """Random prompts (repeating and not), output limits and arrival times on B2 with a pool
+    tight enough to preempt, the prefix and host caches on, and aborts: invariants after every
+    step; every request that was not aborted gets the tokens it gets alone without speculation."""
+    _, path, spec = model
+    rng = np.random.default_rng(seed)
+    art = artifact(spec, batch_size=2, num_blocks=9)
+    base = repeating_prompts(rng)
+    prompts = [base[int(rng.integers(len(base)))][:int(rng.integers(8, 30))] for _ in range(10)]
+    limits = [int(rng.integers(1, 80)) for _ in prompts]
+    alone = Batcher(runtime(path, art))
+    reference = [list(alone.generate([p], SamplingParams(max_tokens=m, temperature=0.0,
+                                                         ignore_eos=True))[0].token_ids)
+                 for p, m in zip(prompts, limits, strict=True)]
+    monkeypatch.setattr(ngram, "propose", OracleDrafts(prompts, reference, miss_rate=0.3,
+                                                       seed=seed).propose)
+    batcher = Batcher(runtime(path, art), speculative=SPEC, prefix_cache=True,
+                      host_cache_bytes=1 << 20)
+    ids: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    pending = list(range(len(prompts)))
+    while pending or batcher.has_unfinished():
+        if pending and rng.random() < 0.4:
+            i = pending.pop(0)
+            rid = batcher.submit(prompts[i], SamplingParams(max_tokens=limits[i],
+                                                            temperature=0.0, ignore_eos=True))
+            ids.append(rid)
+            tokens[rid] = []
+        live = [r for r in ids if r not in aborted and len(tokens[r]) < 80]
+        if live and rng.random() < 0.01:
+            victim = live[int(rng.integers(len(live)))]
+            batcher.abort(victim)
+            aborted.add(victim)
+        for out in batcher.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        batcher.check_invariants()
+    for i, rid in enumerate(ids):
+        if rid not in aborted:
+            assert tokens[rid] == reference[i], i
+    stats = batcher.stats()
+    assert stats.spec_decode_num_drafts > 0
+    assert stats.occupied_lanes == 0 and stats.lane_blocks == 0
+    assert stats.preemptions > 0  # the pool was tight: lanes recomputed around verify calls
+
+
 # -- auto-off ---------------------------------------------------------------------------------
 def test_drafts_that_always_miss_turn_speculation_off(model, monkeypatch):
     _, path, spec = model
