@@ -156,6 +156,38 @@ def test_stop_id_and_max_tokens_inside_an_accepted_run(model, monkeypatch):
             assert batcher.stats().spec_decode_num_accepted_tokens > 0
 
 
+def test_stop_string_inside_an_accepted_run(model, monkeypatch):
+    """A stop string completed by a token inside an accepted run ends the request there: the
+    same tokens, text and finish reason as without speculation, nothing past it emitted."""
+    from support.templates import _tokenizer
+
+    _, path, spec = model
+    art = artifact(spec)
+    tok = _tokenizer()
+    prompts = repeating_prompts(np.random.default_rng(13))[:2]
+    free = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    long_ref = Batcher(runtime(path, art), tokenizer=tok).generate(prompts, free)
+    monkeypatch.setattr(ngram, "propose", OracleDrafts(
+        prompts, [list(c.token_ids) for c in long_ref], miss_rate=0.0, seed=13).propose)
+    checked = 0
+    for prompt, done in zip(prompts, long_ref, strict=True):
+        text = done.text
+        if len(text) < 12:
+            continue
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
+        [want] = Batcher(runtime(path, art), tokenizer=tok).generate([prompt], params)
+        batcher = Batcher(runtime(path, art), tokenizer=tok, speculative=SpeculativeConfig(
+            num_speculative_tokens=6, auto_off=False))
+        [got] = batcher.generate([prompt], params)
+        assert (list(got.token_ids), got.text, got.finish_reason) == \
+            (list(want.token_ids), want.text, want.finish_reason)
+        assert want.finish_reason == "stop" and len(want.token_ids) < 40
+        assert batcher.stats().spec_decode_num_accepted_tokens > 0
+        checked += 1
+    assert checked
+
+
 def test_invariants_with_prefix_and_host_cache(model, monkeypatch):
     _, path, spec = model
     art = artifact(spec, batch_size=2, num_blocks=14)
