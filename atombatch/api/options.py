@@ -7,6 +7,7 @@ from typing import Literal
 import msgspec
 
 from atombatch.api.policy import DEFAULT_POLICY
+from atombatch.api.speculative import SpeculativeConfig
 
 # seconds an engine core process with requests in flight may send nothing before its front
 # counts it hung and kills it (`CoreClient(hang_timeout=)`, the server's --core-hang-timeout)
@@ -51,6 +52,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # the largest rank `load_lora` accepts (vLLM's --max-lora-rank); None: the loader's own
     # bound (atombatch.artifact.lora.MAX_LORA_RANK)
     max_lora_rank: int | None = None
+    speculative: SpeculativeConfig | None = None  # n-gram drafts (docs/speculative.md)
 
 
 ENGINE_DEFAULTS = EngineOptions()

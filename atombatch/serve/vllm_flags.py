@@ -74,7 +74,7 @@ REASONS = {
     "quant": "quantization is decided when the model is compiled for the ATOM, not at serve time",
     "overrides": "a model or config override would change the model; atombatch serves the "
                  "checkpoint or compiled directory as it is",
-    "spec": "speculative decoding is not implemented",
+    "spec": "only --speculative-config with n-gram drafts is implemented (docs/speculative.md)",
     "lora": "this LoRA option is not implemented (docs/lora.md)",
     "loradtype": "adapters run in the base model's dtype: float32 on the host runtimes, as "
                  "compiled on ATOM (auto)",
@@ -515,7 +515,7 @@ TABLE = """\
 --spec-model value refused spec
 --spec-tokens value refused spec
 --specialize-active-lora switch warn eager
---speculative-config value refused spec
+--speculative-config value honoured
 --sse-keep-alive-interval value warn http
 --ssl-ca-certs value honoured
 --ssl-cert-reqs value honoured
@@ -572,7 +572,7 @@ TABLE = """\
 -pp value values 1:parallel
 -q value refused quant
 -r value values 0:parallel
--sc value refused spec
+-sc value honoured
 -tp value honoured
 """
 

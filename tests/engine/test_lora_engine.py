@@ -237,3 +237,24 @@ def test_row_ids_follow_the_packed_rows() -> None:
     rows.fill_decode(inputs, decoding)
     assert inputs.row_lanes.tolist() == [0, 1, 3, 2]  # lane 2 (prefilling) lends the padding row
     assert rows.ids(inputs).tolist() == [5, 2, 1, 0]
+
+
+def test_speculative_verify_runs_under_the_adapter(llama: LoraFamily,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft verified in one prefill-graph call (docs/speculative.md) runs under its request's
+    adapter: with drafts taken from each adapter's own reference (most accepted), every request
+    still equals transformers + peft; a verify under the base model would accept base tokens."""
+    from support.speculative import OracleDrafts
+
+    from atombatch.api.speculative import SpeculativeConfig
+    from atombatch.sampling import ngram
+
+    work = mixed(6, seed=11)
+    refs = [llama.reference(lora, p, NEW) for p, lora in work]
+    oracle = OracleDrafts([p for p, _ in work], refs, miss_rate=0.2, seed=5)
+    monkeypatch.setattr(ngram, "propose", oracle.propose)
+    batcher = llama.engine(llama.runtime(1), speculative=SpeculativeConfig(
+        num_speculative_tokens=3, auto_off=False))
+    finals = run(batcher, work)
+    assert_references(llama, work, finals)
+    assert batcher.stats().spec_decode_num_accepted_tokens > 0
