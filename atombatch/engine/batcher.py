@@ -13,7 +13,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -35,7 +35,14 @@ from atombatch.engine.groups import Group, Move, num_held
 from atombatch.engine.kv_manager import MAX_CHAIN
 from atombatch.engine.outputs import Extras, OutputBuilder
 from atombatch.engine.pd_intake import KVLink, KVSource, PDIntake
-from atombatch.engine.pipeline import NUM_FLIGHTS, DeviceThread, Flight, decode_logits, make_flights
+from atombatch.engine.pipeline import (
+    NUM_FLIGHTS,
+    AheadScheduler,
+    DeviceThread,
+    Flight,
+    decode_logits,
+    make_flights,
+)
 from atombatch.engine.scheduler import PDImport, Policy, Request, RequestState, Scheduler, StepPlan
 from atombatch.errors import (
     CapacityError,
@@ -173,9 +180,11 @@ class Batcher:
             checkpoint_bytes = caps.slot_bytes or memory_plan.checkpoint_bytes(artifact)
         self.host_cache = HostCache(host_cache_bytes, artifact.block_size) \
             if host_cache_bytes else None
-        self.scheduler = Scheduler(artifact, policy, eos_token_ids=self.spec.eos_token_ids,
-                                   prefix_cache=prefix_cache, host_cache=self.host_cache,
-                                   checkpoint_bytes=checkpoint_bytes)
+        # the pipeline plans ahead with the scheduler's own decisions (`AheadScheduler`)
+        scheduler_type = AheadScheduler if overlap else Scheduler
+        self.scheduler = scheduler_type(artifact, policy, eos_token_ids=self.spec.eos_token_ids,
+                                        prefix_cache=prefix_cache, host_cache=self.host_cache,
+                                        checkpoint_bytes=checkpoint_bytes)
         self.clock: Callable[[], float] = clock or caps.clock or time.perf_counter
         if max_waiting is not None and (isinstance(max_waiting, bool) or
                                         not isinstance(max_waiting, int) or max_waiting < 1):
@@ -1015,7 +1024,7 @@ class Batcher:
                 assert self._flights is not None
                 candidate = self._flights[(running.index + 1) % NUM_FLIGHTS]
                 candidate.source, candidate.joins = None, 0
-                scheduler = self.scheduler
+                scheduler = cast(AheadScheduler, self.scheduler)
                 if running.prefill:  # the decode before it landed: the lanes' tokens are known
                     landed = self._flights[running.index].plan.inputs
                     joins = [running.owner] if self._joins(running.owner) else []
@@ -1049,8 +1058,9 @@ class Batcher:
         back, whether or not the engine has landed `running` by then. Each greedy request of
         the chain decodes in it (`join_row`: the device thread writes its chunk's argmax in)."""
         joins = [chunk.owner for chunk in chain if self._joins(chunk.owner)]
-        rows = self.scheduler.plan_chunk_decode(candidate.plan, running.plan, chain[-1].plan,
-                                                candidate.gather, joins, len(chain))
+        scheduler = cast(AheadScheduler, self.scheduler)
+        rows = scheduler.plan_chunk_decode(candidate.plan, running.plan, chain[-1].plan,
+                                           candidate.gather, joins, len(chain))
         if rows is None:
             return
         candidate.special = self._sampled_rows(candidate.plan)
@@ -1098,9 +1108,9 @@ class Batcher:
         prefill flight not in the air); None when there is none, or when its block ops are due
         (then it is held for the next `step()`). With a `chain`, the chunks planned to run
         after `decode` (`_chain_wave`), `running` is the last of them."""
-        plan = self.scheduler.plan_prefill_ahead(running.plan, self.clock(), self._prefills_ahead,
-                                                 None if decode is None else decode.plan,
-                                                 len(chain))
+        scheduler = cast(AheadScheduler, self.scheduler)
+        plan = scheduler.plan_prefill_ahead(running.plan, self.clock(), self._prefills_ahead,
+                                            None if decode is None else decode.plan, len(chain))
         if plan is None:
             return None
         owner = self.scheduler.requests[plan.request_id]
