@@ -62,15 +62,19 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
+from atombatch.api.structs import RequestOutput
+from atombatch.engine.kv_manager import MAX_CHAIN
 from atombatch.engine.request import Request, RequestState, StepPlan
 from atombatch.engine.scheduler import Scheduler
-from atombatch.errors import RequestError, StateError
+from atombatch.engine.step import StepRunner, decode_logits
+from atombatch.errors import StateError
 from atombatch.kernel import blocks as core
 from atombatch.sampling.argmax import RowArgmax
+from atombatch.sampling.sampler import RequestSampler, SampleResult
 
 NUM_FLIGHTS = 3   # the one landed (its arrays read by the caller), the one on the device, the next
 
@@ -287,22 +291,6 @@ class DeviceThread:
             flight.error = _bare(exc)
 
 
-def decode_logits(raw: Any, rows: int, vocab: int) -> tuple[Any, Any]:
-    """A decode call's logits as C-contiguous float32 [rows, vocab] (checked), and what the greedy
-    argmax reads: the runtime's own array when it is wider than float32 (a float32 copy would tie
-    entries it tells apart)."""
-    logits = raw
-    if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or \
-            not logits.flags.c_contiguous:
-        logits = np.ascontiguousarray(logits, dtype=np.float32)
-    if logits.shape != (rows, vocab):
-        raise RequestError(f"decode returned logits of shape {logits.shape}; the step ran "
-                           f"{rows} rows of vocab_size={vocab}")
-    wide = raw is not logits and isinstance(raw, np.ndarray) and raw.dtype.kind == "f" and \
-        raw.dtype.itemsize > 4
-    return logits, raw if wide else logits
-
-
 def _bare(exc: BaseException) -> BaseException:
     """`exc` without its tracebacks: their frames hold the engine (its runtime, its KV) for as
     long as the flight keeps the error; the landing reports the message."""
@@ -319,6 +307,392 @@ def make_flights(first: StepPlan, batch_size: int, blocks_per_seq: int,
         plan = StepPlan(kind="decode", inputs=inputs_type(batch_size, blocks_per_seq, buckets))
         flights.append(Flight(index, plan, batch_size))
     return flights
+
+
+class PipelineRunner(StepRunner):
+    """The step runner with the decode pipeline (`Batcher(overlap=True)`; the module docstring):
+    a decode the pipeline may fly takes off on the device thread instead of running in the step
+    (`_run_decode`), and a `_step()` then lands the flight on the device (`_land_flight`) and
+    decides what follows it (`_decide`, with the `AheadScheduler`'s plans). When the pipeline is
+    empty a step runs as `StepRunner`'s.
+    """
+
+    def __init__(self, *args: Any, overlap: bool, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # overlap: steady decodes run as a pipeline on a device thread; `step()` then returns
+        # the step that landed while the next one runs
+        self.overlap = overlap
+        self._flights: list[Flight] | None = None     # built on the first take-off
+        self._device_thread: DeviceThread | None = None
+        self._flight: Flight | None = None             # the pipeline's flight on the device
+        self._dropped: list[Flight] = []               # land unreported (see `_land_flight`)
+        self._overlapped = 0                           # flights launched after a flight
+        self._overlapped_prefills = 0                  # of which prefill chunks planned ahead
+        self._overlapped_joins = 0                     # requests that joined the decode after
+                                                       # their chunk (counted as it lands)
+        self._prefill_flights: list[Flight] = []       # the pipeline's chunks (`_decide`)
+        self._max_chain = MAX_CHAIN                    # chunks a wave chains at once (`_decide`)
+        self._chained = 0                              # chunks launched in a wave's chain
+        # With `decide_late`, what follows the flight on the device is decided at the start of
+        # the next `step()` instead of right after the landing, so that requests submitted
+        # between the two steps (a closed loop's next request, once its predecessor's last
+        # token is out) are admitted in the step after the one on the device, not one later.
+        # Only for a consumer that steps again at once (the engine core's loop, a benchmark's):
+        # the device idles from the end of the flight on it until the next `step()` decides.
+        self.decide_late = False
+        self._undecided: Flight | None = None
+        self._held: StepPlan | None = None             # planned ahead, runs at the next step
+        self._held_for: Request | None = None          # the request it was planned for
+
+    def _in_flight(self) -> bool:
+        """A flight is on the device, or a chunk planned ahead waits for its block ops."""
+        return self._flight is not None or self._held is not None
+
+    def _step(self) -> list[RequestOutput]:
+        """Land the flight on the device (the device thread has launched the next one, if it was
+        decided); when the pipeline is empty, or ended with a prefill (no decode rows to report),
+        a synchronous step (`StepRunner._run_step`) runs now."""
+        self._decoded = False
+        outputs, self._pending = self._pending, []
+        running, self._undecided = self._undecided, None
+        if running is not None:  # `decide_late`: with what was submitted since the landing
+            self._decide(running)
+        if self._flight is not None and (not self._land_flight(outputs) or
+                                         self._flight is not None):
+            return outputs
+        if self._flights is not None and self._kernel.inputs is not self.scheduler.decode_inputs:
+            # the pipeline is empty and its last step's arrays were read: steps build into the
+            # scheduler's own decode buffer again
+            self._kernel.use(self.scheduler.decode_inputs, 0)
+        # a chunk held for its block ops runs for the request it was planned for (one aborted
+        # meanwhile may have its id taken by a new request already)
+        plan, self._held = self._held, None
+        owner, self._held_for = self._held_for, None
+        return self._run_step(outputs, plan, owner)
+
+    def _run_decode(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
+        """A decode the pipeline may fly takes off (`_take_off`); any other runs in the step."""
+        if self.overlap and self._can_fly():
+            self._take_off(plan)
+            return
+        StepRunner._run_decode(self, plan, outputs)
+
+    @property
+    def _ahead(self) -> AheadScheduler:
+        """The scheduler, which plans ahead (a `Batcher(overlap=True)` builds an
+        `AheadScheduler`; only such a Batcher flies)."""
+        return cast(AheadScheduler, self.scheduler)
+
+    # -- launch ------------------------------------------------------------------------------------
+    def _can_fly(self) -> bool:
+        """Whether decodes may run as a pipeline now: no grammar (its mask for step N+1 needs
+        step N's token) and nothing between two steps that the engine does itself (n > 1 forks,
+        PD links, grammar compiles). The scheduler checks the rest (`Scheduler.plan_ahead`)."""
+        return not self._compiling and not self._groups and not self._kv and \
+            not any(sampler.grammar is not None for sampler in self._samplers.values())
+
+    def _sampled_rows(self, plan: StepPlan) -> list[tuple[int, int, Request, RequestSampler]]:
+        """(row, lane, request, sampler) of a flight's rows that sample: the device thread
+        draws their tokens (`_draw`) before the logits are the next call's."""
+        if not self._samplers:
+            return []
+        by_lane = self.scheduler.by_lane
+        samplers = self._samplers
+        special = []
+        for row, lane in enumerate(plan.inputs.row_lanes[:plan.rows].tolist()):
+            request = by_lane[lane]
+            if request is not None and request.lane_flags & core.LANE_SAMPLE:
+                special.append((row, lane, request, samplers[request.request_id]))
+        return special
+
+    def _take_off(self, plan: StepPlan) -> None:
+        """Launch `plan` (the scheduler's decode plan, built) as the pipeline's first flight."""
+        if self._flights is None:
+            kv = self.scheduler.kv
+            artifact = self.artifact
+            self._flights = make_flights(plan, artifact.batch_size, artifact.blocks_per_seq,
+                                         kv.decode_inputs.buckets, type(kv.decode_inputs))
+            self._device_thread = DeviceThread(self._decode_call, self._argmax,
+                                               self.spec.vocab_size, self._draw,
+                                               self._prefill_call)
+            self._prefill_flights = [Flight(-1, plan, artifact.batch_size, prefill=True)
+                                     for _ in range(MAX_CHAIN + 1)]
+            weakref.finalize(self, self._device_thread.stop)  # the thread ends with the engine
+        flight = self._flights[0]
+        if flight.plan is not plan:
+            raise StateError("the pipeline's first flight must run the scheduler's decode plan")
+        flight.special = self._sampled_rows(plan)
+        flight.joins = 0
+        device = self._device_thread
+        assert device is not None
+        hook = self.on_device_call
+        if hook is not None:
+            hook()
+        device.launch(flight)
+        self._flight = flight
+        self._decide(flight)
+
+    def _decide(self, running: Flight) -> None:
+        """Tell the device thread what follows `running`: the next decode step, built ahead,
+        when the pipeline may go on; else the first prefill chunk of the request the scheduler
+        admits now (`Scheduler.plan_prefill_ahead`; a wave of them as one chain, `_chain_wave`);
+        else nothing (it lands `running` and stops). After a prefill chunk, the decode of the
+        lanes that decode (`Scheduler.plan_after_prefill`; a greedy request joins it, one that
+        samples joins the step after). A chunk whose block ops are due is held for the next
+        `step()`, which runs the ops and then the chunk."""
+        following = None
+        try:
+            if self._can_fly():
+                assert self._flights is not None
+                candidate = self._flights[(running.index + 1) % NUM_FLIGHTS]
+                candidate.source, candidate.joins = None, 0
+                scheduler = self._ahead
+                if running.prefill:  # the decode before it landed: the lanes' tokens are known
+                    landed = self._flights[running.index].plan.inputs
+                    joins = [running.owner] if self._joins(running.owner) else []
+                    rows = scheduler.plan_after_prefill(candidate.plan, landed, running.plan,
+                                                        candidate.gather, joins)
+                    if rows is not None:
+                        candidate.special = self._sampled_rows(candidate.plan)
+                        running.join_into, running.join_row = candidate, rows[0] if rows else -1
+                        candidate.joins = sum(row >= 0 for row in rows)
+                        following = candidate
+                else:
+                    if scheduler.staging is not None:  # a staged request takes a freed lane
+                        scheduler.rotate_ahead(running.plan, self.clock())
+                    if scheduler.plan_ahead(candidate.plan, running.plan, candidate.gather):
+                        candidate.special = self._sampled_rows(candidate.plan)
+                        following = candidate
+                if following is None and (scheduler.waiting or scheduler.staging is not None):
+                    following = self._chunk_ahead(running)
+                    if following is not None and not running.prefill:
+                        self._chain(running, [following], candidate)
+                        if following.then is None:
+                            self._chain_wave(running, following, candidate)
+        finally:  # exactly once per flight, even when building failed: the thread waits for it
+            assert self._device_thread is not None
+            self._device_thread.decide(following)
+
+    def _chain(self, running: Flight, chain: list[Flight], candidate: Flight) -> None:
+        """Decide the decode after `chain` (chunks planned ahead to run after `running`, a decode
+        on the device now) together with it, when the scheduler can build it now
+        (`Scheduler.plan_chunk_decode`): the thread then runs the chunks and the decode back to
+        back, whether or not the engine has landed `running` by then. Each greedy request of
+        the chain decodes in it (`join_row`: the device thread writes its chunk's argmax in)."""
+        joins = [chunk.owner for chunk in chain if self._joins(chunk.owner)]
+        scheduler = self._ahead
+        rows = scheduler.plan_chunk_decode(candidate.plan, running.plan, chain[-1].plan,
+                                           candidate.gather, joins, len(chain))
+        if rows is None:
+            return
+        candidate.special = self._sampled_rows(candidate.plan)
+        candidate.source = running
+        row_of = {id(owner): row for owner, row in zip(joins, rows, strict=True)}
+        for chunk in chain:
+            row = row_of.get(id(chunk.owner), -1)
+            if row >= 0:
+                chunk.join_into, chunk.join_row = candidate, row
+                candidate.joins += 1
+        chain[-1].then = candidate
+
+    def _chain_wave(self, running: Flight, first: Flight, candidate: Flight) -> None:
+        """A wave of arrivals (lanes that ended together, refilled together) as one chain:
+        while requests wait, idle lanes are clear of `running` (the decode on the device) and
+        the policy gives them prefill turns, the next request's chunk is planned to run right
+        after the last one (`then`), up to `_max_chain` chunks, and the decode of the other
+        lanes after the last of them when the scheduler can build it then (`_chain`, which the
+        chain's greedy requests join). The device thread runs the whole chain without waiting
+        for the host, which lands the chunks while that decode runs; a chunk at a time, each
+        would wait for the engine thread to land the one before it, on a host whose cores the
+        front and its clients keep busy."""
+        chain = [first]
+        while len(chain) < self._max_chain and self.scheduler.waiting and \
+                self._held is None and chain[-1].owner.lane >= 0:
+            chunk = self._chunk_ahead(chain[-1], running, chain)
+            if chunk is None:
+                return
+            chain[-1].then = chunk
+            chain.append(chunk)
+            self._chain(running, chain, candidate)
+            if chunk.then is not None:
+                return
+
+    def _joins(self, request: Request | None) -> bool:
+        """Whether the first token of `request` (its last chunk on the device) is the chunk's
+        greedy pick, which the device thread can write into the decode after it: no sampler
+        (no temperature, penalties, bias, grammar or minimum length) and no prompt logprobs."""
+        return request is not None and \
+            (not self._samplers or request.request_id not in self._samplers)
+
+    def _chunk_ahead(self, running: Flight, decode: Flight | None = None,
+                     chain: Sequence[Flight] = ()) -> Flight | None:
+        """The next prefill chunk, planned while `running` is on the device, as a flight (a
+        prefill flight not in the air); None when there is none, or when its block ops are due
+        (then it is held for the next `step()`). With a `chain`, the chunks planned to run
+        after `decode` (`_chain_wave`), `running` is the last of them."""
+        scheduler = self._ahead
+        plan = scheduler.plan_prefill_ahead(running.plan, self.clock(), self._prefills_ahead,
+                                            None if decode is None else decode.plan, len(chain))
+        if plan is None:
+            return None
+        owner = self.scheduler.requests[plan.request_id]
+        if plan.saves or plan.restores or plan.copies:
+            self._held, self._held_for = plan, owner
+            return None
+        flight = next(f for f in self._prefill_flights
+                      if f is not running and all(f is not t for t in chain))
+        flight.plan, flight.owner, flight.then = plan, owner, None
+        flight.join_into, flight.join_row = None, -1
+        flight.index = running.index  # the decode before the chunks (landed once they land)
+        return flight
+
+    def _prefills_ahead(self, request: Request) -> bool:
+        """Whether `request`'s prefill may be planned while a decode runs: not when its chunks
+        return every position's logits (prompt logprobs) or it has a sampler the engine would
+        prepare for first (a grammar)."""
+        if self._outputs.prompt_collector(request) is not None:
+            return False
+        sampler = self._samplers.get(request.request_id) if self._samplers else None
+        return sampler is None or sampler.grammar is None
+
+    # -- landing -----------------------------------------------------------------------------------
+    def _land_flight(self, outputs: list[RequestOutput]) -> bool:
+        """Wait for the flight on the device and complete it; the flight the device thread
+        launched after it (if any) is the pipeline's now, and the one after that is decided.
+        Returns whether the flight was a prefill."""
+        device = self._device_thread
+        assert device is not None
+        hook = self.on_device_call  # the device is busy: hand the last outputs over now
+        if hook is not None:
+            hook()
+        flight = device.land()
+        self._flight = flight.next
+        if flight.then is not None and flight.next is not flight.then:
+            # the thread stopped the chain (this flight failed): what was decided with it never
+            # launched, and lands no more (dropped with it or not)
+            unlaunched: Flight | None = flight.then
+            while unlaunched is not None:
+                if unlaunched in self._dropped:
+                    self._dropped.remove(unlaunched)
+                unlaunched = unlaunched.then
+        if flight.next is not None:
+            self._overlapped += 1
+            self._overlapped_prefills += flight.next.prefill
+            self._chained += flight.prefill and flight.next.prefill and \
+                flight.next is flight.then
+        if not flight.prefill:  # (a chain's decode counts its joins once it ran)
+            self._overlapped_joins += flight.joins if flight not in self._dropped else 0
+            flight.joins = 0
+        owner = flight.owner
+        try:
+            if flight.prefill:
+                self._land_prefill(flight, outputs)
+            else:
+                self._land(flight, outputs)
+        except BaseException:
+            # the step did not land whole: nothing is built on it, and the step on the device,
+            # fed from its tokens, lands unreported (its lanes run those positions again, and
+            # this step's too; on a hybrid model they recompute: `_recompute_spoiled`), with the
+            # decode decided with it when it is a chunk (`_chain`)
+            if flight not in self._dropped:
+                self._recompute_spoiled(flight.plan, owner)
+            running = self._flight
+            if running is not None:
+                self._dropped.append(running)
+                if running.then is None:
+                    device.decide(None)
+                decided = running.then  # and what was decided with it (a chunk, a chain)
+                while decided is not None:
+                    self._dropped.append(decided)
+                    decided = decided.then
+            raise
+        running = self._flight
+        if running is not None and running in self._dropped:
+            if running.then is None:  # (decided with a chunk that was dropped)
+                device.decide(None)
+        elif running is not None and running.then is None:
+            if self.decide_late:
+                self._undecided = running
+            else:
+                self._decide(running)
+        self.idle = False
+        if self.scheduler.events:
+            self._flush_events()
+        if self._flight is None and not self.scheduler.has_work():
+            self._device_end = 0.0
+        return flight.prefill
+
+    def _land_prefill(self, flight: Flight, outputs: list[RequestOutput]) -> None:
+        """A prefill flight's chunk, completed as `_run_prefill` completes one (from its logits:
+        the runtime's when nothing ran after it, else the device thread's copy)."""
+        plan, logits, owner = flight.plan, flight.logits, flight.owner
+        flight.logits = flight.owner = None
+        if flight in self._dropped:  # its request prefills that chunk again
+            self._dropped.remove(flight)
+            self._recompute_spoiled(flight.plan, owner)
+            return
+        if flight.error is not None and not isinstance(flight.error, Exception):
+            raise flight.error
+        request = self.scheduler.requests.get(plan.request_id)
+        if request is None or request is not owner:  # aborted while its chunk ran (its id may
+            self.scheduler.chunk_ran(plan)           # be a new request's, even admitted)
+            return
+        if flight.error is not None:
+            self._fail(request, f"prefill failed: {flight.error}", outputs)
+            return
+        self._complete_prefill(plan, request, np.asarray(logits).reshape(-1), outputs)
+
+    def _land(self, flight: Flight, outputs: list[RequestOutput]) -> None:
+        """A flight's step, completed as `_run_decode` completes one (from the argmax and the
+        picked logits the device thread kept: the logits are the next call's now)."""
+        scheduler = self.scheduler
+        kernel = self._kernel
+        plan = flight.plan
+        if flight in self._dropped:
+            self._dropped.remove(flight)
+            kernel.use(plan.inputs, 0)
+            self._recompute_spoiled(plan)
+            return
+        kernel.use(plan.inputs, plan.rows)
+        if flight.error is not None:
+            if not isinstance(flight.error, Exception):  # out of `step()`, as from a decode call
+                raise flight.error
+            for failed in scheduler.decode_requests(plan):
+                self._fail(failed, f"decode step failed: {flight.error}", outputs)
+            return
+        attention = kernel.pick_values(flight.best, flight.greedy, self.spec.vocab_size)
+        if attention:
+            lanes = plan.inputs.row_lanes
+            for row in kernel.attention[:attention].tolist():
+                lane = int(lanes[row])
+                request = scheduler.by_lane[lane]
+                if request is None or request.state is not RequestState.DECODING:
+                    continue  # ended while its row was on the device
+                if kernel.status[row] == core.ROW_NONFINITE:
+                    self._fail(request, f"decode returned non-finite logits on lane {lane}",
+                               outputs)
+        if flight.drawn is not None:  # the rows the device thread sampled
+            result, drawn = flight.drawn
+            flight.drawn = None
+            live = [i for i, (_, lane, request, _) in enumerate(drawn)
+                    if scheduler.by_lane[lane] is request and
+                    request.state is RequestState.DECODING]
+            if isinstance(result, SampleResult) and len(live) < len(drawn):
+                result = _rows_of(result, live)
+            self._apply_draw(result, [drawn[i] for i in live], kernel.tokens, outputs)
+        done = scheduler.complete_decode(plan, self.clock())
+        self._decoded = True
+        for request in done:
+            outputs.append(self._output(request))
+
+    # -- the device thread's calls -----------------------------------------------------------------
+    def _decode_call(self, inputs: Any) -> Any:
+        """The device thread's decode call (timed as `_device_call` times the engine's own)."""
+        return self._timed_call(self.runtime.decode, inputs)
+
+    def _prefill_call(self, inputs: Any) -> Any:
+        """The device thread's prefill call (a chunk planned ahead, `_decide`)."""
+        return self._timed_call(self.runtime.prefill, inputs)
 
 
 class AheadScheduler(Scheduler):
@@ -577,3 +951,12 @@ class AheadScheduler(Scheduler):
             return False
         head = self._first_ready()
         return head is None or not self._prefill_turn(head, self.kv.lanes.num_decoding())
+
+
+def _rows_of(result: SampleResult, rows: list[int]) -> SampleResult:
+    """`result` for the given rows of it, in that order."""
+    position = {row: i for i, row in enumerate(rows)}
+    return SampleResult(tokens=result.tokens[rows], logprobs=[result.logprobs[i] for i in rows],
+                        masked_rows=[position[i] for i in result.masked_rows if i in position],
+                        failed={position[i]: why for i, why in result.failed.items()
+                                if i in position})
