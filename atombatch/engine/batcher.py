@@ -31,7 +31,7 @@ from atombatch.engine.groups import Group, num_held
 from atombatch.engine.outputs import Extras
 from atombatch.engine.pd_intake import KVLink, KVSource, PDIntake
 from atombatch.engine.pipeline import AheadScheduler, PipelineRunner
-from atombatch.engine.scheduler import PDImport, Policy, Request, RequestState, Scheduler
+from atombatch.engine.scheduler import PDImport, Policy, Request, RequestState
 from atombatch.engine.step import log_events, quiet_requests
 from atombatch.errors import CapacityError, ConfigError, RequestError, StateError
 from atombatch.kernel import blocks as core
@@ -145,9 +145,9 @@ class Batcher(PipelineRunner):
             slot_ops_supported(runtime, caps)
             checkpoint_bytes = caps.slot_bytes or memory_plan.checkpoint_bytes(artifact)
         host_cache = HostCache(host_cache_bytes, artifact.block_size) if host_cache_bytes else None
-        # the pipeline plans ahead with the scheduler's own decisions (`AheadScheduler`)
-        scheduler_type = AheadScheduler if overlap else Scheduler
-        scheduler = scheduler_type(artifact, policy, eos_token_ids=spec.eos_token_ids,
+        # the synchronous scheduler with the pipeline's planning ahead, used only while the
+        # pipeline flies (`overlap`, which a benchmark may also turn on after building)
+        scheduler = AheadScheduler(artifact, policy, eos_token_ids=spec.eos_token_ids,
                                    prefix_cache=prefix_cache, host_cache=host_cache,
                                    checkpoint_bytes=checkpoint_bytes)
         if max_waiting is not None and (isinstance(max_waiting, bool) or

@@ -25,18 +25,18 @@ wrote: blocks a finished or aborted request gives back while its row is in the a
 written again by later device calls (device calls run in order).
 
 A request that arrives while the pipeline runs, with an idle lane for it, is admitted while step
-N is on the device (`Scheduler.plan_prefill_ahead`: only onto a lane no flight in the air has a
+N is on the device (`AheadScheduler.plan_prefill_ahead`: only onto a lane no flight in the air has a
 row for, with blocks from the free list or evicted CACHED ones, never by preempting); its first
 prefill chunk is the flight after step N. Arrivals that wait together (a wave: lanes that ended
 in one step, refilled at once) are decided together, as a chain: each next one's chunk is
 planned to run right after the one before it (`then`, up to kv_manager.MAX_CHAIN) while step N
 is still on the device, so the thread runs the wave's chunks back to back with no decision of
-the host between them (`Batcher._chain_wave`; a chunk at a time, each waited for the engine
+the host between them (`PipelineRunner._chain_wave`; a chunk at a time, each waited for the engine
 thread to land the one before it, on a host whose cores the front and its clients keep busy).
 The decode of the other lanes is the flight after the last chunk: decided with the chunk (the
 chain) while step N is still on the device when nothing else may prefill first (`then`,
-`Scheduler.plan_chunk_decode`: its rows take step N's tokens, gathered in after the chunk), else
-built once step N has landed (`Scheduler.plan_after_prefill`, from tokens that are known). A
+`AheadScheduler.plan_chunk_decode`: its rows take step N's tokens, gathered in after the chunk), else
+built once step N has landed (`AheadScheduler.plan_after_prefill`, from tokens that are known). A
 greedy request decodes in that step too (every greedy request of a chain), its token its chunk's
 argmax, written in by the device thread (`join_row`); one that samples joins the decode after
 that. A hybrid model (sliding slots) admits the same way: the decode built after a chunk gives
@@ -44,7 +44,7 @@ the chunk's lane no padding row (it would write the fresh window's position 0), 
 when no other slot is free for its padding rows (a greedy request joining it needs none in a
 full batch); its prefix cache (slot checkpoints) keeps the whole pipeline off. Behind a full
 batch the queue's head is staged into the spare the same way, and a request fully staged takes a
-lane that freed (`Scheduler.rotate_ahead`) and joins the next step built. Later chunks, block
+lane that freed (`AheadScheduler.rotate_ahead`) and joins the next step built. Later chunks, block
 ops, a grammar or any step that is not one of these waits until the pipeline is empty (the
 engine then schedules as usual, one device call per `step()`).
 
@@ -52,6 +52,18 @@ The thread hand-offs are bare locks and a C queue of the landed flights (a `thre
 `Condition` costs the critical path ~20 us more), and the device thread does everything the
 critical path needs itself: the engine thread, which holds the interpreter lock for its Python,
 is never between two device calls.
+
+What lives here, the whole pipeline in one module (the synchronous engine, atombatch/engine/step.py
+and atombatch/engine/scheduler.py, reads as if it did not exist):
+
+- `PipelineRunner`, the step runner `Batcher` is: it launches a decode it may fly
+  (`_run_decode` -> `_take_off`), decides what follows each flight (`_decide`, `_chain`,
+  `_chain_wave`, `_chunk_ahead`) and lands it (`_land_flight`, `_land`, `_land_prefill`); with
+  the pipeline empty its `_step` runs `StepRunner._run_step`.
+- `AheadScheduler`, the scheduler's decisions taken ahead (`plan_ahead`, `plan_prefill_ahead`,
+  `rotate_ahead`, `plan_after_prefill`, `plan_chunk_decode`), each one `Scheduler.schedule`
+  would take at that point, through the same methods.
+- `Flight`, `DeviceThread` and `make_flights`: the calls and their buffers.
 """
 
 from __future__ import annotations
@@ -88,7 +100,7 @@ class Flight:
     its rows takes (-1: padding, token 0).
 
     A `prefill` flight is a request's prefill chunk planned while a decode was on the device
-    (`Scheduler.plan_prefill_ahead`): the thread calls it after that decode (or after the chunk
+    (`AheadScheduler.plan_prefill_ahead`): the thread calls it after that decode (or after the chunk
     before it in a wave's chain) and keeps its logits for the landing (a copy, whenever another
     call runs after it). Its `index` is that of the decode before the chunks."""
 
@@ -229,7 +241,7 @@ class DeviceThread:
     def _after_chunk(chunk: Flight, after: Flight) -> None:
         """The tokens a chunk gives the decode after it (after its chain's last chunk, when it is
         one of a chain): the chunk's greedy pick for its request's row (what
-        `Batcher._complete_prefill` picks when the chunk lands), and, right before that decode,
+        `StepRunner._complete_prefill` picks when the chunk lands), and, right before that decode,
         the tokens of the decode before the chunks (when that was still on the device as the
         step was built)."""
         joined = chunk.join_into
@@ -343,6 +355,8 @@ class PipelineRunner(StepRunner):
         self._undecided: Flight | None = None
         self._held: StepPlan | None = None             # planned ahead, runs at the next step
         self._held_for: Request | None = None          # the request it was planned for
+        # the scheduler, which plans ahead (`Batcher` builds an `AheadScheduler`)
+        self._ahead = cast(AheadScheduler, self.scheduler)
 
     def _in_flight(self) -> bool:
         """A flight is on the device, or a chunk planned ahead waits for its block ops."""
@@ -377,17 +391,11 @@ class PipelineRunner(StepRunner):
             return
         StepRunner._run_decode(self, plan, outputs)
 
-    @property
-    def _ahead(self) -> AheadScheduler:
-        """The scheduler, which plans ahead (a `Batcher(overlap=True)` builds an
-        `AheadScheduler`; only such a Batcher flies)."""
-        return cast(AheadScheduler, self.scheduler)
-
     # -- launch ------------------------------------------------------------------------------------
     def _can_fly(self) -> bool:
         """Whether decodes may run as a pipeline now: no grammar (its mask for step N+1 needs
         step N's token) and nothing between two steps that the engine does itself (n > 1 forks,
-        PD links, grammar compiles). The scheduler checks the rest (`Scheduler.plan_ahead`)."""
+        PD links, grammar compiles). The scheduler checks the rest (`AheadScheduler.plan_ahead`)."""
         return not self._compiling and not self._groups and not self._kv and \
             not any(sampler.grammar is not None for sampler in self._samplers.values())
 
@@ -435,9 +443,9 @@ class PipelineRunner(StepRunner):
     def _decide(self, running: Flight) -> None:
         """Tell the device thread what follows `running`: the next decode step, built ahead,
         when the pipeline may go on; else the first prefill chunk of the request the scheduler
-        admits now (`Scheduler.plan_prefill_ahead`; a wave of them as one chain, `_chain_wave`);
+        admits now (`AheadScheduler.plan_prefill_ahead`; a wave of them as one chain, `_chain_wave`);
         else nothing (it lands `running` and stops). After a prefill chunk, the decode of the
-        lanes that decode (`Scheduler.plan_after_prefill`; a greedy request joins it, one that
+        lanes that decode (`AheadScheduler.plan_after_prefill`; a greedy request joins it, one that
         samples joins the step after). A chunk whose block ops are due is held for the next
         `step()`, which runs the ops and then the chunk."""
         following = None
@@ -476,7 +484,7 @@ class PipelineRunner(StepRunner):
     def _chain(self, running: Flight, chain: list[Flight], candidate: Flight) -> None:
         """Decide the decode after `chain` (chunks planned ahead to run after `running`, a decode
         on the device now) together with it, when the scheduler can build it now
-        (`Scheduler.plan_chunk_decode`): the thread then runs the chunks and the decode back to
+        (`AheadScheduler.plan_chunk_decode`): the thread then runs the chunks and the decode back to
         back, whether or not the engine has landed `running` by then. Each greedy request of
         the chain decodes in it (`join_row`: the device thread writes its chunk's argmax in)."""
         joins = [chunk.owner for chunk in chain if self._joins(chunk.owner)]
@@ -703,7 +711,8 @@ class AheadScheduler(Scheduler):
     The synchronous `Scheduler` knows nothing of it: every decision here is one `schedule` would
     make at that point (the same admission, policy turn and block growth, through the same
     methods), taken only when nothing it changes can touch what the flight in the air computes.
-    A `Batcher(overlap=True)` builds this one; it plans synchronously exactly as the base.
+    `Batcher` builds this one; it plans synchronously exactly as the base, and plans ahead only
+    while the pipeline flies (`overlap`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
