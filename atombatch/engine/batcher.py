@@ -78,6 +78,10 @@ class StepResult:
 class Batcher(PipelineRunner):
     """Continuous batching over one compiled artifact.
 
+    The facade: the methods below are the engine's surface. The step they drive is
+    `StepRunner`'s (atombatch/engine/step.py) and the decode pipeline `PipelineRunner`'s
+    (atombatch/engine/pipeline.py), the classes this one extends.
+
     Args:
         runtime: any `Runtime` (NumpyRuntime, SimRuntime, RebelRuntime).
         prefix_cache: keep finished sequences' KV for prefix reuse (hybrid models: with

@@ -481,7 +481,8 @@ class Scheduler:
         plan = self._decode_plan  # one object, reused: a decode step allocates no plan
         plan.rows = kv.build_decode()
         plan.saves = plan.restores = plan.copies = plan.slot_saves = plan.slot_restores = ()
-        self._decode_planned()
+        self._decodes_since_prefill += 1  # (`_decode_planned`, inline: the steady decode)
+        self._prefills_since_decode = 0
         return plan
 
     def _decode_planned(self) -> None:

@@ -299,7 +299,7 @@ class StepRunner:
         scheduler = self.scheduler
         kernel = self._kernel
         try:
-            raw = self._call_decode(plan.inputs)
+            raw = self._device_call(self.runtime.decode, plan.inputs)  # the step's one decode call
             logits, source = decode_logits(raw, plan.inputs.num_rows, self.spec.vocab_size)
             greedy = self._greedy[:logits.shape[0]]  # allocated once: the step allocates nothing
             self._argmax(source, greedy)
@@ -356,7 +356,8 @@ class StepRunner:
                                                          RequestState.STAGING):
                 scheduler.preempt(request, keep_kv=False)
 
-    # -- the device calls (the pipeline's own are `PipelineRunner._decode_call`/`_prefill_call`) --
+    # -- the device calls (the decode's is in `_decode_and_complete`; the pipeline's own are
+    # `PipelineRunner._decode_call` and `_prefill_call`) ---------------------------------------
     def _call_prefill(self, inputs: Any, every_position: bool = False) -> Any:
         """The synchronous step's prefill call: the one place it calls `runtime.prefill`
         (`every_position`: every position's logits, for prompt logprobs)."""
@@ -364,10 +365,6 @@ class StepRunner:
             prefill: Any = self.runtime.prefill  # the optional keyword (see runtime/base.py)
             return self._device_call(functools.partial(prefill, every_position=True), inputs)
         return self._device_call(self.runtime.prefill, inputs)
-
-    def _call_decode(self, inputs: Any) -> Any:
-        """The synchronous step's decode call: the one place it calls `runtime.decode`."""
-        return self._device_call(self.runtime.decode, inputs)
 
     def _device_call(self, call: Callable[[Any], Any], inputs: Any) -> Any:
         """One prefill or decode call, repeated once when the runtime says the fault was
