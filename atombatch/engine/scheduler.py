@@ -31,6 +31,11 @@ preempted: its blocks are freed and it is re-prefilled later from prompt + gener
 Interleaving of prefill and decode is a `Policy`: prefill-first, decode-first, or one prefill chunk
 per N decode steps.
 
+This is the synchronous scheduler. The decode pipeline (`Batcher(overlap=True)`) takes some of these
+decisions while the step before is still on the device: that is `AheadScheduler`
+(`atombatch.engine.pipeline`), a subclass whose `*_ahead` methods go through the same admission,
+policy turn and growth; `_decode_planned` is the one hook it shares.
+
 Prefill/decode disaggregation: a request submitted with a KV source (`Request.pd`) is admitted only
 once its header has been validated, and instead of prefill chunks it gets "import" steps that write
 the layers which have arrived into its lane's blocks (or into the spare while every lane decodes, or
