@@ -266,7 +266,7 @@ def test_a_worker_whose_front_is_killed_exits(tmp_path: Any) -> None:
     script.write_text(
         "import os, sys, threading, time\n"
         "from support.structured import SPEC, byte_tokenizer\n"
-        "from atombatch import grammar_check\n"
+        "from atombatch.sampling import grammar_check\n"
         "from atombatch.api.structured import StructuredOutput\n"
         "if __name__ == '__main__':\n"
         "    w = grammar_check.GrammarWorkers(byte_tokenizer(), SPEC.vocab_size,\n"
