@@ -103,7 +103,7 @@ class EngineStats(EngineCounters, frozen=True, kw_only=True):  # type: ignore[mi
     # prefill chunks of requests admitted while a decode ran; and decodes right after such a
     # chunk that its request joined (its first token the chunk's greedy pick, written in on the
     # device thread); and chunks launched right after another chunk, decided with it (a wave of
-    # arrivals planned as one chain: `Batcher._chain_wave`)
+    # arrivals planned as one chain: `PipelineRunner._chain_wave`)
     overlapped_steps: int = 0
     overlapped_prefills: int = 0
     overlapped_joins: int = 0

@@ -322,7 +322,7 @@ class KVManager:
         raise StateError("no FREE or SPARE block is left as a padding target")
 
     def padding_block_ahead(self) -> int:
-        """`padding_block` for a step built ahead (`Scheduler.plan_ahead`): the spare or a FREE
+        """`padding_block` for a step built ahead (`AheadScheduler.plan_ahead`): the spare or a FREE
         block, never one that needs an eviction (its host save is a block op, which waits for
         the device); -1 when there is none."""
         if self.pool.num_spare:

@@ -31,6 +31,11 @@ preempted: its blocks are freed and it is re-prefilled later from prompt + gener
 Interleaving of prefill and decode is a `Policy`: prefill-first, decode-first, or one prefill chunk
 per N decode steps.
 
+This is the synchronous scheduler. The decode pipeline (`Batcher(overlap=True)`) takes some of these
+decisions while the step before is still on the device: that is `AheadScheduler`
+(`atombatch.engine.pipeline`), a subclass whose `*_ahead` methods go through the same admission,
+policy turn and growth; `_decode_planned` is the one hook it shares.
+
 Prefill/decode disaggregation: a request submitted with a KV source (`Request.pd`) is admitted only
 once its header has been validated, and instead of prefill chunks it gets "import" steps that write
 the layers which have arrived into its lane's blocks (or into the spare while every lane decodes, or
@@ -49,10 +54,8 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
-
-import numpy as np
 
 from atombatch.api.policy import DEFAULT_POLICY, POLICY_KINDS, Policy
 from atombatch.api.structs import FinishReason
@@ -106,7 +109,6 @@ class Scheduler:
         self._admit_counter = 0
         self._decodes_since_prefill = 0
         self._prefills_since_decode = 0
-        self._join_at = np.full(artifact.batch_size, -1, dtype=np.int32)  # `_build_ahead`'s
         self._step_time = 0.0
         self._decode_plan = StepPlan(kind="decode", inputs=self.kv.decode_inputs)
         # LoRA (`atombatch.engine.lora`): the rows' adapter ids (None: the runtime has no LoRA),
@@ -544,253 +546,15 @@ class Scheduler:
         if self.lora is not None:
             self.lora.fill_decode(plan.inputs, plan.rows)
         plan.saves = plan.restores = plan.copies = plan.slot_saves = plan.slot_restores = ()
-        self._decodes_since_prefill += 1
+        self._decodes_since_prefill += 1  # (`_decode_planned`, inline: the steady decode)
         self._prefills_since_decode = 0
         return plan
 
-    def plan_ahead(self, plan: StepPlan, running: StepPlan, gather: Any) -> bool:
-        """Build into `plan` the decode step after `running` (on the device now, its tokens not
-        known yet) when it is the step `schedule` would choose then: every busy lane decodes,
-        nothing is admitted, staged or prefilled (`_only_decode`, or what waits has no prefill
-        turn before a decode: `_decode_due`), no block op is due, and the
-        free list (no eviction) has the blocks the lanes' next positions need. `gather[row]`: the row
-        of `running` whose token feeds the row (`StepKernel.build_ahead`). False: not built (the
-        engine lands `running` and schedules as usual)."""
-        kv = self.kv
-        lanes = kv.lanes
-        if kv.has_ops or not lanes.num_busy or lanes.num_busy != lanes.num_decoding() or \
-                kv.checkpoints is not None or not (self._only_decode() or self._decode_due()):
-            return False
-        return self._build_ahead(plan, running.inputs, running.rows, gather)
-
-    def _build_ahead(self, plan: StepPlan, previous: Any, previous_rows: int,
-                     gather: Any, joins: Sequence[Request] = ()) -> bool:
-        """Grow the decoding lanes from the free list (a step on the device: one position
-        further, unless `previous_rows` is 0) and build the step into `plan`; `joins`: requests
-        whose last chunk runs before it (a wave's chain: several), which decode their first
-        token in it (`StepKernel.build_ahead`'s `joins`) when their lane takes the block for
-        that position."""
-        kv = self.kv
-        kernel = kv.kernel
-        if kernel.grow(1 if previous_rows else 0):
-            return False  # blocks taken for some lanes stay theirs: the next step needs them
-        join_at = None
-        if joins:
-            join_at = self._join_at
-            for join in joins:
-                position = len(join.prompt)  # where its first token goes (`_start_decode`)
-                if position < self.artifact.max_seq_len and \
-                        not kernel.grow_lane(join.lane, position + 1):
-                    join_at[join.lane] = position
-        try:
-            rows = kernel.build_ahead(plan.inputs, previous, previous_rows, gather,
-                                      kv.padding_block_ahead(), join_at)
-        finally:
-            if join_at is not None:
-                join_at.fill(-1)
-        if rows <= 0:
-            return False
-        plan.rows = rows
-        if self.lora is not None:
-            self.lora.fill_decode(plan.inputs, rows)
+    def _decode_planned(self) -> None:
+        """A decode step was built (here, or ahead by the pipeline: `AheadScheduler`): the
+        policy's counters move on."""
         self._decodes_since_prefill += 1
         self._prefills_since_decode = 0
-        return True
-
-    def rotate_ahead(self, running: StepPlan, now: float) -> bool:
-        """A request fully staged into the spare takes an idle lane while `running` is on the
-        device (what `schedule` does first), when no row of `running` is that lane's and a new
-        spare comes from the free list (or an eviction without a host cache: no block op). It
-        decodes from the next step built (`StepKernel.build_ahead`: a lane that joins). Returns
-        whether it moved."""
-        kv = self.kv
-        staging = self.staging
-        if staging is None or staging.state is not S.STAGED or not kv.lanes.num_idle or \
-                kv.has_ops or kv.checkpoints is not None or kv.slots is not None:
-            return False
-        if not self._lane_is_clear(running) or \
-                not (kv.pool.num_spare or kv.pool.num_free or kv.host is None):
-            return False
-        self._step_time = now
-        self._lane_for_staged(staging, now)
-        return True
-
-    def _lane_is_clear(self, running: StepPlan) -> bool:
-        """The lane the next admission takes (the lowest idle one) has no row in `running` (a
-        lane that stopped in the step before keeps a row there)."""
-        if running.kind != "decode":
-            return True  # a chunk: no row of any lane is in the air
-        lane = self.by_lane.index(None)
-        return lane not in running.inputs.row_lanes[:running.rows].tolist()
-
-    def plan_prefill_ahead(self, running: StepPlan, now: float,
-                           accept: Callable[[Request], bool], decode: StepPlan | None = None,
-                           chained: int = 0) -> StepPlan | None:
-        """Plan the next prefill chunk while `running` (a decode step built before the last one
-        landed, or the last chunk of a chain planned after one: `chained`) is on the device,
-        when it is what `schedule` would do next and nothing it does can touch what `running`
-        computes: the head of the queue admitted to an idle lane that has no row in `running`
-        (`_lane_is_clear`), or, behind a full batch, staged into the
-        spare (its first chunk, or its next one). Every busy lane decodes, no sliding-slot
-        checkpoints (their saves and restores are slot ops), no block op due, and the pool holds
-        the whole prefill without preempting anyone (a preempted lane may have a row in the
-        air). Evicting CACHED blocks is safe: no row of `running` writes a cached block, and the
-        chunk's own writes run after `running` (device calls run in order); so is staging into
-        the spare, which `running`'s padding rows may write: they too run before the chunk.
-        A hybrid lane's sliding slot likewise: `running`'s padding rows may write it at position
-        0, before the chunk writes its window from position 0; no decode step runs between the
-        chunk and the end of that prefill (a later chunk is not planned ahead, and the decode
-        after a last chunk gives the slot no padding row: `StepKernel.build_ahead`).
-
-        A wave of arrivals is planned as a chain (`chained` > 0: that many last chunks, each on
-        its own lane, are planned to run after `decode`, the decode step on the device, and
-        `running` is the last of them): the next request is admitted to an idle lane that has
-        no row in `decode` (never staged), as the head of the queue would be once they landed.
-
-        `accept(request)`: the engine's own conditions (no prompt logprobs, no grammar). Returns
-        the plan (with the block ops it needs, which the engine then runs before the prefill),
-        or None, changing nothing."""
-        kv = self.kv
-        lanes = kv.lanes
-        # `running` may itself be a chunk planned ahead (every decode before it has landed):
-        # its lane is the one busy lane that may not decode; its next chunk waits for it
-        in_air = self.requests.get(running.request_id) if running.kind == "prefill" else None
-        prefilling = chained if chained else \
-            in_air is not None and in_air.state is S.PREFILLING and in_air.lane >= 0
-        if kv.has_ops or kv.checkpoints is not None or \
-                lanes.num_busy != lanes.num_decoding() + prefilling or \
-                (in_air is not None and not running.last_chunk) or \
-                (chained and (decode is None or not lanes.num_idle)):
-            return None
-        staging = self.staging
-        if lanes.num_idle:  # admission to a lane (a staged request would take it first)
-            request = self._first_ready()
-            if staging is not None or request is None or \
-                    not self._lane_is_clear(running if decode is None else decode):
-                return None
-        elif staging is not None:  # its next chunk into the spare and its STAGED blocks
-            request = staging if staging.state is S.STAGING and staging is not in_air else None
-        else:
-            request = self._first_ready()
-            if request is not None and not self._can_stage(request):
-                return None
-        if request is None or request.importing or \
-                not self._prefill_turn(request, lanes.num_decoding()) or not accept(request):
-            return None
-        if kv.available() < kv.blocks_for_prefill(request) or \
-                (self.artifact.oversubscribed and kv.available() - kv.committed(self.by_lane) <
-                 kv.blocks_for_prefill(request)):
-            return None
-        self._step_time = now
-        if lanes.num_idle:
-            lane = self.by_lane.index(None)
-            self._admit(now, limit=1)
-            if request.lane != lane:
-                raise StateError(f"admitting ahead gave {request.request_id} lane "
-                                 f"{request.lane}, not the idle lane {lane} it checked")
-        elif staging is None:
-            self._start_staging(request)
-        if running.kind == "prefill":  # its inputs are on the device: build into the other buffer
-            kv.swap_prefill_inputs()
-        plan = self._plan_prefill(request)
-        if plan is None:
-            raise StateError(f"{request.request_id}'s chunk could not be planned ahead although "
-                             f"the pool held its prefill")
-        if kv.has_ops:
-            kv.take_ops(plan)
-        return plan
-
-    def plan_after_prefill(self, plan: StepPlan, landed: Any, prefill: StepPlan,
-                           gather: Any, joins: Sequence[Request] = ()) -> list[int] | None:
-        """Build into `plan` the decode step after `prefill` (a chunk planned ahead, on the
-        device now; every decode step before it has landed) when it is the step `schedule` would
-        choose once the chunk lands: the chunk ends its request's prefill, every other busy lane
-        decodes and nothing is admitted, staged or prefilled, no block op is due, and the free
-        list has the blocks. `landed`: a decode buffer other than `plan`'s (not read).
-        `plan_chunk_decode` is this with a decode step still on the device before the chunk.
-
-        `joins`: the requests the engine says may decode in the step (their first token is
-        their chunk's greedy pick): each does, at its prompt's length, when its lane takes the
-        block that needs from the free list: its row's token is the chunk's argmax, which the
-        caller writes in once the chunk has run (before the step runs). A request that does not
-        joins the step after (`StepKernel.build_ahead`, whose padding rows leave a hybrid lane's
-        fresh window alone, or give up). Returns each of `joins`' rows in the step (-1: none),
-        or None when the step was not built."""
-        if not self._decode_may_follow(prefill, self.requests.get(prefill.request_id)):
-            return None
-        return self._build_joined(plan, landed, 0, gather, joins)
-
-    def plan_chunk_decode(self, plan: StepPlan, running: StepPlan, prefill: StepPlan,
-                          gather: Any, joins: Sequence[Request] = (),
-                          chained: int = 1) -> list[int] | None:
-        """`plan_after_prefill` for a chunk planned ahead while `running` (a decode step) is
-        still on the device: the chunk runs after `running` and the step built here after the
-        chunk, so the device goes from one to the next without waiting for the host to land
-        `running` (its rows' tokens are gathered in as `plan_ahead`'s are: `gather[row]` is
-        their row in `running`). `chained`: the chunks planned to run between `running` and
-        this step, `prefill` the last of them (a wave's chain, each of them the last chunk of
-        its request on a lane of its own; `joins` may name any of their requests). Returns as
-        `plan_after_prefill` does."""
-        if running.kind != "decode" or \
-                not self._decode_may_follow(prefill, self.requests.get(prefill.request_id),
-                                            chained):
-            return None
-        return self._build_joined(plan, running.inputs, running.rows, gather, joins)
-
-    def _decode_may_follow(self, prefill: StepPlan, request: Request | None,
-                           chained: int = 1) -> bool:
-        """Whether the step after `prefill` (a chunk planned ahead) may be built before the
-        chunk lands: the chunk ends its request's prefill, every other busy lane decodes and
-        nothing is admitted, staged or prefilled (or what waits has no prefill turn before a
-        decode: `_decode_due`), no block op is due."""
-        kv = self.kv
-        lanes = kv.lanes
-        if kv.has_ops or kv.checkpoints is not None or not prefill.last_chunk or \
-                request is None or not lanes.num_decoding():
-            return False
-        if request.state is S.PREFILLING:  # its lane (and those of the chunks chained before
-            # it) are the busy lanes that do not decode
-            return lanes.num_busy == lanes.num_decoding() + chained and \
-                (self._only_decode() or self._decode_due())
-        # once staged, it waits for a lane while the others decode
-        return request is self.staging and request.state is S.STAGING and \
-            lanes.num_busy == lanes.num_decoding() and not lanes.num_idle
-
-    def _build_joined(self, plan: StepPlan, previous: Any, previous_rows: int, gather: Any,
-                      joins: Sequence[Request]) -> list[int] | None:
-        joining = [request for request in joins if request.state is S.PREFILLING and
-                   request.lane >= 0 and not request.recomputing and request.max_tokens > 1]
-        if not self._build_ahead(plan, previous, previous_rows, gather, joining):
-            return None
-        if not joining:
-            return [-1] * len(joins)
-        rows = {lane: row for row, lane in enumerate(plan.inputs.row_lanes[:plan.rows].tolist())}
-        joined = {id(request) for request in joining}
-        # (no row: its lane could not take the block for its first position)
-        return [rows.get(request.lane, -1) if id(request) in joined else -1 for request in joins]
-
-    def _only_decode(self) -> bool:
-        """`schedule` would decode the busy lanes and admit, stage or prefill nothing: no queue,
-        or a queue with no idle lane for it and no staging to start (a request fully staged
-        into the spare waits for a lane as well)."""
-        staging = self.staging
-        if staging is not None and (staging.state is not S.STAGED or self.kv.lanes.num_idle):
-            return False
-        if not self.waiting:
-            return True
-        if self.kv.lanes.num_idle:
-            return False
-        head = self._first_ready()
-        return staging is not None or head is None or not self._can_stage(head)
-
-    def _decode_due(self) -> bool:
-        """Requests wait for a lane, but `schedule` would decode now: the policy gives the head
-        of the queue no prefill turn yet (stall-free after its chunks per decode), or nothing
-        waiting is ready to prefill."""
-        if self.staging is not None:
-            return False
-        head = self._first_ready()
-        return head is None or not self._prefill_turn(head, self.kv.lanes.num_decoding())
 
     def decode_requests(self, plan: StepPlan) -> list[Request]:
         """The requests of a decode plan's rows that are still running, in row order."""

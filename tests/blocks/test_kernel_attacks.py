@@ -369,7 +369,7 @@ def test_a_non_finite_row_and_a_sampler_failure_fail_only_their_requests() -> No
     batcher.submit([3, 4], sampled, request_id="sampled")
     batcher.submit([5, 6], GREEDY, request_id="plain")
     decode_all(batcher, 3)
-    import atombatch.engine.batcher as engine_module
+    import atombatch.engine.step as engine_module  # the step samples
 
     real = engine_module.sample_rows
     calls = [0]

@@ -737,7 +737,7 @@ def test_long_pieces_stop_where_character_steps_stop(pieces: list[int], cuts: li
 
 
 def test_plain_greedy_steps_never_enter_the_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
-    import atombatch.engine.batcher as engine_module
+    import atombatch.engine.step as engine_module  # the step samples
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a plain greedy request went through sample_rows")

@@ -6,7 +6,7 @@ A Gemma3 lane keeps its sliding-window layers' K/V in a shift buffer of the newe
 written a second time shifts out one the window still needs. Whatever runs again after an
 interrupt (the step whose landing raised, the flight dropped after it, a synchronous step that
 raised after its device call, padding rows that wrote a finishing lane's slot) must recompute
-those lanes (`Batcher._recompute_spoiled`): every request's tokens are compared with the same
+those lanes (`StepRunner._recompute_spoiled`): every request's tokens are compared with the same
 request run alone on a fresh synchronous engine, llama alongside as the control.
 """
 

@@ -1,8 +1,8 @@
 """Admission inside the pipeline (`Batcher(overlap=True)`, atombatch/engine/pipeline.py): a request
 that arrives while decodes run, with an idle lane for it, is admitted while a decode is on the
 device; its first prefill chunk runs right after that decode on the device thread, then the other
-lanes' decode, and the request joins the step after (`Scheduler.plan_prefill_ahead`,
-`Scheduler.plan_after_prefill`, `StepKernel.build_ahead`).
+lanes' decode, and the request joins the step after (`AheadScheduler.plan_prefill_ahead`,
+`AheadScheduler.plan_after_prefill`, `StepKernel.build_ahead`).
 
 The clients here are closed loops (a finished request's lane gets the next request at once, as
 a serving client sends it), on the NumPy runtime (real decoder math, KV written for every row it

@@ -1,4 +1,4 @@
-"""A wave of arrivals decided as one chain (`Batcher._chain_wave`, atombatch/engine/pipeline.py): lanes
+"""A wave of arrivals decided as one chain (`PipelineRunner._chain_wave`, atombatch/engine/pipeline.py): lanes
 that end together are refilled together, and while a decode is on the device the engine plans
 every refill's chunk to run right after the one before it (`Flight.then`), then the decode of
 the other lanes after the last of them, so the device thread runs the whole wave without

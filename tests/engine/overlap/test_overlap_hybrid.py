@@ -2,7 +2,7 @@
 a Gemma3-like model keeps its sliding-window layers' KV in a slot per lane, and a decode step's
 padding rows write a slot at position 0. A request admitted while a decode is on the device has
 its first chunk run right after it, and the decode of the other lanes after that chunk is built
-ahead (`Scheduler.plan_after_prefill`); that decode's padding rows must leave the new lane's
+ahead (`AheadScheduler.plan_after_prefill`); that decode's padding rows must leave the new lane's
 fresh window alone (`StepKernel.build_ahead`), or the request's tokens change.
 
 On the NumPy runtime (real decoder math, KV written for padding rows too), with buckets larger
