@@ -245,6 +245,12 @@ class Crossover(msgspec.Struct, frozen=True):
     batch: int | None              # B where plain catches up (1: never pays; None: > max_batch)
 
 
+class BreakEven(msgspec.Struct, frozen=True):
+    model: str
+    acceptance: float | None       # i.i.d. acceptance above which speculation pays at B1
+    verify_to_decode: float        # a verify call (4 drafts) / a B1 decode step, mid-output
+
+
 def _artifact(model: str, batch: int, context: int = 9216, chunk: int = 128) -> ArtifactConfig:
     preset = ModelSpec.preset(model)
     # a hybrid model may not use a single block; the block count does not change a call's cost
@@ -256,12 +262,18 @@ def _artifact(model: str, batch: int, context: int = 9216, chunk: int = 128) -> 
 def project(models: Sequence[str], acceptance: Sequence[float], drafts: Sequence[int],
             costs: CostModel, input_len: int, output_len: int, concurrency: int,
             context: int, chunk: int, max_batch: int, verify_chunk: int | None
-            ) -> tuple[list[Projected], list[Crossover]]:
+            ) -> tuple[list[Projected], list[Crossover], list[BreakEven]]:
     rows: list[Projected] = []
     crossings: list[Crossover] = []
+    evens: list[BreakEven] = []
     for model in models:
         artifact = _artifact(model, 1, context, chunk)
         verifier = None if verify_chunk is None else _artifact(model, 1, context, verify_chunk)
+        middle = input_len + output_len // 2
+        evens.append(BreakEven(model, spec.break_even_acceptance(
+            costs, artifact, input_len, output_len, drafts, verifier),
+            spec.verify_call_s(costs, verifier or artifact, middle - 1, 4) /
+            costs.decode_step_s(artifact, (middle,))))
         plain = spec.serial_projection(costs, artifact, input_len, output_len, concurrency)
         rows.append(Projected(model, None, 0, plain, 1.0))
         for a in acceptance:
@@ -272,7 +284,15 @@ def project(models: Sequence[str], acceptance: Sequence[float], drafts: Sequence
                                   row.throughput_tok_s / plain.throughput_tok_s))
             crossings.append(Crossover(model, a, spec.crossover_batch(
                 costs, artifact, input_len, output_len, a, drafts, max_batch, verifier)))
-    return rows, crossings
+    return rows, crossings, evens
+
+
+def format_break_even(evens: list[BreakEven]) -> str:
+    lines = [f"{'model':<11} {'verify/decode':>13} {'break-even acceptance':>21}"]
+    for e in evens:
+        even = "never" if e.acceptance is None else f"{e.acceptance:.3f}"
+        lines.append(f"{e.model:<11} {e.verify_to_decode:>12.3f}x {even:>21}")
+    return "\n".join(lines)
 
 
 def format_projection(rows: list[Projected]) -> str:
@@ -390,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     costs = CostModel.default()
     try:
-        rows, crossings = project(models, acceptance, drafts, costs, args.input, args.output,
+        rows, crossings, evens = project(models, acceptance, drafts, costs, args.input, args.output,
                                   args.concurrency, args.context, args.chunk, args.max_batch,
                                   args.verify_chunk)
         measured = measure(texts, measure_drafts, args.prompt_lookup_max,
@@ -408,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ndecode batch B at which plain decoding catches up (1: speculation never pays; "
           f"each speculating lane needs its own batch-1 prefill call)")
     print(format_crossover(crossings, acceptance, args.max_batch))
+    print("\nbreak-even at B1: a verify call (4 drafts) over a decode step, mid-output, and the "
+          "i.i.d. acceptance above which speculation pays")
+    print(format_break_even(evens))
     if measured:
         print(f"\nmeasured: n-gram drafts (prompt_lookup {args.prompt_lookup_min}.."
               f"{args.prompt_lookup_max}) replayed against reference outputs; KONI columns cost "
@@ -417,5 +440,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "wb") as handle:
             handle.write(msgspec.json.encode({"projected": rows, "crossover": crossings,
+                                              "break_even": evens,
                                               "measured": measured}))
     return 0

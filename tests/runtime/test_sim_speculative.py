@@ -131,3 +131,18 @@ def test_other_models_cross_over_too(model: str) -> None:
 def test_projection_refuses_a_batched_artifact() -> None:
     with pytest.raises(ConfigError, match="batch_size=4: the serial projection is for B1"):
         spec.serial_projection(COSTS, spec.batched_artifact(KONI_B1, 4), 8192, 128, 16)
+
+
+def test_break_even_acceptance_separates_loss_from_gain() -> None:
+    drafts = range(1, 9)
+    even = spec.break_even_acceptance(COSTS, KONI_B1, 8192, 128, drafts)
+    assert even is not None and 0.0 < even < 1.0
+    plain = spec.plain_decode_s(COSTS, KONI_B1, 8192, 128)
+    below = spec.best_drafts(COSTS, KONI_B1, 8192, 128, even - 0.02, drafts)[1]
+    above = spec.best_drafts(COSTS, KONI_B1, 8192, 128, even + 0.02, drafts)[1]
+    assert below > plain > above
+    # a short verify graph (what-if) costs about a decode step: speculation pays sooner
+    short = ArtifactConfig(model=KONI_B1.model, batch_size=1, max_seq_len=9216,
+                           block_size=9216, num_blocks=1, prefill_chunk_size=16)
+    sooner = spec.break_even_acceptance(COSTS, KONI_B1, 8192, 128, drafts, short)
+    assert sooner is not None and sooner < even

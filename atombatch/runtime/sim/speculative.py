@@ -7,8 +7,9 @@ and verifies them in **one prefill-graph call** that feeds the lane's last token
 at positions `p .. p + k`. The prefill graph is compiled at `prefill_chunk_size` tokens and
 optimum-rbln 0.12's prefill forward pads every chunk to that size (`F.pad` of the inputs and the
 cache positions up to `prefill_chunk_size`), so a verify call costs a **full chunk** at that
-context whatever the real tokens: `CostModel.prefill_chunk_s(artifact, p, prefill_chunk_size)`,
-plus the LM head for the `k + 1` positions whose logits it must return (the artifact needs
+context whatever the real tokens: `CostModel.prefill_chunk_s(artifact, p, prefill_chunk_size)` (never less than a decode step at
+that context, which reads the same weights and KV: this floor binds only for the what-if of a
+short verify graph), plus the LM head for the `k + 1` positions whose logits it must return (the artifact needs
 `logits_to_keep >= k + 1` or 0; the default 1 returns one position only).
 
 Per-token acceptance `a` is taken as independent and identical at every draft position: the
@@ -81,8 +82,11 @@ def verify_call_s(costs: CostModel, artifact: ArtifactConfig, start: int, drafts
     spec = artifact.model
     # the chunk cost bills the LM head once; a verify returns logits for drafts + 1 positions
     head_flops = 2.0 * spec.vocab_size * spec.hidden_size / artifact.tensor_parallel * drafts
-    return costs.prefill_chunk_s(artifact, start, artifact.prefill_chunk_size) + \
-        head_flops / costs.prefill_flops
+    chunk = costs.prefill_chunk_s(artifact, start, artifact.prefill_chunk_size)
+    # the chunk formula leaves out reading the lane's KV (negligible beside a 128-token chunk's
+    # FLOPs); a short verify graph still streams the weights and reads that KV, as a decode does
+    floor = costs.decode_step_s(artifact, (start + drafts + 1,), rows=1)
+    return max(chunk, floor) + head_flops / costs.prefill_flops
 
 
 def _decode_s(costs: CostModel, artifact: ArtifactConfig, context: int) -> float:
@@ -182,6 +186,29 @@ def best_drafts(costs: CostModel, artifact: ArtifactConfig, input_len: int, outp
     return k, time
 
 
+def break_even_acceptance(costs: CostModel, artifact: ArtifactConfig, input_len: int,
+                          output_len: int, drafts: Sequence[int],
+                          verify_artifact: ArtifactConfig | None = None) -> float | None:
+    """The i.i.d. acceptance above which speculation (best k of `drafts`) beats plain decoding
+    for one lane alone (bisection: the best expected time falls as acceptance rises); None if it
+    never does, 0.0 if it always does."""
+    plain = plain_decode_s(costs, artifact, input_len, output_len)
+
+    def pays(a: float) -> bool:
+        return best_drafts(costs, artifact, input_len, output_len, a, drafts,
+                           verify_artifact)[1] < plain
+
+    if pays(0.0):
+        return 0.0
+    if not pays(1.0):
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if pays(mid) else (mid, hi)
+    return hi
+
+
 def batched_artifact(artifact: ArtifactConfig, batch: int) -> ArtifactConfig:
     """`artifact` compiled at decode batch `batch` (one block per lane plus the spare)."""
     return msgspec.structs.replace(artifact, batch_size=batch, num_blocks=batch + 1,
@@ -215,6 +242,6 @@ def verify_to_decode_ratio(costs: CostModel, artifact: ArtifactConfig, context: 
         _decode_s(costs, artifact, context)
 
 
-__all__ = ["SerialProjection", "batched_artifact", "best_drafts", "crossover_batch",
+__all__ = ["SerialProjection", "batched_artifact", "best_drafts", "break_even_acceptance", "crossover_batch",
            "equivalent_acceptance", "expected_decode_s", "plain_decode_s", "serial_projection",
            "tokens_per_call", "verify_call_s", "verify_to_decode_ratio"]
