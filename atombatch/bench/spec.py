@@ -8,8 +8,9 @@ Two parts (docs/speculative.md, "Projected gain on ATOM"):
   `--drafts`: tokens per device call, throughput, max / median first token. Then the decode batch
   size B at which plain decoding catches up (one decode step serves B lanes; each speculating lane
   needs its own batch-1 prefill call).
-* **Measured acceptance of n-gram drafts** on texts where copying is common, tokenizer-free. A replay: the "model output" is a reference text, so
-  a draft is accepted while it equals the reference (tokens: GPT-2's pre-tokenization pieces); this is the acceptance of a model that
+* **Measured acceptance of n-gram drafts** on texts where copying is common, tokenizer-free
+  (tokens: GPT-2's pre-tokenization pieces). A replay: the "model output" is a reference text, so
+  a draft is accepted while it equals the reference; this is the acceptance of a model that
   reproduces the reference (an upper bound for a real model on the same task). Texts: an
   extractive summary that quotes its source, a code edit that repeats most of a file, and a
   control with the summary's words shuffled. One more row takes its tokens from the NumPy runtime
@@ -79,12 +80,12 @@ class Vocabulary:
 
 
 def _source_text() -> str:
-    """Prose that ships with the package: module docstrings of the simulator and the engine."""
+    """Prose that ships with the package: module docstrings of the simulator and the scheduler
+    (the measured figures move a little when those docstrings change)."""
     import atombatch.engine.scheduler as scheduler
     import atombatch.runtime.sim as sim
     import atombatch.runtime.sim.costs as costs
-    return "\n\n".join(inspect.getdoc(module) or "" for module in (costs, sim, scheduler,
-                                                                     spec))
+    return "\n\n".join(inspect.getdoc(module) or "" for module in (costs, sim, scheduler))
 
 
 def summary_case() -> tuple[str, str]:
@@ -425,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
           f"B1, {args.input} in / {args.output} out, c{args.concurrency}, requests back to back; "
           f"one verify call = {verify}; best k of {args.drafts} per acceptance")
     print(format_projection(rows))
-    print(f"\ndecode batch B at which plain decoding catches up (1: speculation never pays; "
-          f"each speculating lane needs its own batch-1 prefill call)")
+    print("\ndecode batch B at which plain decoding catches up (1: speculation never pays; "
+          "each speculating lane needs its own batch-1 prefill call)")
     print(format_crossover(crossings, acceptance, args.max_batch))
     print("\nbreak-even at B1: a verify call (4 drafts) over a decode step, mid-output, and the "
           "i.i.d. acceptance above which speculation pays")

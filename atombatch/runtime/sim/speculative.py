@@ -7,10 +7,11 @@ and verifies them in **one prefill-graph call** that feeds the lane's last token
 at positions `p .. p + k`. The prefill graph is compiled at `prefill_chunk_size` tokens and
 optimum-rbln 0.12's prefill forward pads every chunk to that size (`F.pad` of the inputs and the
 cache positions up to `prefill_chunk_size`), so a verify call costs a **full chunk** at that
-context whatever the real tokens: `CostModel.prefill_chunk_s(artifact, p, prefill_chunk_size)` (never less than a decode step at
-that context, which reads the same weights and KV: this floor binds only for the what-if of a
-short verify graph), plus the LM head for the `k + 1` positions whose logits it must return (the artifact needs
-`logits_to_keep >= k + 1` or 0; the default 1 returns one position only).
+context whatever the real tokens: `CostModel.prefill_chunk_s(artifact, p, prefill_chunk_size)`
+(never less than a decode step at that context, which reads the same weights and KV: this floor
+binds only for the what-if of a short verify graph), plus the LM head for the `k + 1` positions
+whose logits it must return (the artifact needs `logits_to_keep >= k + 1` or 0; the default 1
+returns one position only).
 
 Per-token acceptance `a` is taken as independent and identical at every draft position: the
 standard analysis of speculative decoding (Leviathan, Kalman and Matias 2023, "Fast Inference from
