@@ -7,6 +7,7 @@ from typing import Literal
 import msgspec
 
 from atombatch.api.policy import DEFAULT_POLICY
+from atombatch.api.speculative import SpeculativeConfig
 
 # seconds an engine core process with requests in flight may send nothing before its front
 # counts it hung and kills it (`CoreClient(hang_timeout=)`, the server's --core-hang-timeout)
@@ -45,6 +46,7 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     argmax_threads: int | None = None
     overlap: bool = False
     log_requests: bool = True                # a request's info events logged (quiet_requests)
+    speculative: SpeculativeConfig | None = None  # n-gram drafts (docs/speculative.md)
 
 
 ENGINE_DEFAULTS = EngineOptions()

@@ -50,6 +50,11 @@ class EngineCounters(msgspec.Struct, kw_only=True):
     # device calls by the tokens they computed (a prefill chunk's tokens, a decode step's rows):
     # their sum (`vllm:iteration_tokens_total`); the histogram is `iteration_tokens`
     iteration_tokens_sum: int = 0
+    # speculative decoding (vLLM's vllm:spec_decode_* counters): verify calls with a draft,
+    # draft tokens, accepted draft tokens, and accepted drafts by position (index 0: the first)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     # requests by finish reason; decode steps by number of decoding lanes (index = lanes); decode
     # steps by the compiled decode batch size that ran; device calls over
     # `request.ITERATION_TOKEN_BUCKETS` (the last count: above every bound). Lists and dicts
@@ -58,6 +63,7 @@ class EngineCounters(msgspec.Struct, kw_only=True):
     lane_histogram: Sequence[int] = ()
     bucket_steps: dict[int, int] = msgspec.field(default_factory=dict)
     iteration_tokens: Sequence[int] = ()
+    spec_decode_num_accepted_tokens_per_pos: Sequence[int] = ()
 
 
 #: The scalar counters, in order: what `/metrics` exports as `atombatch_engine_<name>_total`.
@@ -74,6 +80,7 @@ class EngineStats(EngineCounters, frozen=True, kw_only=True):  # type: ignore[mi
 
     lane_histogram: tuple[int, ...] = ()   # the counters' lists, frozen
     iteration_tokens: tuple[int, ...] = ()
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     occupied_lanes: int = 0             # lanes holding a request now
     decoding_lanes: int = 0             # of those, decoding
     queue_length: int = 0               # requests without a lane (waiting + staging/staged, and

@@ -21,6 +21,7 @@ import numpy.typing as npt
 
 from atombatch.api.options import DEFAULT_MAX_WAITING, ENGINE_DEFAULTS, EngineOptions
 from atombatch.api.reports import EngineStats
+from atombatch.api.speculative import SpeculativeConfig
 from atombatch.api.structs import (
     GREEDY_EPS,
     Completion,
@@ -37,6 +38,8 @@ from atombatch.engine.outputs import Extras, OutputBuilder
 from atombatch.engine.pd_intake import KVLink, KVSource, PDIntake
 from atombatch.engine.pipeline import NUM_FLIGHTS, DeviceThread, Flight, decode_logits, make_flights
 from atombatch.engine.scheduler import PDImport, Policy, Request, RequestState, Scheduler, StepPlan
+from atombatch.engine.speculative import Speculator
+from atombatch.engine.speculative import check_supported as check_speculative
 from atombatch.errors import (
     CapacityError,
     ConfigError,
@@ -134,6 +137,10 @@ class Batcher:
         overlap: run steady decodes as a pipeline on a device thread, each step's inputs
             built while the step before it runs (atombatch/engine/pipeline.py); `step()` then returns
             the step that landed while the next one is on the device.
+        speculative: n-gram drafts verified in one prefill-graph call where a step would decode
+            one lone lane (`SpeculativeConfig`, atombatch/engine/speculative.py,
+            docs/speculative.md); needs every position's logits, refused with `overlap` and on
+            hybrid models.
 
     A Batcher is driven by one consumer: `step()` raises `StateError` when another thread is
     already inside it (two interleaved steps would corrupt the lane tables); `submit` and `abort`
@@ -154,7 +161,8 @@ class Batcher:
                  tokenizer: Any | None = None,
                  logprobs_mode: LogprobsMode = _D.logprobs_mode, detokenize: bool = _D.detokenize,
                  argmax_threads: int | None = _D.argmax_threads,
-                 overlap: bool = _D.overlap, log_requests: bool = _D.log_requests) -> None:
+                 overlap: bool = _D.overlap, log_requests: bool = _D.log_requests,
+                 speculative: SpeculativeConfig | None = _D.speculative) -> None:
         artifact: ArtifactConfig = runtime.artifact
         if not isinstance(overlap, bool):
             raise ConfigError(f"overlap={overlap!r} must be True or False")
@@ -177,6 +185,13 @@ class Batcher:
                                    prefix_cache=prefix_cache, host_cache=self.host_cache,
                                    checkpoint_bytes=checkpoint_bytes)
         self.clock: Callable[[], float] = clock or caps.clock or time.perf_counter
+        self._speculator: Speculator | None = None  # n-gram drafts (atombatch/engine/speculative.py)
+        if speculative is not None:
+            if not isinstance(speculative, SpeculativeConfig):
+                raise ConfigError(f"speculative={speculative!r} must be a SpeculativeConfig")
+            check_speculative(speculative, artifact, caps.every_position_logits, overlap)
+            self._speculator = Speculator(speculative, runtime, artifact,
+                                          self.scheduler.counters)
         if max_waiting is not None and (isinstance(max_waiting, bool) or
                                         not isinstance(max_waiting, int) or max_waiting < 1):
             raise ConfigError(f"max_waiting={max_waiting!r} must be an int >= 1 (or None: unbounded)")
@@ -214,7 +229,7 @@ class Batcher:
             policy=self.scheduler.policy.label, seed=seed, max_waiting=max_waiting,
             pd_timeout=pd_timeout, pd_deadline=pd_deadline, logprobs_mode=logprobs_mode,
             detokenize=detokenize, argmax_threads=argmax_threads, overlap=overlap,
-            log_requests=log_requests)
+            log_requests=log_requests, speculative=speculative)
         self._samplers: dict[str, RequestSampler] = {}  # requests that are not plain greedy
         self._grammars: Grammars | None = None     # structured output (built on first use)
         # structured requests whose grammar compiles: (the compile, the choices waiting for it)
@@ -909,6 +924,9 @@ class Batcher:
         """One decode step. The kernel picks every greedy row and checks every row's logits in
         one call, and appends every token in another; Python touches only the rows it hands
         back (sampled requests, failures, finishes, requests whose outputs carry extras)."""
+        if self._speculator is not None and plan.rows == 1 and \
+                self._speculator.verify(self, plan, outputs):  # a draft verified instead
+            return
         if self.overlap and self._can_fly():
             self._take_off(plan)
             return

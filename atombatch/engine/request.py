@@ -229,6 +229,7 @@ class Counters(EngineCounters):
     lane_histogram: list[int] = msgspec.field(default_factory=list)  # decode steps by busy lanes
     iteration_tokens: list[int] = msgspec.field(
         default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
     def snapshot(self) -> dict[str, Any]:
         """Every counter by its name, frozen (lists as tuples, dicts copied): `Batcher.stats()`

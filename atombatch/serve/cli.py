@@ -46,6 +46,7 @@ from atombatch.api.options import (
     EngineOptions,
     LogprobsMode,
 )
+from atombatch.api.speculative import parse_speculative_config
 from atombatch.artifact.config import PRESETS, ArtifactConfig, ModelSpec
 from atombatch.engine.batcher import Batcher, prefix_cache_refusal
 from atombatch.engine.scheduler import POLICY_KINDS, Policy
@@ -180,6 +181,12 @@ def parser() -> argparse.ArgumentParser:
                    "built while the device runs this one, and the device is called again as soon "
                    "as its argmax is known (default on; --no-overlap: one synchronous step at a "
                    "time; docs/overlap.md)")
+    p.add_argument("--speculative-config", "-sc", default=None, metavar="JSON",
+                   help="speculative decoding as vLLM spells it, n-gram drafts only: "
+                   "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+                   "\"prompt_lookup_max\": 4}'; needs an artifact compiled with "
+                   "logits_to_keep=0 and runs synchronous steps (overlap off; "
+                   "docs/speculative.md)")
     p.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads for the NumPy runtime (default 1; 0 leaves the library's "
                    "default). OpenBLAS threads spin between calls and starve the event loop")
@@ -506,10 +513,14 @@ def _serving(runtime: Any, args: argparse.Namespace, model_dir: Path | None,
 def engine_options(args: argparse.Namespace, *, prefix_cache: bool) -> EngineOptions:
     """The engine's options from the server's flags, built once (`prefix_cache`: the flag, or
     its default resolved against the runtime)."""
+    text = getattr(args, "speculative_config", None)
+    speculative = parse_speculative_config(text) if text else None
     return EngineOptions(
         prefix_cache=prefix_cache, host_cache_bytes=args.host_cache_bytes, policy=args.policy,
         seed=args.seed, max_waiting=args.max_waiting, pd_timeout=args.pd_timeout,
-        argmax_threads=args.argmax_threads, overlap=args.overlap,
+        argmax_threads=args.argmax_threads,
+        # speculation runs on synchronous steps (atombatch/engine/speculative.py)
+        overlap=args.overlap and speculative is None, speculative=speculative,
         logprobs_mode=LOGPROBS_MODES[args.logprobs_mode],
         log_requests=getattr(args, "enable_log_requests", SERVER_OPTIONS.log_requests))
 

@@ -74,7 +74,7 @@ REASONS = {
     "quant": "quantization is decided when the model is compiled for the ATOM, not at serve time",
     "overrides": "a model or config override would change the model; atombatch serves the "
                  "checkpoint or compiled directory as it is",
-    "spec": "speculative decoding is not implemented",
+    "spec": "only --speculative-config with n-gram drafts is implemented (docs/speculative.md)",
     "lora": "LoRA adapters are compiled into the optimum-rbln artifact; none load at serve time",
     "code": "it loads code (plugins, middleware, worker or scheduler classes) into the server",
     "window": "the sliding-window layers are part of the model and of its compiled graphs",
@@ -513,7 +513,7 @@ TABLE = """\
 --spec-model value refused spec
 --spec-tokens value refused spec
 --specialize-active-lora switch refused lora
---speculative-config value refused spec
+--speculative-config value honoured
 --sse-keep-alive-interval value warn http
 --ssl-ca-certs value honoured
 --ssl-cert-reqs value honoured
@@ -570,7 +570,7 @@ TABLE = """\
 -pp value values 1:parallel
 -q value refused quant
 -r value values 0:parallel
--sc value refused spec
+-sc value honoured
 -tp value honoured
 """
 

@@ -116,6 +116,19 @@ class VllmEngineFamilies(Collector):
                       "cached tokens.", s.prefix_hit_tokens)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                       s.preemptions)
+        if s.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding is on and has run
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                          s.spec_decode_num_drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                          s.spec_decode_num_draft_tokens)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          s.spec_decode_num_accepted_tokens)
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.",
+                                          labels=[*LABELS, "position"])
+            for position, count in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([*labels, str(position)], count)
+            yield per_pos
         counts = s.iteration_tokens or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
         yield _histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per "
                          "engine_step (atombatch: per device call).", labels,

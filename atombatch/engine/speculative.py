@@ -1,0 +1,245 @@
+"""Speculative decoding through the prefill graph (n-gram drafts; docs/speculative.md).
+
+A step that would decode one lone lane (the decode plan has one row, the engine steps
+synchronously) may instead verify a draft: one prefill-graph call of
+[chunk boundary .. last token, d1..dk] at the lane's own positions, every position's logits back
+(an artifact compiled with `logits_to_keep=0`). The call starts at the chunk boundary at or before
+the lane's last position (optimum-rbln's prefill takes a chunk that starts past position 0 only
+at a multiple of `prefill_chunk_size`, and a flash-attention chunk must not straddle a KV
+partition): positions before the last token are written again with the same tokens. Greedy: the
+longest run of drafts equal to the model's own picks is accepted, plus the model's next token.
+The tokens go through the decode-step kernel one by one (`StepKernel.complete`), so the lane's
+length, its output, stop ids and the output limit advance exactly as decode steps would, and no
+token past a stop is emitted. Rejected positions hold stale KV past the lane's length: a later
+position's attention reads only keys at positions <= its own, each written again first.
+
+Only greedy requests without logprobs speculate (sampled ones decode as before: see
+docs/speculative.md). Auto-off: per request, an EWMA of the tokens each verify call yielded
+against the cost of a verify call in decode steps (measured); below it the request decodes
+plainly and probes again every `PROBE_EVERY` eligible steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from atombatch.api.speculative import SpeculativeConfig
+from atombatch.engine.request import RequestState
+from atombatch.errors import ConfigError, RequestError
+from atombatch.kernel import blocks as core
+from atombatch.sampling import ngram
+
+if TYPE_CHECKING:
+    from atombatch.api.structs import RequestOutput
+    from atombatch.engine.request import Request, StepPlan
+
+# A verify call's cost in decode steps before both were measured: the issue's figure for ATOM
+# (a prefill chunk costs about 1.6 decode steps at B1 in the calibrated model). A runtime may
+# state its own as `verify_cost_ratio`.
+DEFAULT_COST_RATIO = 1.6
+# Speculate while the expected tokens per verify call beat the call's cost by this factor.
+MARGIN = 1.05
+# A request whose speculation is off probes once every this many eligible steps.
+PROBE_EVERY = 32
+EWMA = 0.3  # weight of the newest verify call in a request's tokens-per-call estimate
+
+
+class _State:
+    __slots__ = ("declined", "tokens_per_call")
+
+    def __init__(self) -> None:
+        self.tokens_per_call: float | None = None  # EWMA; None: not probed yet
+        self.declined = 0                          # eligible steps decoded since the last probe
+
+
+def check_supported(config: SpeculativeConfig, artifact: Any, every_position_logits: bool,
+                    overlap: bool) -> None:
+    """The rules a speculative engine needs, each a ConfigError naming it."""
+    if not every_position_logits:
+        raise ConfigError("speculative decoding verifies a draft with every position's logits "
+                          "from the prefill graph: this runtime returns only the last one "
+                          "(compile the artifact with logits_to_keep=0)")
+    if artifact.model.is_hybrid:
+        raise ConfigError("speculative decoding is refused on hybrid models (sliding-window "
+                          "layers): a sliding slot is a shift buffer, and rejected draft "
+                          "positions would shift out keys the window still needs")
+    if overlap:
+        raise ConfigError("speculative decoding runs on synchronous steps: turn overlap off "
+                          "(--no-overlap) to use --speculative-config")
+    if config.num_speculative_tokens >= artifact.prefill_chunk_size:
+        raise ConfigError(f"speculative_config.num_speculative_tokens="
+                          f"{config.num_speculative_tokens} must be below prefill_chunk_size="
+                          f"{artifact.prefill_chunk_size} (the draft and the last token are "
+                          f"verified in one chunk)")
+
+
+class Speculator:
+    """The engine's speculative decoding: `verify` runs in place of a lone lane's decode."""
+
+    def __init__(self, config: SpeculativeConfig, runtime: Any, artifact: Any,
+                 counters: Any) -> None:
+        self.config = config
+        # vLLM exports every draft position's counter from the start (at 0)
+        counters.spec_decode_num_accepted_tokens_per_pos[:] = [0] * config.num_speculative_tokens
+        self.artifact = artifact
+        self.vocab = artifact.model.vocab_size
+        self._states: dict[str, _State] = {}
+        stated = getattr(runtime, "verify_cost_ratio", None)
+        self._stated_ratio = float(stated) if stated else DEFAULT_COST_RATIO
+        self._verify_s: float | None = None    # EWMA of a verify call's device time
+        self._decode_s: float | None = None    # EWMA of a lone lane's decode call's time
+        self._mark: tuple[int, float] | None = None  # (steps, device_s) before a plain decode
+        self.verify_calls = 0
+
+    def cost_ratio(self) -> float:
+        """A verify call's cost in decode steps: measured once both were timed, else stated;
+        never below 1 (a verify call does a decode step's work and more: a timing that says
+        otherwise is noise, and a call that yields one token must not count as a gain)."""
+        if self._verify_s is not None and self._decode_s:
+            return max(self._verify_s / self._decode_s, 1.0)
+        return max(self._stated_ratio, 1.0)
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def _timing(self, runner: Any) -> None:
+        """The plain decode the last call declined for (and nothing else since) timed it."""
+        mark, self._mark = self._mark, None
+        if mark is not None and runner.scheduler.counters.steps == mark[0] + 1:
+            took = runner._device_s - mark[1]
+            if took > 0:
+                self._decode_s = took if self._decode_s is None else \
+                    (1 - EWMA) * self._decode_s + EWMA * took
+
+    def _decline(self, runner: Any) -> bool:
+        self._mark = (runner.scheduler.counters.steps, runner._device_s)
+        return False
+
+    def verify(self, runner: Any, plan: StepPlan, outputs: list[RequestOutput]) -> bool:
+        """Verify a draft for the plan's lone decoding lane instead of decoding it; False (and
+        nothing done) when the step should decode as planned."""
+        self._timing(runner)
+        if plan.rows != 1:
+            return False
+        lane = int(plan.inputs.row_lanes[0])
+        scheduler = runner.scheduler
+        request: Request | None = scheduler.by_lane[lane]
+        if request is None or request.request_id in runner._samplers:
+            return self._decline(runner)
+        extras = runner._outputs.extras.get(request.request_id) if runner._outputs.extras \
+            else None
+        if extras is not None and extras.logprobs is not None:
+            return self._decline(runner)
+        artifact = self.artifact
+        q = artifact.prefill_chunk_size
+        lanes = scheduler.kv.lanes
+        last = lanes.seq_len(lane)                 # the position the last token is written at
+        start = last - last % q                    # the chunk boundary the call starts from
+        room = min(self.config.num_speculative_tokens,
+                   start + q - 1 - last,            # the chunk's positions
+                   request.max_tokens - len(request.output) - 1,  # tokens it may still emit
+                   artifact.max_seq_len - 1 - last)
+        if room <= 0 or len(request.output) == 0:
+            return self._decline(runner)
+        cfg = self.config
+        sequence = np.concatenate([request.prompt, np.asarray(request.output, dtype=np.int64)])
+        if len(sequence) != last + 1:  # not a lane this rule knows (a PD import's, say)
+            return self._decline(runner)
+        draft = ngram.propose(sequence, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
+                        cfg.lookup_window)
+        if not len(draft):
+            return self._decline(runner)
+        state = self._states.get(request.request_id)
+        if state is None:
+            if len(self._states) >= 4 * self.artifact.batch_size:  # ended without a verify
+                live = scheduler.requests
+                self._states = {rid: s for rid, s in self._states.items() if rid in live}
+            state = self._states[request.request_id] = _State()
+        if cfg.auto_off and state.tokens_per_call is not None and \
+                state.tokens_per_call < self.cost_ratio() * MARGIN:
+            state.declined += 1
+            if state.declined < PROBE_EVERY:
+                return self._decline(runner)
+        state.declined = 0
+        kv = scheduler.kv
+        extent = min(start + q, artifact.max_seq_len)   # the chunk writes every one of its rows
+        need = lanes.blocks_for(extent) - lanes.num_held(lane)
+        if need > 0 and need > kv.pool.num_free - kv.committed(scheduler.by_lane):
+            return self._decline(runner)               # blocks others were promised
+        if need > 0 and not kv.grow_lane(request, extent):
+            return self._decline(runner)
+        tokens = np.concatenate([sequence, draft])
+        inputs = kv.prefill_inputs
+        inputs.build(tokens, start, lanes.rows()[lane], lanes.num_held(lane), lane)
+        k = len(draft)
+        try:
+            began = time.perf_counter()
+            raw = runner._device_call(functools.partial(runner.runtime.prefill,
+                                                        every_position=True), inputs)
+            took = time.perf_counter() - began
+            logits = np.asarray(raw)
+            if logits.size != q * self.vocab:
+                raise RequestError(f"prefill(every_position=True) returned logits of shape "
+                                   f"{logits.shape}; the chunk has {q} positions of "
+                                   f"{self.vocab} ids")
+            rows = logits.reshape(q, self.vocab)[last - start:last - start + k + 1]
+            if not np.isfinite(rows.max(axis=1)).all():
+                raise RequestError(f"verify returned non-finite logits for "
+                                   f"{request.request_id} in positions {last}..{last + k}")
+        except Exception as exc:
+            runner._fail(request, f"speculative verify failed: {exc}", outputs)
+            return True
+        self._verify_s = took if self._verify_s is None else \
+            (1 - EWMA) * self._verify_s + EWMA * took
+        picks = rows.argmax(axis=1)
+        accepted = 0
+        while accepted < k and picks[accepted] == draft[accepted]:
+            accepted += 1
+        emitted = [int(t) for t in draft[:accepted]] + [int(picks[accepted])]
+        self.verify_calls += 1
+        self._commit(runner, plan, request, emitted, outputs)
+        counters = scheduler.counters
+        counters.steps += 1
+        counters.spec_decode_num_drafts += 1
+        counters.spec_decode_num_draft_tokens += k
+        counters.spec_decode_num_accepted_tokens += accepted
+        per_pos = counters.spec_decode_num_accepted_tokens_per_pos
+        for i in range(accepted):
+            per_pos[i] += 1
+        got = float(len(emitted))
+        state.tokens_per_call = got if state.tokens_per_call is None else \
+            (1 - EWMA) * state.tokens_per_call + EWMA * got
+        if request.state is RequestState.FINISHED:
+            self.forget(request.request_id)
+        return True
+
+    def _commit(self, runner: Any, plan: StepPlan, request: Request, emitted: list[int],
+                outputs: list[RequestOutput]) -> None:
+        """Feed the accepted tokens through the decode-step kernel one by one, as that many
+        decode steps would (stop ids, the output limit and stop strings end the request at the
+        right token; nothing past it is emitted)."""
+        scheduler = runner.scheduler
+        kernel = runner._kernel
+        now = runner.clock()
+        counters = scheduler.counters
+        for token in emitted:
+            kernel.tokens[0] = token
+            kernel.status[0] = core.ROW_OK
+            attention = kernel.complete(now)
+            counters.generated_tokens += kernel.completed
+            if attention:
+                code = kernel.status[0]
+                if code == core.ROW_STOP:
+                    scheduler.finish(request, "stop")
+                elif code == core.ROW_LENGTH:
+                    scheduler.finish(request, "length")
+                elif code == core.ROW_CHECK:
+                    scheduler._check_stop(request, request.output[-1])
+            outputs.append(runner._output(request))
+            if request.state is RequestState.FINISHED:
+                break
+        counters.iteration_tokens_sum += len(emitted)

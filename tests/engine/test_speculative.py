@@ -1,0 +1,232 @@
+"""Speculative decoding through the prefill graph (atombatch/engine/speculative.py) on real
+decoder math (the NumPy runtime on tiny random Llama / Qwen3 checkpoints).
+
+Tiny random models rarely continue a pattern, so n-gram drafts mostly miss; besides the real
+proposer, an oracle drafter (`support/speculative.py`) proposes the next tokens of a run without
+speculation with chosen positions corrupted, so drafts are accepted in full, in part and not at
+all. Every greedy output must equal the run without speculation token for token: a stale key or
+value of a rejected position read by a later one, a lane advanced wrongly, or a chunk built at
+the wrong positions would change the logits and, over 40+ tokens, the tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from support.hf_models import save_checkpoint
+from support.speculative import OracleDrafts, repeating_prompts
+
+from atombatch import ArtifactConfig, Batcher, ConfigError, ModelSpec, SamplingParams
+from atombatch.api.speculative import SpeculativeConfig, parse_speculative_config
+from atombatch.engine import speculative as engine_speculative
+from atombatch.runtime import NumpyRuntime
+from atombatch.sampling import ngram
+
+pytestmark = pytest.mark.numerics
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
+                         auto_off=False)
+
+
+@pytest.fixture(scope="module", params=("llama", "qwen3"))
+def model(request, tmp_path_factory):
+    path = save_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, path, ModelSpec.from_pretrained(path)
+
+
+def artifact(spec, batch_size=1, chunk=16, num_blocks=None):
+    return ArtifactConfig(model=spec, batch_size=batch_size, max_seq_len=128, block_size=16,
+                          prefill_chunk_size=chunk,
+                          num_blocks=num_blocks or batch_size * 8 + 1)
+
+
+def runtime(path, art):
+    return NumpyRuntime.from_pretrained(path, art)
+
+
+def run(batcher, prompts, params, check=False):
+    """Every request's tokens and finish reason, stepping by hand (invariants after each step
+    when `check`)."""
+    ids = [batcher.submit(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    reasons: dict[str, str | None] = {}
+    while batcher.has_unfinished():
+        for out in batcher.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        if check:
+            batcher.check_invariants()
+    return [(tokens[i], reasons[i]) for i in ids]
+
+
+# -- the proposer ----------------------------------------------------------------------------
+def brute_force(tokens, k, lo, hi, window):
+    seq = list(tokens[max(len(tokens) - window, 0):])
+    for n in range(min(hi, len(seq) - 1), lo - 1, -1):
+        suffix = seq[len(seq) - n:]
+        for i in range(len(seq) - n - 1, -1, -1):
+            if seq[i:i + n] == suffix:
+                return seq[i + n:i + n + k]
+    return []
+
+
+def test_ngram_proposer_matches_a_brute_force_scan():
+    rng = np.random.default_rng(5)
+    for _ in range(400):
+        tokens = rng.integers(0, 4, size=int(rng.integers(1, 40)))
+        lo = int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 3))
+        k, window = int(rng.integers(1, 6)), int(rng.integers(2, 50))
+        got = ngram.propose(tokens, k, lo, hi, window).tolist()
+        assert got == brute_force(tokens.tolist(), k, lo, hi, window)
+
+
+def test_ngram_proposer_longest_match_most_recent_occurrence():
+    tokens = np.array([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3])
+    assert ngram.propose(tokens, 3, 1, 3, 100).tolist() == [5, 7, 1]
+    assert ngram.propose(np.array([1, 2, 3, 4]), 3, 1, 3, 100).tolist() == []
+    # the window bounds the search: the only earlier 3 lies outside it
+    assert ngram.propose(np.array([3, 8, 0, 0, 0, 0, 3]), 2, 1, 1, 7).tolist() == [8, 0]
+    assert ngram.propose(np.array([3, 8, 0, 0, 0, 0, 3]), 2, 1, 1, 5).tolist() == []
+
+
+# -- greedy exactness -----------------------------------------------------------------------
+def test_greedy_identical_with_the_ngram_proposer(model):
+    _, path, spec = model
+    art = artifact(spec)
+    prompts = repeating_prompts(np.random.default_rng(0))
+    reference = run(Batcher(runtime(path, art)), prompts, GREEDY)
+    batcher = Batcher(runtime(path, art), speculative=SPEC)
+    assert run(batcher, prompts, GREEDY) == reference
+    stats = batcher.stats()
+    assert stats.spec_decode_num_drafts > 0  # drafts were verified (mostly rejected here)
+    assert stats.spec_decode_num_draft_tokens >= stats.spec_decode_num_drafts
+
+
+@pytest.mark.parametrize("chunk", [8, 16])
+def test_greedy_identical_with_accepted_and_rejected_drafts(model, monkeypatch, chunk):
+    _, path, spec = model
+    art = artifact(spec, chunk=chunk)
+    prompts = repeating_prompts(np.random.default_rng(1))
+    reference = run(Batcher(runtime(path, art)), prompts, GREEDY)
+    oracle = OracleDrafts(prompts, [t for t, _ in reference], miss_rate=0.25, seed=chunk)
+    monkeypatch.setattr(ngram, "propose", oracle.propose)
+    config = SpeculativeConfig(num_speculative_tokens=min(5, chunk - 1), auto_off=False)
+    batcher = Batcher(runtime(path, art), speculative=config)
+    assert run(batcher, prompts, GREEDY) == reference
+    stats = batcher.stats()
+    accepted, drafted = stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_draft_tokens
+    assert 0 < accepted < drafted            # some drafts accepted, some rejected
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    assert sum(per_pos) == accepted and list(per_pos) == sorted(per_pos, reverse=True)
+    # fewer device calls than tokens: each verify call yielded its accepted drafts + 1
+    generated = sum(len(t) for t, _ in reference)
+    assert stats.generated_tokens == generated
+    assert stats.steps < sum(len(p) // chunk + 1 for p in prompts) + generated
+
+
+def test_stop_id_and_max_tokens_inside_an_accepted_run(model, monkeypatch):
+    _, path, spec = model
+    art = artifact(spec)
+    prompts = repeating_prompts(np.random.default_rng(2))
+    long_ref = run(Batcher(runtime(path, art)), prompts, GREEDY)
+    oracle = OracleDrafts(prompts, [t for t, _ in long_ref], miss_rate=0.0, seed=0)
+    monkeypatch.setattr(ngram, "propose", oracle.propose)
+    config = SpeculativeConfig(num_speculative_tokens=6, auto_off=False)
+    for prompt, (tokens, _) in zip(prompts, long_ref, strict=True):
+        stop = tokens[13]
+        first = tokens.index(stop)
+        for params in (SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop]),
+                       SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)):
+            expected = run(Batcher(runtime(path, art)), [prompt], params)
+            batcher = Batcher(runtime(path, art), speculative=config)
+            got = run(batcher, [prompt], params)
+            assert got == expected
+            if params.stop_token_ids:  # the stop id (or EOS before it) ended it early
+                assert got[0][1] == "stop" and len(got[0][0]) <= first + 1
+            else:
+                assert got[0] == (tokens[:11], "length")
+            assert batcher.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_invariants_with_prefix_and_host_cache(model, monkeypatch):
+    _, path, spec = model
+    art = artifact(spec, batch_size=2, num_blocks=14)
+    rng = np.random.default_rng(3)
+    base = repeating_prompts(rng)
+    prompts = base + [base[0][:20] + p[:9] for p in base] + base
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    reference = run(Batcher(runtime(path, art)), prompts, params)
+    oracle = OracleDrafts(prompts, [t for t, _ in reference], miss_rate=0.3, seed=3)
+    monkeypatch.setattr(ngram, "propose", oracle.propose)
+    batcher = Batcher(runtime(path, art), speculative=SPEC, prefix_cache=True,
+                      host_cache_bytes=1 << 20)
+    assert run(batcher, prompts, params, check=True) == reference
+    stats = batcher.stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.prefix_hits > 0
+
+
+# -- auto-off ---------------------------------------------------------------------------------
+def test_drafts_that_always_miss_turn_speculation_off(model, monkeypatch):
+    _, path, spec = model
+    art = artifact(spec)
+    prompts = repeating_prompts(np.random.default_rng(4))[:1]
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    reference = run(Batcher(runtime(path, art)), prompts, params)
+    oracle = OracleDrafts(prompts, [t for t, _ in reference], miss_rate=1.0, seed=4)
+    monkeypatch.setattr(ngram, "propose", oracle.propose)
+    batcher = Batcher(runtime(path, art), speculative=SpeculativeConfig(num_speculative_tokens=4))
+    assert run(batcher, prompts, params) == reference
+    drafts = batcher.stats().spec_decode_num_drafts
+    assert batcher.stats().spec_decode_num_accepted_tokens == 0
+    # one probe, then one per PROBE_EVERY eligible steps (a step decoding plainly)
+    assert 1 <= drafts <= 1 + 100 // engine_speculative.PROBE_EVERY
+    # with auto-off disabled the same drafts are verified at every step
+    always = Batcher(runtime(path, art), speculative=SPEC)
+    assert run(always, prompts, params) == reference
+    assert always.stats().spec_decode_num_drafts > 3 * drafts
+
+
+# -- refusals ---------------------------------------------------------------------------------
+class LastLogitsOnly(NumpyRuntime):
+    every_position_logits = False  # a graph compiled with logits_to_keep=1
+
+
+def test_refusals(model, tmp_path):
+    _, path, spec = model
+    art = artifact(spec)
+    with pytest.raises(ConfigError, match="logits_to_keep=0"):
+        Batcher(LastLogitsOnly.from_pretrained(path, art), speculative=SPEC)
+    with pytest.raises(ConfigError, match="overlap"):
+        Batcher(runtime(path, art), speculative=SPEC, overlap=True)
+    with pytest.raises(ConfigError, match="prefill_chunk_size"):
+        Batcher(runtime(path, artifact(spec, chunk=4)),
+                speculative=SpeculativeConfig(num_speculative_tokens=4))
+    gemma = save_checkpoint("gemma3", tmp_path)
+    gemma_art = artifact(ModelSpec.from_pretrained(gemma))
+    with pytest.raises(ConfigError, match="hybrid"):
+        Batcher(runtime(gemma, gemma_art), speculative=SPEC)
+
+
+def test_speculative_config_parses_vllm_json():
+    config = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}')
+    assert (config.num_speculative_tokens, config.prompt_lookup_max,
+            config.prompt_lookup_min) == (5, 4, 4)
+    config = parse_speculative_config('{"model": "[ngram]", "num_speculative_tokens": 2}')
+    assert (config.method, config.prompt_lookup_min, config.prompt_lookup_max) == ("ngram", 5, 5)
+    for text, field in [('{"method": "eagle", "num_speculative_tokens": 2}', "method"),
+                        ('{"method": "ngram"}', "num_speculative_tokens"),
+                        ('{"method": "ngram", "num_speculative_tokens": 0}',
+                         "num_speculative_tokens"),
+                        ('{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}', "foo"),
+                        ('{"method": "ngram", "num_speculative_tokens": 2, '
+                         '"prompt_lookup_min": 4, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+                        ('{"model": "some/draft", "num_speculative_tokens": 2}', "model"),
+                        ('[1]', "JSON object"), ('{', "not JSON"),
+                        ('{"method": "ngram", "num_speculative_tokens": "3"}',
+                         "num_speculative_tokens")]:
+        with pytest.raises(ConfigError, match=field):
+            parse_speculative_config(text)
