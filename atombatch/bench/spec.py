@@ -29,36 +29,18 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
+from atombatch.api.speculative import DEFAULT_LOOKUP_WINDOW, DEFAULT_PROMPT_LOOKUP, MAX_LOOKUP_WINDOW
 from atombatch.artifact.config import ArtifactConfig, ModelSpec
 from atombatch.bench.provenance import git_commit
 from atombatch.errors import ConfigError
 from atombatch.runtime.sim import CostModel
 from atombatch.runtime.sim import speculative as spec
+from atombatch.sampling.ngram import propose
 
 MODELS = ("koni-8b", "qwen3-0.6b", "qwen3-4b", "gemma3-1b")
 ACCEPTANCE = (0.2, 0.4, 0.6, 0.8)
 DRAFTS = tuple(range(1, 9))
 TEXTS = ("summary", "code-edit", "control", "numpy")
-
-
-# -- the n-gram proposer ----------------------------------------------------------------------------
-def propose(tokens: np.ndarray, k: int, max_n: int, min_n: int) -> np.ndarray:
-    """Prompt-lookup drafts: the longest suffix of `tokens` of `max_n` down to `min_n` tokens that
-    occurred earlier; its most recent earlier occurrence's next `k` tokens (empty: no match).
-
-    Written here while the engine's proposer (`atombatch/sampling/ngram.py`) has not landed; it
-    follows the same interface.
-    """
-    length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n:]
-        # windows starting at 0 .. length - n - 1 (the suffix itself excluded)
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start:start + k]
-    return tokens[:0]
 
 
 # -- texts ------------------------------------------------------------------------------------------
@@ -137,16 +119,17 @@ class Measured(msgspec.Struct, frozen=True):
     koni_max_first_token_s: float  # KONI B1 c16 latest first token
 
 
-def replay(prompt: np.ndarray, reference: np.ndarray, k: int, max_n: int,
-           min_n: int) -> list[tuple[int, int]]:
+def replay(prompt: np.ndarray, reference: np.ndarray, k: int, max_n: int, min_n: int,
+           window: int = DEFAULT_LOOKUP_WINDOW) -> list[tuple[int, int]]:
     """(drafts proposed, drafts accepted) per device call that generates `reference[1:]` (the
-    first token comes from prefill); a call with no draft is a plain decode step."""
+    first token comes from prefill) with the engine's proposer (`atombatch/sampling/ngram.py`,
+    searching the last `window` tokens); a call with no draft is a plain decode step."""
     context = np.concatenate([prompt, reference])
     done = len(prompt) + 1
     end = len(context)
     trace = []
     while done < end:
-        drafts = propose(context[:done], min(k, end - done - 1), max_n, min_n) \
+        drafts = propose(context[:done], min(k, end - done - 1), min_n, max_n, window) \
             if end - done > 1 else context[:0]
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == context[done + accepted]:
@@ -199,8 +182,8 @@ def numpy_case(seed: int = 0, output: int = 96) -> tuple[np.ndarray, np.ndarray]
 
 
 def measure(texts: Sequence[str], drafts: Sequence[int], max_n: int, min_n: int,
-            costs: CostModel, input_len: int, output_len: int,
-            concurrency: int) -> list[Measured]:
+            costs: CostModel, input_len: int, output_len: int, concurrency: int,
+            window: int = DEFAULT_LOOKUP_WINDOW) -> list[Measured]:
     rows = []
     for text in texts:
         if text == "numpy":
@@ -212,7 +195,7 @@ def measure(texts: Sequence[str], drafts: Sequence[int], max_n: int, min_n: int,
             prompt_text, reference_text = make()
             prompt, reference = vocabulary.encode(prompt_text), vocabulary.encode(reference_text)
         for k in drafts:
-            trace = replay(prompt, reference, k, max_n, min_n)
+            trace = replay(prompt, reference, k, max_n, min_n, window)
             proposed = sum(p for p, _ in trace)
             accepted = sum(a for _, a in trace)
             verify_calls = sum(1 for p, _ in trace if p)
@@ -376,10 +359,15 @@ def parser() -> argparse.ArgumentParser:
                    help=f"measured texts, or 'none' (default {','.join(TEXTS)})")
     p.add_argument("--measure-drafts", default="2,4,8",
                    help="k values of the measured replay (default 2,4,8)")
-    p.add_argument("--prompt-lookup-max", type=int, default=4,
-                   help="longest n-gram matched (vLLM's prompt_lookup_max; default 4)")
-    p.add_argument("--prompt-lookup-min", type=int, default=1,
-                   help="shortest n-gram matched (vLLM's prompt_lookup_min; default 1)")
+    p.add_argument("--prompt-lookup-max", type=int, default=DEFAULT_PROMPT_LOOKUP,
+                   help="longest n-gram matched (vLLM's prompt_lookup_max; default "
+                        f"{DEFAULT_PROMPT_LOOKUP}, vLLM's)")
+    p.add_argument("--prompt-lookup-min", type=int, default=DEFAULT_PROMPT_LOOKUP,
+                   help="shortest n-gram matched (vLLM's prompt_lookup_min; default "
+                        f"{DEFAULT_PROMPT_LOOKUP}, vLLM's)")
+    p.add_argument("--lookup-window", type=int, default=DEFAULT_LOOKUP_WINDOW,
+                   help="the proposer searches the last N tokens (the engine's "
+                        f"speculative_config.lookup_window; default {DEFAULT_LOOKUP_WINDOW})")
     p.add_argument("--json", metavar="PATH", help="also write every row as JSON")
     return p
 
@@ -402,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--drafts/--measure-drafts: k must lie in 1..{args.chunk - 1}")
         if not 1 <= args.prompt_lookup_min <= args.prompt_lookup_max:
             raise ConfigError("--prompt-lookup-min must lie in 1..--prompt-lookup-max")
+        if not 1 <= args.lookup_window <= MAX_LOOKUP_WINDOW:
+            raise ConfigError(f"--lookup-window {args.lookup_window} must lie in "
+                              f"1..{MAX_LOOKUP_WINDOW}")
         if not 1 <= args.max_batch <= 1024:
             raise ConfigError(f"--max-batch {args.max_batch} must lie in 1..1024")
         if args.output < 2 or args.input < 1 or args.concurrency < 1:
@@ -416,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                                   args.verify_chunk)
         measured = measure(texts, measure_drafts, args.prompt_lookup_max,
                            args.prompt_lookup_min, costs, args.input, args.output,
-                           args.concurrency)
+                           args.concurrency, args.lookup_window)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -433,8 +424,9 @@ def main(argv: list[str] | None = None) -> int:
           "i.i.d. acceptance above which speculation pays")
     print(format_break_even(evens))
     if measured:
-        print(f"\nmeasured: n-gram drafts (prompt_lookup {args.prompt_lookup_min}.."
-              f"{args.prompt_lookup_max}) replayed against reference outputs; KONI columns cost "
+        print(f"\nmeasured: n-gram drafts (atombatch/sampling/ngram.py, prompt_lookup "
+              f"{args.prompt_lookup_min}..{args.prompt_lookup_max}, window "
+              f"{args.lookup_window}) replayed against reference outputs; KONI columns cost "
               "each trace as KONI's decode phase")
         print(format_measured(measured))
     print(costs.describe())

@@ -19,7 +19,9 @@ def test_bench_spec_prints_the_projection_the_crossover_and_the_measured_rows(
     out = tmp_path / "spec.json"
     assert bench_main(["spec", "--models", "koni-8b", "--acceptance", "0.2,0.8", "--drafts",
                        "1-4", "--max-batch", "8", "--texts", "summary,control",
-                       "--measure-drafts", "4", "--json", str(out)]) == 0
+                       "--measure-drafts", "4", "--prompt-lookup-min", "1",
+                       "--prompt-lookup-max", "4", "--lookup-window", "8192",
+                       "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "koni-8b      plain  -    1.000   7.7847  1.00x      253.93" in text
     assert "decode batch B at which plain decoding catches up" in text
@@ -44,22 +46,14 @@ def test_bench_spec_refuses_bad_options(capsys: Any) -> None:
     assert "--texts 'poetry': not one of" in capsys.readouterr().err
     assert spec.main(["--drafts", "0-2"]) == 2
     assert "k must lie in 1..127" in capsys.readouterr().err
-
-
-def test_proposer_takes_the_longest_most_recent_match() -> None:
-    tokens = np.array([5, 6, 7, 1, 5, 6, 8, 9, 2, 5, 6], dtype=np.int64)
-    # the suffix (5, 6) occurred at 0 and at 4; the most recent is followed by 8, 9
-    assert spec.propose(tokens, 2, 4, 1).tolist() == [8, 9]
-    # a longer match wins: (2, 5, 6) has no earlier occurrence, (5, 6) does
-    assert spec.propose(tokens, 3, 3, 2).tolist() == [8, 9, 2]
-    assert spec.propose(tokens, 2, 4, 3).tolist() == []          # nothing of 3+ tokens recurs
-    assert spec.propose(np.array([4], dtype=np.int64), 2, 4, 1).tolist() == []
+    assert spec.main(["--lookup-window", "0"]) == 2
+    assert "--lookup-window 0 must lie in 1..8192" in capsys.readouterr().err
 
 
 def test_replay_accepts_exactly_the_matching_prefix() -> None:
     prompt = np.array([1, 2, 3, 4, 1, 2], dtype=np.int64)
     reference = np.array([3, 4, 9, 9], dtype=np.int64)
-    trace = spec.replay(prompt, reference, 3, 2, 1)
+    trace = spec.replay(prompt, reference, 3, 2, 1, window=64)
     # after "1 2 3" the proposer copies "4 1" (two drafts leave room for the model's token):
     # "4" accepted, "1" rejected, the model gives 9; one token left: no draft, a plain step
     assert trace == [(2, 1), (0, 0)]

@@ -33,7 +33,7 @@ def monte_carlo_decode(costs: _CostModel, artifact: ArtifactConfig, input_len: i
         out, elapsed = 1, 0.0
         while out < output_len:
             position = input_len + out - 1
-            room = min(drafts, output_len - out - 1)
+            room = min(drafts, output_len - out - 1, 127 - position % 128)
             if room == 0:
                 elapsed += costs.decode_step_s(artifact, (position + 1,))
                 out += 1
@@ -50,10 +50,11 @@ def monte_carlo_decode(costs: _CostModel, artifact: ArtifactConfig, input_len: i
     return times, full_calls, full_tokens
 
 
-@pytest.mark.parametrize(("acceptance", "drafts"), [(0.2, 1), (0.5, 3), (0.8, 6), (0.95, 8)])
-def test_expectation_matches_a_monte_carlo_of_accept_reject_runs(acceptance: float,
-                                                                 drafts: int) -> None:
-    input_len, output_len = 8192, 128
+@pytest.mark.parametrize(("acceptance", "drafts", "input_len", "output_len"),
+                         [(0.2, 1, 8192, 128), (0.5, 3, 8192, 128), (0.8, 6, 8192, 128),
+                          (0.95, 8, 8192, 128), (0.9, 8, 8000, 200)])  # the last crosses a chunk
+def test_expectation_matches_a_monte_carlo_of_accept_reject_runs(
+        acceptance: float, drafts: int, input_len: int, output_len: int) -> None:
     expected, calls = spec.expected_decode_s(COSTS, KONI_B1, input_len, output_len, acceptance,
                                              drafts)
     times, full_calls, full_tokens = monte_carlo_decode(COSTS, KONI_B1, input_len, output_len,
@@ -64,6 +65,17 @@ def test_expectation_matches_a_monte_carlo_of_accept_reject_runs(acceptance: flo
     per_call = full_tokens / full_calls
     assert per_call == pytest.approx(spec.tokens_per_call(acceptance, drafts), rel=0.05)
     assert calls < output_len - 1
+
+
+def test_drafts_stop_at_the_chunk_the_call_starts_in() -> None:
+    # 8190: the lane's first call is at position 8190, one slot before the chunk ends at 8191;
+    # every draft accepted, 9 tokens to go: 1 draft there, then 6 from the next chunk's start
+    near_end, calls = spec.expected_decode_s(COSTS, KONI_B1, 8190, 10, 1.0, 8)
+    assert calls == 2.0
+    assert near_end == pytest.approx(spec.verify_call_s(COSTS, KONI_B1, 8190, 1) +
+                                     spec.verify_call_s(COSTS, KONI_B1, 8192, 6))
+    aligned, calls = spec.expected_decode_s(COSTS, KONI_B1, 8192, 10, 1.0, 8)
+    assert calls == 1.0 and aligned == pytest.approx(spec.verify_call_s(COSTS, KONI_B1, 8192, 8))
 
 
 def test_tokens_per_call_closed_form_and_its_inverse() -> None:

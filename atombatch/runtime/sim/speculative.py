@@ -83,7 +83,10 @@ def verify_call_s(costs: CostModel, artifact: ArtifactConfig, start: int, drafts
     spec = artifact.model
     # the chunk cost bills the LM head once; a verify returns logits for drafts + 1 positions
     head_flops = 2.0 * spec.vocab_size * spec.hidden_size / artifact.tensor_parallel * drafts
-    chunk = costs.prefill_chunk_s(artifact, start, artifact.prefill_chunk_size)
+    # the call starts at the chunk boundary at or before `start` (optimum-rbln's prefill takes a
+    # chunk past position 0 only at a multiple of the chunk size; the engine re-feeds from there)
+    boundary = start - start % artifact.prefill_chunk_size
+    chunk = costs.prefill_chunk_s(artifact, boundary, artifact.prefill_chunk_size)
     # the chunk formula leaves out reading the lane's KV (negligible beside a 128-token chunk's
     # FLOPs); a short verify graph still streams the weights and reads that KV, as a decode does
     floor = costs.decode_step_s(artifact, (start + drafts + 1,), rows=1)
@@ -108,10 +111,12 @@ def expected_decode_s(costs: CostModel, artifact: ArtifactConfig, input_len: int
     drafts per verify call at i.i.d. acceptance `acceptance`.
 
     With `g` tokens out (the first from prefill) the lane's next position is `input_len + g - 1`;
-    a call drafts `min(drafts, output_len - g - 1)` tokens (never past `max_tokens`) and, with none
-    to draft, is a plain decode step in `artifact`'s decode graph. `verify_artifact` (default
-    `artifact`) is the artifact whose prefill graph verifies: pass one with a smaller
-    `prefill_chunk_size` for the what-if of a dedicated verify graph.
+    a call drafts `min(drafts, output_len - g - 1)` tokens (never past `max_tokens`), no more than
+    the rest of the chunk its position is in holds (the call starts at that chunk's boundary, as
+    the engine's verify does), and, with none to draft, is a plain decode step in `artifact`'s
+    decode graph. `verify_artifact` (default `artifact`) is the artifact whose prefill graph
+    verifies: pass one with a smaller `prefill_chunk_size` for the what-if of a dedicated verify
+    graph.
     """
     _check(acceptance, drafts)
     verifier = verify_artifact or artifact
@@ -119,7 +124,9 @@ def expected_decode_s(costs: CostModel, artifact: ArtifactConfig, input_len: int
     remaining_calls = np.zeros(output_len + 1)
     for out in range(output_len - 1, 0, -1):
         position = input_len + out - 1
-        k = min(drafts, output_len - out - 1)
+        # never past max_tokens, nor past the chunk the call starts in (engine/speculative.py)
+        k = min(drafts, output_len - out - 1, verifier.prefill_chunk_size - 1 -
+                position % verifier.prefill_chunk_size)
         if k == 0:
             remaining_time[out] = _decode_s(costs, artifact, position + 1) + \
                 remaining_time[out + 1]
