@@ -13,8 +13,10 @@ length, its output, stop ids and the output limit advance exactly as decode step
 token past a stop is emitted. Rejected positions hold stale KV past the lane's length: a later
 position's attention reads only keys at positions <= its own, each written again first.
 
-Only greedy requests without logprobs speculate (sampled ones decode as before: see
-docs/speculative.md). Auto-off: per request, an EWMA of the tokens each verify call yielded
+Sampled requests follow vLLM's rejection rule (`reject_sample`) on the distribution
+`sample_rows` would draw from (`processed_probs`); requests with logprobs, penalties, bad words,
+a grammar or a pending `min_tokens` decode as before (`speculation_ready`; docs/speculative.md).
+Auto-off: per request, an EWMA of the tokens each verify call yielded
 against the cost of a verify call in decode steps (measured); below it the request decodes
 plainly and probes again every `PROBE_EVERY` eligible steps.
 """
@@ -32,6 +34,7 @@ from atombatch.engine.request import RequestState
 from atombatch.errors import ConfigError, RequestError
 from atombatch.kernel import blocks as core
 from atombatch.sampling import ngram
+from atombatch.sampling.sampler import processed_probs, speculation_ready
 
 if TYPE_CHECKING:
     from atombatch.api.structs import RequestOutput
@@ -75,6 +78,35 @@ def check_supported(config: SpeculativeConfig, artifact: Any, every_position_log
                           f"{config.num_speculative_tokens} must be below prefill_chunk_size="
                           f"{artifact.prefill_chunk_size} (the draft and the last token are "
                           f"verified in one chunk)")
+
+
+def reject_sample(probs: np.ndarray, draft: np.ndarray, rng: np.random.Generator) -> list[int]:
+    """vLLM's rejection rule for a draft without draft probabilities (a point mass on each
+    draft token): draft token x at position i is accepted with probability p_i(x); at the
+    first rejection the token is drawn from p_i with x removed (renormalized) and the run
+    ends; with every draft accepted, a bonus token is drawn from p_k. The tokens emitted then
+    follow the target distribution exactly, position by position. `probs [k + 1, vocab]`."""
+    out: list[int] = []
+    for i, token in enumerate(draft.tolist()):
+        p = probs[i]
+        if rng.random() < p[token]:
+            out.append(int(token))
+            continue
+        rest = p.copy()
+        rest[token] = 0.0
+        out.append(_draw_one(rest, rng))
+        return out
+    out.append(_draw_one(probs[len(draft)], rng))
+    return out
+
+
+def _draw_one(p: np.ndarray, rng: np.random.Generator) -> int:
+    cdf = np.cumsum(p)
+    index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    index = min(index, len(p) - 1)
+    while p[index] == 0.0 and index > 0:  # rounding at the top end: the last id with mass
+        index -= 1
+    return index
 
 
 class Speculator:
@@ -128,7 +160,10 @@ class Speculator:
         lane = int(plan.inputs.row_lanes[0])
         scheduler = runner.scheduler
         request: Request | None = scheduler.by_lane[lane]
-        if request is None or request.request_id in runner._samplers:
+        if request is None:
+            return self._decline(runner)
+        sampler = runner._samplers.get(request.request_id) if runner._samplers else None
+        if sampler is not None and not speculation_ready(sampler, len(request.output)):
             return self._decline(runner)
         extras = runner._outputs.extras.get(request.request_id) if runner._outputs.extras \
             else None
@@ -195,11 +230,15 @@ class Speculator:
             return True
         self._verify_s = took if self._verify_s is None else \
             (1 - EWMA) * self._verify_s + EWMA * took
-        picks = rows.argmax(axis=1)
-        accepted = 0
-        while accepted < k and picks[accepted] == draft[accepted]:
-            accepted += 1
-        emitted = [int(t) for t in draft[:accepted]] + [int(picks[accepted])]
+        if sampler is None:  # greedy: the drafts equal to the model's picks, then its own
+            picks = rows.argmax(axis=1)
+            accepted = 0
+            while accepted < k and picks[accepted] == draft[accepted]:
+                accepted += 1
+            emitted = [int(t) for t in draft[:accepted]] + [int(picks[accepted])]
+        else:
+            emitted = reject_sample(processed_probs(rows, sampler), draft, sampler.rng)
+            accepted = len(emitted) - 1
         self.verify_calls += 1
         self._commit(runner, plan, request, emitted, outputs)
         counters = scheduler.counters

@@ -531,3 +531,29 @@ class PromptLogprobs:
             out.append(TokenLogprobs(token_id=prompt[i], logprob=logprob[i], rank=rank[i],
                                      top=top))
         return tuple(out)
+
+
+def speculation_ready(state: RequestSampler, output_len: int) -> bool:
+    """A sampled request whose next positions' distributions do not depend on the tokens drawn
+    before them in a draft (no penalties, bad words, grammar, pending min_tokens or logprobs):
+    speculative decoding may verify its drafts with `processed_probs` (docs/speculative.md)."""
+    params = state.params
+    return params.temperature >= GREEDY_EPS and not state.penalized and not state.bad_words \
+        and state.grammar is None and params.structured is None and params.logprobs is None \
+        and output_len >= params.min_tokens
+
+
+def processed_probs(logits: npt.NDArray[np.floating],
+                    state: RequestSampler) -> npt.NDArray[np.float64]:
+    """The distribution `sample_rows` draws each row of `logits [rows, vocab]` from, for a
+    `speculation_ready` request: allowed ids, logit bias, temperature, min_p, top_k, top_p."""
+    x = np.array(logits, dtype=np.float32, copy=True)
+    if state.allowed is not None:
+        keep = np.full(x.shape[1], _NEG_INF, dtype=np.float32)
+        keep[state.allowed] = 0.0
+        x += keep
+    if state.bias_ids is not None and state.bias_values is not None:
+        x[:, state.bias_ids] += state.bias_values
+    z = _filtered(x, x.max(axis=1), [state] * x.shape[0], own=True)
+    mass = np.exp(z.astype(np.float64))
+    return mass / mass.sum(axis=1, keepdims=True)

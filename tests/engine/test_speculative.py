@@ -11,13 +11,18 @@ the wrong positions would change the logits and, over 40+ tokens, the tokens.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+
 import numpy as np
 import pytest
+from support.engines import numpy_batcher
 from support.hf_models import save_checkpoint
 from support.speculative import OracleDrafts, repeating_prompts
 
 from atombatch import ArtifactConfig, Batcher, ConfigError, ModelSpec, SamplingParams
 from atombatch.api.speculative import SpeculativeConfig, parse_speculative_config
+from atombatch.core import CoreClient
 from atombatch.engine import speculative as engine_speculative
 from atombatch.runtime import NumpyRuntime
 from atombatch.sampling import ngram
@@ -230,3 +235,91 @@ def test_speculative_config_parses_vllm_json():
                          "num_speculative_tokens")]:
         with pytest.raises(ConfigError, match=field):
             parse_speculative_config(text)
+
+
+# -- sampled: the same distribution ----------------------------------------------------------
+def chi_square_limit(df: int, z: float = 3.719) -> float:
+    """The chi-square quantile at upper tail 1e-4 (z: the normal's), Wilson-Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def two_sample_chi_square(a: dict, b: dict) -> tuple[float, int]:
+    """The two-sample chi-square statistic of equal-size samples' counts, and its df."""
+    cells = set(a) | set(b)
+    stat = sum((a.get(c, 0) - b.get(c, 0)) ** 2 / (a.get(c, 0) + b.get(c, 0)) for c in cells)
+    return stat, len(cells) - 1
+
+
+def test_sampled_tokens_follow_the_same_distribution(tmp_path, monkeypatch):
+    """Two runs of N seeded requests each, with and without speculation: the joint counts of
+    the first three tokens (of four: the verify call at the second token has room for two
+    drafts) (top_k=3: at most 27 outcomes) pass a two-sample chi-square test at
+    1e-4. The drafts are the greedy continuation, so they are accepted about half the time and
+    the rejection rule's every branch runs (accept, reject and redraw, bonus)."""
+    path = save_checkpoint("llama", tmp_path)
+    spec = ModelSpec.from_pretrained(path)
+    art = artifact(spec)
+    prompt = np.random.default_rng(6).integers(3, 512, size=12).tolist()
+    greedy_cache: dict[tuple[int, ...], list[int]] = {}
+    reference_engine = Batcher(runtime(path, art))
+
+    def greedy_drafts(tokens, k, min_n, max_n, window):
+        key = tuple(tokens.tolist())
+        if key not in greedy_cache:
+            done = reference_engine.generate([list(key)], SamplingParams(
+                max_tokens=k, temperature=0.0, ignore_eos=True, top_k=3))
+            greedy_cache[key] = list(done[0].token_ids)
+        return np.array(greedy_cache[key][:k], dtype=np.int64)
+
+    n = 1500
+    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True, seed=s)
+              for s in range(n)]
+    plain = Batcher(runtime(path, art)).generate([prompt] * n, params)
+    monkeypatch.setattr(ngram, "propose", greedy_drafts)
+    batcher = Batcher(runtime(path, art), speculative=SpeculativeConfig(
+        num_speculative_tokens=2, auto_off=False))
+    speculated = Batcher.generate(batcher, [prompt] * n,
+                                  [SamplingParams(max_tokens=4, temperature=1.0, top_k=3,
+                                                  ignore_eos=True, seed=n + s) for s in range(n)])
+    stats = batcher.stats()
+    # a verify call per request at its second token (more where the first one's run was short)
+    assert n <= stats.spec_decode_num_drafts <= 2 * n
+    assert 0.2 * n < stats.spec_decode_num_accepted_tokens < 1.8 * n
+    assert stats.spec_decode_num_accepted_tokens_per_pos[1] > 0  # the bonus branch ran
+    counts: list[dict] = []
+    for run_ in (plain, speculated):
+        joint: dict[tuple[int, ...], int] = {}
+        for completion in run_:
+            assert len(completion.token_ids) == 4
+            key = tuple(completion.token_ids[:3])
+            joint[key] = joint.get(key, 0) + 1
+        counts.append(joint)
+    stat, df = two_sample_chi_square(*counts)
+    assert df >= 3
+    assert stat < chi_square_limit(df), (stat, df, counts)
+
+
+# -- through the engine core process -----------------------------------------------------------
+async def test_core_process_gives_the_same_greedy_tokens():
+    """The options cross into the core process (`CoreClient`); each request, sent alone so it
+    decodes a lone lane, gets the tokens it gets in-process without speculation, and the
+    counters ride back on the wire."""
+    prompts = [[t % 256 for t in p] for p in repeating_prompts(np.random.default_rng(8))]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    want = [list(c.token_ids) for c in numpy_batcher().generate(prompts, params)]
+    config = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, auto_off=False)
+    async with CoreClient(functools.partial(numpy_batcher, speculative=config)) as client:
+        got = []
+        for prompt in prompts:
+            tokens: list[int] = []
+            async for out in client.stream(prompt, params):
+                tokens.extend(out.new_token_ids)
+            got.append(tokens)
+        assert got == want
+        for _ in range(50):  # the stats ride on the core's next messages
+            if client.stats().spec_decode_num_drafts:
+                break
+            await asyncio.sleep(0.05)
+        stats = client.stats()
+        assert stats.spec_decode_num_drafts > 0
+        assert len(stats.spec_decode_num_accepted_tokens_per_pos) == 3
