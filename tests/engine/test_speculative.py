@@ -173,6 +173,53 @@ def test_invariants_with_prefix_and_host_cache(model, monkeypatch):
     assert stats.spec_decode_num_drafts > 0 and stats.prefix_hits > 0
 
 
+@pytest.mark.parametrize("seed", [11, 12])
+def test_random_workloads_with_aborts_and_a_tight_pool(model, monkeypatch, seed):
+    """Random prompts (repeating and not), output limits and arrival times on B2 with a pool
+    tight enough to preempt, the prefix and host caches on, and aborts: invariants after every
+    step; every request that was not aborted gets the tokens it gets alone without speculation."""
+    _, path, spec = model
+    rng = np.random.default_rng(seed)
+    art = artifact(spec, batch_size=2, num_blocks=9)
+    base = repeating_prompts(rng)
+    prompts = [base[int(rng.integers(len(base)))][:int(rng.integers(8, 30))] for _ in range(10)]
+    limits = [int(rng.integers(1, 80)) for _ in prompts]
+    alone = Batcher(runtime(path, art))
+    reference = [list(alone.generate([p], SamplingParams(max_tokens=m, temperature=0.0,
+                                                         ignore_eos=True))[0].token_ids)
+                 for p, m in zip(prompts, limits, strict=True)]
+    monkeypatch.setattr(ngram, "propose", OracleDrafts(prompts, reference, miss_rate=0.3,
+                                                       seed=seed).propose)
+    batcher = Batcher(runtime(path, art), speculative=SPEC, prefix_cache=True,
+                      host_cache_bytes=1 << 20)
+    ids: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    aborted: set[str] = set()
+    pending = list(range(len(prompts)))
+    while pending or batcher.has_unfinished():
+        if pending and rng.random() < 0.4:
+            i = pending.pop(0)
+            rid = batcher.submit(prompts[i], SamplingParams(max_tokens=limits[i],
+                                                            temperature=0.0, ignore_eos=True))
+            ids.append(rid)
+            tokens[rid] = []
+        live = [r for r in ids if r not in aborted and len(tokens[r]) < 80]
+        if live and rng.random() < 0.01:
+            victim = live[int(rng.integers(len(live)))]
+            batcher.abort(victim)
+            aborted.add(victim)
+        for out in batcher.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+        batcher.check_invariants()
+    for i, rid in enumerate(ids):
+        if rid not in aborted:
+            assert tokens[rid] == reference[i], i
+    stats = batcher.stats()
+    assert stats.spec_decode_num_drafts > 0
+    assert stats.occupied_lanes == 0 and stats.lane_blocks == 0
+    assert stats.preemptions > 0  # the pool was tight: lanes recomputed around verify calls
+
+
 # -- auto-off ---------------------------------------------------------------------------------
 def test_drafts_that_always_miss_turn_speculation_off(model, monkeypatch):
     _, path, spec = model
@@ -213,6 +260,20 @@ def test_refusals(model, tmp_path):
     gemma_art = artifact(ModelSpec.from_pretrained(gemma))
     with pytest.raises(ConfigError, match="hybrid"):
         Batcher(runtime(gemma, gemma_art), speculative=SPEC)
+
+
+def test_server_flag_builds_the_engine_options():
+    from atombatch.serve.cli import engine_options, parser
+
+    args = parser().parse_args(["--speculative-config",
+                                '{"method": "ngram", "num_speculative_tokens": 3}'])
+    options = engine_options(args, prefix_cache=False)
+    assert options.speculative == SpeculativeConfig(num_speculative_tokens=3)
+    assert options.overlap is False  # speculation runs on synchronous steps
+    assert engine_options(parser().parse_args([]), prefix_cache=False).speculative is None
+    args = parser().parse_args(["-sc", '{"method": "ngram", "num_speculative_tokens": 99}'])
+    with pytest.raises(ConfigError, match="num_speculative_tokens=99"):
+        engine_options(args, prefix_cache=False)
 
 
 def test_speculative_config_parses_vllm_json():
@@ -323,3 +384,71 @@ async def test_core_process_gives_the_same_greedy_tokens():
         stats = client.stats()
         assert stats.spec_decode_num_drafts > 0
         assert len(stats.spec_decode_num_accepted_tokens_per_pos) == 3
+
+
+# -- metrics and failures -----------------------------------------------------------------------
+def test_vllm_spec_decode_metrics(model, monkeypatch):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from atombatch.serve.vllm_metrics import VllmEngineFamilies
+
+    _, path, spec = model
+    art = artifact(spec)
+    prompts = repeating_prompts(np.random.default_rng(9))[:1]
+    reference = run(Batcher(runtime(path, art)), prompts, GREEDY)
+    monkeypatch.setattr(ngram, "propose", OracleDrafts(prompts, [t for t, _ in reference],
+                                                       miss_rate=0.3, seed=9).propose)
+    batcher = Batcher(runtime(path, art), speculative=SPEC)
+
+    def scrape() -> dict[str, float]:
+        registry = CollectorRegistry()
+        registry.register(VllmEngineFamilies(batcher.stats, art, "m"))
+        values = {}
+        for line in generate_latest(registry).decode().splitlines():
+            if line.startswith("vllm:spec_decode"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    before = scrape()  # every series from the start, at 0 (as vLLM registers them)
+    assert len(before) == 3 + SPEC.num_speculative_tokens and not any(before.values())
+    run(batcher, prompts, GREEDY)
+    after, stats = scrape(), batcher.stats()
+    labels = '{engine="0",model_name="m"}'
+    assert after[f"vllm:spec_decode_num_drafts_total{labels}"] == stats.spec_decode_num_drafts > 0
+    assert after[f"vllm:spec_decode_num_accepted_tokens_total{labels}"] == \
+        stats.spec_decode_num_accepted_tokens > 0
+    per_pos = [after[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",'
+                     f'model_name="m",position="{i}"}}'] for i in range(4)]
+    assert per_pos == list(stats.spec_decode_num_accepted_tokens_per_pos)
+    plain = Batcher(runtime(path, art))
+    registry = CollectorRegistry()
+    registry.register(VllmEngineFamilies(plain.stats, art, "m"))
+    assert b"spec_decode" not in generate_latest(registry)  # not configured: not exported
+
+
+class FailingVerify(NumpyRuntime):
+    """A device whose every-position prefill fails past position 0 (a verify call)."""
+
+    def prefill(self, inputs, every_position=False):
+        if every_position and int(inputs.cache_position[0, 0]) > 0:
+            raise RuntimeError("injected verify fault")
+        return super().prefill(inputs, every_position=every_position)
+
+
+def test_a_failed_verify_fails_its_request_and_the_others_go_on(model):
+    _, path, spec = model
+    art = artifact(spec, batch_size=2, num_blocks=17)
+    prompts = repeating_prompts(np.random.default_rng(10))
+    reference = run(Batcher(runtime(path, art)), prompts, GREEDY)
+    batcher = Batcher(FailingVerify.from_pretrained(path, art), speculative=SPEC)
+    got = run(batcher, prompts, GREEDY, check=True)
+    errors = [i for i, (_, reason) in enumerate(got) if reason == "error"]
+    assert errors  # a lone lane's verify ran and failed its request
+    for i, (tokens, reason) in enumerate(got):
+        if reason != "error":
+            assert (tokens, reason) == reference[i]
+        else:
+            assert tokens == reference[i][0][:len(tokens)]
+    stats = batcher.stats()
+    assert stats.lane_blocks == 0 and stats.occupied_lanes == 0  # every block back
