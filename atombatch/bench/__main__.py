@@ -40,6 +40,8 @@ DESCRIPTIONS = {
                   "next to the unconstrained greedy and sampled step",
     "lora": "what LoRA adapters add to a decode step and a prefill chunk on the simulator, "
             "by rank and by distinct adapters in the step",
+    "spec": "speculative decoding: projected c16 gain per acceptance and the batch size where "
+            "it stops paying (simulator); measured acceptance of n-gram drafts on copy-heavy texts",
 }
 SUBCOMMANDS = tuple(DESCRIPTIONS)
 USAGE = ("usage: python -m atombatch.bench [SUBCOMMAND] [options]\n"

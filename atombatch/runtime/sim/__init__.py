@@ -9,7 +9,7 @@ matrix runs in seconds and says what B4 would do to queueing before anyone spend
 
 Modules: `costs` (the cost model, its calibration to observed figures, and the shapes it costs
 from), `runtime` (`SimRuntime`, the virtual-clock `Runtime`), `producer` (the simulated PD
-producer and its KV sources).
+producer and its KV sources), `speculative` (the projected gain of speculative decoding).
 """
 
 from __future__ import annotations
