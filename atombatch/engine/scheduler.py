@@ -640,15 +640,19 @@ class Scheduler:
         for row in rows:
             request = self.by_lane[lanes[row]]
             assert request is not None
-            code = status[row]
-            if code == core.ROW_STOP:
-                self.finish(request, "stop")
-            elif code == core.ROW_LENGTH:
-                self.finish(request, "length")
-            elif code == core.ROW_CHECK:
-                self._check_stop(request, request.output[-1])
+            self.apply_row_status(request, status[row])
             out.append(request)
         return out
+
+    def apply_row_status(self, request: Request, code: int) -> None:
+        """What the step kernel said of a request's row (a row it handed back to Python): a
+        stop id, its output limit, or a token the stop check must see (stop strings)."""
+        if code == core.ROW_STOP:
+            self.finish(request, "stop")
+        elif code == core.ROW_LENGTH:
+            self.finish(request, "length")
+        elif code == core.ROW_CHECK:
+            self._check_stop(request, request.output[-1])
 
     def _record(self, kind: str, lanes: int, request_id: str = "", rows: int = 0) -> None:
         self.counters.steps += 1

@@ -273,13 +273,7 @@ class Speculator:
             attention = kernel.complete(now)
             counters.generated_tokens += kernel.completed
             if attention:
-                code = kernel.status[0]
-                if code == core.ROW_STOP:
-                    scheduler.finish(request, "stop")
-                elif code == core.ROW_LENGTH:
-                    scheduler.finish(request, "length")
-                elif code == core.ROW_CHECK:
-                    scheduler._check_stop(request, request.output[-1])
+                scheduler.apply_row_status(request, kernel.status[0])
             outputs.append(runner._output(request))
             if request.state is RequestState.FINISHED:
                 break
