@@ -138,6 +138,8 @@ class Case(msgspec.Struct, frozen=True):
     overlap: bool | None = None         # Batcher(overlap=) / --overlap, --no-overlap (None: the
     #   server has no such flag, or a report from before it)
     sustained: Sustained | None = None  # --sustained G: B in flight, G x B requests
+    lora_mix: int = 0                   # --lora-mix N: requests spread over the base and N
+    #   adapters of a NullRuntime(lora_adapters=N) (engine path; 0: the base model only)
 
 
 class Report(msgspec.Struct, frozen=True):
@@ -158,6 +160,7 @@ class Report(msgspec.Struct, frozen=True):
     send_floors: list[SendFloor] | None = None
 
 
+MAX_LORA_MIX = 64  # --lora-mix: adapters of the null device
 MID_WINDOW = (0.25, 0.75)  # shares of a round's tokens between which the front's streaming CPU is read
 ADMISSION_OPS = ("prefix_admit", "prefix_admit_nocache", "prefix_steady")
 ADMISSION_LANES = (4, 16)
@@ -547,9 +550,10 @@ def ramp_steps(policy: str | None, chunks: int, max_tokens: int) -> int:
 
 def _engine(batch_size: int, step_ms: float, prefill_ms: float, max_seq_len: int, chunk: int,
             policy: str | None, spec: Any, argmax_threads: int | None,
-            overlap: bool) -> tuple[Any, Any]:
+            overlap: bool, lora_mix: int = 0) -> tuple[Any, Any]:
     """A `Batcher` over a fresh NullRuntime (no HTTP), and the runtime; `spec` is the model (its
-    vocabulary sizes the logits; default the server's tiny spec)."""
+    vocabulary sizes the logits; default the server's tiny spec); `lora_mix` N > 0: the runtime
+    has N adapters and every one may run in a step (no `max_loras` cap)."""
     from atombatch import ArtifactConfig, Batcher
     from atombatch.api.policy import DEFAULT_POLICY
     from atombatch.runtime.null import NullRuntime
@@ -558,19 +562,28 @@ def _engine(batch_size: int, step_ms: float, prefill_ms: float, max_seq_len: int
     art = ArtifactConfig(model=spec or DEFAULT_SPEC, batch_size=batch_size, max_seq_len=max_seq_len,
                          block_size=max_seq_len, num_blocks=batch_size + 1,
                          prefill_chunk_size=chunk)
-    runtime = NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms)
+    runtime = NullRuntime(art, step_ms=step_ms, prefill_ms=prefill_ms, lora_adapters=lora_mix)
     batcher = Batcher(runtime, max_waiting=None, policy=policy or DEFAULT_POLICY,
                       argmax_threads=argmax_threads, overlap=overlap)
     batcher.decide_late = overlap  # the loop below steps again at once, as the engine core's
     return batcher, runtime
 
 
-def _drive_round(batcher: Any, prompts: list[list[int]], params: Any, max_tokens: int
-                 ) -> tuple[int, int, int, list[tuple[float, float, int]]]:
-    """Submit every prompt, then step until all end: (tokens, finished with every token,
-    events, (first token, end, tokens) of each)."""
-    for prompt in prompts:
-        batcher.submit(prompt, params)
+def lora_names(count: int, lora_mix: int) -> list[str | None]:
+    """The adapter of each of `count` requests spread over the base model (None) and the
+    `lora_mix` adapters of a `NullRuntime(lora_adapters=lora_mix)`, in turn: request i runs
+    under adapter i mod (N + 1), 0 being the base."""
+    return [None if not lora_mix or not i % (lora_mix + 1) else f"null-{i % (lora_mix + 1)}"
+            for i in range(count)]
+
+
+def _drive_round(batcher: Any, prompts: list[list[int]], params: Any, max_tokens: int,
+                 lora_mix: int = 0) -> tuple[int, int, int, list[tuple[float, float, int]]]:
+    """Submit every prompt (over the base and `lora_mix` adapters: `lora_names`), then step
+    until all end: (tokens, finished with every token, events, (first token, end, tokens) of
+    each)."""
+    for prompt, lora in zip(prompts, lora_names(len(prompts), lora_mix), strict=True):
+        batcher.submit(prompt, params, lora=lora)
     tokens = events = finished = 0
     first: dict[str, float] = {}
     spans: list[tuple[float, float, int]] = []
@@ -607,17 +620,20 @@ def _frozen_heap() -> Iterator[None]:
 def engine_round(batch_size: int, step_ms: float, prefill_ms: float, prompts: list[list[int]],
                  max_tokens: int, max_seq_len: int, chunk: int,
                  policy: str | None = None, spec: Any = None,
-                 argmax_threads: int | None = None, overlap: bool = False) -> Round:
-    """One round on an in-process Batcher over a NullRuntime (no HTTP): `step_arrays()`."""
+                 argmax_threads: int | None = None, overlap: bool = False,
+                 lora_mix: int = 0) -> Round:
+    """One round on an in-process Batcher over a NullRuntime (no HTTP): `step_arrays()`;
+    `lora_mix` N > 0: the requests spread over the base and N adapters (`lora_names`)."""
     from atombatch import SamplingParams
 
     batcher, runtime = _engine(batch_size, step_ms, prefill_ms, max_seq_len, chunk, policy, spec,
-                               argmax_threads, overlap)
+                               argmax_threads, overlap, lora_mix)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     load_before = _load()
     with _frozen_heap():
         cpu0, started = time.process_time(), time.perf_counter()
-        tokens, finished, events, spans = _drive_round(batcher, prompts, params, max_tokens)
+        tokens, finished, events, spans = _drive_round(batcher, prompts, params, max_tokens,
+                                                       lora_mix)
         duration, cpu = time.perf_counter() - started, time.process_time() - cpu0
     tok_s = tokens / duration
     stats = batcher.stats()
@@ -814,6 +830,11 @@ def parser() -> argparse.ArgumentParser:
                    help="also run each case under sustained load: B requests in flight, each "
                    "one that ends replaced at once, G x B in all (G >= "
                    f"{sustained.MIN_GENERATIONS}; default 0: off)")
+    p.add_argument("--lora-mix", type=int, default=0, metavar="N",
+                   help="engine cases: also run each with the requests spread over the base "
+                   "model and N LoRA adapters of the null device (request i under adapter i mod "
+                   "N+1), rounds in turn with the base-only ones; the host time per step of "
+                   "both is tabled (docs/lora.md, \"Measuring adapters\"; default 0: off)")
     p.add_argument("--no-engine", action="store_true", help="skip the in-process engine cases")
     p.add_argument("--no-server", action="store_true", help="skip the HTTP server cases")
     p.add_argument("--admission-stalls", action="store_true",
@@ -855,7 +876,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
         cores = ["inline", "process"] if engine_core_flag else [None]
     overlaps: list[bool] = list(args.overlap or ((True, False) if overlap_flag else (False,)))
     cells = [(b, s, o) for b in args.batch_sizes for s in args.step_ms for o in overlaps]
-    total = len(cells) * ((0 if args.no_engine else 1) +
+    total = len(cells) * ((0 if args.no_engine else 2 if args.lora_mix else 1) +
                           (0 if args.no_server else len(args.tokenizers) * len(cores)))
     progress = CellProgress(total, enabled=not args.no_progress)
     commit = provenance.git_commit()  # what runs: taken before any case
@@ -888,12 +909,17 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
             if not args.no_engine:
                 what = f"B{batch} step {step:g} ms engine{tag}"
                 progress.start(what)
-                engine_round(batch, step, args.prefill_ms, prompts, 4, max_seq_len, chunk,
-                             args.policy, spec, args.argmax_threads, overlap)
-                rounds = [engine_round(batch, step, args.prefill_ms, prompts, args.max_tokens,
-                                       max_seq_len, chunk, args.policy, spec, args.argmax_threads,
-                                       overlap)
-                          for _ in range(args.repeats)]
+                mixes = (0, args.lora_mix) if args.lora_mix else (0,)
+                for mix in mixes:  # (warm: the adapters' path too)
+                    engine_round(batch, step, args.prefill_ms, prompts, 4, max_seq_len, chunk,
+                                 args.policy, spec, args.argmax_threads, overlap, mix)
+                by_mix: dict[int, list[Round]] = {mix: [] for mix in mixes}
+                for _ in range(args.repeats):  # base and mixed rounds in turn: the same load
+                    for mix in mixes:
+                        by_mix[mix].append(engine_round(
+                            batch, step, args.prefill_ms, prompts, args.max_tokens, max_seq_len,
+                            chunk, args.policy, spec, args.argmax_threads, overlap, mix))
+                rounds = by_mix[0]
                 held = engine_sustained(batch, step, args.prefill_ms, many, args.max_tokens,
                                         max_seq_len, chunk, args.policy, spec,
                                         args.argmax_threads, overlap) if many else None
@@ -901,6 +927,14 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
                                   prefill_ms=args.prefill_ms, tokenizer=False, engine_core=None,
                                   ideal_tok_s=ideal, bound_ratio=bound, rounds=rounds,
                                   median=_figures(rounds), overlap=overlap, sustained=held))
+                if args.lora_mix:
+                    mixed = by_mix[args.lora_mix]
+                    progress.start(f"{what} lora-mix {args.lora_mix}")
+                    finish(f"{what} lora-mix {args.lora_mix}", Case(
+                        path="engine", batch_size=batch, step_ms=step, prefill_ms=args.prefill_ms,
+                        tokenizer=False, engine_core=None, ideal_tok_s=ideal, bound_ratio=bound,
+                        rounds=mixed, median=_figures(mixed), overlap=overlap,
+                        lora_mix=args.lora_mix))
             if args.no_server:
                 continue
             if (batch, step) not in floors:
@@ -984,7 +1018,7 @@ def run(args: argparse.Namespace, engine_core_flag: bool, overlap_flag: bool = T
               "prompt_len": args.prompt_len, "repeats": args.repeats,
               "sustained": args.sustained,
               "tokenizers": list(args.tokenizers), "engine_cores": cores, "seed": args.seed,
-              "overlap": overlaps,
+              "overlap": overlaps, "lora_mix": args.lora_mix,
               "policy": args.policy or "stall-free:8 (default)",
               "model": spec.name, "vocab_size": spec.vocab_size, "max_seq_len": max_seq_len,
               "argmax_threads": args.argmax_threads, "api_server_count": args.api_server_count,
@@ -1014,7 +1048,7 @@ def format_table(report: Report) -> str:
              f"{_fronts_note(report.params.get('api_server_count', 1))}); "
              "CPU in us per delivered token", head, "-" * len(head)]
     engines = {(c.batch_size, c.step_ms, bool(c.overlap)): c
-               for c in report.cases if c.path == "engine"}
+               for c in report.cases if c.path == "engine" and not c.lora_mix}
     servers = {(c.batch_size, c.step_ms, c.tokenizer, c.engine_core, bool(c.overlap)): c
                for c in report.cases if c.path == "server"}
     keys = sorted({(c.batch_size, c.step_ms, bool(c.overlap)) for c in report.cases},
@@ -1100,6 +1134,34 @@ def format_table(report: Report) -> str:
         lines += ["", "admission in the pipeline (device idle around the admitted request's "
                   f"chunk, each call waiting {report.pipeline_admission[0].step_ms:g} ms; "
                   "medians):", admission.section(report.pipeline_admission)]
+    return "\n".join(lines)
+
+
+def lora_pairs(report: Report) -> list[tuple[Case, Case]]:
+    """(base-only, mixed-adapter) engine cases of each B x step x overlap (`--lora-mix`)."""
+    base = {(c.batch_size, c.step_ms, bool(c.overlap)): c for c in report.cases
+            if c.path == "engine" and not c.lora_mix}
+    return [(base[key], c) for c in report.cases if c.path == "engine" and c.lora_mix
+            for key in [(c.batch_size, c.step_ms, bool(c.overlap))] if key in base]
+
+
+def lora_table(report: Report) -> str:
+    """The engine's host cost per step, base-only beside mixed-adapter (`--lora-mix`)."""
+    head = f"{'B':>4} {'step':>5} {'ov':<3} | {'ratio':>6} {'host':>5} {'gap':>5} | " \
+        f"{'mixed':>6} {'host':>5} {'gap':>5} | {'gap +':>6}"
+    lines = [f"host cost per step, base only | requests over the base and "
+             f"{report.params.get('lora_mix')} adapters (engine path, medians of "
+             f"{report.params['repeats']}; host ms / step, gap us)", head, "-" * len(head)]
+    for base, mixed in lora_pairs(report):
+        b, m = base.median, mixed.median
+        if b is None or m is None:
+            continue
+        more = f"{m.gap_us - b.gap_us:>+6.1f}" if m.gap_us is not None and \
+            b.gap_us is not None else f"{'-':>6}"
+        lines.append(f"{base.batch_size:>4} {base.step_ms:>5g} "
+                     f"{'on' if base.overlap else 'off':<3} | {b.ratio:>6.3f} "
+                     f"{_ms(b.host_ms_per_step)} {_us(b.gap_us)} | {m.ratio:>6.3f} "
+                     f"{_ms(m.host_ms_per_step)} {_us(m.gap_us)} | {more}")
     return "\n".join(lines)
 
 
@@ -1216,11 +1278,22 @@ def main(argv: list[str] | None = None) -> int:
         print("bench overlap: --overlap on needs a server with --overlap; this one has none",
               file=sys.stderr)
         return 2
+    if not 0 <= args.lora_mix <= MAX_LORA_MIX:
+        print(f"bench overlap: --lora-mix {args.lora_mix} must be in 0..{MAX_LORA_MIX}",
+              file=sys.stderr)
+        return 2
+    if args.lora_mix and args.no_engine:
+        print("bench overlap: --lora-mix runs on the engine cases; --no-engine skips them",
+              file=sys.stderr)
+        return 2
     report = run(args, flag, overlap_flag)
     if args.admission_stalls:
         report = msgspec.structs.replace(report, admission=admission_stalls(max(3, args.repeats)),
                                          pipeline_admission=admission.run())
     print(format_table(report))
+    if args.lora_mix:
+        print()
+        print(lora_table(report))
     if args.json:
         Path(args.json).write_bytes(msgspec.json.format(msgspec.json.encode(report)) + b"\n")
         print(f"wrote {args.json}")

@@ -61,8 +61,11 @@ class LoraRows:
         """The ids of a decode step just built into `inputs`: rows 0..rows-1 are the decoding
         lanes' (`inputs.row_lanes`), the bucket's padding rows run the base model."""
         ids = self._rows(inputs, inputs.num_rows)
-        np.take(self.by_lane, inputs.row_lanes, out=ids)
-        ids[rows:] = BASE
+        # mode="clip": written straight into `ids` (the default "raise" mode with `out=` goes
+        # through a temporary array each step); the kernel's row lanes are in range
+        np.take(self.by_lane, inputs.row_lanes, out=ids, mode="clip")
+        if rows < len(ids):
+            ids[rows:] = BASE
 
     def fill_prefill(self, inputs: Any, lora_id: int) -> None:
         """The id of a prefill chunk just built into `inputs` (one row: its request's)."""

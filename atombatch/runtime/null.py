@@ -17,6 +17,12 @@ busy (`python -m atombatch.bench overlap`, docs/overlap.md).
 The logits are a zero row with one spike at `1.0` whose token is a hash of the row's input token
 and position (never an EOS id, so greedy requests run to `max_tokens`): greedy output is
 deterministic, differs by position and by prompt, and does not depend on the lane.
+
+With `lora_adapters=N` it has the LoRA capability (docs/lora.md, "Measuring adapters"): N
+synthetic adapters (`null-1`..`null-N`, ids 1..N) that requests may name, and `prefill` and
+`decode` take `lora_int_ids=` (int32 `[1]` / `[rows]`), which they check (shape, ids in 0..N)
+and otherwise ignore: the logits do not change and no time is added, so what a mixed-adapter run
+costs beyond a base-only one is the engine's host work, not the device's.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ import numpy as np
 import numpy.typing as npt
 
 from atombatch.artifact.config import ArtifactConfig
+from atombatch.artifact.lora import TARGET_MODULES, LoraAdapter
 from atombatch.errors import ConfigError, StateError
 from atombatch.runtime.base import DecodeArrays, PrefillArrays, check_decode_rows
 
+MAX_ADAPTERS = 1024  # synthetic adapters a NullRuntime may hold
 SPIN_S = 0.0003   # the last 0.3 ms of a wait are spun (GIL released), not slept
 
 # Multipliers of the spike hash (Knuth's multiplicative constant and a small odd prime).
@@ -59,17 +67,20 @@ class NullRuntime:
         step_ms: milliseconds one decode call takes, whatever its rows and contexts.
         prefill_ms: milliseconds one prefill chunk takes (default: `step_ms`).
         seed: varies which token each (input token, position) pair spikes at.
+        lora_adapters: N > 0: N synthetic LoRA adapters (rank 8, every target module; nothing
+            is computed with them) and `lora_int_ids=` on every call (0, the default: no LoRA
+            capability, the runtime's calls take no adapter ids).
 
     The returned logits are buffers reused on every call: read them before the next one.
 
     Raises:
-        ConfigError: a negative or non-finite time.
+        ConfigError: a negative or non-finite time, `lora_adapters` not an int in 0..`MAX_ADAPTERS`.
     """
 
     every_position_logits = True  # `prefill(every_position=True)` works (prompt logprobs)
 
     def __init__(self, artifact: ArtifactConfig, step_ms: float = 20.0,
-                 prefill_ms: float | None = None, seed: int = 0) -> None:
+                 prefill_ms: float | None = None, seed: int = 0, lora_adapters: int = 0) -> None:
         prefill_ms = step_ms if prefill_ms is None else prefill_ms
         for name, value in (("step_ms", step_ms), ("prefill_ms", prefill_ms)):
             if isinstance(value, bool) or not isinstance(value, int | float) or \
@@ -98,6 +109,16 @@ class NullRuntime:
         self._scratch = np.zeros(batch, dtype=np.int64)
         self._prefill_logits = np.zeros(vocab, dtype=np.float32)
         self._prefill_spike = 0
+        if isinstance(lora_adapters, bool) or not isinstance(lora_adapters, int) or \
+                not 0 <= lora_adapters <= MAX_ADAPTERS:
+            raise ConfigError(f"lora_adapters={lora_adapters!r} must be an int in "
+                              f"0..{MAX_ADAPTERS}")
+        self._max_lora_id = lora_adapters
+        if lora_adapters:  # the capability is the attribute (`Capabilities.lora`): only when asked
+            self.lora_adapters: dict[str, LoraAdapter] = {
+                f"null-{i}": LoraAdapter(name=f"null-{i}", lora_int_id=i, path="-", r=8,
+                                         lora_alpha=8.0, target_modules=TARGET_MODULES)
+                for i in range(1, lora_adapters + 1)}
 
     def spike(self, token: int, position: int) -> int:
         """The token the logits of `token` at `position` spike at (greedy picks it)."""
@@ -106,11 +127,30 @@ class NullRuntime:
         return int(self._allowed[index])
 
     # -- Runtime protocol -------------------------------------------------------------------------
-    def prefill(self, inputs: PrefillArrays, *, every_position: bool = False
-                ) -> npt.NDArray[np.float32]:
+    def _check_lora(self, lora_int_ids: npt.NDArray[np.int32] | None, rows: int) -> None:
+        """`lora_int_ids` is what a LoRA graph takes: int32 `[rows]`, each id 0 (the base) or
+        one of this runtime's adapters (a StateError otherwise)."""
+        if lora_int_ids is None:
+            return
+        if not self._max_lora_id:
+            raise StateError("lora_int_ids given to a NullRuntime without adapters "
+                             "(NullRuntime(lora_adapters=N))")
+        ids = lora_int_ids
+        if not isinstance(ids, np.ndarray) or ids.shape != (rows,) or ids.dtype != np.int32:
+            raise StateError(f"lora_int_ids is {type(ids).__name__} of shape "
+                             f"{getattr(ids, 'shape', None)} and dtype {getattr(ids, 'dtype', None)}"
+                             f"; the call takes int32 [{rows}] (one id per row)")
+        if rows and (ids.min() < 0 or ids.max() > self._max_lora_id):
+            raise StateError(f"lora_int_ids holds {sorted(set(ids.tolist()))}: ids are "
+                             f"0 (the base) .. {self._max_lora_id}")
+
+    def prefill(self, inputs: PrefillArrays, *, every_position: bool = False,
+                lora_int_ids: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.float32]:
         """Wait `prefill_ms`; the last real token's logits row (a reused buffer), or with
-        `every_position` a fresh `[Q, vocab]` array (row i spikes at the hash of token i)."""
+        `every_position` a fresh `[Q, vocab]` array (row i spikes at the hash of token i).
+        `lora_int_ids` (int32 [1], with `lora_adapters`): checked, otherwise ignored."""
         started = time.perf_counter()
+        self._check_lora(lora_int_ids, 1)
         q = int(inputs.query_position)
         start = int(inputs.cache_position[0, 0])
         result: npt.NDArray[np.float32]
@@ -129,11 +169,14 @@ class NullRuntime:
         self.calls.prefill_s += time.perf_counter() - started
         return result
 
-    def decode(self, inputs: DecodeArrays) -> npt.NDArray[np.float32]:
-        """Wait `step_ms`; logits `[rows, vocab]` (a reused buffer), one spike per row."""
+    def decode(self, inputs: DecodeArrays, *,
+               lora_int_ids: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.float32]:
+        """Wait `step_ms`; logits `[rows, vocab]` (a reused buffer), one spike per row.
+        `lora_int_ids` (int32 [rows], with `lora_adapters`): checked, otherwise ignored."""
         started = time.perf_counter()
         rows = inputs.input_ids.shape[0]
         check_decode_rows(rows, self.artifact.decoder_batch_sizes)
+        self._check_lora(lora_int_ids, rows)
         logits, spikes, lanes = self._decode_logits, self._decode_spikes[:rows], self._rows[:rows]
         hashed, scratch = self._hash[:rows], self._scratch[:rows]
         logits[lanes, spikes] = 0.0

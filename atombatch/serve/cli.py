@@ -787,10 +787,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket, shared: Any = None,
                          api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser,
                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                         enable_lora=args.enable_lora, max_loras=args.max_loras,
-                         max_cpu_loras=args.max_cpu_loras,
-                         lora_paths={m.name: m.path for m in args.lora_modules or ()
-                                     if args.runtime != "rebel"})
+                         **lora.app_options(args))
     except ConfigError as exc:
         print(f"atombatch.serve: {in_users_words(args, str(exc))}", file=sys.stderr)
         _stop_engine(engine)

@@ -160,6 +160,17 @@ def check_lora_flags(args: argparse.Namespace, served_name: str | None = None) -
         seen.add(module.name)
 
 
+def app_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The LoRA keywords of `create_app` from the server's flags: what the plain server
+    (`atombatch.serve`) and a Ray replica (`atombatch.serve.ray`) both pass, so both serve
+    adapters alike (`/v1/models`, `/v1/load_lora_adapter`, `--max-loras`). A compiled artifact's
+    adapters are not paths to load (`--runtime rebel`: no `lora_paths`)."""
+    modules: Sequence[LoraModule] = getattr(args, "lora_modules", None) or ()
+    return {"enable_lora": bool(getattr(args, "enable_lora", False)),
+            "max_loras": args.max_loras, "max_cpu_loras": getattr(args, "max_cpu_loras", None),
+            "lora_paths": {m.name: m.path for m in modules if args.runtime != "rebel"}}
+
+
 def check_compiled(modules: Sequence[LoraModule], compiled: Mapping[str, Any],
                    model: str) -> None:
     """`--lora-modules` against a compiled artifact's adapters (`RebelRuntime.lora_adapters`):

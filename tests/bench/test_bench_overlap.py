@@ -260,3 +260,33 @@ def test_admission_stalls_measure_every_cache_size_beside_a_steady_step(tmp_path
     assert all(g.cycles >= 20 and g.ahead == (g.cycles if g.overlap else 0) for g in gaps)
     assert all(g.before_us > 0 and g.after_us > 0 and g.steady_us > 0 for g in gaps)
     assert "admission in the pipeline" in done.stdout
+
+
+def test_lora_mix_runs_base_and_mixed_engine_cases_side_by_side(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--lora-mix N`: each engine case runs again with the requests spread over the base and N
+    adapters of the null device; both deliver every token, their host cost per step is tabled."""
+    path = tmp_path / "lora.json"
+    assert overlap.main(["--no-server", "--batch-sizes", "4", "--step-ms", "2", "--max-tokens",
+                         str(MAX_TOKENS), "--repeats", "2", "--lora-mix", "3", "--overlap",
+                         "on,off", "--no-progress", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    report = msgspec.json.decode(path.read_bytes(), type=Report)
+    assert report.params["lora_mix"] == 3
+    pairs = overlap.lora_pairs(report)
+    assert sorted(bool(base.overlap) for base, _ in pairs) == [False, True]
+    for base, mixed in pairs:
+        assert (base.lora_mix, mixed.lora_mix) == (0, 3)
+        for case in (base, mixed):
+            assert len(case.rounds) == 2 and case.median is not None
+            for r in case.rounds:
+                assert r.ok == r.requests == 4 and r.tokens == 4 * MAX_TOKENS
+                assert r.host_gaps and r.host_gap_s is not None and r.host_gap_s > 0
+        # the same schedule: the adapters change no step
+        assert [r.decode_steps for r in base.rounds] == [r.decode_steps for r in mixed.rounds]
+    assert "host cost per step, base only | requests over the base and 3 adapters" in out
+    assert len(re.findall(r"^\s+4\s+2 (on |off) \|", out, re.M)) == 2
+    assert overlap.lora_names(5, 3) == [None, "null-1", "null-2", "null-3", None]
+    assert overlap.main(["--no-server", "--lora-mix", "-1"]) == 2
+    assert overlap.main(["--no-server", "--no-engine", "--lora-mix", "2"]) == 2
+    assert "--lora-mix" in capsys.readouterr().err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import numpy as np
 import pytest
@@ -210,3 +212,46 @@ def test_a_quantized_koni_fits_more_lanes_and_decodes_faster(koni_b1: serve.Cell
     assert cell.output_tok_s > koni_b1.output_tok_s
     assert cell.max_first_token_all < koni_b1.max_first_token_all
     assert cell.label.endswith("/wint4/kvfp8")
+
+
+def test_a_mix_of_adapters_costs_their_device_time_and_the_cap_serialises_them(capsys) -> None:
+    """`--lora-adapters N --lora-share S`: S of the requests over N adapters in turn on the
+    simulator; the adapters' device seconds are the whole difference from the base-only cell
+    (the same steps run), `--max-loras` makes requests of other adapters wait."""
+    assert serve.Load(concurrency=8, lora_adapters=3, lora_share=0.5).loras() == \
+        [None, "lora-1", None, "lora-2", None, "lora-3", None, "lora-1"]
+    assert serve.Load(concurrency=3, lora_adapters=2).loras() == ["lora-1", "lora-2", "lora-1"]
+
+    def cell(**lora: Any) -> serve.Cell:
+        return serve.run_cell("qwen3-0.6b", "native", 512, 32, "B4/k5", "prefill-first",
+                              load=serve.Load(concurrency=8, **lora))
+
+    base = cell()
+    mixed = cell(lora_adapters=4, lora_share=0.5, lora_rank=64)
+    for c in (base, mixed):
+        assert c.status == "ok" and c.completed == c.requests == 8
+    assert (base.lora_requests, base.lora_device_s) == (0, 0.0)
+    assert mixed.lora_requests == 4 and mixed.lora_device_s > 0
+    assert mixed.decode_calls == base.decode_calls and mixed.prefill_calls == base.prefill_calls
+    added = (mixed.prefill_device_s + mixed.decode_device_s) - \
+        (base.prefill_device_s + base.decode_device_s)
+    assert added == pytest.approx(mixed.lora_device_s, rel=1e-9)
+    capped = cell(lora_adapters=4, lora_share=1.0, max_loras=1)
+    free = cell(lora_adapters=4, lora_share=1.0)
+    assert capped.completed == free.completed == 8
+    # one adapter per step: its matrices are streamed once a step, not up to four times, and
+    # the requests of the other adapters wait for a lane
+    assert capped.lora_device_s < free.lora_device_s
+    assert capped.ttft is not None and free.ttft is not None and capped.ttft.max > free.ttft.max
+    assert serve.main(["--models", "qwen3-0.6b", "--routes", "native", "--inputs", "128",
+                       "--outputs", "8", "--artifacts", "B4/k5", "--policies", "prefill-first",
+                       "--concurrency", "4", "--lora-adapters", "2", "--lora-share", "0.5",
+                       "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "LoRA: 50% of the requests under 2 adapters of rank 16" in text
+    assert " lora  lanes/step" in text
+    for bad in (["--lora-adapters", "2", "--lora-share", "0"], ["--lora-adapters", "-1"],
+                ["--lora-adapters", "2", "--runtime", "numpy"],
+                ["--lora-adapters", "2", "--max-loras", "0"]):
+        assert serve.main([*bad, "--no-progress"]) == 2, bad
+        assert bad[-2] in capsys.readouterr().err, bad  # the flag named

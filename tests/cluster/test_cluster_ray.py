@@ -529,3 +529,55 @@ def test_sigterm_stops_the_local_cluster_it_started(tmp_path: Any) -> None:
             process.wait(10)
         if process.stderr is not None:
             process.stderr.close()
+
+
+def test_ray_cli_runs_the_servers_lora_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m atombatch.serve.ray` refuses the LoRA flags the plain server refuses, with the
+    same words, before it starts Ray (issue 41)."""
+    from atombatch.serve.ray.cli import main
+
+    for argv, words in ((["--runtime", "sim", "--enable-lora"], "the sim runtime loads no"),
+                        (["--lora-modules", "a=/nowhere"], "LoRA is off; add --enable-lora"),
+                        (["--enable-lora", "--max-loras", "0"], "--max-loras 0 must be >= 1"),
+                        (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"],
+                         "--max-cpu-loras 2 must be >= --max-loras 4")):
+        assert main(["--replicas", "1", *argv]) == 2, argv
+        assert words in capsys.readouterr().err, argv
+
+
+def test_a_replica_serves_lora_modules_as_the_plain_server(cluster: str, app_names: list[str],
+                                                          tmp_path: Any) -> None:
+    """A replica passes the LoRA options to its app as `atombatch.serve` does (one function,
+    `lora.app_options`): `--lora-modules` are listed by /v1/models under the base with their
+    directory, `--max-loras` is on /metrics, a request naming an adapter runs it (tokens as
+    transformers + PEFT), the base still answers as before."""
+    from support import hf_models as hf
+    from support import lora_models as lm
+
+    hf.save_checkpoint("llama", tmp_path / "ckpt", seed=0)
+    lm.save_adapter("llama", lm.CASES["attn-r4"], tmp_path / "a", base_seed=0)
+    prompt = [1, 17, 42, 99, 7]
+    base_want = hf.hf_greedy(hf.load_float32(tmp_path / "ckpt"), prompt, 6)
+    lora_want = hf.hf_greedy(lm.peft_model("llama", lm.CASES["attn-r4"], base_seed=0), prompt, 6)
+    assert lora_want != base_want  # the adapter moves the tokens
+    app_names.append("lora")
+    engine = ["--model", str(tmp_path / "ckpt"), "--max-model-len", "256", "--batch-size", "2",
+              "--served-model-name", "tiny-llama", "--enable-lora", "--max-loras", "1",
+              "--lora-modules", f"a={tmp_path / 'a'}"]
+    serve.run(build_app(engine, replicas=1, replica_cpus=0.25), name="lora",
+              route_prefix="/lora")
+    base = f"{cluster}/lora"
+    with httpx.Client(timeout=120) as http:
+        models = http.get(f"{base}/v1/models").json()["data"]
+        assert {(m["id"], m.get("parent")) for m in models} >= {("tiny-llama", None),
+                                                                 ("a", "tiny-llama")}
+        # the directory it was served from (`lora_paths`; the engine core only knows the name)
+        assert next(m["root"] for m in models if m["id"] == "a") == str(tmp_path / "a")
+        # --max-loras reaches the app: vllm:lora_requests_info's max_lora label, as vLLM's
+        assert 'max_lora="1"' in http.get(f"{base}/metrics").text
+        for model, want in (("a", lora_want), ("tiny-llama", base_want)):
+            answer = http.post(f"{base}/v1/completions",
+                               json={"model": model, "prompt": prompt, "max_tokens": 6,
+                                     "temperature": 0, "ignore_eos": True})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["token_ids"] == want, model

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from support.driving import run_to_end
 
 from atombatch import ArtifactConfig, Batcher, SamplingParams
 from atombatch.errors import ConfigError, StateError
+from atombatch.kernel.blocks import DecodeInputs, LaneTable
 from atombatch.runtime import NullRuntime, Runtime
 from atombatch.serve.cli import DEFAULT_SPEC
 
@@ -172,3 +174,72 @@ def test_serve_flags_build_a_null_engine(capsys: pytest.CaptureFixture[str]) -> 
     assert err.startswith("atombatch.serve: --model llama-9000: --runtime null needs a preset")
     assert main(["--runtime", "null", "--null-step-ms", "-1", "--port", "0"]) == 2
     assert "step_ms=-1.0 must be a finite number" in capsys.readouterr().err
+
+
+class _Recording(NullRuntime):
+    """A NullRuntime that keeps a copy of each decode call's `lora_int_ids` (the engine's)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[list[int]] = []
+
+    def decode(self, inputs: Any, **kwargs: Any) -> Any:
+        if kwargs.get("lora_int_ids") is not None:
+            self.seen.append(kwargs["lora_int_ids"].tolist())
+        return super().decode(inputs, **kwargs)
+
+
+def test_lora_adapters_are_synthetic_and_their_ids_change_nothing() -> None:
+    """`lora_adapters=N`: N adapters requests may name; the engine hands each call its rows'
+    ids, the runtime checks and ignores them (the tokens are the base model's)."""
+    assert not hasattr(NullRuntime(artifact(), step_ms=0), "lora_adapters")  # off by default
+    runtime = _Recording(artifact(decoder_batch_sizes=(1, 2, 4)), step_ms=0, lora_adapters=3)
+    assert sorted(runtime.lora_adapters) == ["null-1", "null-2", "null-3"]
+    assert sorted(a.lora_int_id for a in runtime.lora_adapters.values()) == [1, 2, 3]
+    batcher = Batcher(runtime)
+    assert batcher.capabilities.lora and not batcher.capabilities.lora_loadable
+    prompts = [[5 + i, 9, 40 + i] for i in range(6)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+    loras = [None, "null-1", "null-2", None, "null-3", "null-1"]
+
+    def tokens(batcher: Batcher, ids: list[str]) -> list[list[int]]:
+        got: dict[str, list[int]] = {r: [] for r in ids}
+        while batcher.has_unfinished():
+            for out in batcher.step():
+                got[out.request_id] += out.new_token_ids
+            batcher.check_invariants()
+        return [got[r] for r in ids]
+
+    mixed = tokens(batcher, [batcher.submit(p, params, lora=lora)
+                             for p, lora in zip(prompts, loras, strict=True)])
+    plain = Batcher(NullRuntime(artifact(decoder_batch_sizes=(1, 2, 4)), step_ms=0))
+    assert mixed == tokens(plain, [plain.submit(p, params) for p in prompts])
+    assert all(len(t) == 8 for t in mixed)
+    # the ids reached the runtime: every adapter, and the base, in the steps' rows
+    assert {i for step in runtime.seen for i in step} == {0, 1, 2, 3}
+    assert all(len(step) in (1, 2, 4) for step in runtime.seen)
+
+
+def test_bad_lora_ids_and_counts_are_refused() -> None:
+    art = artifact()
+    for bad in (-1, True, 1.5, 5000):
+        with pytest.raises(ConfigError, match="lora_adapters="):
+            NullRuntime(art, step_ms=0, lora_adapters=bad)  # type: ignore[arg-type]
+    runtime = NullRuntime(art, step_ms=0, lora_adapters=2)
+    lanes = LaneTable(4, 1, 256)
+    for lane in range(4):
+        lanes.assign()
+        lanes.push_block(lane, lane)
+        lanes.start_decode(lane, 10, 7)
+    inputs = DecodeInputs(4, 1)
+    inputs.build(lanes, 4)
+    runtime.decode(inputs, lora_int_ids=np.array([0, 1, 2, 0], dtype=np.int32))
+    for ids, words in ((np.array([0, 1, 2], dtype=np.int32), "int32 \\[4\\]"),
+                       (np.array([0, 1, 2, 0], dtype=np.int64), "int32 \\[4\\]"),
+                       ([0, 1, 2, 0], "int32 \\[4\\]"),
+                       (np.array([0, 3, 0, 0], dtype=np.int32), "holds \\[0, 3\\]"),
+                       (np.array([0, -1, 0, 0], dtype=np.int32), "holds \\[-1, 0\\]")):
+        with pytest.raises(StateError, match=words):
+            runtime.decode(inputs, lora_int_ids=ids)  # type: ignore[arg-type]
+    with pytest.raises(StateError, match="without adapters"):
+        NullRuntime(art, step_ms=0).decode(inputs, lora_int_ids=np.zeros(4, dtype=np.int32))

@@ -113,6 +113,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pd-timeout", type=float, default=0.0,
                         help="the Batcher's pd_timeout in seconds (default 0 = none: a simulated "
                              "producer never stalls)")
+    parser.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                        help="a mix of LoRA adapters (simulator): --lora-share of the requests "
+                        "run under N adapters in turn, the rest the base model; each distinct "
+                        "adapter of a step costs its matrices once (docs/lora.md, \"Measuring "
+                        "adapters\"; default 0: the base model only)")
+    parser.add_argument("--lora-rank", type=int, default=16, metavar="R",
+                        help="the adapters' rank, on every linear layer (default 16)")
+    parser.add_argument("--lora-share", type=float, default=1.0, metavar="S",
+                        help="the share of requests under an adapter, in (0, 1] (default 1)")
+    parser.add_argument("--max-loras", type=int, default=None, metavar="M",
+                        help="distinct adapters one step may hold (vLLM's --max-loras; default: "
+                        "no cap)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, metavar="PATH")
     parser.add_argument("--plot", type=Path, default=None, metavar="PATH",
@@ -178,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         load = Load(concurrency=args.concurrency, requests=args.requests, arrivals=args.arrivals,
                     rate=args.rate, timeout_s=args.timeout or None,
                     timeout_action=args.timeout_action, seed=args.seed,
-                    pd_timeout_s=args.pd_timeout or None)
+                    pd_timeout_s=args.pd_timeout or None, lora_adapters=args.lora_adapters,
+                    lora_rank=args.lora_rank, lora_share=args.lora_share,
+                    max_loras=args.max_loras)
         report = run(
             models=args.models or MODELS,
             routes=args.routes or (("native",) if numpy_runtime else ROUTES),

@@ -26,6 +26,7 @@ from atombatch.artifact.config import (
     ModelSpec,
     Quantization,
 )
+from atombatch.artifact.lora import TARGET_MODULES, LoraAdapter
 from atombatch.bench import provenance
 from atombatch.bench.progress import CellProgress
 from atombatch.bench.serve.records import Cell, FitVerdict, Latency, Machine, RequestRecord, ServeReport
@@ -182,6 +183,9 @@ class _WallTimed:
 
 
 # -- one cell ---------------------------------------------------------------------------------------
+MAX_LORA_ADAPTERS = 256  # --lora-adapters: the simulator's adapters of a load
+
+
 class Load(msgspec.Struct, frozen=True):
     """How requests arrive."""
 
@@ -193,10 +197,54 @@ class Load(msgspec.Struct, frozen=True):
     timeout_action: str = "count"        # "count" (fail after the fact) | "abort" (free the lane)
     seed: int = 0
     pd_timeout_s: float | None = None    # PD: the Batcher's pd_timeout (None: never)
+    # a mix of LoRA adapters (simulator): `lora_share` of the requests run under one of
+    # `lora_adapters` adapters of rank `lora_rank` on every linear layer, in turn; the rest
+    # run the base model; `max_loras` caps the distinct adapters of a step (None: no cap)
+    lora_adapters: int = 0
+    lora_rank: int = 16
+    lora_share: float = 1.0
+    max_loras: int | None = None
 
     @property
     def total(self) -> int:
         return self.requests if self.requests is not None else self.concurrency
+
+    def loras(self) -> list[str | None]:
+        """The adapter of each request (None: the base model): of every request, the k-th
+        whose share comes due (`lora_share` of them, spread evenly) runs adapter k mod N."""
+        names: list[str | None] = []
+        adapted = 0
+        for index in range(self.total):
+            due = math.floor((index + 1) * self.lora_share + 1e-9) > adapted
+            if self.lora_adapters and due:
+                names.append(f"lora-{adapted % self.lora_adapters + 1}")
+                adapted += 1
+            else:
+                names.append(None)
+        return names
+
+    def check_lora(self) -> None:
+        """The LoRA mix's bounds.
+
+        Raises:
+            ConfigError: naming the value and its bound.
+        """
+        if not 0 <= self.lora_adapters <= MAX_LORA_ADAPTERS:
+            raise ConfigError(f"--lora-adapters {self.lora_adapters} must be in "
+                              f"0..{MAX_LORA_ADAPTERS}")
+        if not 1 <= self.lora_rank <= 512:
+            raise ConfigError(f"--lora-rank {self.lora_rank} must be in 1..512")
+        if not 0 < self.lora_share <= 1:  # (NaN too)
+            raise ConfigError(f"--lora-share {self.lora_share} must be in (0, 1]")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ConfigError(f"--max-loras {self.max_loras} must be >= 1")
+
+
+def lora_adapters(load: Load) -> list[LoraAdapter]:
+    """The simulator's adapters of a load (`lora-1`.. on every linear layer)."""
+    return [LoraAdapter(name=f"lora-{i}", lora_int_id=i, path="-", r=load.lora_rank,
+                        lora_alpha=float(load.lora_rank), target_modules=TARGET_MODULES)
+            for i in range(1, load.lora_adapters + 1)]
 
 
 def _serve(batcher: Batcher, clock: Callable[[], float], wait_until: Callable[[float], None],
@@ -232,6 +280,7 @@ def _serve(batcher: Batcher, clock: Callable[[], float], wait_until: Callable[[f
         next_index = min(load.concurrency, total)
 
     in_flight: dict[str, int] = {}
+    loras = load.loras()
     while queue or batcher.has_unfinished():
         now = clock()
         while queue and queue[0][0] <= now:
@@ -239,7 +288,7 @@ def _serve(batcher: Batcher, clock: Callable[[], float], wait_until: Callable[[f
             rid = f"r{index}"
             kv = None if producer is None else \
                 producer.source(rid, prompts[index], params, arrival=when)
-            batcher.submit(prompts[index], params, request_id=rid, kv=kv)
+            batcher.submit(prompts[index], params, request_id=rid, kv=kv, lora=loras[index])
             in_flight[rid] = index
         if load.timeout_action == "abort" and load.timeout_s is not None:
             for rid, index in list(in_flight.items()):
@@ -320,7 +369,7 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
         calibration = "real wall time (NumpyRuntime.random, small spec)"
     else:
         costs = costs or CostModel.default()
-        sim = SimRuntime(artifact, costs, seed=load.seed)
+        sim = SimRuntime(artifact, costs, seed=load.seed, lora_adapters=lora_adapters(load))
         rt = sim
         clock = sim.clock
         wait_until = sim.advance_to
@@ -330,7 +379,8 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
     producer = SimProducer(sim, PD_MODES[route]) if sim is not None and route in PD_MODES \
         else None
     try:
-        batcher = Batcher(rt, policy=policy, pd_timeout=load.pd_timeout_s or math.inf)
+        batcher = Batcher(rt, policy=policy, pd_timeout=load.pd_timeout_s or math.inf,
+                          max_loras=load.max_loras if load.lora_adapters else None)
     except ConfigError as exc:
         return Cell(status="rejected", error=str(exc), runtime_load_s=load_s, **base)
 
@@ -416,6 +466,8 @@ def run_cell(model: str, route: str, input_len: int, output_len: int, artifact_s
         goodput_tok_s=tokens_ok / makespan if makespan > 0 else 0.0,
         lane_histogram=histogram, mean_decoding_lanes=mean_lanes, prefill_device_s=prefill_s,
         import_device_s=import_s, decode_device_s=decode_s,
+        lora_device_s=sim.device.lora_s if sim is not None else 0.0,
+        lora_requests=sum(1 for name in load.loras() if name),
         producer_busy_s=producer.busy_s if producer is not None else 0.0,
         prefill_calls=prefill_calls, import_calls=import_calls, import_steps=stats.imports,
         decode_calls=decode_calls, decode_rows=decode_rows, rotations=stats.rotations,
@@ -458,6 +510,10 @@ def run(models: Sequence[str] = MODELS, routes: Sequence[str] = ROUTES,
         raise ConfigError(f"arrivals={load.arrivals!r} is not together or poisson")
     if load.arrivals == "poisson" and not (load.rate and load.rate > 0):
         raise ConfigError("--arrivals poisson needs --rate R > 0 (requests per second)")
+    load.check_lora()
+    if load.lora_adapters and runtime != "sim":
+        raise ConfigError("--lora-adapters: the mix runs on the simulator (--runtime sim); the "
+                          "numpy runtime's adapters are PEFT directories (docs/lora.md)")
     if load.timeout_action not in ("count", "abort"):
         raise ConfigError(f"timeout_action={load.timeout_action!r} is not count or abort")
     if runtime == "sim":

@@ -33,11 +33,18 @@ def format_table(report: ServeReport) -> str:
                  + (f" at {load['rate']}/s" if load["arrivals"] == "poisson" else "")
                  + f"; timeout {timeout} s ({load['timeout_action']}); times in {unit}; latency "
                  "figures exclude failed requests")
+    lora = load.get("lora_adapters") or 0
+    if lora:
+        cap = load.get("max_loras")
+        lines.append(f"LoRA: {100 * load['lora_share']:g}% of the requests under {lora} "
+                     f"adapters of rank {load['lora_rank']} (every linear layer) in turn, the "
+                     f"rest the base model; max-loras {cap if cap is not None else 'no cap'}; "
+                     "'lora' = the adapters' device seconds, of prefill and decode")
     wide = max([14] + [len(cell.artifact) for cell in report.cells])  # quantized specs are longer
     header = (f"{'model':<11} {'route':<15} {'in/out':>9} {'artifact':<{wide}} {'policy':<13} "
               f"{'ok/n':>5} {'t/o':>3} {'TTFT p50':>8} {'p99':>7} {'max':>7} {'done p50':>8} "
               f"{'max':>7} {'gap max':>7} {'tok/s':>7} {'all max':>7} {'prefill':>8} {'import':>7} "
-              f"{'decode':>8}  lanes/step")
+              f"{'decode':>8}{' ' + format('lora', '>7') if lora else ''}  lanes/step")
     lines += [header, "-" * len(header)]
     previous = None
     for cell in report.cells:
@@ -65,7 +72,9 @@ def format_table(report: ServeReport) -> str:
             f"{_f(done.max):>7} {_f(cell.max_gap_s, 2):>7} {cell.output_tok_s:>7.2f} "
             f"{_f(cell.max_completion_all):>7} "
             f"{_f(cell.prefill_device_s):>8} {_f(cell.import_device_s, 2):>7} "
-            f"{_f(cell.decode_device_s):>8}  {_histogram(cell.lane_histogram)}"
+            f"{_f(cell.decode_device_s):>8}"
+            f"{' ' + format(_f(cell.lora_device_s, 2), '>7') if lora else ''}  "
+            f"{_histogram(cell.lane_histogram)}"
             f"{mark}")
     lines.append("")
     lines.append("t/o = requests over the timeout (failures); 'gap max' = the longest pause "

@@ -61,11 +61,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from atombatch.serve import vllm_flags
+    from atombatch.serve import lora, vllm_flags
     from atombatch.serve.cli import parser as engine_parser
 
     args, engine_args = _parser().parse_known_args(argv)
     engine = engine_parser().parse_args(engine_args)
+    try:  # the plain server's LoRA checks, before Ray starts (each replica runs them again)
+        lora.check_lora_flags(engine, engine.served_model_name)
+    except ConfigError as exc:
+        print(f"atombatch.serve.ray: {exc}", file=sys.stderr)
+        return 2
     # resolved here (a terminal: console), and handed to every replica and producer, whose own
     # standard error is a file Ray forwards to this one
     engine.log_format = logs.setup(engine.log_level, engine.log_format)

@@ -155,11 +155,13 @@ class AtomReplica:
                        summary_bits: int = DEFAULT_SUMMARY_BITS) -> None:
         from threadpoolctl import threadpool_limits
 
+        from atombatch.serve import lora
         from atombatch.serve.app import create_app
         from atombatch.serve.cli import build_engine, parser
 
         args = parser().parse_args(list(engine_args))
         logs.setup(args.log_level, args.log_format)
+        lora.check_lora_flags(args, args.served_model_name)  # as the plain server (a ConfigError)
         tp = len(str(args.device).split(",")) if args.runtime == "rebel" else 1
         devices = assigned_devices(atom_resource, tp)
         if devices is not None and args.runtime == "rebel":
@@ -206,7 +208,8 @@ class AtomReplica:
                               max_structured_chars=args.max_structured_chars,
                               api_keys=args.api_key or (), tool_parser=args.tool_call_parser,
                               reasoning_parser=args.reasoning_parser,  # headers are forwarded
-                              enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                              enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                              **lora.app_options(args))
         core, pool = self.core, self.pool
         if core is not None and core.pd_options is not None:  # the pool on /metrics
             from atombatch.serve.pd_metrics import add_pd_metrics
