@@ -484,3 +484,59 @@ def test_a_failed_verify_fails_its_request_and_the_others_go_on(model):
             assert tokens == reference[i][0][:len(tokens)]
     stats = batcher.stats()
     assert stats.lane_blocks == 0 and stats.occupied_lanes == 0  # every block back
+
+
+
+class OwnedWrites:
+    """A runtime whose prefill calls are checked against the engine's pool as they are made:
+    every real position a chunk writes (its first through `query_position`) must fall in a
+    block one request owns alone (LANE, or STAGED in the spare), never in a CACHED block other
+    requests may read."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.artifact = inner.artifact
+        self.every_position_logits = True
+        self.batcher = None
+        self.checked = 0
+
+    def prefill(self, inputs, **kw):
+        pool = self.batcher.scheduler.kv.pool
+        bs = self.artifact.block_size
+        start = int(np.asarray(inputs.cache_position).reshape(-1)[0])
+        table = np.asarray(inputs.block_tables).reshape(-1)
+        for p in range(start, start + int(inputs.query_position) + 1):
+            block = int(table[p // bs])
+            assert pool.state(block) in (engine_speculative.core.LANE,
+                                         engine_speculative.core.STAGED), \
+                f"a chunk from {start} writes position {p} into shared block {block}"
+            self.checked += 1
+        return self.inner.prefill(inputs, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_verify_never_rewrites_a_cached_block(model, monkeypatch):
+    """Blocks smaller than the chunk: a verify from the chunk boundary rewrites the positions
+    between that boundary and the last token. None of them is in a block served from the prefix
+    cache (which other requests read): a hit resumes at a chunk boundary, so the cached blocks
+    end at or before the verify's start. Every prefill call's writes are checked as made."""
+    _, path, spec = model
+    art = ArtifactConfig(model=spec, batch_size=1, max_seq_len=128, block_size=16,
+                         prefill_chunk_size=64, num_blocks=20)
+    rng = np.random.default_rng(8)
+    shared = rng.integers(3, 512, size=64).tolist()   # one chunk: four cached blocks
+    prompts = [shared + rng.integers(3, 512, size=6).tolist() for _ in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reference = run(Batcher(runtime(path, art)), prompts, params)
+    oracle = OracleDrafts(prompts, [t for t, _ in reference], miss_rate=0.0, seed=1)
+    monkeypatch.setattr(ngram, "propose", oracle.propose)
+    wrapped = OwnedWrites(runtime(path, art))
+    batcher = Batcher(wrapped, prefix_cache=True, speculative=SpeculativeConfig(
+        num_speculative_tokens=3, auto_off=False))
+    wrapped.batcher = batcher
+    # the first alone (its prompt blocks are cached when it ends), then the others hit them
+    assert run(batcher, prompts[:1], params) + run(batcher, prompts[1:], params) == reference
+    stats = batcher.stats()
+    assert stats.prefix_hits > 0 and wrapped.checked > 0 and stats.spec_decode_num_drafts > 0
