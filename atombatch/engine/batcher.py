@@ -924,7 +924,7 @@ class Batcher:
         """One decode step. The kernel picks every greedy row and checks every row's logits in
         one call, and appends every token in another; Python touches only the rows it hands
         back (sampled requests, failures, finishes, requests whose outputs carry extras)."""
-        if self._speculator is not None and plan.rows == 1 and \
+        if self._speculator is not None and plan.rows == 1 and not self.overlap and \
                 self._speculator.verify(self, plan, outputs):  # a draft verified instead
             return
         if self.overlap and self._can_fly():

@@ -24,7 +24,6 @@ plainly and probes again every `PROBE_EVERY` eligible steps.
 from __future__ import annotations
 
 import functools
-import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -124,7 +123,9 @@ class Speculator:
         self._stated_ratio = float(stated) if stated else DEFAULT_COST_RATIO
         self._verify_s: float | None = None    # EWMA of a verify call's device time
         self._decode_s: float | None = None    # EWMA of a lone lane's decode call's time
-        self._mark: tuple[int, float] | None = None  # (steps, device_s) before a plain decode
+        # (steps, clock) when a lone lane's step was left to decode plainly: the engine's clock
+        # at the next call times that step (the runtime's clock: virtual time on the simulator)
+        self._mark: tuple[int, float] | None = None
         self.verify_calls = 0
 
     def cost_ratio(self) -> float:
@@ -142,13 +143,13 @@ class Speculator:
         """The plain decode the last call declined for (and nothing else since) timed it."""
         mark, self._mark = self._mark, None
         if mark is not None and runner.scheduler.counters.steps == mark[0] + 1:
-            took = runner._device_s - mark[1]
+            took = runner.clock() - mark[1]
             if took > 0:
                 self._decode_s = took if self._decode_s is None else \
                     (1 - EWMA) * self._decode_s + EWMA * took
 
     def _decline(self, runner: Any) -> bool:
-        self._mark = (runner.scheduler.counters.steps, runner._device_s)
+        self._mark = (runner.scheduler.counters.steps, runner.clock())
         return False
 
     def verify(self, runner: Any, plan: StepPlan, outputs: list[RequestOutput]) -> bool:
@@ -212,10 +213,10 @@ class Speculator:
         inputs.build(tokens, start, lanes.rows()[lane], lanes.num_held(lane), lane)
         k = len(draft)
         try:
-            began = time.perf_counter()
+            began = runner.clock()
             raw = runner._device_call(functools.partial(runner.runtime.prefill,
                                                         every_position=True), inputs)
-            took = time.perf_counter() - began
+            took = runner.clock() - began
             logits = np.asarray(raw)
             if logits.size != q * self.vocab:
                 raise RequestError(f"prefill(every_position=True) returned logits of shape "
