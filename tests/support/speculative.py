@@ -9,6 +9,7 @@ sequence that is not a prefix of a reference run.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,3 +38,57 @@ class OracleDrafts:
                 draft[miss] = (draft[miss] + 1 + self.rng.integers(0, 50, int(miss.sum()))) % 512
                 return draft
         return np.zeros(0, dtype=np.int64)
+
+
+def chi_square_limit(df: int, z: float = 3.719) -> float:
+    """The chi-square quantile at upper tail 1e-4 (z: the normal's), Wilson-Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def two_sample_chi_square(a: dict[Any, int], b: dict[Any, int]) -> tuple[float, int]:
+    """The two-sample chi-square statistic of equal-size samples' counts, and its df."""
+    cells = set(a) | set(b)
+    stat = sum((a.get(c, 0) - b.get(c, 0)) ** 2 / (a.get(c, 0) + b.get(c, 0)) for c in cells)
+    return stat, len(cells) - 1
+
+
+def sampled_experiment(make_runtime: Any, prompt: list[int], n: int,
+                       monkeypatch: Any) -> tuple[float, int, Any]:
+    """N seeded requests (temperature 1, top_k 3, four tokens) without speculation and N with
+    it (two draft tokens: the greedy continuation, from a reference engine): the two-sample
+    chi-square statistic of their first three tokens' joint counts, its df, and the speculative
+    engine's stats. `make_runtime()` builds a fresh runtime of the model."""
+    from atombatch import Batcher, SamplingParams
+    from atombatch.api.speculative import SpeculativeConfig
+    from atombatch.sampling import ngram
+
+    reference_engine = Batcher(make_runtime())
+    greedy: dict[tuple[int, ...], list[int]] = {}
+
+    def greedy_drafts(tokens: np.ndarray, k: int, min_n: int, max_n: int,
+                      window: int) -> np.ndarray:
+        key = tuple(tokens.tolist())
+        if key not in greedy:
+            done = reference_engine.generate([list(key)], SamplingParams(
+                max_tokens=k, temperature=0.0, ignore_eos=True))
+            greedy[key] = list(done[0].token_ids)
+        return np.array(greedy[key][:k], dtype=np.int64)
+
+    def params(seed: int) -> Any:
+        return SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True, seed=seed)
+
+    plain = Batcher(make_runtime()).generate([prompt] * n, [params(s) for s in range(n)])
+    monkeypatch.setattr(ngram, "propose", greedy_drafts)
+    batcher = Batcher(make_runtime(), speculative=SpeculativeConfig(num_speculative_tokens=2,
+                                                                    auto_off=False))
+    speculated = batcher.generate([prompt] * n, [params(n + s) for s in range(n)])
+    counts: list[dict[tuple[int, ...], int]] = []
+    for run in (plain, speculated):
+        joint: dict[tuple[int, ...], int] = {}
+        for completion in run:
+            assert len(completion.token_ids) == 4
+            key = tuple(completion.token_ids[:3])
+            joint[key] = joint.get(key, 0) + 1
+        counts.append(joint)
+    stat, df = two_sample_chi_square(*counts)
+    return stat, df, batcher.stats()
