@@ -23,13 +23,14 @@ plainly and probes again every `PROBE_EVERY` eligible steps.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from atombatch.api.speculative import SpeculativeConfig
-from atombatch.engine.request import RequestState
+from atombatch.engine.request import ITERATION_TOKEN_BUCKETS, RequestState
 from atombatch.errors import ConfigError, RequestError
 from atombatch.kernel import blocks as core
 from atombatch.sampling import ngram
@@ -244,6 +245,9 @@ class Speculator:
         self._commit(runner, plan, request, emitted, outputs)
         counters = scheduler.counters
         counters.steps += 1
+        # vLLM's iteration tokens of a speculative step: the last token and the draft
+        counters.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, k + 1)] += 1
+        counters.iteration_tokens_sum += k + 1
         counters.spec_decode_num_drafts += 1
         counters.spec_decode_num_draft_tokens += k
         counters.spec_decode_num_accepted_tokens += accepted
@@ -282,4 +286,3 @@ class Speculator:
             outputs.append(runner._output(request))
             if request.state is RequestState.FINISHED:
                 break
-        counters.iteration_tokens_sum += len(emitted)

@@ -135,6 +135,7 @@ def test_greedy_identical_with_accepted_and_rejected_drafts(model, monkeypatch, 
     generated = sum(len(t) for t, _ in reference)
     assert stats.generated_tokens == generated
     assert stats.steps < sum(len(p) // chunk + 1 for p in prompts) + generated
+    assert sum(stats.iteration_tokens) == stats.steps  # each device call binned once
 
 
 def test_stop_id_and_max_tokens_inside_an_accepted_run(model, monkeypatch):
