@@ -183,24 +183,30 @@ class Speculator:
         if room <= 0 or len(request.output) == 0:
             return self._decline(runner)
         cfg = self.config
-        sequence = np.concatenate([request.prompt, np.asarray(request.output, dtype=np.int64)])
-        if len(sequence) != last + 1:  # not a lane this rule knows (a PD import's, say)
+        state = self._states.get(request.request_id)
+        if cfg.auto_off and state is not None and state.tokens_per_call is not None and \
+                state.tokens_per_call < self.cost_ratio() * MARGIN:
+            state.declined += 1                    # off: no lookup until the next probe
+            if state.declined < PROBE_EVERY:
+                return self._decline(runner)
+        output = request.output
+        if len(request.prompt) + len(output) != last + 1:  # not a lane this rule knows
             return self._decline(runner)
+        window = cfg.lookup_window                 # only the tail the proposer searches
+        if len(output) >= window:
+            sequence = np.asarray(output[len(output) - window:], dtype=np.int64)
+        else:
+            sequence = np.concatenate([request.prompt[-(window - len(output)):],
+                                       np.asarray(output, dtype=np.int64)])
         draft = ngram.propose(sequence, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
-                        cfg.lookup_window)
+                              window)
         if not len(draft):
             return self._decline(runner)
-        state = self._states.get(request.request_id)
         if state is None:
             if len(self._states) >= 4 * self.artifact.batch_size:  # ended without a verify
                 live = scheduler.requests
                 self._states = {rid: s for rid, s in self._states.items() if rid in live}
             state = self._states[request.request_id] = _State()
-        if cfg.auto_off and state.tokens_per_call is not None and \
-                state.tokens_per_call < self.cost_ratio() * MARGIN:
-            state.declined += 1
-            if state.declined < PROBE_EVERY:
-                return self._decline(runner)
         state.declined = 0
         kv = scheduler.kv
         extent = min(start + q, artifact.max_seq_len)   # the chunk writes every one of its rows
@@ -209,7 +215,8 @@ class Speculator:
             return self._decline(runner)               # blocks others were promised
         if need > 0 and not kv.grow_lane(request, extent):
             return self._decline(runner)
-        tokens = np.concatenate([sequence, draft])
+        # the chunk reads the sequence by absolute position (built only for a verify call)
+        tokens = np.concatenate([request.prompt, np.asarray(output, dtype=np.int64), draft])
         inputs = kv.prefill_inputs
         inputs.build(tokens, start, lanes.rows()[lane], lanes.num_held(lane), lane)
         k = len(draft)
