@@ -16,11 +16,17 @@ import functools
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support.engines import numpy_batcher
 from support.hf_models import save_checkpoint
+from support.scheduling import artifact as ledger_artifact
+from support.scheduling import check_workload, draw_workload, drive
 from support.speculative import (
+    LedgerDrafts,
     OracleDrafts,
     chi_square_limit,
+    ledger_every_position,
     repeating_prompts,
     sampled_experiment,
 )
@@ -256,6 +262,40 @@ def test_random_workloads_with_aborts_and_a_tight_pool(model, monkeypatch, seed)
     assert stats.spec_decode_num_drafts > 0
     assert stats.occupied_lanes == 0 and stats.lane_blocks == 0
     assert stats.preemptions > 0  # the pool was tight: lanes recomputed around verify calls
+
+
+ledger_shapes = st.sampled_from([
+    dict(batch_size=1, num_blocks=1), dict(batch_size=1, num_blocks=2), dict(batch_size=2),
+    dict(batch_size=4), dict(batch_size=3, block_size=16),
+    dict(batch_size=4, block_size=8, num_blocks=9), dict(batch_size=2, block_size=16, num_blocks=5),
+])
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=ledger_shapes, chunk=st.sampled_from([4, 8, 16]), data=st.data(),
+       policy=st.sampled_from(["prefill-first", "decode-first", "interleave:2", "fill-first:1"]))
+def test_the_ledger_fuzzer_with_speculation_on(shape, chunk, data, policy, monkeypatch):
+    """The scheduler's random workloads (support/scheduling.py) on the exact ledger runtime,
+    whose every token depends on every key it reads through the tables, with speculation on:
+    drafts from the ledger's own rule, partly corrupted; invariants after every step, finished
+    requests exactly the reference tokens, aborted ones a prefix of them."""
+    art = ledger_artifact(chunk=chunk, **shape)
+    prefix_cache = not art.single_block and data.draw(st.booleans())
+    host_bytes = data.draw(st.sampled_from([0, 500, 5000])) if prefix_cache else 0
+    drafts = LedgerDrafts(art.model.vocab_size, data.draw(st.sampled_from([0.0, 0.3, 1.0])),
+                          seed=data.draw(st.integers(0, 1000)))
+    monkeypatch.setattr(ngram, "propose", drafts.propose)
+    config = SpeculativeConfig(num_speculative_tokens=data.draw(st.integers(1, chunk - 1)),
+                               auto_off=data.draw(st.booleans()))
+    batcher = Batcher(ledger_every_position()(art), policy=policy, prefix_cache=prefix_cache,
+                      host_cache_bytes=host_bytes, speculative=config)
+    arrivals, aborts = draw_workload(data)
+    finals, streamed = drive(batcher, arrivals, aborts)
+    check_workload(arrivals, finals, streamed, art)
+    assert batcher.scheduler.lanes.num_busy == 0
+    pool = batcher.scheduler.pool
+    assert pool.num_free + pool.num_spare + pool.num_cached == art.num_blocks
 
 
 # -- auto-off ---------------------------------------------------------------------------------

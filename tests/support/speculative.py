@@ -92,3 +92,45 @@ def sampled_experiment(make_runtime: Any, prompt: list[int], n: int,
         counts.append(joint)
     stat, df = two_sample_chi_square(*counts)
     return stat, df, batcher.stats()
+
+
+def ledger_every_position() -> Any:
+    """`LedgerRuntime` (support/ledger.py) with `prefill(every_position=True)`: each real
+    position's one-hot logits, read through the tables after the chunk's writes (position i
+    reads positions 0..i only, as causal attention does). Non-hybrid artifacts."""
+    from support.ledger import LedgerRuntime
+
+    class EveryPositionLedger(LedgerRuntime):
+        every_position_logits = True
+
+        def prefill(self, inputs: Any, every_position: bool = False) -> np.ndarray:
+            if not every_position:
+                return super().prefill(inputs)  # type: ignore[no-any-return]
+            super().prefill(inputs)  # the writes (and the last position's logits)
+            q = int(inputs.query_position)
+            slot = int(inputs.local_block_tables[0])
+            rows = np.zeros((inputs.input_ids.shape[1], self.vocab), dtype=np.float32)
+            for i in range(q + 1):
+                rows[i] = self._logits(inputs.block_tables, slot, int(inputs.cache_position[0, i]))
+            return rows
+
+    return EveryPositionLedger
+
+
+class LedgerDrafts:
+    """Drafts from the ledger's own rule (`support.ledger.reference`), each token replaced with
+    probability `miss_rate`: the exact continuation, in part."""
+
+    def __init__(self, vocab: int, miss_rate: float, seed: int) -> None:
+        self.vocab = vocab
+        self.miss_rate = miss_rate
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, tokens: np.ndarray, k: int, min_n: int, max_n: int,
+                window: int) -> np.ndarray:
+        from support.ledger import reference
+
+        draft = np.array(reference(tokens.tolist(), k, self.vocab), dtype=np.int64)
+        miss = self.rng.random(len(draft)) < self.miss_rate
+        draft[miss] = draft[miss] % (self.vocab - 1) + 1 if self.vocab > 2 else draft[miss]
+        return draft
