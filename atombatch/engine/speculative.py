@@ -23,14 +23,14 @@ plainly and probes again every `PROBE_EVERY` eligible steps.
 
 from __future__ import annotations
 
+import bisect
 import functools
-import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from atombatch.api.speculative import SpeculativeConfig
-from atombatch.engine.request import RequestState
+from atombatch.engine.request import ITERATION_TOKEN_BUCKETS, RequestState
 from atombatch.errors import ConfigError, RequestError
 from atombatch.kernel import blocks as core
 from atombatch.sampling import ngram
@@ -124,7 +124,9 @@ class Speculator:
         self._stated_ratio = float(stated) if stated else DEFAULT_COST_RATIO
         self._verify_s: float | None = None    # EWMA of a verify call's device time
         self._decode_s: float | None = None    # EWMA of a lone lane's decode call's time
-        self._mark: tuple[int, float] | None = None  # (steps, device_s) before a plain decode
+        # (steps, clock) when a lone lane's step was left to decode plainly: the engine's clock
+        # at the next call times that step (the runtime's clock: virtual time on the simulator)
+        self._mark: tuple[int, float] | None = None
         self.verify_calls = 0
 
     def cost_ratio(self) -> float:
@@ -142,13 +144,13 @@ class Speculator:
         """The plain decode the last call declined for (and nothing else since) timed it."""
         mark, self._mark = self._mark, None
         if mark is not None and runner.scheduler.counters.steps == mark[0] + 1:
-            took = runner._device_s - mark[1]
+            took = runner.clock() - mark[1]
             if took > 0:
                 self._decode_s = took if self._decode_s is None else \
                     (1 - EWMA) * self._decode_s + EWMA * took
 
     def _decline(self, runner: Any) -> bool:
-        self._mark = (runner.scheduler.counters.steps, runner._device_s)
+        self._mark = (runner.scheduler.counters.steps, runner.clock())
         return False
 
     def verify(self, runner: Any, plan: StepPlan, outputs: list[RequestOutput]) -> bool:
@@ -181,24 +183,30 @@ class Speculator:
         if room <= 0 or len(request.output) == 0:
             return self._decline(runner)
         cfg = self.config
-        sequence = np.concatenate([request.prompt, np.asarray(request.output, dtype=np.int64)])
-        if len(sequence) != last + 1:  # not a lane this rule knows (a PD import's, say)
+        state = self._states.get(request.request_id)
+        if cfg.auto_off and state is not None and state.tokens_per_call is not None and \
+                state.tokens_per_call < self.cost_ratio() * MARGIN:
+            state.declined += 1                    # off: no lookup until the next probe
+            if state.declined < PROBE_EVERY:
+                return self._decline(runner)
+        output = request.output
+        if len(request.prompt) + len(output) != last + 1:  # not a lane this rule knows
             return self._decline(runner)
+        window = cfg.lookup_window                 # only the tail the proposer searches
+        if len(output) >= window:
+            sequence = np.asarray(output[len(output) - window:], dtype=np.int64)
+        else:
+            sequence = np.concatenate([request.prompt[-(window - len(output)):],
+                                       np.asarray(output, dtype=np.int64)])
         draft = ngram.propose(sequence, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
-                        cfg.lookup_window)
+                              window)
         if not len(draft):
             return self._decline(runner)
-        state = self._states.get(request.request_id)
         if state is None:
             if len(self._states) >= 4 * self.artifact.batch_size:  # ended without a verify
                 live = scheduler.requests
                 self._states = {rid: s for rid, s in self._states.items() if rid in live}
             state = self._states[request.request_id] = _State()
-        if cfg.auto_off and state.tokens_per_call is not None and \
-                state.tokens_per_call < self.cost_ratio() * MARGIN:
-            state.declined += 1
-            if state.declined < PROBE_EVERY:
-                return self._decline(runner)
         state.declined = 0
         kv = scheduler.kv
         extent = min(start + q, artifact.max_seq_len)   # the chunk writes every one of its rows
@@ -207,17 +215,18 @@ class Speculator:
             return self._decline(runner)               # blocks others were promised
         if need > 0 and not kv.grow_lane(request, extent):
             return self._decline(runner)
-        tokens = np.concatenate([sequence, draft])
+        # the chunk reads the sequence by absolute position (built only for a verify call)
+        tokens = np.concatenate([request.prompt, np.asarray(output, dtype=np.int64), draft])
         inputs = kv.prefill_inputs
         inputs.build(tokens, start, lanes.rows()[lane], lanes.num_held(lane), lane)
         if scheduler.lora is not None:  # the verify runs under the request's adapter
             scheduler.lora.fill_prefill(inputs, request.lora_id)
         k = len(draft)
         try:
-            began = time.perf_counter()
+            began = runner.clock()
             raw = runner._device_call(functools.partial(runner._rows_of_call(
                 runner.runtime.prefill), every_position=True), inputs)
-            took = time.perf_counter() - began
+            took = runner.clock() - began
             logits = np.asarray(raw)
             if logits.size != q * self.vocab:
                 raise RequestError(f"prefill(every_position=True) returned logits of shape "
@@ -245,6 +254,9 @@ class Speculator:
         self._commit(runner, plan, request, emitted, outputs)
         counters = scheduler.counters
         counters.steps += 1
+        # vLLM's iteration tokens of a speculative step: the last token and the draft
+        counters.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, k + 1)] += 1
+        counters.iteration_tokens_sum += k + 1
         counters.spec_decode_num_drafts += 1
         counters.spec_decode_num_draft_tokens += k
         counters.spec_decode_num_accepted_tokens += accepted
@@ -277,4 +289,3 @@ class Speculator:
             outputs.append(runner._output(request))
             if request.state is RequestState.FINISHED:
                 break
-        counters.iteration_tokens_sum += len(emitted)

@@ -118,6 +118,8 @@ class StepRunner:
         # the runtime is called as one without LoRA), and on a runtime without LoRA
         self._lora: LoraRows | None = scheduler.lora
         self._speculator: Speculator | None = None  # n-gram drafts (engine/speculative.py)
+        # the decode pipeline's switch (`PipelineRunner` sets it): no speculation while it is on
+        self.overlap = False
 
     @property
     def _kv(self) -> dict[str, KVLink]:
@@ -293,7 +295,7 @@ class StepRunner:
         """One decode step. The kernel picks every greedy row and checks every row's logits in
         one call, and appends every token in another; Python touches only the rows it hands
         back (sampled requests, failures, finishes, requests whose outputs carry extras)."""
-        if self._speculator is not None and plan.rows == 1 and \
+        if self._speculator is not None and plan.rows == 1 and not self.overlap and \
                 self._speculator.verify(self, plan, outputs):  # a draft verified instead
             return
         if self._grammars is not None:

@@ -16,9 +16,20 @@ import functools
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support.engines import numpy_batcher
 from support.hf_models import save_checkpoint
-from support.speculative import OracleDrafts, repeating_prompts
+from support.scheduling import artifact as ledger_artifact
+from support.scheduling import check_workload, draw_workload, drive
+from support.speculative import (
+    LedgerDrafts,
+    OracleDrafts,
+    chi_square_limit,
+    ledger_every_position,
+    repeating_prompts,
+    sampled_experiment,
+)
 
 from atombatch import ArtifactConfig, Batcher, ConfigError, ModelSpec, SamplingParams
 from atombatch.api.speculative import SpeculativeConfig, parse_speculative_config
@@ -130,6 +141,7 @@ def test_greedy_identical_with_accepted_and_rejected_drafts(model, monkeypatch, 
     generated = sum(len(t) for t, _ in reference)
     assert stats.generated_tokens == generated
     assert stats.steps < sum(len(p) // chunk + 1 for p in prompts) + generated
+    assert sum(stats.iteration_tokens) == stats.steps  # each device call binned once
 
 
 def test_stop_id_and_max_tokens_inside_an_accepted_run(model, monkeypatch):
@@ -252,6 +264,40 @@ def test_random_workloads_with_aborts_and_a_tight_pool(model, monkeypatch, seed)
     assert stats.preemptions > 0  # the pool was tight: lanes recomputed around verify calls
 
 
+ledger_shapes = st.sampled_from([
+    dict(batch_size=1, num_blocks=1), dict(batch_size=1, num_blocks=2), dict(batch_size=2),
+    dict(batch_size=4), dict(batch_size=3, block_size=16),
+    dict(batch_size=4, block_size=8, num_blocks=9), dict(batch_size=2, block_size=16, num_blocks=5),
+])
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=ledger_shapes, chunk=st.sampled_from([4, 8, 16]), data=st.data(),
+       policy=st.sampled_from(["prefill-first", "decode-first", "interleave:2", "fill-first:1"]))
+def test_the_ledger_fuzzer_with_speculation_on(shape, chunk, data, policy, monkeypatch):
+    """The scheduler's random workloads (support/scheduling.py) on the exact ledger runtime,
+    whose every token depends on every key it reads through the tables, with speculation on:
+    drafts from the ledger's own rule, partly corrupted; invariants after every step, finished
+    requests exactly the reference tokens, aborted ones a prefix of them."""
+    art = ledger_artifact(chunk=chunk, **shape)
+    prefix_cache = not art.single_block and data.draw(st.booleans())
+    host_bytes = data.draw(st.sampled_from([0, 500, 5000])) if prefix_cache else 0
+    drafts = LedgerDrafts(art.model.vocab_size, data.draw(st.sampled_from([0.0, 0.3, 1.0])),
+                          seed=data.draw(st.integers(0, 1000)))
+    monkeypatch.setattr(ngram, "propose", drafts.propose)
+    config = SpeculativeConfig(num_speculative_tokens=data.draw(st.integers(1, chunk - 1)),
+                               auto_off=data.draw(st.booleans()))
+    batcher = Batcher(ledger_every_position()(art), policy=policy, prefix_cache=prefix_cache,
+                      host_cache_bytes=host_bytes, speculative=config)
+    arrivals, aborts = draw_workload(data)
+    finals, streamed = drive(batcher, arrivals, aborts)
+    check_workload(arrivals, finals, streamed, art)
+    assert batcher.scheduler.lanes.num_busy == 0
+    pool = batcher.scheduler.pool
+    assert pool.num_free + pool.num_spare + pool.num_cached == art.num_blocks
+
+
 # -- auto-off ---------------------------------------------------------------------------------
 def test_drafts_that_always_miss_turn_speculation_off(model, monkeypatch):
     _, path, spec = model
@@ -331,65 +377,22 @@ def test_speculative_config_parses_vllm_json():
 
 
 # -- sampled: the same distribution ----------------------------------------------------------
-def chi_square_limit(df: int, z: float = 3.719) -> float:
-    """The chi-square quantile at upper tail 1e-4 (z: the normal's), Wilson-Hilferty."""
-    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
-
-
-def two_sample_chi_square(a: dict, b: dict) -> tuple[float, int]:
-    """The two-sample chi-square statistic of equal-size samples' counts, and its df."""
-    cells = set(a) | set(b)
-    stat = sum((a.get(c, 0) - b.get(c, 0)) ** 2 / (a.get(c, 0) + b.get(c, 0)) for c in cells)
-    return stat, len(cells) - 1
-
-
 def test_sampled_tokens_follow_the_same_distribution(tmp_path, monkeypatch):
     """Two runs of N seeded requests each, with and without speculation: the joint counts of
     the first three tokens (of four: the verify call at the second token has room for two
-    drafts) (top_k=3: at most 27 outcomes) pass a two-sample chi-square test at
-    1e-4. The drafts are the greedy continuation, so they are accepted about half the time and
-    the rejection rule's every branch runs (accept, reject and redraw, bonus)."""
+    drafts; top_k=3: at most 27 outcomes) pass a two-sample chi-square test at 1e-4. The drafts
+    are the greedy continuation, so they are accepted about half the time and the rejection
+    rule's every branch runs (accept, reject and redraw, bonus)."""
     path = save_checkpoint("llama", tmp_path)
-    spec = ModelSpec.from_pretrained(path)
-    art = artifact(spec)
+    art = artifact(ModelSpec.from_pretrained(path))
     prompt = np.random.default_rng(6).integers(3, 512, size=12).tolist()
-    greedy_cache: dict[tuple[int, ...], list[int]] = {}
-    reference_engine = Batcher(runtime(path, art))
-
-    def greedy_drafts(tokens, k, min_n, max_n, window):
-        key = tuple(tokens.tolist())
-        if key not in greedy_cache:
-            done = reference_engine.generate([list(key)], SamplingParams(
-                max_tokens=k, temperature=0.0, ignore_eos=True, top_k=3))
-            greedy_cache[key] = list(done[0].token_ids)
-        return np.array(greedy_cache[key][:k], dtype=np.int64)
-
     n = 1500
-    params = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True, seed=s)
-              for s in range(n)]
-    plain = Batcher(runtime(path, art)).generate([prompt] * n, params)
-    monkeypatch.setattr(ngram, "propose", greedy_drafts)
-    batcher = Batcher(runtime(path, art), speculative=SpeculativeConfig(
-        num_speculative_tokens=2, auto_off=False))
-    speculated = Batcher.generate(batcher, [prompt] * n,
-                                  [SamplingParams(max_tokens=4, temperature=1.0, top_k=3,
-                                                  ignore_eos=True, seed=n + s) for s in range(n)])
-    stats = batcher.stats()
-    # a verify call per request at its second token (more where the first one's run was short)
+    stat, df, stats = sampled_experiment(lambda: runtime(path, art), prompt, n, monkeypatch)
     assert n <= stats.spec_decode_num_drafts <= 2 * n
     assert 0.2 * n < stats.spec_decode_num_accepted_tokens < 1.8 * n
     assert stats.spec_decode_num_accepted_tokens_per_pos[1] > 0  # the bonus branch ran
-    counts: list[dict] = []
-    for run_ in (plain, speculated):
-        joint: dict[tuple[int, ...], int] = {}
-        for completion in run_:
-            assert len(completion.token_ids) == 4
-            key = tuple(completion.token_ids[:3])
-            joint[key] = joint.get(key, 0) + 1
-        counts.append(joint)
-    stat, df = two_sample_chi_square(*counts)
     assert df >= 3
-    assert stat < chi_square_limit(df), (stat, df, counts)
+    assert stat < chi_square_limit(df), (stat, df)
 
 
 # -- through the engine core process -----------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from fakerebel.compiler import compile_dir
 from support.hf_models import save_checkpoint
-from support.speculative import OracleDrafts, repeating_prompts
+from support.speculative import OracleDrafts, chi_square_limit, repeating_prompts, sampled_experiment
 
 from atombatch import Batcher, ConfigError, SamplingParams
 from atombatch.api.speculative import SpeculativeConfig
@@ -53,3 +53,18 @@ def test_logits_to_keep_1_refused(fake_rebel, tmp_path, checkpoint):
     with pytest.raises(ConfigError, match="logits_to_keep=0"):
         Batcher(RebelRuntime.from_optimum(directory),
                 speculative=SpeculativeConfig(num_speculative_tokens=3))
+
+
+def test_sampled_distribution_through_the_emulated_device(fake_rebel, tmp_path, monkeypatch):
+    """vLLM's rejection rule on the device's every-position logits: the first three sampled
+    tokens' joint counts with and without speculation pass a two-sample chi-square test."""
+    checkpoint = save_checkpoint("qwen3", tmp_path / "ckpt")
+    directory = compile_dir(tmp_path / "compiled", checkpoint, batch_size=1, max_seq_len=128,
+                            prefill_chunk_size=16, kvcache_num_blocks=2, logits_to_keep=0)
+    prompt = np.random.default_rng(8).integers(3, 512, size=12).tolist()
+    n = 1000
+    stat, df, stats = sampled_experiment(lambda: RebelRuntime.from_optimum(directory), prompt,
+                                         n, monkeypatch)
+    assert 0.2 * n < stats.spec_decode_num_accepted_tokens < 1.8 * n
+    assert df >= 3
+    assert stat < chi_square_limit(df), (stat, df)
