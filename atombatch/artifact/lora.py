@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -133,18 +134,49 @@ def _where(path: Path) -> str:
     return f"LoRA adapter {str(path)!r}"
 
 
-def _read_config(directory: Path) -> _PeftConfig:
-    config_path = directory / CONFIG_FILE
+def _read_regular(path: Path, limit: int, where: str, missing: str, holder: str
+                  ) -> bytearray:
+    """The bytes of the regular file `path` (symlinks followed, as in a Hugging Face cache), read
+    once from one descriptor: its size is checked against `limit` on that descriptor before
+    anything is read, so a FIFO, a device (/dev/zero), or a file swapped or grown after the check
+    cannot hang the reader or feed it more than the bound. What is parsed and what is hashed into
+    the adapter's identity are the same bytes."""
     try:
-        size = config_path.stat().st_size
+        # O_NONBLOCK: opening a FIFO with no writer would block; a regular file ignores it
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise ConfigError(f"{_where(directory)} has no {CONFIG_FILE}: a PEFT adapter directory "
-                          f"holds {CONFIG_FILE} and {WEIGHTS_FILE}") from None
-    if size > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{_where(directory)}: {CONFIG_FILE} is {size} bytes, more than the "
-                          f"{MAX_CONFIG_BYTES} an adapter config may have", limit=MAX_CONFIG_BYTES)
+        raise ConfigError(f"{where} has no {path.name}: {missing}") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: {path.name} cannot be opened ({exc.strerror})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise ConfigError(f"{where}: {path.name} is not a regular file (a FIFO, device or "
+                          "directory is never read)")
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        if info.st_size > limit:
+            raise ConfigError(f"{where}: {path.name} is {info.st_size} bytes, more than the "
+                              f"{limit} {holder}", limit=limit)
+        data = bytearray(info.st_size)     # regular and within the bound: one buffer, no copy
+        view, got = memoryview(data), 0
+        while got < info.st_size:
+            n = f.readinto(view[got:got + (1 << 20)])
+            if not n:
+                break
+            got += n
+        grew = got == info.st_size and f.read(1) != b""
+    if got != info.st_size or grew:
+        raise ConfigError(f"{where}: {path.name} changed size while it was read "
+                          f"({info.st_size} bytes when opened)")
+    return data
+
+
+def _read_config(directory: Path) -> _PeftConfig:
+    raw = _read_regular(directory / CONFIG_FILE, MAX_CONFIG_BYTES, _where(directory),
+                        f"a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}",
+                        "an adapter config may have")
     try:
-        return msgspec.json.decode(config_path.read_bytes(), type=_PeftConfig)
+        return msgspec.json.decode(raw, type=_PeftConfig)
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{_where(directory)}: {CONFIG_FILE} is not a PEFT LoRA config "
                           f"({exc})") from None
@@ -201,7 +233,8 @@ def _parse_key(key: str) -> tuple[int, str, str] | None:
     else:
         return None
     # {i}.{self_attn|mlp}.{module}.lora_{A|B}.weight
-    if len(rest) != 5 or not rest[0].isdigit() or rest[4] != "weight" or \
+    if len(rest) != 5 or not (rest[0].isascii() and rest[0].isdigit()) or \
+            len(rest[0]) > 9 or rest[4] != "weight" or \
             rest[3] not in ("lora_A", "lora_B"):
         return None
     group = "self_attn" if rest[2] in ATTENTION_MODULES else "mlp"
@@ -221,27 +254,20 @@ def _read_weights(directory: Path, spec: ModelSpec, r: int, targets: tuple[str, 
                                                          npt.NDArray[np.float32]]], bytes]:
     where = _where(directory)
     path = directory / WEIGHTS_FILE
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise ConfigError(f"{where} has no {WEIGHTS_FILE} (adapter_model.bin is not read: "
-                          "convert it to safetensors)") from None
     bound = _weights_bound(spec, r, targets)
-    if size > bound:
-        raise ConfigError(f"{where}: {WEIGHTS_FILE} is {size} bytes, more than the {bound} an "
-                          f"r={r} adapter of {list(targets)} on {spec.name} can need",
-                          limit=bound)
-    with path.open("rb") as f:
-        head = f.read(8)
-        header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < header_len <= min(MAX_HEADER_BYTES, size - 8):
-            raise ConfigError(f"{where}: {WEIGHTS_FILE} has a header of {header_len} bytes, "
-                              f"outside 1..{min(MAX_HEADER_BYTES, max(size - 8, 0))} (not a "
-                              "safetensors file)")
-        try:
-            header = json.loads(f.read(header_len))
-        except ValueError:
-            raise ConfigError(f"{where}: {WEIGHTS_FILE}'s header is not JSON") from None
+    data = _read_regular(path, bound, where, "adapter_model.bin is not read: convert it to "
+                         "safetensors", f"an r={r} adapter of {list(targets)} on {spec.name} "
+                         "can need")
+    size = len(data)
+    header_len = int.from_bytes(data[:8], "little") if size >= 8 else -1
+    if not 0 < header_len <= min(MAX_HEADER_BYTES, size - 8):
+        raise ConfigError(f"{where}: {WEIGHTS_FILE} has a header of {header_len} bytes, "
+                          f"outside 1..{min(MAX_HEADER_BYTES, max(size - 8, 0))} (not a "
+                          "safetensors file)")
+    try:
+        header = json.loads(data[8:8 + header_len])
+    except (ValueError, RecursionError):
+        raise ConfigError(f"{where}: {WEIGHTS_FILE}'s header is not JSON") from None
     if not isinstance(header, dict):
         raise ConfigError(f"{where}: {WEIGHTS_FILE}'s header is not a JSON object")
     shapes = module_shapes(spec)
@@ -263,11 +289,12 @@ def _read_weights(directory: Path, spec: ModelSpec, r: int, targets: tuple[str, 
                               f"layers 0..{spec.num_layers - 1}")
         in_dim, out_dim = shapes[module]
         want = (r, in_dim) if which == "A" else (out_dim, r)
-        shape = tuple(info.get("shape", ())) if isinstance(info, dict) else ()
+        shape = info.get("shape") if isinstance(info, dict) else None
+        shape = tuple(shape) if isinstance(shape, list) else ()
         if shape != want:
             raise ConfigError(f"{where}: tensor {key!r} has shape {list(shape)}; r={r} on "
                               f"{spec.name}'s {module} needs {list(want)}")
-        dtype = info.get("dtype")
+        dtype = info["dtype"] if isinstance(info.get("dtype"), str) else None
         if dtype not in _SAFETENSORS_FLOATS:
             raise ConfigError(f"{where}: tensor {key!r} has dtype {dtype}, not one of "
                               f"{sorted(_SAFETENSORS_FLOATS)}")
@@ -279,8 +306,8 @@ def _read_weights(directory: Path, spec: ModelSpec, r: int, targets: tuple[str, 
                 data_start + end > size:
             raise ConfigError(f"{where}: tensor {key!r}'s data_offsets {[begin, end]} do not hold "
                               f"{count} {dtype} values inside the file")
-        raw = np.fromfile(path, dtype=_SAFETENSORS_FLOATS[dtype], count=count,
-                          offset=data_start + begin)
+        raw = np.frombuffer(data, dtype=_SAFETENSORS_FLOATS[dtype], count=count,
+                            offset=data_start + begin)
         if dtype == "BF16":
             value = (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
         else:
@@ -297,15 +324,7 @@ def _read_weights(directory: Path, spec: ModelSpec, r: int, targets: tuple[str, 
         pairs[(layer, module)] = (np.ascontiguousarray(both["A"]), np.ascontiguousarray(both["B"]))
     if not pairs:
         raise ConfigError(f"{where}: {WEIGHTS_FILE} holds no LoRA matrices")
-    return pairs, _file_digest(path)
-
-
-def _file_digest(path: Path) -> bytes:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.digest()
+    return pairs, hashlib.sha256(data).digest()
 
 
 def load_peft(path: str | os.PathLike[str], *, name: str, lora_int_id: int, spec: ModelSpec,
