@@ -412,7 +412,10 @@ class Batcher:
             self._pd.expect(kv, tokens)  # let the source check the header on arrival
         with self._step_lock:  # from another thread: waits for a running step to end
             if adapter is not None:
-                if adapter.name not in self.lora_adapters:
+                # the adapter loaded now under that name: an unload + load in between (another
+                # thread) gave the name other weights, and the request's cache root must be theirs
+                adapter = self.lora_adapters.get(adapter.name)
+                if adapter is None:
                     raise RequestError(f"lora={lora!r} was unloaded before the request was "
                                        "queued")
                 if self._lora is None:  # the first request under an adapter
