@@ -373,4 +373,12 @@ def load_peft(path: str | os.PathLike[str], *, name: str, lora_int_id: int, spec
                           lora_alpha=float(config.lora_alpha), target_modules=targets,
                           use_rslora=config.use_rslora, scaling_factor=scaling_factor,
                           identity=identity)
+    # the runtimes fold the scaling into B in float32: a scaling or a scaled B past float32's
+    # range would be infinite there, and every row under the adapter NaN
+    largest = max(float(np.abs(b).max()) for _, b in pairs.values())
+    if not abs(adapter.scaling) * max(largest, 1.0) <= float(np.finfo(np.float32).max):
+        raise ConfigError(f"{_where(directory)}: scaling {adapter.scaling:g} (lora_alpha="
+                          f"{config.lora_alpha:g}, r={config.r}) times lora_B's largest value "
+                          f"{largest:g} is past float32's range: the adapter would compute "
+                          "infinities")
     return adapter, LoraWeights(config.r, pairs)

@@ -343,6 +343,9 @@ BAD = {
     "not safetensors": (lambda d: (d / "adapter_model.safetensors").write_bytes(b"\xff" * 64), {},
                         "not a safetensors file"),
     "alpha": (lambda d: _edit_config(d, lora_alpha=0), {}, "lora_alpha=0.0 must be a positive number"),
+    # review: finite in float64, infinite once folded into B in float32 (every row NaN)
+    "alpha past float32": (lambda d: _edit_config(d, lora_alpha=1e39), {},
+                           "past float32's range"),
     "garbled offsets": (lambda d: _edit_header(d / "adapter_model.safetensors", "data_offsets",
                                                ["0", "x"]), {}, "data_offsets .* inside the file"),
     "integer tensors": (lambda d: _edit_header(d / "adapter_model.safetensors", "dtype", "I32"),
