@@ -458,15 +458,19 @@ class Batcher:
         adapters = getattr(self.runtime, "lora_adapters", None) if self.capabilities.lora else None
         return adapters if adapters is not None else {}
 
-    def load_lora(self, name: str, path: str) -> LoraAdapter:
+    def load_lora(self, name: str, path: str, *, max_loaded: int | None = None) -> LoraAdapter:
         """Load the PEFT adapter in directory `path` under `name` (vLLM's `lora_name`) on a
         runtime that takes adapters at run time; returns it. The files are read and checked
         before the engine is locked; a step waits only for the runtime to take the weights.
 
+        `max_loaded` (a server's `--max-cpu-loras`): refused when that many adapters are loaded
+        already, counted under the engine's lock (fronts sharing a core each see only their
+        own loads).
+
         Raises:
             ConfigError: the adapter's files break a rule (named), or the runtime cannot load
                 adapters.
-            RequestError: `name` is loaded already.
+            RequestError: `name` is loaded already, or `max_loaded` adapters are.
         """
         if not self.capabilities.lora_loadable:
             raise ConfigError("this runtime cannot load LoRA adapters at run time (a compiled "
@@ -475,6 +479,7 @@ class Batcher:
             raise RequestError(f"lora_name={name!r} must be a non-empty string")
         if name in self.lora_adapters:
             raise RequestError(f"lora_name={name!r} is loaded already")
+        self._check_loaded(max_loaded)
         from atombatch.artifact.lora import load_peft  # reads files: only when asked
         with self._step_lock:  # an id no other adapter has, taken under the engine's lock
             lora_id = next_lora_id(self.lora_adapters)
@@ -485,9 +490,16 @@ class Batcher:
                     any(a.lora_int_id == lora_id for a in self.lora_adapters.values()):
                 raise RequestError(f"lora_name={name!r} (or its id {lora_id}) was loaded "
                                    "meanwhile by another caller")
+            self._check_loaded(max_loaded)
             self.runtime.add_lora(adapter, weights)  # type: ignore[attr-defined]
         log.info("lora.loaded", name=name, lora_int_id=lora_id, rank=adapter.r)
         return adapter
+
+    def _check_loaded(self, max_loaded: int | None) -> None:
+        loaded = len(self.lora_adapters)
+        if max_loaded is not None and loaded >= max_loaded:
+            raise RequestError(f"{loaded} LoRA adapters are loaded, at most max_cpu_loras="
+                               f"{max_loaded} (--max-cpu-loras): unload one first")
 
     def unload_lora(self, name: str) -> None:
         """Unload adapter `name` (a loadable runtime's); refused while a request runs under it.

@@ -405,3 +405,41 @@ def test_a_shared_core_tells_every_front_of_each_change(files: dict[str, Path]) 
         assert told_everyone() == [["c"], []]
     finally:
         loop.lora.close()
+
+
+def test_the_core_holds_max_cpu_loras_across_fronts(files: dict[str, Path]) -> None:
+    """Review: `--max-cpu-loras` was checked by each front against the adapters it knew, so two
+    fronts of a shared core loading at once both passed the check and the core loaded past the
+    cap. The core counts every front's loads: of two loads queued together with a cap of 1, the
+    second is refused and names the flag; an unload makes room again."""
+    spec = ModelSpec.from_pretrained(files["ckpt"])
+    art = ArtifactConfig(model=spec, batch_size=2, max_seq_len=128, block_size=128,
+                         num_blocks=3, prefill_chunk_size=32)
+    outbox = _Outbox()
+    loop = CoreLoop(Batcher(NumpyRuntime.from_pretrained(files["ckpt"], artifact=art)),
+                    [None, None], outbox, os.getpid(), routes={})
+
+    def answer(seq: int) -> LoraDone:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            loop.take(50)
+            loop.hand_over()
+            for m in outbox.messages:
+                if isinstance(m, To) and isinstance(m.message, LoraDone) and m.message.seq == seq:
+                    return m.message
+        raise AssertionError(f"no answer to {seq}: {outbox.messages}")
+
+    try:
+        # both fronts saw no adapter loaded when they asked
+        loop.apply(LoadLora(1, "c", str(files["c"]), max_loaded=1), front=0)
+        loop.apply(LoadLora(2, "d", str(files["a"]), max_loaded=1), front=1)
+        first, second = answer(1), answer(2)
+        assert first.error is None and first.loras == ["c"]
+        assert second.error is not None and "max_cpu_loras=1" in second.error, second
+        assert second.loras == ["c"] and sorted(loop.lora.loras()) == ["c"]
+        loop.apply(UnloadLora(3, "c"), front=0)
+        answer(3)
+        loop.apply(LoadLora(4, "d", str(files["a"]), max_loaded=1), front=1)
+        assert answer(4).error is None and loop.lora.loras() == ["d"]
+    finally:
+        loop.lora.close()
