@@ -66,6 +66,16 @@ class LoraAdapter(msgspec.Struct, frozen=True):
     scaling_factor: float | None = None        # optimum-rbln's extra factor (None = 1.0)
     identity: str = ""                         # hex digest of the resolved config + weight bytes
 
+    def __post_init__(self) -> None:
+        # An adapter described without its weights (the simulator's, an embedder's) gets an
+        # identity of its whole description, name and path included: "" is the base model's
+        # (its cache root, its PD header), which an adapter must never pass for.
+        if not self.identity:
+            fields = {f: getattr(self, f) for f in self.__struct_fields__ if f != "identity"}
+            digest = hashlib.sha256(b"atombatch-lora-described\0" +
+                                    json.dumps(fields, sort_keys=True).encode()).hexdigest()
+            msgspec.structs.force_setattr(self, "identity", digest)
+
     @property
     def scaling(self) -> float:
         """The factor of `B @ A`: PEFT's lora_alpha / r (or / sqrt(r) with rsLoRA), times
