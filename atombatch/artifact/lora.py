@@ -25,7 +25,7 @@ import math
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 import numpy as np
@@ -144,13 +144,13 @@ def _where(path: Path) -> str:
     return f"LoRA adapter {str(path)!r}"
 
 
-def _read_regular(path: Path, limit: int, where: str, missing: str, holder: str
-                  ) -> bytearray:
-    """The bytes of the regular file `path` (symlinks followed, as in a Hugging Face cache), read
-    once from one descriptor: its size is checked against `limit` on that descriptor before
-    anything is read, so a FIFO, a device (/dev/zero), or a file swapped or grown after the check
-    cannot hang the reader or feed it more than the bound. What is parsed and what is hashed into
-    the adapter's identity are the same bytes."""
+def _open_regular(path: Path, limit: int, where: str, missing: str, holder: str
+                  ) -> tuple[BinaryIO, int]:
+    """`path` opened for reading, and its size: a regular file (symlinks followed, as in a
+    Hugging Face cache) of at most `limit` bytes, both checked on the opened descriptor before
+    anything is read, so a FIFO or a device (/dev/zero) cannot hang the reader or feed it
+    without end, and a file swapped after the check is not the one read. Every byte parsed, and
+    hashed into the adapter's identity, comes from this one descriptor."""
     try:
         # O_NONBLOCK: opening a FIFO with no writer would block; a regular file ignores it
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -163,28 +163,36 @@ def _read_regular(path: Path, limit: int, where: str, missing: str, holder: str
         os.close(fd)
         raise ConfigError(f"{where}: {path.name} is not a regular file (a FIFO, device or "
                           "directory is never read)")
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        if info.st_size > limit:
-            raise ConfigError(f"{where}: {path.name} is {info.st_size} bytes, more than the "
-                              f"{limit} {holder}", limit=limit)
-        data = bytearray(info.st_size)     # regular and within the bound: one buffer, no copy
-        view, got = memoryview(data), 0
-        while got < info.st_size:
-            n = f.readinto(view[got:got + (1 << 20)])
-            if not n:
-                break
-            got += n
-        grew = got == info.st_size and f.read(1) != b""
-    if got != info.st_size or grew:
-        raise ConfigError(f"{where}: {path.name} changed size while it was read "
-                          f"({info.st_size} bytes when opened)")
+    if info.st_size > limit:
+        os.close(fd)
+        raise ConfigError(f"{where}: {path.name} is {info.st_size} bytes, more than the "
+                          f"{limit} {holder}", limit=limit)
+    return os.fdopen(fd, "rb", buffering=0), info.st_size
+
+
+def _read_exact(f: BinaryIO, count: int, where: str, path: Path, last: bool = False
+                ) -> bytearray:
+    """`count` bytes of `f` (a file that shrank meanwhile is refused); with `last`, the file
+    must end there (one that grew is refused)."""
+    data = bytearray(count)
+    view, got = memoryview(data), 0
+    while got < count:
+        n = f.readinto(view[got:got + (1 << 20)])  # type: ignore[attr-defined]
+        if not n:
+            break
+        got += n
+    if got != count or (last and f.read(1) != b""):
+        raise ConfigError(f"{where}: {path.name} changed size while it was read")
     return data
 
 
 def _read_config(directory: Path) -> _PeftConfig:
-    raw = _read_regular(directory / CONFIG_FILE, MAX_CONFIG_BYTES, _where(directory),
-                        f"a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}",
-                        "an adapter config may have")
+    path = directory / CONFIG_FILE
+    f, size = _open_regular(path, MAX_CONFIG_BYTES, _where(directory),
+                            f"a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}",
+                            "an adapter config may have")
+    with f:
+        raw = _read_exact(f, size, _where(directory), path, last=True)
     try:
         return msgspec.json.decode(raw, type=_PeftConfig)
     except msgspec.DecodeError as exc:
@@ -265,24 +273,61 @@ def _read_weights(directory: Path, spec: ModelSpec, r: int, targets: tuple[str, 
     where = _where(directory)
     path = directory / WEIGHTS_FILE
     bound = _weights_bound(spec, r, targets)
-    data = _read_regular(path, bound, where, "adapter_model.bin is not read: convert it to "
-                         "safetensors", f"an r={r} adapter of {list(targets)} on {spec.name} "
-                         "can need")
-    size = len(data)
-    header_len = int.from_bytes(data[:8], "little") if size >= 8 else -1
-    if not 0 < header_len <= min(MAX_HEADER_BYTES, size - 8):
-        raise ConfigError(f"{where}: {WEIGHTS_FILE} has a header of {header_len} bytes, "
-                          f"outside 1..{min(MAX_HEADER_BYTES, max(size - 8, 0))} (not a "
-                          "safetensors file)")
-    try:
-        header = json.loads(data[8:8 + header_len])
-    except (ValueError, RecursionError):
-        raise ConfigError(f"{where}: {WEIGHTS_FILE}'s header is not JSON") from None
-    if not isinstance(header, dict):
-        raise ConfigError(f"{where}: {WEIGHTS_FILE}'s header is not a JSON object")
-    shapes = module_shapes(spec)
-    data_start = 8 + header_len
+    f, size = _open_regular(path, bound, where, "adapter_model.bin is not read: convert it to "
+                            "safetensors", f"an r={r} adapter of {list(targets)} on "
+                            f"{spec.name} can need")
+    with f:
+        # the header first: every entry is checked before the tensors' bytes are read
+        head = _read_exact(f, min(size, 8), where, path)
+        header_len = int.from_bytes(head, "little") if size >= 8 else -1
+        if not 0 < header_len <= min(MAX_HEADER_BYTES, size - 8):
+            raise ConfigError(f"{where}: {WEIGHTS_FILE} has a header of {header_len} bytes, "
+                              f"outside 1..{min(MAX_HEADER_BYTES, max(size - 8, 0))} (not a "
+                              "safetensors file)")
+        header_bytes = _read_exact(f, header_len, where, path)
+        try:
+            header = json.loads(header_bytes)
+        except (ValueError, RecursionError):
+            raise ConfigError(f"{where}: {WEIGHTS_FILE}'s header is not JSON") from None
+        if not isinstance(header, dict):
+            raise ConfigError(f"{where}: {WEIGHTS_FILE}'s header is not a JSON object")
+        tensors = _check_header(header, where, spec, r, targets, size - 8 - header_len)
+        body = _read_exact(f, size - 8 - header_len, where, path, last=True)
+    digest = hashlib.sha256(head)
+    digest.update(header_bytes)
+    digest.update(body)
     found: dict[tuple[int, str], dict[str, npt.NDArray[np.float32]]] = {}
+    for key, layer, module, which, dtype, begin, want in tensors:
+        raw = np.frombuffer(body, dtype=_SAFETENSORS_FLOATS[dtype], count=math.prod(want),
+                            offset=begin)
+        if dtype == "BF16":
+            value = (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        else:
+            value = raw.astype(np.float32)
+        if not np.all(np.isfinite(value)):
+            raise ConfigError(f"{where}: tensor {key!r} holds NaN or infinite values")
+        found.setdefault((layer, module), {})[which] = value.reshape(want)
+    pairs = {}
+    for (layer, module), both in sorted(found.items()):
+        if len(both) != 2:
+            missing = "lora_B" if "A" in both else "lora_A"
+            raise ConfigError(f"{where}: layer {layer}'s {module} has no {missing} matrix; "
+                              "each adapted module needs both")
+        pairs[(layer, module)] = (np.ascontiguousarray(both["A"]), np.ascontiguousarray(both["B"]))
+    if not pairs:
+        raise ConfigError(f"{where}: {WEIGHTS_FILE} holds no LoRA matrices")
+    return pairs, digest.digest()
+
+
+_Tensor = tuple[str, int, str, str, str, int, tuple[int, int]]
+
+
+def _check_header(header: dict[str, Any], where: str, spec: ModelSpec, r: int,
+                  targets: tuple[str, ...], body_size: int) -> list[_Tensor]:
+    """Every tensor entry of a safetensors header checked (name, shape, dtype, byte range
+    inside the body of `body_size` bytes): (key, layer, module, 'A' | 'B', dtype, begin, shape)."""
+    tensors: list[_Tensor] = []
+    shapes = module_shapes(spec)
     for key, info in header.items():
         if key == "__metadata__":
             continue
@@ -312,29 +357,11 @@ def _read_weights(directory: Path, spec: ModelSpec, r: int, targets: tuple[str, 
         begin, end = offsets if isinstance(offsets, list) and len(offsets) == 2 and \
             all(type(o) is int for o in offsets) else (0, -1)
         count = math.prod(want)
-        if end - begin != count * _DTYPE_SIZES[dtype] or begin < 0 or \
-                data_start + end > size:
+        if end - begin != count * _DTYPE_SIZES[dtype] or begin < 0 or end > body_size:
             raise ConfigError(f"{where}: tensor {key!r}'s data_offsets {[begin, end]} do not hold "
                               f"{count} {dtype} values inside the file")
-        raw = np.frombuffer(data, dtype=_SAFETENSORS_FLOATS[dtype], count=count,
-                            offset=data_start + begin)
-        if dtype == "BF16":
-            value = (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
-        else:
-            value = raw.astype(np.float32)
-        if not np.all(np.isfinite(value)):
-            raise ConfigError(f"{where}: tensor {key!r} holds NaN or infinite values")
-        found.setdefault((layer, module), {})[which] = value.reshape(want)
-    pairs = {}
-    for (layer, module), both in sorted(found.items()):
-        if len(both) != 2:
-            missing = "lora_B" if "A" in both else "lora_A"
-            raise ConfigError(f"{where}: layer {layer}'s {module} has no {missing} matrix; "
-                              "each adapted module needs both")
-        pairs[(layer, module)] = (np.ascontiguousarray(both["A"]), np.ascontiguousarray(both["B"]))
-    if not pairs:
-        raise ConfigError(f"{where}: {WEIGHTS_FILE} holds no LoRA matrices")
-    return pairs, hashlib.sha256(data).digest()
+        tensors.append((key, layer, module, which, dtype, begin, want))
+    return tensors
 
 
 def load_peft(path: str | os.PathLike[str], *, name: str, lora_int_id: int, spec: ModelSpec,
