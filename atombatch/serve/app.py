@@ -1371,7 +1371,7 @@ class _Server:
         Raises:
             ApiError: 404, the model is neither the served one nor a served adapter (vLLM's).
         """
-        if model is None or model == self.model_name:
+        if not model or model == self.model_name:  # "" is the served model too (vLLM's)
             return None
         if model in self.adapters():
             return model
