@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -205,8 +206,20 @@ def test_bad_paths_and_hostile_bodies_are_400(urls: dict[str, str], files: dict[
     url = urls["process"]
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")
-    for path in (tmp_path / "missing", tmp_path / "empty", tmp_path / "file"):
-        r = httpx.post(f"{url}/v1/load_lora_adapter",
+    # review: a FIFO (no writer) or /dev/zero where the files should be hung the core's loader
+    # thread (and every later load) or read without end; now refused at once
+    for kind in ("fifo", "zero"):
+        hostile = tmp_path / kind
+        shutil.copytree(files["c"], hostile)
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            (hostile / name).unlink()
+            if kind == "fifo":
+                os.mkfifo(hostile / name)
+            else:
+                (hostile / name).symlink_to("/dev/zero")
+    for path in (tmp_path / "missing", tmp_path / "empty", tmp_path / "file", tmp_path / "fifo",
+                 tmp_path / "zero"):
+        r = httpx.post(f"{url}/v1/load_lora_adapter", timeout=60,
                        json={"lora_name": "bad", "lora_path": str(path)})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
