@@ -237,3 +237,32 @@ def test_row_ids_follow_the_packed_rows() -> None:
     rows.fill_decode(inputs, decoding)
     assert inputs.row_lanes.tolist() == [0, 1, 3, 2]  # lane 2 (prefilling) lends the padding row
     assert rows.ids(inputs).tolist() == [5, 2, 1, 0]
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_n_choices_preempted_under_a_cap_with_the_overlap_pipeline(llama: LoraFamily,
+                                                                   prefix_cache: bool) -> None:
+    """Review: everything at once. n = 2 under each adapter and the base, an oversubscribed
+    pool (preemption), `max_loras=1` and `overlap=True`: every choice equals transformers +
+    peft's greedy tokens under its adapter, and no call mixes two adapters."""
+    runtime = RecordingRuntime(llama.runtime(3, num_blocks=9))
+    batcher = llama.engine(runtime, max_loras=1, overlap=True, prefix_cache=prefix_cache)
+    work = [(p, (A, B, None, B, A)[i]) for i, p in enumerate(prompts(5, seed=17))]
+    new = 30
+    ids = [batcher.submit(p, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True,
+                                            n=2), lora=lora) for p, lora in work]
+    done: dict[tuple[str, int], list[int]] = {}
+    preempted = 0
+    while batcher.has_unfinished():
+        for out in batcher.step():
+            if out.completion is not None:
+                assert out.completion.finish_reason == "length", out
+                done[(out.request_id, out.index)] = list(out.completion.token_ids)
+                preempted += out.completion.preemptions
+        batcher.check_invariants()
+    assert preempted > 0, "the pool was meant to run dry"
+    for rid, (prompt, lora) in zip(ids, work, strict=True):
+        reference = llama.reference(lora, prompt, new)
+        for index in (0, 1):
+            assert done[(rid, index)] == reference, f"{rid}#{index} under {lora}"
+    assert max(len(ids) for ids in runtime.adapters_per_call()) == 1
