@@ -481,16 +481,17 @@ class Batcher:
             raise RequestError(f"lora_name={name!r} is loaded already")
         self._check_loaded(max_loaded)
         from atombatch.artifact.lora import load_peft  # reads files: only when asked
-        with self._step_lock:  # an id no other adapter has, taken under the engine's lock
-            lora_id = next_lora_id(self.lora_adapters)
-        adapter, weights = load_peft(path, name=name, lora_int_id=lora_id, spec=self.spec,
+        # the id is the one free when the runtime takes the adapter (a load of another name
+        # meanwhile, another thread's, may have taken the one free now); the files' checks
+        # and the identity do not depend on it
+        adapter, weights = load_peft(path, name=name, lora_int_id=1, spec=self.spec,
                                      max_lora_rank=self._options.max_lora_rank)
         with self._step_lock:
-            if name in self.lora_adapters or \
-                    any(a.lora_int_id == lora_id for a in self.lora_adapters.values()):
-                raise RequestError(f"lora_name={name!r} (or its id {lora_id}) was loaded "
-                                   "meanwhile by another caller")
+            if name in self.lora_adapters:
+                raise RequestError(f"lora_name={name!r} was loaded meanwhile by another caller")
             self._check_loaded(max_loaded)
+            lora_id = next_lora_id(self.lora_adapters)
+            adapter = msgspec.structs.replace(adapter, lora_int_id=lora_id)
             self.runtime.add_lora(adapter, weights)  # type: ignore[attr-defined]
         log.info("lora.loaded", name=name, lora_int_id=lora_id, rank=adapter.r)
         return adapter

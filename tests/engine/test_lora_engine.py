@@ -266,3 +266,29 @@ def test_n_choices_preempted_under_a_cap_with_the_overlap_pipeline(llama: LoraFa
         for index in (0, 1):
             assert done[(rid, index)] == reference, f"{rid}#{index} under {lora}"
     assert max(len(ids) for ids in runtime.adapters_per_call()) == 1
+
+
+def test_two_loads_at_once_both_load(llama: LoraFamily, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: `load_lora` chose the new adapter's id before reading its files, so two loads of
+    different names at once (an embedder's threads) chose the same id and the second failed as
+    "loaded meanwhile". The id is chosen when the adapter is handed to the runtime. The other
+    load is run inside the first's file read (the window two threads would share)."""
+    import atombatch.artifact.lora as lora_files
+
+    batcher = llama.engine(llama.runtime(2), adapters=())
+    real = lora_files.load_peft
+    nested = {"done": False}
+
+    def load_with_another_meanwhile(*args: object, **kwargs: object) -> object:
+        if not nested["done"]:
+            nested["done"] = True
+            batcher.load_lora(B, str(llama.adapter_dirs[B]))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lora_files, "load_peft", load_with_another_meanwhile)
+    batcher.load_lora(A, str(llama.adapter_dirs[A]))
+    adapters = dict(batcher.lora_adapters)
+    assert sorted(adapters) == sorted([A, B])
+    assert len({a.lora_int_id for a in adapters.values()}) == 2
+    work = mixed(6, seed=19)
+    assert_references(llama, work, run(batcher, work))
