@@ -32,12 +32,12 @@ from support import lora_models as lm
 from support.paced import PacedDecode
 from support.served import ServerThread, served
 
-from atombatch import ArtifactConfig, Batcher, ModelSpec
+from atombatch import ArtifactConfig, Batcher, ConfigError, ModelSpec
 from atombatch.core.messages import LoadLora, LoraDone, UnloadLora
 from atombatch.core.process import CoreLoop, To
 from atombatch.runtime import NumpyRuntime, RebelRuntime
 from atombatch.serve import create_app
-from atombatch.serve.cli import main
+from atombatch.serve.cli import build_engine, main, parser
 
 MODES = {"inline": ("--engine-core", "inline"), "process": ("--engine-core", "process"),
          "fronts": ("--api-server-count", "2")}
@@ -299,6 +299,12 @@ def test_startup_errors_name_the_flag_and_the_path(files: dict[str, Path], tmp_p
     assert main([*base, "--enable-lora", "--lora-modules", f"a={files['a']}",
                  f"a={files['b']}"]) == 2
     assert "twice" in capsys.readouterr().err
+    # review: without --served-model-name the served name is the directory's ("ckpt"): an
+    # adapter of that name was loaded, listed, and never run (requests naming it got the base)
+    # (build_engine, not main: before the fix main went on to serve)
+    args = parser().parse_args([*base, "--enable-lora", "--lora-modules", f"ckpt={files['a']}"])
+    with pytest.raises(ConfigError, match=r"the name is the served model's \('ckpt'"):
+        build_engine(args)
 
 
 def test_compiled_adapters_are_served_by_their_names(fake_rebel: Any, files: dict[str, Path],
