@@ -23,8 +23,9 @@ import hashlib
 import json
 import math
 import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 import numpy as np
@@ -64,6 +65,16 @@ class LoraAdapter(msgspec.Struct, frozen=True):
     use_rslora: bool = False                   # scaling lora_alpha / sqrt(r) instead of / r
     scaling_factor: float | None = None        # optimum-rbln's extra factor (None = 1.0)
     identity: str = ""                         # hex digest of the resolved config + weight bytes
+
+    def __post_init__(self) -> None:
+        # An adapter described without its weights (the simulator's, an embedder's) gets an
+        # identity of its whole description, name and path included: "" is the base model's
+        # (its cache root, its PD header), which an adapter must never pass for.
+        if not self.identity:
+            fields = {f: getattr(self, f) for f in self.__struct_fields__ if f != "identity"}
+            digest = hashlib.sha256(b"atombatch-lora-described\0" +
+                                    json.dumps(fields, sort_keys=True).encode()).hexdigest()
+            msgspec.structs.force_setattr(self, "identity", digest)
 
     @property
     def scaling(self) -> float:
@@ -133,18 +144,57 @@ def _where(path: Path) -> str:
     return f"LoRA adapter {str(path)!r}"
 
 
-def _read_config(directory: Path) -> _PeftConfig:
-    config_path = directory / CONFIG_FILE
+def _open_regular(path: Path, limit: int, where: str, missing: str, holder: str
+                  ) -> tuple[BinaryIO, int]:
+    """`path` opened for reading, and its size: a regular file (symlinks followed, as in a
+    Hugging Face cache) of at most `limit` bytes, both checked on the opened descriptor before
+    anything is read, so a FIFO or a device (/dev/zero) cannot hang the reader or feed it
+    without end, and a file swapped after the check is not the one read. Every byte parsed, and
+    hashed into the adapter's identity, comes from this one descriptor."""
     try:
-        size = config_path.stat().st_size
+        # O_NONBLOCK: opening a FIFO with no writer would block; a regular file ignores it
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise ConfigError(f"{_where(directory)} has no {CONFIG_FILE}: a PEFT adapter directory "
-                          f"holds {CONFIG_FILE} and {WEIGHTS_FILE}") from None
-    if size > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{_where(directory)}: {CONFIG_FILE} is {size} bytes, more than the "
-                          f"{MAX_CONFIG_BYTES} an adapter config may have", limit=MAX_CONFIG_BYTES)
+        raise ConfigError(f"{where} has no {path.name}: {missing}") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: {path.name} cannot be opened ({exc.strerror})") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise ConfigError(f"{where}: {path.name} is not a regular file (a FIFO, device or "
+                          "directory is never read)")
+    if info.st_size > limit:
+        os.close(fd)
+        raise ConfigError(f"{where}: {path.name} is {info.st_size} bytes, more than the "
+                          f"{limit} {holder}", limit=limit)
+    return os.fdopen(fd, "rb", buffering=0), info.st_size
+
+
+def _read_exact(f: BinaryIO, count: int, where: str, path: Path, last: bool = False
+                ) -> bytearray:
+    """`count` bytes of `f` (a file that shrank meanwhile is refused); with `last`, the file
+    must end there (one that grew is refused)."""
+    data = bytearray(count)
+    view, got = memoryview(data), 0
+    while got < count:
+        n = f.readinto(view[got:got + (1 << 20)])  # type: ignore[attr-defined]
+        if not n:
+            break
+        got += n
+    if got != count or (last and f.read(1) != b""):
+        raise ConfigError(f"{where}: {path.name} changed size while it was read")
+    return data
+
+
+def _read_config(directory: Path) -> _PeftConfig:
+    path = directory / CONFIG_FILE
+    f, size = _open_regular(path, MAX_CONFIG_BYTES, _where(directory),
+                            f"a PEFT adapter directory holds {CONFIG_FILE} and {WEIGHTS_FILE}",
+                            "an adapter config may have")
+    with f:
+        raw = _read_exact(f, size, _where(directory), path, last=True)
     try:
-        return msgspec.json.decode(config_path.read_bytes(), type=_PeftConfig)
+        return msgspec.json.decode(raw, type=_PeftConfig)
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{_where(directory)}: {CONFIG_FILE} is not a PEFT LoRA config "
                           f"({exc})") from None
@@ -201,7 +251,8 @@ def _parse_key(key: str) -> tuple[int, str, str] | None:
     else:
         return None
     # {i}.{self_attn|mlp}.{module}.lora_{A|B}.weight
-    if len(rest) != 5 or not rest[0].isdigit() or rest[4] != "weight" or \
+    if len(rest) != 5 or not (rest[0].isascii() and rest[0].isdigit()) or \
+            len(rest[0]) > 9 or rest[4] != "weight" or \
             rest[3] not in ("lora_A", "lora_B"):
         return None
     group = "self_attn" if rest[2] in ATTENTION_MODULES else "mlp"
@@ -221,66 +272,34 @@ def _read_weights(directory: Path, spec: ModelSpec, r: int, targets: tuple[str, 
                                                          npt.NDArray[np.float32]]], bytes]:
     where = _where(directory)
     path = directory / WEIGHTS_FILE
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise ConfigError(f"{where} has no {WEIGHTS_FILE} (adapter_model.bin is not read: "
-                          "convert it to safetensors)") from None
     bound = _weights_bound(spec, r, targets)
-    if size > bound:
-        raise ConfigError(f"{where}: {WEIGHTS_FILE} is {size} bytes, more than the {bound} an "
-                          f"r={r} adapter of {list(targets)} on {spec.name} can need",
-                          limit=bound)
-    with path.open("rb") as f:
-        head = f.read(8)
-        header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+    f, size = _open_regular(path, bound, where, "adapter_model.bin is not read: convert it to "
+                            "safetensors", f"an r={r} adapter of {list(targets)} on "
+                            f"{spec.name} can need")
+    with f:
+        # the header first: every entry is checked before the tensors' bytes are read
+        head = _read_exact(f, min(size, 8), where, path)
+        header_len = int.from_bytes(head, "little") if size >= 8 else -1
         if not 0 < header_len <= min(MAX_HEADER_BYTES, size - 8):
             raise ConfigError(f"{where}: {WEIGHTS_FILE} has a header of {header_len} bytes, "
                               f"outside 1..{min(MAX_HEADER_BYTES, max(size - 8, 0))} (not a "
                               "safetensors file)")
+        header_bytes = _read_exact(f, header_len, where, path)
         try:
-            header = json.loads(f.read(header_len))
-        except ValueError:
+            header = json.loads(header_bytes)
+        except (ValueError, RecursionError):
             raise ConfigError(f"{where}: {WEIGHTS_FILE}'s header is not JSON") from None
-    if not isinstance(header, dict):
-        raise ConfigError(f"{where}: {WEIGHTS_FILE}'s header is not a JSON object")
-    shapes = module_shapes(spec)
-    data_start = 8 + header_len
+        if not isinstance(header, dict):
+            raise ConfigError(f"{where}: {WEIGHTS_FILE}'s header is not a JSON object")
+        tensors = _check_header(header, where, spec, r, targets, size - 8 - header_len)
+        body = _read_exact(f, size - 8 - header_len, where, path, last=True)
+    digest = hashlib.sha256(head)
+    digest.update(header_bytes)
+    digest.update(body)
     found: dict[tuple[int, str], dict[str, npt.NDArray[np.float32]]] = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        parsed = _parse_key(key)
-        if parsed is None:
-            raise ConfigError(f"{where}: tensor {key!r} is not a LoRA A/B matrix of a decoder "
-                              "layer's linear module")
-        layer, module, which = parsed
-        if module not in targets:
-            raise ConfigError(f"{where}: tensor {key!r} changes {module}, which is not in "
-                              f"target_modules={list(targets)}")
-        if layer >= spec.num_layers:
-            raise ConfigError(f"{where}: tensor {key!r} is for layer {layer}; {spec.name} has "
-                              f"layers 0..{spec.num_layers - 1}")
-        in_dim, out_dim = shapes[module]
-        want = (r, in_dim) if which == "A" else (out_dim, r)
-        shape = tuple(info.get("shape", ())) if isinstance(info, dict) else ()
-        if shape != want:
-            raise ConfigError(f"{where}: tensor {key!r} has shape {list(shape)}; r={r} on "
-                              f"{spec.name}'s {module} needs {list(want)}")
-        dtype = info.get("dtype")
-        if dtype not in _SAFETENSORS_FLOATS:
-            raise ConfigError(f"{where}: tensor {key!r} has dtype {dtype}, not one of "
-                              f"{sorted(_SAFETENSORS_FLOATS)}")
-        offsets = info.get("data_offsets")
-        begin, end = offsets if isinstance(offsets, list) and len(offsets) == 2 and \
-            all(type(o) is int for o in offsets) else (0, -1)
-        count = math.prod(want)
-        if end - begin != count * _DTYPE_SIZES[dtype] or begin < 0 or \
-                data_start + end > size:
-            raise ConfigError(f"{where}: tensor {key!r}'s data_offsets {[begin, end]} do not hold "
-                              f"{count} {dtype} values inside the file")
-        raw = np.fromfile(path, dtype=_SAFETENSORS_FLOATS[dtype], count=count,
-                          offset=data_start + begin)
+    for key, layer, module, which, dtype, begin, want in tensors:
+        raw = np.frombuffer(body, dtype=_SAFETENSORS_FLOATS[dtype], count=math.prod(want),
+                            offset=begin)
         if dtype == "BF16":
             value = (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
         else:
@@ -297,15 +316,52 @@ def _read_weights(directory: Path, spec: ModelSpec, r: int, targets: tuple[str, 
         pairs[(layer, module)] = (np.ascontiguousarray(both["A"]), np.ascontiguousarray(both["B"]))
     if not pairs:
         raise ConfigError(f"{where}: {WEIGHTS_FILE} holds no LoRA matrices")
-    return pairs, _file_digest(path)
+    return pairs, digest.digest()
 
 
-def _file_digest(path: Path) -> bytes:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.digest()
+_Tensor = tuple[str, int, str, str, str, int, tuple[int, int]]
+
+
+def _check_header(header: dict[str, Any], where: str, spec: ModelSpec, r: int,
+                  targets: tuple[str, ...], body_size: int) -> list[_Tensor]:
+    """Every tensor entry of a safetensors header checked (name, shape, dtype, byte range
+    inside the body of `body_size` bytes): (key, layer, module, 'A' | 'B', dtype, begin, shape)."""
+    tensors: list[_Tensor] = []
+    shapes = module_shapes(spec)
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        parsed = _parse_key(key)
+        if parsed is None:
+            raise ConfigError(f"{where}: tensor {key!r} is not a LoRA A/B matrix of a decoder "
+                              "layer's linear module")
+        layer, module, which = parsed
+        if module not in targets:
+            raise ConfigError(f"{where}: tensor {key!r} changes {module}, which is not in "
+                              f"target_modules={list(targets)}")
+        if layer >= spec.num_layers:
+            raise ConfigError(f"{where}: tensor {key!r} is for layer {layer}; {spec.name} has "
+                              f"layers 0..{spec.num_layers - 1}")
+        in_dim, out_dim = shapes[module]
+        want = (r, in_dim) if which == "A" else (out_dim, r)
+        shape = info.get("shape") if isinstance(info, dict) else None
+        shape = tuple(shape) if isinstance(shape, list) else ()
+        if shape != want:
+            raise ConfigError(f"{where}: tensor {key!r} has shape {list(shape)}; r={r} on "
+                              f"{spec.name}'s {module} needs {list(want)}")
+        dtype = info["dtype"] if isinstance(info.get("dtype"), str) else None
+        if dtype not in _SAFETENSORS_FLOATS:
+            raise ConfigError(f"{where}: tensor {key!r} has dtype {dtype}, not one of "
+                              f"{sorted(_SAFETENSORS_FLOATS)}")
+        offsets = info.get("data_offsets")
+        begin, end = offsets if isinstance(offsets, list) and len(offsets) == 2 and \
+            all(type(o) is int for o in offsets) else (0, -1)
+        count = math.prod(want)
+        if end - begin != count * _DTYPE_SIZES[dtype] or begin < 0 or end > body_size:
+            raise ConfigError(f"{where}: tensor {key!r}'s data_offsets {[begin, end]} do not hold "
+                              f"{count} {dtype} values inside the file")
+        tensors.append((key, layer, module, which, dtype, begin, want))
+    return tensors
 
 
 def load_peft(path: str | os.PathLike[str], *, name: str, lora_int_id: int, spec: ModelSpec,
@@ -354,4 +410,12 @@ def load_peft(path: str | os.PathLike[str], *, name: str, lora_int_id: int, spec
                           lora_alpha=float(config.lora_alpha), target_modules=targets,
                           use_rslora=config.use_rslora, scaling_factor=scaling_factor,
                           identity=identity)
+    # the runtimes fold the scaling into B in float32: a scaling or a scaled B past float32's
+    # range would be infinite there, and every row under the adapter NaN
+    largest = max(float(np.abs(b).max()) for _, b in pairs.values())
+    if not abs(adapter.scaling) * max(largest, 1.0) <= float(np.finfo(np.float32).max):
+        raise ConfigError(f"{_where(directory)}: scaling {adapter.scaling:g} (lora_alpha="
+                          f"{config.lora_alpha:g}, r={config.r}) times lora_B's largest value "
+                          f"{largest:g} is past float32's range: the adapter would compute "
+                          "infinities")
     return adapter, LoraWeights(config.r, pairs)

@@ -70,7 +70,7 @@ class CoreLora:
     def _load(self, message: LoadLora, front: int | None) -> None:
         error: BaseException | None = None
         try:
-            self.batcher.load_lora(message.name, message.path)
+            self.batcher.load_lora(message.name, message.path, max_loaded=message.max_loaded)
         except Exception as exc:  # answered to the front: the core carries on
             error = exc
             log.warning("core.lora_load_failed", name=message.name[:80], error=str(exc))
@@ -121,16 +121,17 @@ class LoraFront:
             raise RequestError(f"lora={str(lora)[:80]!r} is not a loaded LoRA adapter; loaded: "
                                f"{', '.join(loras) or 'none'}")
 
-    async def load_lora(self, name: str, path: str) -> list[str]:
+    async def load_lora(self, name: str, path: str, max_loaded: int | None = None) -> list[str]:
         """Load the PEFT adapter at `path` (a directory the core can read) under `name`;
-        returns the adapters loaded then.
+        returns the adapters loaded then. `max_loaded`: refused when that many are loaded
+        already (the core counts every front's).
 
         Raises:
             ConfigError: the adapter's files or the runtime refused it (named).
             RequestError: `name` is taken, or another refusal of the request itself.
             UnavailableError: the core is gone.
         """
-        return await self._lora_call(lambda seq: LoadLora(seq, name, path))
+        return await self._lora_call(lambda seq: LoadLora(seq, name, path, max_loaded))
 
     async def unload_lora(self, name: str) -> list[str]:
         """Unload adapter `name` (refused while a request uses it); returns the adapters left."""

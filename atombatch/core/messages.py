@@ -116,6 +116,9 @@ class LoadLora(msgspec.Struct, frozen=True, tag=True):
     seq: int                       # the front's number for the answer
     name: str
     path: str
+    # the front's --max-cpu-loras: refused when that many adapters are loaded (None: no cap);
+    # checked by the core, which sees every front's loads
+    max_loaded: int | None = None
 
 
 class UnloadLora(msgspec.Struct, frozen=True, tag=True):

@@ -428,10 +428,10 @@ class AsyncBatcher(OutputStreams):
         """The LoRA adapters requests may name."""
         return sorted(self.batcher.lora_adapters)
 
-    async def load_lora(self, name: str, path: str) -> list[str]:
+    async def load_lora(self, name: str, path: str, max_loaded: int | None = None) -> list[str]:
         """`Batcher.load_lora` on a worker thread (the files are read off the event loop and
         the step loop); returns the adapters loaded then."""
-        await asyncio.to_thread(self.batcher.load_lora, name, path)
+        await asyncio.to_thread(self.batcher.load_lora, name, path, max_loaded=max_loaded)
         return self.loras
 
     async def unload_lora(self, name: str) -> list[str]:

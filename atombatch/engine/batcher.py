@@ -343,7 +343,10 @@ class Batcher(PipelineRunner):
             self._pd.expect(kv, tokens)  # let the source check the header on arrival
         with self._step_lock:  # from another thread: waits for a running step to end
             if adapter is not None:
-                if adapter.name not in self.lora_adapters:
+                # the adapter loaded now under that name: an unload + load in between (another
+                # thread) gave the name other weights, and the request's cache root must be theirs
+                adapter = self.lora_adapters.get(adapter.name)
+                if adapter is None:
                     raise RequestError(f"lora={lora!r} was unloaded before the request was "
                                        "queued")
                 if self._lora is None:  # the first request under an adapter
@@ -386,15 +389,19 @@ class Batcher(PipelineRunner):
         adapters = getattr(self.runtime, "lora_adapters", None) if self.capabilities.lora else None
         return adapters if adapters is not None else {}
 
-    def load_lora(self, name: str, path: str) -> LoraAdapter:
+    def load_lora(self, name: str, path: str, *, max_loaded: int | None = None) -> LoraAdapter:
         """Load the PEFT adapter in directory `path` under `name` (vLLM's `lora_name`) on a
         runtime that takes adapters at run time; returns it. The files are read and checked
         before the engine is locked; a step waits only for the runtime to take the weights.
 
+        `max_loaded` (a server's `--max-cpu-loras`): refused when that many adapters are loaded
+        already, counted under the engine's lock (fronts sharing a core each see only their
+        own loads).
+
         Raises:
             ConfigError: the adapter's files break a rule (named), or the runtime cannot load
                 adapters.
-            RequestError: `name` is loaded already.
+            RequestError: `name` is loaded already, or `max_loaded` adapters are.
         """
         if not self.capabilities.lora_loadable:
             raise ConfigError("this runtime cannot load LoRA adapters at run time (a compiled "
@@ -403,19 +410,28 @@ class Batcher(PipelineRunner):
             raise RequestError(f"lora_name={name!r} must be a non-empty string")
         if name in self.lora_adapters:
             raise RequestError(f"lora_name={name!r} is loaded already")
+        self._check_loaded(max_loaded)
         from atombatch.artifact.lora import load_peft  # reads files: only when asked
-        with self._step_lock:  # an id no other adapter has, taken under the engine's lock
-            lora_id = next_lora_id(self.lora_adapters)
-        adapter, weights = load_peft(path, name=name, lora_int_id=lora_id, spec=self.spec,
+        # the id is the one free when the runtime takes the adapter (a load of another name
+        # meanwhile, another thread's, may have taken the one free now); the files' checks
+        # and the identity do not depend on it
+        adapter, weights = load_peft(path, name=name, lora_int_id=1, spec=self.spec,
                                      max_lora_rank=self._options.max_lora_rank)
         with self._step_lock:
-            if name in self.lora_adapters or \
-                    any(a.lora_int_id == lora_id for a in self.lora_adapters.values()):
-                raise RequestError(f"lora_name={name!r} (or its id {lora_id}) was loaded "
-                                   "meanwhile by another caller")
+            if name in self.lora_adapters:
+                raise RequestError(f"lora_name={name!r} was loaded meanwhile by another caller")
+            self._check_loaded(max_loaded)
+            lora_id = next_lora_id(self.lora_adapters)
+            adapter = msgspec.structs.replace(adapter, lora_int_id=lora_id)
             self.runtime.add_lora(adapter, weights)  # type: ignore[attr-defined]
         log.info("lora.loaded", name=name, lora_int_id=lora_id, rank=adapter.r)
         return adapter
+
+    def _check_loaded(self, max_loaded: int | None) -> None:
+        loaded = len(self.lora_adapters)
+        if max_loaded is not None and loaded >= max_loaded:
+            raise RequestError(f"{loaded} LoRA adapters are loaded, at most max_cpu_loras="
+                               f"{max_loaded} (--max-cpu-loras): unload one first")
 
     def unload_lora(self, name: str) -> None:
         """Unload adapter `name` (a loadable runtime's); refused while a request runs under it.

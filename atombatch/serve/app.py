@@ -1279,8 +1279,12 @@ class _Server:
                                f"max_cpu_loras={self.max_cpu_loras} (--max-cpu-loras): unload "
                                "one first", param="lora_name", code="too_many_adapters")
             try:  # the files are read on the engine's loader thread, never on this loop
-                await self.ab.load_lora(name, path)
+                # the engine counts again: fronts sharing a core see only their own loads
+                await self.ab.load_lora(name, path, max_loaded=self.max_cpu_loras)
             except (ConfigError, RequestError) as exc:
+                if len(self.adapters()) >= self.max_cpu_loras:  # another front's load won
+                    raise ApiError(400, str(exc), param="lora_name",
+                                   code="too_many_adapters") from None
                 raise ApiError(400, f"lora_path {_clip(repr(path))}: {exc}", param="lora_path",
                                code="invalid_value") from None
             except UnavailableError as exc:
@@ -1367,7 +1371,7 @@ class _Server:
         Raises:
             ApiError: 404, the model is neither the served one nor a served adapter (vLLM's).
         """
-        if model is None or model == self.model_name:
+        if not model or model == self.model_name:  # "" is the served model too (vLLM's)
             return None
         if model in self.adapters():
             return model

@@ -551,7 +551,12 @@ def serve_adapters(batcher: Batcher, args: argparse.Namespace) -> None:
         return
     if not batcher.capabilities.lora_loadable:
         raise ConfigError(f"--enable-lora: the {args.runtime} runtime cannot load adapters")
+    served = args.served_model_name or batcher.spec.name  # (the flag's is checked before)
     for module in modules:
+        if module.name == served:  # requests naming it would get the base model
+            raise ConfigError(f"--lora-modules {module.name}: the name is the served model's "
+                              f"({served!r}, the model directory's name without "
+                              "--served-model-name); an adapter needs its own")
         try:
             batcher.load_lora(module.name, module.path)
         except (ConfigError, RequestError) as exc:

@@ -258,3 +258,56 @@ def test_speculative_verify_runs_under_the_adapter(llama: LoraFamily,
     finals = run(batcher, work)
     assert_references(llama, work, finals)
     assert batcher.stats().spec_decode_num_accepted_tokens > 0
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_n_choices_preempted_under_a_cap_with_the_overlap_pipeline(llama: LoraFamily,
+                                                                   prefix_cache: bool) -> None:
+    """Review: everything at once. n = 2 under each adapter and the base, an oversubscribed
+    pool (preemption), `max_loras=1` and `overlap=True`: every choice equals transformers +
+    peft's greedy tokens under its adapter, and no call mixes two adapters."""
+    runtime = RecordingRuntime(llama.runtime(3, num_blocks=9))
+    batcher = llama.engine(runtime, max_loras=1, overlap=True, prefix_cache=prefix_cache)
+    work = [(p, (A, B, None, B, A)[i]) for i, p in enumerate(prompts(5, seed=17))]
+    new = 30
+    ids = [batcher.submit(p, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True,
+                                            n=2), lora=lora) for p, lora in work]
+    done: dict[tuple[str, int], list[int]] = {}
+    preempted = 0
+    while batcher.has_unfinished():
+        for out in batcher.step():
+            if out.completion is not None:
+                assert out.completion.finish_reason == "length", out
+                done[(out.request_id, out.index)] = list(out.completion.token_ids)
+                preempted += out.completion.preemptions
+        batcher.check_invariants()
+    assert preempted > 0, "the pool was meant to run dry"
+    for rid, (prompt, lora) in zip(ids, work, strict=True):
+        reference = llama.reference(lora, prompt, new)
+        for index in (0, 1):
+            assert done[(rid, index)] == reference, f"{rid}#{index} under {lora}"
+    assert max(len(ids) for ids in runtime.adapters_per_call()) == 1
+
+
+def test_two_loads_at_once_both_load(llama: LoraFamily, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: `load_lora` chose the new adapter's id before reading its files, so two loads of
+    different names at once (an embedder's threads) chose the same id and the second failed as
+    "loaded meanwhile". The id is chosen when the adapter is handed to the runtime. The other
+    load is run inside the first's file read (the window two threads would share)."""
+    import atombatch.artifact.lora as lora_files
+
+    batcher = llama.engine(llama.runtime(2), adapters=())
+    real = lora_files.load_peft
+    nested = {"done": False}
+
+    def load_with_another_meanwhile(*args: object, **kwargs: object) -> object:
+        if not nested["done"]:
+            nested["done"] = True
+            batcher.load_lora(B, str(llama.adapter_dirs[B]))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lora_files, "load_peft", load_with_another_meanwhile)
+    batcher.load_lora(A, str(llama.adapter_dirs[A]))
+    adapters = dict(batcher.lora_adapters)
+    assert sorted(adapters) == sorted([A, B])
+    assert len({a.lora_int_id for a in adapters.values()}) == 2
+    work = mixed(6, seed=19)
+    assert_references(llama, work, run(batcher, work))

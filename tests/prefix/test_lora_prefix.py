@@ -112,3 +112,56 @@ def test_index_roots() -> None:
     index.insert_digest(6, short.partial_digest(3), roots[1], short.tokens, False)
     assert index.lookup(tokens[:3], roots[1]).tokens == 3
     assert index.lookup(tokens[:3], roots[0]).tokens == 0
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_a_name_reloaded_with_other_weights_misses_the_old_prefixes(family: LoraFamily) -> None:
+    """Unload adapter "x" (A's files) and load "x" again from B's: the same prompt under "x" then
+    misses A's cached blocks (the identity digests the weights, not the name) and answers B's
+    tokens; loading A's files again under "x" hits A's blocks again."""
+    batcher = family.engine(family.runtime(2), adapters=(), prefix_cache=True,
+                            host_cache_bytes=1 << 22)
+    prompt = np.random.default_rng(5).integers(3, 512, size=45).tolist()
+    batcher.load_lora("x", str(family.adapter_dirs[A]))
+    assert serve(batcher, prompt, "x")[1] == family.reference(A, prompt, NEW)
+    batcher.unload_lora("x")
+    batcher.load_lora("x", str(family.adapter_dirs[B]))
+    cached, tokens = serve(batcher, prompt, "x")
+    assert cached == 0 and tokens == family.reference(B, prompt, NEW)
+    batcher.unload_lora("x")
+    batcher.load_lora("x", str(family.adapter_dirs[A]))
+    cached, tokens = serve(batcher, prompt, "x")
+    assert cached > 0 and tokens == family.reference(A, prompt, NEW)
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_a_reload_while_a_submit_resolves_the_name_keys_the_new_adapter(
+        family: LoraFamily) -> None:
+    """Review: `submit` resolved the adapter's name before it took the engine's lock and checked
+    only that the name was still loaded. An unload + load of the same name with other weights in
+    between (another thread; here the engine's clock, which submit calls in that window) ran the
+    request with the new weights under the old adapter's cache root: its blocks, computed under
+    B, were later served to a request under A. The request must take the adapter loaded when it
+    is queued."""
+    swap = {"armed": False}
+    engine: list[Batcher] = []
+
+    def clock() -> float:
+        if swap["armed"]:
+            swap["armed"] = False
+            engine[0].unload_lora("x")
+            engine[0].load_lora("x", str(family.adapter_dirs[B]))
+        return 0.0
+
+    batcher = family.engine(family.runtime(2), adapters=(), prefix_cache=True, clock=clock)
+    engine.append(batcher)
+    prompt = np.random.default_rng(6).integers(3, 512, size=45).tolist()
+    batcher.load_lora("x", str(family.adapter_dirs[A]))
+    swap["armed"] = True
+    cached, tokens = serve(batcher, prompt, "x")          # queued after the swap: B's adapter
+    assert not swap["armed"], "the clock was meant to swap the adapter inside submit"
+    assert cached == 0 and tokens == family.reference(B, prompt, NEW)
+    batcher.unload_lora("x")
+    batcher.load_lora("x", str(family.adapter_dirs[A]))
+    cached, tokens = serve(batcher, prompt, "x")          # B's blocks must not serve A
+    assert tokens == family.reference(A, prompt, NEW), f"A was served B's prefix ({cached})"

@@ -12,7 +12,9 @@ a ConfigError naming the rule it breaks.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -341,6 +343,9 @@ BAD = {
     "not safetensors": (lambda d: (d / "adapter_model.safetensors").write_bytes(b"\xff" * 64), {},
                         "not a safetensors file"),
     "alpha": (lambda d: _edit_config(d, lora_alpha=0), {}, "lora_alpha=0.0 must be a positive number"),
+    # review: finite in float64, infinite once folded into B in float32 (every row NaN)
+    "alpha past float32": (lambda d: _edit_config(d, lora_alpha=1e39), {},
+                           "past float32's range"),
     "garbled offsets": (lambda d: _edit_header(d / "adapter_model.safetensors", "data_offsets",
                                                ["0", "x"]), {}, "data_offsets .* inside the file"),
     "integer tensors": (lambda d: _edit_header(d / "adapter_model.safetensors", "dtype", "I32"),
@@ -348,7 +353,35 @@ BAD = {
     "a tensor of another kind": (lambda d: _rename_tensor(d / "adapter_model.safetensors",
                                                           "lora_A", "lora_embedding_A"), {},
                                  "is not a LoRA A/B matrix"),
+    # review: a header nested past the JSON parser's recursion limit, a layer number past int()'s
+    # digit limit, a shape that is a number: each was a RecursionError / ValueError / TypeError
+    "deeply nested header": (lambda d: _write_raw_header(d / "adapter_model.safetensors",
+                                                          b"[" * 200_000), {},
+                             "header is not JSON"),
+    "a layer of 5000 digits": (lambda d: _rename_tensor(d / "adapter_model.safetensors",
+                                                        "layers.0.", "layers." + "9" * 5000 + "."),
+                               {}, "is not a LoRA A/B matrix"),
+    "a shape that is a number": (lambda d: _edit_header(d / "adapter_model.safetensors", "shape",
+                                                        4), {}, r"has shape \[\]; r=4"),
+    "config is a directory": (lambda d: _replace_with_dir(d / "adapter_config.json"), {},
+                              "adapter_config.json is not a regular file"),
+    "weights are /dev/zero": (lambda d: _link(d / "adapter_model.safetensors", "/dev/zero"), {},
+                              "adapter_model.safetensors is not a regular file"),
 }
+
+
+def _write_raw_header(path: Path, raw: bytes) -> None:
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw)
+
+
+def _replace_with_dir(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def _link(path: Path, target: str) -> None:
+    path.unlink()
+    path.symlink_to(target)
 
 
 def _header(path: Path) -> tuple[dict[str, Any], bytes]:
@@ -406,6 +439,67 @@ def test_a_bad_adapter_directory_is_a_config_error_naming_the_rule(
     edit(directory)
     with pytest.raises(ConfigError, match=message):
         load_peft(directory, name="bad", lora_int_id=1, spec=spec, **kwargs)
+
+
+@pytest.mark.parametrize("which", ["adapter_config.json", "adapter_model.safetensors"])
+def test_a_fifo_or_device_in_an_adapter_directory_never_hangs_the_loader(
+        llama_adapter: tuple[ModelSpec, Path], which: str, tmp_path: Path) -> None:
+    """A FIFO with no writer, or /dev/zero, where a file should be: the load is refused at once
+    (before the review, opening the FIFO blocked the core's loader thread forever and /dev/zero
+    as the config was read until memory ran out). The load runs on a daemon thread so that a
+    regression fails here instead of hanging the run."""
+    spec, source = llama_adapter
+    for kind in ("fifo", "zero"):
+        directory = tmp_path / kind
+        shutil.copytree(source, directory)
+        (directory / which).unlink()
+        if kind == "fifo":
+            os.mkfifo(directory / which)
+        else:
+            (directory / which).symlink_to("/dev/zero")
+        outcome: list[BaseException | None] = []
+
+        def load(directory: Path = directory, outcome: list[BaseException | None] = outcome
+                 ) -> None:
+            try:
+                load_peft(directory, name="hostile", lora_int_id=1, spec=spec)
+                outcome.append(None)
+            except BaseException as exc:  # handed to the test thread
+                outcome.append(exc)
+
+        thread = threading.Thread(target=load, daemon=True)
+        thread.start()
+        thread.join(60)     # a liveness bound, not a measurement: the refusal is immediate
+        assert outcome, f"load_peft of a {kind} as {which} did not return"
+        assert isinstance(outcome[0], ConfigError), outcome[0]
+        assert f"{which} is not a regular file" in str(outcome[0])
+
+
+def test_the_identity_hashes_the_bytes_that_were_loaded(llama_adapter: tuple[ModelSpec, Path],
+                                                        tmp_path: Path) -> None:
+    """The weights are read once: an adapter whose file is replaced after it was read keeps the
+    identity of what it loaded (before the review the digest re-read the path, so a swap between
+    the read and the digest gave old weights a new identity, or a FIFO hung the digest)."""
+    spec, source = llama_adapter
+    directory = tmp_path / "adapter"
+    shutil.copytree(source, directory)
+    opened: list[str] = []
+    real_open = os.open
+
+    def counting_open(path: Any, *args: Any, **kwargs: Any) -> int:
+        opened.append(os.fspath(path))
+        return real_open(path, *args, **kwargs)
+
+    import atombatch.artifact.lora as lora_module
+    original = lora_module.os.open
+    lora_module.os.open = counting_open  # type: ignore[assignment]
+    try:
+        adapter, _ = load_peft(directory, name="once", lora_int_id=1, spec=spec)
+    finally:
+        lora_module.os.open = original  # type: ignore[assignment]
+    weights = str(directory / "adapter_model.safetensors")
+    assert opened.count(weights) == 1
+    assert adapter.identity == load_peft(source, name="src", lora_int_id=1, spec=spec)[0].identity
 
 
 def test_bf16_adapters_are_widened_exactly(llama_adapter: tuple[ModelSpec, Path],

@@ -127,3 +127,35 @@ def test_adapters_are_compiled_in_and_checked() -> None:
         SimRuntime(ART, lora_adapters=[ALL, msgspec.structs.replace(ATTN, lora_int_id=1)])
     with pytest.raises(ConfigError, match="base model's id 0"):
         SimRuntime(ART, lora_adapters=[msgspec.structs.replace(ALL, lora_int_id=0)])
+
+
+def test_adapters_without_an_identity_do_not_share_cached_prefixes() -> None:
+    """Review: adapters described without an `identity` (the simulator's, `bench lora`'s, an
+    embedder's) all had identity "", whose cache root is the base model's: under a prefix cache
+    one adapter's blocks served another and the base model (and a PD header of the base would
+    pass for them). A missing identity is made from the adapter's description."""
+    from atombatch import Batcher, SamplingParams
+    from atombatch.kernel.prefix import ROOT, adapter_root
+
+    art = ArtifactConfig(model=SPEC, batch_size=2, max_seq_len=256, block_size=16,
+                         num_blocks=40, prefill_chunk_size=32)
+    batcher = Batcher(SimRuntime(art, lora_adapters=[ALL, ATTN]), prefix_cache=True)
+    prompt = list(range(100, 164))
+
+    def cached(lora: str | None) -> int:
+        rid = batcher.submit(prompt, SamplingParams(temperature=0.0, max_tokens=2,
+                                                    ignore_eos=True), lora=lora)
+        seen = None
+        while batcher.has_unfinished():
+            for out in batcher.step():
+                if out.request_id == rid and out.cached_tokens is not None:
+                    seen = out.cached_tokens
+        assert seen is not None
+        return seen
+
+    assert cached(ALL.name) == 0
+    assert cached(ATTN.name) == 0, "adapter qv-r8 hit all-r16's prefix"
+    assert cached(None) == 0, "the base model hit all-r16's prefix"
+    assert cached(ALL.name) > 0   # its own prefix still hits
+    assert len({ALL.identity, ATTN.identity}) == 2 and "" not in (ALL.identity, ATTN.identity)
+    assert adapter_root(ALL.identity) != ROOT

@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,12 +32,12 @@ from support import lora_models as lm
 from support.paced import PacedDecode
 from support.served import ServerThread, served
 
-from atombatch import ArtifactConfig, Batcher, ModelSpec
+from atombatch import ArtifactConfig, Batcher, ConfigError, ModelSpec
 from atombatch.core.messages import LoadLora, LoraDone, UnloadLora
 from atombatch.core.process import CoreLoop, To
 from atombatch.runtime import NumpyRuntime, RebelRuntime
 from atombatch.serve import create_app
-from atombatch.serve.cli import main
+from atombatch.serve.cli import build_engine, main, parser
 
 MODES = {"inline": ("--engine-core", "inline"), "process": ("--engine-core", "process"),
          "fronts": ("--api-server-count", "2")}
@@ -205,8 +206,20 @@ def test_bad_paths_and_hostile_bodies_are_400(urls: dict[str, str], files: dict[
     url = urls["process"]
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")
-    for path in (tmp_path / "missing", tmp_path / "empty", tmp_path / "file"):
-        r = httpx.post(f"{url}/v1/load_lora_adapter",
+    # review: a FIFO (no writer) or /dev/zero where the files should be hung the core's loader
+    # thread (and every later load) or read without end; now refused at once
+    for kind in ("fifo", "zero"):
+        hostile = tmp_path / kind
+        shutil.copytree(files["c"], hostile)
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            (hostile / name).unlink()
+            if kind == "fifo":
+                os.mkfifo(hostile / name)
+            else:
+                (hostile / name).symlink_to("/dev/zero")
+    for path in (tmp_path / "missing", tmp_path / "empty", tmp_path / "file", tmp_path / "fifo",
+                 tmp_path / "zero"):
+        r = httpx.post(f"{url}/v1/load_lora_adapter", timeout=60,
                        json={"lora_name": "bad", "lora_path": str(path)})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
@@ -286,6 +299,12 @@ def test_startup_errors_name_the_flag_and_the_path(files: dict[str, Path], tmp_p
     assert main([*base, "--enable-lora", "--lora-modules", f"a={files['a']}",
                  f"a={files['b']}"]) == 2
     assert "twice" in capsys.readouterr().err
+    # review: without --served-model-name the served name is the directory's ("ckpt"): an
+    # adapter of that name was loaded, listed, and never run (requests naming it got the base)
+    # (build_engine, not main: before the fix main went on to serve)
+    args = parser().parse_args([*base, "--enable-lora", "--lora-modules", f"ckpt={files['a']}"])
+    with pytest.raises(ConfigError, match=r"the name is the served model's \('ckpt'"):
+        build_engine(args)
 
 
 def test_compiled_adapters_are_served_by_their_names(fake_rebel: Any, files: dict[str, Path],
@@ -403,5 +422,43 @@ def test_a_shared_core_tells_every_front_of_each_change(files: dict[str, Path]) 
         loop.apply(UnloadLora(3, "c"), front=0)
         until_answered(3)
         assert told_everyone() == [["c"], []]
+    finally:
+        loop.lora.close()
+
+
+def test_the_core_holds_max_cpu_loras_across_fronts(files: dict[str, Path]) -> None:
+    """Review: `--max-cpu-loras` was checked by each front against the adapters it knew, so two
+    fronts of a shared core loading at once both passed the check and the core loaded past the
+    cap. The core counts every front's loads: of two loads queued together with a cap of 1, the
+    second is refused and names the flag; an unload makes room again."""
+    spec = ModelSpec.from_pretrained(files["ckpt"])
+    art = ArtifactConfig(model=spec, batch_size=2, max_seq_len=128, block_size=128,
+                         num_blocks=3, prefill_chunk_size=32)
+    outbox = _Outbox()
+    loop = CoreLoop(Batcher(NumpyRuntime.from_pretrained(files["ckpt"], artifact=art)),
+                    [None, None], outbox, os.getpid(), routes={})
+
+    def answer(seq: int) -> LoraDone:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            loop.take(50)
+            loop.hand_over()
+            for m in outbox.messages:
+                if isinstance(m, To) and isinstance(m.message, LoraDone) and m.message.seq == seq:
+                    return m.message
+        raise AssertionError(f"no answer to {seq}: {outbox.messages}")
+
+    try:
+        # both fronts saw no adapter loaded when they asked
+        loop.apply(LoadLora(1, "c", str(files["c"]), max_loaded=1), front=0)
+        loop.apply(LoadLora(2, "d", str(files["a"]), max_loaded=1), front=1)
+        first, second = answer(1), answer(2)
+        assert first.error is None and first.loras == ["c"]
+        assert second.error is not None and "max_cpu_loras=1" in second.error, second
+        assert second.loras == ["c"] and sorted(loop.lora.loras()) == ["c"]
+        loop.apply(UnloadLora(3, "c"), front=0)
+        answer(3)
+        loop.apply(LoadLora(4, "d", str(files["a"]), max_loaded=1), front=1)
+        assert answer(4).error is None and loop.lora.loras() == ["d"]
     finally:
         loop.lora.close()

@@ -261,3 +261,15 @@ def test_the_command_line_in_vllm_spelling_scores_prompts_in_the_core_process() 
     for i in range(1, len(prompt)):
         assert abs(logprobs["token_logprobs"][i] - ref[i - 1, prompt[i]]) < \
             f32_logprob_atol(logits) + 2e-4
+
+
+def test_an_empty_model_is_the_served_model_as_in_vllm(served: tuple[ServerThread, Any]) -> None:
+    """Review: vLLM takes `"model": ""` as the base model (`_is_model_supported`: an empty name
+    is supported) and answers with the served name; atombatch answered 404 model_not_found."""
+    server, _ = served
+    r = httpx.post(f"{server.url}/v1/completions", headers=auth(),
+                   json={"model": "", "prompt": [5, 6], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == NAME
+    r = httpx.post(f"{server.url}/tokenize", json={"model": "", "prompt": "x"})
+    assert r.status_code == 200, r.text
