@@ -85,12 +85,7 @@ def lora_id(name: str | None) -> int:
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> FamilyCase:
     family = request.param
     root = tmp_path_factory.mktemp(f"lora-{family}")
-    checkpoint = hf.save_checkpoint(family, root / "base")
-    models: dict[str | None, Any] = {None: hf.build_model(family)}
-    dirs = {}
-    for name, adapter in lm.CASES.items():
-        dirs[name] = root / name
-        models[name] = lm.save_adapter(family, adapter, dirs[name])
+    checkpoint, models, dirs = lm.save_family(family, root)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 512, size=n).tolist() for n in PROMPT_LENS]
     return FamilyCase(family, ModelSpec.from_pretrained(checkpoint), checkpoint,

@@ -70,12 +70,7 @@ class LoraFamily:
 
 
 def make_family(family: str, root: Path, adapters: tuple[str, ...] = ADAPTERS) -> LoraFamily:
-    checkpoint = hf.save_checkpoint(family, root / "base")
-    models: dict[str | None, Any] = {None: hf.build_model(family)}
-    dirs = {}
-    for name in adapters:
-        dirs[name] = root / name
-        models[name] = lm.save_adapter(family, lm.CASES[name], dirs[name])
+    checkpoint, models, dirs = lm.save_family(family, root, adapters)
     return LoraFamily(family, checkpoint, ModelSpec.from_pretrained(checkpoint),
                       load_safetensors_dir(checkpoint), dirs, models)
 

@@ -81,3 +81,17 @@ def save_adapter(family: str, case: AdapterCase, directory: Path, base_seed: int
 def reference_logits(model: Any, token_ids: Sequence[int]) -> Any:
     """The peft model's full-sequence logits [T, vocab] (one forward, no cache)."""
     return hf.hf_logits(model, token_ids)
+
+
+def save_family(family: str, root: Path, names: Sequence[str] | None = None
+                ) -> tuple[Path, dict[str | None, Any], dict[str, Path]]:
+    """A family's tiny checkpoint under `root/base` and the adapters `names` (default: every
+    case) beside it: (the checkpoint, the transformers models by adapter name (None: the base),
+    the PEFT directories by name)."""
+    checkpoint = hf.save_checkpoint(family, root / "base")
+    models: dict[str | None, Any] = {None: hf.build_model(family)}
+    dirs: dict[str, Path] = {}
+    for name in CASES if names is None else names:
+        dirs[name] = root / name
+        models[name] = save_adapter(family, CASES[name], dirs[name])
+    return checkpoint, models, dirs
