@@ -31,6 +31,10 @@ class _CountingProducer:
         self.gate = threading.Event()
         self.gate.set()
 
+    def lora_int_id_of(self, name: str | None) -> int:
+        """The producer's id of LoRA adapter `name` (`Producer.lora_int_id_of`)."""
+        return int(self._producer.lora_int_id_of(name))
+
     def stream(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         from atombatch.pd import KVHeader
 
