@@ -386,26 +386,37 @@ class _Outbox:
         self.messages.append(message)
 
 
-def test_a_shared_core_tells_every_front_of_each_change(files: dict[str, Path]) -> None:
-    """`--api-server-count N`: a load or unload one front asked for reaches every front (a
-    `LoraDone` with seq 0, which the sender gives to all) before the asking front's answer (a
-    `To` that front); a refused load changes nothing and tells nobody else."""
+def _two_front_core(files: dict[str, Path]) -> tuple[CoreLoop, _Outbox]:
+    """A core loop of two fronts over the checkpoint, its messages kept in an `_Outbox`."""
     spec = ModelSpec.from_pretrained(files["ckpt"])
     art = ArtifactConfig(model=spec, batch_size=2, max_seq_len=128, block_size=128,
                          num_blocks=3, prefill_chunk_size=32)
     outbox = _Outbox()
     loop = CoreLoop(Batcher(NumpyRuntime.from_pretrained(files["ckpt"], artifact=art)),
                     [None, None], outbox, os.getpid(), routes={})
+    return loop, outbox
+
+
+def _answer_index(loop: CoreLoop, outbox: _Outbox, seq: int) -> int:
+    """Run the loop until the answer to load/unload `seq` is sent; its index in the outbox."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        loop.take(50)
+        loop.hand_over()
+        for i, m in enumerate(outbox.messages):
+            if isinstance(m, To) and isinstance(m.message, LoraDone) and m.message.seq == seq:
+                return i
+    raise AssertionError(f"no answer to {seq}: {outbox.messages}")
+
+
+def test_a_shared_core_tells_every_front_of_each_change(files: dict[str, Path]) -> None:
+    """`--api-server-count N`: a load or unload one front asked for reaches every front (a
+    `LoraDone` with seq 0, which the sender gives to all) before the asking front's answer (a
+    `To` that front); a refused load changes nothing and tells nobody else."""
+    loop, outbox = _two_front_core(files)
 
     def until_answered(seq: int) -> int:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            loop.take(50)
-            loop.hand_over()
-            for i, m in enumerate(outbox.messages):
-                if isinstance(m, To) and isinstance(m.message, LoraDone) and m.message.seq == seq:
-                    return i
-        raise AssertionError(f"no answer to {seq}: {outbox.messages}")
+        return _answer_index(loop, outbox, seq)
 
     def told_everyone() -> list[list[str]]:
         return [m.loras for m in outbox.messages if isinstance(m, LoraDone) and m.seq == 0]
@@ -431,22 +442,12 @@ def test_the_core_holds_max_cpu_loras_across_fronts(files: dict[str, Path]) -> N
     fronts of a shared core loading at once both passed the check and the core loaded past the
     cap. The core counts every front's loads: of two loads queued together with a cap of 1, the
     second is refused and names the flag; an unload makes room again."""
-    spec = ModelSpec.from_pretrained(files["ckpt"])
-    art = ArtifactConfig(model=spec, batch_size=2, max_seq_len=128, block_size=128,
-                         num_blocks=3, prefill_chunk_size=32)
-    outbox = _Outbox()
-    loop = CoreLoop(Batcher(NumpyRuntime.from_pretrained(files["ckpt"], artifact=art)),
-                    [None, None], outbox, os.getpid(), routes={})
+    loop, outbox = _two_front_core(files)
 
     def answer(seq: int) -> LoraDone:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            loop.take(50)
-            loop.hand_over()
-            for m in outbox.messages:
-                if isinstance(m, To) and isinstance(m.message, LoraDone) and m.message.seq == seq:
-                    return m.message
-        raise AssertionError(f"no answer to {seq}: {outbox.messages}")
+        done = outbox.messages[_answer_index(loop, outbox, seq)].message
+        assert isinstance(done, LoraDone)
+        return done
 
     try:
         # both fronts saw no adapter loaded when they asked
